@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install what a clean Debian machine lacks to build and test weightcache (idempotent).
+# Debian packages with apt-get, Python packages with pip; nothing else is fetched.
+set -euo pipefail
+debs=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
+      nlohmann-json3-dev libcli11-dev libxxhash-dev libssl-dev libgtest-dev libgmock-dev
+      python3 python3-pip)
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup-deps: apt-get install ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+py_missing=()
+python3 -c 'import safetensors' 2>/dev/null || py_missing+=(safetensors)
+python3 -c 'import numpy' 2>/dev/null || py_missing+=(numpy)
+python3 -c 'import pytest' 2>/dev/null || py_missing+=(pytest)
+if ((${#py_missing[@]})); then
+  echo "setup-deps: pip install ${py_missing[*]}"
+  python3 -m pip install -q --disable-pip-version-check "${py_missing[@]}" 2>&1 |
+    grep -v "Running pip as the 'root' user" || true
+fi
+command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] ||
+  { echo "setup-deps: the CUDA toolkit (nvcc, cuda.h) is required to build" >&2; exit 1; }

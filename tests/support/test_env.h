@@ -1,0 +1,41 @@
+// Test support shared by every tier: temp dirs, the real CLI binary, the real Python.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace weightcache::testing {
+
+// A fresh directory under $TMPDIR (or /tmp), mode 0700, removed recursively on destruction.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+  std::string Join(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+std::string SourceDir();  // repository root
+std::string PythonExe();  // the Python 3 found at configure time
+std::string CliPath();    // the built `weightcache` binary
+
+struct CommandResult {
+  int exit_code = -1;  // exit status, or 128+signal
+  std::string out;     // stdout
+  std::string err;     // stderr
+};
+
+// Run argv[0] with argv (no shell), with extra "K=V" environment entries, and capture output.
+CommandResult RunCommand(const std::vector<std::string>& argv,
+                         const std::vector<std::string>& extra_env = {});
+
+// Write a file (test fixtures); aborts the test on failure.
+void WriteFile(const std::string& path, const std::string& contents);
+std::string ReadFile(const std::string& path);
+
+}  // namespace weightcache::testing

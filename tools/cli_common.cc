@@ -1,0 +1,50 @@
+#include "cli_common.h"
+
+#include <iostream>
+#include <map>
+
+namespace weightcache::cli {
+namespace {
+std::map<CLI::App*, CommandAction>& Actions() {
+  static std::map<CLI::App*, CommandAction> actions;
+  return actions;
+}
+}  // namespace
+
+int ExitCodeFor(const Status& status) {
+  switch (status.code()) {
+    case StatusCode::kOk:
+      return kExitOk;
+    case StatusCode::kInvalidArgument:
+      return kExitUsage;
+    case StatusCode::kNoDaemon:
+      return kExitNoDaemon;
+    case StatusCode::kMismatch:
+      return kExitMismatch;
+    case StatusCode::kInvalidCheckpoint:
+      return kExitInvalidCheckpoint;
+    case StatusCode::kTimeout:
+      return kExitTimeout;
+    case StatusCode::kAlreadyServed:
+      return kExitAlreadyServed;
+    default:
+      return kExitError;
+  }
+}
+
+int Fail(std::string_view command, const Status& status) {
+  std::cerr << "weightcache " << command << ": " << status.ToString() << std::endl;
+  return ExitCodeFor(status);
+}
+
+void SetAction(CLI::App* sub, CommandAction action) { Actions()[sub] = std::move(action); }
+
+int RunSelected(CLI::App& root) {
+  for (auto& [app, action] : Actions()) {
+    if (app->parsed()) return action();
+  }
+  std::cerr << root.help() << std::endl;
+  return kExitUsage;
+}
+
+}  // namespace weightcache::cli

@@ -1,0 +1,37 @@
+// Shared pieces of the CLI: exit codes (SPEC §5) and printing errors.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+#include <string>
+
+#include "weightcache/status.h"
+
+namespace weightcache::cli {
+
+// SPEC §5 exit codes.
+enum ExitCode : int {
+  kExitOk = 0,
+  kExitError = 1,
+  kExitUsage = 2,
+  kExitNoDaemon = 3,
+  kExitMismatch = 4,
+  kExitInvalidCheckpoint = 5,
+  kExitTimeout = 6,
+  kExitAlreadyServed = 7,
+};
+
+int ExitCodeFor(const Status& status);
+
+// Print "weightcache <command>: <status>" to stderr and return its exit code.
+int Fail(std::string_view command, const Status& status);
+
+// Each subcommand registers itself on the root app and sets the action run when it is chosen.
+// The action returns the process exit code.
+using CommandAction = std::function<int()>;
+void SetAction(CLI::App* sub, CommandAction action);
+int RunSelected(CLI::App& root);
+
+// Registration functions, one per cmd_<name>.cc.
+
+}  // namespace weightcache::cli

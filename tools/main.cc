@@ -1,0 +1,25 @@
+// weightcache — keep LLM weights resident in GPU memory. Thin main(): parse, dispatch, map
+// the resulting Status to the exit codes of SPEC §5. All logic lives in src/.
+#include <CLI/CLI.hpp>
+
+#include "cli_common.h"
+
+int main(int argc, char** argv) {
+  namespace cli = weightcache::cli;
+  CLI::App root{
+      "weightcache: keep LLM weights resident in GPU memory so engines restart in "
+      "milliseconds.\nSee `weightcache <command> --help` for each command.",
+      "weightcache"};
+  root.require_subcommand(1);
+  root.set_version_flag("--version", "weightcache 0.1.0");
+
+  // Subcommands, in the order `--help` lists them.
+
+  try {
+    root.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = root.exit(e);
+    return rc == 0 ? cli::kExitOk : cli::kExitUsage;
+  }
+  return cli::RunSelected(root);
+}
