@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Stage the build dependencies the GPU machine lacks (it has nvcc, cmake, ninja, gcc and
+# Python, but no Debian -dev packages and no network) into .deps/, which is git-ignored and
+# carried to the device machine. Header-only libraries and static archives only, so nothing
+# is needed there at run time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pkgs=(nlohmann-json3-dev libcli11-dev libxxhash-dev libssl-dev libgtest-dev libgmock-dev)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+(cd "$work" && apt-get download "${pkgs[@]}" >/dev/null)
+rm -rf .deps && mkdir -p .deps
+for deb in "$work"/*.deb; do dpkg-deb -x "$deb" .deps; done
+# Keep what the build needs: headers, static archives, CMake package files.
+rm -rf .deps/usr/share/doc .deps/usr/share/man .deps/usr/lib/x86_64-linux-gnu/*.so*
+du -sh .deps
