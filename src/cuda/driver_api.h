@@ -50,6 +50,8 @@ namespace weightcache::cuda {
   X(cuMemMap)                                \
   X(cuMemUnmap)                              \
   X(cuMemSetAccess)                          \
+  X(cuMemGetAccess)                          \
+  X(cuPointerGetAttribute)                   \
   X(cuMemHostAlloc)                          \
   X(cuMemFreeHost)                           \
   X(cuMemHostRegister)                       \

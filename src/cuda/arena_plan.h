@@ -1,0 +1,50 @@
+// PlanArena — where each tensor of a shard lives inside a VMM arena. Pure function: no driver,
+// no I/O, thread-safe.
+//
+// Tensors are packed in the given order into a FEW large allocations so that attaching costs
+// O(allocations), not O(tensors) (SPEC §3): each allocation is filled up to
+// `max_allocation_bytes`; a tensor larger than that gets an allocation of its own. Every
+// tensor starts on a kTensorAlignment boundary (what CUDA kernels and cuBLAS expect of
+// cudaMalloc'ed memory), and every allocation size is a multiple of the VMM granularity,
+// which is what cuMemCreate and cuMemMap require.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace weightcache::cuda {
+
+inline constexpr uint64_t kTensorAlignment = 256;
+// Large enough that a 16 GiB shard needs four allocations, small enough that one failed
+// cuMemCreate near a full device wastes little and that a tensor never waits for a huge one.
+inline constexpr uint64_t kDefaultMaxAllocationBytes = uint64_t{4} << 30;
+
+struct TensorPlacement {
+  uint32_t allocation = 0;  // index into ArenaPlan::allocation_bytes
+  uint64_t offset = 0;      // bytes from the start of that allocation, kTensorAlignment-aligned
+  uint64_t bytes = 0;       // the tensor's size, as given
+
+  friend bool operator==(const TensorPlacement&, const TensorPlacement&) = default;
+};
+
+struct ArenaPlan {
+  std::vector<uint64_t> allocation_bytes;   // each a non-zero multiple of the granularity
+  std::vector<TensorPlacement> placements;  // one per input tensor, same order
+  uint64_t total_bytes = 0;                 // sum of allocation_bytes
+};
+
+// Preconditions (checked by the callers that own the untrusted input — the checkpoint parser
+// bounds every tensor by its file size): `granularity` is a power of two (VMM granularities
+// are), and the sum of the tensor sizes plus padding fits in 63 bits. `max_allocation_bytes`
+// of 0 means kDefaultMaxAllocationBytes. Zero-byte tensors get a valid, aligned placement.
+// No tensors means no allocations.
+ArenaPlan PlanArena(std::span<const uint64_t> tensor_bytes, uint64_t granularity,
+                    uint64_t max_allocation_bytes = kDefaultMaxAllocationBytes);
+
+// Round `value` up to a multiple of `alignment` (a power of two).
+constexpr uint64_t AlignUp(uint64_t value, uint64_t alignment) {
+  return (value + alignment - 1) & ~(alignment - 1);
+}
+
+}  // namespace weightcache::cuda

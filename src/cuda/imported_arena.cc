@@ -1,0 +1,120 @@
+#include "cuda/imported_arena.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <limits>
+#include <string>
+#include <utility>
+
+namespace weightcache::cuda {
+namespace {
+
+std::string Which(size_t i, size_t n) {
+  return "allocation " + std::to_string(i) + " of " + std::to_string(n);
+}
+
+// What can be checked about a received fd without the driver. A VMM export is an fd on the
+// NVIDIA driver; it is never a directory, a pipe or a socket.
+Status CheckReceivedFd(const UniqueFd& fd) {
+  if (!fd.valid()) return InvalidArgument("received fd is missing (-1)");
+  struct stat st = {};
+  if (::fstat(fd.get(), &st) != 0) {
+    int err = errno;
+    return InvalidArgument("received fd " + std::to_string(fd.get()) +
+                           " is not an open file descriptor")
+        .WithErrno(err);
+  }
+  if (S_ISDIR(st.st_mode) || S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode)) {
+    return InvalidArgument("received fd " + std::to_string(fd.get()) +
+                           " is a directory, pipe or socket, not a VMM allocation");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+ImportedArena::ImportedArena(PrimaryContext context, VaRange va, std::vector<MappedRange> mappings)
+    : context_(std::move(context)), va_(std::move(va)), mappings_(std::move(mappings)) {
+  table_.reserve(mappings_.size());
+  for (const MappedRange& m : mappings_) {
+    table_.push_back(ImportedAllocation{.size = m.size(), .ptr = m.ptr()});
+  }
+}
+
+ImportedArena& ImportedArena::operator=(ImportedArena&& other) noexcept {
+  if (this != &other) {
+    ImportedArena old(std::move(*this));  // destroyed at the end of this scope, in order
+    context_ = std::move(other.context_);
+    va_ = std::move(other.va_);
+    mappings_ = std::move(other.mappings_);
+    table_ = std::move(other.table_);
+  }
+  return *this;
+}
+
+Result<ImportedArena> ImportedArena::Import(const DriverApi* api, CUdevice device,
+                                            std::vector<UniqueFd> fds,
+                                            std::span<const uint64_t> sizes) {
+  // `fds` is a by-value parameter: every return path below closes all of them.
+  const size_t n = fds.size();
+  const std::string where = "importing VMM arena on device " + std::to_string(device);
+  if (n != sizes.size()) {
+    return InvalidArgument(where + ": received " + std::to_string(n) + " fds for " +
+                           std::to_string(sizes.size()) + " allocation sizes");
+  }
+  if (n == 0) return InvalidArgument(where + ": no allocations received");
+  if (n > kMaxImportedAllocations) {
+    return InvalidArgument(where + ": " + std::to_string(n) + " allocations exceed the limit of " +
+                           std::to_string(kMaxImportedAllocations));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (Status s = CheckReceivedFd(fds[i]); !s.ok()) return s.Context(where + ": " + Which(i, n));
+  }
+
+  Result<PrimaryContext> context = PrimaryContext::Retain(api, device);
+  if (!context.ok()) return context.status().Context(where);
+  // The minimum granularity is the hard requirement of cuMemMap; the daemon rounds to the
+  // recommended one, which is a multiple of it.
+  Result<uint64_t> granularity =
+      AllocationGranularity(api, device, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (!granularity.ok()) return granularity.status().Context(where);
+  uint64_t total = 0;
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max() / 2;
+  for (size_t i = 0; i < n; ++i) {
+    if (sizes[i] == 0 || sizes[i] % *granularity != 0) {
+      return InvalidArgument(where + ": " + Which(i, n) + " has size " + std::to_string(sizes[i]) +
+                             ", not a non-zero multiple of the VMM granularity " +
+                             std::to_string(*granularity));
+    }
+    if (sizes[i] > kMax - total) {
+      return InvalidArgument(where + ": total size overflows at " + Which(i, n));
+    }
+    total += sizes[i];
+  }
+
+  Result<VaRange> va = VaRange::Reserve(api, total, *granularity);
+  if (!va.ok()) return va.status().Context(where);
+
+  std::vector<MappedRange> mappings;
+  mappings.reserve(n);
+  CUdeviceptr next = va->base();
+  for (size_t i = 0; i < n; ++i) {
+    Result<VmmHandle> handle = VmmHandle::ImportPosixFd(api, fds[i].get(), sizes[i]);
+    if (!handle.ok()) return handle.status().Context(where + ": " + Which(i, n));
+    Result<MappedRange> mapping = MappedRange::Map(api, next, *handle);
+    if (!mapping.ok()) return mapping.status().Context(where + ": " + Which(i, n));
+    // Read-write: see the header for why not read-only.
+    if (Status s = mapping->SetAccess(device, CU_MEM_ACCESS_FLAGS_PROT_READWRITE); !s.ok()) {
+      return s.Context(where + ": " + Which(i, n));
+    }
+    mappings.push_back(*std::move(mapping));
+    next += sizes[i];
+    // `handle` is released here: the mapping keeps the memory alive, and an unreleased
+    // imported handle would pin it after the client unmaps.
+  }
+  fds.clear();  // closed now rather than whenever the caller's full-expression ends
+  return ImportedArena(*std::move(context), *std::move(va), std::move(mappings));
+}
+
+}  // namespace weightcache::cuda

@@ -1,0 +1,77 @@
+// ImportedArena — the client side of the gpu tier: the daemon's allocations, received as POSIX
+// fds, mapped contiguously into one VA range of this process on the client's own device.
+//
+// Contract:
+//  * Import() takes ownership of the received fds and closes all of them before it returns,
+//    on success and on every error: once mapped, the mapping alone keeps the memory alive, so
+//    holding fds would only pin memory after the client unmaps.
+//  * The received fds are untrusted: each is checked (open, and not a directory, pipe or
+//    socket) and every size must be a non-zero multiple of this device's VMM granularity
+//    before any driver call; the driver validates the rest (that the fd is a VMM export, that
+//    the size fits the allocation).
+//  * Import() either returns a complete arena or releases everything it acquired: no imported
+//    handle, reservation, mapping or context reference survives a failed Import (proved
+//    against a fault-injecting fake driver in tests/unit/cuda/).
+//  * The mapping is read-write for the client's device. Read-only device mappings are not
+//    something to rely on (cuMemSetAccess with PROT_READ on device memory is rejected by the
+//    drivers we target), and engines legitimately write in place (e.g. load_state_dict with
+//    assign=True then a fused post-processing step). Writes are visible to every process that
+//    mapped the same allocation: the daemon and other clients (shared/DEVICE.md).
+//  * The arena keeps working if the daemon exits: the driver refcounts the memory.
+//  * Destruction unmaps, frees the VA and releases the primary context reference.
+//  * Not thread-safe to mutate; const accessors may be called from any thread. The DriverApi
+//    must outlive the arena.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "common/unique_fd.h"
+#include "cuda/driver_api.h"
+#include "cuda/vmm.h"
+#include "weightcache/status.h"
+
+namespace weightcache::cuda {
+
+// More allocations than any sane arena has; bounds the work a hostile peer can cause.
+inline constexpr size_t kMaxImportedAllocations = 4096;
+
+struct ImportedAllocation {
+  uint64_t size = 0;
+  CUdeviceptr ptr = 0;  // where it is mapped in this process
+};
+
+class ImportedArena {
+ public:
+  // `fds[i]` is the allocation of `sizes[i]` bytes; they are mapped back to back in that order.
+  // kInvalidArgument for bad fds or sizes (naming the allocation index), kCuda naming the
+  // failed call and the allocation index otherwise.
+  static Result<ImportedArena> Import(const DriverApi* api, CUdevice device,
+                                      std::vector<UniqueFd> fds, std::span<const uint64_t> sizes);
+
+  ImportedArena(ImportedArena&&) noexcept = default;
+  // Releases the old arena in destruction order first.
+  ImportedArena& operator=(ImportedArena&& other) noexcept;
+  ImportedArena(const ImportedArena&) = delete;
+  ImportedArena& operator=(const ImportedArena&) = delete;
+  ~ImportedArena() = default;
+
+  CUdevice device() const { return context_.device(); }
+  CUdeviceptr base() const { return va_.base(); }
+  uint64_t total_bytes() const { return va_.size(); }
+  std::span<const ImportedAllocation> allocations() const { return table_; }
+
+ private:
+  ImportedArena(PrimaryContext context, VaRange va, std::vector<MappedRange> mappings);
+
+  // Declared in acquisition order: destroyed in reverse (mappings, VA, context).
+  PrimaryContext context_;
+  VaRange va_;
+  std::vector<MappedRange> mappings_;
+  std::vector<ImportedAllocation> table_;
+};
+
+}  // namespace weightcache::cuda

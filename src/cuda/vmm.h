@@ -1,0 +1,163 @@
+// VMM building blocks: one RAII class per CUDA resource, each holding the `const DriverApi*` it
+// was created with so that tests can drive them against a fake driver.
+//
+//   PrimaryContext  cuDevicePrimaryCtxRetain / cuDevicePrimaryCtxRelease (+ made current)
+//   VmmHandle       cuMemCreate or cuMemImportFromShareableHandle / cuMemRelease
+//   VaRange         cuMemAddressReserve / cuMemAddressFree
+//   MappedRange     cuMemMap / cuMemUnmap (access flags are a property of the mapping and go
+//                   away with it, so they need no class of their own)
+//   exported fd     UniqueFd, returned by VmmHandle::ExportPosixFd with FD_CLOEXEC set
+//
+// Contract:
+//  * Each class is move-only and owns exactly one resource; a moved-from object owns nothing.
+//    Construction is only through the static factories, which return the driver's error as a
+//    kCuda Status naming the call, the sizes and the device.
+//  * Destructors release the resource and never fail: a driver error on release is logged
+//    (LOG_WARN) and otherwise ignored, because there is nothing a caller could do about it.
+//  * Objects composed of these must declare them in acquisition order (context, handles, VA,
+//    mappings, fds), so that destruction runs in the reverse order — unmap before the VA is
+//    freed, everything before the context is released — and a half-built object unwinds
+//    itself.
+//  * Not thread-safe per object; distinct objects may be used from distinct threads.
+//  * The DriverApi must outlive every object made from it (the real one lives for the
+//    process).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/unique_fd.h"
+#include "cuda/driver_api.h"
+#include "weightcache/status.h"
+
+namespace weightcache::cuda {
+
+// The allocation properties of every arena allocation: pinned device memory on `device`,
+// exportable as a POSIX fd. Exporter and importer use the same properties so their
+// granularities agree.
+CUmemAllocationProp ArenaAllocationProp(CUdevice device);
+
+// cuMemGetAllocationGranularity for ArenaAllocationProp(device).
+Result<uint64_t> AllocationGranularity(const DriverApi* api, CUdevice device,
+                                       CUmemAllocationGranularity_flags option);
+
+// "0x7f12a0000000" — for messages.
+std::string HexPtr(CUdeviceptr ptr);
+
+class PrimaryContext {
+ public:
+  // Retains the device's primary context (the one the CUDA runtime and torch also use, so
+  // attaching does not create a second context) and makes it current on the calling thread.
+  // Release does not change the thread's current context: other users of the same primary
+  // context (the runtime) keep it current and it stays alive while anyone retains it.
+  static Result<PrimaryContext> Retain(const DriverApi* api, CUdevice device);
+
+  PrimaryContext(PrimaryContext&& other) noexcept;
+  PrimaryContext& operator=(PrimaryContext&& other) noexcept;
+  PrimaryContext(const PrimaryContext&) = delete;
+  PrimaryContext& operator=(const PrimaryContext&) = delete;
+  ~PrimaryContext();
+
+  // Make the context current on the calling thread (for use from another thread).
+  Status MakeCurrent() const;
+  CUcontext get() const { return context_; }
+  CUdevice device() const { return device_; }
+
+ private:
+  PrimaryContext(const DriverApi* api, CUdevice device, CUcontext context)
+      : api_(api), device_(device), context_(context) {}
+  void Reset();
+
+  const DriverApi* api_ = nullptr;  // null when empty
+  CUdevice device_ = 0;
+  CUcontext context_ = nullptr;
+};
+
+class VmmHandle {
+ public:
+  // cuMemCreate of `size` bytes (a multiple of the granularity) with `prop`.
+  static Result<VmmHandle> Create(const DriverApi* api, uint64_t size,
+                                  const CUmemAllocationProp& prop);
+  // cuMemImportFromShareableHandle of a POSIX fd. The fd stays owned by the caller: the
+  // driver takes its own reference, so the caller may close it right after.
+  static Result<VmmHandle> ImportPosixFd(const DriverApi* api, int fd, uint64_t size);
+
+  VmmHandle(VmmHandle&& other) noexcept;
+  VmmHandle& operator=(VmmHandle&& other) noexcept;
+  VmmHandle(const VmmHandle&) = delete;
+  VmmHandle& operator=(const VmmHandle&) = delete;
+  ~VmmHandle();
+
+  // cuMemExportToShareableHandle as a POSIX fd, returned CLOEXEC. The fd is an independent
+  // reference to the memory: it keeps the allocation alive after the handle is released and
+  // after this process exits (shared/DEVICE.md).
+  Result<UniqueFd> ExportPosixFd() const;
+
+  CUmemGenericAllocationHandle get() const { return handle_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  VmmHandle(const DriverApi* api, CUmemGenericAllocationHandle handle, uint64_t size)
+      : api_(api), handle_(handle), size_(size) {}
+  void Reset();
+
+  const DriverApi* api_ = nullptr;  // null when empty
+  CUmemGenericAllocationHandle handle_ = 0;
+  uint64_t size_ = 0;
+};
+
+class VaRange {
+ public:
+  // cuMemAddressReserve of `size` bytes aligned to `alignment` (the granularity).
+  static Result<VaRange> Reserve(const DriverApi* api, uint64_t size, uint64_t alignment);
+
+  VaRange(VaRange&& other) noexcept;
+  VaRange& operator=(VaRange&& other) noexcept;
+  VaRange(const VaRange&) = delete;
+  VaRange& operator=(const VaRange&) = delete;
+  ~VaRange();
+
+  CUdeviceptr base() const { return base_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  VaRange(const DriverApi* api, CUdeviceptr base, uint64_t size)
+      : api_(api), base_(base), size_(size) {}
+  void Reset();
+
+  const DriverApi* api_ = nullptr;  // null when empty
+  CUdeviceptr base_ = 0;
+  uint64_t size_ = 0;
+};
+
+class MappedRange {
+ public:
+  // cuMemMap of all of `handle` at `ptr` (inside a VaRange that outlives the mapping). The
+  // mapping holds its own reference to the memory: `handle` may be released afterwards.
+  static Result<MappedRange> Map(const DriverApi* api, CUdeviceptr ptr, const VmmHandle& handle);
+
+  MappedRange(MappedRange&& other) noexcept;
+  MappedRange& operator=(MappedRange&& other) noexcept;
+  MappedRange(const MappedRange&) = delete;
+  MappedRange& operator=(const MappedRange&) = delete;
+  ~MappedRange();
+
+  // cuMemSetAccess over this mapping for `device`. A new mapping has no access at all.
+  Status SetAccess(CUdevice device, CUmemAccess_flags flags) const;
+
+  CUdeviceptr ptr() const { return ptr_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  MappedRange(const DriverApi* api, CUdeviceptr ptr, uint64_t size)
+      : api_(api), ptr_(ptr), size_(size) {}
+  void Reset();
+
+  const DriverApi* api_ = nullptr;  // null when empty
+  CUdeviceptr ptr_ = 0;
+  uint64_t size_ = 0;
+};
+
+}  // namespace weightcache::cuda
