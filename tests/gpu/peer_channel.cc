@@ -22,7 +22,7 @@ uint64_t Word(uint64_t seed, uint64_t index, uint64_t word) {
   return SplitMix(seed * 0x100000001b3ull ^ (index << 48) ^ word);
 }
 
-constexpr size_t kMaxText = 1 << 20;
+constexpr size_t kMaxText = size_t{16} << 20;  // 10,000 legacy IPC handles in hex fit
 
 }  // namespace
 
