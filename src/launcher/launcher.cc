@@ -1,0 +1,528 @@
+#include "launcher/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/epoll.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <utility>
+
+#include "common/logging.h"
+
+namespace weightcache::launcher {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr uint64_t kSignalTag = UINT64_MAX;
+// What a daemon exits with when another daemon holds its identity (SPEC §5).
+constexpr int kAlreadyServedExit = 7;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+int MillisUntil(Clock::time_point t) {
+  auto ms = std::chrono::duration_cast<milliseconds>(t - Clock::now()).count();
+  // Round up so an epoll_wait never returns a hair before the deadline and spins.
+  return static_cast<int>(std::clamp<long long>(ms + 1, 0, 1 << 30));
+}
+
+std::string Gb(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f", static_cast<double>(bytes) / 1e9);
+  return buf;
+}
+
+// A separator line in the daemon's log, so restarts and their causes read in order.
+void AppendLogBanner(const std::string& path, const std::string& line) {
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
+  if (!fd) return;  // Spawn() reports the same failure with context.
+  std::time_t t = std::time(nullptr);
+  char when[32];
+  std::tm tm{};
+  ::localtime_r(&t, &tm);
+  std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S", &tm);
+  std::string text = std::string("=== ") + when + " weightcache launch: " + line + " ===\n";
+  (void)!::write(fd.get(), text.data(), text.size());
+}
+
+std::string Describe(const DaemonSpec& spec, pid_t pid) {
+  return spec.name + " (GPU " + std::to_string(spec.placement.local_gpu_id) + " " +
+         spec.placement.device_uuid + ", pid " + std::to_string(pid) + ")";
+}
+
+}  // namespace
+
+std::string_view DaemonStateName(DaemonState state) {
+  switch (state) {
+    case DaemonState::kStarting:
+      return "starting";
+    case DaemonState::kLoading:
+      return "loading";
+    case DaemonState::kReady:
+      return "ready";
+    case DaemonState::kFailed:
+      return "failed";
+    case DaemonState::kDraining:
+      return "draining";
+    case DaemonState::kExited:
+      return "exited";
+    case DaemonState::kStopped:
+      return "stopped";
+  }
+  return "unknown";
+}
+
+Result<Launcher> Launcher::Create(std::vector<DaemonSpec> specs, LaunchOptions options,
+                                  StateProbe state_probe, LockProbe lock_probe) {
+  if (specs.empty()) return InvalidArgument("launch plan has no daemons");
+  if (!state_probe || !lock_probe) return InvalidArgument("launcher needs a state and lock probe");
+  if (options.poll_interval.count() <= 0 || options.ready_timeout.count() <= 0) {
+    return InvalidArgument("poll interval and ready timeout must be positive");
+  }
+  UniqueFd epoll(::epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll) return IoError("epoll_create1", errno);
+  return Launcher(std::move(specs), std::move(options), std::move(state_probe),
+                  std::move(lock_probe), std::move(epoll));
+}
+
+Launcher::Launcher(std::vector<DaemonSpec> specs, LaunchOptions options, StateProbe state_probe,
+                   LockProbe lock_probe, UniqueFd epoll)
+    : options_(std::move(options)),
+      state_probe_(std::move(state_probe)),
+      lock_probe_(std::move(lock_probe)),
+      epoll_(std::move(epoll)) {
+  daemons_.reserve(specs.size());
+  for (auto& s : specs) {
+    Daemon d;
+    d.spec = std::move(s);
+    daemons_.push_back(std::move(d));
+  }
+}
+
+// Children still owned here are killed and reaped by ~ChildProcess.
+Launcher::~Launcher() = default;
+
+Status Launcher::RemoveStaleFiles(const Daemon& d) {
+  auto held = lock_probe_(d.spec.lock_path);
+  if (!held.ok()) {
+    Status s = held.status();
+    return s.Context(d.spec.name + ": checking lock " + d.spec.lock_path);
+  }
+  if (*held) {
+    return Status(StatusCode::kAlreadyServed,
+                  d.spec.name + ": " + d.spec.socket_path + " is already served: its lock " +
+                      d.spec.lock_path +
+                      " is held by a running daemon (stop it first, or use another --namespace)");
+  }
+  for (const std::string* path : {&d.spec.socket_path, &d.spec.lock_path}) {
+    if (::unlink(path->c_str()) != 0 && errno != ENOENT) {
+      return IoError(d.spec.name + ": removing stale " + *path, errno);
+    }
+  }
+  return Status::Ok();
+}
+
+Status Launcher::SpawnDaemon(size_t index) {
+  Daemon& d = daemons_[index];
+  std::string argv_text;
+  for (const auto& a : d.spec.spawn.argv) argv_text += (argv_text.empty() ? "" : " ") + a;
+  AppendLogBanner(d.spec.spawn.log_path,
+                  "starting " + d.spec.name +
+                      (d.restarts > 0 ? " (restart " + std::to_string(d.restarts) + ")" : "") +
+                      ": " + argv_text);
+  auto child = ChildProcess::Spawn(d.spec.spawn);
+  if (!child.ok()) {
+    Status s = child.status();
+    return s.Context("starting daemon " + d.spec.name);
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = index;
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, child->pidfd(), &ev) != 0) {
+    return IoError("epoll_ctl for daemon " + d.spec.name, errno);
+  }
+  d.child.emplace(std::move(child).value());
+  d.state = DaemonState::kStarting;
+  d.last = ProbeReport{};
+  d.reason.clear();
+  d.exit.reset();
+  d.started = Clock::now();
+  d.ready_seconds = 0;
+  LOG_DEBUG << "launch: started " << Describe(d.spec, d.child->pid());
+  return Status::Ok();
+}
+
+Result<bool> Launcher::ReapIfExited(size_t index) {
+  Daemon& d = daemons_[index];
+  if (!d.child || d.child->reaped()) return false;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<ExitInfo> exit, d.child->TryReap());
+  if (!exit) return false;
+  d.exit = *exit;
+  return true;
+}
+
+void Launcher::ProbeAll() {
+  const auto now = Clock::now();
+  for (Daemon& d : daemons_) {
+    if (!d.child || d.child->reaped()) continue;
+    if (d.state != DaemonState::kStarting && d.state != DaemonState::kLoading &&
+        d.state != DaemonState::kDraining) {
+      continue;
+    }
+    auto r = state_probe_(d.spec.socket_path);
+    if (!r.ok()) {
+      d.reason = r.status().message();  // "not answering yet": only reported on timeout
+      continue;
+    }
+    d.last = *r;
+    d.reason.clear();
+    switch (r->state) {
+      case ProbeReport::State::kLoading:
+        d.state = DaemonState::kLoading;
+        break;
+      case ProbeReport::State::kReady:
+        d.state = DaemonState::kReady;
+        d.ready_at = now;
+        d.ready_seconds = Seconds(now - d.started);
+        break;
+      case ProbeReport::State::kFailed:
+        d.state = DaemonState::kFailed;
+        d.reason = r->reason;
+        break;
+      case ProbeReport::State::kDraining:
+        d.state = DaemonState::kDraining;
+        break;
+    }
+  }
+}
+
+void Launcher::StopAll() {
+  std::vector<size_t> alive;
+  for (size_t i = 0; i < daemons_.size(); ++i) {
+    Daemon& d = daemons_[i];
+    if (!d.child || d.child->reaped()) continue;
+    // SIGCONT after SIGTERM: a stopped daemon (SIGSTOP, a debugger detached) must wake up to
+    // act on the SIGTERM instead of sitting out the whole grace period.
+    (void)d.child->Signal(SIGTERM);
+    (void)d.child->Signal(SIGCONT);
+    alive.push_back(i);
+  }
+  const auto deadline = Clock::now() + options_.stop_grace;
+  // Wait on the pidfds alone: the signalfd stays out of this wait so that a pending second
+  // SIGTERM cannot turn it into a busy loop.
+  while (!alive.empty() && Clock::now() < deadline) {
+    std::vector<pollfd> fds;
+    for (size_t i : alive) fds.push_back({daemons_[i].child->pidfd(), POLLIN, 0});
+    int n = ::poll(fds.data(), fds.size(), MillisUntil(deadline));
+    if (n < 0 && errno != EINTR) break;
+    std::vector<size_t> still;
+    for (size_t k = 0; k < alive.size(); ++k) {
+      if (fds[k].revents != 0) {
+        auto exited = ReapIfExited(alive[k]);
+        if (exited.ok() && *exited) continue;
+      }
+      still.push_back(alive[k]);
+    }
+    alive = std::move(still);
+  }
+  for (size_t i : alive) {
+    Daemon& d = daemons_[i];
+    LOG_WARN << "launch: " << Describe(d.spec, d.child->pid()) << " ignored SIGTERM for "
+             << options_.stop_grace.count() << " ms; sending SIGKILL";
+    (void)d.child->Signal(SIGKILL);
+    auto exit = d.child->Wait();
+    if (exit.ok()) d.exit = *exit;
+  }
+  for (Daemon& d : daemons_) {
+    if (d.child && d.state != DaemonState::kFailed) d.state = DaemonState::kStopped;
+    // The daemon removes its own files on a clean exit; after SIGKILL, or a crash, they are
+    // left behind with a free lock, and nobody else will clean them until the next start.
+    Status s = RemoveStaleFiles(d);
+    if (!s.ok()) {
+      LOG_DEBUG << "launch: leaving files of " << d.spec.name << ": " << s.ToString();
+    }
+  }
+}
+
+Status Launcher::FailureFor(size_t index) const {
+  const Daemon& d = daemons_[index];
+  const pid_t pid = d.child ? d.child->pid() : -1;
+  const std::string who = Describe(d.spec, pid);
+  if (d.exit) {
+    if (d.exit->exited() && d.exit->exit_code == kAlreadyServedExit) {
+      return Status(StatusCode::kAlreadyServed,
+                    "daemon " + who + " exited with code 7: its identity (" + d.spec.socket_path +
+                        ") is already served by another daemon");
+    }
+    return Status(StatusCode::kUnavailable, "daemon " + who +
+                                                " died before it was ready: " + d.exit->ToString() +
+                                                " (log: " + d.spec.spawn.log_path + ")");
+  }
+  return Status(StatusCode::kUnavailable,
+                "daemon " + who + " reported failed: " +
+                    (d.reason.empty() ? std::string("(no reason given)") : d.reason) +
+                    " (log: " + d.spec.spawn.log_path + ")");
+}
+
+std::vector<DaemonSnapshot> Launcher::Snapshots() const {
+  const auto now = Clock::now();
+  std::vector<DaemonSnapshot> out;
+  out.reserve(daemons_.size());
+  for (const Daemon& d : daemons_) {
+    DaemonSnapshot s;
+    s.name = d.spec.name;
+    s.placement = d.spec.placement;
+    s.socket_path = d.spec.socket_path;
+    s.log_path = d.spec.spawn.log_path;
+    s.pid = d.child ? d.child->pid() : -1;
+    s.state = d.state;
+    s.bytes_done = d.last.bytes_done;
+    s.bytes_total = d.last.bytes_total;
+    if (d.child) {
+      s.seconds = d.ready_seconds > 0 ? d.ready_seconds : Seconds(now - d.started);
+    }
+    s.bytes_per_second = s.seconds > 0 ? static_cast<double>(s.bytes_done) / s.seconds : 0;
+    s.exit = d.exit;
+    s.restarts = d.restarts;
+    s.reason = d.reason;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+LaunchReport Launcher::Finish(Status status, int failed_index) {
+  LaunchReport report;
+  report.status = std::move(status);
+  report.daemons = Snapshots();
+  report.failed_index = failed_index;
+  report.stop_signal = stop_signal_;
+  if (failed_index >= 0) {
+    report.failed_log_tail =
+        TailLines(daemons_[failed_index].spec.spawn.log_path, options_.log_tail_lines);
+  }
+  return report;
+}
+
+milliseconds RestartDelay(int failures, milliseconds initial, milliseconds max_delay) {
+  milliseconds delay = initial;
+  for (int i = 1; i < failures && delay < max_delay; ++i) delay *= 2;
+  return std::min(delay, max_delay);
+}
+
+Result<int> Launcher::ReadSignal(int signal_fd) {
+  signalfd_siginfo info{};
+  ssize_t n;
+  while ((n = ::read(signal_fd, &info, sizeof(info))) < 0 && errno == EINTR) {
+  }
+  if (n != static_cast<ssize_t>(sizeof(info))) return IoError("reading signalfd", errno);
+  return static_cast<int>(info.ssi_signo);
+}
+
+LaunchReport Launcher::Run(int signal_fd) {
+  if (signal_fd >= 0) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = kSignalTag;
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, signal_fd, &ev) != 0) {
+      return Finish(IoError("epoll_ctl for the signalfd", errno), -1);
+    }
+  }
+  for (size_t i = 0; i < daemons_.size(); ++i) {
+    Status s = RemoveStaleFiles(daemons_[i]);
+    if (!s.ok()) return Finish(std::move(s), -1);
+  }
+  for (size_t i = 0; i < daemons_.size(); ++i) {
+    Status s = SpawnDaemon(i);
+    if (!s.ok()) {
+      StopAll();
+      return Finish(std::move(s), -1);
+    }
+  }
+
+  // ---- start-up: every daemon must answer `ready` before the deadline ----
+  const auto start = Clock::now();
+  const auto deadline = start + options_.ready_timeout;
+  epoll_event events[16];
+  while (true) {
+    ProbeAll();
+    for (size_t i = 0; i < daemons_.size(); ++i) {
+      if (daemons_[i].state == DaemonState::kFailed) {
+        Status s = FailureFor(i);
+        StopAll();
+        return Finish(std::move(s), static_cast<int>(i));
+      }
+    }
+    if (options_.on_progress) options_.on_progress(Snapshots());
+    if (std::all_of(daemons_.begin(), daemons_.end(),
+                    [](const Daemon& d) { return d.state == DaemonState::kReady; })) {
+      break;
+    }
+    if (Clock::now() >= deadline) {
+      std::string waiting;
+      int first = -1;
+      for (size_t i = 0; i < daemons_.size(); ++i) {
+        const Daemon& d = daemons_[i];
+        if (d.state == DaemonState::kReady) continue;
+        if (first < 0) first = static_cast<int>(i);
+        waiting += (waiting.empty() ? "" : "; ") + Describe(d.spec, d.child->pid()) + " " +
+                   std::string(DaemonStateName(d.state));
+        if (d.state == DaemonState::kLoading) {
+          waiting += " " + Gb(d.last.bytes_done) + "/" + Gb(d.last.bytes_total) + " GB";
+        } else if (!d.reason.empty()) {
+          waiting += " (" + d.reason + ")";
+        }
+      }
+      Status s(StatusCode::kTimeout,
+               "daemons not ready after " +
+                   std::to_string(options_.ready_timeout.count() / 1000.0).substr(0, 6) +
+                   " s (--ready-timeout): " + waiting);
+      StopAll();
+      return Finish(std::move(s), first);
+    }
+    int n = ::epoll_wait(
+        epoll_.get(), events, 16,
+        std::min<int>(static_cast<int>(options_.poll_interval.count()), MillisUntil(deadline)));
+    if (n < 0 && errno != EINTR) {
+      Status s = IoError("epoll_wait", errno);
+      StopAll();
+      return Finish(std::move(s), -1);
+    }
+    for (int k = 0; k < n; ++k) {
+      if (events[k].data.u64 == kSignalTag) {
+        auto sig = ReadSignal(signal_fd);
+        stop_signal_ = sig.ok() ? *sig : SIGTERM;
+        StopAll();
+        return Finish(Status(StatusCode::kUnavailable,
+                             std::string("interrupted by SIG") + ::sigabbrev_np(stop_signal_) +
+                                 " before every daemon was ready; all daemons stopped"),
+                      -1);
+      }
+      const size_t i = events[k].data.u64;
+      auto exited = ReapIfExited(i);
+      if (!exited.ok()) {
+        StopAll();
+        return Finish(exited.status(), static_cast<int>(i));
+      }
+      if (*exited) {
+        daemons_[i].state = DaemonState::kFailed;
+        Status s = FailureFor(i);
+        StopAll();
+        return Finish(std::move(s), static_cast<int>(i));
+      }
+    }
+  }
+  if (options_.on_ready) options_.on_ready(Snapshots());
+
+  if (options_.mode == SupervisionMode::kExitWhenReady) {
+    LaunchReport report = Finish(Status::Ok(), -1);
+    // The daemons are long-lived servers in their own sessions with their own logs; from
+    // here on `weightcache stop` (or SIGTERM to each) ends them.
+    for (Daemon& d : daemons_) d.child->Detach();
+    return report;
+  }
+
+  // ---- supervise: restart what dies, until a signal ----
+  while (true) {
+    auto now = Clock::now();
+    int timeout = static_cast<int>(options_.poll_interval.count());
+    for (const Daemon& d : daemons_) {
+      if (d.restart_at) timeout = std::min(timeout, MillisUntil(*d.restart_at));
+    }
+    int n = ::epoll_wait(epoll_.get(), events, 16, timeout);
+    if (n < 0 && errno != EINTR) {
+      Status s = IoError("epoll_wait", errno);
+      StopAll();
+      return Finish(std::move(s), -1);
+    }
+    now = Clock::now();
+    for (int k = 0; k < n; ++k) {
+      if (events[k].data.u64 == kSignalTag) {
+        auto sig = ReadSignal(signal_fd);
+        stop_signal_ = sig.ok() ? *sig : SIGTERM;
+        LOG_INFO << "launch: SIG" << ::sigabbrev_np(stop_signal_) << " received, stopping "
+                 << daemons_.size() << " daemons";
+        StopAll();
+        return Finish(Status::Ok(), -1);
+      }
+      const size_t i = events[k].data.u64;
+      auto exited = ReapIfExited(i);
+      if (!exited.ok() || !*exited) continue;
+      Daemon& d = daemons_[i];
+      d.state = DaemonState::kExited;
+      ++d.consecutive_failures;
+      const milliseconds delay = RestartDelay(
+          d.consecutive_failures, options_.restart_backoff_initial, options_.restart_backoff_max);
+      d.restart_at = now + delay;
+      LOG_WARN << "launch: daemon " << Describe(d.spec, d.child->pid()) << " exited ("
+               << d.exit->ToString() << "); restarting in " << delay.count() << " ms (log "
+               << d.spec.spawn.log_path << ")";
+    }
+    for (size_t i = 0; i < daemons_.size(); ++i) {
+      Daemon& d = daemons_[i];
+      if (!d.restart_at || *d.restart_at > now) continue;
+      d.restart_at.reset();
+      ++d.restarts;
+      Status s = RemoveStaleFiles(d);
+      if (s.ok()) s = SpawnDaemon(i);
+      if (!s.ok()) {
+        ++d.consecutive_failures;
+        d.restart_at = now + RestartDelay(d.consecutive_failures, options_.restart_backoff_initial,
+                                          options_.restart_backoff_max);
+        d.reason = s.message();
+        LOG_WARN << "launch: restart of " << d.spec.name << " failed: " << s.ToString();
+      }
+    }
+    ProbeAll();
+    for (Daemon& d : daemons_) {
+      if (!d.child || d.child->reaped()) continue;
+      if (d.state == DaemonState::kFailed) {
+        // A restarted daemon that reports failed is taken down; its exit schedules the next
+        // attempt with a longer backoff.
+        LOG_WARN << "launch: daemon " << d.spec.name << " reported failed: " << d.reason;
+        (void)d.child->Signal(SIGTERM);
+        d.state = DaemonState::kExited;
+      } else if (d.state == DaemonState::kReady && d.consecutive_failures > 0 &&
+                 now - d.ready_at >= options_.stable_after) {
+        d.consecutive_failures = 0;
+      }
+    }
+    if (options_.on_progress) options_.on_progress(Snapshots());
+  }
+}
+
+std::string FormatProgressLine(const std::vector<DaemonSnapshot>& daemons, double elapsed_s) {
+  size_t ready = 0;
+  uint64_t done = 0, total = 0;
+  std::string parts;
+  for (const auto& d : daemons) {
+    if (d.state == DaemonState::kReady) ++ready;
+    done += d.bytes_done;
+    total += d.bytes_total;
+    char buf[96];
+    if (d.state == DaemonState::kLoading && d.bytes_total > 0) {
+      std::snprintf(buf, sizeof(buf), "gpu%d %.1f GB/s %d%%", d.placement.local_gpu_id,
+                    d.bytes_per_second / 1e9,
+                    static_cast<int>(100.0 * static_cast<double>(d.bytes_done) /
+                                     static_cast<double>(d.bytes_total)));
+    } else {
+      std::snprintf(buf, sizeof(buf), "gpu%d %s", d.placement.local_gpu_id,
+                    std::string(DaemonStateName(d.state)).c_str());
+    }
+    parts += (parts.empty() ? "" : " | ") + std::string(buf);
+  }
+  char head[96];
+  std::snprintf(head, sizeof(head), "[launch %.1fs] %zu/%zu ready  %s/%s GB  ", elapsed_s, ready,
+                daemons.size(), Gb(done).c_str(), Gb(total).c_str());
+  return head + parts;
+}
+
+}  // namespace weightcache::launcher
