@@ -1,0 +1,107 @@
+#include "os/memfd.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <utility>
+
+namespace weightcache::os {
+namespace {
+
+constexpr int kReadOnlySeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE;
+
+std::string FdName(int fd) { return "fd " + std::to_string(fd); }
+
+}  // namespace
+
+Result<UniqueFd> CreateMemfd(const std::string& name, uint64_t size) {
+  UniqueFd fd(::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd) return IoError("memfd_create " + name, errno);
+  if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) {
+    return IoError("ftruncate memfd " + name + " to " + std::to_string(size) + " bytes", errno);
+  }
+  return fd;
+}
+
+Status SealReadOnly(int fd) {
+  if (::fcntl(fd, F_ADD_SEALS, kReadOnlySeals | F_SEAL_SEAL) != 0) {
+    int err = errno;
+    Status s = IoError("sealing memfd " + FdName(fd) + " read-only", err);
+    if (err == EBUSY) s.Context("a writable shared mapping still exists (munmap it first)");
+    return s;
+  }
+  return Status::Ok();
+}
+
+Status CheckSealedReadOnly(int fd) {
+  int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0) return IoError("F_GET_SEALS on " + FdName(fd) + " (not a memfd?)", errno);
+  if ((seals & kReadOnlySeals) != kReadOnlySeals) {
+    std::string missing;
+    if (!(seals & F_SEAL_WRITE)) missing += " F_SEAL_WRITE";
+    if (!(seals & F_SEAL_SHRINK)) missing += " F_SEAL_SHRINK";
+    if (!(seals & F_SEAL_GROW)) missing += " F_SEAL_GROW";
+    return PermissionDenied("memfd " + FdName(fd) + " is not sealed read-only (missing" + missing +
+                            ")");
+  }
+  return Status::Ok();
+}
+
+Result<uint64_t> FileSize(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return IoError("fstat " + FdName(fd), errno);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+MappedRegion::MappedRegion(MappedRegion&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+MappedRegion& MappedRegion::operator=(MappedRegion&& other) noexcept {
+  if (this != &other) {
+    Unmap();
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+MappedRegion::~MappedRegion() { Unmap(); }
+
+void MappedRegion::Unmap() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+  data_ = nullptr;
+  size_ = 0;
+}
+
+namespace {
+
+Result<void*> MapChecked(int fd, size_t size, int prot) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(uint64_t file_size, FileSize(fd));
+  if (size > file_size) {
+    return InvalidArgument("cannot map " + std::to_string(size) + " bytes of " + FdName(fd) +
+                           ", which holds only " + std::to_string(file_size));
+  }
+  if (size == 0) return static_cast<void*>(nullptr);
+  void* p = ::mmap(nullptr, size, prot, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    return IoError("mmap " + std::to_string(size) + " bytes of " + FdName(fd), errno);
+  }
+  return p;
+}
+
+}  // namespace
+
+Result<MappedRegion> MapReadOnly(int fd, size_t size) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(void* p, MapChecked(fd, size, PROT_READ));
+  return MappedRegion(p, p == nullptr ? 0 : size);
+}
+
+Result<MappedRegion> MapReadWrite(int fd, size_t size) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(void* p, MapChecked(fd, size, PROT_READ | PROT_WRITE));
+  return MappedRegion(p, p == nullptr ? 0 : size);
+}
+
+}  // namespace weightcache::os

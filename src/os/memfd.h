@@ -1,0 +1,66 @@
+// memfd shared memory (the host tier) and RAII memory mappings.
+//
+// Contract:
+//  * CreateMemfd returns a MFD_CLOEXEC | MFD_ALLOW_SEALING memfd of `size` bytes (zero-filled,
+//    pages allocated on first touch) owned by the caller.
+//  * SealReadOnly adds F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL. The kernel
+//    refuses F_SEAL_WRITE (EBUSY) while any writable shared mapping of the memfd exists, so
+//    the loader must destroy its MapReadWrite region (munmap) BEFORE sealing. After sealing,
+//    the contents can never change again, in any process: a client can map it safely.
+//  * Received memfds are untrusted: CheckSealedReadOnly verifies the seals, and MapReadOnly
+//    verifies that the mapping fits in the file, so a later access cannot SIGBUS (a sealed
+//    file cannot shrink).
+//  * MappedRegion owns one mapping; move-only; munmap on destruction. It does not own the fd
+//    it was mapped from (the mapping stays valid after that fd is closed).
+//  * Thread-safety: free functions are thread-safe; a MappedRegion is not synchronised.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "common/unique_fd.h"
+#include "weightcache/status.h"
+
+namespace weightcache::os {
+
+Result<UniqueFd> CreateMemfd(const std::string& name, uint64_t size);
+
+Status SealReadOnly(int fd);
+
+// OK if `fd` carries at least F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE; kPermissionDenied
+// naming the missing seals otherwise (kIo if fcntl fails, e.g. not a memfd).
+Status CheckSealedReadOnly(int fd);
+
+// fstat size of an fd.
+Result<uint64_t> FileSize(int fd);
+
+class MappedRegion {
+ public:
+  MappedRegion() = default;
+  MappedRegion(const MappedRegion&) = delete;
+  MappedRegion& operator=(const MappedRegion&) = delete;
+  MappedRegion(MappedRegion&& other) noexcept;
+  MappedRegion& operator=(MappedRegion&& other) noexcept;
+  ~MappedRegion();
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  friend Result<MappedRegion> MapReadOnly(int fd, size_t size);
+  friend Result<MappedRegion> MapReadWrite(int fd, size_t size);
+  MappedRegion(void* data, size_t size) : data_(data), size_(size) {}
+  void Unmap();
+
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// PROT_READ, MAP_SHARED, from offset 0. kInvalidArgument if `size` exceeds the file's size.
+// A zero size gives an empty region (mmap refuses zero-length mappings).
+Result<MappedRegion> MapReadOnly(int fd, size_t size);
+// PROT_READ | PROT_WRITE, MAP_SHARED, from offset 0 (the loader filling a memfd).
+Result<MappedRegion> MapReadWrite(int fd, size_t size);
+
+}  // namespace weightcache::os

@@ -1,0 +1,232 @@
+#include "protocol/frame.h"
+
+#include <cstring>
+#include <string>
+
+#include "protocol/wire.h"
+
+namespace weightcache::protocol {
+namespace {
+
+uint32_t MaxFdsFor(Expect expect) { return expect == Expect::kRequest ? 0 : kMaxFdsPerFrame; }
+
+std::string Hex32(uint32_t v) {
+  static const char kDigits[] = "0123456789abcdef";
+  std::string out = "0x";
+  for (int shift = 28; shift >= 0; shift -= 4) out += kDigits[(v >> shift) & 0xf];
+  return out;
+}
+
+// Fds that arrived must match the header exactly: fewer means a lying sender, more cannot
+// happen (they are bounded per read) but is checked anyway.
+Status CheckFdCount(const FrameHeader& header, size_t received) {
+  if (received != header.fd_count) {
+    return ProtocolError(MessageTypeName(header.type) + " frame announces " +
+                         std::to_string(header.fd_count) + " fds but " + std::to_string(received) +
+                         " arrived");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::string MessageTypeName(MessageType type) {
+  switch (type) {
+    case MessageType::kHello:
+      return "Hello";
+    case MessageType::kHelloReply:
+      return "HelloReply";
+    case MessageType::kStatus:
+      return "Status";
+    case MessageType::kStatusReply:
+      return "StatusReply";
+    case MessageType::kAttach:
+      return "Attach";
+    case MessageType::kAttachReply:
+      return "AttachReply";
+    case MessageType::kStop:
+      return "Stop";
+    case MessageType::kStopReply:
+      return "StopReply";
+    case MessageType::kError:
+      return "Error";
+  }
+  return "type " + std::to_string(static_cast<uint16_t>(type));
+}
+
+bool IsKnownMessageType(uint16_t type) {
+  return type >= static_cast<uint16_t>(MessageType::kHello) &&
+         type <= static_cast<uint16_t>(MessageType::kError);
+}
+
+bool IsRequest(MessageType type) {
+  return type == MessageType::kHello || type == MessageType::kStatus ||
+         type == MessageType::kAttach || type == MessageType::kStop;
+}
+
+uint64_t MaxPayloadFor(MessageType type) {
+  if (IsRequest(type)) return kMaxRequestPayload;
+  if (type == MessageType::kAttachReply) return kMaxAttachReplyPayload;
+  return kMaxControlReplyPayload;
+}
+
+uint32_t MaxFdsFor(MessageType type) {
+  return type == MessageType::kAttachReply ? kMaxFdsPerFrame : 0;
+}
+
+Result<FrameHeader> DecodeFrameHeader(std::span<const uint8_t> bytes, Expect expect) {
+  if (bytes.size() < kFrameHeaderSize) {
+    return ProtocolError("frame header truncated: " + std::to_string(bytes.size()) + " of " +
+                         std::to_string(kFrameHeaderSize) + " bytes");
+  }
+  const uint8_t* p = bytes.data();
+  if (std::memcmp(p, kFrameMagic, sizeof(kFrameMagic)) != 0) {
+    return ProtocolError("bad frame magic " + Hex32(wire::GetU32(p)) +
+                         " (expected \"WCPF\"): the peer does not speak the weightcache protocol");
+  }
+  FrameHeader h;
+  h.version = wire::GetU16(p + 4);
+  uint16_t type = wire::GetU16(p + 6);
+  uint32_t flags = wire::GetU32(p + 8);
+  h.fd_count = wire::GetU32(p + 12);
+  h.payload_length = wire::GetU64(p + 16);
+
+  if (!IsKnownMessageType(type)) {
+    return ProtocolError("unknown message type " + std::to_string(type) + " (protocol version " +
+                         std::to_string(h.version) + ")");
+  }
+  h.type = static_cast<MessageType>(type);
+  // Error frames are frozen across versions, so any version's Error is readable.
+  if (h.version != kProtocolVersion && !(h.type == MessageType::kError && h.version >= 1)) {
+    return ProtocolError("unsupported protocol version " + std::to_string(h.version) +
+                         " (this build speaks version " + std::to_string(kProtocolVersion) + ")");
+  }
+  if (flags != 0) return ProtocolError("unknown frame flags " + Hex32(flags));
+  if (IsRequest(h.type) != (expect == Expect::kRequest)) {
+    return ProtocolError("unexpected " + MessageTypeName(h.type) + " frame: expected a " +
+                         (expect == Expect::kRequest ? "request" : "reply"));
+  }
+  if (h.payload_length > MaxPayloadFor(h.type)) {
+    return ProtocolError(MessageTypeName(h.type) + " frame payload of " +
+                         std::to_string(h.payload_length) + " bytes exceeds the " +
+                         std::to_string(MaxPayloadFor(h.type)) + "-byte limit");
+  }
+  if (h.fd_count > MaxFdsFor(h.type)) {
+    return ProtocolError(MessageTypeName(h.type) + " frame announces " +
+                         std::to_string(h.fd_count) + " fds; at most " +
+                         std::to_string(MaxFdsFor(h.type)) + " allowed");
+  }
+  return h;
+}
+
+Result<std::vector<uint8_t>> EncodeFrame(MessageType type, std::span<const uint8_t> payload,
+                                         uint32_t fd_count) {
+  if (payload.size() > MaxPayloadFor(type)) {
+    return InvalidArgument("cannot send " + MessageTypeName(type) + ": payload of " +
+                           std::to_string(payload.size()) + " bytes exceeds the " +
+                           std::to_string(MaxPayloadFor(type)) + "-byte limit");
+  }
+  if (fd_count > MaxFdsFor(type)) {
+    return InvalidArgument("cannot send " + MessageTypeName(type) + " with " +
+                           std::to_string(fd_count) + " fds; at most " +
+                           std::to_string(MaxFdsFor(type)) + " allowed");
+  }
+  std::vector<uint8_t> out;
+  out.reserve(kFrameHeaderSize + payload.size());
+  out.insert(out.end(), std::begin(kFrameMagic), std::end(kFrameMagic));
+  wire::PutU16(out, kProtocolVersion);
+  wire::PutU16(out, static_cast<uint16_t>(type));
+  wire::PutU32(out, 0);
+  wire::PutU32(out, fd_count);
+  wire::PutU64(out, payload.size());
+  out.insert(out.end(), payload.begin(), payload.end());
+  return out;
+}
+
+Status WriteFrame(int fd, std::span<const uint8_t> frame_bytes, std::span<const int> fds,
+                  os::Deadline deadline, os::SysCalls& sys) {
+  if (frame_bytes.size() < kFrameHeaderSize ||
+      wire::GetU32(frame_bytes.data() + 12) != fds.size()) {
+    return InternalError("WriteFrame: frame bytes do not come from EncodeFrame with " +
+                         std::to_string(fds.size()) + " fds");
+  }
+  return os::SendMessage(fd, frame_bytes, fds, deadline, sys);
+}
+
+Result<Frame> ReadFrame(int fd, Expect expect, os::Deadline deadline, os::SysCalls& sys) {
+  uint8_t header_bytes[kFrameHeaderSize];
+  // Fds ride on the first byte of a frame, so they arrive with the header.
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<UniqueFd> fds,
+                               os::RecvMessage(fd, header_bytes, MaxFdsFor(expect), deadline, sys));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(FrameHeader header, DecodeFrameHeader(header_bytes, expect));
+  if (fds.size() > header.fd_count) return CheckFdCount(header, fds.size());
+  Frame frame;
+  frame.type = header.type;
+  frame.payload.resize(header.payload_length);  // bounded by DecodeFrameHeader
+  if (!frame.payload.empty()) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        std::vector<UniqueFd> more,
+        os::RecvMessage(fd, frame.payload, header.fd_count - fds.size(), deadline, sys));
+    for (UniqueFd& f : more) fds.push_back(std::move(f));
+  }
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckFdCount(header, fds.size()));
+  frame.fds = std::move(fds);
+  return frame;
+}
+
+Result<std::optional<Frame>> FrameReader::ReadAvailable(int fd) {
+  while (true) {
+    std::span<uint8_t> target;
+    size_t max_fds;
+    if (!header_) {
+      target = std::span<uint8_t>(header_bytes_ + header_got_, kFrameHeaderSize - header_got_);
+      max_fds = MaxFdsFor(expect_) - frame_.fds.size();
+    } else {
+      target = std::span<uint8_t>(frame_.payload).subspan(payload_got_);
+      max_fds = header_->fd_count - frame_.fds.size();
+    }
+    if (header_ && target.empty()) {
+      WEIGHTCACHE_RETURN_IF_ERROR(CheckFdCount(*header_, frame_.fds.size()));
+      Frame done = std::move(frame_);
+      frame_ = Frame();
+      header_.reset();
+      header_got_ = 0;
+      payload_got_ = 0;
+      return std::optional<Frame>(std::move(done));
+    }
+    WEIGHTCACHE_ASSIGN_OR_RETURN(os::RecvChunk chunk, os::RecvSome(fd, target, max_fds, *sys_));
+    for (UniqueFd& f : chunk.fds) frame_.fds.push_back(std::move(f));
+    if (chunk.would_block) return std::optional<Frame>();
+    if (chunk.eof) {
+      if (!header_ && header_got_ == 0) {
+        return Status(StatusCode::kUnavailable, "peer closed the connection");
+      }
+      return ProtocolError("peer closed the connection in the middle of a frame");
+    }
+    if (!header_) {
+      header_got_ += chunk.bytes;
+      if (header_got_ < kFrameHeaderSize) continue;
+      WEIGHTCACHE_ASSIGN_OR_RETURN(FrameHeader h, DecodeFrameHeader(header_bytes_, expect_));
+      if (frame_.fds.size() > h.fd_count) return CheckFdCount(h, frame_.fds.size());
+      header_ = h;
+      frame_.type = h.type;
+      frame_.payload.resize(h.payload_length);
+    } else {
+      payload_got_ += chunk.bytes;
+    }
+  }
+}
+
+Result<bool> FrameWriter::Flush(int fd) {
+  while (sent_ < bytes_.size()) {
+    std::span<const int> fds = sent_ == 0 ? std::span<const int>(fds_) : std::span<const int>();
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        os::SendProgress p,
+        os::SendSome(fd, std::span<const uint8_t>(bytes_).subspan(sent_), fds, *sys_));
+    if (p.would_block) return false;
+    sent_ += p.bytes;
+  }
+  return true;
+}
+
+}  // namespace weightcache::protocol

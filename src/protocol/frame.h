@@ -1,0 +1,144 @@
+// The weightcache wire protocol: frame codec. Full specification: docs/protocol.md.
+//
+// Summary. A connection is an AF_UNIX stream socket carrying frames; the client sends one
+// request, the daemon answers with exactly one reply, in order. Every frame is
+//
+//   offset size  field            (all integers little-endian)
+//   0      4     magic            "WCPF" (0x57 0x43 0x50 0x46)
+//   4      2     version          kProtocolVersion (1)
+//   6      2     type             MessageType
+//   8      4     flags            0 (any other value is rejected)
+//   12     4     fd_count         fds attached (SCM_RIGHTS) to the frame's first byte
+//   16     8     payload_length   bytes following the header
+//   24     ...   payload          JSON object for control messages; empty for Status, Attach
+//                                 and Stop requests; a binary table for AttachReply
+//
+// Bounds are enforced from the header alone, BEFORE any payload allocation: 64 KiB for a
+// request, 1 MiB for a control reply, 64 MiB for AttachReply; fds only on AttachReply (at
+// most 253, the kernel's SCM_MAX_FD). A frame of another version is rejected with kProtocol
+// naming both versions, except Error frames, whose header and payload are frozen across
+// versions so that a peer can always explain a version mismatch. Any malformed frame fails
+// with kProtocol and a specific message; the receiver then closes that connection only.
+//
+// Thread-safety: the codec functions are pure; FrameReader/FrameWriter are per-connection,
+// single-threaded objects. Ownership: a Frame owns its payload and the fds received with it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "common/unique_fd.h"
+#include "os/fd_passing.h"
+#include "os/syscalls.h"
+#include "weightcache/status.h"
+
+namespace weightcache::protocol {
+
+inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr uint8_t kFrameMagic[4] = {'W', 'C', 'P', 'F'};
+inline constexpr size_t kFrameHeaderSize = 24;
+
+inline constexpr uint64_t kMaxRequestPayload = 64 * 1024;
+inline constexpr uint64_t kMaxControlReplyPayload = 1024 * 1024;
+inline constexpr uint64_t kMaxAttachReplyPayload = 64 * 1024 * 1024;
+inline constexpr uint32_t kMaxFdsPerFrame = static_cast<uint32_t>(os::kMaxFdsPerMessage);
+
+enum class MessageType : uint16_t {
+  kHello = 1,
+  kHelloReply = 2,
+  kStatus = 3,
+  kStatusReply = 4,
+  kAttach = 5,
+  kAttachReply = 6,
+  kStop = 7,
+  kStopReply = 8,
+  kError = 9,
+};
+
+// "Hello", "AttachReply", ...; "type <n>" for values outside the enum.
+std::string MessageTypeName(MessageType type);
+bool IsKnownMessageType(uint16_t type);
+// The payload bound and the fd bound for one message type.
+uint64_t MaxPayloadFor(MessageType type);
+uint32_t MaxFdsFor(MessageType type);
+
+// Which side is reading: a daemon accepts only requests (and so never allocates for a reply
+// type's larger bound, and never accepts fds); a client accepts only replies.
+enum class Expect { kRequest, kReply };
+bool IsRequest(MessageType type);
+
+struct FrameHeader {
+  uint16_t version = kProtocolVersion;
+  MessageType type = MessageType::kError;
+  uint32_t fd_count = 0;
+  uint64_t payload_length = 0;
+};
+
+// Validates magic, version, flags, type (known, and a request or reply as `expect` says) and
+// the size and fd bounds of `type`. `bytes` must hold at least kFrameHeaderSize bytes.
+Result<FrameHeader> DecodeFrameHeader(std::span<const uint8_t> bytes, Expect expect);
+
+// Header + payload in one buffer, ready to send. kInvalidArgument if the payload or fd count
+// exceeds the bounds of `type` (a sender never emits what its peer must reject).
+Result<std::vector<uint8_t>> EncodeFrame(MessageType type, std::span<const uint8_t> payload,
+                                         uint32_t fd_count = 0);
+
+struct Frame {
+  MessageType type = MessageType::kError;
+  std::vector<uint8_t> payload;
+  std::vector<UniqueFd> fds;
+};
+
+// Blocking-style (poll with a deadline) whole-frame I/O, for clients and simple servers.
+// WriteFrame sends `frame_bytes` (from EncodeFrame) with `fds` on its first byte; the count
+// must match the header's fd_count.
+Status WriteFrame(int fd, std::span<const uint8_t> frame_bytes, std::span<const int> fds,
+                  os::Deadline deadline, os::SysCalls& sys = os::SysCalls::Default());
+// Reads one frame: header first (bounds checked), then exactly payload_length bytes. The frame
+// must carry exactly fd_count fds. A peer that closed before a frame began is kUnavailable.
+Result<Frame> ReadFrame(int fd, Expect expect, os::Deadline deadline,
+                        os::SysCalls& sys = os::SysCalls::Default());
+
+// Incremental frame reading for a non-blocking (epoll) server: call ReadAvailable when the fd
+// is readable. It returns a complete Frame, std::nullopt when more bytes are needed (the
+// socket would block), kUnavailable when the peer closed between frames, kProtocol for a bad
+// or truncated frame. After an error the reader must not be used again.
+class FrameReader {
+ public:
+  explicit FrameReader(Expect expect, os::SysCalls& sys = os::SysCalls::Default())
+      : expect_(expect), sys_(&sys) {}
+  Result<std::optional<Frame>> ReadAvailable(int fd);
+
+ private:
+  Expect expect_;
+  os::SysCalls* sys_;
+  uint8_t header_bytes_[kFrameHeaderSize] = {};
+  size_t header_got_ = 0;
+  std::optional<FrameHeader> header_;
+  Frame frame_;
+  size_t payload_got_ = 0;
+};
+
+// Incremental frame writing for a non-blocking server. Holds the encoded bytes and borrows the
+// fds (the caller keeps them open until Done()). Flush returns true once everything is sent,
+// false when the socket would block (wait for EPOLLOUT and call again).
+class FrameWriter {
+ public:
+  FrameWriter(std::vector<uint8_t> frame_bytes, std::vector<int> fds,
+              os::SysCalls& sys = os::SysCalls::Default())
+      : sys_(&sys), bytes_(std::move(frame_bytes)), fds_(std::move(fds)) {}
+  Result<bool> Flush(int fd);
+  bool Done() const { return sent_ == bytes_.size(); }
+
+ private:
+  os::SysCalls* sys_;
+  std::vector<uint8_t> bytes_;
+  std::vector<int> fds_;
+  size_t sent_ = 0;
+};
+
+}  // namespace weightcache::protocol

@@ -1,0 +1,336 @@
+#include "protocol/messages.h"
+
+#include <limits>
+#include <set>
+#include <string>
+
+namespace weightcache::protocol {
+namespace {
+
+using nlohmann::json;
+
+// Parses a control payload into a JSON object without exceptions, bounding nesting depth.
+// nlohmann's parser is iterative, but destroying or printing a value recurses, so depth is
+// capped before anything else touches the tree.
+Result<json> ParseObject(std::string_view message, std::span<const uint8_t> payload) {
+  bool too_deep = false;
+  json::parser_callback_t limit_depth = [&too_deep](int depth, json::parse_event_t event, json&) {
+    if (depth > kMaxJsonDepth) {
+      too_deep = true;
+      return false;  // discard: keeps the tree shallow while the parse finishes
+    }
+    return true;
+  };
+  json value = json::parse(payload.begin(), payload.end(), limit_depth,
+                           /*allow_exceptions=*/false);
+  if (too_deep) {
+    return ProtocolError(std::string(message) + ": JSON nested deeper than " +
+                         std::to_string(kMaxJsonDepth) + " levels");
+  }
+  if (value.is_discarded()) return ProtocolError(std::string(message) + ": payload is not JSON");
+  if (!value.is_object()) {
+    return ProtocolError(std::string(message) + ": payload is not a JSON object");
+  }
+  return value;
+}
+
+// Strict field access: every field read is recorded, Finish() rejects the rest.
+class Fields {
+ public:
+  Fields(std::string_view message, const json& object) : message_(message), object_(object) {}
+
+  Result<std::string> String(const char* key) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_string()) return TypeError(key, "a string");
+    return v->get<std::string>();
+  }
+  Result<uint64_t> U64(const char* key) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_number_unsigned()) return TypeError(key, "a non-negative integer");
+    return v->get<uint64_t>();
+  }
+  Result<uint32_t> U32(const char* key) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(uint64_t v, U64(key));
+    if (v > std::numeric_limits<uint32_t>::max()) return TypeError(key, "a 32-bit integer");
+    return static_cast<uint32_t>(v);
+  }
+  Result<int64_t> I64(const char* key) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (v->is_number_unsigned()) {
+      if (v->get<uint64_t>() > uint64_t{std::numeric_limits<int64_t>::max()}) {
+        return TypeError(key, "a 64-bit integer");
+      }
+      return static_cast<int64_t>(v->get<uint64_t>());
+    }
+    if (!v->is_number_integer()) return TypeError(key, "an integer");
+    return v->get<int64_t>();
+  }
+  Result<bool> Bool(const char* key) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_boolean()) return TypeError(key, "a boolean");
+    return v->get<bool>();
+  }
+  Result<json> Object(const char* key) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_object()) return TypeError(key, "an object");
+    return *v;
+  }
+  Result<const json*> Array(const char* key) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* v, Get(key));
+    if (!v->is_array()) return TypeError(key, "an array");
+    return v;
+  }
+  Result<CacheState> State(const char* key) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(std::string s, String(key));
+    Result<CacheState> state = ParseCacheState(s);
+    if (!state.ok()) return TypeError(key, "one of loading, ready, failed, draining");
+    return state;
+  }
+
+  Status Finish() const {
+    for (const auto& item : object_.items()) {
+      if (!seen_.contains(item.key())) {
+        return ProtocolError(message_ + ": unknown field '" + item.key().substr(0, 64) + "'");
+      }
+    }
+    return Status::Ok();
+  }
+
+ private:
+  Result<const json*> Get(const char* key) {
+    seen_.insert(key);
+    auto it = object_.find(key);
+    if (it == object_.end()) return ProtocolError(message_ + ": field '" + key + "' missing");
+    return &*it;
+  }
+  Status TypeError(const char* key, const char* expected) const {
+    return ProtocolError(message_ + ": field '" + key + "' must be " + expected);
+  }
+
+  std::string message_;
+  const json& object_;
+  std::set<std::string, std::less<>> seen_;
+};
+
+// Serialises without throwing: invalid UTF-8 in a string (a path, a reason) is replaced.
+Result<std::vector<uint8_t>> EncodeJson(MessageType type, const json& value) {
+  std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
+  return EncodeFrame(
+      type, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+}
+
+}  // namespace
+
+std::string_view CacheStateName(CacheState state) {
+  switch (state) {
+    case CacheState::kLoading:
+      return "loading";
+    case CacheState::kReady:
+      return "ready";
+    case CacheState::kFailed:
+      return "failed";
+    case CacheState::kDraining:
+      return "draining";
+  }
+  return "unknown";
+}
+
+Result<CacheState> ParseCacheState(std::string_view name) {
+  if (name == "loading") return CacheState::kLoading;
+  if (name == "ready") return CacheState::kReady;
+  if (name == "failed") return CacheState::kFailed;
+  if (name == "draining") return CacheState::kDraining;
+  return ProtocolError("unknown cache state \"" + std::string(name.substr(0, 32)) + "\"");
+}
+
+// ---- Hello ------------------------------------------------------------------------------------
+
+Result<std::vector<uint8_t>> EncodeHello(const Hello& msg) {
+  if (!msg.config.is_object()) return InvalidArgument("Hello: config must be a JSON object");
+  return EncodeJson(MessageType::kHello, json{{"protocol_version", msg.protocol_version},
+                                              {"config", msg.config},
+                                              {"client_pid", msg.client_pid},
+                                              {"client_name", msg.client_name}});
+}
+
+Result<Hello> DecodeHello(std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("Hello", payload));
+  Fields f("Hello", obj);
+  Hello msg;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.protocol_version, f.U32("protocol_version"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.config, f.Object("config"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.client_pid, f.I64("client_pid"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.client_name, f.String("client_name"));
+  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  if (msg.protocol_version != kProtocolVersion) {
+    return ProtocolError("Hello: client speaks protocol version " +
+                         std::to_string(msg.protocol_version) + ", this build speaks " +
+                         std::to_string(kProtocolVersion));
+  }
+  return msg;
+}
+
+// ---- HelloReply -------------------------------------------------------------------------------
+
+Result<std::vector<uint8_t>> EncodeHelloReply(const HelloReply& msg) {
+  if (!msg.daemon_config.is_object()) {
+    return InvalidArgument("HelloReply: daemon config must be a JSON object");
+  }
+  json diffs = json::array();
+  for (const ConfigDifference& d : msg.differences) {
+    diffs.push_back({{"field", d.field}, {"daemon", d.daemon}, {"client", d.client}});
+  }
+  return EncodeJson(MessageType::kHelloReply, json{{"state", CacheStateName(msg.state)},
+                                                   {"bytes_done", msg.bytes_done},
+                                                   {"bytes_total", msg.bytes_total},
+                                                   {"failure_reason", msg.failure_reason},
+                                                   {"match", msg.match},
+                                                   {"config", msg.daemon_config},
+                                                   {"differences", std::move(diffs)}});
+}
+
+Result<HelloReply> DecodeHelloReply(std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("HelloReply", payload));
+  Fields f("HelloReply", obj);
+  HelloReply msg;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.state, f.State("state"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes_done, f.U64("bytes_done"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes_total, f.U64("bytes_total"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.failure_reason, f.String("failure_reason"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.match, f.Bool("match"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.daemon_config, f.Object("config"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(const json* diffs, f.Array("differences"));
+  for (size_t i = 0; i < diffs->size(); ++i) {
+    const json& item = (*diffs)[i];
+    std::string what = "HelloReply: differences[" + std::to_string(i) + "]";
+    if (!item.is_object()) return ProtocolError(what + " must be an object");
+    Fields df(what, item);
+    ConfigDifference d;
+    WEIGHTCACHE_ASSIGN_OR_RETURN(d.field, df.String("field"));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(d.daemon, df.String("daemon"));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(d.client, df.String("client"));
+    WEIGHTCACHE_RETURN_IF_ERROR(df.Finish());
+    msg.differences.push_back(std::move(d));
+  }
+  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  if (msg.match && !msg.differences.empty()) {
+    return ProtocolError("HelloReply: match is true but differences are listed");
+  }
+  return msg;
+}
+
+// ---- empty requests ---------------------------------------------------------------------------
+
+Result<std::vector<uint8_t>> EncodeStatusRequest() { return EncodeFrame(MessageType::kStatus, {}); }
+Result<std::vector<uint8_t>> EncodeAttachRequest() { return EncodeFrame(MessageType::kAttach, {}); }
+Result<std::vector<uint8_t>> EncodeStopRequest() { return EncodeFrame(MessageType::kStop, {}); }
+
+Status DecodeEmptyRequest(MessageType type, std::span<const uint8_t> payload) {
+  if (!payload.empty()) {
+    return ProtocolError(MessageTypeName(type) + " request carries " +
+                         std::to_string(payload.size()) + " unexpected payload bytes");
+  }
+  return Status::Ok();
+}
+
+// ---- StatusReply ------------------------------------------------------------------------------
+
+Result<std::vector<uint8_t>> EncodeStatusReply(const StatusReply& msg) {
+  return EncodeJson(MessageType::kStatusReply, json{{"state", CacheStateName(msg.state)},
+                                                    {"bytes_done", msg.bytes_done},
+                                                    {"bytes_total", msg.bytes_total},
+                                                    {"failure_reason", msg.failure_reason},
+                                                    {"tier", TierName(msg.tier)},
+                                                    {"device_uuid", msg.device_uuid},
+                                                    {"model_id", msg.model_id},
+                                                    {"tensor_count", msg.tensor_count},
+                                                    {"bytes", msg.bytes},
+                                                    {"clients", msg.clients},
+                                                    {"pid", msg.pid},
+                                                    {"config_digest", msg.config_digest}});
+}
+
+Result<StatusReply> DecodeStatusReply(std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("StatusReply", payload));
+  Fields f("StatusReply", obj);
+  StatusReply msg;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.state, f.State("state"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes_done, f.U64("bytes_done"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes_total, f.U64("bytes_total"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.failure_reason, f.String("failure_reason"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::string tier, f.String("tier"));
+  Result<Tier> parsed_tier = ParseTier(tier);
+  if (!parsed_tier.ok()) return ProtocolError("StatusReply: field 'tier' must be gpu or host");
+  msg.tier = *parsed_tier;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.device_uuid, f.String("device_uuid"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.model_id, f.String("model_id"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.tensor_count, f.U64("tensor_count"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes, f.U64("bytes"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.clients, f.U32("clients"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.pid, f.I64("pid"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.config_digest, f.String("config_digest"));
+  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  return msg;
+}
+
+// ---- AttachReply ------------------------------------------------------------------------------
+
+Result<std::vector<uint8_t>> EncodeAttachReply(std::span<const uint8_t> manifest_bytes,
+                                               uint32_t fd_count) {
+  return EncodeFrame(MessageType::kAttachReply, manifest_bytes, fd_count);
+}
+
+Result<AttachReply> DecodeAttachReply(Frame frame) {
+  if (frame.type != MessageType::kAttachReply) {
+    return ProtocolError("expected AttachReply, got " + MessageTypeName(frame.type));
+  }
+  AttachReply reply;
+  reply.fds = std::move(frame.fds);  // owned from here, closed on every error path
+  WEIGHTCACHE_ASSIGN_OR_RETURN(reply.manifest, Manifest::Decode(frame.payload));
+  if (reply.fds.size() != reply.manifest.allocation_sizes().size()) {
+    return ProtocolError("AttachReply: manifest lists " +
+                         std::to_string(reply.manifest.allocation_sizes().size()) +
+                         " allocations but " + std::to_string(reply.fds.size()) + " fds arrived");
+  }
+  return reply;
+}
+
+// ---- StopReply --------------------------------------------------------------------------------
+
+Result<std::vector<uint8_t>> EncodeStopReply(const StopReply& msg) {
+  return EncodeJson(MessageType::kStopReply, json{{"clients", msg.clients}});
+}
+
+Result<StopReply> DecodeStopReply(std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("StopReply", payload));
+  Fields f("StopReply", obj);
+  StopReply msg;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.clients, f.U32("clients"));
+  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  return msg;
+}
+
+// ---- Error ------------------------------------------------------------------------------------
+
+Result<std::vector<uint8_t>> EncodeError(const Status& status) {
+  if (status.ok()) return InternalError("EncodeError called with an OK status");
+  // Bound the message so that an Error always fits its frame.
+  return EncodeJson(MessageType::kError, json{{"code", static_cast<int>(status.code())},
+                                              {"message", status.message().substr(0, 16384)}});
+}
+
+Result<ErrorReply> DecodeError(std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("Error", payload));
+  Fields f("Error", obj);
+  ErrorReply msg;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(uint32_t code, f.U32("code"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.message, f.String("message"));
+  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  if (code == 0 || code > static_cast<uint32_t>(StatusCode::kInternal)) {
+    return ProtocolError("Error: field 'code' " + std::to_string(code) + " is not an error code");
+  }
+  msg.code = static_cast<StatusCode>(code);
+  return msg;
+}
+
+}  // namespace weightcache::protocol

@@ -1,0 +1,122 @@
+// The messages of the weightcache protocol and their payload codecs (docs/protocol.md §3).
+//
+// Contract:
+//  * EncodeX returns a complete frame (header + payload, see frame.h) ready for WriteFrame;
+//    kInvalidArgument if it would exceed the frame bounds.
+//  * DecodeX takes a received payload (untrusted) and returns the message or kProtocol naming
+//    the message and the offending field: control payloads are JSON objects with exactly the
+//    documented fields (a missing, ill-typed or unknown field is an error), nesting at most
+//    kMaxJsonDepth deep. Decoders never throw and never trust a length they have not checked.
+//  * AttachReply's payload is the binary manifest (manifest.h); its fds travel in the same
+//    frame, one per allocation, in allocation order.
+//  * Types are plain values (AttachReply is move-only: it owns fds). Thread-safe: pure.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/unique_fd.h"
+#include "protocol/frame.h"
+#include "protocol/manifest.h"
+#include "weightcache/status.h"
+
+namespace weightcache::protocol {
+
+inline constexpr int kMaxJsonDepth = 16;
+
+enum class CacheState : uint8_t { kLoading, kReady, kFailed, kDraining };
+std::string_view CacheStateName(CacheState state);  // "loading", "ready", "failed", "draining"
+Result<CacheState> ParseCacheState(std::string_view name);
+
+// Client → daemon, first message of a connection.
+struct Hello {
+  uint32_t protocol_version = kProtocolVersion;
+  nlohmann::json config = nlohmann::json::object();  // the client's CacheConfig::ToJson()
+  int64_t client_pid = 0;
+  std::string client_name;
+};
+
+struct ConfigDifference {
+  std::string field;
+  std::string daemon;  // the daemon's value, as text
+  std::string client;  // the client's value, as text
+  bool operator==(const ConfigDifference&) const = default;
+};
+
+struct HelloReply {
+  CacheState state = CacheState::kLoading;
+  uint64_t bytes_done = 0;
+  uint64_t bytes_total = 0;
+  std::string failure_reason;  // set when state == kFailed
+  bool match = false;          // the client's config equals the daemon's
+  nlohmann::json daemon_config = nlohmann::json::object();
+  std::vector<ConfigDifference> differences;  // empty when match
+};
+
+// Status request: empty payload.
+struct StatusReply {
+  CacheState state = CacheState::kLoading;
+  uint64_t bytes_done = 0;
+  uint64_t bytes_total = 0;
+  std::string failure_reason;
+  Tier tier = Tier::kHost;
+  std::string device_uuid;  // "GPU-…", "MIG-…" or "host"
+  std::string model_id;
+  uint64_t tensor_count = 0;
+  uint64_t bytes = 0;  // bytes resident in the cache
+  uint32_t clients = 0;
+  int64_t pid = 0;
+  std::string config_digest;  // 64 hex chars
+};
+
+// Attach request: empty payload. The reply is AttachReply (or Error, e.g. not ready).
+struct AttachReply {
+  Manifest manifest;
+  std::vector<UniqueFd> fds;  // one per manifest allocation, in order
+};
+
+// Stop request: empty payload. The daemon answers, then drains and exits.
+struct StopReply {
+  uint32_t clients = 0;  // clients attached when the stop was accepted
+};
+
+// Any request may be answered with an Error (the daemon keeps the connection open unless the
+// request itself was malformed).
+struct ErrorReply {
+  StatusCode code = StatusCode::kInternal;
+  std::string message;
+};
+
+Result<std::vector<uint8_t>> EncodeHello(const Hello& msg);
+Result<Hello> DecodeHello(std::span<const uint8_t> payload);
+
+Result<std::vector<uint8_t>> EncodeHelloReply(const HelloReply& msg);
+Result<HelloReply> DecodeHelloReply(std::span<const uint8_t> payload);
+
+Result<std::vector<uint8_t>> EncodeStatusRequest();
+Result<std::vector<uint8_t>> EncodeAttachRequest();
+Result<std::vector<uint8_t>> EncodeStopRequest();
+// Status, Attach and Stop requests carry no payload: OK if `payload` is empty.
+Status DecodeEmptyRequest(MessageType type, std::span<const uint8_t> payload);
+
+Result<std::vector<uint8_t>> EncodeStatusReply(const StatusReply& msg);
+Result<StatusReply> DecodeStatusReply(std::span<const uint8_t> payload);
+
+// The manifest bytes come from EncodeManifest; `fd_count` must equal its allocation count.
+Result<std::vector<uint8_t>> EncodeAttachReply(std::span<const uint8_t> manifest_bytes,
+                                               uint32_t fd_count);
+// Takes the whole frame: decodes the manifest and checks one fd per allocation.
+Result<AttachReply> DecodeAttachReply(Frame frame);
+
+Result<std::vector<uint8_t>> EncodeStopReply(const StopReply& msg);
+Result<StopReply> DecodeStopReply(std::span<const uint8_t> payload);
+
+// `status` must be an error; its code and message travel.
+Result<std::vector<uint8_t>> EncodeError(const Status& status);
+Result<ErrorReply> DecodeError(std::span<const uint8_t> payload);
+
+}  // namespace weightcache::protocol

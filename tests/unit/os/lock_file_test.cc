@@ -1,0 +1,109 @@
+#include "os/lock_file.h"
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "support/test_env.h"
+
+namespace weightcache::os {
+namespace {
+
+using weightcache::testing::TempDir;
+
+TEST(LockFileTest, AcquireWritesPidAndMode0600) {
+  TempDir dir;
+  std::string path = dir.Join("x.lock");
+  auto lock = LockFile::TryAcquire(path);
+  ASSERT_TRUE(lock.ok()) << lock.status().ToString();
+  EXPECT_EQ(ReadLockOwner(path), ::getpid());
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+}
+
+TEST(LockFileTest, SecondAcquirerInChildIsAlreadyServedNamingParentPid) {
+  TempDir dir;
+  std::string path = dir.Join("y.lock");
+  auto lock = LockFile::TryAcquire(path);
+  ASSERT_TRUE(lock.ok());
+  std::string expected = "held by pid " + std::to_string(::getpid());
+
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // The child inherits the parent's fd (same open file description) but opens its own, so
+    // its flock conflicts. Exit codes: 0 = the expected error, 1.. = something else.
+    auto second = LockFile::TryAcquire(path);
+    if (second.ok()) ::_exit(1);
+    if (second.status().code() != StatusCode::kAlreadyServed) ::_exit(2);
+    if (second.status().message().find(expected) == std::string::npos) ::_exit(3);
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+TEST(LockFileTest, SecondAcquirerInProcessGetsSpecificError) {
+  TempDir dir;
+  std::string path = dir.Join("z.lock");
+  auto first = LockFile::TryAcquire(path);
+  ASSERT_TRUE(first.ok());
+  auto second = LockFile::TryAcquire(path);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kAlreadyServed);
+  EXPECT_NE(second.status().message().find("lock " + path + " is held by pid " +
+                                           std::to_string(::getpid())),
+            std::string::npos)
+      << second.status().message();
+}
+
+TEST(LockFileTest, IsLockHeldFollowsTheLockLifetime) {
+  TempDir dir;
+  std::string path = dir.Join("h.lock");
+  EXPECT_FALSE(IsLockHeld(path));  // absent
+  {
+    auto lock = LockFile::TryAcquire(path);
+    ASSERT_TRUE(lock.ok());
+    EXPECT_TRUE(IsLockHeld(path));
+  }
+  EXPECT_FALSE(IsLockHeld(path));  // released: a socket next to it would be stale
+  // And it can be taken again, recording the new owner.
+  auto again = LockFile::TryAcquire(path);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(IsLockHeld(path));
+}
+
+TEST(LockFileTest, LockDiesWithTheProcess) {
+  TempDir dir;
+  std::string path = dir.Join("d.lock");
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto lock = LockFile::TryAcquire(path);
+    char c = lock.ok() ? 'y' : 'n';
+    (void)::write(ready[1], &c, 1);
+    ::pause();
+    ::_exit(0);
+  }
+  char c = 0;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ASSERT_EQ(c, 'y');
+  EXPECT_TRUE(IsLockHeld(path));
+  EXPECT_EQ(ReadLockOwner(path), child);
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  ::close(ready[0]);
+  ::close(ready[1]);
+  EXPECT_FALSE(IsLockHeld(path));
+}
+
+}  // namespace
+}  // namespace weightcache::os

@@ -1,0 +1,78 @@
+#include "os/memfd.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+namespace weightcache::os {
+namespace {
+
+TEST(MemfdTest, FillUnmapSealThenWritesFailWithEperm) {
+  auto fd = CreateMemfd("weights", 4096);
+  ASSERT_TRUE(fd.ok()) << fd.status().ToString();
+  EXPECT_TRUE(::fcntl(fd->get(), F_GETFD) & FD_CLOEXEC);
+  {
+    auto rw = MapReadWrite(fd->get(), 4096);
+    ASSERT_TRUE(rw.ok()) << rw.status().ToString();
+    std::memcpy(rw->data(), "tensor bytes", 12);
+    // While the writable mapping exists, F_SEAL_WRITE is refused with EBUSY.
+    Status busy = SealReadOnly(fd->get());
+    ASSERT_FALSE(busy.ok());
+    EXPECT_EQ(busy.sys_errno(), EBUSY);
+    EXPECT_NE(busy.message().find("munmap it first"), std::string::npos);
+  }
+  ASSERT_TRUE(SealReadOnly(fd->get()).ok());
+  EXPECT_TRUE(CheckSealedReadOnly(fd->get()).ok());
+
+  errno = 0;
+  EXPECT_EQ(::pwrite(fd->get(), "x", 1, 0), -1);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(::ftruncate(fd->get(), 8192), -1);
+  EXPECT_EQ(errno, EPERM);
+  auto rw_again = MapReadWrite(fd->get(), 4096);
+  ASSERT_FALSE(rw_again.ok());
+  EXPECT_EQ(rw_again.status().sys_errno(), EPERM);
+
+  auto ro = MapReadOnly(fd->get(), 4096);
+  ASSERT_TRUE(ro.ok()) << ro.status().ToString();
+  EXPECT_EQ(std::memcmp(ro->data(), "tensor bytes", 12), 0);
+}
+
+TEST(MemfdTest, UnsealedMemfdFailsTheCheckNamingMissingSeals) {
+  auto fd = CreateMemfd("open", 16);
+  ASSERT_TRUE(fd.ok());
+  Status s = CheckSealedReadOnly(fd->get());
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied);
+  EXPECT_NE(s.message().find("missing F_SEAL_WRITE F_SEAL_SHRINK F_SEAL_GROW"), std::string::npos)
+      << s.message();
+}
+
+TEST(MemfdTest, MappingBeyondTheFileIsRefused) {
+  auto fd = CreateMemfd("small", 100);
+  ASSERT_TRUE(fd.ok());
+  auto r = MapReadOnly(fd->get(), 4096);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("which holds only 100"), std::string::npos);
+}
+
+TEST(MemfdTest, RegionMovesAndZeroSizeIsEmpty) {
+  auto fd = CreateMemfd("m", 8192);
+  ASSERT_TRUE(fd.ok());
+  auto r = MapReadOnly(fd->get(), 8192);
+  ASSERT_TRUE(r.ok());
+  MappedRegion moved = std::move(r).value();
+  EXPECT_NE(moved.data(), nullptr);
+  EXPECT_EQ(moved.size(), 8192u);
+  auto empty = MapReadOnly(fd->get(), 0);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(empty->data(), nullptr);
+  EXPECT_EQ(empty->size(), 0u);
+}
+
+}  // namespace
+}  // namespace weightcache::os
