@@ -1,0 +1,132 @@
+/* weightcache/c_api.h — the C ABI of the weightcache client, for languages that cannot call
+ * C++ (Rust, Go, Zig, ctypes). Plain C99: no C++ type crosses it.
+ *
+ * Contract:
+ *  - Same semantics as weightcache/client.h (Attachment::Attach); see docs/client.md.
+ *  - Options: call wc_attach_options_init() first, then set the fields you need. String fields
+ *    are borrowed for the duration of wc_attach() only; NULL means "unset".
+ *  - Errors: every fallible function returns a wc_status_code (WC_OK = 0) and, when `err` is
+ *    not NULL, fills it with the code and a NUL-terminated message (truncated to fit).
+ *  - Ownership: wc_attach() hands out one wc_attachment, released by wc_attachment_free().
+ *    Tensor fields returned by wc_attachment_tensor()/wc_attachment_find() (strings, shape and
+ *    stride arrays, data addresses) are owned by the attachment and valid until it is freed.
+ *    The data stay valid after the daemon dies.
+ *  - Thread-safety: wc_attach may be called from many threads. Read-only accessors may run
+ *    concurrently on one attachment; wc_attachment_free must not race with anything else on
+ *    the same attachment. Daemon-gone callbacks run on a library thread (see client.h).
+ */
+#ifndef WEIGHTCACHE_C_API_H_
+#define WEIGHTCACHE_C_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Mirrors weightcache::StatusCode (the numeric values are part of the ABI). */
+typedef enum wc_status_code {
+  WC_OK = 0,
+  WC_INVALID_ARGUMENT = 1,
+  WC_NOT_FOUND = 2,
+  WC_PERMISSION_DENIED = 3,
+  WC_INVALID_CHECKPOINT = 4,
+  WC_NO_DAEMON = 5,
+  WC_MISMATCH = 6,
+  WC_TIMEOUT = 7,
+  WC_ALREADY_SERVED = 8,
+  WC_PROTOCOL = 9,
+  WC_IO = 10,
+  WC_CUDA = 11,
+  WC_UNAVAILABLE = 12,
+  WC_OUT_OF_MEMORY = 13,
+  WC_INTERNAL = 14
+} wc_status_code;
+
+typedef enum wc_tier { WC_TIER_GPU = 0, WC_TIER_HOST = 1 } wc_tier;
+typedef enum wc_on_missing { WC_ON_MISSING_FALLBACK = 0, WC_ON_MISSING_ERROR = 1 } wc_on_missing;
+typedef enum wc_on_mismatch {
+  WC_ON_MISMATCH_ERROR = 0,
+  WC_ON_MISMATCH_FALLBACK = 1
+} wc_on_mismatch;
+typedef enum wc_source { WC_SOURCE_DAEMON = 0, WC_SOURCE_FALLBACK = 1 } wc_source;
+
+#define WC_ERROR_MESSAGE_BYTES 1024
+
+typedef struct wc_error {
+  wc_status_code code;
+  char message[WC_ERROR_MESSAGE_BYTES];
+} wc_error;
+
+typedef struct wc_attach_options {
+  const char* model_dir;
+  const char* model_id;
+  const char* revision;
+  const char* dtype;
+  const char* quantization;
+  const char* quantization_config; /* path of the JSON config */
+  int32_t tp_size, tp_rank;
+  int32_t pp_size, pp_rank;
+  int32_t ep_size, ep_rank;
+  int32_t dp_size;
+  const char* layout_tag;
+  const char* source; /* NULL = "disk" */
+  wc_tier tier;
+  const char* device; /* local index or UUID; NULL = default (see client.h) */
+  const char* namespace_name;
+  const char* runtime_dir;
+  const char* socket;
+  const char* device_inventory;
+  wc_on_missing on_missing;
+  wc_on_mismatch on_mismatch;
+  int64_t wait_timeout_ms;
+  int32_t fallback_threads;
+} wc_attach_options;
+
+typedef struct wc_tensor {
+  const char* name;
+  const char* dtype; /* "BF16", "F32", … */
+  int32_t ndim;
+  const int64_t* shape;   /* ndim entries */
+  const int64_t* strides; /* ndim entries, in elements */
+  uint64_t data;          /* host pointer (host tier) or CUdeviceptr (gpu tier) */
+  uint64_t nbytes;
+  uint64_t checksum;
+} wc_tensor;
+
+typedef struct wc_attachment wc_attachment;
+typedef void (*wc_daemon_gone_fn)(void* user_data);
+
+/* Defaults: ranks 0 of size 1, tier gpu, on_missing fallback, on_mismatch error, 60 s wait. */
+void wc_attach_options_init(wc_attach_options* options);
+
+wc_status_code wc_attach(const wc_attach_options* options, wc_attachment** out, wc_error* err);
+void wc_attachment_free(wc_attachment* attachment); /* NULL is a no-op */
+
+size_t wc_attachment_tensor_count(const wc_attachment* attachment);
+wc_status_code wc_attachment_tensor(const wc_attachment* attachment, size_t index, wc_tensor* out,
+                                    wc_error* err);
+wc_status_code wc_attachment_find(const wc_attachment* attachment, const char* name, wc_tensor* out,
+                                  wc_error* err);
+
+wc_source wc_attachment_source(const wc_attachment* attachment);
+wc_tier wc_attachment_tier(const wc_attachment* attachment);
+uint64_t wc_attachment_total_bytes(const wc_attachment* attachment);
+const char* wc_attachment_source_reason(const wc_attachment* attachment);
+const char* wc_attachment_socket_path(const wc_attachment* attachment);
+const char* wc_attachment_device_key(const wc_attachment* attachment);
+const char* wc_attachment_config_digest(const wc_attachment* attachment);
+int32_t wc_attachment_daemon_pid(const wc_attachment* attachment);
+/* 1 while the daemon's connection is open, 0 after it closed or for a fallback. */
+int wc_attachment_daemon_alive(const wc_attachment* attachment);
+wc_status_code wc_attachment_on_daemon_gone(wc_attachment* attachment, wc_daemon_gone_fn fn,
+                                            void* user_data, wc_error* err);
+
+const char* wc_status_code_name(wc_status_code code);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* WEIGHTCACHE_C_API_H_ */

@@ -1,0 +1,160 @@
+// weightcache/client.h — attach to a running weightcache daemon, or load from disk when there
+// is none. The engine-side C++ API (the C ABI in c_api.h and the Python package wrap it).
+//
+// Contract:
+//  * Attachment::Attach finds the daemon serving exactly this identity on the physical GPU the
+//    caller names (a local index into the VISIBLE devices, or a UUID; never a distributed rank,
+//    never an implicit physical GPU 0), checks its CacheConfig and maps its memory zero-copy.
+//    The discovery rules are SPEC §4; docs/client.md walks through them row by row.
+//  * Outcomes: source() == kDaemon (mapped from a daemon), kFallback (loaded from disk into
+//    memory this process owns — no daemon, stale socket, daemon still loading past the wait
+//    timeout, failed daemon, or a mismatch ignored with OnMismatch::kFallback). Errors:
+//    kMismatch (each differing field named with both values), kNoDaemon (OnMissing::kError),
+//    kTimeout (OnMissing::kError and the daemon was still loading), kPermissionDenied /
+//    kProtocol / kIo (a socket that is not ours, not a socket, or speaks garbage: never a
+//    silent fallback), kInvalidArgument (options), kInvalidCheckpoint (the model dir).
+//  * Ownership and lifetimes: an Attachment owns every mapping its tensors point into. Tensor
+//    addresses stay valid until the Attachment is destroyed — including after the daemon dies
+//    (host tier: the memfd mapping; gpu tier: the imported VMM mapping keeps the memory
+//    alive). Moving an Attachment keeps the addresses; a moved-from Attachment is empty.
+//    Received fds are closed once mapped; the connection to the daemon stays open so the
+//    client learns of the daemon's death by EOF.
+//  * GPU tier: device addresses are valid in the device's PRIMARY context (the one the CUDA
+//    runtime, torch and cupy use). The library retains that context for the Attachment's
+//    lifetime. The library installs no signal handlers and does not link libcudart.
+//  * Thread-safety: Attach may run concurrently from many threads. A const Attachment
+//    (tensors(), Find(), source(), daemon_alive(), …) may be read from any number of threads.
+//    OnDaemonGone may be called from any thread. Callbacks run on the library's watcher thread
+//    (one per Attachment that registered a callback, started on the first registration), each
+//    at most once; a callback registered after the daemon is known gone runs immediately on
+//    the registering thread. A callback must not destroy its Attachment (the destructor joins
+//    the watcher thread). Destroying an Attachment while another thread uses it is a bug.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weightcache/status.h"
+
+namespace weightcache {
+
+namespace client {
+struct AttachmentAccess;  // the library's internal constructor (src/client)
+}  // namespace client
+
+// Where the weights live: device memory of one GPU, or shared host memory (memfd).
+enum class Tier { kGpu, kHost };
+std::string_view TierName(Tier tier);  // "gpu" | "host"
+
+// What to do when no daemon serves this identity (absent, stale, failed, still loading).
+enum class OnMissing { kFallback, kError };
+// What to do when a daemon on this device holds a different config of the same model.
+enum class OnMismatch { kError, kFallback };
+
+enum class AttachSource { kDaemon, kFallback };
+std::string_view AttachSourceName(AttachSource source);  // "daemon" | "fallback"
+
+struct AttachOptions {
+  // ---- the CacheConfig (SPEC §2); every field must equal the daemon's ----
+  std::string model_dir;  // checkpoint dir or .safetensors file: fingerprint + fallback source
+  std::string model_id;   // default: the model dir's basename
+  std::string revision;
+  std::string dtype;                // "" = as stored in the checkpoint
+  std::string quantization;         // method name, "" = none
+  std::string quantization_config;  // path of the method's JSON config ("" = none)
+  int tp_size = 1, tp_rank = 0;
+  int pp_size = 1, pp_rank = 0;
+  int ep_size = 1, ep_rank = 0;
+  int dp_size = 1;  // never a dp rank: replicas share weights
+  std::string layout_tag;
+  std::string source = "disk";  // "disk" or "published:<producer tag>"
+  // The checkpoint fingerprint when the caller already knows it (skips reading the shard
+  // headers on the attach path); "" = computed from model_dir. A fallback load always opens
+  // model_dir.
+  std::string checkpoint_fingerprint;
+
+  // ---- where to look ----
+  Tier tier = Tier::kGpu;
+  // A local index ("0") into the devices this process can see, or a (prefix of a) UUID.
+  // Empty: gpu tier → the calling thread's current CUDA device, else visible index 0; host
+  // tier → no GPU affinity (device key "host"). Always resolved to the physical UUID.
+  std::string device;
+  std::string namespace_name;    // "" = "default"
+  std::string runtime_dir;       // "" = WEIGHTCACHE_RUNTIME_DIR > XDG_RUNTIME_DIR/… > /tmp/…
+  std::string socket;            // "" = WEIGHTCACHE_SOCKET, else the digest-keyed path
+  std::string device_inventory;  // "" = WEIGHTCACHE_DEVICE_INVENTORY, else the CUDA driver
+
+  // ---- policy ----
+  OnMissing on_missing = OnMissing::kFallback;
+  OnMismatch on_mismatch = OnMismatch::kError;
+  // How long to wait for a daemon that reports `loading` before treating it as absent.
+  std::chrono::milliseconds wait_timeout{std::chrono::seconds(60)};
+  // Reader threads of the fallback loader.
+  int fallback_threads = 8;
+};
+
+// One tensor as the caller sees it. Layout is always contiguous (row-major).
+struct Tensor {
+  std::string name;
+  std::string dtype;  // the safetensors spelling: "BF16", "F8_E4M3", …
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;  // in elements
+  // Host tier: a host pointer (read-only memory). GPU tier: a CUdeviceptr in the device's
+  // primary context.
+  uint64_t data = 0;
+  uint64_t nbytes = 0;
+  // Content checksum (docs/integrity.md): the daemon's record, or computed by the fallback
+  // loader from the bytes it read.
+  uint64_t checksum = 0;
+
+  const void* host_ptr() const { return reinterpret_cast<const void*>(data); }
+};
+
+class Attachment {
+ public:
+  static Result<Attachment> Attach(const AttachOptions& options);
+
+  Attachment(Attachment&& other) noexcept;
+  Attachment& operator=(Attachment&& other) noexcept;
+  Attachment(const Attachment&) = delete;
+  Attachment& operator=(const Attachment&) = delete;
+  ~Attachment();
+
+  // Sorted by name.
+  const std::vector<Tensor>& tensors() const;
+  const Tensor* Find(std::string_view name) const;  // null when absent
+  uint64_t total_bytes() const;
+
+  Tier tier() const;
+  AttachSource source() const;
+  // Why this source: "attached to daemon pid 123", "no daemon at <socket>", "mismatch
+  // ignored (on_mismatch=fallback): revision: ours=a daemon=b", …
+  const std::string& source_reason() const;
+  const std::string& socket_path() const;  // the path discovery resolved (also for fallback)
+  const std::string& device_key() const;   // the GPU UUID, or "host"
+  const std::string& config_digest() const;
+  int daemon_pid() const;  // 0 for fallback
+  // Wall time of Attach (discovery, handshake, mapping or fallback load) in milliseconds.
+  double attach_ms() const;
+
+  // False for fallback attachments, and once the daemon's end of the connection closed.
+  // Mappings stay valid either way.
+  bool daemon_alive() const;
+  // Run `callback` once when the daemon goes away (see the thread-safety contract above).
+  // For a fallback attachment it never runs.
+  void OnDaemonGone(std::function<void()> callback);
+
+  struct Impl;
+
+ private:
+  friend struct client::AttachmentAccess;
+  explicit Attachment(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace weightcache

@@ -1,0 +1,247 @@
+#include <unistd.h>
+
+#include <chrono>
+#include <utility>
+
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/dtype.h"
+#include "client/attachment_impl.h"
+#include "client/tensor_table.h"
+#include "common/logging.h"
+#include "identity/device_inventory.h"
+
+namespace weightcache {
+
+std::string_view TierName(Tier tier) { return tier == Tier::kGpu ? "gpu" : "host"; }
+
+std::string_view AttachSourceName(AttachSource source) {
+  return source == AttachSource::kDaemon ? "daemon" : "fallback";
+}
+
+namespace client {
+namespace {
+
+// Dtype semantics are the consumer's to check (protocol/manifest.h): a known safetensors
+// dtype, and nbytes equal to the element count times its size.
+Status CheckTensorEntry(const protocol::TensorEntry& t, const std::string& who) {
+  auto dtype = checkpoint::ParseDType(t.dtype);
+  if (!dtype.ok()) {
+    return ProtocolError(who + ": tensor " + std::string(t.name) + " has unknown dtype \"" +
+                         std::string(t.dtype) + "\"");
+  }
+  uint64_t elements = 1;
+  for (uint64_t d : t.dims()) {
+    if (d != 0 && elements > UINT64_MAX / d) {
+      return ProtocolError(who + ": tensor " + std::string(t.name) + ": shape overflows");
+    }
+    elements *= d;
+  }
+  auto bytes = checkpoint::DTypeByteSize(*dtype, elements);
+  if (!bytes.ok() || *bytes != t.nbytes) {
+    return ProtocolError(who + ": tensor " + std::string(t.name) + " claims " +
+                         std::to_string(t.nbytes) + " bytes for " + std::to_string(elements) +
+                         " elements of " + std::string(t.dtype));
+  }
+  return Status::Ok();
+}
+
+Status CheckTier(const protocol::AttachReply& reply, Tier want, const std::string& who) {
+  protocol::Tier expected = want == Tier::kGpu ? protocol::Tier::kGpu : protocol::Tier::kHost;
+  if (reply.manifest.tier() != expected) {
+    return Status(StatusCode::kMismatch,
+                  who + " serves the " + std::string(protocol::TierName(reply.manifest.tier())) +
+                      " tier (tier: ours=" + std::string(TierName(want)) +
+                      " theirs=" + std::string(protocol::TierName(reply.manifest.tier())) + ")");
+  }
+  return Status::Ok();
+}
+
+std::vector<Tensor> BuildTable(const protocol::Manifest& manifest,
+                               const std::vector<uint64_t>& allocation_base) {
+  std::vector<Tensor> tensors;
+  tensors.reserve(manifest.tensors().size());
+  for (const auto& t : manifest.tensors()) {
+    tensors.push_back(MakeTensor(std::string(t.name), std::string(t.dtype), t.dims(),
+                                 allocation_base[t.allocation] + t.offset, t.nbytes, t.checksum));
+  }
+  SortByName(tensors);
+  return tensors;
+}
+
+}  // namespace
+
+Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attachment::Impl& impl) {
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckTier(reply, Tier::kHost, who));
+  const auto& sizes = reply.manifest.allocation_sizes();
+  if (reply.fds.size() != sizes.size()) {
+    return ProtocolError(who + ": " + std::to_string(sizes.size()) + " allocations but " +
+                         std::to_string(reply.fds.size()) + " fds");
+  }
+  for (const auto& t : reply.manifest.tensors()) {
+    WEIGHTCACHE_RETURN_IF_ERROR(CheckTensorEntry(t, who));
+  }
+  std::vector<os::MappedRegion> regions;
+  std::vector<uint64_t> base;
+  regions.reserve(sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const std::string what = who + ": allocation " + std::to_string(i);
+    int fd = reply.fds[i].get();
+    // Sealed means the file can never shrink under our mapping (no SIGBUS) nor change.
+    Status sealed = os::CheckSealedReadOnly(fd);
+    if (!sealed.ok()) return sealed.Context(what);
+    auto size = os::FileSize(fd);
+    if (!size.ok()) return size.status().Context(what);
+    if (*size < sizes[i]) {
+      return ProtocolError(what + " is " + std::to_string(*size) + " bytes, the manifest says " +
+                           std::to_string(sizes[i]));
+    }
+    auto region = os::MapReadOnly(fd, sizes[i]);
+    if (!region.ok()) return region.status().Context(what);
+    base.push_back(reinterpret_cast<uint64_t>(region->data()));
+    regions.push_back(std::move(region).value());
+  }
+  reply.fds.clear();  // the mappings keep the memory; the fds would only pin it longer
+  impl.tensors = BuildTable(reply.manifest, base);
+  impl.host_regions = std::move(regions);
+  return Status::Ok();
+}
+
+Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::AttachReply& reply,
+                   const std::string& who, Attachment::Impl& impl) {
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckTier(reply, Tier::kGpu, who));
+  for (const auto& t : reply.manifest.tensors()) {
+    WEIGHTCACHE_RETURN_IF_ERROR(CheckTensorEntry(t, who));
+  }
+  const auto& sizes = reply.manifest.allocation_sizes();
+  auto arena = cuda::ImportedArena::Import(api, device, std::move(reply.fds), sizes);
+  if (!arena.ok()) return arena.status().Context(who);
+  std::vector<uint64_t> base;
+  for (const auto& a : arena->allocations()) base.push_back(a.ptr);
+  impl.tensors = BuildTable(reply.manifest, base);
+  impl.gpu_arena.emplace(std::move(arena).value());
+  return Status::Ok();
+}
+
+Result<CUdevice> FindCudaDevice(const cuda::DriverApi* api, const std::string& uuid) {
+  int count = 0;
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetCount(&count), "cuDeviceGetCount");
+  for (int i = 0; i < count; ++i) {
+    CUdevice dev = 0;
+    WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGet(&dev, i), "cuDeviceGet");
+    CUuuid raw;
+    WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetUuid(&raw, dev), "cuDeviceGetUuid");
+    if (identity::FormatGpuUuid(raw) == uuid) return dev;
+  }
+  return NotFound("device " + uuid + " is not among the " + std::to_string(count) +
+                  " devices the CUDA driver shows this process");
+}
+
+namespace {
+
+Status LoadFallback(const AttachOptions& options, const ResolvedIdentity& id,
+                    Attachment::Impl& impl) {
+  if (options.model_dir.empty()) {
+    return InvalidArgument("fallback load needs model_dir (" + impl.source_reason + ")");
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint ckpt,
+                               checkpoint::Checkpoint::Open(options.model_dir));
+  if (ckpt.fingerprint() != id.config.checkpoint_fingerprint) {
+    return InvalidArgument("checkpoint_fingerprint " + id.config.checkpoint_fingerprint +
+                           " does not match " + options.model_dir + " (" + ckpt.fingerprint() +
+                           ")");
+  }
+  if (options.tier == Tier::kHost) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(HostFallback loaded,
+                                 LoadHostFallback(ckpt, options.fallback_threads));
+    impl.tensors = std::move(loaded.tensors);
+    impl.host_fallback.emplace(std::move(loaded));
+    return Status::Ok();
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice dev, FindCudaDevice(api, id.device_key));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(GpuFallback loaded,
+                               LoadGpuFallback(api, dev, ckpt, options.fallback_threads));
+  impl.tensors = std::move(loaded.tensors);
+  impl.gpu_fallback.emplace(std::move(loaded));
+  return Status::Ok();
+}
+
+}  // namespace
+}  // namespace client
+
+Result<Attachment> Attachment::Attach(const AttachOptions& options) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  WEIGHTCACHE_ASSIGN_OR_RETURN(client::ResolvedIdentity id, client::ResolveIdentity(options));
+  auto impl = std::make_unique<Impl>();
+  impl->tier = options.tier;
+  impl->socket_path = id.paths.socket;
+  impl->device_key = id.device_key;
+  impl->config_digest = id.config.Digest();
+
+  client::DiscoveryPolicy policy;
+  policy.wait_timeout = options.wait_timeout;
+  auto found = client::Discover(id, policy);
+  if (!found.ok()) {
+    if (found.status().code() != StatusCode::kMismatch ||
+        options.on_mismatch != OnMismatch::kFallback) {
+      return found.status();
+    }
+    impl->source_reason = "mismatch ignored (on_mismatch=fallback): " + found.status().message();
+    LOG_WARN << impl->source_reason << "; loading from disk";
+  } else if (found->session.has_value()) {
+    client::DaemonSession& session = *found->session;
+    const std::string who =
+        "daemon at " + id.paths.socket + " (pid " + std::to_string(session.pid) + ")";
+    if (options.tier == Tier::kHost) {
+      WEIGHTCACHE_RETURN_IF_ERROR(client::MapHostReply(session.reply, who, *impl));
+    } else {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
+      WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice dev, client::FindCudaDevice(api, id.device_key));
+      WEIGHTCACHE_RETURN_IF_ERROR(client::MapGpuReply(api, dev, session.reply, who, *impl));
+    }
+    WEIGHTCACHE_ASSIGN_OR_RETURN(impl->watcher,
+                                 client::DaemonWatcher::Create(std::move(session.connection)));
+    impl->source = AttachSource::kDaemon;
+    impl->daemon_pid = static_cast<int>(session.pid);
+    impl->source_reason = "attached to " + who;
+  } else {
+    if (options.on_missing == OnMissing::kError) {
+      return Status(found->timed_out ? StatusCode::kTimeout : StatusCode::kNoDaemon,
+                    found->missing_reason + " (on_missing=error)");
+    }
+    impl->source_reason = found->missing_reason;
+    LOG_INFO << found->missing_reason << "; loading " << options.model_dir << " from disk";
+  }
+  if (impl->source == AttachSource::kFallback) {
+    WEIGHTCACHE_RETURN_IF_ERROR(client::LoadFallback(options, id, *impl));
+  }
+  for (const Tensor& t : impl->tensors) impl->total_bytes += t.nbytes;
+  impl->attach_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  return client::AttachmentAccess::Make(std::move(impl));
+}
+
+Attachment::Attachment(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Attachment::Attachment(Attachment&& other) noexcept = default;
+Attachment& Attachment::operator=(Attachment&& other) noexcept = default;
+Attachment::~Attachment() = default;
+
+const std::vector<Tensor>& Attachment::tensors() const { return impl_->tensors; }
+const Tensor* Attachment::Find(std::string_view name) const {
+  return client::FindByName(impl_->tensors, name);
+}
+uint64_t Attachment::total_bytes() const { return impl_->total_bytes; }
+Tier Attachment::tier() const { return impl_->tier; }
+AttachSource Attachment::source() const { return impl_->source; }
+const std::string& Attachment::source_reason() const { return impl_->source_reason; }
+const std::string& Attachment::socket_path() const { return impl_->socket_path; }
+const std::string& Attachment::device_key() const { return impl_->device_key; }
+const std::string& Attachment::config_digest() const { return impl_->config_digest; }
+int Attachment::daemon_pid() const { return impl_->daemon_pid; }
+double Attachment::attach_ms() const { return impl_->attach_ms; }
+bool Attachment::daemon_alive() const { return impl_->watcher && impl_->watcher->alive(); }
+void Attachment::OnDaemonGone(std::function<void()> callback) {
+  if (impl_->watcher) impl_->watcher->OnGone(std::move(callback));
+}
+
+}  // namespace weightcache

@@ -1,0 +1,65 @@
+// Attachment::Impl — what an Attachment owns, and the mapping of a daemon's AttachReply.
+// Internal to src/client; the public contract is weightcache/client.h.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "client/daemon_watcher.h"
+#include "client/discovery.h"
+#include "client/fallback_loader.h"
+#include "cuda/driver_api.h"
+#include "cuda/imported_arena.h"
+#include "os/memfd.h"
+#include "weightcache/client.h"
+
+namespace weightcache {
+
+struct Attachment::Impl {
+  Tier tier = Tier::kHost;
+  AttachSource source = AttachSource::kFallback;
+  std::string source_reason;
+  std::string socket_path;
+  std::string device_key;
+  std::string config_digest;
+  int daemon_pid = 0;
+  double attach_ms = 0;
+  uint64_t total_bytes = 0;
+
+  // The memory the tensors point into: exactly one of these is populated. Declared before
+  // the table so they are destroyed after it (the order does not matter for correctness: the
+  // table holds plain addresses).
+  std::vector<os::MappedRegion> host_regions;    // daemon, host tier
+  std::optional<cuda::ImportedArena> gpu_arena;  // daemon, gpu tier
+  std::optional<client::HostFallback> host_fallback;
+  std::optional<client::GpuFallback> gpu_fallback;
+
+  std::vector<Tensor> tensors;                     // sorted by name
+  std::unique_ptr<client::DaemonWatcher> watcher;  // null for fallback
+};
+
+namespace client {
+
+struct AttachmentAccess {
+  static Attachment Make(std::unique_ptr<Attachment::Impl> impl) {
+    return Attachment(std::move(impl));
+  }
+};
+
+// Maps a host-tier AttachReply: every memfd checked sealed read-only and large enough, mapped
+// PROT_READ/MAP_SHARED, then closed; every tensor's dtype and size checked. Fills
+// impl.host_regions and impl.tensors.
+Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attachment::Impl& impl);
+
+// Imports a gpu-tier AttachReply into `device` (ImportedArena). Fills impl.gpu_arena and
+// impl.tensors.
+Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::AttachReply& reply,
+                   const std::string& who, Attachment::Impl& impl);
+
+// The CUdevice whose UUID is `uuid` (the driver applies CUDA_VISIBLE_DEVICES itself).
+Result<CUdevice> FindCudaDevice(const cuda::DriverApi* api, const std::string& uuid);
+
+}  // namespace client
+}  // namespace weightcache

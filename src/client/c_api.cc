@@ -1,0 +1,202 @@
+// The C ABI over weightcache::Attachment (include/weightcache/c_api.h). No exception and no C++
+// type crosses it: statuses become codes plus a message copied into the caller's buffer.
+#include "weightcache/c_api.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "client/tensor_table.h"
+#include "weightcache/client.h"
+
+struct wc_attachment {
+  weightcache::Attachment attachment;
+};
+
+namespace {
+
+using weightcache::Status;
+using weightcache::StatusCode;
+
+static_assert(static_cast<int>(StatusCode::kInternal) == WC_INTERNAL,
+              "wc_status_code must mirror weightcache::StatusCode");
+static_assert(static_cast<int>(StatusCode::kMismatch) == WC_MISMATCH);
+static_assert(static_cast<int>(StatusCode::kNoDaemon) == WC_NO_DAEMON);
+static_assert(static_cast<int>(StatusCode::kTimeout) == WC_TIMEOUT);
+
+wc_status_code Report(const Status& status, wc_error* err) {
+  auto code = static_cast<wc_status_code>(status.code());
+  if (err != nullptr) {
+    err->code = code;
+    std::string text = status.ok() ? "" : status.ToString();
+    size_t n = std::min(text.size(), sizeof(err->message) - 1);
+    std::memcpy(err->message, text.data(), n);
+    err->message[n] = '\0';
+  }
+  return code;
+}
+
+std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
+
+void Fill(const weightcache::Tensor& t, wc_tensor* out) {
+  out->name = t.name.c_str();
+  out->dtype = t.dtype.c_str();
+  out->ndim = static_cast<int32_t>(t.shape.size());
+  out->shape = t.shape.data();
+  out->strides = t.strides.data();
+  out->data = t.data;
+  out->nbytes = t.nbytes;
+  out->checksum = t.checksum;
+}
+
+}  // namespace
+
+extern "C" {
+
+void wc_attach_options_init(wc_attach_options* options) {
+  if (options == nullptr) return;
+  std::memset(options, 0, sizeof(*options));
+  weightcache::AttachOptions defaults;
+  options->tp_size = defaults.tp_size;
+  options->pp_size = defaults.pp_size;
+  options->ep_size = defaults.ep_size;
+  options->dp_size = defaults.dp_size;
+  options->tier = WC_TIER_GPU;
+  options->on_missing = WC_ON_MISSING_FALLBACK;
+  options->on_mismatch = WC_ON_MISMATCH_ERROR;
+  options->wait_timeout_ms = defaults.wait_timeout.count();
+  options->fallback_threads = defaults.fallback_threads;
+}
+
+wc_status_code wc_attach(const wc_attach_options* options, wc_attachment** out, wc_error* err) {
+  if (options == nullptr || out == nullptr) {
+    return Report(weightcache::InvalidArgument("wc_attach: options and out must not be NULL"), err);
+  }
+  *out = nullptr;
+  weightcache::AttachOptions o;
+  o.model_dir = Str(options->model_dir);
+  o.model_id = Str(options->model_id);
+  o.revision = Str(options->revision);
+  o.dtype = Str(options->dtype);
+  o.quantization = Str(options->quantization);
+  o.quantization_config = Str(options->quantization_config);
+  o.tp_size = options->tp_size;
+  o.tp_rank = options->tp_rank;
+  o.pp_size = options->pp_size;
+  o.pp_rank = options->pp_rank;
+  o.ep_size = options->ep_size;
+  o.ep_rank = options->ep_rank;
+  o.dp_size = options->dp_size;
+  o.layout_tag = Str(options->layout_tag);
+  if (options->source != nullptr) o.source = options->source;
+  o.tier = options->tier == WC_TIER_HOST ? weightcache::Tier::kHost : weightcache::Tier::kGpu;
+  o.device = Str(options->device);
+  o.namespace_name = Str(options->namespace_name);
+  o.runtime_dir = Str(options->runtime_dir);
+  o.socket = Str(options->socket);
+  o.device_inventory = Str(options->device_inventory);
+  o.on_missing = options->on_missing == WC_ON_MISSING_ERROR ? weightcache::OnMissing::kError
+                                                            : weightcache::OnMissing::kFallback;
+  o.on_mismatch = options->on_mismatch == WC_ON_MISMATCH_FALLBACK
+                      ? weightcache::OnMismatch::kFallback
+                      : weightcache::OnMismatch::kError;
+  o.wait_timeout = std::chrono::milliseconds(options->wait_timeout_ms);
+  if (options->fallback_threads > 0) o.fallback_threads = options->fallback_threads;
+
+  auto attached = weightcache::Attachment::Attach(o);
+  if (!attached.ok()) return Report(attached.status(), err);
+  *out = new wc_attachment{std::move(attached).value()};
+  return Report(Status::Ok(), err);
+}
+
+void wc_attachment_free(wc_attachment* attachment) { delete attachment; }
+
+size_t wc_attachment_tensor_count(const wc_attachment* a) {
+  return a == nullptr ? 0 : a->attachment.tensors().size();
+}
+
+wc_status_code wc_attachment_tensor(const wc_attachment* a, size_t index, wc_tensor* out,
+                                    wc_error* err) {
+  if (a == nullptr || out == nullptr) {
+    return Report(weightcache::InvalidArgument("wc_attachment_tensor: NULL argument"), err);
+  }
+  const auto& tensors = a->attachment.tensors();
+  if (index >= tensors.size()) {
+    return Report(
+        weightcache::NotFound("tensor index " + std::to_string(index) + " out of range (" +
+                              std::to_string(tensors.size()) + " tensors)"),
+        err);
+  }
+  Fill(tensors[index], out);
+  return Report(Status::Ok(), err);
+}
+
+wc_status_code wc_attachment_find(const wc_attachment* a, const char* name, wc_tensor* out,
+                                  wc_error* err) {
+  if (a == nullptr || name == nullptr || out == nullptr) {
+    return Report(weightcache::InvalidArgument("wc_attachment_find: NULL argument"), err);
+  }
+  const weightcache::Tensor* t = a->attachment.Find(name);
+  if (t == nullptr) {
+    return Report(weightcache::NotFound(std::string("no tensor named \"") + name + "\""), err);
+  }
+  Fill(*t, out);
+  return Report(Status::Ok(), err);
+}
+
+wc_source wc_attachment_source(const wc_attachment* a) {
+  return a->attachment.source() == weightcache::AttachSource::kDaemon ? WC_SOURCE_DAEMON
+                                                                      : WC_SOURCE_FALLBACK;
+}
+wc_tier wc_attachment_tier(const wc_attachment* a) {
+  return a->attachment.tier() == weightcache::Tier::kHost ? WC_TIER_HOST : WC_TIER_GPU;
+}
+uint64_t wc_attachment_total_bytes(const wc_attachment* a) { return a->attachment.total_bytes(); }
+const char* wc_attachment_source_reason(const wc_attachment* a) {
+  return a->attachment.source_reason().c_str();
+}
+const char* wc_attachment_socket_path(const wc_attachment* a) {
+  return a->attachment.socket_path().c_str();
+}
+const char* wc_attachment_device_key(const wc_attachment* a) {
+  return a->attachment.device_key().c_str();
+}
+const char* wc_attachment_config_digest(const wc_attachment* a) {
+  return a->attachment.config_digest().c_str();
+}
+int32_t wc_attachment_daemon_pid(const wc_attachment* a) { return a->attachment.daemon_pid(); }
+int wc_attachment_daemon_alive(const wc_attachment* a) {
+  return a->attachment.daemon_alive() ? 1 : 0;
+}
+
+wc_status_code wc_attachment_on_daemon_gone(wc_attachment* a, wc_daemon_gone_fn fn, void* user_data,
+                                            wc_error* err) {
+  if (a == nullptr || fn == nullptr) {
+    return Report(weightcache::InvalidArgument("wc_attachment_on_daemon_gone: NULL argument"), err);
+  }
+  a->attachment.OnDaemonGone([fn, user_data] { fn(user_data); });
+  return Report(Status::Ok(), err);
+}
+
+const char* wc_status_code_name(wc_status_code code) {
+  static const char* const kNames[] = {"ok",
+                                       "invalid_argument",
+                                       "not_found",
+                                       "permission_denied",
+                                       "invalid_checkpoint",
+                                       "no_daemon",
+                                       "mismatch",
+                                       "timeout",
+                                       "already_served",
+                                       "protocol",
+                                       "io",
+                                       "cuda",
+                                       "unavailable",
+                                       "out_of_memory",
+                                       "internal"};
+  int i = static_cast<int>(code);
+  if (i < 0 || i >= static_cast<int>(sizeof(kNames) / sizeof(kNames[0]))) return "unknown";
+  return kNames[i];
+}
+
+}  // extern "C"

@@ -1,0 +1,80 @@
+// Discovery (SPEC §2, §4): from AttachOptions to a CacheConfig, a device key and a socket path,
+// and from there to a live, matching, ready daemon — or to a reason why there is none.
+//
+// The SPEC §4 table, as implemented here (docs/client.md has the long form):
+//   socket absent, or stale (its .lock not held)  → missing (then the sibling scan below)
+//   lstat: not a socket / owned by another uid    → error (kIo / kPermissionDenied)
+//   peer credentials of another uid               → error (kPermissionDenied)
+//   Hello → failed / draining                     → missing, with the daemon's reason
+//   Hello → no match                              → kMismatch naming every field, both values
+//   Hello → loading                               → Status polls until ready, failed or the
+//                                                   wait timeout (→ missing, timed_out)
+//   Hello → ready + match                         → Attach → AttachReply (manifest + fds)
+//   bad frame / unexpected reply                  → error (kProtocol)
+// When our exact socket is missing and it is a layout path (not an explicit --socket), every
+// other live cache under the same device key is asked Hello with our config; if one holds the
+// same model_id, the closest (fewest differing fields) is reported as kMismatch.
+//
+// Thread-safety: every function is reentrant. Ownership: a DaemonSession owns the connection.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "common/unique_fd.h"
+#include "identity/cache_config.h"
+#include "identity/device_inventory.h"
+#include "identity/env.h"
+#include "identity/paths.h"
+#include "protocol/messages.h"
+#include "weightcache/client.h"
+#include "weightcache/status.h"
+
+namespace weightcache::client {
+
+struct ResolvedIdentity {
+  identity::CacheConfig config;
+  std::string device_key;                      // the GPU UUID, or "host"
+  std::optional<identity::DeviceInfo> device;  // the GPU: gpu tier, or host tier with affinity
+  identity::CachePaths paths;
+};
+
+// The CacheConfig of `options` (fingerprint from options.checkpoint_fingerprint, else from the
+// model dir's headers), the device (CUDA_VISIBLE_DEVICES applied; see client.h for the
+// default) and the paths. kInvalidArgument for bad options, kInvalidCheckpoint for the model.
+Result<ResolvedIdentity> ResolveIdentity(const AttachOptions& options,
+                                         const identity::EnvLookup& env = identity::ProcessEnv());
+
+// The CacheConfig fields of `options` over a known fingerprint (no I/O but the quantization
+// config file).
+Result<identity::CacheConfig> BuildCacheConfig(const AttachOptions& options,
+                                               const std::string& fingerprint);
+
+// A live daemon that matched and sent its AttachReply. The connection stays open (the
+// DaemonWatcher learns of the daemon's death by EOF).
+struct DaemonSession {
+  UniqueFd connection;
+  protocol::AttachReply reply;
+  int64_t pid = 0;
+};
+
+struct Discovery {
+  std::optional<DaemonSession> session;  // set when a daemon is ready to be mapped
+  std::string missing_reason;            // why not, when session is empty
+  bool timed_out = false;                // missing because it was still loading at the deadline
+};
+
+struct DiscoveryPolicy {
+  std::chrono::milliseconds wait_timeout{std::chrono::seconds(60)};
+  // Bound on each connect / request / reply exchange with a live daemon.
+  std::chrono::milliseconds exchange_timeout{std::chrono::seconds(10)};
+  std::string client_name = "weightcache-client";
+};
+
+// Errors are returned as statuses (kMismatch, kPermissionDenied, kProtocol, kIo, …); "no
+// daemon" is not an error here (Discovery::missing_reason) — the caller applies on_missing.
+Result<Discovery> Discover(const ResolvedIdentity& identity, const DiscoveryPolicy& policy);
+
+}  // namespace weightcache::client

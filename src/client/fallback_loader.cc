@@ -1,0 +1,244 @@
+#include "client/fallback_loader.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <utility>
+
+#include "client/parallel.h"
+#include "client/tensor_table.h"
+#include "common/logging.h"
+#include "cuda/arena_plan.h"
+#include "cuda/checksum.h"
+
+namespace weightcache::client {
+namespace {
+
+std::string TensorDType(const checkpoint::TensorInfo& t) {
+  return std::string(checkpoint::DTypeName(t.dtype));
+}
+
+}  // namespace
+
+// ---- HostBuffer ---------------------------------------------------------------------------
+
+Result<HostBuffer> HostBuffer::Allocate(uint64_t bytes) {
+  // aligned_alloc wants a size that is a multiple of the alignment, and never zero.
+  uint64_t size = cuda::AlignUp(std::max<uint64_t>(bytes, 1), cuda::kTensorAlignment);
+  void* p = std::aligned_alloc(cuda::kTensorAlignment, size);
+  if (p == nullptr) {
+    return Status(StatusCode::kOutOfMemory, "allocating " + std::to_string(bytes) +
+                                                " bytes of host memory for the "
+                                                "fallback load");
+  }
+  return HostBuffer(static_cast<uint8_t*>(p), bytes);
+}
+
+HostBuffer::HostBuffer(HostBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+HostBuffer& HostBuffer::operator=(HostBuffer&& other) noexcept {
+  if (this != &other) {
+    std::free(data_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+HostBuffer::~HostBuffer() { std::free(data_); }
+
+// ---- DeviceBuffer ---------------------------------------------------------------------------
+
+Result<DeviceBuffer> DeviceBuffer::Allocate(const cuda::DriverApi* api, uint64_t bytes) {
+  CUdeviceptr ptr = 0;
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(
+      api, cuMemAlloc(&ptr, std::max<uint64_t>(bytes, 1)),
+      "cuMemAlloc of " + std::to_string(bytes) + " bytes for the fallback load");
+  return DeviceBuffer(api, ptr, bytes);
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : api_(std::exchange(other.api_, nullptr)),
+      ptr_(std::exchange(other.ptr_, 0)),
+      size_(std::exchange(other.size_, 0)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    api_ = std::exchange(other.api_, nullptr);
+    ptr_ = std::exchange(other.ptr_, 0);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+DeviceBuffer::~DeviceBuffer() { Reset(); }
+
+void DeviceBuffer::Reset() {
+  if (api_ != nullptr) {
+    CUresult rc = api_->cuMemFree(ptr_);
+    if (rc != CUDA_SUCCESS) {
+      LOG_WARN << cuda::DriverError(api_, rc, "cuMemFree of the fallback buffer").ToString();
+    }
+  }
+  api_ = nullptr;
+  ptr_ = 0;
+  size_ = 0;
+}
+
+// ---- PinnedBuffer ---------------------------------------------------------------------------
+
+Result<PinnedBuffer> PinnedBuffer::Allocate(const cuda::DriverApi* api, uint64_t bytes) {
+  void* p = nullptr;
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuMemHostAlloc(&p, bytes, 0),
+                                 "cuMemHostAlloc of " + std::to_string(bytes) + " staging bytes");
+  return PinnedBuffer(api, static_cast<uint8_t*>(p), bytes);
+}
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept
+    : api_(std::exchange(other.api_, nullptr)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    api_ = std::exchange(other.api_, nullptr);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+PinnedBuffer::~PinnedBuffer() { Reset(); }
+
+void PinnedBuffer::Reset() {
+  if (api_ != nullptr) {
+    CUresult rc = api_->cuMemFreeHost(data_);
+    if (rc != CUDA_SUCCESS) {
+      LOG_WARN << cuda::DriverError(api_, rc, "cuMemFreeHost of the staging buffer").ToString();
+    }
+  }
+  api_ = nullptr;
+  data_ = nullptr;
+  size_ = 0;
+}
+
+// ---- loaders ------------------------------------------------------------------------------
+
+std::vector<uint64_t> PackedOffsets(const checkpoint::Checkpoint& checkpoint) {
+  std::vector<uint64_t> offsets;
+  offsets.reserve(checkpoint.tensors().size() + 1);
+  uint64_t at = 0;
+  for (const auto& t : checkpoint.tensors()) {
+    offsets.push_back(at);
+    at = cuda::AlignUp(at + t.nbytes, cuda::kTensorAlignment);
+  }
+  offsets.push_back(at);
+  return offsets;
+}
+
+Result<HostFallback> LoadHostFallback(const checkpoint::Checkpoint& checkpoint, int threads) {
+  const auto& infos = checkpoint.tensors();
+  std::vector<uint64_t> offsets = PackedOffsets(checkpoint);
+  WEIGHTCACHE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(offsets.back()));
+
+  std::vector<checkpoint::ReadRequest> requests;
+  requests.reserve(infos.size());
+  for (size_t i = 0; i < infos.size(); ++i) {
+    if (infos[i].nbytes == 0) continue;
+    requests.push_back(
+        {infos[i].shard, infos[i].offset, infos[i].nbytes, buffer.data() + offsets[i]});
+  }
+  checkpoint::ReadOptions read_options;
+  read_options.threads = std::clamp(threads, 1, 256);
+  Status read = checkpoint::ReadRanges(checkpoint, requests, read_options);
+  if (!read.ok()) return read.Context("fallback load of " + checkpoint.path());
+
+  std::vector<uint64_t> checksums(infos.size());
+  ParallelFor(infos.size(), threads, [&](size_t i) {
+    checksums[i] = cuda::TensorChecksum(buffer.data() + offsets[i], infos[i].nbytes);
+  });
+
+  HostFallback out{std::move(buffer), {}};
+  out.tensors.reserve(infos.size());
+  for (size_t i = 0; i < infos.size(); ++i) {
+    uint64_t addr = reinterpret_cast<uint64_t>(out.buffer.data() + offsets[i]);
+    out.tensors.push_back(MakeTensor(infos[i].name, TensorDType(infos[i]), infos[i].shape, addr,
+                                     infos[i].nbytes, checksums[i]));
+  }
+  SortByName(out.tensors);  // already sorted by the checkpoint; kept explicit for the contract
+  return out;
+}
+
+Result<GpuFallback> LoadGpuFallback(const cuda::DriverApi* api, CUdevice device,
+                                    const checkpoint::Checkpoint& checkpoint, int threads,
+                                    uint64_t staging_bytes) {
+  const auto& infos = checkpoint.tensors();
+  std::vector<uint64_t> offsets = PackedOffsets(checkpoint);
+  WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::PrimaryContext context,
+                               cuda::PrimaryContext::Retain(api, device));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::Allocate(api, offsets.back()));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(PinnedBuffer staging, PinnedBuffer::Allocate(api, staging_bytes));
+
+  // Pieces of at most one staging buffer each, batched until the staging buffer is full.
+  // A tensor's pieces are consumed in order, so its ChecksumBuilder sees its bytes in order.
+  struct Piece {
+    size_t tensor;
+    uint64_t begin;  // within the tensor
+    uint64_t length;
+    uint64_t staging_offset;
+  };
+  std::vector<cuda::ChecksumBuilder> builders(infos.size());
+  std::vector<Piece> batch;
+  uint64_t batch_bytes = 0;
+  checkpoint::ReadOptions read_options;
+  read_options.threads = std::clamp(threads, 1, 256);
+
+  auto flush = [&]() -> Status {
+    if (batch.empty()) return Status::Ok();
+    std::vector<checkpoint::ReadRequest> requests;
+    requests.reserve(batch.size());
+    for (const Piece& p : batch) {
+      const auto& info = infos[p.tensor];
+      requests.push_back(
+          {info.shard, info.offset + p.begin, p.length, staging.data() + p.staging_offset});
+    }
+    Status read = checkpoint::ReadRanges(checkpoint, requests, read_options);
+    if (!read.ok()) return read.Context("fallback load of " + checkpoint.path());
+    for (const Piece& p : batch) {
+      builders[p.tensor].Update(staging.data() + p.staging_offset, p.length);
+      WEIGHTCACHE_CU_RETURN_IF_ERROR(api,
+                                     cuMemcpyHtoD(buffer.ptr() + offsets[p.tensor] + p.begin,
+                                                  staging.data() + p.staging_offset, p.length),
+                                     "cuMemcpyHtoD of tensor " + infos[p.tensor].name);
+    }
+    batch.clear();
+    batch_bytes = 0;
+    return Status::Ok();
+  };
+
+  for (size_t i = 0; i < infos.size(); ++i) {
+    for (uint64_t begin = 0; begin < infos[i].nbytes;) {
+      if (batch_bytes == staging.size()) WEIGHTCACHE_RETURN_IF_ERROR(flush());
+      uint64_t length = std::min(infos[i].nbytes - begin, staging.size() - batch_bytes);
+      batch.push_back({i, begin, length, batch_bytes});
+      batch_bytes += length;
+      begin += length;
+    }
+  }
+  WEIGHTCACHE_RETURN_IF_ERROR(flush());
+
+  GpuFallback out{std::move(context), std::move(buffer), {}};
+  out.tensors.reserve(infos.size());
+  for (size_t i = 0; i < infos.size(); ++i) {
+    out.tensors.push_back(MakeTensor(infos[i].name, TensorDType(infos[i]), infos[i].shape,
+                                     out.buffer.ptr() + offsets[i], infos[i].nbytes,
+                                     builders[i].Finish()));
+  }
+  SortByName(out.tensors);
+  return out;
+}
+
+}  // namespace weightcache::client
