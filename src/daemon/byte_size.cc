@@ -1,0 +1,75 @@
+#include "daemon/byte_size.h"
+
+#include <cctype>
+#include <cstdio>
+#include <limits>
+
+namespace weightcache::daemon {
+
+Result<uint64_t> ParseByteSize(std::string_view text) {
+  const std::string quoted = "\"" + std::string(text) + "\"";
+  size_t i = 0;
+  uint64_t value = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
+    const uint64_t digit = static_cast<uint64_t>(text[i] - '0');
+    if (value > (std::numeric_limits<uint64_t>::max() - digit) / 10) {
+      return InvalidArgument("byte size " + quoted + " overflows 64 bits");
+    }
+    value = value * 10 + digit;
+    ++i;
+  }
+  if (i == 0) {
+    return InvalidArgument("byte size " + quoted +
+                           " must start with a whole number of bytes (e.g. 20G, 512M, 4096)");
+  }
+  std::string suffix;
+  for (; i < text.size(); ++i) {
+    suffix.push_back(static_cast<char>(std::toupper(static_cast<unsigned char>(text[i]))));
+  }
+  // Accept K, KB, KIB (and the same for M, G, T, P); a bare "B" means bytes.
+  int shift = 0;
+  if (!suffix.empty()) {
+    std::string_view unit = suffix;
+    if (unit == "B") {
+      unit = "";
+    } else if (unit.size() == 3 && unit.substr(1) == "IB") {
+      unit = unit.substr(0, 1);
+    } else if (unit.size() == 2 && unit[1] == 'B') {
+      unit = unit.substr(0, 1);
+    }
+    if (unit == "K") {
+      shift = 10;
+    } else if (unit == "M") {
+      shift = 20;
+    } else if (unit == "G") {
+      shift = 30;
+    } else if (unit == "T") {
+      shift = 40;
+    } else if (unit == "P") {
+      shift = 50;
+    } else if (!unit.empty()) {
+      return InvalidArgument("byte size " + quoted +
+                             " has an unknown unit (use B, K, M, G, T or P; binary multiples)");
+    }
+  }
+  if (shift > 0 && value > (std::numeric_limits<uint64_t>::max() >> shift)) {
+    return InvalidArgument("byte size " + quoted + " overflows 64 bits");
+  }
+  return value << shift;
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
+  if (bytes < 1024) return std::to_string(bytes) + " B";
+  double value = static_cast<double>(bytes) / 1024.0;
+  size_t unit = 0;
+  while (value >= 1024.0 && unit + 1 < std::size(kUnits)) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f %s", value, kUnits[unit]);
+  return buf;
+}
+
+}  // namespace weightcache::daemon

@@ -1,0 +1,22 @@
+// Byte sizes as operators write them ("20G", "512MiB", "1073741824") and as logs print them.
+//
+// Contract: pure functions, thread-safe. Suffixes are binary (K = 1024), matching how GPU and
+// host memory are sized; "B" and an optional "iB" are accepted ("20G", "20GB", "20GiB" are
+// all 20 * 2^30), case-insensitive. Overflow, negative numbers, fractions and unknown
+// suffixes are kInvalidArgument naming the text.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "weightcache/status.h"
+
+namespace weightcache::daemon {
+
+Result<uint64_t> ParseByteSize(std::string_view text);
+
+// "1.50 GiB", "512.00 MiB", "17 B": for humans, not for parsing back.
+std::string FormatBytes(uint64_t bytes);
+
+}  // namespace weightcache::daemon

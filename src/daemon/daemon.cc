@@ -1,0 +1,630 @@
+#include "daemon/daemon.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <deque>
+
+#include "checkpoint/checkpoint.h"
+#include "common/logging.h"
+#include "daemon/byte_size.h"
+#include "os/fd_passing.h"
+#include "protocol/frame.h"
+
+namespace weightcache::daemon {
+
+using Clock = std::chrono::steady_clock;
+using protocol::CacheState;
+using protocol::MessageType;
+
+struct Daemon::Connection {
+  Connection(UniqueFd socket, os::PeerCred cred)
+      : fd(std::move(socket)), peer(cred), reader(protocol::Expect::kRequest) {}
+
+  UniqueFd fd;
+  os::PeerCred peer;
+  protocol::FrameReader reader;
+  std::deque<protocol::FrameWriter> outbox;
+  bool hello_matched = false;
+  bool attached = false;
+  bool close_after_flush = false;  // after an error that ends this connection
+  uint32_t armed = 0;              // the epoll mask currently registered
+
+  std::string Describe() const {
+    return "peer pid " + std::to_string(peer.pid) + " uid " + std::to_string(peer.uid);
+  }
+};
+
+namespace {
+
+Status EpollCtl(int epoll, int op, int fd, uint32_t events) {
+  epoll_event ev{};
+  ev.events = events;
+  ev.data.fd = fd;
+  if (::epoll_ctl(epoll, op, fd, &ev) != 0) {
+    return IoError("epoll_ctl(fd " + std::to_string(fd) + ")", errno);
+  }
+  return Status::Ok();
+}
+
+void Wake(int eventfd) {
+  const uint64_t one = 1;
+  // A full counter (impossible in practice) or EINTR only loses a wakeup the next one repeats.
+  ssize_t n = ::write(eventfd, &one, sizeof(one));
+  (void)n;
+}
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace
+
+// ---- PublishedSocket --------------------------------------------------------------------------
+
+Daemon::PublishedSocket& Daemon::PublishedSocket::operator=(PublishedSocket&& other) noexcept {
+  if (this != &other) {
+    Withdraw();
+    fd_ = std::move(other.fd_);
+    path_ = std::move(other.path_);
+  }
+  return *this;
+}
+
+void Daemon::PublishedSocket::Withdraw() {
+  if (!path_.empty() && ::unlink(path_.c_str()) != 0 && errno != ENOENT) {
+    LOG_WARN << "could not remove socket " << path_ << ": " << std::strerror(errno);
+  }
+  path_.clear();
+  fd_.Reset();
+}
+
+// ---- construction -----------------------------------------------------------------------------
+
+Result<std::unique_ptr<Daemon>> Daemon::Create(DaemonOptions options) {
+  const identity::CachePaths& paths = options.paths;
+  WEIGHTCACHE_RETURN_IF_ERROR(identity::EnsureCacheDirs(paths));
+
+  // The lock comes before anything else touches the cache's files: whoever holds it owns the
+  // socket path, so everything below may replace what it finds there.
+  auto lock = os::LockFile::TryAcquire(paths.lock);
+  if (!lock.ok()) {
+    Status status = lock.status();
+    return status.Context("cache " + paths.socket);
+  }
+
+  struct stat st {};
+  if (::lstat(paths.socket.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return InvalidArgument(paths.socket + " exists and is not a socket; refusing to replace it");
+    }
+    // Lock held by us, so nobody serves it: a crashed daemon's leftover. ListenUnix renames
+    // over it atomically, so clients never see the path missing.
+    LOG_INFO << "replacing stale socket " << paths.socket << " (its lock was free)";
+  }
+  auto listen_fd = os::ListenUnix(paths.socket, 0600, os::Blocking::kNonBlocking);
+  if (!listen_fd.ok()) {
+    Status status = listen_fd.status();
+    return status.Context("publishing " + paths.socket);
+  }
+  PublishedSocket socket(std::move(listen_fd).value(), paths.socket);
+
+  UniqueFd epoll(::epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll) return IoError("epoll_create1", errno);
+  UniqueFd wakeup(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wakeup) return IoError("eventfd", errno);
+
+  return std::unique_ptr<Daemon>(new Daemon(std::move(options), std::move(lock).value(),
+                                            std::move(socket), std::move(epoll),
+                                            std::move(wakeup)));
+}
+
+Daemon::Daemon(DaemonOptions options, os::LockFile lock, PublishedSocket socket, UniqueFd epoll,
+               UniqueFd wakeup)
+    : options_(std::move(options)),
+      lock_(std::move(lock)),
+      socket_(std::move(socket)),
+      epoll_(std::move(epoll)),
+      wakeup_(std::move(wakeup)) {}
+
+Daemon::~Daemon() {
+  StopLoader();
+  connections_.clear();
+  socket_.Withdraw();  // explicit: before lock_ (a member declared earlier) is released
+}
+
+void Daemon::StopLoader() {
+  cancel_.store(true);
+  if (loader_.joinable()) loader_.join();
+}
+
+// ---- the loader thread ------------------------------------------------------------------------
+
+void Daemon::LoaderMain() {
+  auto finish = [this](Result<std::unique_ptr<WeightStore>> result) {
+    {
+      std::lock_guard<std::mutex> lock(result_mu_);
+      load_result_.emplace(std::move(result));
+      load_finished_ = true;
+    }
+    Wake(wakeup_.get());
+  };
+
+  auto checkpoint = checkpoint::Checkpoint::Open(options_.model_path);
+  if (!checkpoint.ok()) return finish(checkpoint.status());
+  // The identity (and so the socket path) was computed from the checkpoint's headers before
+  // the lock; a checkpoint replaced since then would be served under the wrong identity.
+  if (checkpoint->fingerprint() != options_.config.checkpoint_fingerprint) {
+    return finish(InvalidCheckpoint("checkpoint " + options_.model_path +
+                                    " changed while the daemon started: fingerprint " +
+                                    checkpoint->fingerprint() + ", identity computed from " +
+                                    options_.config.checkpoint_fingerprint));
+  }
+  bytes_total_.store(checkpoint->total_bytes());
+
+  // Throttle wakeups: about every 1 % or 250 ms, whichever comes first.
+  std::mutex progress_mu;
+  uint64_t last_reported = 0;
+  Clock::time_point last_time = Clock::now();
+  LoadControl control;
+  control.cancel = &cancel_;
+  control.progress = [&](uint64_t done, uint64_t total) {
+    bytes_done_.store(done);
+    std::lock_guard<std::mutex> lock(progress_mu);
+    const auto now = Clock::now();
+    if (done - std::min(done, last_reported) >= total / 100 ||
+        now - last_time >= std::chrono::milliseconds(250) || done == total) {
+      last_reported = done;
+      last_time = now;
+      Wake(wakeup_.get());
+    }
+  };
+  LoadOptions load = options_.load;
+  if (options_.tier == protocol::Tier::kHost) {
+    finish(LoadHostStore(*checkpoint, load, control));
+  } else {
+    load.device_uuid = options_.device_key;
+    finish(LoadGpuStore(*checkpoint, load, control));
+  }
+}
+
+// ---- the event loop ---------------------------------------------------------------------------
+
+Status Daemon::Run(int signal_fd, DaemonEvents events) {
+  events_ = std::move(events);
+  WEIGHTCACHE_RETURN_IF_ERROR(EpollCtl(epoll_.get(), EPOLL_CTL_ADD, socket_.fd(), EPOLLIN));
+  WEIGHTCACHE_RETURN_IF_ERROR(EpollCtl(epoll_.get(), EPOLL_CTL_ADD, wakeup_.get(), EPOLLIN));
+  if (signal_fd >= 0) {
+    WEIGHTCACHE_RETURN_IF_ERROR(EpollCtl(epoll_.get(), EPOLL_CTL_ADD, signal_fd, EPOLLIN));
+  }
+  const int listen_fd = socket_.fd();
+  load_start_ = Clock::now();
+  loader_ = std::thread([this] { LoaderMain(); });
+
+  epoll_event ready[64];
+  while (true) {
+    const auto now = Clock::now();
+    if (linger_until_ && state_ == CacheState::kFailed && now >= *linger_until_) {
+      BeginDrain("the failed load's linger time is over");
+    }
+    if (state_ == CacheState::kDraining) {
+      const bool flushed = std::none_of(connections_.begin(), connections_.end(),
+                                        [](const auto& c) { return !c.second->outbox.empty(); });
+      if (flushed || now >= *drain_until_) break;
+    }
+    std::optional<Clock::time_point> wake_at;
+    if (state_ == CacheState::kFailed && linger_until_) wake_at = linger_until_;
+    if (state_ == CacheState::kDraining) wake_at = drain_until_;
+    int timeout_ms = -1;
+    if (wake_at) {
+      auto left = std::chrono::ceil<std::chrono::milliseconds>(*wake_at - now).count();
+      timeout_ms = static_cast<int>(std::clamp<int64_t>(left, 0, 60'000));
+    }
+    const int n = ::epoll_wait(epoll_.get(), ready, static_cast<int>(std::size(ready)), timeout_ms);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return IoError("epoll_wait", errno);
+    }
+    for (int i = 0; i < n; ++i) {
+      const int fd = ready[i].data.fd;
+      if (fd == listen_fd && state_ != CacheState::kDraining) {
+        AcceptAll();
+      } else if (fd == wakeup_.get()) {
+        OnLoaderWakeup();
+      } else if (fd == signal_fd) {
+        OnSignal(signal_fd);
+      } else if (connections_.count(fd) != 0) {
+        OnConnectionEvent(fd, ready[i].events);
+      }
+    }
+    if (!stop_requested_by_.empty()) BeginDrain("Stop requested by " + stop_requested_by_);
+  }
+
+  LOG_INFO << "drained; closing " << connections_.size() << " connection(s)";
+  connections_.clear();
+  StopLoader();
+  socket_.Withdraw();
+  // A load that finished while draining still decides nothing: only a failure recorded
+  // before the drain makes the exit non-zero.
+  return failure_;
+}
+
+void Daemon::OnLoaderWakeup() {
+  uint64_t counter = 0;
+  ssize_t n = ::read(wakeup_.get(), &counter, sizeof(counter));
+  (void)n;  // EAGAIN: a spurious wakeup; the state below is what matters
+  std::optional<Result<std::unique_ptr<WeightStore>>> result;
+  {
+    std::lock_guard<std::mutex> lock(result_mu_);
+    if (load_finished_ && load_result_) {
+      result = std::move(load_result_);
+      load_result_.reset();
+    }
+  }
+  if (!result) {
+    if (state_ == CacheState::kLoading && events_.on_progress) {
+      events_.on_progress(bytes_done_.load(), bytes_total_.load(), SecondsSince(load_start_));
+    }
+    return;
+  }
+  if (loader_.joinable()) loader_.join();
+  const double seconds = SecondsSince(load_start_);
+  if (state_ == CacheState::kDraining) return;  // cancelled or irrelevant now
+  if (!result->ok()) return Fail(result->status());
+  std::unique_ptr<WeightStore> store = std::move(*result).value();
+  auto frame = protocol::EncodeAttachReply(store->summary().manifest,
+                                           static_cast<uint32_t>(store->fds().size()));
+  if (!frame.ok()) {
+    Status status = frame.status();
+    return Fail(status.Context("encoding the attach reply"));
+  }
+  attach_frame_ = std::move(frame).value();
+  store_ = std::move(store);
+  bytes_done_.store(bytes_total_.load());
+  state_ = CacheState::kReady;
+  if (events_.on_progress) {
+    events_.on_progress(bytes_total_.load(), bytes_total_.load(), seconds);
+  }
+  if (events_.on_ready) events_.on_ready(store_->summary(), seconds);
+}
+
+void Daemon::Fail(Status failure) {
+  failure_ = std::move(failure);
+  state_ = CacheState::kFailed;
+  linger_until_ = Clock::now() + options_.failed_linger;
+  LOG_ERROR << "load failed: " << failure_.ToString() << "; answering `failed` for "
+            << options_.failed_linger.count() << " ms, then exiting";
+  if (events_.on_failed) events_.on_failed(failure_);
+}
+
+void Daemon::OnSignal(int signal_fd) {
+  signalfd_siginfo info{};
+  while (::read(signal_fd, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
+    const int signo = static_cast<int>(info.ssi_signo);
+    if (signo == SIGHUP) {
+      // The identity of a daemon is fixed for its life: there is nothing to reload, and a
+      // daemon started from a terminal should survive that terminal going away.
+      LOG_INFO << "SIGHUP from pid " << info.ssi_pid << " ignored (use SIGTERM to stop)";
+      continue;
+    }
+    BeginDrain(std::string(signo == SIGINT ? "SIGINT" : "SIGTERM") + " from pid " +
+               std::to_string(info.ssi_pid));
+  }
+}
+
+void Daemon::BeginDrain(std::string_view reason) {
+  if (state_ == CacheState::kDraining) return;
+  LOG_INFO << "draining: " << reason;
+  if (events_.on_draining) events_.on_draining(reason);
+  state_ = CacheState::kDraining;
+  drain_until_ = Clock::now() + options_.drain_timeout;
+  cancel_.store(true);
+  // Stop accepting: withdraw the socket now, so nobody new finds it, and so `stop` (which
+  // waits for the path to disappear) returns as soon as we are committed to exiting.
+  (void)EpollCtl(epoll_.get(), EPOLL_CTL_DEL, socket_.fd(), 0);
+  socket_.Withdraw();
+  // Connections with nothing pending are done; the others get their replies flushed.
+  std::vector<int> idle;
+  for (auto& [fd, conn] : connections_) {
+    if (conn->outbox.empty()) idle.push_back(fd);
+    conn->close_after_flush = true;
+  }
+  for (int fd : idle) CloseConnection(fd);
+}
+
+// ---- connections ------------------------------------------------------------------------------
+
+bool Daemon::PeerAllowed(const os::PeerCred& peer) const {
+  if (peer.uid == ::geteuid()) return true;
+  if (std::find(options_.allow_uids.begin(), options_.allow_uids.end(), peer.uid) !=
+      options_.allow_uids.end()) {
+    return true;
+  }
+  return std::find(options_.allow_gids.begin(), options_.allow_gids.end(), peer.gid) !=
+         options_.allow_gids.end();
+}
+
+void Daemon::AcceptAll() {
+  while (true) {
+    auto accepted = os::AcceptConnection(socket_.fd(), os::Blocking::kNonBlocking);
+    if (!accepted.ok()) {
+      // EMFILE and friends: log and retry on the next readiness; the loop stays alive.
+      LOG_WARN << "accept on " << options_.paths.socket << ": " << accepted.status().ToString();
+      return;
+    }
+    if (!accepted->has_value()) return;
+    UniqueFd fd = std::move(**accepted);
+    auto cred = os::PeerCredentials(fd.get());
+    if (!cred.ok()) {
+      LOG_WARN << "dropping a connection without peer credentials: " << cred.status().ToString();
+      continue;
+    }
+    auto refuse = [&](const Status& why) {
+      // Best effort, one non-blocking send: a fresh socket's buffer takes a small frame.
+      auto frame = protocol::EncodeError(why);
+      if (frame.ok()) (void)os::SendSome(fd.get(), *frame, {});
+    };
+    if (!PeerAllowed(*cred)) {
+      LOG_WARN << "refused connection from pid " << cred->pid << " uid " << cred->uid << " gid "
+               << cred->gid << ": not our uid " << ::geteuid() << " nor in --allow-uid/--allow-gid";
+      refuse(PermissionDenied(
+          "peer pid " + std::to_string(cred->pid) + " uid " + std::to_string(cred->uid) +
+          " is not allowed by daemon pid " + std::to_string(::getpid()) + " (same uid " +
+          std::to_string(::geteuid()) + " or --allow-uid/--allow-gid required)"));
+      continue;
+    }
+    if (connections_.size() >= options_.max_connections) {
+      LOG_WARN << "refused connection from pid " << cred->pid << ": " << options_.max_connections
+               << " connections open";
+      refuse(Status(StatusCode::kUnavailable, "daemon has too many connections (" +
+                                                  std::to_string(options_.max_connections) + ")"));
+      continue;
+    }
+    const int raw = fd.get();
+    Status added = EpollCtl(epoll_.get(), EPOLL_CTL_ADD, raw, EPOLLIN | EPOLLRDHUP);
+    if (!added.ok()) {
+      LOG_WARN << added.ToString();
+      continue;
+    }
+    LOG_DEBUG << "connection from pid " << cred->pid << " uid " << cred->uid;
+    auto conn = std::make_unique<Connection>(std::move(fd), *cred);
+    conn->armed = EPOLLIN | EPOLLRDHUP;
+    connections_.emplace(raw, std::move(conn));
+  }
+}
+
+void Daemon::OnConnectionEvent(int fd, uint32_t events) {
+  Connection& conn = *connections_.at(fd);
+  if (events & EPOLLOUT) {
+    FlushAndRearm(conn);
+    if (connections_.count(fd) == 0) return;
+  }
+  // Read only while nothing is pending: one request, one reply. A client that pipelines
+  // requests without reading the replies is throttled by its own socket, not our memory.
+  while (conn.outbox.empty() && !conn.close_after_flush) {
+    auto frame = conn.reader.ReadAvailable(fd);
+    if (!frame.ok()) {
+      const Status& status = frame.status();
+      if (status.code() == StatusCode::kUnavailable) {
+        LOG_DEBUG << "connection closed by " << conn.Describe();
+        CloseConnection(fd);
+        return;
+      }
+      LOG_WARN << "closing connection of " << conn.Describe() << ": " << status.ToString();
+      QueueError(conn, status);
+      conn.close_after_flush = true;
+      break;
+    }
+    if (!frame->has_value()) break;  // need more bytes
+    HandleFrame(conn, std::move(**frame));
+    if (!conn.outbox.empty()) FlushAndRearm(conn);
+    if (connections_.count(fd) == 0) return;
+  }
+  if ((events & (EPOLLHUP | EPOLLERR)) && conn.outbox.empty()) {
+    CloseConnection(fd);
+    return;
+  }
+  FlushAndRearm(conn);
+}
+
+void Daemon::QueueFrame(Connection& conn, Result<std::vector<uint8_t>> frame,
+                        std::vector<int> fds) {
+  if (!frame.ok()) {
+    // Our own reply failed to encode (e.g. a config over the frame bound): a bug or an absurd
+    // input; tell the client instead of going silent.
+    LOG_ERROR << "encoding a reply for " << conn.Describe() << ": " << frame.status().ToString();
+    auto error = protocol::EncodeError(frame.status());
+    if (!error.ok()) {
+      conn.close_after_flush = true;
+      return;
+    }
+    conn.outbox.emplace_back(std::move(error).value(), std::vector<int>{});
+    return;
+  }
+  conn.outbox.emplace_back(std::move(frame).value(), std::move(fds));
+}
+
+void Daemon::QueueError(Connection& conn, const Status& status) {
+  QueueFrame(conn, protocol::EncodeError(status));
+}
+
+void Daemon::FlushAndRearm(Connection& conn) {
+  const int fd = conn.fd.get();
+  while (!conn.outbox.empty()) {
+    auto flushed = conn.outbox.front().Flush(fd);
+    if (!flushed.ok()) {
+      LOG_WARN << "sending to " << conn.Describe() << ": " << flushed.status().ToString();
+      CloseConnection(fd);
+      return;
+    }
+    if (!*flushed) break;  // socket full: wait for EPOLLOUT
+    conn.outbox.pop_front();
+  }
+  if (conn.outbox.empty() && conn.close_after_flush) {
+    CloseConnection(fd);
+    return;
+  }
+  const uint32_t want = conn.outbox.empty() ? (EPOLLIN | EPOLLRDHUP) : EPOLLOUT;
+  if (want != conn.armed) {
+    Status status = EpollCtl(epoll_.get(), EPOLL_CTL_MOD, fd, want);
+    if (!status.ok()) {
+      LOG_WARN << status.ToString();
+      CloseConnection(fd);
+      return;
+    }
+    conn.armed = want;
+  }
+}
+
+void Daemon::CloseConnection(int fd) {
+  auto it = connections_.find(fd);
+  if (it == connections_.end()) return;
+  if (it->second->attached) --clients_;
+  (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
+  connections_.erase(it);  // closes the fd
+}
+
+protocol::StatusReply Daemon::MakeStatusReply() const {
+  protocol::StatusReply reply;
+  reply.state = state_;
+  reply.bytes_done = bytes_done_.load();
+  reply.bytes_total = bytes_total_.load();
+  if (!failure_.ok()) reply.failure_reason = failure_.ToString();
+  reply.tier = options_.tier;
+  reply.device_uuid = options_.device_key;
+  reply.model_id = options_.config.model_id;
+  if (store_) {
+    reply.tensor_count = store_->summary().tensor_count;
+    reply.bytes = store_->summary().resident_bytes;
+  }
+  reply.clients = clients_;
+  reply.pid = ::getpid();
+  reply.config_digest = options_.config.Digest();
+  return reply;
+}
+
+void Daemon::HandleFrame(Connection& conn, protocol::Frame frame) {
+  switch (frame.type) {
+    case MessageType::kHello: {
+      auto hello = protocol::DecodeHello(frame.payload);
+      if (!hello.ok()) {
+        LOG_WARN << "bad Hello from " << conn.Describe() << ": " << hello.status().ToString();
+        QueueError(conn, hello.status());
+        conn.close_after_flush = true;
+        return;
+      }
+      if (hello->protocol_version != protocol::kProtocolVersion) {
+        Status status = ProtocolError(
+            "Hello for protocol version " + std::to_string(hello->protocol_version) +
+            "; this daemon speaks version " + std::to_string(protocol::kProtocolVersion));
+        LOG_WARN << conn.Describe() << ": " << status.message();
+        QueueError(conn, status);
+        conn.close_after_flush = true;
+        return;
+      }
+      auto theirs = identity::CacheConfig::FromJson(hello->config);
+      if (!theirs.ok()) {
+        Status status = theirs.status();
+        status.Context("Hello config");
+        LOG_WARN << "bad Hello from " << conn.Describe() << ": " << status.ToString();
+        QueueError(conn, status);
+        conn.close_after_flush = true;
+        return;
+      }
+      protocol::HelloReply reply;
+      reply.state = state_;
+      reply.bytes_done = bytes_done_.load();
+      reply.bytes_total = bytes_total_.load();
+      if (!failure_.ok()) reply.failure_reason = failure_.ToString();
+      reply.daemon_config = options_.config.ToJson();
+      for (auto& d : identity::Diff(options_.config, *theirs)) {
+        reply.differences.push_back({d.field, d.ours, d.theirs});
+      }
+      reply.match = reply.differences.empty();
+      conn.hello_matched = reply.match;
+      LOG_DEBUG << "Hello from " << conn.Describe() << " (" << hello->client_name << "): "
+                << (reply.match ? "match"
+                                : std::to_string(reply.differences.size()) + " differing field(s)");
+      QueueFrame(conn, protocol::EncodeHelloReply(reply));
+      return;
+    }
+    case MessageType::kStatus:
+    case MessageType::kAttach:
+    case MessageType::kStop: {
+      Status empty = protocol::DecodeEmptyRequest(frame.type, frame.payload);
+      if (!empty.ok()) {
+        LOG_WARN << "bad " << protocol::MessageTypeName(frame.type) << " from " << conn.Describe()
+                 << ": " << empty.ToString();
+        QueueError(conn, empty);
+        conn.close_after_flush = true;
+        return;
+      }
+      break;
+    }
+    default: {
+      // FrameReader(kRequest) already refuses reply types; anything else is a bug here.
+      Status status = ProtocolError("unexpected " + protocol::MessageTypeName(frame.type) +
+                                    " frame from a client");
+      LOG_WARN << conn.Describe() << ": " << status.message();
+      QueueError(conn, status);
+      conn.close_after_flush = true;
+      return;
+    }
+  }
+
+  if (frame.type == MessageType::kStatus) {
+    QueueFrame(conn, protocol::EncodeStatusReply(MakeStatusReply()));
+    return;
+  }
+  if (frame.type == MessageType::kAttach) {
+    if (!conn.hello_matched) {
+      // Out of sequence: the protocol requires a matching Hello first, so this client is
+      // either broken or probing; end the conversation.
+      Status status = ProtocolError("Attach before a Hello whose config matches this cache (" +
+                                    options_.config.ShortDigest() + ")");
+      LOG_WARN << conn.Describe() << ": " << status.message();
+      QueueError(conn, status);
+      conn.close_after_flush = true;
+      return;
+    }
+    if (state_ != CacheState::kReady) {
+      std::string why = "cache is " + std::string(protocol::CacheStateName(state_));
+      if (state_ == CacheState::kLoading) {
+        why += " (" + std::to_string(bytes_done_.load()) + "/" +
+               std::to_string(bytes_total_.load()) + " bytes)";
+      } else if (state_ == CacheState::kFailed) {
+        why += ": " + failure_.ToString();
+      }
+      QueueError(conn, Status(StatusCode::kUnavailable, why));
+      return;
+    }
+    QueueFrame(conn, attach_frame_, store_->fds());
+    if (!conn.attached) {
+      conn.attached = true;
+      ++clients_;
+      LOG_INFO << "attached: " << conn.Describe() << " (" << clients_ << " client(s))";
+    }
+    return;
+  }
+  // Stop: only the daemon's own uid, even when --allow-uid lets other users attach.
+  if (conn.peer.uid != ::geteuid()) {
+    LOG_WARN << "refused Stop from " << conn.Describe();
+    QueueError(conn,
+               PermissionDenied("Stop refused for " + conn.Describe() + ": only uid " +
+                                std::to_string(::geteuid()) + " (the daemon's owner) may stop it"));
+    return;
+  }
+  protocol::StopReply reply;
+  reply.clients = clients_;
+  QueueFrame(conn, protocol::EncodeStopReply(reply));
+  stop_requested_by_ = conn.Describe();
+}
+
+}  // namespace weightcache::daemon

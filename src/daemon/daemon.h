@@ -1,0 +1,165 @@
+// Daemon — one cache identity served over one Unix socket (SPEC §2, §3, §7; docs/daemon.md).
+//
+// Lifecycle:
+//   Create   ensure the runtime dirs (0700, owner-checked) → take the identity flock (a second
+//            daemon gets kAlreadyServed naming the owner's pid) → publish the socket (bound
+//            under a temporary name, 0600, renamed into place; a socket already there is
+//            stale because we hold the lock, and is replaced). Nothing is loaded yet.
+//   Run      starts the loader thread (state `loading`, with bytes done/total) and serves
+//            every client from one epoll loop until it drains. The load ends in `ready`, or
+//            in `failed` with the reason, which the daemon keeps answering for
+//            `failed_linger` so that the launcher and clients can see why, then it drains.
+//   drain    on SIGTERM/SIGINT (signalfd), a Stop request from the owner's uid, or the end of
+//            the failed linger: state `draining`, stop accepting, unlink the socket, cancel
+//            the loader, flush pending replies (bounded by drain_timeout), close everyone.
+//   destroy  releases the lock (after the socket is gone, so a successor never sees our
+//            socket with its lock free while we still answer on it).
+//
+// Contract:
+//  * Run returns OK after a clean shutdown (a load cancelled by the shutdown is not a
+//    failure), or the load's failure Status, so `serve` exits non-zero after a failed load
+//    whatever ended the linger.
+//  * Signals: the daemon only reads the signalfd its caller (the process's main) created with
+//    the signals already blocked in every thread; the library installs no handlers.
+//  * Clients: any number at once, non-blocking, per-connection buffers. A connection whose
+//    peer is not allowed (SO_PEERCRED uid/gid), or which sends a malformed, oversize,
+//    wrong-version or out-of-sequence frame, gets an Error frame (where the socket still
+//    takes one) and is closed, logged with its pid; no other connection is affected.
+//  * Thread-safety: Create and Run on one thread. The loader thread touches only the
+//    checkpoint, the store it builds, and atomics/mutex-guarded handoff state.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/unique_fd.h"
+#include "daemon/weight_store.h"
+#include "identity/cache_config.h"
+#include "identity/paths.h"
+#include "os/lock_file.h"
+#include "os/unix_socket.h"
+#include "protocol/messages.h"
+#include "weightcache/status.h"
+
+namespace weightcache::daemon {
+
+struct DaemonOptions {
+  identity::CacheConfig config;
+  identity::CachePaths paths;
+  std::string model_path;  // the checkpoint (file or directory) behind config's fingerprint
+  protocol::Tier tier = protocol::Tier::kHost;
+  std::string device_key = "host";  // the device UUID, or "host"
+  LoadOptions load;                 // threads, memory budget, device
+  // Peers allowed besides our own uid (SO_PEERCRED). Stop is only ever accepted from our uid.
+  std::vector<uid_t> allow_uids;
+  std::vector<gid_t> allow_gids;
+  // How long a failed daemon keeps answering `failed` before it exits (0: at once).
+  std::chrono::milliseconds failed_linger{30'000};
+  // Upper bound on flushing pending replies while draining.
+  std::chrono::milliseconds drain_timeout{2'000};
+  // Connections beyond this are answered with an Error and closed (fd exhaustion guard).
+  size_t max_connections = 4096;
+};
+
+// Called on the Run thread (never the loader's), for the CLI's log lines.
+struct DaemonEvents {
+  // Throttled by the loader (about every 1 % or 250 ms).
+  std::function<void(uint64_t done, uint64_t total, double seconds)> on_progress;
+  std::function<void(const StoreSummary& summary, double seconds)> on_ready;
+  std::function<void(const Status& failure)> on_failed;
+  std::function<void(std::string_view reason)> on_draining;
+};
+
+class Daemon {
+ public:
+  static Result<std::unique_ptr<Daemon>> Create(DaemonOptions options);
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  // `signal_fd`: a signalfd for SIGTERM, SIGINT and SIGHUP (borrowed), or -1 (tests).
+  Status Run(int signal_fd, DaemonEvents events = {});
+
+  const DaemonOptions& options() const { return options_; }
+
+ private:
+  // The published socket: the listening fd and the path it is bound to. Destroying it closes
+  // the fd and unlinks the path (we hold the lock, so the path is ours).
+  class PublishedSocket {
+   public:
+    PublishedSocket() = default;
+    PublishedSocket(UniqueFd fd, std::string path) : fd_(std::move(fd)), path_(std::move(path)) {}
+    PublishedSocket(PublishedSocket&& other) noexcept = default;
+    PublishedSocket& operator=(PublishedSocket&& other) noexcept;
+    ~PublishedSocket() { Withdraw(); }
+    int fd() const { return fd_.get(); }
+    void Withdraw();
+
+   private:
+    UniqueFd fd_;
+    std::string path_;
+  };
+
+  struct Connection;
+
+  Daemon(DaemonOptions options, os::LockFile lock, PublishedSocket socket, UniqueFd epoll,
+         UniqueFd wakeup);
+
+  void LoaderMain();
+  void OnLoaderWakeup();
+  void OnSignal(int signal_fd);
+  void AcceptAll();
+  void OnConnectionEvent(int fd, uint32_t events);
+  void HandleFrame(Connection& conn, protocol::Frame frame);
+  void QueueFrame(Connection& conn, Result<std::vector<uint8_t>> frame, std::vector<int> fds = {});
+  void QueueError(Connection& conn, const Status& status);
+  // Flushes what it can, then re-arms epoll (or closes a finished connection).
+  void FlushAndRearm(Connection& conn);
+  void CloseConnection(int fd);
+  void BeginDrain(std::string_view reason);
+  void Fail(Status failure);
+  bool PeerAllowed(const os::PeerCred& peer) const;
+  protocol::StatusReply MakeStatusReply() const;
+  void StopLoader();
+
+  // Resources in acquisition order (destroyed in reverse: socket unlinked before the lock
+  // is released).
+  DaemonOptions options_;
+  os::LockFile lock_;
+  PublishedSocket socket_;
+  UniqueFd epoll_;
+  UniqueFd wakeup_;  // eventfd: the loader's progress and completion
+  std::map<int, std::unique_ptr<Connection>> connections_;
+
+  DaemonEvents events_;  // set by Run
+  protocol::CacheState state_ = protocol::CacheState::kLoading;
+  Status failure_;  // the load failure, once state_ is kFailed (kept while draining)
+  std::unique_ptr<WeightStore> store_;
+  std::vector<uint8_t> attach_frame_;  // encoded once the store is ready
+  uint32_t clients_ = 0;               // attached connections still open
+  std::chrono::steady_clock::time_point load_start_;
+  std::optional<std::chrono::steady_clock::time_point> linger_until_;
+  std::optional<std::chrono::steady_clock::time_point> drain_until_;
+  std::string stop_requested_by_;  // set by a Stop request; the loop then drains
+
+  // Loader handoff.
+  std::atomic<bool> cancel_{false};
+  std::atomic<uint64_t> bytes_done_{0};
+  std::atomic<uint64_t> bytes_total_{0};
+  std::mutex result_mu_;
+  bool load_finished_ = false;                                       // guarded by result_mu_
+  std::optional<Result<std::unique_ptr<WeightStore>>> load_result_;  // guarded by result_mu_
+  std::thread loader_;
+};
+
+}  // namespace weightcache::daemon

@@ -1,0 +1,159 @@
+// The gpu tier: an exported VMM arena filled by the upload pipeline (see weight_store.h).
+#include <cuda.h>
+
+#include <algorithm>
+
+#include "common/logging.h"
+#include "cuda/arena_plan.h"
+#include "cuda/checksum.h"
+#include "cuda/driver_api.h"
+#include "cuda/exported_arena.h"
+#include "cuda/upload_pipeline.h"
+#include "cuda/vmm.h"
+#include "daemon/weight_store.h"
+#include "identity/device_inventory.h"
+
+namespace weightcache::daemon {
+namespace {
+
+class GpuStore final : public WeightStore {
+ public:
+  GpuStore(cuda::ExportedArena arena, StoreSummary summary)
+      : WeightStore(std::move(summary)), arena_(std::move(arena)) {}
+
+  protocol::Tier tier() const override { return protocol::Tier::kGpu; }
+  std::vector<int> fds() const override {
+    std::vector<int> fds;
+    for (const auto& a : arena_.allocations()) fds.push_back(a.fd);
+    return fds;
+  }
+
+ private:
+  cuda::ExportedArena arena_;
+};
+
+// The CUdevice whose cuDeviceGetUuid matches `uuid`. The identity layer resolved --device to
+// a UUID among the devices this process sees; the driver sees the same set (it applies
+// CUDA_VISIBLE_DEVICES itself), so matching by UUID is exact where an index could drift.
+Result<CUdevice> DeviceByUuid(const cuda::DriverApi* api, const std::string& uuid) {
+  int count = 0;
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetCount(&count), "cuDeviceGetCount");
+  std::string seen;
+  for (int i = 0; i < count; ++i) {
+    CUdevice dev = 0;
+    WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGet(&dev, i),
+                                   "cuDeviceGet(" + std::to_string(i) + ")");
+    CUuuid raw{};
+    WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetUuid(&raw, dev),
+                                   "cuDeviceGetUuid(" + std::to_string(i) + ")");
+    const std::string formatted = identity::FormatGpuUuid(raw);
+    if (formatted == uuid) return dev;
+    seen += (seen.empty() ? "" : ", ") + formatted;
+  }
+  return NotFound("gpu tier: device " + uuid + " is not among the " + std::to_string(count) +
+                  " device(s) the CUDA driver shows this process" +
+                  (seen.empty() ? std::string() : " (" + seen + ")") +
+                  "; check CUDA_VISIBLE_DEVICES and --device-inventory");
+}
+
+}  // namespace
+
+Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
+                                                  const LoadOptions& options,
+                                                  const LoadControl& control) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, DeviceByUuid(api, options.device_uuid));
+  WEIGHTCACHE_RETURN_IF_ERROR(cuda::CheckVmmSupport(api, device));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      uint64_t granularity,
+      cuda::AllocationGranularity(api, device, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+
+  const auto& tensors = checkpoint.tensors();
+  const std::vector<size_t> order = FileOrder(checkpoint);
+  std::vector<uint64_t> sizes;
+  sizes.reserve(order.size());
+  for (size_t idx : order) sizes.push_back(tensors[idx].nbytes);
+  const cuda::ArenaPlan plan = cuda::PlanArena(sizes, granularity);
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckMemoryBudget(
+      protocol::Tier::kGpu, plan.total_bytes, plan.allocation_bytes.size(), options.memory_budget));
+  if (plan.allocation_bytes.empty()) {
+    return InvalidArgument("gpu tier: checkpoint " + checkpoint.path() +
+                           " holds no bytes to place on the device");
+  }
+
+  // Retains the primary context and makes it current on this (the loader) thread, which the
+  // pipeline needs at Create.
+  auto arena = cuda::ExportedArena::Create(api, device, plan.allocation_bytes);
+  if (!arena.ok()) {
+    Status status = arena.status();
+    return status.Context("gpu tier: allocating " + std::to_string(plan.total_bytes) +
+                          " bytes on " + options.device_uuid);
+  }
+  const auto allocations = arena->allocations();
+  std::vector<uint64_t> allocation_sizes;
+  for (size_t a = 0; a < allocations.size(); ++a) {
+    if (allocations[a].size < plan.allocation_bytes[a]) {
+      return InternalError("gpu tier: allocation " + std::to_string(a) + " came out " +
+                           std::to_string(allocations[a].size) + " bytes, the plan needs " +
+                           std::to_string(plan.allocation_bytes[a]));
+    }
+    allocation_sizes.push_back(allocations[a].size);
+  }
+
+  cuda::UploadOptions upload_options;
+  upload_options.reader_threads = std::clamp(options.threads, 1, 64);
+  upload_options.checksums = cuda::ChecksumMode::kCompute;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(auto pipeline, cuda::UploadPipeline::Create(api, upload_options));
+
+  std::vector<cuda::UploadSource> sources;
+  for (uint32_t s = 0; s < checkpoint.shards().size(); ++s) {
+    sources.push_back({checkpoint.shard_fd(s), checkpoint.shards()[s].path});
+  }
+  std::vector<cuda::UploadItem> items;
+  std::vector<size_t> item_of;  // position in `order` → item index, or SIZE_MAX (empty)
+  item_of.reserve(order.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (sizes[i] == 0) {
+      item_of.push_back(SIZE_MAX);
+      continue;
+    }
+    const auto& t = tensors[order[i]];
+    const auto& place = plan.placements[i];
+    item_of.push_back(items.size());
+    items.push_back(
+        {t.shard, t.offset, t.nbytes, allocations[place.allocation].ptr + place.offset});
+  }
+  cuda::UploadControl upload_control;
+  upload_control.progress = control.progress;
+  upload_control.cancel = control.cancel;
+  if (control.progress) control.progress(0, checkpoint.total_bytes());
+  auto report = pipeline.Run(sources, items, upload_control);
+  if (!report.ok()) {
+    Status status = report.status();
+    return status.Context("gpu tier: uploading " + checkpoint.path() + " to " +
+                          options.device_uuid);
+  }
+  LOG_DEBUG << "gpu tier: uploaded " << report->bytes << " bytes in " << report->seconds << " s ("
+            << report->gb_per_s << " GB/s), " << report->direct_sources
+            << " source(s) read with O_DIRECT";
+
+  std::vector<uint64_t> checksums;
+  checksums.reserve(order.size());
+  const uint64_t empty_checksum = cuda::TensorChecksum(nullptr, 0);
+  for (size_t i = 0; i < order.size(); ++i) {
+    checksums.push_back(item_of[i] == SIZE_MAX ? empty_checksum : report->checksums[item_of[i]]);
+  }
+  std::vector<PlacedTensor> placements;
+  placements.reserve(order.size());
+  for (const auto& p : plan.placements) placements.push_back({p.allocation, p.offset});
+  StoreSummary summary;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(summary.manifest,
+                               BuildManifest(protocol::Tier::kGpu, checkpoint, order, placements,
+                                             checksums, allocation_sizes));
+  summary.tensor_count = order.size();
+  summary.tensor_bytes = checkpoint.total_bytes();
+  summary.resident_bytes = arena->total_bytes();
+  return std::unique_ptr<WeightStore>(new GpuStore(std::move(arena).value(), std::move(summary)));
+}
+
+}  // namespace weightcache::daemon

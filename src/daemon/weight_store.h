@@ -1,0 +1,110 @@
+// WeightStore — the loaded weights of one cache, in one tier, and the loaders that fill it.
+//
+//   host tier  a few memfds (PlanArena with page granularity), filled with parallel preads,
+//              checksummed, unmapped, then sealed read-only (F_SEAL_WRITE|GROW|SHRINK|SEAL):
+//              after sealing nobody, the daemon included, can change a byte.
+//   gpu tier   an ExportedArena (cuMemCreate allocations exported as POSIX fds) on one device,
+//              filled by the UploadPipeline (pinned staging ring + async H2D), checksums
+//              computed host-side by the pipeline from the same staging buffers.
+//
+// Contract:
+//  * A loader either returns a complete store or releases everything it acquired (each
+//    resource is an RAII member). Loaders only READ the checkpoint: a failure mid-load, a
+//    cancellation or a crash never writes to disk.
+//  * The store owns its allocation fds; fds() are borrowed and valid for the store's life.
+//    sendmsg(SCM_RIGHTS) duplicates them into the peer, so clients keep the memory after the
+//    daemon exits (memfd: the file lives while any fd or mapping does; VMM: refcounted).
+//  * manifest() is the encoded attach manifest (protocol/manifest.h), built once at load.
+//  * Loaders run on the daemon's loader thread; a finished store is immutable and its const
+//    methods may be called from any thread.
+//  * The memory budget (0 = none) is checked against the plan BEFORE anything is allocated:
+//    exceeding it is kOutOfMemory naming both numbers.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "checkpoint/checkpoint.h"
+#include "protocol/manifest.h"
+#include "weightcache/status.h"
+
+namespace weightcache::daemon {
+
+// What every store reports about itself, fixed at the end of its load.
+struct StoreSummary {
+  std::vector<uint8_t> manifest;  // encoded attach manifest (protocol/manifest.h)
+  uint64_t tensor_count = 0;
+  uint64_t tensor_bytes = 0;    // sum of the tensors' bytes (what the checkpoint holds)
+  uint64_t resident_bytes = 0;  // sum of the allocations (what the cache occupies)
+};
+
+class WeightStore {
+ public:
+  virtual ~WeightStore() = default;
+  WeightStore(const WeightStore&) = delete;
+  WeightStore& operator=(const WeightStore&) = delete;
+
+  virtual protocol::Tier tier() const = 0;
+  // Borrowed, one per allocation, in manifest order.
+  virtual std::vector<int> fds() const = 0;
+
+  const StoreSummary& summary() const { return summary_; }
+
+ protected:
+  explicit WeightStore(StoreSummary summary) : summary_(std::move(summary)) {}
+
+ private:
+  StoreSummary summary_;
+};
+
+struct LoadOptions {
+  int threads = 8;             // reader threads (host tier: pread; gpu tier: pipeline readers)
+  uint64_t memory_budget = 0;  // bytes the plan may occupy; 0 = unlimited
+  std::string device_uuid;     // gpu tier: the device to load onto (already resolved)
+  std::string cache_name;      // names the memfds ("weightcache:<digest16>") for /proc readers
+};
+
+struct LoadControl {
+  // (bytes done, bytes total); monotone; may be called from several threads, serialized.
+  std::function<void(uint64_t, uint64_t)> progress;
+  // Polled between batches; when true the loader stops with kUnavailable "load cancelled".
+  const std::atomic<bool>* cancel = nullptr;
+};
+
+Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
+                                                   const LoadOptions& options,
+                                                   const LoadControl& control);
+
+Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
+                                                  const LoadOptions& options,
+                                                  const LoadControl& control);
+
+// Budget check shared by both tiers: kOutOfMemory "<tier> plan needs X (N allocations), over
+// the memory budget of Y (--memory-budget)".
+Status CheckMemoryBudget(protocol::Tier tier, uint64_t plan_bytes, size_t allocations,
+                         uint64_t budget);
+
+// The order tensors are packed in: by (shard, offset), i.e. file order, so reads and writes
+// both stream. Indices into checkpoint.tensors().
+std::vector<size_t> FileOrder(const checkpoint::Checkpoint& checkpoint);
+
+// The attach manifest of `checkpoint` packed as `placements` (parallel to `order`), with one
+// checksum per entry of `order` (cuda/checksum.h). kInvalidArgument naming the tensor when it
+// cannot be described (rank above protocol::kMaxTensorDims).
+struct PlacedTensor {
+  uint32_t allocation = 0;
+  uint64_t offset = 0;
+};
+Result<std::vector<uint8_t>> BuildManifest(protocol::Tier tier,
+                                           const checkpoint::Checkpoint& checkpoint,
+                                           const std::vector<size_t>& order,
+                                           const std::vector<PlacedTensor>& placements,
+                                           const std::vector<uint64_t>& checksums,
+                                           const std::vector<uint64_t>& allocation_sizes);
+
+}  // namespace weightcache::daemon
