@@ -14,8 +14,6 @@ int main(int argc, char** argv) {
   root.set_version_flag("--version", "weightcache 0.1.0");
 
   // Subcommands, in the order `--help` lists them.
-  cli::RegisterAttachCommand(root);
-  cli::RegisterVerifyCommand(root);
   cli::RegisterInspectCommand(root);
 
   try {
