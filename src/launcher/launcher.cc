@@ -82,28 +82,37 @@ std::string_view DaemonStateName(DaemonState state) {
 }
 
 Result<Launcher> Launcher::Create(std::vector<DaemonSpec> specs, LaunchOptions options,
-                                  StateProbe state_probe, LockProbe lock_probe) {
+                                  StateProbe state_probe, LockProbe lock_probe,
+                                  SocketLocator locator) {
   if (specs.empty()) return InvalidArgument("launch plan has no daemons");
   if (!state_probe || !lock_probe) return InvalidArgument("launcher needs a state and lock probe");
+  for (const auto& s : specs) {
+    if (s.socket_path.empty() && !locator) {
+      return InvalidArgument("daemon " + s.name + " has no socket path and no locator");
+    }
+  }
   if (options.poll_interval.count() <= 0 || options.ready_timeout.count() <= 0) {
     return InvalidArgument("poll interval and ready timeout must be positive");
   }
   UniqueFd epoll(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll) return IoError("epoll_create1", errno);
   return Launcher(std::move(specs), std::move(options), std::move(state_probe),
-                  std::move(lock_probe), std::move(epoll));
+                  std::move(lock_probe), std::move(locator), std::move(epoll));
 }
 
 Launcher::Launcher(std::vector<DaemonSpec> specs, LaunchOptions options, StateProbe state_probe,
-                   LockProbe lock_probe, UniqueFd epoll)
+                   LockProbe lock_probe, SocketLocator locator, UniqueFd epoll)
     : options_(std::move(options)),
       state_probe_(std::move(state_probe)),
       lock_probe_(std::move(lock_probe)),
+      locator_(std::move(locator)),
       epoll_(std::move(epoll)) {
   daemons_.reserve(specs.size());
   for (auto& s : specs) {
     Daemon d;
     d.spec = std::move(s);
+    d.socket_path = d.spec.socket_path;
+    d.lock_path = d.spec.lock_path;
     daemons_.push_back(std::move(d));
   }
 }
@@ -112,21 +121,20 @@ Launcher::Launcher(std::vector<DaemonSpec> specs, LaunchOptions options, StatePr
 Launcher::~Launcher() = default;
 
 Status Launcher::RemoveStaleFiles(const Daemon& d) {
-  auto held = lock_probe_(d.spec.lock_path);
+  if (d.socket_path.empty()) return Status::Ok();  // not known (yet): the daemon cleans it
+  auto held = lock_probe_(d.lock_path);
   if (!held.ok()) {
     Status s = held.status();
-    return s.Context(d.spec.name + ": checking lock " + d.spec.lock_path);
+    return s.Context(d.spec.name + ": checking lock " + d.lock_path);
   }
   if (*held) {
     return Status(StatusCode::kAlreadyServed,
-                  d.spec.name + ": " + d.spec.socket_path + " is already served: its lock " +
-                      d.spec.lock_path +
+                  d.spec.name + ": " + d.socket_path + " is already served: its lock " +
+                      d.lock_path +
                       " is held by a running daemon (stop it first, or use another --namespace)");
   }
-  for (const std::string* path : {&d.spec.socket_path, &d.spec.lock_path}) {
-    if (::unlink(path->c_str()) != 0 && errno != ENOENT) {
-      return IoError(d.spec.name + ": removing stale " + *path, errno);
-    }
+  if (::unlink(d.socket_path.c_str()) != 0 && errno != ENOENT) {
+    return IoError(d.spec.name + ": removing stale socket " + d.socket_path, errno);
   }
   return Status::Ok();
 }
@@ -151,6 +159,11 @@ Status Launcher::SpawnDaemon(size_t index) {
     return IoError("epoll_ctl for daemon " + d.spec.name, errno);
   }
   d.child.emplace(std::move(child).value());
+  if (d.spec.socket_path.empty()) {
+    // A new process: find where it publishes (normally the same path as before).
+    d.socket_path.clear();
+    d.lock_path.clear();
+  }
   d.state = DaemonState::kStarting;
   d.last = ProbeReport{};
   d.reason.clear();
@@ -178,7 +191,16 @@ void Launcher::ProbeAll() {
         d.state != DaemonState::kDraining) {
       continue;
     }
-    auto r = state_probe_(d.spec.socket_path);
+    if (d.socket_path.empty()) {
+      auto found = locator_(d.child->pid());
+      if (!found) {
+        d.reason = "no socket published yet";
+        continue;
+      }
+      d.socket_path = found->socket;
+      d.lock_path = found->lock;
+    }
+    auto r = state_probe_(d.socket_path);
     if (!r.ok()) {
       d.reason = r.status().message();  // "not answering yet": only reported on timeout
       continue;
@@ -260,8 +282,9 @@ Status Launcher::FailureFor(size_t index) const {
   if (d.exit) {
     if (d.exit->exited() && d.exit->exit_code == kAlreadyServedExit) {
       return Status(StatusCode::kAlreadyServed,
-                    "daemon " + who + " exited with code 7: its identity (" + d.spec.socket_path +
-                        ") is already served by another daemon");
+                    "daemon " + who +
+                        " exited with code 7: its identity is already served by another daemon" +
+                        (d.socket_path.empty() ? std::string() : " (" + d.socket_path + ")"));
     }
     return Status(StatusCode::kUnavailable, "daemon " + who +
                                                 " died before it was ready: " + d.exit->ToString() +
@@ -281,7 +304,7 @@ std::vector<DaemonSnapshot> Launcher::Snapshots() const {
     DaemonSnapshot s;
     s.name = d.spec.name;
     s.placement = d.spec.placement;
-    s.socket_path = d.spec.socket_path;
+    s.socket_path = d.socket_path;
     s.log_path = d.spec.spawn.log_path;
     s.pid = d.child ? d.child->pid() : -1;
     s.state = d.state;

@@ -14,8 +14,10 @@
 //  * The daemon's state comes through StateProbe (the protocol's Status request on its
 //    socket) and lock ownership through LockProbe (flock-based IsLockHeld); both are seams so
 //    the lifecycle is testable with plain processes standing in for daemons.
-//  * Stale files (socket + lock whose lock is not held) are removed before a daemon starts
-//    and after it stops; a held lock is never touched.
+//  * A stale socket (one whose lock is not held) is removed before a daemon starts, when its
+//    path is known then, and after it stops; a socket with a held lock is never touched.
+//    Lock files are never unlinked (os/lock_file.h: that would race a new acquirer); only
+//    their flock state matters.
 //  * Not thread-safe: Run() drives everything on the calling thread.
 #pragma once
 
@@ -50,10 +52,21 @@ using StateProbe = std::function<Result<ProbeReport>(const std::string& socket_p
 // Whether some live process holds the flock on `lock_path` (false when the file is absent).
 using LockProbe = std::function<Result<bool>(const std::string& lock_path)>;
 
+struct PublishedPaths {
+  std::string socket;
+  std::string lock;
+};
+// Finds the socket that the daemon with `pid` published (the lock file records its owner's
+// pid), or std::nullopt while it has not published one yet. Used for daemons whose DaemonSpec
+// leaves the paths empty: the daemon derives its digest-keyed path from the checkpoint, and
+// asking it which one it took means the launcher can never disagree with it.
+using SocketLocator = std::function<std::optional<PublishedPaths>(pid_t pid)>;
+
 struct DaemonSpec {
   DaemonPlacement placement;
   std::string name;  // "tp0-pp1": used in messages, logs, progress
   SpawnOptions spawn;
+  // Known in advance, or empty: then found through the SocketLocator once the daemon runs.
   std::string socket_path;
   std::string lock_path;
 };
@@ -118,8 +131,10 @@ struct LaunchReport {
 
 class Launcher {
  public:
+  // `locator` is required when any spec leaves its socket path empty.
   static Result<Launcher> Create(std::vector<DaemonSpec> specs, LaunchOptions options,
-                                 StateProbe state_probe, LockProbe lock_probe);
+                                 StateProbe state_probe, LockProbe lock_probe,
+                                 SocketLocator locator = nullptr);
 
   Launcher(Launcher&&) noexcept = default;
   Launcher& operator=(Launcher&&) noexcept = default;
@@ -134,6 +149,8 @@ class Launcher {
  private:
   struct Daemon {
     DaemonSpec spec;
+    std::string socket_path;  // spec's, or discovered
+    std::string lock_path;
     std::optional<ChildProcess> child;
     DaemonState state = DaemonState::kStarting;
     ProbeReport last;
@@ -148,7 +165,7 @@ class Launcher {
   };
 
   Launcher(std::vector<DaemonSpec> specs, LaunchOptions options, StateProbe state_probe,
-           LockProbe lock_probe, UniqueFd epoll);
+           LockProbe lock_probe, SocketLocator locator, UniqueFd epoll);
 
   Status RemoveStaleFiles(const Daemon& d);
   Status SpawnDaemon(size_t index);
@@ -165,6 +182,7 @@ class Launcher {
   LaunchOptions options_;
   StateProbe state_probe_;
   LockProbe lock_probe_;
+  SocketLocator locator_;
   UniqueFd epoll_;
   int stop_signal_ = 0;
 };

@@ -162,10 +162,10 @@ TEST_F(LauncherTest, ExitSevenIsReportedAsAlreadyServed) {
   Launcher l = Make({Daemon(0, "echo 'lock held by pid 4242' >&2; exit 7")}, FastOptions());
   LaunchReport r = l.Run(-1);
   EXPECT_EQ(r.status.code(), StatusCode::kAlreadyServed) << r.status.ToString();
-  EXPECT_NE(
-      r.status.message().find("exited with code 7: its identity (" + dir_.Join("tp0-pp0.sock") +
-                              ") is already served by another daemon"),
-      std::string::npos)
+  EXPECT_NE(r.status.message().find(
+                "exited with code 7: its identity is already served by another daemon (" +
+                dir_.Join("tp0-pp0.sock") + ")"),
+            std::string::npos)
       << r.status.message();
   EXPECT_EQ(r.failed_log_tail.back(), "lock held by pid 4242");
 }
@@ -219,12 +219,14 @@ TEST_F(LauncherTest, StoppedAndTermIgnoringDaemonsAreStillTakenDown) {
   ExpectAllGone(r);
 }
 
-TEST_F(LauncherTest, StaleFilesAreRemovedBeforeStartWhenTheirLockIsFree) {
+TEST_F(LauncherTest, AStaleSocketIsRemovedBeforeStartWhenItsLockIsFree) {
   WriteFile(dir_.Join("tp0-pp0.sock"), "ready 1 1");
   WriteFile(dir_.Join("tp0-pp0.lock"), "");
-  // The daemon refuses to start over leftovers: it only gets going if they were removed.
-  Launcher l =
-      Make({Daemon(0, std::string("[ -e $LOCK ] && exit 9; ") + kReadySoon)}, FastOptions());
+  // The daemon refuses to start over a leftover socket: it only gets going if it was removed.
+  // The lock file stays: lock files are never unlinked, only their flock matters.
+  Launcher l = Make(
+      {Daemon(0, std::string("[ -e $SOCK ] && exit 9; [ -e $LOCK ] || exit 8; ") + kReadySoon)},
+      FastOptions());
   LaunchReport r = l.Run(-1);
   ASSERT_TRUE(r.status.ok()) << r.status.ToString();
   ::kill(r.daemons[0].pid, SIGKILL);
@@ -327,6 +329,30 @@ TEST_F(LauncherTest, SuperviseRestartsADaemonThatDiesAndStopsOnSignal) {
   ExpectAllGone(r);
 }
 
+TEST_F(LauncherTest, SocketPathIsFoundThroughTheLocatorByPid) {
+  // The daemon picks its own path and records its pid next to it, as a lock file does.
+  DaemonSpec spec = Daemon(0, std::string("echo \"$SOCK\" > $SOCK.owner.$$; ") + kReadySoon);
+  spec.socket_path.clear();
+  spec.lock_path.clear();
+  std::vector<pid_t> asked;
+  auto l = Launcher::Create(
+      {spec}, FastOptions(), FileProbe, [](const std::string&) -> Result<bool> { return false; },
+      [&](pid_t pid) -> std::optional<PublishedPaths> {
+        asked.push_back(pid);
+        const std::string owner = dir_.Join("tp0-pp0.sock.owner." + std::to_string(pid));
+        if (!std::ifstream(owner).good()) return std::nullopt;
+        return PublishedPaths{dir_.Join("tp0-pp0.sock"), dir_.Join("tp0-pp0.lock")};
+      });
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  LaunchReport r = l->Run(-1);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(r.daemons[0].socket_path, dir_.Join("tp0-pp0.sock"));
+  ASSERT_FALSE(asked.empty());
+  EXPECT_EQ(asked.front(), r.daemons[0].pid);
+  ::kill(r.daemons[0].pid, SIGKILL);
+  ::waitpid(r.daemons[0].pid, nullptr, 0);
+}
+
 TEST(RestartDelayTest, DoublesAndCaps) {
   EXPECT_EQ(RestartDelay(1, 1000ms, 60000ms), 1000ms);
   EXPECT_EQ(RestartDelay(2, 1000ms, 60000ms), 2000ms);
@@ -340,6 +366,17 @@ TEST(LauncherCreateTest, RejectsAnEmptyPlan) {
                             [](const std::string&) -> Result<bool> { return false; });
   EXPECT_EQ(l.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(l.status().message().find("launch plan has no daemons"), std::string::npos);
+}
+
+TEST(LauncherCreateTest, AnUnknownSocketPathNeedsALocator) {
+  DaemonSpec spec;
+  spec.name = "tp0-pp0";
+  spec.spawn.argv = {"/bin/true"};
+  auto l = Launcher::Create({spec}, LaunchOptions{}, FileProbe,
+                            [](const std::string&) -> Result<bool> { return false; });
+  EXPECT_EQ(l.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(l.status().message().find("daemon tp0-pp0 has no socket path and no locator"),
+            std::string::npos);
 }
 
 TEST(FormatProgressLineTest, SummarisesEveryDaemonOnOneLine) {
