@@ -14,7 +14,10 @@ int main(int argc, char** argv) {
   root.set_version_flag("--version", "weightcache 0.1.0");
 
   // Subcommands, in the order `--help` lists them.
+  cli::RegisterServeCommand(root);
   cli::RegisterInspectCommand(root);
+  cli::RegisterLsCommand(root);
+  cli::RegisterStopCommand(root);
 
   try {
     root.parse(argc, argv);

@@ -1,0 +1,198 @@
+// `weightcache serve`: run one daemon in the foreground (SPEC §5, docs/daemon.md).
+//
+// The identity flags are the client's own (AddAttachOptionFlags + client::ResolveIdentity), so
+// a daemon and an engine given the same flags compute the same CacheConfig, device key and
+// socket path by construction. This file owns the process-level concerns the library must
+// not touch: signals (blocked in every thread, read through a signalfd by the event loop),
+// SIGPIPE, and the human-facing log lines (what is served, progress, ready/failed).
+//
+// Exit codes: 0 clean stop; 2 usage; 5 invalid checkpoint; 7 already served (the message
+// names the owner's pid); otherwise the failed load's code (1 for I/O, budget, CUDA).
+#include <pthread.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <cinttypes>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cli_common.h"
+#include "client/discovery.h"
+#include "common/logging.h"
+#include "common/unique_fd.h"
+#include "daemon/byte_size.h"
+#include "daemon/daemon.h"
+
+namespace weightcache::cli {
+namespace {
+
+struct ServeArgs {
+  AttachOptions identity;
+  std::string tier = "gpu";
+  std::vector<uint32_t> allow_uids;
+  std::vector<uint32_t> allow_gids;
+  std::string memory_budget;
+  int threads = 8;
+  double failed_linger_s = 30;
+};
+
+// Blocks the shutdown signals in this (the only) thread before any other thread exists, so
+// every thread inherits the mask and the signals queue on the signalfd for the event loop.
+Result<UniqueFd> TakeSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGHUP);
+  if (int rc = pthread_sigmask(SIG_BLOCK, &set, nullptr); rc != 0) {
+    return IoError("pthread_sigmask", rc);
+  }
+  UniqueFd fd(::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK));
+  if (!fd) return IoError("signalfd", errno);
+  // A client that vanishes must not kill us through a write; sends use MSG_NOSIGNAL too,
+  // this covers stderr on a closed pipe.
+  ::signal(SIGPIPE, SIG_IGN);
+  return fd;
+}
+
+std::string Rate(uint64_t bytes, double seconds) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f GB/s", seconds > 0 ? bytes / seconds / 1e9 : 0.0);
+  return buf;
+}
+
+// Progress: a rewritten line on a terminal (bytes, GB/s, ETA); on a pipe or file, a line at
+// each quarter so logs stay short.
+class ProgressPrinter {
+ public:
+  ProgressPrinter() : tty_(::isatty(STDERR_FILENO) == 1) {}
+
+  void Update(uint64_t done, uint64_t total, double seconds) {
+    if (total == 0) return;
+    if (tty_) {
+      const double rate = seconds > 0 ? done / seconds : 0;
+      const double eta = rate > 0 ? (total - done) / rate : 0;
+      char buf[160];
+      std::snprintf(buf, sizeof(buf), "\rloading: %s / %s (%5.1f%%)  %s  ETA %.0fs   ",
+                    daemon::FormatBytes(done).c_str(), daemon::FormatBytes(total).c_str(),
+                    100.0 * done / total, Rate(done, seconds).c_str(), eta);
+      std::cerr << buf << std::flush;
+      line_open_ = true;
+      return;
+    }
+    const int quarter = static_cast<int>(4 * done / total);
+    if (quarter > last_quarter_ && done < total) {
+      last_quarter_ = quarter;
+      LOG_INFO << "loading: " << daemon::FormatBytes(done) << " / " << daemon::FormatBytes(total)
+               << " (" << 25 * quarter << "%), " << Rate(done, seconds);
+    }
+  }
+  void EndLine() {
+    if (line_open_) std::cerr << "\n";
+    line_open_ = false;
+  }
+
+ private:
+  bool tty_;
+  bool line_open_ = false;
+  int last_quarter_ = 0;
+};
+
+int Run(ServeArgs& args) {
+  constexpr std::string_view kCmd = "serve";
+  args.identity.tier = args.tier == "host" ? Tier::kHost : Tier::kGpu;
+  if (args.identity.tier == Tier::kGpu && args.identity.device.empty()) {
+    // A daemon never picks a GPU by default: an implicit GPU 0 is the bug SPEC §1 forbids.
+    return Fail(kCmd, InvalidArgument("--tier gpu needs --device N|UUID"));
+  }
+  daemon::DaemonOptions options;
+  if (!args.memory_budget.empty()) {
+    auto budget = daemon::ParseByteSize(args.memory_budget);
+    if (!budget.ok()) return Fail(kCmd, budget.status().Context("--memory-budget"));
+    options.load.memory_budget = *budget;
+  }
+  auto id = client::ResolveIdentity(args.identity);
+  if (!id.ok()) return Fail(kCmd, id.status());
+
+  auto signals = TakeSignals();
+  if (!signals.ok()) return Fail(kCmd, signals.status());
+
+  options.config = id->config;
+  options.paths = id->paths;
+  options.model_path = args.identity.model_dir;
+  options.tier = args.identity.tier == Tier::kHost ? protocol::Tier::kHost : protocol::Tier::kGpu;
+  options.device_key = id->device_key;
+  options.load.threads = args.threads;
+  options.load.cache_name = "weightcache:" + id->config.ShortDigest();
+  options.allow_uids.assign(args.allow_uids.begin(), args.allow_uids.end());
+  options.allow_gids.assign(args.allow_gids.begin(), args.allow_gids.end());
+  options.failed_linger =
+      std::chrono::milliseconds(static_cast<int64_t>(args.failed_linger_s * 1000));
+
+  auto daemon = daemon::Daemon::Create(options);
+  if (!daemon.ok()) return Fail(kCmd, daemon.status());
+
+  {
+    std::string device = id->device_key;
+    if (id->device)
+      device +=
+          " (" + id->device->name + ", local index " + std::to_string(id->device->index) + ")";
+    LOG_INFO << "serving " << options.config.model_id
+             << (options.config.revision.empty() ? "" : "@" + options.config.revision) << " tp "
+             << options.config.tp_rank << "/" << options.config.tp_size << " pp "
+             << options.config.pp_rank << "/" << options.config.pp_size << " ep "
+             << options.config.ep_rank << "/" << options.config.ep_size << ", tier "
+             << protocol::TierName(options.tier) << ", device " << device << ", digest "
+             << options.config.ShortDigest() << ", socket " << options.paths.socket << ", pid "
+             << ::getpid();
+  }
+
+  ProgressPrinter progress;
+  daemon::DaemonEvents events;
+  events.on_progress = [&](uint64_t done, uint64_t total, double seconds) {
+    progress.Update(done, total, seconds);
+  };
+  events.on_ready = [&](const daemon::StoreSummary& s, double seconds) {
+    progress.EndLine();
+    LOG_INFO << "ready: " << s.tensor_count << " tensors, " << daemon::FormatBytes(s.tensor_bytes)
+             << " (" << daemon::FormatBytes(s.resident_bytes) << " resident) in " << seconds
+             << " s, " << Rate(s.tensor_bytes, seconds);
+  };
+  events.on_failed = [&](const Status&) { progress.EndLine(); };
+  events.on_draining = [&](std::string_view) { progress.EndLine(); };
+
+  Status result = (*daemon)->Run(signals->get(), events);
+  daemon->reset();  // withdraw the socket, then release the lock, before we report
+  if (!result.ok()) return Fail(kCmd, result);
+  LOG_INFO << "stopped";
+  return kExitOk;
+}
+
+}  // namespace
+
+void RegisterServeCommand(CLI::App& root) {
+  auto args = std::make_shared<ServeArgs>();
+  CLI::App* sub = root.add_subcommand(
+      "serve", "Run one cache daemon in the foreground: load a checkpoint once, serve it");
+  AddAttachOptionFlags(sub, &args->identity);
+  sub->add_option("--tier", args->tier, "gpu (VMM arena on --device) or host (sealed memfd)")
+      ->check(CLI::IsMember({"gpu", "host"}));
+  sub->add_option("--allow-uid", args->allow_uids,
+                  "also accept clients of this uid (repeatable; default: our uid only)");
+  sub->add_option("--allow-gid", args->allow_gids,
+                  "also accept clients whose primary gid is this (repeatable)");
+  sub->add_option("--memory-budget", args->memory_budget,
+                  "refuse to load a plan larger than this (e.g. 20G, 512M, bytes)");
+  sub->add_option("--threads", args->threads, "reader threads of the load")
+      ->check(CLI::Range(1, 256));
+  sub->add_option("--failed-linger", args->failed_linger_s,
+                  "seconds a failed daemon keeps answering `failed` before exiting (default 30)")
+      ->check(CLI::NonNegativeNumber);
+  SetAction(sub, [args] { return Run(*args); });
+}
+
+}  // namespace weightcache::cli

@@ -1,0 +1,158 @@
+// `weightcache stop`: ask daemons to stop, and wait until they have (SPEC §5).
+//
+// Which daemons: the identity flags of `serve` (the same socket `serve` computed), or
+// --socket PATH alone (a literal socket), or --all (every live cache of the namespace, or of
+// every namespace with --all-namespaces). Each gets a Stop request; `stop` then waits until
+// the socket is gone AND its lock is free, i.e. the daemon has exited and a successor can
+// start at once. Exit codes: 0 all stopped; 3 no live daemon at the socket; 6 timeout;
+// otherwise the daemon's refusal (e.g. 1 for another uid's daemon).
+#include <sys/stat.h>
+
+#include <iostream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli_common.h"
+#include "client/discovery.h"
+#include "identity/paths.h"
+#include "os/lock_file.h"
+#include "protocol/connection.h"
+
+namespace weightcache::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct StopArgs {
+  AttachOptions identity;
+  bool all = false;
+  bool all_namespaces = false;
+  double timeout_s = 30;
+};
+
+std::string LockPathFor(const std::string& socket) {
+  const std::string suffix = ".sock";
+  if (socket.size() > suffix.size() &&
+      socket.compare(socket.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    return socket.substr(0, socket.size() - suffix.size()) + ".lock";
+  }
+  return socket + ".lock";
+}
+
+bool PathExists(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+struct Target {
+  std::string socket;
+  std::string lock;
+};
+
+// Sends Stop; returns the daemon's pid for the log line.
+Status SendStop(const Target& t, std::chrono::milliseconds timeout) {
+  if (!os::IsLockHeld(t.lock)) {
+    return Status(StatusCode::kNoDaemon, "no live daemon at " + t.socket +
+                                             (PathExists(t.socket) ? " (stale socket)" : ""));
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(auto conn, protocol::Connection::Connect(t.socket, timeout));
+  auto reply = conn.Stop(os::Deadline::After(timeout));
+  if (!reply.ok()) {
+    Status status = reply.status();
+    return status.Context("stopping " + t.socket);
+  }
+  std::cerr << "weightcache stop: " << t.socket << ": stopping (" << reply->clients
+            << " attached client(s) keep their mappings)" << std::endl;
+  return Status::Ok();
+}
+
+int Run(StopArgs& args) {
+  constexpr std::string_view kCmd = "stop";
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000));
+  std::vector<Target> targets;
+  if (args.all) {
+    auto runtime = identity::ResolveRuntimeDir(args.identity.runtime_dir, identity::ProcessEnv());
+    if (!runtime.ok()) return Fail(kCmd, runtime.status());
+    auto entries = identity::ListAllCacheSockets(runtime->path);
+    if (!entries.ok()) return Fail(kCmd, entries.status());
+    const std::string ns = args.identity.namespace_name.empty()
+                               ? std::string(identity::kDefaultNamespace)
+                               : args.identity.namespace_name;
+    for (const auto& e : *entries) {
+      if (!args.all_namespaces && e.namespace_name != ns) continue;
+      const std::string lock = LockPathFor(e.socket);
+      if (os::IsLockHeld(lock)) targets.push_back({e.socket, lock});
+    }
+    if (targets.empty()) {
+      std::cerr << "weightcache stop: no live daemon under " << runtime->path << std::endl;
+      return kExitOk;
+    }
+  } else if (args.identity.model_dir.empty()) {
+    const std::string& socket = args.identity.socket;
+    if (socket.empty()) {
+      return Fail(kCmd, InvalidArgument("give the identity flags (--model …), --socket PATH "
+                                        "or --all"));
+    }
+    if (socket.find('{') != std::string::npos) {
+      return Fail(kCmd, InvalidArgument("--socket " + socket +
+                                        " is a template; without --model it cannot be "
+                                        "expanded (give the identity flags too)"));
+    }
+    targets.push_back({socket, socket + ".lock"});
+  } else {
+    auto id = client::ResolveIdentity(args.identity);
+    if (!id.ok()) return Fail(kCmd, id.status());
+    targets.push_back({id->paths.socket, id->paths.lock});
+  }
+
+  Status first_error;
+  std::vector<Target> waiting;
+  for (const auto& t : targets) {
+    Status s = SendStop(t, timeout);
+    if (!s.ok()) {
+      std::cerr << "weightcache stop: " << s.ToString() << std::endl;
+      if (first_error.ok()) first_error = s;
+      continue;
+    }
+    waiting.push_back(t);
+  }
+  // Stopped = the socket is withdrawn and the lock released (the process has exited).
+  const auto deadline = Clock::now() + timeout;
+  for (const auto& t : waiting) {
+    while (PathExists(t.socket) || os::IsLockHeld(t.lock)) {
+      if (Clock::now() >= deadline) {
+        return Fail(kCmd,
+                    Status(StatusCode::kTimeout, "daemon at " + t.socket + " still running after " +
+                                                     std::to_string(args.timeout_s) + " s"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    std::cerr << "weightcache stop: " << t.socket << ": stopped" << std::endl;
+  }
+  if (!first_error.ok()) return ExitCodeFor(first_error);
+  return kExitOk;
+}
+
+}  // namespace
+
+void RegisterStopCommand(CLI::App& root) {
+  auto args = std::make_shared<StopArgs>();
+  CLI::App* sub = root.add_subcommand(
+      "stop", "Stop daemons: by identity flags, by --socket PATH, or --all; waits for exit");
+  AddAttachOptionFlags(sub, &args->identity);
+  // The identity is one way to name a daemon among three: --model is optional here.
+  sub->get_option("--model")->required(false);
+  sub->add_option("--tier", args->identity.tier, "gpu or host (as given to serve)")
+      ->transform(CLI::CheckedTransformer(
+          std::map<std::string, Tier>{{"gpu", Tier::kGpu}, {"host", Tier::kHost}}));
+  sub->add_flag("--all", args->all, "every live daemon of the namespace");
+  sub->add_flag("--all-namespaces", args->all_namespaces, "with --all: of every namespace");
+  sub->add_option("--timeout", args->timeout_s, "seconds to wait for the daemons to exit")
+      ->check(CLI::PositiveNumber);
+  SetAction(sub, [args] { return Run(*args); });
+}
+
+}  // namespace weightcache::cli
