@@ -1,0 +1,119 @@
+// UploadPipeline — the cold-load path: file bytes → pinned staging buffers → device memory.
+//
+// Reader threads pread large runs of each shard file into a ring of pinned staging buffers;
+// each filled buffer is copied to the device with cuMemcpyHtoDAsync on one of a few streams,
+// and an event recorded after its copies gates the buffer's reuse, so reads of the next
+// buffers overlap the copies of the previous ones. While a copy is in flight, the reader
+// computes the content checksums (cuda/checksum.h) of what it just read from the same
+// staging buffer, so verification data costs no extra pass over the bytes.
+//
+// Contract:
+//  * Create() needs the CUDA context that will own the copies to be current on the calling
+//    thread; the pipeline remembers it and makes it current on its own threads.
+//  * The pipeline owns its staging buffers, streams and events (freed on destruction). It
+//    borrows the source fds and the destination device memory: both must stay valid until
+//    Run() returns. Run() never changes a source fd's file offset or flags (O_DIRECT reads go
+//    through a separate descriptor opened by the pipeline).
+//  * Run() is synchronous and not reentrant: one Run() at a time per pipeline. When it
+//    returns — success, error or cancellation — no copy it issued is still in flight and no
+//    thread it started is still running; the pipeline can be reused.
+//  * Errors (short read, EIO, a driver failure) stop every thread at its next step and
+//    name the file, the offset and the item. Destination bytes are unspecified after an error.
+//  * The progress callback runs on the pipeline's threads or the caller's, serialized, with
+//    bytes whose copies have completed; it must be quick and must not call into the pipeline.
+#pragma once
+
+#include <cuda.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cuda/driver_api.h"
+#include "cuda/upload_resources.h"
+#include "weightcache/status.h"
+
+namespace weightcache::cuda {
+
+// A source file, already open for reading.
+struct UploadSource {
+  int fd = -1;       // borrowed
+  std::string path;  // for error messages and logs only
+};
+
+// Copy `length` bytes at `file_offset` of sources[source] to device address `dst`.
+struct UploadItem {
+  size_t source = 0;
+  uint64_t file_offset = 0;
+  uint64_t length = 0;
+  CUdeviceptr dst = 0;
+};
+
+enum class ReadMode {
+  kBuffered,  // plain pread through the page cache
+  kDirect,    // O_DIRECT on a second descriptor per file, falling back to buffered reads for a
+              // file whose filesystem refuses it (tmpfs) or for a read it rejects
+};
+
+enum class ChecksumMode { kNone, kCompute };
+
+struct UploadOptions {
+  // A multiple of kChecksumChunkBytes (so pieces of an item stay chunk-aligned) and of 4096
+  // (O_DIRECT), at least two chunks.
+  uint64_t staging_buffer_bytes = uint64_t{32} << 20;
+  int staging_buffers = 8;
+  int reader_threads = 4;
+  int copy_streams = 2;
+  ReadMode read_mode = ReadMode::kBuffered;
+  ChecksumMode checksums = ChecksumMode::kNone;
+};
+
+struct UploadControl {
+  // (bytes whose copies completed, total bytes); monotone, last call has done == total.
+  std::function<void(uint64_t, uint64_t)> progress;
+  // Polled before each staging buffer is filled; when it reads true, Run() stops and returns
+  // kUnavailable "upload cancelled".
+  const std::atomic<bool>* cancel = nullptr;
+};
+
+struct UploadReport {
+  uint64_t bytes = 0;
+  double seconds = 0;
+  double gb_per_s = 0;  // 1e9 bytes per second, wall clock of Run()
+  // Per item, TensorChecksum of its bytes; empty unless ChecksumMode::kCompute.
+  std::vector<uint64_t> checksums;
+  size_t staging_fills = 0;   // buffers filled (batches)
+  size_t direct_sources = 0;  // sources read with O_DIRECT
+};
+
+class UploadPipeline {
+ public:
+  static Result<UploadPipeline> Create(const DriverApi* api, const UploadOptions& options);
+
+  UploadPipeline(UploadPipeline&&) noexcept = default;
+  UploadPipeline& operator=(UploadPipeline&&) = delete;
+  UploadPipeline(const UploadPipeline&) = delete;
+  ~UploadPipeline() = default;
+
+  Result<UploadReport> Run(std::span<const UploadSource> sources, std::span<const UploadItem> items,
+                           const UploadControl& control = {});
+
+  const UploadOptions& options() const { return options_; }
+
+ private:
+  UploadPipeline(const DriverApi* api, CUcontext context, const UploadOptions& options)
+      : api_(api), context_(context), options_(options) {}
+
+  const DriverApi* api_;
+  CUcontext context_;
+  UploadOptions options_;
+  // Acquisition order; destroyed in reverse, after Run() has drained every stream.
+  std::vector<PinnedHostBuffer> buffers_;
+  std::vector<CudaStream> streams_;
+  std::vector<CudaEvent> events_;  // one per staging buffer
+};
+
+}  // namespace weightcache::cuda

@@ -1,0 +1,332 @@
+// The cold-load pipeline (cuda/upload_pipeline.h) on real files in a temp dir, against the
+// fake driver whose copies run only when waited for: a staging buffer reused too early
+// uploads wrong bytes and fails the content checks below. Errors are injected at the Nth
+// driver call and through real failing reads (a truncated file, a directory fd).
+#include "cuda/upload_pipeline.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <vector>
+
+#include "common/unique_fd.h"
+#include "cuda/checksum.h"
+#include "support/test_env.h"
+#include "upload_fake_driver.h"
+
+namespace weightcache::cuda {
+namespace {
+
+using testing::UploadFakeDriver;
+using weightcache::testing::TempDir;
+
+constexpr uint64_t kChunk = kChecksumChunkBytes;
+
+std::string RandomString(size_t n, uint32_t seed) {
+  std::mt19937_64 rng(seed);
+  std::string s(n, '\0');
+  for (auto& c : s) c = static_cast<char>(rng());
+  return s;
+}
+
+class UploadPipelineTest : public ::testing::Test {
+ protected:
+  // A real file of random bytes, opened read-only; returns its source index.
+  size_t AddFile(const std::string& name, size_t size, uint32_t seed) {
+    const std::string path = dir_.Join(name);
+    contents_.push_back(RandomString(size, seed));
+    weightcache::testing::WriteFile(path, contents_.back());
+    fds_.emplace_back(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    EXPECT_TRUE(fds_.back().valid());
+    sources_.push_back({fds_.back().get(), path});
+    return sources_.size() - 1;
+  }
+  // An item and its fake-device destination, pre-filled with a marker byte.
+  void AddItem(size_t source, uint64_t offset, uint64_t length) {
+    device_.emplace_back(length, '\xEE');
+    items_.push_back({source, offset, length,
+                      length == 0 ? 0 : reinterpret_cast<CUdeviceptr>(device_.back().data())});
+  }
+  void ExpectDeviceMatchesFiles() {
+    for (size_t i = 0; i < items_.size(); ++i) {
+      const UploadItem& it = items_[i];
+      ASSERT_EQ(device_[i], contents_[it.source].substr(it.file_offset, it.length))
+          << "item " << i << " (offset " << it.file_offset << ", " << it.length << " bytes)";
+    }
+  }
+  Result<UploadReport> Run(UploadOptions options, const UploadControl& control = {}) {
+    auto pipeline = UploadPipeline::Create(fake_.api(), options);
+    if (!pipeline.ok()) return pipeline.status();
+    return pipeline->Run(sources_, items_, control);
+  }
+  void ExpectAllReleased() {
+    EXPECT_EQ(fake_.live_host_buffers(), 0);
+    EXPECT_EQ(fake_.live_streams(), 0);
+    EXPECT_EQ(fake_.live_events(), 0);
+    EXPECT_EQ(fake_.pending_copies(), 0u);
+  }
+  static UploadOptions SmallRing() {
+    UploadOptions o;
+    o.staging_buffer_bytes = 2 * kChunk;  // the minimum: forces many fills and reuse
+    o.staging_buffers = 3;
+    o.reader_threads = 3;
+    o.copy_streams = 2;
+    o.checksums = ChecksumMode::kCompute;
+    return o;
+  }
+
+  UploadFakeDriver fake_;
+  TempDir dir_;
+  std::vector<std::string> contents_;
+  std::vector<UniqueFd> fds_;
+  std::vector<UploadSource> sources_;
+  std::vector<UploadItem> items_;
+  std::deque<std::string> device_;  // stable addresses
+};
+
+// Many shapes in one load: tiny items, an empty one, an item exactly a buffer, an item larger
+// than a buffer (split at chunk boundaries), a partial last chunk, a contiguous run (one
+// shared read), items out of file order and two files.
+TEST_F(UploadPipelineTest, MixedItemsArriveIntactWithChecksums) {
+  const size_t a = AddFile("a.bin", 9 * kChunk + 123, 1);
+  const size_t b = AddFile("b.bin", 3 * kChunk + 5, 2);
+  AddItem(a, 0, 1);
+  AddItem(a, 1, 7);
+  AddItem(a, 8, 0);
+  AddItem(a, 8, 2 * kChunk);  // exactly one staging buffer, misaligned in the file
+  AddItem(b, 5, 3 * kChunk);  // other file, ends at its EOF
+  AddItem(a, 2 * kChunk + 8, 5 * kChunk + 17);  // larger than a buffer: split
+  AddItem(a, 4096, 4096);                       // going backwards
+  for (int i = 0; i < 40; ++i) AddItem(a, 7 * kChunk + 25 + i * 100, 100);  // contiguous run
+  AddItem(a, 9 * kChunk + 100, 23);                                         // to EOF
+
+  std::vector<std::pair<uint64_t, uint64_t>> progress;
+  UploadControl control;
+  control.progress = [&](uint64_t done, uint64_t total) { progress.emplace_back(done, total); };
+  {
+    auto report = Run(SmallRing(), control);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    ExpectDeviceMatchesFiles();
+    uint64_t total = 0;
+    for (const auto& it : items_) total += it.length;
+    EXPECT_EQ(report->bytes, total);
+    EXPECT_GT(report->staging_fills, 5u);
+    ASSERT_EQ(report->checksums.size(), items_.size());
+    for (size_t i = 0; i < items_.size(); ++i) {
+      const std::string& bytes = device_[i];
+      EXPECT_EQ(report->checksums[i], TensorChecksum(bytes.data(), bytes.size())) << "item " << i;
+    }
+    ASSERT_FALSE(progress.empty());
+    EXPECT_EQ(progress.back(), std::make_pair(total, total));
+    for (size_t i = 1; i < progress.size(); ++i) {
+      EXPECT_GT(progress[i].first, progress[i - 1].first) << "progress must grow";
+    }
+  }
+  ExpectAllReleased();
+}
+
+TEST_F(UploadPipelineTest, BufferReuseWaitsForTheCopy) {
+  // The fake never runs a copy until waited for: every fill after the first round must wait
+  // on the slot's event, or the earlier batch uploads bytes of the later one.
+  const size_t a = AddFile("a.bin", 40 * kChunk, 3);
+  for (int i = 0; i < 20; ++i) AddItem(a, i * 2 * kChunk, 2 * kChunk);
+  auto report = Run(SmallRing());
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  ExpectDeviceMatchesFiles();
+  EXPECT_GE(fake_.CallCount("cuEventSynchronize"), 20 - 3);
+}
+
+TEST_F(UploadPipelineTest, ManySmallItemsShareFewReads) {
+  const size_t a = AddFile("a.bin", 1000 * 64, 4);
+  for (int i = 0; i < 1000; ++i) AddItem(a, i * 64, 64);
+  UploadOptions o = SmallRing();
+  o.reader_threads = 1;
+  auto report = Run(o);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  ExpectDeviceMatchesFiles();
+  EXPECT_EQ(report->staging_fills, 1u) << "64,000 contiguous bytes fit one buffer";
+}
+
+TEST_F(UploadPipelineTest, ReusedPipelineLoadsAgain) {
+  const size_t a = AddFile("a.bin", 5 * kChunk, 5);
+  AddItem(a, 0, 5 * kChunk);
+  auto pipeline = UploadPipeline::Create(fake_.api(), SmallRing());
+  ASSERT_TRUE(pipeline.ok());
+  for (int round = 0; round < 2; ++round) {
+    device_[0].assign(device_[0].size(), '\0');
+    auto report = pipeline->Run(sources_, items_);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    ExpectDeviceMatchesFiles();
+  }
+}
+
+TEST_F(UploadPipelineTest, DirectReadsMatchBufferedReads) {
+  const size_t a = AddFile("a.bin", 6 * kChunk + 77, 6);
+  AddItem(a, 3, 6 * kChunk + 70);
+  AddItem(a, 1, 1);
+  UploadOptions o = SmallRing();
+  o.read_mode = ReadMode::kDirect;
+  auto report = Run(o);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  ExpectDeviceMatchesFiles();
+  // O_DIRECT is refused by tmpfs; either way the bytes are right and the fd was not touched.
+  EXPECT_LE(report->direct_sources, 1u);
+  EXPECT_EQ(::fcntl(sources_[a].fd, F_GETFL) & O_DIRECT, 0);
+}
+
+TEST_F(UploadPipelineTest, ShortReadNamesFileAndOffset) {
+  const size_t a = AddFile("short.bin", 3 * kChunk, 7);
+  AddItem(a, 0, kChunk);
+  AddItem(a, 2 * kChunk, 2 * kChunk);  // runs past EOF
+  {
+    auto report = Run(SmallRing());
+    ASSERT_FALSE(report.ok());
+    EXPECT_EQ(report.status().code(), StatusCode::kIo);
+    const std::string m = report.status().message();
+    EXPECT_NE(m.find(sources_[a].path), std::string::npos) << m;
+    // The item's second staging piece is the read that comes back empty.
+    EXPECT_NE(m.find("at offset " + std::to_string(3 * kChunk) + " (" + std::to_string(kChunk) +
+                     " bytes, item 1)"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("short read, the file ends at offset " + std::to_string(3 * kChunk)),
+              std::string::npos)
+        << m;
+  }
+  ExpectAllReleased();
+}
+
+TEST_F(UploadPipelineTest, ReadErrorCarriesErrno) {
+  const size_t a = AddFile("a.bin", kChunk, 8);
+  fds_.emplace_back(::open(dir_.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  sources_.push_back({fds_.back().get(), dir_.path() + " (a directory)"});
+  AddItem(a, 0, kChunk);
+  AddItem(sources_.size() - 1, 0, 10);
+  auto report = Run(SmallRing());
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kIo);
+  EXPECT_EQ(report.status().sys_errno(), EISDIR);
+  EXPECT_NE(report.status().message().find("(a directory) at offset 0 (10 bytes, item 1)"),
+            std::string::npos)
+      << report.status().message();
+}
+
+TEST_F(UploadPipelineTest, CopyFailureMidwayStopsAndCleansUp) {
+  const size_t a = AddFile("a.bin", 20 * kChunk, 9);
+  for (int i = 0; i < 10; ++i) AddItem(a, i * 2 * kChunk, 2 * kChunk);
+  fake_.FailCall("cuMemcpyHtoDAsync", 6, CUDA_ERROR_UNKNOWN);
+  {
+    auto report = Run(SmallRing());
+    ASSERT_FALSE(report.ok());
+    EXPECT_EQ(report.status().code(), StatusCode::kCuda);
+    EXPECT_EQ(report.status().driver_error(), CUDA_ERROR_UNKNOWN);
+    const std::string m = report.status().message();
+    EXPECT_NE(m.find("cuMemcpyHtoDAsync of item"), std::string::npos) << m;
+    EXPECT_NE(m.find(sources_[a].path + " offset "), std::string::npos) << m;
+    EXPECT_NE(m.find("CUDA_ERROR_UNKNOWN"), std::string::npos) << m;
+    // Stopped early: not every item was even attempted.
+    EXPECT_LT(fake_.CallCount("cuMemcpyHtoDAsync"), 10);
+  }
+  ExpectAllReleased();
+}
+
+TEST_F(UploadPipelineTest, EventSynchronizeFailureStops) {
+  const size_t a = AddFile("a.bin", 20 * kChunk, 10);
+  for (int i = 0; i < 10; ++i) AddItem(a, i * 2 * kChunk, 2 * kChunk);
+  fake_.FailCall("cuEventSynchronize", 2, CUDA_ERROR_LAUNCH_FAILED);
+  {
+    auto report = Run(SmallRing());
+    ASSERT_FALSE(report.ok());
+    EXPECT_EQ(report.status().driver_error(), CUDA_ERROR_LAUNCH_FAILED);
+    EXPECT_NE(report.status().message().find("cuEventSynchronize on staging buffer"),
+              std::string::npos)
+        << report.status().message();
+  }
+  ExpectAllReleased();
+}
+
+TEST_F(UploadPipelineTest, CreateFailureReleasesWhatWasAllocated) {
+  fake_.FailCall("cuMemHostAlloc", 3, CUDA_ERROR_OUT_OF_MEMORY);
+  auto p = UploadPipeline::Create(fake_.api(), SmallRing());
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kCuda);
+  EXPECT_NE(p.status().message().find("cuMemHostAlloc of a 524288-byte pinned staging buffer"),
+            std::string::npos)
+      << p.status().message();
+  EXPECT_EQ(fake_.CallCount("cuMemFreeHost"), 2);
+  ExpectAllReleased();
+
+  fake_.FailCall("cuEventCreate", 2, CUDA_ERROR_OUT_OF_MEMORY);
+  auto p2 = UploadPipeline::Create(fake_.api(), SmallRing());
+  ASSERT_FALSE(p2.ok());
+  EXPECT_NE(p2.status().message().find("cuEventCreate"), std::string::npos);
+  ExpectAllReleased();
+}
+
+TEST_F(UploadPipelineTest, CancelStopsBeforeTheNextFill) {
+  const size_t a = AddFile("a.bin", 40 * kChunk, 11);
+  for (int i = 0; i < 20; ++i) AddItem(a, i * 2 * kChunk, 2 * kChunk);
+  std::atomic<bool> cancel{false};
+  UploadControl control;
+  control.cancel = &cancel;
+  control.progress = [&](uint64_t, uint64_t) { cancel = true; };
+  {
+    auto report = Run(SmallRing(), control);
+    ASSERT_FALSE(report.ok());
+    EXPECT_EQ(report.status().code(), StatusCode::kUnavailable);
+    EXPECT_EQ(report.status().message(), "upload cancelled");
+    EXPECT_LT(fake_.CallCount("cuMemcpyHtoDAsync"), 20);
+  }
+  ExpectAllReleased();
+}
+
+TEST_F(UploadPipelineTest, RejectsBadOptionsAndItems) {
+  UploadOptions o = SmallRing();
+  o.staging_buffer_bytes = 3 * kChunk + 1;
+  auto p = UploadPipeline::Create(fake_.api(), o);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(p.status().message().find("must be a multiple of"), std::string::npos);
+
+  fake_.SetHasContext(false);
+  auto p2 = UploadPipeline::Create(fake_.api(), SmallRing());
+  ASSERT_FALSE(p2.ok());
+  EXPECT_NE(p2.status().message().find("no current CUDA context"), std::string::npos);
+  fake_.SetHasContext(true);
+
+  const size_t a = AddFile("a.bin", 10, 12);
+  AddItem(a, 0, 10);
+  items_.push_back({7, 0, 1, items_[0].dst});
+  auto r = Run(SmallRing());
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("upload item 1 names source 7 of 1"), std::string::npos);
+
+  items_.back() = {a, ~uint64_t{0} - 2, 5, items_[0].dst};
+  r = Run(SmallRing());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("offset + length overflows"), std::string::npos);
+
+  items_.back() = {a, 0, 5, 0};
+  r = Run(SmallRing());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("null device destination"), std::string::npos);
+}
+
+TEST_F(UploadPipelineTest, NothingToDoReportsZero) {
+  std::vector<std::pair<uint64_t, uint64_t>> progress;
+  UploadControl control;
+  control.progress = [&](uint64_t d, uint64_t t) { progress.emplace_back(d, t); };
+  auto report = Run(SmallRing(), control);
+  ASSERT_TRUE(report.ok());
+  EXPECT_EQ(report->bytes, 0u);
+  EXPECT_EQ(progress, (std::vector<std::pair<uint64_t, uint64_t>>{{0, 0}}));
+}
+
+}  // namespace
+}  // namespace weightcache::cuda
