@@ -35,6 +35,7 @@ int RunSelected(CLI::App& root);
 // Registration functions, one per cmd_<name>.cc.
 void RegisterInspectCommand(CLI::App& root);
 void RegisterServeCommand(CLI::App& root);
+void RegisterLaunchCommand(CLI::App& root);
 void RegisterLsCommand(CLI::App& root);
 void RegisterStopCommand(CLI::App& root);
 

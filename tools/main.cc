@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
 
   // Subcommands, in the order `--help` lists them.
   cli::RegisterServeCommand(root);
+  cli::RegisterLaunchCommand(root);
   cli::RegisterInspectCommand(root);
   cli::RegisterLsCommand(root);
   cli::RegisterStopCommand(root);

@@ -1,0 +1,181 @@
+#include "launcher/serve_daemons.h"
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "identity/paths.h"
+#include "os/lock_file.h"
+#include "protocol/connection.h"
+#include "protocol/messages.h"
+
+namespace weightcache::launcher {
+
+std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& plan,
+                                         const ServeFlags& flags, const JobFiles& files) {
+  std::vector<DaemonSpec> specs;
+  for (const DaemonPlacement& p : plan) {
+    DaemonSpec s;
+    s.placement = p;
+    s.name = "tp" + std::to_string(p.tp_rank) + "-pp" + std::to_string(p.pp_rank);
+    auto& argv = s.spawn.argv;
+    argv = {files.exe,
+            "serve",
+            "--model",
+            flags.model,
+            "--tier",
+            flags.tier,
+            "--device",
+            p.device_uuid,
+            "--tp-size",
+            std::to_string(flags.tp_size),
+            "--tp-rank",
+            std::to_string(p.tp_rank),
+            "--pp-size",
+            std::to_string(flags.pp_size),
+            "--pp-rank",
+            std::to_string(p.pp_rank),
+            "--ep-size",
+            std::to_string(flags.ep_size),
+            "--ep-rank",
+            std::to_string(p.ep_rank),
+            "--dp-size",
+            std::to_string(flags.dp_size),
+            "--namespace",
+            flags.namespace_name};
+    auto add = [&argv](const char* flag, const std::string& value) {
+      if (value.empty()) return;
+      argv.push_back(flag);
+      argv.push_back(value);
+    };
+    add("--runtime-dir", flags.runtime_dir);
+    add("--model-id", flags.model_id);
+    add("--revision", flags.revision);
+    add("--device-inventory", flags.device_inventory);
+    add("--memory-budget", flags.memory_budget);
+    // "GPU-1a2b3c4d-…" → "1a2b3c4d": short, and unique among the GPUs of one host in practice.
+    std::string tag = p.device_uuid;
+    if (auto dash = tag.find('-'); dash != std::string::npos) tag = tag.substr(dash + 1);
+    tag = tag.substr(0, 8);
+    s.spawn.log_path = files.log_dir + "/" + files.job + "-" + s.name + "-" + tag + ".log";
+    specs.push_back(std::move(s));
+  }
+  return specs;
+}
+
+Result<ProbeReport> ProbeDaemonState(const std::string& socket_path,
+                                     std::chrono::milliseconds timeout) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Connection conn,
+                               protocol::Connection::Connect(socket_path, timeout));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::StatusReply reply,
+                               conn.QueryStatus(os::Deadline::After(timeout)));
+  ProbeReport r;
+  r.bytes_done = reply.bytes_done;
+  r.bytes_total = reply.bytes_total;
+  r.reason = reply.failure_reason;
+  switch (reply.state) {
+    case protocol::CacheState::kLoading:
+      r.state = ProbeReport::State::kLoading;
+      break;
+    case protocol::CacheState::kReady:
+      r.state = ProbeReport::State::kReady;
+      break;
+    case protocol::CacheState::kFailed:
+      r.state = ProbeReport::State::kFailed;
+      break;
+    case protocol::CacheState::kDraining:
+      r.state = ProbeReport::State::kDraining;
+      break;
+  }
+  return r;
+}
+
+std::string LockPathFor(const std::string& socket_path) {
+  constexpr std::string_view kSuffix = ".sock";
+  if (socket_path.ends_with(kSuffix)) {
+    return socket_path.substr(0, socket_path.size() - kSuffix.size()) + ".lock";
+  }
+  return socket_path + ".lock";
+}
+
+namespace {
+
+Result<std::vector<std::string>> NamespaceSockets(const std::string& runtime_dir,
+                                                  const std::string& namespace_name) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<identity::SocketEntry> all,
+                               identity::ListAllCacheSockets(runtime_dir));
+  std::vector<std::string> out;
+  for (auto& e : all) {
+    if (e.namespace_name == namespace_name) out.push_back(std::move(e.socket));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::optional<PublishedPaths> LocatePublishedSocket(const std::string& runtime_dir,
+                                                    const std::string& namespace_name,
+                                                    pid_t pid) {
+  auto sockets = NamespaceSockets(runtime_dir, namespace_name);
+  if (!sockets.ok()) return std::nullopt;
+  for (const std::string& socket : *sockets) {
+    const std::string lock = LockPathFor(socket);
+    // The recorded owner alone could be a previous holder's; the flock makes it current.
+    if (os::ReadLockOwner(lock) == pid && os::IsLockHeld(lock)) {
+      return PublishedPaths{socket, lock};
+    }
+  }
+  return std::nullopt;
+}
+
+Result<std::vector<std::string>> SweepStaleSockets(const std::string& runtime_dir,
+                                                   const std::string& namespace_name) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> sockets,
+                               NamespaceSockets(runtime_dir, namespace_name));
+  std::vector<std::string> removed;
+  for (const std::string& socket : sockets) {
+    if (os::IsLockHeld(LockPathFor(socket))) continue;
+    if (::unlink(socket.c_str()) != 0 && errno != ENOENT) {
+      return IoError("removing stale socket " + socket, errno);
+    }
+    removed.push_back(socket);
+  }
+  return removed;
+}
+
+std::string LaunchSummaryJson(const LaunchReport& report, int exit_code) {
+  nlohmann::json j;
+  j["status"] = report.status.ok() ? "ok" : std::string(StatusCodeName(report.status.code()));
+  j["message"] = report.status.message();
+  j["exit_code"] = exit_code;
+  if (report.stop_signal != 0) j["stop_signal"] = report.stop_signal;
+  nlohmann::json daemons = nlohmann::json::array();
+  for (size_t i = 0; i < report.daemons.size(); ++i) {
+    const DaemonSnapshot& d = report.daemons[i];
+    nlohmann::json e = {{"name", d.name},
+                        {"tp_rank", d.placement.tp_rank},
+                        {"pp_rank", d.placement.pp_rank},
+                        {"ep_rank", d.placement.ep_rank},
+                        {"local_gpu_id", d.placement.local_gpu_id},
+                        {"device_uuid", d.placement.device_uuid},
+                        {"socket", d.socket_path},
+                        {"log", d.log_path},
+                        {"pid", d.pid},
+                        {"state", std::string(DaemonStateName(d.state))},
+                        {"bytes_done", d.bytes_done},
+                        {"bytes_total", d.bytes_total},
+                        {"seconds", d.seconds},
+                        {"restarts", d.restarts}};
+    if (d.exit) {
+      e["exit"] = d.exit->exited() ? nlohmann::json{{"code", d.exit->exit_code}}
+                                   : nlohmann::json{{"signal", d.exit->signal}};
+    }
+    if (!d.reason.empty() && d.state != DaemonState::kReady) e["reason"] = d.reason;
+    if (static_cast<int>(i) == report.failed_index) e["failed"] = true;
+    daemons.push_back(std::move(e));
+  }
+  j["daemons"] = std::move(daemons);
+  return j.dump(2);
+}
+
+}  // namespace weightcache::launcher

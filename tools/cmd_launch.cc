@@ -1,0 +1,241 @@
+// `weightcache launch`: start (and with --supervise, keep alive) every daemon of one TP×PP
+// job on this node. Placement, lifecycle and exit codes: docs/launcher.md. This file only
+// parses flags, prepares directories and signals, and prints; src/launcher does the work.
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <string>
+
+#include "cli_common.h"
+#include "common/unique_fd.h"
+#include "identity/device_inventory.h"
+#include "identity/paths.h"
+#include "launcher/launcher.h"
+#include "launcher/placement.h"
+#include "launcher/serve_daemons.h"
+#include "os/lock_file.h"
+
+namespace weightcache::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using launcher::LaunchReport;
+
+struct LaunchArgs {
+  launcher::ServeFlags serve;
+  std::string runtime_dir_flag;
+  int nnodes = 1;
+  int node_rank = 0;
+  int base_gpu_id = 0;
+  int gpu_id_step = 1;
+  double ready_timeout_s = 600;
+  double stop_grace_s = 10;
+  bool supervise = false;
+  bool json = false;
+  std::string log_dir;
+  std::string job;
+};
+
+// File-name-safe job name: [A-Za-z0-9._-], anything else becomes '_'.
+std::string SafeName(std::string s) {
+  for (char& c : s) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') c = '_';
+  }
+  return s.empty() ? "job" : s;
+}
+
+Status MakePrivateDirWithParents(const std::string& path) {
+  std::error_code ec;
+  fs::create_directories(fs::path(path).parent_path(), ec);
+  if (ec) return IoError("creating " + fs::path(path).parent_path().string(), ec.value());
+  return identity::EnsurePrivateDir(path);
+}
+
+Result<std::string> SelfExe() {
+  std::string buf(4096, '\0');
+  ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
+  if (n <= 0) return IoError("readlink /proc/self/exe", errno);
+  buf.resize(static_cast<size_t>(n));
+  return buf;
+}
+
+// Blocks the stop signals in this (the only) thread and returns a signalfd for them. The
+// daemons are spawned with an empty mask, so they still receive what we send them.
+Result<UniqueFd> StopSignalFd() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGHUP);
+  if (int rc = ::pthread_sigmask(SIG_BLOCK, &set, nullptr); rc != 0) {
+    return IoError("blocking SIGTERM/SIGINT/SIGHUP", rc);
+  }
+  UniqueFd fd(::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK));
+  if (!fd) return IoError("signalfd", errno);
+  return fd;
+}
+
+void PrintHuman(const LaunchReport& report) {
+  for (const auto& d : report.daemons) {
+    std::printf("%-10s gpu%-2d %s  %-8s %6.2f GB  %6.2f s  pid %d  %s\n", d.name.c_str(),
+                d.placement.local_gpu_id, d.placement.device_uuid.c_str(),
+                std::string(launcher::DaemonStateName(d.state)).c_str(),
+                static_cast<double>(d.bytes_total) / 1e9, d.seconds, static_cast<int>(d.pid),
+                d.socket_path.c_str());
+  }
+  std::fflush(stdout);
+}
+
+int RunLaunch(const LaunchArgs& args) {
+  constexpr std::string_view kCmd = "launch";
+  auto signal_fd = StopSignalFd();
+  if (!signal_fd.ok()) return Fail(kCmd, signal_fd.status());
+
+  identity::InventoryOptions inventory;
+  inventory.inventory_file = args.serve.device_inventory;
+  auto devices = identity::VisibleDevices(inventory);
+  if (!devices.ok()) return Fail(kCmd, devices.status());
+
+  launcher::LaunchTopology topology;
+  topology.tp_size = args.serve.tp_size;
+  topology.pp_size = args.serve.pp_size;
+  topology.ep_size = args.serve.ep_size;
+  topology.nnodes = args.nnodes;
+  topology.node_rank = args.node_rank;
+  topology.base_gpu_id = args.base_gpu_id;
+  topology.gpu_id_step = args.gpu_id_step;
+  for (const auto& d : *devices) topology.visible_device_uuids.push_back(d.uuid);
+  auto plan = launcher::PlanLaunch(topology);
+  if (!plan.ok()) return Fail(kCmd, plan.status());
+
+  launcher::ServeFlags serve = args.serve;
+  if (Status s = identity::ValidateNamespace(serve.namespace_name); !s.ok()) return Fail(kCmd, s);
+  auto runtime = identity::ResolveRuntimeDir(args.runtime_dir_flag, identity::ProcessEnv());
+  if (!runtime.ok()) return Fail(kCmd, runtime.status());
+  serve.runtime_dir = runtime->path;
+  const std::string namespace_dir = runtime->path + "/" + serve.namespace_name;
+  for (const std::string& dir : {runtime->path, namespace_dir}) {
+    if (Status s = MakePrivateDirWithParents(dir); !s.ok()) return Fail(kCmd, s);
+  }
+  launcher::JobFiles files;
+  files.log_dir =
+      args.log_dir.empty() ? namespace_dir + "/logs" : fs::absolute(args.log_dir).string();
+  if (Status s = MakePrivateDirWithParents(files.log_dir); !s.ok()) return Fail(kCmd, s);
+  auto exe = SelfExe();
+  if (!exe.ok()) return Fail(kCmd, exe.status());
+  files.exe = *exe;
+  serve.model = fs::absolute(serve.model).lexically_normal().string();
+  files.job = SafeName(args.job.empty() ? fs::path(serve.model).filename().string() : args.job);
+
+  auto swept = launcher::SweepStaleSockets(runtime->path, serve.namespace_name);
+  if (!swept.ok()) return Fail(kCmd, swept.status());
+
+  launcher::LaunchOptions options;
+  options.mode = args.supervise ? launcher::SupervisionMode::kSupervise
+                                : launcher::SupervisionMode::kExitWhenReady;
+  options.ready_timeout = std::chrono::milliseconds(static_cast<long>(args.ready_timeout_s * 1000));
+  options.stop_grace = std::chrono::milliseconds(static_cast<long>(args.stop_grace_s * 1000));
+  const bool tty = ::isatty(STDERR_FILENO) == 1;
+  const auto start = std::chrono::steady_clock::now();
+  bool progress_shown = false;
+  if (tty) {
+    options.on_progress = [&](const std::vector<launcher::DaemonSnapshot>& all) {
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::fprintf(stderr, "\r\033[K%s", launcher::FormatProgressLine(all, elapsed).c_str());
+      progress_shown = true;
+    };
+  }
+  options.on_ready = [&](const std::vector<launcher::DaemonSnapshot>& all) {
+    if (progress_shown) std::fprintf(stderr, "\n");
+    progress_shown = false;
+    if (args.supervise && !args.json) {
+      std::fprintf(stderr, "weightcache launch: %zu daemons ready; supervising (SIGTERM stops)\n",
+                   all.size());
+    }
+  };
+
+  const std::string runtime_dir = runtime->path;
+  const std::string ns = serve.namespace_name;
+  auto l = launcher::Launcher::Create(
+      launcher::BuildDaemonSpecs(*plan, serve, files), options,
+      [](const std::string& socket) {
+        return launcher::ProbeDaemonState(socket, std::chrono::milliseconds(500));
+      },
+      [](const std::string& lock) -> Result<bool> { return os::IsLockHeld(lock); },
+      [runtime_dir, ns](pid_t pid) {
+        return launcher::LocatePublishedSocket(runtime_dir, ns, pid);
+      });
+  if (!l.ok()) return Fail(kCmd, l.status());
+  LaunchReport report = l->Run(signal_fd->get());
+  if (progress_shown) std::fprintf(stderr, "\n");
+
+  const int code = report.status.ok() ? kExitOk : ExitCodeFor(report.status);
+  if (args.json) {
+    std::cout << launcher::LaunchSummaryJson(report, code) << std::endl;
+  } else if (report.status.ok()) {
+    PrintHuman(report);
+  }
+  if (!report.status.ok()) {
+    Fail(kCmd, report.status);
+    if (report.failed_index >= 0 && !report.failed_log_tail.empty()) {
+      const auto& d = report.daemons[report.failed_index];
+      std::cerr << "--- last " << report.failed_log_tail.size() << " lines of " << d.log_path
+                << " ---\n";
+      for (const auto& line : report.failed_log_tail) std::cerr << line << "\n";
+      std::cerr << "---" << std::endl;
+    }
+  }
+  return code;
+}
+
+}  // namespace
+
+void RegisterLaunchCommand(CLI::App& root) {
+  auto args = std::make_shared<LaunchArgs>();
+  CLI::App* sub = root.add_subcommand(
+      "launch",
+      "Start the daemons of a TP x PP job on this node's GPUs, wait until all are ready "
+      "(exit 6 on --ready-timeout), and with --supervise keep them alive.");
+  auto& s = args->serve;
+  sub->add_option("--model", s.model, "Checkpoint directory (or file)")->required();
+  sub->add_option("--tp,--tp-size", s.tp_size, "Tensor-parallel size")->check(CLI::PositiveNumber);
+  sub->add_option("--pp,--pp-size", s.pp_size, "Pipeline-parallel size")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--ep-size", s.ep_size, "Expert-parallel size within the TP group")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--dp-size", s.dp_size, "Data-parallel size (identity only)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--nnodes", args->nnodes, "Nodes of the job")->check(CLI::PositiveNumber);
+  sub->add_option("--node-rank", args->node_rank, "This node's rank")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--base-gpu-id", args->base_gpu_id, "First local GPU id")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--gpu-id-step", args->gpu_id_step, "Local GPU id step between ranks")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--ready-timeout", args->ready_timeout_s,
+                  "Seconds until every daemon must be ready (exit 6)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--stop-grace", args->stop_grace_s, "Seconds between SIGTERM and SIGKILL")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_flag("--supervise", args->supervise,
+                "Keep running after ready; restart daemons that die (exponential backoff)");
+  sub->add_flag("--json", args->json, "Print a JSON summary on stdout");
+  sub->add_option("--log-dir", args->log_dir, "Daemon logs (default <runtime>/<namespace>/logs)");
+  sub->add_option("--job", args->job, "Log file prefix (default: the model directory's name)");
+  sub->add_option("--tier", s.tier, "gpu or host")->check(CLI::IsMember({"gpu", "host"}));
+  sub->add_option("--model-id", s.model_id, "Model id of the cache identity");
+  sub->add_option("--revision", s.revision, "Model revision");
+  sub->add_option("--namespace", s.namespace_name, "Namespace");
+  sub->add_option("--runtime-dir", args->runtime_dir_flag, "Runtime dir");
+  sub->add_option("--device-inventory", s.device_inventory,
+                  "Device inventory JSON (stands in for CUDA enumeration)");
+  sub->add_option("--memory-budget", s.memory_budget, "Per-daemon memory budget");
+  SetAction(sub, [args] { return RunLaunch(*args); });
+}
+
+}  // namespace weightcache::cli
