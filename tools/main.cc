@@ -16,6 +16,8 @@ int main(int argc, char** argv) {
   // Subcommands, in the order `--help` lists them.
   cli::RegisterServeCommand(root);
   cli::RegisterLaunchCommand(root);
+  cli::RegisterAttachCommand(root);
+  cli::RegisterVerifyCommand(root);
   cli::RegisterInspectCommand(root);
   cli::RegisterLsCommand(root);
   cli::RegisterStopCommand(root);

@@ -1,0 +1,173 @@
+// `weightcache attach`: connect exactly as an engine's client would (the same library call,
+// weightcache::Attachment::Attach) and print what it got: source, socket, device, tensors,
+// bytes, attach time, and with --verify every tensor's checksum recomputed over the mapped
+// memory against the daemon's record. Exit codes (SPEC §5): 3 no daemon with
+// --on-missing error, 4 config mismatch (the fields on stderr), 6 still loading at the
+// deadline with --on-missing error, 1 a verification failure (the tensors on stderr).
+//
+// --hold keeps the attachment open after the summary until stdin closes: each line read
+// re-verifies the mapped memory, and "daemon-gone" is printed when the daemon goes away. Tests
+// use it to prove that mappings survive the daemon; operators to pin a cache while debugging.
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "cli_common.h"
+#include "client/verify.h"
+#include "weightcache/client.h"
+
+namespace weightcache::cli {
+namespace {
+
+struct AttachArgs {
+  AttachOptions options;
+  std::string tier = "gpu";
+  std::string on_missing = "fallback";
+  std::string on_mismatch = "error";
+  double wait_seconds = 60;
+  bool verify = false;
+  bool json = false;
+  bool hold = false;
+  int threads = 8;
+};
+
+nlohmann::json VerifyJson(const client::VerifyReport& r) {
+  nlohmann::json problems = nlohmann::json::array();
+  for (const auto& p : r.problems) problems.push_back({{"tensor", p.name}, {"problem", p.what}});
+  return {{"ok", r.ok()},
+          {"tensors", r.tensors_checked},
+          {"bytes", r.bytes_checked},
+          {"seconds", r.seconds},
+          {"problems", problems}};
+}
+
+void PrintProblems(const client::VerifyReport& r) {
+  for (const auto& p : r.problems) {
+    std::cerr << "weightcache attach: verify: " << p.name << ": " << p.what << "\n";
+  }
+}
+
+int Run(AttachArgs& args) {
+  args.options.tier = args.tier == "host" ? Tier::kHost : Tier::kGpu;
+  args.options.on_missing = args.on_missing == "error" ? OnMissing::kError : OnMissing::kFallback;
+  args.options.on_mismatch =
+      args.on_mismatch == "fallback" ? OnMismatch::kFallback : OnMismatch::kError;
+  args.options.wait_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(args.wait_seconds * 1000));
+  args.options.fallback_threads = args.threads;
+
+  auto attached = Attachment::Attach(args.options);
+  if (!attached.ok()) return Fail("attach", attached.status());
+  const Attachment& a = *attached;
+
+  std::optional<client::VerifyReport> report;
+  if (args.verify) {
+    auto r = client::VerifyChecksums(a, args.threads);
+    if (!r.ok()) return Fail("attach", r.status().Context("verify"));
+    report = std::move(r).value();
+  }
+
+  if (args.json) {
+    nlohmann::json out = {{"source", AttachSourceName(a.source())},
+                          {"reason", a.source_reason()},
+                          {"socket", a.socket_path()},
+                          {"device", a.device_key()},
+                          {"tier", TierName(a.tier())},
+                          {"daemon_pid", a.daemon_pid()},
+                          {"config_digest", a.config_digest()},
+                          {"tensors", a.tensors().size()},
+                          {"bytes", a.total_bytes()},
+                          {"attach_ms", a.attach_ms()}};
+    if (report) out["verify"] = VerifyJson(*report);
+    std::cout << out.dump() << std::endl;
+  } else {
+    std::printf("source:     %s (%s)\n", std::string(AttachSourceName(a.source())).c_str(),
+                a.source_reason().c_str());
+    std::printf("socket:     %s\n", a.socket_path().c_str());
+    std::printf("device:     %s\n", a.device_key().c_str());
+    std::printf("tier:       %s\n", std::string(TierName(a.tier())).c_str());
+    std::printf("config:     %s\n", a.config_digest().c_str());
+    std::printf("tensors:    %zu\n", a.tensors().size());
+    std::printf("bytes:      %llu\n", static_cast<unsigned long long>(a.total_bytes()));
+    std::printf("attach:     %.3f ms\n", a.attach_ms());
+    if (report) {
+      std::printf("verify:     %s (%zu tensors, %llu bytes, %.3f s)\n",
+                  report->ok() ? "ok" : "FAILED", report->tensors_checked,
+                  static_cast<unsigned long long>(report->bytes_checked), report->seconds);
+    }
+    std::fflush(stdout);
+  }
+  if (report && !report->ok()) {
+    PrintProblems(*report);
+    return kExitError;
+  }
+
+  if (args.hold) {
+    attached->OnDaemonGone([] {
+      std::printf("daemon-gone\n");
+      std::fflush(stdout);
+    });
+    std::string line;
+    while (std::getline(std::cin, line)) {
+      auto r = client::VerifyChecksums(a, args.threads);
+      if (!r.ok()) return Fail("attach", r.status().Context("verify"));
+      std::printf("verify %s alive=%d\n", r->ok() ? "ok" : "FAILED", a.daemon_alive() ? 1 : 0);
+      std::fflush(stdout);
+      if (!r->ok()) PrintProblems(*r);
+    }
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+void AddAttachOptionFlags(CLI::App* sub, AttachOptions* o) {
+  sub->add_option("--model", o->model_dir, "checkpoint dir or .safetensors file")->required();
+  sub->add_option("--model-id", o->model_id, "model id (default: the model dir's basename)");
+  sub->add_option("--revision", o->revision, "model revision");
+  sub->add_option("--dtype", o->dtype, "dtype (default: as stored)");
+  sub->add_option("--quantization", o->quantization, "quantization method");
+  sub->add_option("--quantization-config", o->quantization_config,
+                  "JSON file of the quantization method");
+  sub->add_option("--tp-size", o->tp_size)->check(CLI::PositiveNumber);
+  sub->add_option("--tp-rank", o->tp_rank)->check(CLI::NonNegativeNumber);
+  sub->add_option("--pp-size", o->pp_size)->check(CLI::PositiveNumber);
+  sub->add_option("--pp-rank", o->pp_rank)->check(CLI::NonNegativeNumber);
+  sub->add_option("--ep-size", o->ep_size)->check(CLI::PositiveNumber);
+  sub->add_option("--ep-rank", o->ep_rank)->check(CLI::NonNegativeNumber);
+  sub->add_option("--dp-size", o->dp_size)->check(CLI::PositiveNumber);
+  sub->add_option("--layout-tag", o->layout_tag, "arena layout tag");
+  sub->add_option("--source", o->source, "disk or published:<producer tag>");
+  sub->add_option("--device", o->device,
+                  "local index into the visible devices, or a GPU UUID (prefix)");
+  sub->add_option("--namespace", o->namespace_name, "cache namespace (default: default)");
+  sub->add_option("--runtime-dir", o->runtime_dir, "runtime dir");
+  sub->add_option("--socket", o->socket, "explicit socket path or template");
+  sub->add_option("--device-inventory", o->device_inventory,
+                  "JSON device inventory standing in for CUDA enumeration");
+}
+
+void RegisterAttachCommand(CLI::App& root) {
+  auto args = std::make_shared<AttachArgs>();
+  CLI::App* sub = root.add_subcommand(
+      "attach", "Attach to the daemon of an identity as an engine would, and print a summary");
+  AddAttachOptionFlags(sub, &args->options);
+  sub->add_option("--tier", args->tier, "gpu or host")->check(CLI::IsMember({"gpu", "host"}));
+  sub->add_option("--on-missing", args->on_missing, "fallback or error")
+      ->check(CLI::IsMember({"fallback", "error"}));
+  sub->add_option("--on-mismatch", args->on_mismatch, "error or fallback")
+      ->check(CLI::IsMember({"error", "fallback"}));
+  sub->add_option("--wait", args->wait_seconds, "seconds to wait for a loading daemon")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_flag("--verify", args->verify,
+                "recompute every tensor's checksum over the mapped memory and compare");
+  sub->add_flag("--json", args->json, "print one JSON object");
+  sub->add_flag("--hold", args->hold,
+                "stay attached until stdin closes; each stdin line re-verifies");
+  sub->add_option("--threads", args->threads, "threads for verify and fallback reads")
+      ->check(CLI::Range(1, 256));
+  SetAction(sub, [args] { return Run(*args); });
+}
+
+}  // namespace weightcache::cli
