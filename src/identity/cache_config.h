@@ -1,0 +1,93 @@
+// CacheConfig — every field that decides whether cached bytes are right for a consumer
+// (SPEC §2), its canonical serialization and the config digest.
+//
+// Canonical form (docs/identity.md): the JSON object of ToJson() — every field, keys sorted
+// bytewise, no whitespace, integers in decimal, strings JSON-escaped with non-ASCII as \uXXXX
+// — e.g. {"checkpoint_fingerprint":"…","dp_size":1,…,"tp_size":2}. Digest() is the lowercase
+// hex SHA-256 of exactly those bytes. Two configs match iff every field is equal, iff their
+// canonical forms are equal. The same JSON object is the wire form (FromJson parses it back
+// strictly), so the daemon and the client never disagree about what a field means.
+//
+// dp_rank is deliberately absent: data-parallel replicas hold identical weights and share a
+// cache. format_version changes whenever the meaning of any field or the arena layout
+// contract changes, so an old daemon is reported as a mismatch rather than misread.
+//
+// Values, not resources: copyable, no internal synchronisation.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weightcache/status.h"
+
+namespace weightcache::identity {
+
+inline constexpr uint32_t kCacheFormatVersion = 1;
+
+struct CacheConfig {
+  uint32_t format_version = kCacheFormatVersion;
+  std::string model_id;                    // e.g. "Llama-3.1-8B-Instruct"; non-empty
+  std::string revision;                    // e.g. a commit hash or "main"; may be empty
+  std::string checkpoint_fingerprint;      // 64 lowercase hex (checkpoint::Checkpoint)
+  std::string dtype = "auto";              // "auto" = as stored in the checkpoint
+  std::string quantization = "none";       // method name, "none" when unquantized
+  std::string quantization_config_sha256;  // QuantizationConfigDigest(); "" when none
+  uint32_t tp_size = 1;
+  uint32_t tp_rank = 0;
+  uint32_t pp_size = 1;
+  uint32_t pp_rank = 0;
+  uint32_t ep_size = 1;
+  uint32_t ep_rank = 0;
+  uint32_t dp_size = 1;
+  std::string shard_rules_digest;      // 64 lowercase hex of the sharding rules; "" = unsharded
+  std::string source = "disk";         // "disk" or "published:<producer tag>"
+  std::string layout_tag = "default";  // the arena layout / packing variant
+
+  // Every field name, in canonical (sorted) order.
+  static const std::vector<std::string_view>& FieldNames();
+
+  // The canonical serialization (see above) and its SHA-256 hex.
+  std::string Canonical() const;
+  std::string Digest() const;
+  // The first 16 hex characters of Digest(): the file name stem of the socket and lock.
+  std::string ShortDigest() const;
+
+  // ranks < sizes, sizes >= 1, model_id non-empty, hex fields well-formed, source and
+  // format_version recognised, strings printable ASCII. kInvalidArgument naming the field.
+  Status Validate() const;
+
+  nlohmann::json ToJson() const;
+  // Strict: a non-object, an unknown, missing or ill-typed field is kProtocol naming the
+  // field; the result is also Validate()d (errors keep the kProtocol code).
+  static Result<CacheConfig> FromJson(const nlohmann::json& json);
+
+  // One field's value as text (strings quoted), for reports. Empty for an unknown field.
+  std::string FieldText(std::string_view field) const;
+
+  bool operator==(const CacheConfig&) const = default;
+};
+
+struct FieldDiff {
+  std::string field;
+  std::string ours;    // FieldText of our config
+  std::string theirs;  // FieldText of the other config
+  bool operator==(const FieldDiff&) const = default;
+};
+
+// The differing fields, in canonical order; empty iff the configs are equal.
+std::vector<FieldDiff> Diff(const CacheConfig& ours, const CacheConfig& theirs);
+
+// "tp_rank: ours=0 theirs=1; revision: ours=\"a\" theirs=\"b\"" (empty for no diffs).
+std::string FormatDiffOneLine(const std::vector<FieldDiff>& diffs);
+// One field per line, aligned: "  tp_rank   ours=0   theirs=1\n…".
+std::string FormatDiffMultiLine(const std::vector<FieldDiff>& diffs);
+
+// SHA-256 hex of the canonical form of a quantization config: parsed as JSON (duplicate keys
+// rejected), re-serialized with sorted keys, no whitespace, non-ASCII as \uXXXX. Independent
+// of key order and formatting; 1 and 1.0 stay different values. kInvalidArgument on bad JSON.
+Result<std::string> QuantizationConfigDigest(std::string_view json_text);
+
+}  // namespace weightcache::identity

@@ -1,0 +1,24 @@
+#include "identity/env.h"
+
+#include <cstdlib>
+#include <utility>
+
+namespace weightcache::identity {
+
+EnvLookup ProcessEnv() {
+  return [](std::string_view name) -> std::optional<std::string> {
+    const char* value = std::getenv(std::string(name).c_str());
+    if (value == nullptr) return std::nullopt;
+    return std::string(value);
+  };
+}
+
+EnvLookup MapEnv(std::map<std::string, std::string, std::less<>> vars) {
+  return [vars = std::move(vars)](std::string_view name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+}  // namespace weightcache::identity

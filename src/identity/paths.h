@@ -1,0 +1,121 @@
+// Path rules (SPEC §2): the runtime dir, the per-cache socket and lock, explicit sockets.
+//
+//   <runtime>/<namespace>/<device key>/<digest[:16]>.sock   (+ <digest[:16]>.lock)
+//
+// Runtime dir: --runtime-dir > WEIGHTCACHE_RUNTIME_DIR > $XDG_RUNTIME_DIR/weightcache >
+// /tmp/weightcache-<uid>. It must be absolute. The device key is the physical GPU UUID
+// ("GPU-…" / "MIG-…", from device_inventory.h) or "host" for the host tier without a GPU
+// affinity; ranks live inside the digest. An explicit socket (--socket, else
+// WEIGHTCACHE_SOCKET) replaces the layout: a literal absolute path, or a template with
+// {runtime_dir} {namespace} {device_uuid} {digest} {tp_rank} {pp_rank} {ep_rank} where
+// {digest} is the same 16-hex short digest as in the layout and {device_uuid} is the device
+// key. A template (anything with a placeholder) must contain {device_uuid}: without it two
+// GPUs' caches would share a path, the very bug this system exists to prevent. An explicit
+// socket's lock is the socket path + ".lock".
+//
+// Every socket path is checked against the 107-byte sun_path limit here, at resolution time,
+// before anything is created or loaded.
+//
+// Directories (EnsureCacheDirs): created 0700; an existing one is refused with
+// kPermissionDenied, naming the path, when it is a symlink, owned by another uid, or
+// writable by group or others. The runtime dir's missing ancestors are created 0700 but not
+// checked (they are typically /run/user/<uid> or /tmp). Checks use lstat; everything below
+// the runtime dir is only writable by us, which is what makes check-then-use safe.
+//
+// Thread-safety: pure functions except EnsureCacheDirs / EnsurePrivateDir / List*, which do
+// filesystem I/O and are safe to call concurrently (mkdir races resolve to EEXIST + checks).
+#pragma once
+
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "identity/cache_config.h"
+#include "identity/env.h"
+#include "weightcache/status.h"
+
+namespace weightcache::identity {
+
+inline constexpr size_t kMaxSocketPathBytes = 107;  // sizeof(sockaddr_un::sun_path) - 1
+inline constexpr std::string_view kHostDeviceKey = "host";
+inline constexpr std::string_view kDefaultNamespace = "default";
+
+// [A-Za-z0-9._-]+, not "." or "..". kInvalidArgument naming the namespace.
+Status ValidateNamespace(std::string_view name);
+
+// "host" or a device UUID usable as one path component. kInvalidArgument otherwise.
+Status ValidateDeviceKey(std::string_view key);
+
+struct RuntimeDir {
+  std::string path;
+  std::string origin;  // "--runtime-dir", "WEIGHTCACHE_RUNTIME_DIR", "XDG_RUNTIME_DIR", "default"
+};
+
+// The precedence above; empty flag / empty variables count as unset, as does a relative
+// XDG_RUNTIME_DIR (the XDG spec says to ignore it). A relative --runtime-dir or
+// WEIGHTCACHE_RUNTIME_DIR is kInvalidArgument.
+Result<RuntimeDir> ResolveRuntimeDir(std::string_view flag_value, const EnvLookup& env,
+                                     uid_t uid = ::geteuid());
+
+struct PathOptions {
+  std::string runtime_dir_flag;  // --runtime-dir ("" = unset)
+  std::string namespace_name = std::string(kDefaultNamespace);
+  std::string socket_flag;  // --socket ("" = unset; then WEIGHTCACHE_SOCKET)
+  EnvLookup env = ProcessEnv();
+  uid_t uid = ::geteuid();
+};
+
+struct CachePaths {
+  std::string runtime_dir;
+  std::string runtime_dir_origin;
+  std::string namespace_name;
+  std::string namespace_dir;  // <runtime>/<namespace>; "" for an explicit socket
+  std::string device_key;
+  std::string device_dir;  // <namespace_dir>/<device key>; for an explicit socket its directory
+  std::string socket;
+  std::string lock;
+  std::string digest;  // the full config digest (64 hex)
+  bool explicit_socket = false;
+  std::string socket_origin;  // "layout", "--socket" or "WEIGHTCACHE_SOCKET"
+};
+
+// Every path of one cache. Pure string work: nothing is created. Errors (all
+// kInvalidArgument): bad namespace or device key, relative runtime dir or socket, unknown
+// placeholder, unbalanced brace, template without {device_uuid}, socket path over
+// kMaxSocketPathBytes (the message names the path, its length and the limit).
+Result<CachePaths> ResolveCachePaths(const CacheConfig& config, std::string_view device_key,
+                                     const PathOptions& options);
+
+// Expand one socket template (exposed for tests and for `launch`, which shows the template).
+struct TemplateValues {
+  std::string runtime_dir, namespace_name, device_uuid, digest;
+  uint32_t tp_rank = 0, pp_rank = 0, ep_rank = 0;
+};
+Result<std::string> ExpandSocketTemplate(std::string_view tmpl, const TemplateValues& values);
+
+// Create (0700) or check one directory as described above.
+Status EnsurePrivateDir(const std::string& path, uid_t uid = ::geteuid());
+// The runtime dir (with missing ancestors), namespace dir and device dir of `paths`; for an
+// explicit socket, the socket's directory.
+Status EnsureCacheDirs(const CachePaths& paths, uid_t uid = ::geteuid());
+
+// The *.sock sockets directly under one device dir, sorted, as full paths. A missing dir is
+// an empty list. Includes stale sockets: liveness is the lock's business, not the name's.
+Result<std::vector<std::string>> ListCacheSockets(const std::string& device_dir);
+// Subdirectory names that are valid namespaces / device keys, sorted; missing dir = empty.
+Result<std::vector<std::string>> ListNamespaces(const std::string& runtime_dir);
+Result<std::vector<std::string>> ListDeviceKeys(const std::string& namespace_dir);
+
+struct SocketEntry {
+  std::string namespace_name;
+  std::string device_key;
+  std::string socket;
+};
+// Every cache socket under a runtime dir (for `ls`), ordered by namespace, key, socket.
+Result<std::vector<SocketEntry>> ListAllCacheSockets(const std::string& runtime_dir);
+
+}  // namespace weightcache::identity
