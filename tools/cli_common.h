@@ -46,5 +46,7 @@ void RegisterServeCommand(CLI::App& root);
 void RegisterLaunchCommand(CLI::App& root);
 void RegisterLsCommand(CLI::App& root);
 void RegisterStopCommand(CLI::App& root);
+void RegisterPathsCommand(CLI::App& root);
+void RegisterDevicesCommand(CLI::App& root);
 
 }  // namespace weightcache::cli

@@ -21,6 +21,8 @@ int main(int argc, char** argv) {
   cli::RegisterInspectCommand(root);
   cli::RegisterLsCommand(root);
   cli::RegisterStopCommand(root);
+  cli::RegisterPathsCommand(root);
+  cli::RegisterDevicesCommand(root);
 
   try {
     root.parse(argc, argv);

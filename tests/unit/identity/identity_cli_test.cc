@@ -1,0 +1,164 @@
+// `weightcache paths` and `weightcache devices`, run as real processes against an inventory
+// file modelling an 8-GPU host.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "identity/cache_config.h"
+#include "support/test_env.h"
+#include "unit/identity/test_devices.h"
+
+namespace weightcache::identity {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::InventoryJson;
+using testing::TestUuid;
+using ::weightcache::testing::CliPath;
+using ::weightcache::testing::CommandResult;
+using ::weightcache::testing::RunCommand;
+using ::weightcache::testing::TempDir;
+using ::weightcache::testing::WriteFile;
+
+// A one-tensor safetensors file: 8-byte little-endian header length, JSON header, data.
+void WriteTinyCheckpoint(const std::string& path) {
+  std::string header = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string file(8, '\0');
+  uint64_t len = header.size();
+  std::memcpy(file.data(), &len, 8);  // x86-64 and aarch64 are little-endian
+  file += header;
+  file.append(8, '\x01');
+  WriteFile(path, file);
+}
+
+class IdentityCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_dir_ = tmp_.Join("Tiny-Model");
+    std::filesystem::create_directories(model_dir_);
+    WriteTinyCheckpoint(model_dir_ + "/model.safetensors");
+    inventory_ = tmp_.Join("inventory.json");
+    WriteFile(inventory_, InventoryJson(8));
+  }
+
+  CommandResult Paths(std::vector<std::string> extra, const std::string& cvd = "0,1,2,3,4,5,6,7") {
+    std::vector<std::string> argv = {CliPath(),  "paths",         "--json",
+                                     "--model",  model_dir_,      "--device-inventory",
+                                     inventory_, "--runtime-dir", tmp_.Join("rt")};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return RunCommand(argv, {"CUDA_VISIBLE_DEVICES=" + cvd, "WEIGHTCACHE_SOCKET="});
+  }
+
+  TempDir tmp_;
+  std::string model_dir_;
+  std::string inventory_;
+};
+
+TEST_F(IdentityCliTest, PathsJsonResolvesLocalDeviceFiveToItsUuid) {
+  CommandResult r = Paths({"--device", "5", "--tp-size", "2", "--tp-rank", "1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["device_key"], TestUuid(5));
+  EXPECT_EQ(j["device"]["index"], 5);
+  EXPECT_EQ(j["device"]["uuid"], TestUuid(5));
+  EXPECT_EQ(j["runtime_dir"], tmp_.Join("rt"));
+  EXPECT_EQ(j["runtime_dir_origin"], "--runtime-dir");
+  EXPECT_EQ(j["namespace"], "default");
+  EXPECT_EQ(j["config"]["model_id"], "Tiny-Model");
+  EXPECT_EQ(j["config"]["tp_size"], 2);
+  EXPECT_EQ(j["config"]["tp_rank"], 1);
+  Result<CacheConfig> config = CacheConfig::FromJson(j["config"]);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(j["digest"], config->Digest());
+  EXPECT_EQ(j["canonical_config"], config->Canonical());
+  const std::string dir = tmp_.Join("rt") + "/default/" + TestUuid(5);
+  EXPECT_EQ(j["socket"], dir + "/" + config->ShortDigest() + ".sock");
+  EXPECT_EQ(j["lock"], dir + "/" + config->ShortDigest() + ".lock");
+  // Resolution only: nothing was created.
+  EXPECT_FALSE(std::filesystem::exists(tmp_.Join("rt")));
+}
+
+TEST_F(IdentityCliTest, PathsHonoursCudaVisibleDevices) {
+  CommandResult r = Paths({"--device", "1"}, "5,3");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["device_key"], TestUuid(3));
+  EXPECT_EQ(j["device"]["index"], 1);
+}
+
+TEST_F(IdentityCliTest, SameRankOnDifferentGpusGivesDifferentSockets) {
+  CommandResult a = Paths({"--device", "2", "--tp-size", "2", "--tp-rank", "0"});
+  CommandResult b = Paths({"--device", "6", "--tp-size", "2", "--tp-rank", "0"});
+  ASSERT_EQ(a.exit_code, 0) << a.err;
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  nlohmann::json ja = nlohmann::json::parse(a.out), jb = nlohmann::json::parse(b.out);
+  EXPECT_EQ(ja["digest"], jb["digest"]);
+  EXPECT_NE(ja["socket"], jb["socket"]);
+  EXPECT_NE(ja["lock"], jb["lock"]);
+}
+
+TEST_F(IdentityCliTest, PathsHostTierUsesTheHostKey) {
+  CommandResult r = Paths({"--tier", "host"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["device_key"], "host");
+  EXPECT_TRUE(j["device"].is_null());
+}
+
+TEST_F(IdentityCliTest, PathsErrorsAreUsageErrorsWithTheReason) {
+  CommandResult no_device = Paths({});
+  EXPECT_EQ(no_device.exit_code, 2);
+  EXPECT_THAT(no_device.err, HasSubstr("--tier gpu needs --device N|UUID"));
+
+  CommandResult tmpl = Paths({"--device", "0", "--socket", tmp_.Join("{tp_rank}.sock")});
+  EXPECT_EQ(tmpl.exit_code, 2);
+  EXPECT_THAT(tmpl.err, HasSubstr("lacks {device_uuid}"));
+
+  CommandResult hidden = Paths({"--device", "8"});
+  EXPECT_NE(hidden.exit_code, 0);
+  EXPECT_THAT(hidden.err, HasSubstr("device \"8\" is not a visible local index (8 visible)"));
+
+  CommandResult long_namespace = Paths({"--device", "0", "--namespace", std::string(60, 'n')});
+  EXPECT_EQ(long_namespace.exit_code, 2);
+  EXPECT_THAT(long_namespace.err, HasSubstr("over the 107-byte sun_path limit"));
+}
+
+TEST_F(IdentityCliTest, DevicesJsonListsVisibleDevicesAndTheSource) {
+  CommandResult r = RunCommand({CliPath(), "devices", "--json", "--device-inventory", inventory_},
+                               {"CUDA_VISIBLE_DEVICES=5,3"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["source"], "inventory-file");
+  EXPECT_EQ(j["source_detail"], inventory_);
+  EXPECT_EQ(j["cuda_visible_devices"], "5,3");
+  ASSERT_EQ(j["devices"].size(), 2u);
+  EXPECT_EQ(j["devices"][0]["index"], 0);
+  EXPECT_EQ(j["devices"][0]["uuid"], TestUuid(5));
+  EXPECT_EQ(j["devices"][0]["memory_bytes"], 150754820096u);
+  EXPECT_EQ(j["devices"][1]["uuid"], TestUuid(3));
+}
+
+TEST_F(IdentityCliTest, DevicesReportsWhereCudaVisibleDevicesEndedTheList) {
+  CommandResult r = RunCommand({CliPath(), "devices", "--json", "--device-inventory", inventory_},
+                               {"CUDA_VISIBLE_DEVICES=0,2,-1,1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["devices"].size(), 2u);
+  EXPECT_EQ(j["devices"][1]["uuid"], TestUuid(2));
+  ASSERT_EQ(j["notes"].size(), 1u);
+  EXPECT_THAT(j["notes"][0].get<std::string>(), HasSubstr("entry 2 \"-1\""));
+}
+
+TEST_F(IdentityCliTest, DevicesRejectsABadInventory) {
+  WriteFile(tmp_.Join("bad.json"), "[{\"index\": 0}]");
+  CommandResult r = RunCommand({CliPath(), "devices", "--device-inventory", tmp_.Join("bad.json")});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("entry 0: missing field \"uuid\""));
+}
+
+}  // namespace
+}  // namespace weightcache::identity
