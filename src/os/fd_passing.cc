@@ -13,6 +13,19 @@ constexpr size_t kControlCapacity = CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage);
 
 std::string FdName(int fd) { return "socket fd " + std::to_string(fd); }
 
+// A peer that went away (EPIPE on send; ECONNRESET when it closed with our data unread) is
+// kUnavailable like a clean close: callers treat "daemon gone" alike however it left.
+Status SocketError(const char* call, int fd, int err) {
+  if (err == EPIPE || err == ECONNRESET) {
+    Status s(StatusCode::kUnavailable, std::string(call) + " on " + FdName(fd) +
+                                           ": peer closed the connection (" + std::strerror(err) +
+                                           ")");
+    s.WithErrno(err);
+    return s;
+  }
+  return IoError(std::string(call) + " on " + FdName(fd), err);
+}
+
 }  // namespace
 
 Result<SendProgress> SendSome(int fd, std::span<const uint8_t> bytes, std::span<const int> fds,
@@ -45,7 +58,7 @@ Result<SendProgress> SendSome(int fd, std::span<const uint8_t> bytes, std::span<
     int err = errno;
     if (err == EINTR) continue;
     if (err == EAGAIN || err == EWOULDBLOCK) return SendProgress{0, true};
-    return IoError("sendmsg on " + FdName(fd), err);
+    return SocketError("sendmsg", fd, err);
   }
 }
 
@@ -72,7 +85,7 @@ Result<RecvChunk> RecvSome(int fd, std::span<uint8_t> buffer, size_t max_fds, Sy
       chunk.would_block = true;
       return chunk;
     }
-    return IoError("recvmsg on " + FdName(fd), err);
+    return SocketError("recvmsg", fd, err);
   }
 
   // Wrap every received fd first; only then judge the message.

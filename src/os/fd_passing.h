@@ -11,6 +11,8 @@
 //    (the sender attached more fds than the receiver allowed) is a kProtocol error; fds
 //    beyond `max_fds`, including any fd when none was expected, are closed and reported as
 //    kProtocol. Nothing leaks.
+//  * A peer that went away is kUnavailable (errno kept): EOF before a message, EPIPE on send,
+//    ECONNRESET (it closed with our data unread). Other failures are kIo with errno.
 //  * EINTR is retried everywhere. The single-shot functions (SendSome, RecvSome) report
 //    EAGAIN as `would_block` — distinct from an error — for the daemon's epoll loop. The
 //    whole-message functions (SendMessage, RecvMessage) poll until their Deadline (kTimeout).

@@ -1,0 +1,249 @@
+#include "protocol/frame.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "os/unix_socket.h"
+#include "protocol/messages.h"
+#include "protocol/wire.h"
+#include "unit/os/fd_test_util.h"
+
+namespace weightcache::protocol {
+namespace {
+
+using weightcache::testing::CountOpenFds;
+using weightcache::testing::FaultySysCalls;
+using weightcache::testing::MemfdWith;
+
+std::vector<uint8_t> Header(uint16_t version, uint16_t type, uint32_t flags, uint32_t fds,
+                            uint64_t length, const char* magic = "WCPF") {
+  std::vector<uint8_t> out(magic, magic + 4);
+  wire::PutU16(out, version);
+  wire::PutU16(out, type);
+  wire::PutU32(out, flags);
+  wire::PutU32(out, fds);
+  wire::PutU64(out, length);
+  return out;
+}
+
+Status HeaderError(const std::vector<uint8_t>& bytes, Expect expect) {
+  return DecodeFrameHeader(bytes, expect).status();
+}
+
+void ExpectProtocolError(const Status& s, const std::string& needle) {
+  EXPECT_EQ(s.code(), StatusCode::kProtocol) << s.ToString();
+  EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
+}
+
+TEST(FrameHeaderTest, EncodeDecodeRoundTripWithExactLayout) {
+  std::vector<uint8_t> payload = {1, 2, 3};
+  auto frame = EncodeFrame(MessageType::kAttachReply, payload, 2);
+  ASSERT_TRUE(frame.ok());
+  ASSERT_EQ(frame->size(), kFrameHeaderSize + 3);
+  EXPECT_EQ(std::string(frame->begin(), frame->begin() + 4), "WCPF");
+  EXPECT_EQ(wire::GetU16(frame->data() + 4), kProtocolVersion);
+  EXPECT_EQ(wire::GetU16(frame->data() + 6), 6);
+  EXPECT_EQ(wire::GetU32(frame->data() + 12), 2u);
+  EXPECT_EQ(wire::GetU64(frame->data() + 16), 3u);
+  auto h = DecodeFrameHeader(*frame, Expect::kReply);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  EXPECT_EQ(h->type, MessageType::kAttachReply);
+  EXPECT_EQ(h->fd_count, 2u);
+  EXPECT_EQ(h->payload_length, 3u);
+}
+
+TEST(FrameHeaderTest, EachMalformationHasItsOwnError) {
+  ExpectProtocolError(HeaderError(Header(1, 1, 0, 0, 0, "HTTP"), Expect::kRequest),
+                      "bad frame magic");
+  ExpectProtocolError(HeaderError(Header(2, 1, 0, 0, 0), Expect::kRequest),
+                      "unsupported protocol version 2 (this build speaks version 1)");
+  ExpectProtocolError(HeaderError(Header(1, 77, 0, 0, 0), Expect::kRequest),
+                      "unknown message type 77");
+  ExpectProtocolError(HeaderError(Header(1, 0, 0, 0, 0), Expect::kRequest),
+                      "unknown message type 0");
+  ExpectProtocolError(HeaderError(Header(1, 1, 4, 0, 0), Expect::kRequest),
+                      "unknown frame flags 0x00000004");
+  ExpectProtocolError(HeaderError(Header(1, 2, 0, 0, 0), Expect::kRequest),
+                      "unexpected HelloReply frame: expected a request");
+  ExpectProtocolError(HeaderError(Header(1, 1, 0, 0, 0), Expect::kReply),
+                      "unexpected Hello frame: expected a reply");
+  ExpectProtocolError(HeaderError(Header(1, 1, 0, 0, kMaxRequestPayload + 1), Expect::kRequest),
+                      "Hello frame payload of 65537 bytes exceeds the 65536-byte limit");
+  ExpectProtocolError(HeaderError(Header(1, 6, 0, 0, uint64_t{1} << 40), Expect::kReply),
+                      "exceeds the 67108864-byte limit");
+  ExpectProtocolError(HeaderError(Header(1, 1, 0, 1, 2), Expect::kRequest),
+                      "Hello frame announces 1 fds; at most 0 allowed");
+  ExpectProtocolError(HeaderError(Header(1, 6, 0, 254, 2), Expect::kReply),
+                      "announces 254 fds; at most 253 allowed");
+  std::vector<uint8_t> short_header = Header(1, 1, 0, 0, 0);
+  short_header.resize(10);
+  ExpectProtocolError(HeaderError(short_header, Expect::kRequest),
+                      "frame header truncated: 10 of 24 bytes");
+}
+
+TEST(FrameHeaderTest, ErrorFramesOfAnyVersionAreReadable) {
+  EXPECT_TRUE(DecodeFrameHeader(Header(7, 9, 0, 0, 10), Expect::kReply).ok());
+  ExpectProtocolError(HeaderError(Header(7, 4, 0, 0, 10), Expect::kReply),
+                      "unsupported protocol version 7");
+}
+
+TEST(FrameHeaderTest, EncoderRefusesWhatThePeerWouldReject) {
+  std::vector<uint8_t> big(kMaxRequestPayload + 1);
+  auto r = EncodeFrame(MessageType::kHello, big);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  auto f = EncodeFrame(MessageType::kStatusReply, {}, 1);
+  EXPECT_EQ(f.status().code(), StatusCode::kInvalidArgument);
+}
+
+class FrameIoTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto pair = os::SocketPair();
+    ASSERT_TRUE(pair.ok());
+    a_ = std::move(pair->first);
+    b_ = std::move(pair->second);
+  }
+  os::Deadline Soon() { return os::Deadline::After(std::chrono::seconds(5)); }
+  void SendRaw(const std::vector<uint8_t>& bytes) {
+    ASSERT_TRUE(os::SendMessage(a_.get(), bytes, {}).ok());
+  }
+  UniqueFd a_, b_;
+};
+
+TEST_F(FrameIoTest, OversizeFrameIsRejectedBeforeAllocating) {
+  // Announces 2^62 bytes; nothing but the header is ever sent. If the reader allocated first
+  // it would die with bad_alloc; instead it names the bound.
+  SendRaw(Header(1, 6, 0, 0, uint64_t{1} << 62));
+  auto r = ReadFrame(b_.get(), Expect::kReply, Soon());
+  ExpectProtocolError(r.status(), "AttachReply frame payload of 4611686018427387904 bytes");
+}
+
+TEST_F(FrameIoTest, TruncatedPayloadIsProtocolError) {
+  std::vector<uint8_t> bytes = Header(1, 1, 0, 0, 100);
+  bytes.resize(bytes.size() + 40, '{');
+  SendRaw(bytes);
+  a_.Reset();
+  auto r = ReadFrame(b_.get(), Expect::kRequest, Soon());
+  ExpectProtocolError(r.status(), "after 40 of 100 bytes (truncated message)");
+}
+
+TEST_F(FrameIoTest, FdsOnARequestAreClosedAndRejected) {
+  auto frame = EncodeFrame(MessageType::kStatus, {});
+  ASSERT_TRUE(frame.ok());
+  UniqueFd m = MemfdWith("smuggled");
+  int fds[] = {m.get()};
+  // Bypass WriteFrame's consistency check: a hostile client attaches fds anyway.
+  ASSERT_TRUE(os::SendMessage(a_.get(), *frame, fds).ok());
+  int before = CountOpenFds();
+  auto r = ReadFrame(b_.get(), Expect::kRequest, Soon());
+  ExpectProtocolError(r.status(), "1 unexpected fds");
+  EXPECT_EQ(CountOpenFds(), before);
+}
+
+TEST_F(FrameIoTest, FewerFdsThanAnnouncedIsRejected) {
+  std::vector<uint8_t> manifest_like = {0};
+  auto frame = EncodeFrame(MessageType::kAttachReply, manifest_like, 2);
+  ASSERT_TRUE(frame.ok());
+  UniqueFd m = MemfdWith("only one");
+  int fds[] = {m.get()};
+  ASSERT_TRUE(os::SendMessage(a_.get(), *frame, fds).ok());
+  int before = CountOpenFds();
+  auto r = ReadFrame(b_.get(), Expect::kReply, Soon());
+  ExpectProtocolError(r.status(), "AttachReply frame announces 2 fds but 1 arrived");
+  EXPECT_EQ(CountOpenFds(), before);
+}
+
+TEST_F(FrameIoTest, FramesSurviveShortWritesEintrAndOneByteReads) {
+  Hello hello;
+  hello.client_pid = 42;
+  hello.client_name = std::string(3000, 'n');
+  auto frame = EncodeHello(hello);
+  ASSERT_TRUE(frame.ok());
+  FaultySysCalls send_sys;
+  send_sys.send_eintr = 1;
+  send_sys.send_eagain = 1;
+  send_sys.max_send = 256;
+  ASSERT_TRUE(WriteFrame(a_.get(), *frame, {}, Soon(), send_sys).ok());
+  ASSERT_TRUE(WriteFrame(a_.get(), *frame, {}, Soon()).ok());  // a second frame behind it
+
+  FaultySysCalls recv_sys;
+  recv_sys.recv_eintr = 2;
+  recv_sys.max_recv = 1;
+  for (int i = 0; i < 2; ++i) {
+    auto r = ReadFrame(b_.get(), Expect::kRequest, Soon(), recv_sys);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    auto decoded = DecodeHello(r->payload);
+    ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+    EXPECT_EQ(decoded->client_name, hello.client_name);
+  }
+}
+
+TEST_F(FrameIoTest, FrameReaderAssemblesIncrementallyAndReportsCleanClose) {
+  auto status_frame = EncodeStatusRequest();
+  auto hello_frame = EncodeHello(Hello{});
+  ASSERT_TRUE(status_frame.ok() && hello_frame.ok());
+  FaultySysCalls sys;
+  sys.max_recv = 7;
+  FrameReader reader(Expect::kRequest, sys);
+
+  auto nothing = reader.ReadAvailable(b_.get());
+  ASSERT_TRUE(nothing.ok());
+  EXPECT_FALSE(nothing->has_value());
+
+  std::vector<uint8_t> both = *status_frame;
+  both.insert(both.end(), hello_frame->begin(), hello_frame->end());
+  // First 30 bytes only: the Status frame completes, the Hello frame is pending.
+  ASSERT_TRUE(os::SendMessage(a_.get(), std::span(both).first(30), {}).ok());
+  auto first = reader.ReadAvailable(b_.get());
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_TRUE(first->has_value());
+  EXPECT_EQ((*first)->type, MessageType::kStatus);
+  auto pending = reader.ReadAvailable(b_.get());
+  ASSERT_TRUE(pending.ok());
+  EXPECT_FALSE(pending->has_value());
+
+  ASSERT_TRUE(os::SendMessage(a_.get(), std::span(both).subspan(30), {}).ok());
+  auto second = reader.ReadAvailable(b_.get());
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  ASSERT_TRUE(second->has_value());
+  EXPECT_EQ((*second)->type, MessageType::kHello);
+  EXPECT_TRUE(DecodeHello((*second)->payload).ok());
+
+  a_.Reset();
+  auto closed = reader.ReadAvailable(b_.get());
+  EXPECT_EQ(closed.status().code(), StatusCode::kUnavailable);
+}
+
+TEST_F(FrameIoTest, FrameWriterResumesAfterWouldBlockWithFdsSentOnce) {
+  std::vector<uint8_t> payload(4 << 20, 0x11);  // larger than the socket buffer
+  auto frame = EncodeFrame(MessageType::kAttachReply, payload, 1);
+  ASSERT_TRUE(frame.ok());
+  UniqueFd m = MemfdWith("alloc0");
+  FrameWriter writer(std::move(frame).value(), {m.get()});
+  auto first = writer.Flush(a_.get());
+  ASSERT_TRUE(first.ok());
+  EXPECT_FALSE(*first);  // would block: the reader has not started
+  EXPECT_FALSE(writer.Done());
+
+  std::thread reader([&] {
+    auto r = ReadFrame(b_.get(), Expect::kReply, os::Deadline::After(std::chrono::seconds(10)));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->payload.size(), payload.size());
+    ASSERT_EQ(r->fds.size(), 1u);
+    EXPECT_EQ(weightcache::testing::ReadAll(r->fds[0].get()), "alloc0");
+  });
+  while (true) {
+    auto done = writer.Flush(a_.get());
+    ASSERT_TRUE(done.ok()) << done.status().ToString();
+    if (*done) break;
+    ASSERT_TRUE(os::WaitFor(a_.get(), POLLOUT, os::Deadline::After(std::chrono::seconds(10))).ok());
+  }
+  reader.join();
+  EXPECT_TRUE(writer.Done());
+}
+
+}  // namespace
+}  // namespace weightcache::protocol

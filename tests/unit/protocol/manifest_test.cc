@@ -1,0 +1,200 @@
+#include "protocol/manifest.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "protocol/wire.h"
+
+namespace weightcache::protocol {
+namespace {
+
+void ExpectProtocolError(const Status& s, const std::string& needle) {
+  EXPECT_EQ(s.code(), StatusCode::kProtocol) << s.ToString();
+  EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
+}
+
+// A valid two-allocation manifest; tests corrupt one field at its documented offset.
+class ManifestTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tensors_.clear();
+    names_ = {"embed.weight", "layers.0.attn.q", "layers.0.attn.k"};
+    allocs_ = {1 << 20, 4096};
+    for (size_t i = 0; i < names_.size(); ++i) {
+      TensorEntry t;
+      t.name = names_[i];
+      t.dtype = i == 2 ? "F8_E4M3" : "BF16";
+      t.ndim = 2;
+      t.shape = {16, 32};
+      t.allocation = i == 2 ? 1 : 0;
+      t.offset = i == 1 ? 1024 : 0;
+      t.nbytes = 1024;
+      t.checksum = 1000 + i;
+      tensors_.push_back(t);
+    }
+    auto bytes = EncodeManifest(Tier::kGpu, allocs_, tensors_);
+    ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+    bytes_ = std::move(bytes).value();
+  }
+  size_t TensorAt(size_t i) const { return kManifestHeaderSize + 8 * allocs_.size() + 112 * i; }
+  void SetU32(size_t at, uint32_t v) {
+    for (int k = 0; k < 4; ++k) bytes_[at + k] = static_cast<uint8_t>(v >> (8 * k));
+  }
+  Status Decoded() const { return Manifest::Decode(bytes_).status(); }
+
+  std::vector<std::string> names_;
+  std::vector<uint64_t> allocs_;
+  std::vector<TensorEntry> tensors_;
+  std::vector<uint8_t> bytes_;
+};
+
+TEST_F(ManifestTest, RoundTripsEveryField) {
+  auto m = Manifest::Decode(bytes_);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->tier(), Tier::kGpu);
+  EXPECT_EQ(m->allocation_sizes(), allocs_);
+  ASSERT_EQ(m->tensors().size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    const TensorEntry& t = m->tensors()[i];
+    EXPECT_EQ(t.name, names_[i]);
+    EXPECT_EQ(t.dtype, tensors_[i].dtype);
+    EXPECT_EQ(t.ndim, 2u);
+    EXPECT_EQ(std::vector<uint64_t>(t.dims().begin(), t.dims().end()),
+              (std::vector<uint64_t>{16, 32}));
+    EXPECT_EQ(t.allocation, tensors_[i].allocation);
+    EXPECT_EQ(t.offset, tensors_[i].offset);
+    EXPECT_EQ(t.nbytes, 1024u);
+    EXPECT_EQ(t.checksum, 1000 + i);
+  }
+  // Views survive a move of the Manifest.
+  Manifest moved = std::move(m).value();
+  EXPECT_EQ(moved.tensors()[1].name, "layers.0.attn.q");
+}
+
+TEST_F(ManifestTest, TenThousandTensorsRoundTrip) {
+  std::vector<std::string> names;
+  for (int i = 0; i < 10000; ++i) names.push_back("model.layers." + std::to_string(i) + ".w");
+  std::vector<TensorEntry> many;
+  for (int i = 0; i < 10000; ++i) {
+    TensorEntry t;
+    t.name = names[i];
+    t.dtype = "BF16";
+    t.ndim = 1;
+    t.shape = {512};
+    t.offset = uint64_t(i) * 1024;
+    t.nbytes = 1024;
+    many.push_back(t);
+  }
+  std::vector<uint64_t> allocs = {10000ull * 1024};
+  auto bytes = EncodeManifest(Tier::kHost, allocs, many);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+  auto m = Manifest::Decode(*bytes);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  ASSERT_EQ(m->tensors().size(), 10000u);
+  EXPECT_EQ(m->tensors()[9999].name, "model.layers.9999.w");
+  EXPECT_EQ(m->tensors()[9999].offset, 9999ull * 1024);
+}
+
+TEST_F(ManifestTest, OffsetOutsideAllocationIsRejected) {
+  wire::SetU64(bytes_, TensorAt(2) + 24, 4096 - 1000);  // tensor 2: 3096 + 1024 > 4096
+  ExpectProtocolError(Decoded(),
+                      "tensor 2 'layers.0.attn.k': offset 3096 + nbytes 1024 exceeds allocation 1 "
+                      "of 4096 bytes");
+}
+
+TEST_F(ManifestTest, OffsetPlusNbytesOverflowIsRejected) {
+  wire::SetU64(bytes_, TensorAt(0) + 24, UINT64_MAX - 10);
+  ExpectProtocolError(Decoded(), "tensor 0 'embed.weight': offset 18446744073709551605 + nbytes");
+  SetUp();
+  wire::SetU64(bytes_, TensorAt(0) + 32, UINT64_MAX);
+  ExpectProtocolError(Decoded(), "nbytes 18446744073709551615 exceeds allocation 0");
+}
+
+TEST_F(ManifestTest, DuplicateNamesAreRejected) {
+  // Point tensor 2's name at tensor 1's bytes.
+  auto m = Manifest::Decode(bytes_);
+  ASSERT_TRUE(m.ok());
+  SetU32(TensorAt(2),
+         static_cast<uint32_t>(m->tensors()[1].name.data() - m->tensors()[0].name.data()));
+  SetU32(TensorAt(2) + 4, static_cast<uint32_t>(names_[1].size()));
+  ExpectProtocolError(Decoded(), "tensor 2 'layers.0.attn.q': duplicate name (also tensor 1)");
+}
+
+TEST_F(ManifestTest, AllocationIndexOutOfRangeIsRejected) {
+  SetU32(TensorAt(1) + 16, 2);
+  ExpectProtocolError(Decoded(),
+                      "tensor 1 'layers.0.attn.q': allocation index 2 out of range "
+                      "(2 allocations)");
+}
+
+TEST_F(ManifestTest, StringOutsideTableIsRejected) {
+  SetU32(TensorAt(0), 0xfffffff0);
+  ExpectProtocolError(Decoded(),
+                      "tensor 0: name (offset 4294967280, length 12) lies outside "
+                      "the string table");
+  SetUp();
+  SetU32(TensorAt(0) + 12, 0xffffffff);
+  ExpectProtocolError(Decoded(), "tensor 0: dtype");
+}
+
+TEST_F(ManifestTest, ShapeChecks) {
+  bytes_[TensorAt(0) + 20] = 9;
+  ExpectProtocolError(Decoded(), "tensor 0 'embed.weight': ndim 9 exceeds 8");
+  SetUp();
+  wire::SetU64(bytes_, TensorAt(0) + 48 + 8 * 5, 7);  // dim 5 of a 2-d tensor
+  ExpectProtocolError(Decoded(), "unused shape dimension not 0");
+  SetUp();
+  wire::SetU64(bytes_, TensorAt(0) + 48, uint64_t{1} << 40);
+  wire::SetU64(bytes_, TensorAt(0) + 56, uint64_t{1} << 40);
+  ExpectProtocolError(Decoded(), "element count overflows 64 bits");
+}
+
+TEST_F(ManifestTest, HeaderChecks) {
+  std::vector<uint8_t> saved = bytes_;
+  bytes_[0] = 'X';
+  ExpectProtocolError(Decoded(), "attach manifest: bad magic");
+  bytes_ = saved;
+  bytes_[4] = 3;
+  ExpectProtocolError(Decoded(), "unknown tier code 3");
+  bytes_ = saved;
+  bytes_[6] = 1;
+  ExpectProtocolError(Decoded(), "reserved header bytes are not 0");
+  bytes_ = saved;
+  bytes_.pop_back();
+  ExpectProtocolError(Decoded(), "but the payload has");
+  bytes_ = saved;
+  SetU32(12, 0x7fffffff);  // tensor count far beyond the payload
+  ExpectProtocolError(Decoded(), "2147483647 tensors");
+  bytes_ = saved;
+  SetU32(8, 300);
+  ExpectProtocolError(Decoded(), "300 allocations exceed the limit of 253");
+  bytes_ = saved;
+  wire::SetU64(bytes_, kManifestHeaderSize + 8, 0);
+  ExpectProtocolError(Decoded(), "allocation 1 has size 0");
+  bytes_ = saved;
+  bytes_[TensorAt(1) + 22] = 1;
+  ExpectProtocolError(Decoded(), "tensor 1 'layers.0.attn.q': reserved bytes are not 0");
+  ExpectProtocolError(Manifest::Decode(std::span(saved).first(10)).status(),
+                      "truncated header (10 of 24 bytes)");
+}
+
+TEST_F(ManifestTest, EncoderRejectsInvalidInputWithTheSameChecks) {
+  std::vector<TensorEntry> bad = tensors_;
+  bad[2].name = "embed.weight";
+  auto dup = EncodeManifest(Tier::kGpu, allocs_, bad);
+  EXPECT_EQ(dup.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(dup.status().message().find("duplicate name (also tensor 0)"), std::string::npos);
+  bad = tensors_;
+  bad[0].dtype = "bf16";
+  auto dtype = EncodeManifest(Tier::kGpu, allocs_, bad);
+  EXPECT_NE(dtype.status().message().find("invalid dtype name"), std::string::npos);
+  std::vector<uint64_t> too_many(254, 4096);
+  auto allocs = EncodeManifest(Tier::kGpu, too_many, {});
+  EXPECT_NE(allocs.status().message().find("254 allocations exceed the 253 fds"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace weightcache::protocol

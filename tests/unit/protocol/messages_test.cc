@@ -1,0 +1,240 @@
+#include "protocol/messages.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "os/unix_socket.h"
+#include "unit/os/fd_test_util.h"
+
+namespace weightcache::protocol {
+namespace {
+
+using nlohmann::json;
+
+std::span<const uint8_t> Bytes(const std::string& s) {
+  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
+}
+
+void ExpectProtocolError(const Status& s, const std::string& needle) {
+  EXPECT_EQ(s.code(), StatusCode::kProtocol) << s.ToString();
+  EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
+}
+
+// Every message goes through a real socketpair: encode, WriteFrame, ReadFrame, decode.
+class MessagesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto pair = os::SocketPair();
+    ASSERT_TRUE(pair.ok());
+    a_ = std::move(pair->first);
+    b_ = std::move(pair->second);
+  }
+  Frame Transfer(const Result<std::vector<uint8_t>>& frame, Expect expect,
+                 std::span<const int> fds = {}) {
+    EXPECT_TRUE(frame.ok()) << frame.status().ToString();
+    EXPECT_TRUE(WriteFrame(a_.get(), *frame, fds, os::Deadline::Never()).ok());
+    auto r = ReadFrame(b_.get(), expect, os::Deadline::After(std::chrono::seconds(5)));
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? std::move(r).value() : Frame();
+  }
+  UniqueFd a_, b_;
+};
+
+TEST_F(MessagesTest, HelloRoundTrips) {
+  Hello hello;
+  hello.config = json{{"model_id", "llama"}, {"tp_size", 8}, {"nested", {{"a", {1, 2}}}}};
+  hello.client_pid = 4242;
+  hello.client_name = "sglang-worker";
+  Frame f = Transfer(EncodeHello(hello), Expect::kRequest);
+  ASSERT_EQ(f.type, MessageType::kHello);
+  auto d = DecodeHello(f.payload);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->protocol_version, kProtocolVersion);
+  EXPECT_EQ(d->config, hello.config);
+  EXPECT_EQ(d->client_pid, 4242);
+  EXPECT_EQ(d->client_name, "sglang-worker");
+}
+
+TEST_F(MessagesTest, HelloReplyRoundTripsWithDifferences) {
+  HelloReply reply;
+  reply.state = CacheState::kLoading;
+  reply.bytes_done = 123456789012;
+  reply.bytes_total = 987654321098;
+  reply.match = false;
+  reply.daemon_config = json{{"tp_rank", 1}};
+  reply.differences = {{"tp_rank", "1", "0"}, {"revision", "abc", "def"}};
+  Frame f = Transfer(EncodeHelloReply(reply), Expect::kReply);
+  auto d = DecodeHelloReply(f.payload);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->state, CacheState::kLoading);
+  EXPECT_EQ(d->bytes_done, reply.bytes_done);
+  EXPECT_EQ(d->bytes_total, reply.bytes_total);
+  EXPECT_FALSE(d->match);
+  EXPECT_EQ(d->daemon_config, reply.daemon_config);
+  EXPECT_EQ(d->differences, reply.differences);
+
+  reply.state = CacheState::kFailed;
+  reply.failure_reason = "shard 3: truncated file";
+  reply.differences.clear();
+  Frame g = Transfer(EncodeHelloReply(reply), Expect::kReply);
+  auto e = DecodeHelloReply(g.payload);
+  ASSERT_TRUE(e.ok());
+  EXPECT_EQ(e->state, CacheState::kFailed);
+  EXPECT_EQ(e->failure_reason, "shard 3: truncated file");
+}
+
+TEST_F(MessagesTest, StatusReplyRoundTrips) {
+  StatusReply s;
+  s.state = CacheState::kReady;
+  s.bytes_done = s.bytes_total = 16ull << 30;
+  s.tier = Tier::kGpu;
+  s.device_uuid = "GPU-12345678-1234-1234-1234-123456789abc";
+  s.model_id = "meta/llama";
+  s.tensor_count = 1000;
+  s.bytes = 16ull << 30;
+  s.clients = 3;
+  s.pid = 777;
+  s.config_digest = std::string(64, 'f');
+  Frame f = Transfer(EncodeStatusReply(s), Expect::kReply);
+  auto d = DecodeStatusReply(f.payload);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->state, CacheState::kReady);
+  EXPECT_EQ(d->tier, Tier::kGpu);
+  EXPECT_EQ(d->device_uuid, s.device_uuid);
+  EXPECT_EQ(d->model_id, s.model_id);
+  EXPECT_EQ(d->tensor_count, 1000u);
+  EXPECT_EQ(d->bytes, s.bytes);
+  EXPECT_EQ(d->clients, 3u);
+  EXPECT_EQ(d->pid, 777);
+  EXPECT_EQ(d->config_digest, s.config_digest);
+}
+
+TEST_F(MessagesTest, EmptyRequestsRoundTripAndRejectPayload) {
+  for (auto [encoded, type] : {std::pair{EncodeStatusRequest(), MessageType::kStatus},
+                               std::pair{EncodeAttachRequest(), MessageType::kAttach},
+                               std::pair{EncodeStopRequest(), MessageType::kStop}}) {
+    Frame f = Transfer(encoded, Expect::kRequest);
+    EXPECT_EQ(f.type, type);
+    EXPECT_TRUE(DecodeEmptyRequest(f.type, f.payload).ok());
+  }
+  ExpectProtocolError(DecodeEmptyRequest(MessageType::kStop, Bytes("{}")),
+                      "Stop request carries 2 unexpected payload bytes");
+}
+
+TEST_F(MessagesTest, StopReplyAndErrorRoundTrip) {
+  Frame f = Transfer(EncodeStopReply(StopReply{5}), Expect::kReply);
+  auto stop = DecodeStopReply(f.payload);
+  ASSERT_TRUE(stop.ok());
+  EXPECT_EQ(stop->clients, 5u);
+
+  Frame e = Transfer(EncodeError(Status(StatusCode::kMismatch, "tp_rank differs")), Expect::kReply);
+  EXPECT_EQ(e.type, MessageType::kError);
+  auto err = DecodeError(e.payload);
+  ASSERT_TRUE(err.ok());
+  EXPECT_EQ(err->code, StatusCode::kMismatch);
+  EXPECT_EQ(err->message, "tp_rank differs");
+}
+
+TEST_F(MessagesTest, AttachReplyCarriesManifestAndMemfds) {
+  auto m0 = weightcache::testing::MemfdWith(std::string(64, 'A'));
+  auto m1 = weightcache::testing::MemfdWith(std::string(32, 'B'));
+  std::vector<uint64_t> allocs = {64, 32};
+  std::vector<TensorEntry> tensors(2);
+  tensors[0].name = "w0";
+  tensors[0].dtype = "BF16";
+  tensors[0].ndim = 2;
+  tensors[0].shape = {4, 8};
+  tensors[0].nbytes = 64;
+  tensors[1].name = "w1";
+  tensors[1].dtype = "F32";
+  tensors[1].ndim = 1;
+  tensors[1].shape = {8};
+  tensors[1].allocation = 1;
+  tensors[1].nbytes = 32;
+  tensors[1].checksum = 0xdeadbeef;
+  auto manifest = EncodeManifest(Tier::kHost, allocs, tensors);
+  ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+  int fds[] = {m0.get(), m1.get()};
+  Frame f = Transfer(EncodeAttachReply(*manifest, 2), Expect::kReply, fds);
+  auto reply = DecodeAttachReply(std::move(f));
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  ASSERT_EQ(reply->fds.size(), 2u);
+  EXPECT_EQ(weightcache::testing::ReadAll(reply->fds[0].get()), std::string(64, 'A'));
+  EXPECT_EQ(weightcache::testing::ReadAll(reply->fds[1].get()), std::string(32, 'B'));
+  const auto& t = reply->manifest.tensors();
+  ASSERT_EQ(t.size(), 2u);
+  EXPECT_EQ(t[1].name, "w1");
+  EXPECT_EQ(t[1].dtype, "F32");
+  EXPECT_EQ(t[1].checksum, 0xdeadbeefu);
+}
+
+TEST_F(MessagesTest, AttachReplyWithFdCountNotMatchingAllocationsIsRejected) {
+  std::vector<uint64_t> allocs = {64, 32};
+  auto manifest = EncodeManifest(Tier::kHost, allocs, {});
+  ASSERT_TRUE(manifest.ok());
+  auto m0 = weightcache::testing::MemfdWith("x");
+  int fds[] = {m0.get()};
+  Frame f = Transfer(EncodeAttachReply(*manifest, 1), Expect::kReply, fds);
+  int before = weightcache::testing::CountOpenFds();
+  auto reply = DecodeAttachReply(std::move(f));
+  ExpectProtocolError(reply.status(), "manifest lists 2 allocations but 1 fds arrived");
+  EXPECT_EQ(weightcache::testing::CountOpenFds(), before - 1);  // the received fd was closed
+}
+
+TEST(MessageDecodeTest, StrictFieldChecking) {
+  ExpectProtocolError(DecodeHello(Bytes("not json")).status(), "Hello: payload is not JSON");
+  ExpectProtocolError(DecodeHello(Bytes("[1,2]")).status(), "Hello: payload is not a JSON object");
+  ExpectProtocolError(
+      DecodeHello(Bytes(R"({"protocol_version":1,"config":{},"client_name":"x"})")).status(),
+      "Hello: field 'client_pid' missing");
+  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":1,"config":{},"client_pid":"7",)"
+                                        R"("client_name":"x"})"))
+                          .status(),
+                      "Hello: field 'client_pid' must be an integer");
+  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":1,"config":[],"client_pid":7,)"
+                                        R"("client_name":"x"})"))
+                          .status(),
+                      "Hello: field 'config' must be an object");
+  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":1,"config":{},"client_pid":7,)"
+                                        R"("client_name":"x","extra":true})"))
+                          .status(),
+                      "Hello: unknown field 'extra'");
+  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":3,"config":{},"client_pid":7,)"
+                                        R"("client_name":"x"})"))
+                          .status(),
+                      "Hello: client speaks protocol version 3, this build speaks 1");
+  ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":-1})")).status(),
+                      "StopReply: field 'clients' must be a non-negative integer");
+  ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":4294967296})")).status(),
+                      "StopReply: field 'clients' must be a 32-bit integer");
+  ExpectProtocolError(DecodeError(Bytes(R"({"code":99,"message":"x"})")).status(),
+                      "Error: field 'code' 99 is not an error code");
+  ExpectProtocolError(DecodeHelloReply(Bytes(R"({"state":"sleeping"})")).status(),
+                      "HelloReply: field 'state' must be one of loading, ready, failed, draining");
+  ExpectProtocolError(DecodeHelloReply(Bytes(R"({"state":"ready","bytes_done":1,"bytes_total":1,)"
+                                             R"("failure_reason":"","match":false,"config":{},)"
+                                             R"("differences":[{"field":"tp","daemon":"1"}]})"))
+                          .status(),
+                      "HelloReply: differences[0]: field 'client' missing");
+}
+
+TEST(MessageDecodeTest, DeepNestingIsRejected) {
+  std::string deep = R"({"protocol_version":1,"client_pid":1,"client_name":"x","config":)";
+  deep += std::string(5000, '[') + std::string(5000, ']') + "}";
+  ExpectProtocolError(DecodeHello(Bytes(deep)).status(), "Hello: JSON nested deeper than 16");
+}
+
+TEST(MessageDecodeTest, InvalidUtf8IsReplacedWhenEncoding) {
+  Hello hello;
+  hello.client_name = "bad\xff name";
+  auto frame = EncodeHello(hello);
+  ASSERT_TRUE(frame.ok());
+  auto d = DecodeHello(std::span(*frame).subspan(kFrameHeaderSize));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->client_name, "bad\xEF\xBF\xBD name");
+}
+
+}  // namespace
+}  // namespace weightcache::protocol
