@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "os/unix_socket.h"
+#include "support/test_env.h"
 #include "unit/os/fd_test_util.h"
 
 namespace weightcache::protocol {
@@ -234,6 +235,40 @@ TEST(MessageDecodeTest, InvalidUtf8IsReplacedWhenEncoding) {
   auto d = DecodeHello(std::span(*frame).subspan(kFrameHeaderSize));
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   EXPECT_EQ(d->client_name, "bad\xEF\xBF\xBD name");
+}
+
+// The fuzz seeds come from an independent Python encoder written from docs/protocol.md
+// (tests/fuzz/make_frame_corpus.py): the C++ codec must read every one of them.
+TEST(MessageDecodeTest, FramesFromTheDocumentedLayoutDecode) {
+  std::string dir = weightcache::testing::SourceDir() + "/tests/fuzz/corpus/frame_fuzzer/";
+  auto payload_of = [&](const std::string& name, MessageType type, uint32_t fds) {
+    std::string bytes = weightcache::testing::ReadFile(dir + name);
+    auto header =
+        DecodeFrameHeader(Bytes(bytes), IsRequest(type) ? Expect::kRequest : Expect::kReply);
+    EXPECT_TRUE(header.ok()) << name << ": " << header.status().ToString();
+    EXPECT_EQ(header->type, type);
+    EXPECT_EQ(header->fd_count, fds);
+    EXPECT_EQ(header->payload_length + kFrameHeaderSize, bytes.size());
+    return bytes.substr(kFrameHeaderSize);
+  };
+  EXPECT_TRUE(DecodeHello(Bytes(payload_of("hello", MessageType::kHello, 0))).ok());
+  auto hr = DecodeHelloReply(Bytes(payload_of("hello_reply", MessageType::kHelloReply, 0)));
+  ASSERT_TRUE(hr.ok()) << hr.status().ToString();
+  EXPECT_EQ(hr->differences.size(), 1u);
+  EXPECT_TRUE(
+      DecodeStatusReply(Bytes(payload_of("status_reply", MessageType::kStatusReply, 0))).ok());
+  EXPECT_TRUE(DecodeStopReply(Bytes(payload_of("stop_reply", MessageType::kStopReply, 0))).ok());
+  auto err = DecodeError(Bytes(payload_of("error", MessageType::kError, 0)));
+  ASSERT_TRUE(err.ok());
+  EXPECT_EQ(err->code, StatusCode::kMismatch);
+  std::string manifest = payload_of("attach_reply", MessageType::kAttachReply, 2);
+  auto m = Manifest::Decode(Bytes(manifest));
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  ASSERT_EQ(m->tensors().size(), 2u);
+  EXPECT_EQ(m->tensors()[1].name, "lm_head");
+  EXPECT_EQ(m->tensors()[1].dtype, "F8_E4M3");
+  EXPECT_EQ(m->tensors()[1].allocation, 1u);
+  EXPECT_EQ(m->tensors()[1].checksum, 8u);
 }
 
 }  // namespace

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Writes the seed corpus of frame_fuzzer (corpus/frame_fuzzer/): valid frames of every
+message type and a valid attach manifest, built from the layout in docs/protocol.md (an
+independent encoder: if it disagrees with the C++ codec, the seeds stop parsing)."""
+import json
+import os
+import struct
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "corpus", "frame_fuzzer")
+
+
+def frame(msg_type, payload=b"", fds=0, version=1):
+    return b"WCPF" + struct.pack("<HHIIQ", version, msg_type, 0, fds, len(payload)) + payload
+
+
+def manifest(tier, allocations, tensors):
+    table = b""
+    records = b""
+    for name, dtype, shape, alloc, offset, nbytes, checksum in tensors:
+        name_off = len(table)
+        table += name.encode()
+        dtype_off = len(table)
+        table += dtype.encode()
+        dims = list(shape) + [0] * (8 - len(shape))
+        records += struct.pack("<IIIIIB3xQQQ8Q", name_off, len(name), dtype_off, len(dtype),
+                               alloc, len(shape), offset, nbytes, checksum, *dims)
+    header = b"WCMF" + struct.pack("<B3xIIII", tier, len(allocations), len(tensors), len(table),
+                                   0)
+    return header + b"".join(struct.pack("<Q", a) for a in allocations) + records + table
+
+
+def js(obj):
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def main():
+    os.makedirs(OUT, exist_ok=True)
+    m = manifest(1, [4096, 1024], [("embed.weight", "BF16", [16, 32], 0, 0, 1024, 7),
+                                   ("lm_head", "F8_E4M3", [32, 32], 1, 0, 1024, 8)])
+    seeds = {
+        "hello": frame(1, js({"protocol_version": 1, "config": {"model_id": "m", "tp_size": 2},
+                              "client_pid": 12, "client_name": "engine"})),
+        "hello_reply": frame(2, js({"state": "loading", "bytes_done": 1, "bytes_total": 2,
+                                    "failure_reason": "", "match": False,
+                                    "config": {"tp_rank": 1},
+                                    "differences": [{"field": "tp_rank", "daemon": "1",
+                                                     "client": "0"}]})),
+        "status": frame(3),
+        "status_reply": frame(4, js({"state": "ready", "bytes_done": 5, "bytes_total": 5,
+                                     "failure_reason": "", "tier": "gpu",
+                                     "device_uuid": "GPU-00000000-0000-0000-0000-000000000000",
+                                     "model_id": "m", "tensor_count": 2, "bytes": 5,
+                                     "clients": 1, "pid": 9, "config_digest": "ab" * 32})),
+        "attach": frame(5),
+        "attach_reply": frame(6, m, fds=2),
+        "manifest": m,
+        "stop": frame(7),
+        "stop_reply": frame(8, js({"clients": 0})),
+        "error": frame(9, js({"code": 6, "message": "config mismatch: tp_rank"})),
+        "two_frames": frame(3) + frame(1, js({"protocol_version": 1, "config": {},
+                                              "client_pid": 1, "client_name": ""})),
+    }
+    for name, data in seeds.items():
+        with open(os.path.join(OUT, name), "wb") as f:
+            f.write(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
