@@ -38,8 +38,17 @@ std::unique_ptr<ServeProcess> ServeProcess::Start(const std::vector<std::string>
   posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
                                    O_WRONLY | O_CREAT | O_APPEND, 0600);
   posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  // The tests read the daemon's info lines (ctest runs with WEIGHTCACHE_LOG_LEVEL=warn).
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::strncmp(*e, "WEIGHTCACHE_LOG_LEVEL=", 22) != 0) env.emplace_back(*e);
+  }
+  env.emplace_back("WEIGHTCACHE_LOG_LEVEL=info");
+  std::vector<char*> cenv;
+  for (auto& s : env) cenv.push_back(s.data());
+  cenv.push_back(nullptr);
   pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, cargs[0], &actions, nullptr, cargs.data(), environ);
+  const int rc = ::posix_spawn(&pid, cargs[0], &actions, nullptr, cargs.data(), cenv.data());
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) return nullptr;
   return std::unique_ptr<ServeProcess>(new ServeProcess(pid, log_path));
