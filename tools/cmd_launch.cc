@@ -153,7 +153,7 @@ int RunLaunch(const LaunchArgs& args) {
   options.on_ready = [&](const std::vector<launcher::DaemonSnapshot>& all) {
     if (progress_shown) std::fprintf(stderr, "\n");
     progress_shown = false;
-    if (args.supervise && !args.json) {
+    if (args.supervise) {
       std::fprintf(stderr, "weightcache launch: %zu daemons ready; supervising (SIGTERM stops)\n",
                    all.size());
     }

@@ -26,6 +26,7 @@ using std::chrono::milliseconds;
 constexpr uint64_t kSignalTag = UINT64_MAX;
 // What a daemon exits with when another daemon holds its identity (SPEC §5).
 constexpr int kAlreadyServedExit = 7;
+constexpr int kInvalidCheckpointExit = 5;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -286,9 +287,13 @@ Status Launcher::FailureFor(size_t index) const {
                         " exited with code 7: its identity is already served by another daemon" +
                         (d.socket_path.empty() ? std::string() : " (" + d.socket_path + ")"));
     }
-    return Status(StatusCode::kUnavailable, "daemon " + who +
-                                                " died before it was ready: " + d.exit->ToString() +
-                                                " (log: " + d.spec.spawn.log_path + ")");
+    // A daemon that found its checkpoint invalid (serve's exit 5) makes the launch exit 5 too:
+    // restarting or retrying elsewhere will not help, and scripts can tell it apart.
+    const StatusCode code = d.exit->exited() && d.exit->exit_code == kInvalidCheckpointExit
+                                ? StatusCode::kInvalidCheckpoint
+                                : StatusCode::kUnavailable;
+    return Status(code, "daemon " + who + " died before it was ready: " + d.exit->ToString() +
+                            " (log: " + d.spec.spawn.log_path + ")");
   }
   return Status(StatusCode::kUnavailable,
                 "daemon " + who + " reported failed: " +

@@ -120,7 +120,8 @@ struct LaunchOptions {
 
 struct LaunchReport {
   // OK; kTimeout (exit 6); kAlreadyServed (exit 7) when a daemon found its identity served;
-  // kUnavailable when a daemon died or reported failed; kIo/kInternal on launcher faults.
+  // kInvalidCheckpoint (exit 5) when a daemon exited 5; kUnavailable when a daemon died
+  // otherwise or reported failed, or a signal interrupted start-up; kIo on launcher faults.
   // The message names the daemon (name, device, pid) and what happened.
   Status status;
   std::vector<DaemonSnapshot> daemons;

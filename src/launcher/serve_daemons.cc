@@ -19,30 +19,18 @@ std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& pla
     s.placement = p;
     s.name = "tp" + std::to_string(p.tp_rank) + "-pp" + std::to_string(p.pp_rank);
     auto& argv = s.spawn.argv;
-    argv = {files.exe,
-            "serve",
-            "--model",
-            flags.model,
-            "--tier",
-            flags.tier,
-            "--device",
-            p.device_uuid,
-            "--tp-size",
-            std::to_string(flags.tp_size),
-            "--tp-rank",
-            std::to_string(p.tp_rank),
-            "--pp-size",
-            std::to_string(flags.pp_size),
-            "--pp-rank",
-            std::to_string(p.pp_rank),
-            "--ep-size",
-            std::to_string(flags.ep_size),
-            "--ep-rank",
-            std::to_string(p.ep_rank),
-            "--dp-size",
-            std::to_string(flags.dp_size),
-            "--namespace",
-            flags.namespace_name};
+    argv = {files.exe,     "serve",
+            "--model",     flags.model,
+            "--tier",      flags.tier,
+            "--device",    p.device_uuid,
+            "--tp-size",   std::to_string(flags.tp_size),
+            "--tp-rank",   std::to_string(p.tp_rank),
+            "--pp-size",   std::to_string(flags.pp_size),
+            "--pp-rank",   std::to_string(p.pp_rank),
+            "--ep-size",   std::to_string(flags.ep_size),
+            "--ep-rank",   std::to_string(p.ep_rank),
+            "--dp-size",   std::to_string(flags.dp_size),
+            "--namespace", flags.namespace_name};
     auto add = [&argv](const char* flag, const std::string& value) {
       if (value.empty()) return;
       argv.push_back(flag);
@@ -114,8 +102,7 @@ Result<std::vector<std::string>> NamespaceSockets(const std::string& runtime_dir
 }  // namespace
 
 std::optional<PublishedPaths> LocatePublishedSocket(const std::string& runtime_dir,
-                                                    const std::string& namespace_name,
-                                                    pid_t pid) {
+                                                    const std::string& namespace_name, pid_t pid) {
   auto sockets = NamespaceSockets(runtime_dir, namespace_name);
   if (!sockets.ok()) return std::nullopt;
   for (const std::string& socket : *sockets) {

@@ -57,8 +57,7 @@ Result<ProbeReport> ProbeDaemonState(const std::string& socket_path,
 // The socket under <runtime_dir>/<namespace_name>/*/ whose lock is held and records `pid` as
 // its owner.
 std::optional<PublishedPaths> LocatePublishedSocket(const std::string& runtime_dir,
-                                                    const std::string& namespace_name,
-                                                    pid_t pid);
+                                                    const std::string& namespace_name, pid_t pid);
 
 // The lock file of a layout socket: <stem>.sock → <stem>.lock.
 std::string LockPathFor(const std::string& socket_path);

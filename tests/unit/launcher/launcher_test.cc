@@ -140,7 +140,7 @@ TEST_F(LauncherTest, DaemonDyingBeforeReadyFailsTheLaunchFastAndStopsTheOthers) 
   LaunchReport r = l.Run(-1);
   const auto elapsed = Clock::now() - t0;
   EXPECT_LT(elapsed, 1500ms);
-  EXPECT_EQ(r.status.code(), StatusCode::kUnavailable) << r.status.ToString();
+  EXPECT_EQ(r.status.code(), StatusCode::kInvalidCheckpoint) << r.status.ToString();
   EXPECT_NE(r.status.message().find("daemon tp1-pp0 (GPU 2 GPU-00000001"), std::string::npos)
       << r.status.message();
   EXPECT_NE(r.status.message().find("died before it was ready: exit code 5"), std::string::npos)

@@ -1,0 +1,282 @@
+// `weightcache launch` end to end: real `serve` daemons (host tier), an 8-GPU device
+// inventory, real safetensors checkpoints from tests/tools/make_checkpoint.py, real clients.
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "identity/paths.h"
+#include "launcher/child_process.h"
+#include "os/lock_file.h"
+#include "support/test_env.h"
+
+namespace weightcache {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::CliPath;
+using testing::CommandResult;
+using testing::ReadFile;
+using testing::RunCommand;
+using testing::TempDir;
+using testing::WriteFile;
+using Clock = std::chrono::steady_clock;
+
+std::string Uuid(int i) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "GPU-%08x-0000-4000-8000-%012x", 0xc0de00 + i, i);
+  return buf;
+}
+
+// A pidfd for `pid`, or -1 once the pid is gone (exited and reaped).
+int OpenPidfd(pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0u)); }
+
+// True when `pid` has exited (reaped, or a zombie awaiting a parent that is not us): the
+// pidfd reads as exited. Never kill(pid, 0).
+bool Exited(pid_t pid, std::chrono::milliseconds wait = 0ms) {
+  int fd = OpenPidfd(pid);
+  if (fd < 0) return errno == ESRCH;
+  pollfd p{fd, POLLIN, 0};
+  int n = ::poll(&p, 1, static_cast<int>(wait.count()));
+  ::close(fd);
+  return n == 1;
+}
+
+void Terminate(pid_t pid) {
+  int fd = OpenPidfd(pid);
+  if (fd < 0) return;
+  ::syscall(SYS_pidfd_send_signal, fd, SIGTERM, nullptr, 0u);
+  ::close(fd);
+}
+
+class LaunchTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    nlohmann::json inv = nlohmann::json::array();
+    for (int i = 0; i < 8; ++i) {
+      inv.push_back({{"index", i},
+                     {"uuid", Uuid(i)},
+                     {"name", "Fake H200"},
+                     {"memory_bytes", 150'000'000'000ULL}});
+    }
+    WriteFile(dir_.Join("inventory.json"), inv.dump());
+    model_ = MakeCheckpoint("model", 16, 2);
+  }
+  void TearDown() override {
+    // Daemons of a successful launch outlive it: stop every one we were told about.
+    for (pid_t pid : started_) {
+      Terminate(pid);
+      EXPECT_TRUE(Exited(pid, 5000ms)) << "daemon " << pid << " ignored SIGTERM";
+    }
+  }
+
+  std::string MakeCheckpoint(const std::string& name, int tensors, int shards) {
+    const std::string out = dir_.Join(name);
+    CommandResult r =
+        RunCommand({testing::PythonExe(), testing::SourceDir() + "/tests/tools/make_checkpoint.py",
+                    "--out", out, "--tensors", std::to_string(tensors), "--shards",
+                    std::to_string(shards), "--seed", "7"});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return out;
+  }
+
+  std::vector<std::string> LaunchArgs(std::vector<std::string> extra) {
+    std::vector<std::string> argv = {CliPath(),
+                                     "launch",
+                                     "--model",
+                                     model_,
+                                     "--tier",
+                                     "host",
+                                     "--runtime-dir",
+                                     runtime(),
+                                     "--device-inventory",
+                                     dir_.Join("inventory.json"),
+                                     "--stop-grace",
+                                     "3",
+                                     "--json"};
+    if (std::find(extra.begin(), extra.end(), "--ready-timeout") == extra.end()) {
+      extra.insert(extra.end(), {"--ready-timeout", "30"});
+    }
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return argv;
+  }
+
+  // Runs a launch to completion and parses its JSON summary.
+  nlohmann::json Launch(std::vector<std::string> extra, int expect_exit,
+                        const std::vector<std::string>& env = {}) {
+    CommandResult r = RunCommand(LaunchArgs(std::move(extra)), env);
+    EXPECT_EQ(r.exit_code, expect_exit) << r.out << r.err;
+    nlohmann::json j = nlohmann::json::parse(r.out, nullptr, /*allow_exceptions=*/false);
+    EXPECT_FALSE(j.is_discarded()) << r.out;
+    last_err_ = r.err;
+    if (expect_exit == 0 && !j.is_discarded()) {
+      for (const auto& d : j["daemons"]) started_.push_back(d["pid"].get<pid_t>());
+    }
+    return j;
+  }
+
+  // Every *.sock under the runtime dir, and whether any lock file there is still held.
+  std::vector<std::string> Sockets() {
+    auto all = identity::ListAllCacheSockets(runtime());
+    EXPECT_TRUE(all.ok()) << all.status().ToString();
+    std::vector<std::string> out;
+    if (all.ok()) {
+      for (auto& e : *all) out.push_back(e.socket);
+    }
+    return out;
+  }
+  bool AnyLockHeld() {
+    if (!std::filesystem::exists(runtime())) return false;
+    for (auto& e : std::filesystem::recursive_directory_iterator(runtime())) {
+      if (e.path().extension() == ".lock" && os::IsLockHeld(e.path().string())) return true;
+    }
+    return false;
+  }
+
+  std::string runtime() const { return dir_.Join("rt"); }
+
+  TempDir dir_;
+  std::string model_;
+  std::vector<pid_t> started_;
+  std::string last_err_;
+};
+
+TEST_F(LaunchTest, Pp2Tp2Step2StartsOneReadyDaemonPerRankOnGpus0246) {
+  nlohmann::json j = Launch({"--tp", "2", "--pp", "2", "--gpu-id-step", "2"}, 0);
+  ASSERT_EQ(j["status"], "ok");
+  ASSERT_EQ(j["daemons"].size(), 4u);
+  const int want_gpu[4] = {0, 2, 4, 6};
+  for (int i = 0; i < 4; ++i) {
+    const auto& d = j["daemons"][i];
+    EXPECT_EQ(d["tp_rank"], i % 2);
+    EXPECT_EQ(d["pp_rank"], i / 2);
+    EXPECT_EQ(d["local_gpu_id"], want_gpu[i]);
+    EXPECT_EQ(d["device_uuid"], Uuid(want_gpu[i]));
+    EXPECT_EQ(d["state"], "ready");
+    EXPECT_GT(d["bytes_total"].get<uint64_t>(), 0u);
+    EXPECT_EQ(d["bytes_done"], d["bytes_total"]);
+    // The socket is under the rank's own GPU, and its daemon is the one we were told.
+    const std::string socket = d["socket"];
+    EXPECT_NE(socket.find("/default/" + Uuid(want_gpu[i]) + "/"), std::string::npos) << socket;
+    EXPECT_EQ(os::ReadLockOwner(socket.substr(0, socket.size() - 5) + ".lock"),
+              d["pid"].get<pid_t>());
+    EXPECT_FALSE(Exited(d["pid"].get<pid_t>())) << "daemons outlive a successful launch";
+    const std::string log = ReadFile(d["log"].get<std::string>());
+    EXPECT_NE(
+        log.find("weightcache launch: starting " + d["name"].get<std::string>() + ": " + CliPath() +
+                 " serve --model " + model_ + " --tier host --device " + Uuid(want_gpu[i])),
+        std::string::npos)
+        << log;
+  }
+}
+
+TEST_F(LaunchTest, TwoJobsOnDisjointGpuSetsCoexistAndClientsNeverCross) {
+  // Job A sees physical GPUs 0-3, job B 4-7: both have a tp_rank 0 on their local GPU 0.
+  nlohmann::json a = Launch({"--tp", "2"}, 0, {"CUDA_VISIBLE_DEVICES=0,1,2,3"});
+  nlohmann::json b = Launch({"--tp", "2"}, 0, {"CUDA_VISIBLE_DEVICES=4,5,6,7"});
+  ASSERT_EQ(a["daemons"].size(), 2u);
+  ASSERT_EQ(b["daemons"].size(), 2u);
+  EXPECT_EQ(a["daemons"][0]["device_uuid"], Uuid(0));
+  EXPECT_EQ(b["daemons"][0]["device_uuid"], Uuid(4));
+  EXPECT_NE(a["daemons"][0]["socket"], b["daemons"][0]["socket"]);
+  // A client of job B, rank 0 on its local GPU 0, attaches to job B's daemon, never A's.
+  for (auto [visible, job] : {std::pair{"4,5,6,7", &b}, std::pair{"0,1,2,3", &a}}) {
+    for (int rank = 0; rank < 2; ++rank) {
+      CommandResult r =
+          RunCommand({CliPath(), "attach", "--model", model_, "--tier", "host", "--device",
+                      std::to_string(rank), "--tp-size", "2", "--tp-rank", std::to_string(rank),
+                      "--runtime-dir", runtime(), "--device-inventory", dir_.Join("inventory.json"),
+                      "--on-missing", "error", "--json"},
+                     {std::string("CUDA_VISIBLE_DEVICES=") + visible});
+      ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+      auto got = nlohmann::json::parse(r.out);
+      EXPECT_EQ(got["daemon_pid"], (*job)["daemons"][rank]["pid"]) << visible << " " << r.out;
+      EXPECT_EQ(got["socket"], (*job)["daemons"][rank]["socket"]);
+    }
+  }
+}
+
+TEST_F(LaunchTest, ACorruptCheckpointFailsTheLaunchFastAndLeavesNothingBehind) {
+  // Truncate one shard: its header promises more data than the file holds.
+  const std::string bad = MakeCheckpoint("bad", 8, 2);
+  std::string shard;
+  for (auto& e : std::filesystem::directory_iterator(bad)) {
+    if (e.path().extension() == ".safetensors") shard = e.path().string();
+  }
+  ASSERT_FALSE(shard.empty());
+  std::filesystem::resize_file(shard, std::filesystem::file_size(shard) - 16);
+  model_ = bad;
+  const auto t0 = Clock::now();
+  nlohmann::json j = Launch({"--tp", "4"}, 5);
+  EXPECT_LT(Clock::now() - t0, 1s) << "a dying daemon must fail the launch at once";
+  EXPECT_EQ(j["status"], "invalid checkpoint");
+  EXPECT_NE(last_err_.find("died before it was ready: exit code 5"), std::string::npos)
+      << last_err_;
+  EXPECT_NE(last_err_.find("--- last "), std::string::npos) << "the failed daemon's log tail";
+  for (const auto& d : j["daemons"]) {
+    EXPECT_TRUE(Exited(d["pid"].get<pid_t>())) << d.dump();
+  }
+  EXPECT_TRUE(Sockets().empty());
+  EXPECT_FALSE(AnyLockHeld());
+}
+
+TEST_F(LaunchTest, TimeoutExitsSixAndStopsEveryDaemon) {
+  // A bigger model and a deadline no load can meet.
+  model_ = MakeCheckpoint("big", 64, 4);
+  nlohmann::json j = Launch({"--tp", "2", "--pp", "2", "--ready-timeout", "0.001"}, 6);
+  EXPECT_EQ(j["status"], "timeout");
+  EXPECT_NE(last_err_.find("daemons not ready after"), std::string::npos) << last_err_;
+  ASSERT_EQ(j["daemons"].size(), 4u);
+  for (const auto& d : j["daemons"]) {
+    EXPECT_EQ(d["state"], "stopped");
+    EXPECT_TRUE(Exited(d["pid"].get<pid_t>())) << d.dump();
+  }
+  EXPECT_TRUE(Sockets().empty());
+  EXPECT_FALSE(AnyLockHeld());
+}
+
+TEST_F(LaunchTest, SigtermToASupervisingLauncherStopsEveryDaemonCleanly) {
+  launcher::SpawnOptions o;
+  o.argv = LaunchArgs({"--tp", "2", "--pp", "2", "--supervise"});
+  o.log_path = dir_.Join("launcher.out");
+  auto child = launcher::ChildProcess::Spawn(o);
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  // The launcher says when every daemon answered `ready` and it starts supervising.
+  const auto deadline = Clock::now() + 20s;
+  while (Clock::now() < deadline &&
+         ReadFile(o.log_path).find("4 daemons ready; supervising") == std::string::npos) {
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_NE(ReadFile(o.log_path).find("4 daemons ready; supervising"), std::string::npos)
+      << ReadFile(o.log_path);
+  ASSERT_EQ(Sockets().size(), 4u);
+  ASSERT_TRUE(AnyLockHeld());
+  ASSERT_FALSE(Exited(child->pid())) << "a supervising launcher keeps running";
+  ASSERT_TRUE(child->Signal(SIGTERM).ok());
+  auto exit = child->Wait();
+  ASSERT_TRUE(exit.ok());
+  EXPECT_EQ(exit->exit_code, 0) << ReadFile(o.log_path);
+  const std::string out = ReadFile(o.log_path);
+  auto j = nlohmann::json::parse(out.substr(out.find('{')), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  EXPECT_EQ(j["stop_signal"], SIGTERM);
+  for (const auto& d : j["daemons"]) {
+    EXPECT_EQ(d["state"], "stopped");
+    EXPECT_TRUE(Exited(d["pid"].get<pid_t>())) << d.dump();
+    EXPECT_EQ(d["exit"]["code"], 0) << "a daemon stopped by SIGTERM exits cleanly";
+  }
+  EXPECT_TRUE(Sockets().empty());
+  EXPECT_FALSE(AnyLockHeld());
+}
+
+}  // namespace
+}  // namespace weightcache
