@@ -114,7 +114,10 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
     return PermissionDenied("socket " + socket + " is owned by uid " + std::to_string(st.st_uid) +
                             ", not by us (uid " + std::to_string(::geteuid()) + ")");
   }
-  if (!os::IsLockHeld(lock)) {
+  // An explicit socket's own lock is <socket>.lock, but an explicit --socket may also name a
+  // layout path, whose daemon holds <stem>.lock: the socket is live if either is held.
+  const std::string layout_lock = SiblingLockPath(socket);
+  if (!os::IsLockHeld(lock) && (layout_lock == lock || !os::IsLockHeld(layout_lock))) {
     probe.state = SocketState::kStale;
     probe.why = "stale socket " + socket + " (its lock " + lock + " is not held)";
     return probe;
