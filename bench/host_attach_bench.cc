@@ -1,0 +1,240 @@
+// host_attach_bench — the host tier, measured end to end with real processes:
+//   * attach latency, client side (connect + Hello + Attach + map every memfd + build the
+//     tensor table), median and p90 of --iters attaches, for checkpoints of 10, 1,000 and
+//     10,000 tensors — with the fingerprint given (the engine knows it) and computed (reads
+//     every shard header);
+//   * the daemon's load GB/s (spawn of `weightcache serve --tier host` until the first
+//     successful attach) against plain file-read GB/s of the same files with the same number
+//     of threads (checkpoint::ReadRanges into private memory), measured in the same run.
+// Checkpoints are written by tests/tools/make_checkpoint.py (the real safetensors writer).
+// Output: one JSON object per line on stdout.
+//
+//   host_attach_bench WORK_DIR [--iters N] [--threads T] [--load-mib M] [--counts 10,1000,10000]
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "checkpoint/checkpoint.h"
+#include "weightcache/client.h"
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using weightcache::Attachment;
+using weightcache::AttachOptions;
+
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+void Die(const std::string& what) {
+  std::fprintf(stderr, "host_attach_bench: %s\n", what.c_str());
+  std::exit(1);
+}
+
+int Run(const std::vector<std::string>& argv) {
+  std::vector<std::string> args = argv;
+  std::vector<char*> c;
+  for (auto& s : args) c.push_back(s.data());
+  c.push_back(nullptr);
+  pid_t pid;
+  if (posix_spawnp(&pid, c[0], nullptr, nullptr, c.data(), environ) != 0) return -1;
+  int st = 0;
+  waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& log) {
+  std::vector<std::string> args = argv;
+  std::vector<char*> c;
+  for (auto& s : args) c.push_back(s.data());
+  c.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT, 0600);
+  posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, c[0], &fa, nullptr, c.data(), environ) != 0) Die("spawn " + argv[0]);
+  posix_spawn_file_actions_destroy(&fa);
+  return pid;
+}
+
+void Stop(pid_t pid) {
+  kill(pid, SIGTERM);
+  int st;
+  waitpid(pid, &st, 0);
+}
+
+std::string MakeCheckpoint(const std::string& dir, int tensors, int max_elems, int shards) {
+  int rc = Run({WEIGHTCACHE_PYTHON,
+                std::string(WEIGHTCACHE_SOURCE_DIR) + "/tests/tools/make_checkpoint.py", "--out",
+                dir, "--tensors", std::to_string(tensors), "--dtypes", "bf16", "--min-elems",
+                std::to_string(max_elems / 2), "--max-elems", std::to_string(max_elems), "--shards",
+                std::to_string(shards), "--seed", "5"});
+  if (rc != 0) Die("make_checkpoint.py failed for " + dir);
+  return dir;
+}
+
+struct Daemon {
+  pid_t pid;
+  double ready_ms;  // spawn → first successful attach
+};
+
+Daemon StartAndWait(const std::string& model, const std::string& runtime, int threads,
+                    const AttachOptions& options, const std::string& log) {
+  auto start = Clock::now();
+  pid_t pid =
+      Spawn({WEIGHTCACHE_CLI_PATH, "serve", "--model", model, "--model-id", "bench", "--tier",
+             "host", "--runtime-dir", runtime, "--threads", std::to_string(threads)},
+            log);
+  for (;;) {
+    auto a = Attachment::Attach(options);
+    if (a.ok()) return {pid, Ms(Clock::now() - start)};
+    if (a.status().code() != weightcache::StatusCode::kNoDaemon) {
+      Die("attach: " + a.status().ToString());
+    }
+    int st;
+    if (waitpid(pid, &st, WNOHANG) == pid) Die("serve exited; see " + log);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+nlohmann::json Percentiles(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return {{"median_ms", v[v.size() / 2]},
+          {"p90_ms", v[std::min(v.size() - 1, v.size() * 9 / 10)]},
+          {"min_ms", v.front()}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) Die("usage: host_attach_bench WORK_DIR [--iters N] [--threads T] ...");
+  std::string work = argv[1];
+  int iters = 200, threads = 2, load_mib = 512;
+  std::vector<int> counts = {10, 1000, 10000};
+  for (int i = 2; i + 1 < argc; i += 2) {
+    std::string k = argv[i], v = argv[i + 1];
+    if (k == "--iters")
+      iters = std::stoi(v);
+    else if (k == "--threads")
+      threads = std::stoi(v);
+    else if (k == "--load-mib")
+      load_mib = std::stoi(v);
+    else if (k == "--counts") {
+      counts.clear();
+      std::stringstream ss(v);
+      for (std::string p; std::getline(ss, p, ',');) counts.push_back(std::stoi(p));
+    } else
+      Die("unknown flag " + k);
+  }
+  Run({"mkdir", "-p", work});
+
+  // ---- attach latency vs tensor count ------------------------------------------------------
+  for (int n : counts) {
+    const std::string model = MakeCheckpoint(work + "/attach-" + std::to_string(n), n, 256, 1);
+    const std::string runtime = work + "/run-attach-" + std::to_string(n);
+    auto ckpt = weightcache::checkpoint::Checkpoint::Open(model);
+    if (!ckpt.ok()) Die(ckpt.status().ToString());
+    AttachOptions o;
+    o.model_dir = model;
+    o.model_id = "bench";
+    o.runtime_dir = runtime;
+    o.tier = weightcache::Tier::kHost;
+    o.on_missing = weightcache::OnMissing::kError;
+    Daemon d = StartAndWait(model, runtime, threads, o, runtime + ".log");
+
+    std::vector<double> full, known;
+    AttachOptions fast = o;
+    fast.checkpoint_fingerprint = ckpt->fingerprint();
+    for (int i = 0; i < iters; ++i) {
+      auto t0 = Clock::now();
+      auto a = Attachment::Attach(fast);
+      auto t1 = Clock::now();
+      if (!a.ok() || a->source() != weightcache::AttachSource::kDaemon) Die("attach failed");
+      known.push_back(Ms(t1 - t0));
+      auto t2 = Clock::now();
+      auto b = Attachment::Attach(o);
+      auto t3 = Clock::now();
+      if (!b.ok()) Die("attach failed");
+      full.push_back(Ms(t3 - t2));
+    }
+    Stop(d.pid);
+    std::printf("%s\n", nlohmann::json{{"bench", "host_attach"},
+                                       {"tensors", n},
+                                       {"bytes", ckpt->total_bytes()},
+                                       {"iters", iters},
+                                       {"fingerprint_given", Percentiles(known)},
+                                       {"fingerprint_computed", Percentiles(full)}}
+                            .dump()
+                            .c_str());
+    std::fflush(stdout);
+  }
+
+  // ---- daemon load GB/s vs plain file read GB/s --------------------------------------------
+  const int tensors = 64;
+  const int elems = static_cast<int>((static_cast<int64_t>(load_mib) << 20) / tensors / 2);
+  const std::string model = MakeCheckpoint(work + "/load", tensors, elems, 4);
+  auto ckpt = weightcache::checkpoint::Checkpoint::Open(model);
+  if (!ckpt.ok()) Die(ckpt.status().ToString());
+  const uint64_t bytes = ckpt->total_bytes();
+
+  std::vector<double> read_gbps, load_gbps;
+  for (int round = 0; round < 3; ++round) {
+    {
+      std::vector<uint8_t> buffer(bytes);
+      std::vector<weightcache::checkpoint::ReadRequest> reqs;
+      uint64_t at = 0;
+      for (const auto& t : ckpt->tensors()) {
+        reqs.push_back({t.shard, t.offset, t.nbytes, buffer.data() + at});
+        at += t.nbytes;
+      }
+      weightcache::checkpoint::ReadOptions ro;
+      ro.threads = threads;
+      auto t0 = Clock::now();
+      auto st = weightcache::checkpoint::ReadRanges(*ckpt, reqs, ro);
+      double s = Ms(Clock::now() - t0) / 1000;
+      if (!st.ok()) Die(st.ToString());
+      read_gbps.push_back(bytes / s / 1e9);
+    }
+    const std::string runtime = work + "/run-load-" + std::to_string(round);
+    AttachOptions o;
+    o.model_dir = model;
+    o.model_id = "bench";
+    o.runtime_dir = runtime;
+    o.tier = weightcache::Tier::kHost;
+    o.on_missing = weightcache::OnMissing::kError;
+    o.checkpoint_fingerprint = ckpt->fingerprint();
+    Daemon d = StartAndWait(model, runtime, threads, o, runtime + ".log");
+    load_gbps.push_back(bytes / (d.ready_ms / 1000) / 1e9);
+    Stop(d.pid);
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::printf("%s\n",
+              nlohmann::json{{"bench", "host_load"},
+                             {"bytes", bytes},
+                             {"threads", threads},
+                             {"page_cache", "warm (files just written)"},
+                             {"file_read_gbps", median(read_gbps)},
+                             {"daemon_load_gbps", median(load_gbps)},
+                             {"ratio", median(load_gbps) / median(read_gbps)},
+                             {"note", "daemon time = spawn of serve until the first attach"}}
+                  .dump()
+                  .c_str());
+  return 0;
+}
