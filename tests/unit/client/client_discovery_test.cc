@@ -1,0 +1,177 @@
+// Discovery against a scripted in-process daemon speaking the real protocol over a real
+// socket with the real identity lock: the SPEC §4 rows a well-behaved daemon rarely shows on
+// demand — `loading` past the wait timeout, `failed`, and a peer that speaks garbage.
+#include <gtest/gtest.h>
+#include <poll.h>
+
+#include <atomic>
+#include <functional>
+#include <thread>
+
+#include "client/discovery.h"
+#include "os/fd_passing.h"
+#include "os/lock_file.h"
+#include "os/unix_socket.h"
+#include "protocol/frame.h"
+#include "protocol/messages.h"
+#include "support/test_env.h"
+#include "unit/client/client_fixtures.h"
+#include "weightcache/client.h"
+
+namespace weightcache::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Answers each request frame with the bytes `reply` returns (empty = close the connection).
+using Script = std::function<std::vector<uint8_t>(const protocol::Frame&)>;
+
+class ScriptedDaemon {
+ public:
+  ScriptedDaemon(const identity::CachePaths& paths, Script script) : script_(std::move(script)) {
+    auto lock = os::LockFile::TryAcquire(paths.lock);
+    EXPECT_TRUE(lock.ok()) << lock.status().ToString();
+    lock_.emplace(std::move(lock).value());
+    auto listener = os::ListenUnix(paths.socket);
+    EXPECT_TRUE(listener.ok()) << listener.status().ToString();
+    listener_ = std::move(listener).value();
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~ScriptedDaemon() {
+    stop_ = true;
+    thread_.join();
+  }
+
+ private:
+  void Loop() {
+    while (!stop_) {
+      pollfd p{listener_.get(), POLLIN, 0};
+      if (::poll(&p, 1, 20) <= 0) continue;
+      auto conn = os::AcceptConnection(listener_.get());
+      if (!conn.ok() || !conn->has_value()) continue;
+      UniqueFd fd = std::move(**conn);
+      while (!stop_) {
+        auto frame =
+            protocol::ReadFrame(fd.get(), protocol::Expect::kRequest, os::Deadline::After(5s));
+        if (!frame.ok()) break;
+        std::vector<uint8_t> out = script_(*frame);
+        if (out.empty()) break;
+        if (!os::SendMessage(fd.get(), out, {}, os::Deadline::After(5s)).ok()) break;
+      }
+    }
+  }
+
+  Script script_;
+  std::optional<os::LockFile> lock_;
+  UniqueFd listener_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+class ClientDiscoveryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!MakeReferenceCheckpoint(dir_.Join("model"), 4, 1, 9, "f32", 256, &ref_, &why)) {
+      GTEST_SKIP() << why;
+    }
+    options_.model_dir = ref_.dir;
+    options_.model_id = "scripted";
+    options_.runtime_dir = dir_.Join("run");
+    options_.tier = Tier::kHost;
+    options_.wait_timeout = 200ms;
+    auto id = client::ResolveIdentity(options_);
+    ASSERT_TRUE(id.ok()) << id.status().ToString();
+    id_ = *id;
+    ASSERT_TRUE(identity::EnsureCacheDirs(id_.paths).ok());
+  }
+  std::vector<uint8_t> Hello(protocol::CacheState state, std::string reason = "") {
+    protocol::HelloReply r;
+    r.state = state;
+    r.bytes_done = 10;
+    r.bytes_total = 100;
+    r.failure_reason = std::move(reason);
+    r.match = true;
+    r.daemon_config = id_.config.ToJson();
+    return protocol::EncodeHelloReply(r).value();
+  }
+  std::vector<uint8_t> Loading() {
+    protocol::StatusReply s;
+    s.state = protocol::CacheState::kLoading;
+    s.bytes_done = 10;
+    s.bytes_total = 100;
+    s.config_digest = id_.config.Digest();
+    s.device_uuid = "host";
+    s.model_id = "scripted";
+    return protocol::EncodeStatusReply(s).value();
+  }
+
+  TempDir dir_;
+  ReferenceCheckpoint ref_;
+  AttachOptions options_;
+  client::ResolvedIdentity id_;
+};
+
+TEST_F(ClientDiscoveryTest, LoadingPastTheWaitTimeoutIsTimeoutOrFallback) {
+  ScriptedDaemon daemon(id_.paths, [&](const protocol::Frame& f) {
+    return f.type == protocol::MessageType::kHello ? Hello(protocol::CacheState::kLoading)
+                                                   : Loading();
+  });
+  options_.on_missing = OnMissing::kError;
+  auto a = Attachment::Attach(options_);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kTimeout);
+  EXPECT_NE(a.status().message().find("still loading after 200 ms (10 of 100 bytes)"),
+            std::string::npos)
+      << a.status().ToString();
+
+  options_.on_missing = OnMissing::kFallback;
+  auto b = Attachment::Attach(options_);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(b->source(), AttachSource::kFallback);
+  EXPECT_NE(b->source_reason().find("still loading"), std::string::npos) << b->source_reason();
+  EXPECT_EQ(CompareWithReference(*b, ref_), "");
+}
+
+TEST_F(ClientDiscoveryTest, FailedDaemonIsNoDaemonWithItsReason) {
+  ScriptedDaemon daemon(id_.paths, [&](const protocol::Frame&) {
+    return Hello(protocol::CacheState::kFailed, "shard 2 is truncated");
+  });
+  options_.on_missing = OnMissing::kError;
+  auto a = Attachment::Attach(options_);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kNoDaemon);
+  EXPECT_NE(a.status().message().find("failed: shard 2 is truncated"), std::string::npos)
+      << a.status().ToString();
+
+  options_.on_missing = OnMissing::kFallback;
+  auto b = Attachment::Attach(options_);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(b->source(), AttachSource::kFallback);
+}
+
+TEST_F(ClientDiscoveryTest, APeerSpeakingGarbageIsAProtocolErrorNotAFallback) {
+  ScriptedDaemon daemon(id_.paths, [](const protocol::Frame&) {
+    std::vector<uint8_t> junk(64, 0x5a);  // no WCPF magic
+    return junk;
+  });
+  auto a = Attachment::Attach(options_);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kProtocol) << a.status().ToString();
+  EXPECT_NE(a.status().message().find(id_.paths.socket), std::string::npos)
+      << a.status().ToString();
+}
+
+TEST_F(ClientDiscoveryTest, AnErrorReplyKeepsTheDaemonsCodeAndMessage) {
+  ScriptedDaemon daemon(id_.paths, [](const protocol::Frame&) {
+    return protocol::EncodeError(PermissionDenied("uid 4242 is not allowed")).value();
+  });
+  auto a = Attachment::Attach(options_);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kPermissionDenied);
+  EXPECT_NE(a.status().message().find("uid 4242 is not allowed"), std::string::npos)
+      << a.status().ToString();
+}
+
+}  // namespace
+}  // namespace weightcache::testing
