@@ -148,6 +148,7 @@ Result<std::map<std::string, std::string>> ReadIndex(const std::string& index_pa
   if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
     return InvalidCheckpoint(index_path + " has no \"weight_map\" object");
   }
+  if (doc["weight_map"].empty()) return InvalidCheckpoint(index_path + ": weight_map is empty");
   std::map<std::string, std::string> weight_map;
   for (const auto& [tensor, file] : doc["weight_map"].items()) {
     if (!file.is_string()) {

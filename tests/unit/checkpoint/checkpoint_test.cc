@@ -317,6 +317,8 @@ TEST_F(IndexTest, MalformedIndex) {
   ExpectOpenFails(StatusCode::kInvalidCheckpoint, "model.safetensors.index.json is not valid JSON");
   WriteFile(index_path_, "{\"metadata\":{}}");
   ExpectOpenFails(StatusCode::kInvalidCheckpoint, "has no \"weight_map\" object");
+  WriteFile(index_path_, "{\"weight_map\":{}}");
+  ExpectOpenFails(StatusCode::kInvalidCheckpoint, "weight_map is empty");
   WriteFile(index_path_, "{\"weight_map\":{\"a\":3}}");
   ExpectOpenFails(StatusCode::kInvalidCheckpoint, "weight_map entry for 'a' is not a string");
 }
