@@ -2,6 +2,7 @@
 // cold load disk → gpu ≥ 90 % of min(file read GB/s, pinned H2D GB/s) measured alike).
 //
 //   load_bench [DATA_DIR] [--gib N] [--threads T] [--buffer-mib M] [--buffers K] [--direct]
+//              [--no-checksum]
 //
 // DATA_DIR holds the files to load (every regular file, in name order). If it is missing,
 // empty or not given, N GiB (default 4) of files are written there (or in a temp dir, removed
@@ -215,12 +216,14 @@ int main(int argc, char** argv) {
       options.staging_buffers = std::atoi(next().c_str());
     } else if (a == "--direct") {
       options.read_mode = cu::ReadMode::kDirect;
+    } else if (a == "--no-checksum") {
+      options.checksums = cu::ChecksumMode::kNone;
     } else if (!a.empty() && a[0] != '-') {
       dir = a;
     } else {
       std::fprintf(stderr,
                    "usage: load_bench [DATA_DIR] [--gib N] [--threads T] "
-                   "[--buffer-mib M] [--buffers K] [--direct]\n");
+                   "[--buffer-mib M] [--buffers K] [--direct] [--no-checksum]\n");
       return 2;
     }
   }
@@ -292,6 +295,7 @@ int main(int argc, char** argv) {
         {"staging_buffer_mib", options.staging_buffer_bytes / kMiB},
         {"staging_buffers", options.staging_buffers},
         {"read_mode", direct ? "direct" : "buffered"},
+        {"checksums", options.checksums == cu::ChecksumMode::kCompute},
         {"pipeline_create_s", pipeline_create_s}});
 
   const double h2d = MeasureH2D(api, region, std::min<uint64_t>(kGiB, device_bytes));
