@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <mutex>
 #include <thread>
@@ -127,9 +128,10 @@ Result<UploadPipeline> UploadPipeline::Create(const DriverApi* api, const Upload
                            " must be a multiple of " + std::to_string(kChecksumChunkBytes) +
                            " bytes and at least twice that");
   }
-  if (o.staging_buffers < 1 || o.reader_threads < 1 || o.copy_streams < 1) {
+  if (o.staging_buffers < 1 || o.reader_threads < 1 || o.copy_streams < 1 ||
+      o.checksum_threads < 1) {
     return InvalidArgument(
-        "upload pipeline needs at least one staging buffer, reader thread "
+        "upload pipeline needs at least one staging buffer, reader thread, checksum thread "
         "and copy stream");
   }
   CUcontext context = nullptr;
@@ -211,6 +213,8 @@ Result<UploadReport> UploadPipeline::Run(std::span<const UploadSource> sources,
   std::vector<size_t> slot_fills(num_buffers, 0);  // batches finished on the host, per slot
   std::atomic<size_t> next_batch{0};
   std::atomic<bool> stop{false};
+  std::deque<size_t> hash_queue;  // filled batches waiting for their checksums (under mu)
+  bool readers_done = false;      // (under mu)
   Status first_error;
   std::mutex progress_mu;
   uint64_t bytes_done = 0;
@@ -220,6 +224,15 @@ Result<UploadReport> UploadPipeline::Run(std::span<const UploadSource> sources,
       std::lock_guard<std::mutex> lock(mu);
       if (first_error.ok()) first_error = std::move(s);
       stop = true;
+    }
+    cv.notify_all();
+  };
+  // A staging buffer's batch is done on the host (read, copies issued, hashed): the next
+  // batch of that slot may wait on its event and refill it.
+  auto release_slot = [&](size_t slot) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++slot_fills[slot];
     }
     cv.notify_all();
   };
@@ -307,30 +320,60 @@ Result<UploadReport> UploadPipeline::Run(std::span<const UploadSource> sources,
         return fail(
             DriverError(api_, rc, "cuEventRecord on staging buffer " + std::to_string(slot)));
       }
-      // The copy engine reads the buffer now; reading it here too is safe and is what makes
-      // the checksums free.
       if (checksums) {
-        for (const Segment& seg : batch.segments) {
-          HashChunks(
-              buf + seg.buf_offset, seg.length,
-              std::span<uint64_t>(chunk_hashes[seg.item])
-                  .subspan(seg.item_offset / kChecksumChunkBytes, ChecksumChunkCount(seg.length)));
+        // The copy engine reads the buffer now; hashing it at the same time is safe. The
+        // hashers, not this thread, do it, so the reads keep the disk busy meanwhile.
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          hash_queue.push_back(b);
         }
+        cv.notify_all();
+      } else {
+        release_slot(slot);
       }
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        ++slot_fills[slot];
-      }
-      cv.notify_all();
     }
   };
 
+  // Hasher threads: chunk hashes of each filled staging buffer, then the buffer's release.
+  auto hasher = [&]() {
+    for (;;) {
+      size_t b = 0;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stop.load() || !hash_queue.empty() || readers_done; });
+        if (stop.load() || hash_queue.empty()) return;
+        b = hash_queue.front();
+        hash_queue.pop_front();
+      }
+      const std::byte* buf = buffers_[b % num_buffers].data();
+      for (const Segment& seg : batches[b].segments) {
+        HashChunks(
+            buf + seg.buf_offset, seg.length,
+            std::span<uint64_t>(chunk_hashes[seg.item])
+                .subspan(seg.item_offset / kChecksumChunkBytes, ChecksumChunkCount(seg.length)));
+      }
+      release_slot(b % num_buffers);
+    }
+  };
+
+  std::vector<std::thread> hashers;
+  if (checksums) {
+    const size_t num_hashers =
+        std::min<size_t>(static_cast<size_t>(options_.checksum_threads), batches.size());
+    for (size_t t = 0; t < num_hashers; ++t) hashers.emplace_back(hasher);
+  }
   std::vector<std::thread> threads;
   const size_t num_threads =
       std::min<size_t>(static_cast<size_t>(options_.reader_threads), batches.size());
   threads.reserve(num_threads);
   for (size_t t = 0; t < num_threads; ++t) threads.emplace_back(reader);
   for (std::thread& t : threads) t.join();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    readers_done = true;
+  }
+  cv.notify_all();
+  for (std::thread& t : hashers) t.join();
 
   // Drain every stream, on success and on error alike: the staging buffers must not be
   // refilled or freed under a copy that is still reading them.
