@@ -1,0 +1,509 @@
+// weightcache._weightcache — the nanobind layer over the C++ client (include/weightcache/client.h).
+//
+// Contract:
+//  * Attachment wraps one weightcache::Attachment. Tensor objects and every DLPack capsule,
+//    NumPy array or nb_ndarray they export hold a Python reference to their Attachment, so the
+//    mapped memory outlives every consumer (torch, CuPy, JAX, NumPy): the attachment is
+//    destroyed only when the last of them is gone. Nothing here copies tensor bytes.
+//  * Host tier memory is mapped PROT_READ by the client: every export of it is read-only
+//    (DLPack READ_ONLY flag, NumPy writeable=False) so that a write raises instead of faulting.
+//    GPU tier memory is mapped read-write (CUDA rejects read-only device mappings) and exported
+//    writable; writing it corrupts the weights every other client of the daemon sees.
+//  * Errors: a failed attach raises the exception weightcache.errors.from_status builds (the
+//    Python side owns the exception classes and the parsing of mismatch details); nothing
+//    else here raises but ValueError/TypeError/KeyError for bad arguments.
+//  * Threading: attach releases the GIL while it discovers, waits, maps or loads. Callbacks of
+//    on_daemon_gone run on the client's watcher thread and take the GIL to run. Destroying an
+//    Attachment releases the GIL while the client joins that thread, so a callback that is
+//    waiting for the GIL cannot deadlock the destructor.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "client/discovery.h"
+#include "cuda/driver_api.h"
+#include "identity/device_inventory.h"
+#include "weightcache/client.h"
+#include "weightcache/status.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace weightcache::python {
+namespace {
+
+// DLPack type codes (dlpack.h, version 1.1). Spelled as numbers rather than nanobind's enum
+// names so the module builds with nanobind releases that predate the float8 codes.
+enum DlCode : uint8_t {
+  kDlInt = 0,
+  kDlUInt = 1,
+  kDlFloat = 2,
+  kDlBfloat = 4,
+  kDlComplex = 5,
+  kDlBool = 6,
+  kDlFloat8E4M3Fn = 10,
+  kDlFloat8E4M3Fnuz = 11,
+  kDlFloat8E5M2 = 12,
+  kDlFloat8E5M2Fnuz = 13,
+  kDlFloat8E8M0Fnu = 14,
+};
+
+// How a safetensors dtype travels. `native` false: no DLPack type of whole bytes per element
+// exists (F4 packs two elements per byte, F6 four per three bytes), so the tensor is exported
+// only as its raw bytes (raw()).
+struct DTypeInfo {
+  std::string_view name;
+  uint8_t code;
+  uint8_t bits;
+  bool native;
+  bool numpy;  // NumPy has the type (numpy() works)
+};
+
+constexpr DTypeInfo kDTypes[] = {
+    {"BOOL", kDlBool, 8, true, true},
+    {"U8", kDlUInt, 8, true, true},
+    {"I8", kDlInt, 8, true, true},
+    {"U16", kDlUInt, 16, true, true},
+    {"I16", kDlInt, 16, true, true},
+    {"U32", kDlUInt, 32, true, true},
+    {"I32", kDlInt, 32, true, true},
+    {"U64", kDlUInt, 64, true, true},
+    {"I64", kDlInt, 64, true, true},
+    {"F16", kDlFloat, 16, true, true},
+    {"F32", kDlFloat, 32, true, true},
+    {"F64", kDlFloat, 64, true, true},
+    {"C64", kDlComplex, 64, true, true},
+    {"BF16", kDlBfloat, 16, true, false},
+    // safetensors' F8_E4M3 is the "fn" variant (no infinities), torch.float8_e4m3fn.
+    {"F8_E4M3", kDlFloat8E4M3Fn, 8, true, false},
+    {"F8_E5M2", kDlFloat8E5M2, 8, true, false},
+    {"F8_E4M3FNUZ", kDlFloat8E4M3Fnuz, 8, true, false},
+    {"F8_E5M2FNUZ", kDlFloat8E5M2Fnuz, 8, true, false},
+    {"F8_E8M0", kDlFloat8E8M0Fnu, 8, true, false},
+    {"F4", kDlUInt, 8, false, false},
+    {"F6_E2M3", kDlUInt, 8, false, false},
+    {"F6_E3M2", kDlUInt, 8, false, false},
+};
+
+const DTypeInfo* FindDType(std::string_view name) {
+  for (const DTypeInfo& d : kDTypes) {
+    if (d.name == name) return &d;
+  }
+  return nullptr;
+}
+
+// One tensor's description, copied out of the client's table once at attach time so the
+// Python objects do not depend on how the client stores its table.
+struct TensorInfo {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  uint64_t data = 0;
+  uint64_t nbytes = 0;
+  uint64_t checksum = 0;
+};
+
+// The CUDA ordinal (index among the devices this process sees) of the GPU with `uuid`: the
+// DLPack device id of gpu-tier tensors. The client resolved the same UUID through the same
+// driver, so a failure here is an internal inconsistency.
+Result<int> CudaOrdinalOf(const std::string& uuid) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
+  int count = 0;
+  if (api->cuDeviceGetCount(&count) != CUDA_SUCCESS) {
+    return Status(StatusCode::kCuda, "cuDeviceGetCount failed");
+  }
+  for (int i = 0; i < count; ++i) {
+    CUdevice dev = 0;
+    CUuuid raw;
+    if (api->cuDeviceGet(&dev, i) != CUDA_SUCCESS || api->cuDeviceGetUuid(&raw, dev) != 0) {
+      return Status(StatusCode::kCuda,
+                    "cuDeviceGet/cuDeviceGetUuid failed for ordinal " + std::to_string(i));
+    }
+    if (identity::FormatGpuUuid(raw) == uuid) return i;
+  }
+  return NotFound("device " + uuid + " is not among the CUDA devices of this process");
+}
+
+class PyAttachment {
+ public:
+  explicit PyAttachment(Attachment attachment) : attachment_(std::move(attachment)) {
+    for (const auto& t : attachment_->tensors()) {
+      TensorInfo info;
+      info.name = std::string(t.name);
+      info.dtype = std::string(t.dtype);
+      info.shape.assign(t.shape.begin(), t.shape.end());
+      info.data = t.data;
+      info.nbytes = t.nbytes;
+      info.checksum = t.checksum;
+      infos_.push_back(std::move(info));
+    }
+  }
+  PyAttachment(const PyAttachment&) = delete;
+  PyAttachment& operator=(const PyAttachment&) = delete;
+
+  ~PyAttachment() {
+    // The client joins its watcher thread here; a callback on that thread may be waiting for
+    // the GIL. The callbacks themselves (Python objects) are released after, with the GIL.
+    nb::gil_scoped_release release;
+    attachment_.reset();
+  }
+
+  const Attachment& get() const { return *attachment_; }
+  const std::vector<TensorInfo>& infos() const { return infos_; }
+  int cuda_device() const { return cuda_device_; }
+  void set_cuda_device(int ordinal) { cuda_device_ = ordinal; }
+
+  const TensorInfo* Find(std::string_view name) const {
+    for (const TensorInfo& t : infos_) {
+      if (t.name == name) return &t;
+    }
+    return nullptr;
+  }
+
+  void OnDaemonGone(nb::callable callback) {
+    // Kept here, not in the client's std::function, so that its reference is dropped with the
+    // GIL held (see the destructor).
+    callbacks_.push_back(std::move(callback));
+    size_t index = callbacks_.size() - 1;
+    PyAttachment* self = this;
+    std::function<void()> run = [self, index] {
+      if (!Py_IsInitialized()) return;
+      nb::gil_scoped_acquire acquire;
+      try {
+        self->callbacks_[index]();
+      } catch (nb::python_error& e) {
+        e.discard_as_unraisable("weightcache on_daemon_gone callback");
+      }
+    };
+    // A callback registered after the daemon is known gone runs right here, on this thread,
+    // which holds the GIL; gil_scoped_acquire is reentrant.
+    attachment_->OnDaemonGone(std::move(run));
+  }
+
+ private:
+  std::vector<nb::object> callbacks_;  // destroyed after attachment_ (declared before it)
+  std::optional<Attachment> attachment_;
+  std::vector<TensorInfo> infos_;
+  int cuda_device_ = -1;
+};
+
+// A view of one tensor. `owner` is the Python Attachment object: every export passes it to
+// nanobind as the owner, so the memory lives as long as any exported array.
+struct PyTensor {
+  nb::object owner;
+  const TensorInfo* info;
+
+  const PyAttachment& attachment() const { return nb::cast<const PyAttachment&>(owner); }
+  bool host() const { return attachment().get().tier() == Tier::kHost; }
+  const DTypeInfo& dtype() const {
+    const DTypeInfo* d = FindDType(info->dtype);
+    if (d == nullptr) {
+      // The client checks every dtype against the safetensors set; this table mirrors it.
+      throw nb::type_error(("tensor " + info->name + ": unknown dtype " + info->dtype).c_str());
+    }
+    return *d;
+  }
+  std::pair<int32_t, int32_t> device() const {
+    if (host()) return {nb::device::cpu::value, 0};
+    return {nb::device::cuda::value, attachment().cuda_device()};
+  }
+
+  // The ndarray over this tensor's memory: its own dtype and shape (`raw` false) or its bytes
+  // as uint8[nbytes].
+  template <typename... Args>
+  nb::ndarray<Args...> Array(bool raw) const {
+    const DTypeInfo& d = dtype();
+    if (!raw && !d.native) {
+      throw nb::type_error(("tensor " + info->name + " has dtype " + info->dtype +
+                            ", which has no DLPack type of whole bytes per element; use "
+                            "raw() for its bytes")
+                               .c_str());
+    }
+    std::vector<size_t> shape;
+    nb::dlpack::dtype dt{};
+    dt.lanes = 1;
+    if (raw) {
+      shape.push_back(static_cast<size_t>(info->nbytes));
+      dt.code = kDlUInt;
+      dt.bits = 8;
+    } else {
+      for (int64_t s : info->shape) shape.push_back(static_cast<size_t>(s));
+      dt.code = d.code;
+      dt.bits = d.bits;
+    }
+    auto [device_type, device_id] = device();
+    // A zero-byte tensor may have no address; DLPack consumers accept null data for size 0.
+    void* data = reinterpret_cast<void*>(static_cast<uintptr_t>(info->data));
+    return nb::ndarray<Args...>(data, shape.size(), shape.data(), owner, /*strides=*/nullptr, dt,
+                                device_type, device_id);
+  }
+
+  // The exporter every DLPack call goes through: nanobind's nb_ndarray, read-only for the
+  // host tier.
+  nb::object Exporter(bool raw) const {
+    if (host()) return nb::cast(Array<nb::ro>(raw));
+    return nb::cast(Array<>(raw));
+  }
+};
+
+// ---- options ----------------------------------------------------------------------------------
+
+Tier ParseTier(const std::string& s) {
+  if (s == "gpu") return Tier::kGpu;
+  if (s == "host") return Tier::kHost;
+  throw nb::value_error(("tier must be \"gpu\" or \"host\", not \"" + s + "\"").c_str());
+}
+
+OnMissing ParseOnMissing(const std::string& s) {
+  if (s == "fallback") return OnMissing::kFallback;
+  if (s == "error") return OnMissing::kError;
+  throw nb::value_error(
+      ("on_missing must be \"fallback\" or \"error\", not \"" + s + "\"").c_str());
+}
+
+OnMismatch ParseOnMismatch(const std::string& s) {
+  if (s == "error") return OnMismatch::kError;
+  if (s == "fallback") return OnMismatch::kFallback;
+  throw nb::value_error(
+      ("on_mismatch must be \"error\" or \"fallback\", not \"" + s + "\"").c_str());
+}
+
+// Raises the Python exception for a failed attach. The socket path and device UUID discovery
+// would use are resolved again (cheap: headers only) because a Status carries only text.
+[[noreturn]] void RaiseAttachError(const Status& status, const AttachOptions& options) {
+  std::optional<std::string> socket_path, device_uuid;
+  {
+    nb::gil_scoped_release release;
+    auto id = client::ResolveIdentity(options);
+    if (id.ok()) {
+      socket_path = id->paths.socket;
+      device_uuid = id->device_key;
+    }
+  }
+  nb::object errors = nb::module_::import_("weightcache.errors");
+  nb::object exc =
+      errors.attr("from_status")(std::string(StatusCodeName(status.code())), status.message(),
+                                 socket_path, device_uuid, status.sys_errno());
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  throw nb::python_error();
+}
+
+nb::object Attach(const AttachOptions& options) {
+  std::optional<Result<Attachment>> result;
+  {
+    nb::gil_scoped_release release;
+    result.emplace(Attachment::Attach(options));
+  }
+  if (!result->ok()) RaiseAttachError(result->status(), options);
+  int ordinal = -1;
+  if ((*result)->tier() == Tier::kGpu) {
+    auto found = CudaOrdinalOf((*result)->device_key());
+    if (!found.ok()) RaiseAttachError(found.status(), options);
+    ordinal = *found;
+  }
+  auto* attachment = new PyAttachment(std::move(*result).value());
+  attachment->set_cuda_device(ordinal);
+  return nb::cast(attachment, nb::rv_policy::take_ownership);
+}
+
+std::vector<std::string> DTypeNames() {
+  std::vector<std::string> names;
+  for (const DTypeInfo& d : kDTypes) names.emplace_back(d.name);
+  return names;
+}
+
+}  // namespace
+}  // namespace weightcache::python
+
+NB_MODULE(_weightcache, m) {
+  using namespace weightcache;
+  using namespace weightcache::python;
+  m.doc() = "The C++ weightcache client, bound with nanobind (use the weightcache package).";
+
+  nb::class_<AttachOptions>(m, "AttachOptions",
+                            "Every field of weightcache::AttachOptions (include/weightcache/"
+                            "client.h); weightcache.attach() fills it from keyword arguments.")
+      .def(nb::init<>())
+      .def_rw("model_dir", &AttachOptions::model_dir)
+      .def_rw("model_id", &AttachOptions::model_id)
+      .def_rw("revision", &AttachOptions::revision)
+      .def_rw("dtype", &AttachOptions::dtype)
+      .def_rw("quantization", &AttachOptions::quantization)
+      .def_rw("quantization_config", &AttachOptions::quantization_config)
+      .def_rw("tp_size", &AttachOptions::tp_size)
+      .def_rw("tp_rank", &AttachOptions::tp_rank)
+      .def_rw("pp_size", &AttachOptions::pp_size)
+      .def_rw("pp_rank", &AttachOptions::pp_rank)
+      .def_rw("ep_size", &AttachOptions::ep_size)
+      .def_rw("ep_rank", &AttachOptions::ep_rank)
+      .def_rw("dp_size", &AttachOptions::dp_size)
+      .def_rw("layout_tag", &AttachOptions::layout_tag)
+      .def_rw("source", &AttachOptions::source)
+      .def_rw("checkpoint_fingerprint", &AttachOptions::checkpoint_fingerprint)
+      .def_prop_rw(
+          "tier", [](const AttachOptions& o) { return std::string(TierName(o.tier)); },
+          [](AttachOptions& o, const std::string& s) { o.tier = ParseTier(s); })
+      .def_rw("device", &AttachOptions::device)
+      .def_rw("namespace", &AttachOptions::namespace_name)
+      .def_rw("runtime_dir", &AttachOptions::runtime_dir)
+      .def_rw("socket", &AttachOptions::socket)
+      .def_rw("device_inventory", &AttachOptions::device_inventory)
+      .def_prop_rw(
+          "on_missing",
+          [](const AttachOptions& o) {
+            return std::string(o.on_missing == OnMissing::kError ? "error" : "fallback");
+          },
+          [](AttachOptions& o, const std::string& s) { o.on_missing = ParseOnMissing(s); })
+      .def_prop_rw(
+          "on_mismatch",
+          [](const AttachOptions& o) {
+            return std::string(o.on_mismatch == OnMismatch::kFallback ? "fallback" : "error");
+          },
+          [](AttachOptions& o, const std::string& s) { o.on_mismatch = ParseOnMismatch(s); })
+      .def_prop_rw(
+          "wait_timeout", [](const AttachOptions& o) { return o.wait_timeout.count() / 1000.0; },
+          [](AttachOptions& o, double seconds) {
+            if (!(seconds >= 0)) throw nb::value_error("wait_timeout must be >= 0 seconds");
+            o.wait_timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+          },
+          "Seconds to wait for a daemon that reports `loading`.")
+      .def_rw("fallback_threads", &AttachOptions::fallback_threads);
+
+  nb::class_<PyTensor>(m, "Tensor",
+                       "One tensor of an Attachment: metadata plus zero-copy DLPack export. "
+                       "Keeps its Attachment alive.")
+      .def_prop_ro("name", [](const PyTensor& t) { return t.info->name; })
+      .def_prop_ro(
+          "dtype", [](const PyTensor& t) { return t.info->dtype; },
+          "The safetensors spelling: \"BF16\", \"F8_E4M3\", ...")
+      .def_prop_ro("shape",
+                   [](const PyTensor& t) {
+                     nb::list l;
+                     for (int64_t s : t.info->shape) l.append(s);
+                     return nb::tuple(l);
+                   })
+      .def_prop_ro("nbytes", [](const PyTensor& t) { return t.info->nbytes; })
+      .def_prop_ro(
+          "data_ptr", [](const PyTensor& t) { return t.info->data; },
+          "Host address (host tier) or CUdeviceptr (gpu tier).")
+      .def_prop_ro(
+          "checksum", [](const PyTensor& t) { return t.info->checksum; },
+          "Content checksum (docs/integrity.md).")
+      .def_prop_ro(
+          "device", [](const PyTensor& t) { return t.device(); },
+          "The DLPack device: (1, 0) for the host tier, (2, cuda ordinal) for the gpu tier.")
+      .def_prop_ro(
+          "attachment", [](const PyTensor& t) { return t.owner; }, "The owning Attachment.")
+      .def_prop_ro(
+          "dlpack_native", [](const PyTensor& t) { return t.dtype().native; },
+          "False for F4/F6 tensors, which export only their bytes (raw()).")
+      .def_prop_ro(
+          "numpy_native", [](const PyTensor& t) { return t.dtype().numpy; },
+          "True when NumPy has this dtype (numpy() works on the host tier).")
+      .def(
+          "__dlpack__",
+          [](const PyTensor& t, nb::kwargs kwargs) {
+            return t.Exporter(false).attr("__dlpack__")(**kwargs);
+          },
+          "kwargs"_a,
+          "DLPack export (stream, max_version, dl_device, copy as the array API defines them; "
+          "copy=True is refused: this is a view).")
+      .def("__dlpack_device__",
+           [](const PyTensor& t) { return nb::make_tuple(t.device().first, t.device().second); })
+      .def(
+          "raw", [](const PyTensor& t) { return t.Exporter(true); },
+          "The tensor's bytes as a uint8[nbytes] array (DLPack and buffer protocol), zero-copy.")
+      .def(
+          "numpy",
+          [](const PyTensor& t) {
+            if (!t.host()) {
+              throw nb::type_error(
+                  ("tensor " + t.info->name + " is in GPU memory; use torch/cupy.from_dlpack")
+                      .c_str());
+            }
+            if (!t.dtype().numpy) {
+              throw nb::type_error(("tensor " + t.info->name + " has dtype " + t.info->dtype +
+                                    ", which NumPy does not represent; use raw() for its bytes")
+                                       .c_str());
+            }
+            return t.Array<nb::numpy, nb::ro>(false);
+          },
+          "A read-only NumPy view (host tier, NumPy dtypes only).")
+      .def("__repr__", [](const PyTensor& t) {
+        std::string shape;
+        for (int64_t s : t.info->shape) shape += (shape.empty() ? "" : ", ") + std::to_string(s);
+        return "<weightcache.Tensor " + t.info->name + " " + t.info->dtype + "[" + shape + "] " +
+               (t.host() ? "host" : "cuda:" + std::to_string(t.attachment().cuda_device())) + ">";
+      });
+
+  nb::class_<PyAttachment>(m, "Attachment",
+                           "Weights mapped from a daemon, or loaded from disk (fallback). The "
+                           "memory lives as long as this object or any tensor exported from it.")
+      .def_prop_ro("tier",
+                   [](const PyAttachment& a) { return std::string(TierName(a.get().tier())); })
+      .def_prop_ro(
+          "source",
+          [](const PyAttachment& a) { return std::string(AttachSourceName(a.get().source())); })
+      .def_prop_ro("source_reason", [](const PyAttachment& a) { return a.get().source_reason(); })
+      .def_prop_ro("socket_path", [](const PyAttachment& a) { return a.get().socket_path(); })
+      .def_prop_ro(
+          "device_uuid", [](const PyAttachment& a) { return a.get().device_key(); },
+          "The GPU UUID, or \"host\".")
+      .def_prop_ro(
+          "cuda_device", [](const PyAttachment& a) { return a.cuda_device(); },
+          "CUDA ordinal of the device (gpu tier), -1 for the host tier.")
+      .def_prop_ro("config_digest", [](const PyAttachment& a) { return a.get().config_digest(); })
+      .def_prop_ro("daemon_pid", [](const PyAttachment& a) { return a.get().daemon_pid(); })
+      .def_prop_ro(
+          "attach_ms", [](const PyAttachment& a) { return a.get().attach_ms(); },
+          "Wall time of the attach (discovery, handshake, mapping or fallback load).")
+      .def_prop_ro("total_bytes", [](const PyAttachment& a) { return a.get().total_bytes(); })
+      .def_prop_ro(
+          "daemon_alive", [](const PyAttachment& a) { return a.get().daemon_alive(); },
+          "False for a fallback, and once the daemon's end of the connection closed.")
+      .def("on_daemon_gone", &PyAttachment::OnDaemonGone, "callback"_a,
+           "Run callback() once when the daemon goes away (on the client's watcher thread). "
+           "Never runs for a fallback attachment.")
+      .def("names",
+           [](const PyAttachment& a) {
+             std::vector<std::string> names;
+             for (const TensorInfo& t : a.infos()) names.push_back(t.name);
+             return names;
+           })
+      .def(
+          "tensors",
+          [](nb::handle self) {
+            const auto& a = nb::cast<const PyAttachment&>(self);
+            std::vector<PyTensor> out;
+            out.reserve(a.infos().size());
+            for (const TensorInfo& t : a.infos()) {
+              out.push_back(PyTensor{nb::borrow(self), &t});
+            }
+            return out;
+          },
+          "Every tensor, sorted by name.")
+      .def("__len__", [](const PyAttachment& a) { return a.infos().size(); })
+      .def("__contains__",
+           [](const PyAttachment& a, const std::string& name) { return a.Find(name) != nullptr; })
+      .def("__getitem__", [](nb::handle self, const std::string& name) {
+        const TensorInfo* t = nb::cast<const PyAttachment&>(self).Find(name);
+        if (t == nullptr) throw nb::key_error(name.c_str());
+        return PyTensor{nb::borrow(self), t};
+      });
+
+  m.def("attach", &Attach, "options"_a,
+        "Attach as AttachOptions say; raises a weightcache.errors exception on failure.");
+  m.def("dtype_names", &DTypeNames, "Every safetensors dtype this module knows.");
+}
