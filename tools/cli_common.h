@@ -7,10 +7,6 @@
 
 #include "weightcache/status.h"
 
-namespace weightcache {
-struct AttachOptions;
-}  // namespace weightcache
-
 namespace weightcache::cli {
 
 // SPEC §5 exit codes.
@@ -39,8 +35,6 @@ int RunSelected(CLI::App& root);
 // Registration functions, one per cmd_<name>.cc.
 void RegisterAttachCommand(CLI::App& root);
 void RegisterVerifyCommand(CLI::App& root);
-// The identity flags of the client commands (attach, verify) onto AttachOptions (cmd_attach.cc).
-void AddAttachOptionFlags(CLI::App* sub, AttachOptions* options);
 void RegisterInspectCommand(CLI::App& root);
 void RegisterServeCommand(CLI::App& root);
 void RegisterLaunchCommand(CLI::App& root);

@@ -15,6 +15,7 @@
 
 #include "cli_common.h"
 #include "client/verify.h"
+#include "identity_flags.h"
 #include "weightcache/client.h"
 
 namespace weightcache::cli {
@@ -22,7 +23,6 @@ namespace {
 
 struct AttachArgs {
   AttachOptions options;
-  std::string tier = "gpu";
   std::string on_missing = "fallback";
   std::string on_mismatch = "error";
   double wait_seconds = 60;
@@ -49,7 +49,6 @@ void PrintProblems(const client::VerifyReport& r) {
 }
 
 int Run(AttachArgs& args) {
-  args.options.tier = args.tier == "host" ? Tier::kHost : Tier::kGpu;
   args.options.on_missing = args.on_missing == "error" ? OnMissing::kError : OnMissing::kFallback;
   args.options.on_mismatch =
       args.on_mismatch == "fallback" ? OnMismatch::kFallback : OnMismatch::kError;
@@ -122,38 +121,11 @@ int Run(AttachArgs& args) {
 
 }  // namespace
 
-void AddAttachOptionFlags(CLI::App* sub, AttachOptions* o) {
-  sub->add_option("--model", o->model_dir, "checkpoint dir or .safetensors file")->required();
-  sub->add_option("--model-id", o->model_id, "model id (default: the model dir's basename)");
-  sub->add_option("--revision", o->revision, "model revision");
-  sub->add_option("--dtype", o->dtype, "dtype (default: as stored)");
-  sub->add_option("--quantization", o->quantization, "quantization method");
-  sub->add_option("--quantization-config", o->quantization_config,
-                  "JSON file of the quantization method");
-  sub->add_option("--tp-size", o->tp_size)->check(CLI::PositiveNumber);
-  sub->add_option("--tp-rank", o->tp_rank)->check(CLI::NonNegativeNumber);
-  sub->add_option("--pp-size", o->pp_size)->check(CLI::PositiveNumber);
-  sub->add_option("--pp-rank", o->pp_rank)->check(CLI::NonNegativeNumber);
-  sub->add_option("--ep-size", o->ep_size)->check(CLI::PositiveNumber);
-  sub->add_option("--ep-rank", o->ep_rank)->check(CLI::NonNegativeNumber);
-  sub->add_option("--dp-size", o->dp_size)->check(CLI::PositiveNumber);
-  sub->add_option("--layout-tag", o->layout_tag, "arena layout tag");
-  sub->add_option("--source", o->source, "disk or published:<producer tag>");
-  sub->add_option("--device", o->device,
-                  "local index into the visible devices, or a GPU UUID (prefix)");
-  sub->add_option("--namespace", o->namespace_name, "cache namespace (default: default)");
-  sub->add_option("--runtime-dir", o->runtime_dir, "runtime dir");
-  sub->add_option("--socket", o->socket, "explicit socket path or template");
-  sub->add_option("--device-inventory", o->device_inventory,
-                  "JSON device inventory standing in for CUDA enumeration");
-}
-
 void RegisterAttachCommand(CLI::App& root) {
   auto args = std::make_shared<AttachArgs>();
   CLI::App* sub = root.add_subcommand(
       "attach", "Attach to the daemon of an identity as an engine would, and print a summary");
-  AddAttachOptionFlags(sub, &args->options);
-  sub->add_option("--tier", args->tier, "gpu or host")->check(CLI::IsMember({"gpu", "host"}));
+  AddIdentityFlags(sub, &args->options, IdentityScope::kOneCache);
   sub->add_option("--on-missing", args->on_missing, "fallback or error")
       ->check(CLI::IsMember({"fallback", "error"}));
   sub->add_option("--on-mismatch", args->on_mismatch, "error or fallback")

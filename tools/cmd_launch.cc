@@ -1,6 +1,8 @@
 // `weightcache launch`: start (and with --supervise, keep alive) every daemon of one TP×PP
 // job on this node. Placement, lifecycle and exit codes: docs/launcher.md. This file only
 // parses flags, prepares directories and signals, and prints; src/launcher does the work.
+// The identity flags are serve's own (AddIdentityFlags, job scope), so every flag that shapes
+// a daemon's CacheConfig is accepted here and forwarded to every daemon (BuildDaemonSpecs).
 #include <signal.h>
 #include <sys/signalfd.h>
 #include <unistd.h>
@@ -14,6 +16,7 @@
 #include "common/unique_fd.h"
 #include "identity/device_inventory.h"
 #include "identity/paths.h"
+#include "identity_flags.h"
 #include "launcher/launcher.h"
 #include "launcher/placement.h"
 #include "launcher/serve_daemons.h"
@@ -27,7 +30,6 @@ using launcher::LaunchReport;
 
 struct LaunchArgs {
   launcher::ServeFlags serve;
-  std::string runtime_dir_flag;
   int nnodes = 1;
   int node_rank = 0;
   int base_gpu_id = 0;
@@ -96,14 +98,14 @@ int RunLaunch(const LaunchArgs& args) {
   if (!signal_fd.ok()) return Fail(kCmd, signal_fd.status());
 
   identity::InventoryOptions inventory;
-  inventory.inventory_file = args.serve.device_inventory;
+  inventory.inventory_file = args.serve.identity.device_inventory;
   auto devices = identity::VisibleDevices(inventory);
   if (!devices.ok()) return Fail(kCmd, devices.status());
 
   launcher::LaunchTopology topology;
-  topology.tp_size = args.serve.tp_size;
-  topology.pp_size = args.serve.pp_size;
-  topology.ep_size = args.serve.ep_size;
+  topology.tp_size = args.serve.identity.tp_size;
+  topology.pp_size = args.serve.identity.pp_size;
+  topology.ep_size = args.serve.identity.ep_size;
   topology.nnodes = args.nnodes;
   topology.node_rank = args.node_rank;
   topology.base_gpu_id = args.base_gpu_id;
@@ -113,11 +115,13 @@ int RunLaunch(const LaunchArgs& args) {
   if (!plan.ok()) return Fail(kCmd, plan.status());
 
   launcher::ServeFlags serve = args.serve;
-  if (Status s = identity::ValidateNamespace(serve.namespace_name); !s.ok()) return Fail(kCmd, s);
-  auto runtime = identity::ResolveRuntimeDir(args.runtime_dir_flag, identity::ProcessEnv());
+  AttachOptions& id = serve.identity;
+  if (id.namespace_name.empty()) id.namespace_name = std::string(identity::kDefaultNamespace);
+  if (Status s = identity::ValidateNamespace(id.namespace_name); !s.ok()) return Fail(kCmd, s);
+  auto runtime = identity::ResolveRuntimeDir(id.runtime_dir, identity::ProcessEnv());
   if (!runtime.ok()) return Fail(kCmd, runtime.status());
-  serve.runtime_dir = runtime->path;
-  const std::string namespace_dir = runtime->path + "/" + serve.namespace_name;
+  id.runtime_dir = runtime->path;
+  const std::string namespace_dir = runtime->path + "/" + id.namespace_name;
   for (const std::string& dir : {runtime->path, namespace_dir}) {
     if (Status s = MakePrivateDirWithParents(dir); !s.ok()) return Fail(kCmd, s);
   }
@@ -128,10 +132,17 @@ int RunLaunch(const LaunchArgs& args) {
   auto exe = SelfExe();
   if (!exe.ok()) return Fail(kCmd, exe.status());
   files.exe = *exe;
-  serve.model = fs::absolute(serve.model).lexically_normal().string();
-  files.job = SafeName(args.job.empty() ? fs::path(serve.model).filename().string() : args.job);
+  // The daemons resolve file flags against their own working directory; make them absolute.
+  id.model_dir = fs::absolute(id.model_dir).lexically_normal().string();
+  if (!id.quantization_config.empty()) {
+    id.quantization_config = fs::absolute(id.quantization_config).lexically_normal().string();
+  }
+  if (!id.device_inventory.empty()) {
+    id.device_inventory = fs::absolute(id.device_inventory).lexically_normal().string();
+  }
+  files.job = SafeName(args.job.empty() ? fs::path(id.model_dir).filename().string() : args.job);
 
-  auto swept = launcher::SweepStaleSockets(runtime->path, serve.namespace_name);
+  auto swept = launcher::SweepStaleSockets(runtime->path, id.namespace_name);
   if (!swept.ok()) return Fail(kCmd, swept.status());
 
   launcher::LaunchOptions options;
@@ -160,7 +171,7 @@ int RunLaunch(const LaunchArgs& args) {
   };
 
   const std::string runtime_dir = runtime->path;
-  const std::string ns = serve.namespace_name;
+  const std::string ns = id.namespace_name;
   auto l = launcher::Launcher::Create(
       launcher::BuildDaemonSpecs(*plan, serve, files), options,
       [](const std::string& socket) {
@@ -202,14 +213,7 @@ void RegisterLaunchCommand(CLI::App& root) {
       "Start the daemons of a TP x PP job on this node's GPUs, wait until all are ready "
       "(exit 6 on --ready-timeout), and with --supervise keep them alive.");
   auto& s = args->serve;
-  sub->add_option("--model", s.model, "Checkpoint directory (or file)")->required();
-  sub->add_option("--tp,--tp-size", s.tp_size, "Tensor-parallel size")->check(CLI::PositiveNumber);
-  sub->add_option("--pp,--pp-size", s.pp_size, "Pipeline-parallel size")
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--ep-size", s.ep_size, "Expert-parallel size within the TP group")
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--dp-size", s.dp_size, "Data-parallel size (identity only)")
-      ->check(CLI::PositiveNumber);
+  AddIdentityFlags(sub, &s.identity, IdentityScope::kJob);
   sub->add_option("--nnodes", args->nnodes, "Nodes of the job")->check(CLI::PositiveNumber);
   sub->add_option("--node-rank", args->node_rank, "This node's rank")
       ->check(CLI::NonNegativeNumber);
@@ -227,14 +231,9 @@ void RegisterLaunchCommand(CLI::App& root) {
   sub->add_flag("--json", args->json, "Print a JSON summary on stdout");
   sub->add_option("--log-dir", args->log_dir, "Daemon logs (default <runtime>/<namespace>/logs)");
   sub->add_option("--job", args->job, "Log file prefix (default: the model directory's name)");
-  sub->add_option("--tier", s.tier, "gpu or host")->check(CLI::IsMember({"gpu", "host"}));
-  sub->add_option("--model-id", s.model_id, "Model id of the cache identity");
-  sub->add_option("--revision", s.revision, "Model revision");
-  sub->add_option("--namespace", s.namespace_name, "Namespace");
-  sub->add_option("--runtime-dir", args->runtime_dir_flag, "Runtime dir");
-  sub->add_option("--device-inventory", s.device_inventory,
-                  "Device inventory JSON (stands in for CUDA enumeration)");
   sub->add_option("--memory-budget", s.memory_budget, "Per-daemon memory budget");
+  sub->add_option("--threads", s.threads, "Reader threads of each daemon's load (serve's default)")
+      ->check(CLI::Range(1, 256));
   SetAction(sub, [args] { return RunLaunch(*args); });
 }
 

@@ -2,7 +2,7 @@
 // runtime dir (and which rule chose it), the namespace, the device key with the device it
 // names, the config digest, the socket and lock paths, and the canonical CacheConfig.
 //
-// It takes exactly the identity flags of `serve` and `attach` (AddAttachOptionFlags) and
+// It takes exactly the identity flags of `serve` and `attach` (AddIdentityFlags) and
 // resolves them with the same call (client::ResolveIdentity), so what it prints is the
 // socket those commands would use. Like `serve`, the gpu tier needs an explicit --device:
 // this command answers "where would a daemon for GPU X live", never "for some GPU".
@@ -13,6 +13,7 @@
 #include "cli_common.h"
 #include "client/discovery.h"
 #include "identity/device_inventory.h"
+#include "identity_flags.h"
 #include "weightcache/client.h"
 
 namespace weightcache::cli {
@@ -20,7 +21,6 @@ namespace {
 
 struct PathsArgs {
   AttachOptions identity;
-  std::string tier = "gpu";
   bool json = false;
 };
 
@@ -34,7 +34,6 @@ nlohmann::json DeviceJson(const identity::DeviceInfo& d) {
 
 int Run(PathsArgs& args) {
   constexpr std::string_view kCmd = "paths";
-  args.identity.tier = args.tier == "host" ? Tier::kHost : Tier::kGpu;
   if (args.identity.tier == Tier::kGpu && args.identity.device.empty()) {
     return Fail(kCmd, InvalidArgument("--tier gpu needs --device N|UUID (there is no implicit "
                                       "GPU 0); use --tier host for the host key"));
@@ -48,7 +47,7 @@ int Run(PathsArgs& args) {
         {"runtime_dir", p.runtime_dir},
         {"runtime_dir_origin", p.runtime_dir_origin},
         {"namespace", p.namespace_name},
-        {"tier", args.tier},
+        {"tier", id->config.tier},
         {"device_key", p.device_key},
         {"device", id->device ? DeviceJson(*id->device) : nlohmann::json(nullptr)},
         {"digest", p.digest},
@@ -90,8 +89,7 @@ void RegisterPathsCommand(CLI::App& root) {
   auto args = std::make_shared<PathsArgs>();
   CLI::App* sub = root.add_subcommand(
       "paths", "Show what an identity resolves to: device key, config digest, socket and lock");
-  AddAttachOptionFlags(sub, &args->identity);
-  sub->add_option("--tier", args->tier, "gpu or host")->check(CLI::IsMember({"gpu", "host"}));
+  AddIdentityFlags(sub, &args->identity, IdentityScope::kOneCache);
   sub->add_flag("--json", args->json, "print one JSON object");
   SetAction(sub, [args] { return Run(*args); });
 }

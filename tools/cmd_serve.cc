@@ -1,6 +1,6 @@
 // `weightcache serve`: run one daemon in the foreground (SPEC §5, docs/daemon.md).
 //
-// The identity flags are the client's own (AddAttachOptionFlags + client::ResolveIdentity), so
+// The identity flags are the client's own (AddIdentityFlags + client::ResolveIdentity), so
 // a daemon and an engine given the same flags compute the same CacheConfig, device key and
 // socket path by construction. This file owns the process-level concerns the library must
 // not touch: signals (blocked in every thread, read through a signalfd by the event loop),
@@ -26,13 +26,13 @@
 #include "common/unique_fd.h"
 #include "daemon/byte_size.h"
 #include "daemon/daemon.h"
+#include "identity_flags.h"
 
 namespace weightcache::cli {
 namespace {
 
 struct ServeArgs {
   AttachOptions identity;
-  std::string tier = "gpu";
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;
   std::string memory_budget;
@@ -104,7 +104,6 @@ class ProgressPrinter {
 
 int Run(ServeArgs& args) {
   constexpr std::string_view kCmd = "serve";
-  args.identity.tier = args.tier == "host" ? Tier::kHost : Tier::kGpu;
   if (args.identity.tier == Tier::kGpu && args.identity.device.empty()) {
     // A daemon never picks a GPU by default: an implicit GPU 0 is the bug SPEC §1 forbids.
     return Fail(kCmd, InvalidArgument("--tier gpu needs --device N|UUID"));
@@ -178,9 +177,7 @@ void RegisterServeCommand(CLI::App& root) {
   auto args = std::make_shared<ServeArgs>();
   CLI::App* sub = root.add_subcommand(
       "serve", "Run one cache daemon in the foreground: load a checkpoint once, serve it");
-  AddAttachOptionFlags(sub, &args->identity);
-  sub->add_option("--tier", args->tier, "gpu (VMM arena on --device) or host (sealed memfd)")
-      ->check(CLI::IsMember({"gpu", "host"}));
+  AddIdentityFlags(sub, &args->identity, IdentityScope::kOneCache);
   sub->add_option("--allow-uid", args->allow_uids,
                   "also accept clients of this uid (repeatable; default: our uid only)");
   sub->add_option("--allow-gid", args->allow_gids,

@@ -9,7 +9,6 @@
 #include <sys/stat.h>
 
 #include <iostream>
-#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -18,6 +17,7 @@
 #include "cli_common.h"
 #include "client/discovery.h"
 #include "identity/paths.h"
+#include "identity_flags.h"
 #include "os/lock_file.h"
 #include "protocol/connection.h"
 
@@ -144,12 +144,9 @@ void RegisterStopCommand(CLI::App& root) {
   auto args = std::make_shared<StopArgs>();
   CLI::App* sub = root.add_subcommand(
       "stop", "Stop daemons: by identity flags, by --socket PATH, or --all; waits for exit");
-  AddAttachOptionFlags(sub, &args->identity);
+  AddIdentityFlags(sub, &args->identity, IdentityScope::kOneCache);
   // The identity is one way to name a daemon among three: --model is optional here.
   sub->get_option("--model")->required(false);
-  sub->add_option("--tier", args->identity.tier, "gpu or host (as given to serve)")
-      ->transform(CLI::CheckedTransformer(
-          std::map<std::string, Tier>{{"gpu", Tier::kGpu}, {"host", Tier::kHost}}));
   sub->add_flag("--all", args->all, "every live daemon of the namespace");
   sub->add_flag("--all-namespaces", args->all_namespaces, "with --all: of every namespace");
   sub->add_option("--timeout", args->timeout_s, "seconds to wait for the daemons to exit")

@@ -11,6 +11,7 @@
 #include "checkpoint/checkpoint.h"
 #include "cli_common.h"
 #include "client/verify.h"
+#include "identity_flags.h"
 #include "weightcache/client.h"
 
 namespace weightcache::cli {
@@ -18,14 +19,12 @@ namespace {
 
 struct VerifyArgs {
   AttachOptions options;
-  std::string tier = "gpu";
   double wait_seconds = 60;
   bool json = false;
   int threads = 8;
 };
 
 int Run(VerifyArgs& args) {
-  args.options.tier = args.tier == "host" ? Tier::kHost : Tier::kGpu;
   args.options.on_missing = OnMissing::kError;
   args.options.on_mismatch = OnMismatch::kError;
   args.options.wait_timeout =
@@ -70,8 +69,7 @@ void RegisterVerifyCommand(CLI::App& root) {
   auto args = std::make_shared<VerifyArgs>();
   CLI::App* sub =
       root.add_subcommand("verify", "Compare a daemon's memory with the checkpoint files on disk");
-  AddAttachOptionFlags(sub, &args->options);
-  sub->add_option("--tier", args->tier, "gpu or host")->check(CLI::IsMember({"gpu", "host"}));
+  AddIdentityFlags(sub, &args->options, IdentityScope::kOneCache);
   sub->add_option("--wait", args->wait_seconds, "seconds to wait for a loading daemon")
       ->check(CLI::NonNegativeNumber);
   sub->add_flag("--json", args->json, "print one JSON object");

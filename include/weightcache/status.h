@@ -19,23 +19,34 @@
 namespace weightcache {
 
 // The kinds of failure. The CLI maps these onto the exit codes of SPEC §5 (ExitCodeFor).
+//
+// The integer values are part of the wire format: a daemon's Error frame carries the code
+// as a u32 (docs/protocol.md §3), and a client of another build decodes it back into this
+// enum. They are written out and pinned below (and in tests/unit/common/status_test.cc):
+// never renumber or reuse a value; add a new code at the end, and widen the range that
+// protocol::DecodeError accepts (1 … kInternal today) in the same change.
 enum class StatusCode : int {
   kOk = 0,
-  kInvalidArgument,    // bad flag, bad config value, path too long, bad template
-  kNotFound,           // a file or tensor that should exist does not
-  kPermissionDenied,   // ownership / mode checks, peer credential checks
-  kInvalidCheckpoint,  // a safetensors header or index that fails validation
-  kNoDaemon,           // no live daemon for this identity (on_missing=error)
-  kMismatch,           // a daemon exists but its CacheConfig differs
-  kTimeout,            // waited past a deadline
-  kAlreadyServed,      // another daemon holds the identity lock
-  kProtocol,           // a malformed, oversize or unexpected frame
-  kIo,                 // a syscall failed (errno attached)
-  kCuda,               // a CUDA driver call failed (CUresult attached)
-  kUnavailable,        // a facility is missing on this host (no driver, no GPU)
-  kOutOfMemory,        // budget or device memory exhausted
-  kInternal,           // a broken invariant: a bug
+  kInvalidArgument = 1,    // bad flag, bad config value, path too long, bad template
+  kNotFound = 2,           // a file or tensor that should exist does not
+  kPermissionDenied = 3,   // ownership / mode checks, peer credential checks
+  kInvalidCheckpoint = 4,  // a safetensors header or index that fails validation
+  kNoDaemon = 5,           // no live daemon for this identity (on_missing=error)
+  kMismatch = 6,           // a daemon exists but its CacheConfig differs
+  kTimeout = 7,            // waited past a deadline
+  kAlreadyServed = 8,      // another daemon holds the identity lock
+  kProtocol = 9,           // a malformed, oversize or unexpected frame
+  kIo = 10,                // a syscall failed (errno attached)
+  kCuda = 11,              // a CUDA driver call failed (CUresult attached)
+  kUnavailable = 12,       // a facility is missing on this host (no driver, no GPU)
+  kOutOfMemory = 13,       // budget or device memory exhausted
+  kInternal = 14,          // a broken invariant: a bug
 };
+// Every value is pinned by a test; this keeps the wire range at compile time: the error codes
+// are exactly 1 … 14, which protocol::DecodeError accepts (docs/protocol.md says so too).
+static_assert(static_cast<int>(StatusCode::kInvalidArgument) == 1 &&
+                  static_cast<int>(StatusCode::kInternal) == 14,
+              "StatusCode values are on the wire (Error frames): never renumber them");
 
 std::string_view StatusCodeName(StatusCode code);
 

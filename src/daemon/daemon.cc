@@ -89,6 +89,14 @@ void Daemon::PublishedSocket::Withdraw() {
 // ---- construction -----------------------------------------------------------------------------
 
 Result<std::unique_ptr<Daemon>> Daemon::Create(DaemonOptions options) {
+  // The tier is part of the identity (config.tier, hence the socket path and the Hello match)
+  // and also picks the store the loader fills: a daemon whose two disagree would publish a
+  // cache of one tier under the other's name, so it never starts.
+  if (options.config.tier != protocol::TierName(options.tier)) {
+    return InvalidArgument("daemon: the config names the " + options.config.tier +
+                           " tier but the daemon would load the " +
+                           std::string(protocol::TierName(options.tier)) + " tier");
+  }
   const identity::CachePaths& paths = options.paths;
   WEIGHTCACHE_RETURN_IF_ERROR(identity::EnsureCacheDirs(paths));
 

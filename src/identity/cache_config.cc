@@ -20,7 +20,7 @@ struct Field {
   uint32_t CacheConfig::*num = nullptr;
 };
 
-constexpr std::array<Field, 17> kFields = {{
+constexpr std::array<Field, 18> kFields = {{
     {"checkpoint_fingerprint", &CacheConfig::checkpoint_fingerprint, nullptr},
     {"dp_size", nullptr, &CacheConfig::dp_size},
     {"dtype", &CacheConfig::dtype, nullptr},
@@ -36,6 +36,7 @@ constexpr std::array<Field, 17> kFields = {{
     {"revision", &CacheConfig::revision, nullptr},
     {"shard_rules_digest", &CacheConfig::shard_rules_digest, nullptr},
     {"source", &CacheConfig::source, nullptr},
+    {"tier", &CacheConfig::tier, nullptr},
     {"tp_rank", nullptr, &CacheConfig::tp_rank},
     {"tp_size", nullptr, &CacheConfig::tp_size},
 }};
@@ -142,6 +143,9 @@ Status CacheConfig::Validate() const {
                       "must be \"disk\" or \"published:<producer tag>\" (got \"" + source + "\")");
   }
   if (!IsTagChars(layout_tag)) return FieldError("layout_tag", "must match [A-Za-z0-9._-]+");
+  if (tier != "gpu" && tier != "host") {
+    return FieldError("tier", "must be \"gpu\" or \"host\" (got \"" + tier + "\")");
+  }
   struct Pair {
     std::string_view size_name;
     uint32_t size;

@@ -3,14 +3,17 @@
 //
 // Canonical form (docs/identity.md): the JSON object of ToJson() — every field, keys sorted
 // bytewise, no whitespace, integers in decimal, strings JSON-escaped with non-ASCII as \uXXXX
-// — e.g. {"checkpoint_fingerprint":"…","dp_size":1,…,"tp_size":2}. Digest() is the lowercase
-// hex SHA-256 of exactly those bytes. Two configs match iff every field is equal, iff their
-// canonical forms are equal. The same JSON object is the wire form (FromJson parses it back
-// strictly), so the daemon and the client never disagree about what a field means.
+// — e.g. {"checkpoint_fingerprint":"…","dp_size":1,…,"tier":"gpu","tp_rank":0,"tp_size":2}.
+// Digest() is the lowercase hex SHA-256 of exactly those bytes. Two configs match iff every
+// field is equal, iff their canonical forms are equal. The same JSON object is the wire form
+// (FromJson parses it back strictly), so the daemon and the client never disagree about what
+// a field means.
 //
 // dp_rank is deliberately absent: data-parallel replicas hold identical weights and share a
-// cache. format_version changes whenever the meaning of any field or the arena layout
-// contract changes, so an old daemon is reported as a mismatch rather than misread.
+// cache. The tier is present: the same weights in host memory and in a VMM arena are
+// different caches (it was added before any deployment, so format_version stayed 1).
+// format_version changes whenever the meaning of any field or the arena layout contract
+// changes, so an old daemon is reported as a mismatch rather than misread.
 //
 // Values, not resources: copyable, no internal synchronisation.
 #pragma once
@@ -45,6 +48,11 @@ struct CacheConfig {
   std::string shard_rules_digest;      // 64 lowercase hex of the sharding rules; "" = unsharded
   std::string source = "disk";         // "disk" or "published:<producer tag>"
   std::string layout_tag = "default";  // the arena layout / packing variant
+  // "gpu" (VMM arena) or "host" (sealed memfds). Part of the identity because a host-tier
+  // cache with a GPU affinity and a gpu-tier cache of the same weights share a device key:
+  // without the tier they would resolve to one socket, and the second daemon would be
+  // refused (or a client would map memory of the wrong kind).
+  std::string tier = "gpu";
 
   // Every field name, in canonical (sorted) order.
   static const std::vector<std::string_view>& FieldNames();
@@ -55,7 +63,7 @@ struct CacheConfig {
   // The first 16 hex characters of Digest(): the file name stem of the socket and lock.
   std::string ShortDigest() const;
 
-  // ranks < sizes, sizes >= 1, model_id non-empty, hex fields well-formed, source and
+  // ranks < sizes, sizes >= 1, model_id non-empty, hex fields well-formed, source, tier and
   // format_version recognised, strings printable ASCII. kInvalidArgument naming the field.
   Status Validate() const;
 

@@ -18,29 +18,37 @@ std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& pla
     DaemonSpec s;
     s.placement = p;
     s.name = "tp" + std::to_string(p.tp_rank) + "-pp" + std::to_string(p.pp_rank);
+    const AttachOptions& id = flags.identity;
     auto& argv = s.spawn.argv;
-    argv = {files.exe,     "serve",
-            "--model",     flags.model,
-            "--tier",      flags.tier,
-            "--device",    p.device_uuid,
-            "--tp-size",   std::to_string(flags.tp_size),
-            "--tp-rank",   std::to_string(p.tp_rank),
-            "--pp-size",   std::to_string(flags.pp_size),
-            "--pp-rank",   std::to_string(p.pp_rank),
-            "--ep-size",   std::to_string(flags.ep_size),
-            "--ep-rank",   std::to_string(p.ep_rank),
-            "--dp-size",   std::to_string(flags.dp_size),
-            "--namespace", flags.namespace_name};
+    argv = {files.exe,   "serve",
+            "--model",   id.model_dir,
+            "--tier",    id.tier == Tier::kHost ? "host" : "gpu",
+            "--device",  p.device_uuid,
+            "--tp-size", std::to_string(id.tp_size),
+            "--tp-rank", std::to_string(p.tp_rank),
+            "--pp-size", std::to_string(id.pp_size),
+            "--pp-rank", std::to_string(p.pp_rank),
+            "--ep-size", std::to_string(id.ep_size),
+            "--ep-rank", std::to_string(p.ep_rank),
+            "--dp-size", std::to_string(id.dp_size)};
     auto add = [&argv](const char* flag, const std::string& value) {
       if (value.empty()) return;
       argv.push_back(flag);
       argv.push_back(value);
     };
-    add("--runtime-dir", flags.runtime_dir);
-    add("--model-id", flags.model_id);
-    add("--revision", flags.revision);
-    add("--device-inventory", flags.device_inventory);
+    // Every identity flag of the job scope (tools/identity_flags.h) but those set above.
+    add("--namespace", id.namespace_name);
+    add("--runtime-dir", id.runtime_dir);
+    add("--model-id", id.model_id);
+    add("--revision", id.revision);
+    add("--dtype", id.dtype);
+    add("--quantization", id.quantization);
+    add("--quantization-config", id.quantization_config);
+    add("--layout-tag", id.layout_tag);
+    add("--source", id.source);
+    add("--device-inventory", id.device_inventory);
     add("--memory-budget", flags.memory_budget);
+    if (flags.threads > 0) add("--threads", std::to_string(flags.threads));
     // "GPU-1a2b3c4d-…" → "1a2b3c4d": short, and unique among the GPUs of one host in practice.
     std::string tag = p.device_uuid;
     if (auto dash = tag.find('-'); dash != std::string::npos) tag = tag.substr(dash + 1);

@@ -3,9 +3,10 @@
 // flock (IsLockHeld) and the lock file's recorded owner pid.
 //
 // Contract:
-//  * BuildDaemonSpecs is pure. Each daemon runs `<exe> serve` with the job's identity flags,
-//    its own ranks and `--device <UUID>` (never a local index: the UUID is the identity, and
-//    the daemon re-resolves it against the same visible devices).
+//  * BuildDaemonSpecs is pure. Each daemon runs `<exe> serve` with every identity flag of the
+//    job (SPEC §5: launch applies the identity flags of serve to every daemon), its own ranks
+//    and `--device <UUID>` (never a local index: the UUID is the identity, and the daemon
+//    re-resolves it against the same visible devices), plus the job's load flags.
 //  * Log files: <log_dir>/<job>-tp<r>-pp<r>-<uuid tag>.log; the uuid tag keeps two jobs with
 //    the same name and ranks on different GPUs apart.
 //  * The probes are stateless and thread-safe; each opens and closes its own connection/fds.
@@ -20,24 +21,24 @@
 
 #include "launcher/launcher.h"
 #include "launcher/placement.h"
+#include "weightcache/client.h"
 #include "weightcache/status.h"
 
 namespace weightcache::launcher {
 
-// The `serve` flags a launch applies to every daemon (SPEC §5). Empty strings are omitted.
+// The `serve` flags a launch applies to every daemon (SPEC §5).
 struct ServeFlags {
-  std::string model;  // --model DIR (made absolute by the caller)
-  std::string tier = "host";
-  std::string model_id;
-  std::string revision;
-  std::string namespace_name = "default";
-  std::string runtime_dir;       // resolved, absolute: every daemon uses exactly this one
-  std::string device_inventory;  // --device-inventory
+  // The job's identity, as `weightcache launch` parsed it with the identity flags of `serve`
+  // (tools/identity_flags.h, job scope). Forwarded: model_dir (made absolute by the caller),
+  // tier, model_id, revision, dtype, quantization, quantization_config (absolute), the four
+  // sizes, layout_tag, source, namespace_name, runtime_dir (resolved, absolute: every daemon
+  // uses exactly this one) and device_inventory; empty strings are omitted (serve's default).
+  // Not forwarded: the ranks and device (each daemon's come from its placement), socket (the
+  // launcher finds sockets in the layout) and the client-only fields (policy, fingerprint).
+  AttachOptions identity;
+  // Load flags of serve: "" / 0 = serve's default.
   std::string memory_budget;
-  int tp_size = 1;
-  int pp_size = 1;
-  int ep_size = 1;
-  int dp_size = 1;
+  int threads = 0;
 };
 
 struct JobFiles {

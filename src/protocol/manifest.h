@@ -56,7 +56,9 @@ struct TensorEntry {
   uint32_t allocation = 0;                       // index into the allocations (and the fds)
   uint64_t offset = 0;                           // byte offset inside that allocation
   uint64_t nbytes = 0;
-  uint64_t checksum = 0;  // XXH64 of the tensor's bytes (common/hash.h), for --verify
+  // The content checksum of the tensor's bytes for --verify: XXH64 of the XXH64s of its
+  // 256 KiB chunks (cuda/checksum.h, docs/integrity.md), not a plain XXH64 of the bytes.
+  uint64_t checksum = 0;
 
   std::span<const uint64_t> dims() const { return {shape.data(), ndim}; }
 };

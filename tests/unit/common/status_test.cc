@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cerrno>
+#include <utility>
 
 namespace weightcache {
 namespace {
@@ -40,6 +41,31 @@ TEST(StatusTest, OkStatusIgnoresContext) {
   s.Context("anything");
   EXPECT_TRUE(s.ok());
   EXPECT_EQ(s.ToString(), "ok");
+}
+
+// The integer values travel in Error frames (docs/protocol.md §3): a daemon and a client of
+// different builds must agree on them, so every one is pinned here.
+TEST(StatusTest, StatusCodeWireValuesArePinned) {
+  const std::pair<StatusCode, int> pinned[] = {
+      {StatusCode::kOk, 0},
+      {StatusCode::kInvalidArgument, 1},
+      {StatusCode::kNotFound, 2},
+      {StatusCode::kPermissionDenied, 3},
+      {StatusCode::kInvalidCheckpoint, 4},
+      {StatusCode::kNoDaemon, 5},
+      {StatusCode::kMismatch, 6},
+      {StatusCode::kTimeout, 7},
+      {StatusCode::kAlreadyServed, 8},
+      {StatusCode::kProtocol, 9},
+      {StatusCode::kIo, 10},
+      {StatusCode::kCuda, 11},
+      {StatusCode::kUnavailable, 12},
+      {StatusCode::kOutOfMemory, 13},
+      {StatusCode::kInternal, 14},
+  };
+  for (const auto& [code, value] : pinned) {
+    EXPECT_EQ(static_cast<int>(code), value) << StatusCodeName(code);
+  }
 }
 
 }  // namespace

@@ -38,6 +38,7 @@ CacheConfig BaseConfig() {
   c.shard_rules_digest = kShardSha;
   c.source = "disk";
   c.layout_tag = "default";
+  c.tier = "gpu";
   return c;
 }
 
@@ -64,6 +65,7 @@ const std::map<std::string, std::function<void(CacheConfig&)>>& Mutators() {
       {"shard_rules_digest", [](CacheConfig& c) { c.shard_rules_digest = ""; }},
       {"source", [](CacheConfig& c) { c.source = "published:sglang-0.4"; }},
       {"layout_tag", [](CacheConfig& c) { c.layout_tag = "packed-v2"; }},
+      {"tier", [](CacheConfig& c) { c.tier = "host"; }},
   };
   return m;
 }
@@ -73,7 +75,7 @@ TEST(CacheConfigTest, FieldListCoversEverySpecFieldAndNoDpRank) {
   std::set<std::string> mutated;
   for (const auto& [name, fn] : Mutators()) mutated.insert(name);
   EXPECT_EQ(names, mutated);
-  EXPECT_EQ(names.size(), 17u);
+  EXPECT_EQ(names.size(), 18u);
   EXPECT_EQ(names.count("dp_rank"), 0u);
   std::set<std::string> json_keys;
   const nlohmann::json json = BaseConfig().ToJson();
@@ -129,7 +131,7 @@ TEST(CacheConfigTest, CanonicalFormIsSortedCompactJsonAndDigestIsItsSha256) {
       "\"layout_tag\":\"default\",\"model_id\":\"Llama-3.1-8B\",\"pp_rank\":1,\"pp_size\":2,"
       "\"quantization\":\"fp8\",\"quantization_config_sha256\":\"" +
       kQuantSha + "\",\"revision\":\"0e9e39f\",\"shard_rules_digest\":\"" + kShardSha +
-      "\",\"source\":\"disk\",\"tp_rank\":1,\"tp_size\":4}";
+      "\",\"source\":\"disk\",\"tier\":\"gpu\",\"tp_rank\":1,\"tp_size\":4}";
   EXPECT_EQ(c.Canonical(), expected);
   EXPECT_EQ(c.Digest(), Sha256Hex(expected));
   EXPECT_EQ(c.ShortDigest(), c.Digest().substr(0, 16));
@@ -204,6 +206,25 @@ TEST(CacheConfigTest, ValidateNamesTheOffendingField) {
                 "shard_rules_digest must be empty or 64 lowercase hex");
   ExpectInvalid([](CacheConfig& c) { c.layout_tag = "a b"; }, "layout_tag must match");
   ExpectInvalid([](CacheConfig& c) { c.format_version = 0; }, "format_version must be >= 1");
+  ExpectInvalid([](CacheConfig& c) { c.tier = "cpu"; },
+                "tier must be \"gpu\" or \"host\" (got \"cpu\")");
+  ExpectInvalid([](CacheConfig& c) { c.tier = ""; }, "tier must be \"gpu\" or \"host\"");
+}
+
+// The bug the tier field fixes: a host-tier cache with a GPU affinity and a gpu-tier cache of
+// the same weights on that GPU must not share a digest (and so a socket path).
+TEST(CacheConfigTest, TierSeparatesHostAndGpuCachesOfTheSameWeights) {
+  CacheConfig gpu = BaseConfig();
+  CacheConfig host = BaseConfig();
+  host.tier = "host";
+  EXPECT_NE(gpu.ShortDigest(), host.ShortDigest());
+  EXPECT_EQ(FormatDiffOneLine(Diff(gpu, host)), "tier: ours=\"gpu\" theirs=\"host\"");
+  nlohmann::json wire = host.ToJson();
+  EXPECT_EQ(wire["tier"], "host");
+  wire["tier"] = "disk";
+  ExpectFromJsonError(wire, "tier must be \"gpu\" or \"host\"");
+  wire.erase("tier");
+  ExpectFromJsonError(wire, "missing field \"tier\"");
 }
 
 TEST(QuantizationConfigDigestTest, IndependentOfKeyOrderAndWhitespace) {

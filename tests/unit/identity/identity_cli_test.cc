@@ -107,6 +107,24 @@ TEST_F(IdentityCliTest, PathsHostTierUsesTheHostKey) {
   nlohmann::json j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["device_key"], "host");
   EXPECT_TRUE(j["device"].is_null());
+  EXPECT_EQ(j["config"]["tier"], "host");
+}
+
+// A host-tier cache with a GPU affinity and a gpu-tier cache of the same weights on the same
+// GPU are different caches: the tier is a CacheConfig field, so they get different sockets.
+TEST_F(IdentityCliTest, HostAndGpuTiersOnOneGpuGetDifferentSockets) {
+  CommandResult gpu = Paths({"--device", "3"});
+  CommandResult host = Paths({"--device", "3", "--tier", "host"});
+  ASSERT_EQ(gpu.exit_code, 0) << gpu.err;
+  ASSERT_EQ(host.exit_code, 0) << host.err;
+  nlohmann::json jg = nlohmann::json::parse(gpu.out), jh = nlohmann::json::parse(host.out);
+  EXPECT_EQ(jg["config"]["tier"], "gpu");
+  EXPECT_EQ(jh["config"]["tier"], "host");
+  EXPECT_EQ(jg["device_key"], TestUuid(3));
+  EXPECT_EQ(jh["device_key"], TestUuid(3));
+  EXPECT_NE(jg["digest"], jh["digest"]);
+  EXPECT_NE(jg["socket"], jh["socket"]);
+  EXPECT_NE(jg["lock"], jh["lock"]);
 }
 
 TEST_F(IdentityCliTest, PathsErrorsAreUsageErrorsWithTheReason) {

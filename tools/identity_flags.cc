@@ -1,0 +1,45 @@
+#include "identity_flags.h"
+
+#include <map>
+#include <string>
+
+namespace weightcache::cli {
+
+void AddIdentityFlags(CLI::App* sub, AttachOptions* o, IdentityScope scope) {
+  const bool one = scope == IdentityScope::kOneCache;
+  sub->add_option("--model", o->model_dir, "checkpoint dir or .safetensors file")->required();
+  sub->add_option("--model-id", o->model_id, "model id (default: the model dir's basename)");
+  sub->add_option("--revision", o->revision, "model revision");
+  sub->add_option("--dtype", o->dtype, "dtype (default: as stored)");
+  sub->add_option("--quantization", o->quantization, "quantization method");
+  sub->add_option("--quantization-config", o->quantization_config,
+                  "JSON file of the quantization method");
+  sub->add_option(one ? "--tp-size" : "--tp,--tp-size", o->tp_size, "tensor-parallel size")
+      ->check(CLI::PositiveNumber);
+  sub->add_option(one ? "--pp-size" : "--pp,--pp-size", o->pp_size, "pipeline-parallel size")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--ep-size", o->ep_size, "expert-parallel size")->check(CLI::PositiveNumber);
+  sub->add_option("--dp-size", o->dp_size, "data-parallel size (no rank: replicas share weights)")
+      ->check(CLI::PositiveNumber);
+  if (one) {
+    sub->add_option("--tp-rank", o->tp_rank)->check(CLI::NonNegativeNumber);
+    sub->add_option("--pp-rank", o->pp_rank)->check(CLI::NonNegativeNumber);
+    sub->add_option("--ep-rank", o->ep_rank)->check(CLI::NonNegativeNumber);
+  }
+  sub->add_option("--layout-tag", o->layout_tag, "arena layout tag");
+  sub->add_option("--source", o->source, "disk or published:<producer tag>");
+  sub->add_option("--tier", o->tier, "gpu (VMM arena on a GPU) or host (sealed memfds)")
+      ->transform(CLI::CheckedTransformer(
+          std::map<std::string, Tier>{{"gpu", Tier::kGpu}, {"host", Tier::kHost}}));
+  if (one) {
+    sub->add_option("--device", o->device,
+                    "local index into the visible devices, or a GPU UUID (prefix)");
+  }
+  sub->add_option("--namespace", o->namespace_name, "cache namespace (default: default)");
+  sub->add_option("--runtime-dir", o->runtime_dir, "runtime dir");
+  if (one) sub->add_option("--socket", o->socket, "explicit socket path or template");
+  sub->add_option("--device-inventory", o->device_inventory,
+                  "JSON device inventory standing in for CUDA enumeration");
+}
+
+}  // namespace weightcache::cli
