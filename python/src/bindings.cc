@@ -20,6 +20,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -250,11 +251,12 @@ struct PyTensor {
                                 device_type, device_id);
   }
 
-  // The exporter every DLPack call goes through: nanobind's nb_ndarray, read-only for the
-  // host tier.
+  // The exporter every DLPack call goes through: nanobind's nb_ndarray (the array_api
+  // framework: __dlpack__, __dlpack_device__ and the buffer protocol), read-only for the host
+  // tier.
   nb::object Exporter(bool raw) const {
-    if (host()) return nb::cast(Array<nb::ro>(raw));
-    return nb::cast(Array<>(raw));
+    if (host()) return nb::cast(Array<nb::array_api, nb::ro>(raw));
+    return nb::cast(Array<nb::array_api>(raw));
   }
 };
 
