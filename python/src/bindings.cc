@@ -450,7 +450,7 @@ NB_MODULE(_weightcache, m) {
                (t.host() ? "host" : "cuda:" + std::to_string(t.attachment().cuda_device())) + ">";
       });
 
-  nb::class_<PyAttachment>(m, "Attachment",
+  nb::class_<PyAttachment>(m, "Attachment", nb::is_weak_referenceable(),
                            "Weights mapped from a daemon, or loaded from disk (fallback). The "
                            "memory lives as long as this object or any tensor exported from it.")
       .def_prop_ro("tier",
