@@ -173,7 +173,7 @@ class PyAttachment {
     return nullptr;
   }
 
-  void OnDaemonGone(nb::callable callback) {
+  void OnDaemonGone(nb::typed<nb::callable, void()> callback) {
     // Kept here, not in the client's std::function, so that its reference is dropped with the
     // GIL held (see the destructor).
     callbacks_.push_back(std::move(callback));
@@ -302,7 +302,7 @@ OnMismatch ParseOnMismatch(const std::string& s) {
   throw nb::python_error();
 }
 
-nb::object Attach(const AttachOptions& options) {
+PyAttachment* Attach(const AttachOptions& options) {
   std::optional<Result<Attachment>> result;
   {
     nb::gil_scoped_release release;
@@ -317,7 +317,7 @@ nb::object Attach(const AttachOptions& options) {
   }
   auto* attachment = new PyAttachment(std::move(*result).value());
   attachment->set_cuda_device(ordinal);
-  return nb::cast(attachment, nb::rv_policy::take_ownership);
+  return attachment;
 }
 
 std::vector<std::string> DTypeNames() {
@@ -391,10 +391,10 @@ NB_MODULE(_weightcache, m) {
           "dtype", [](const PyTensor& t) { return t.info->dtype; },
           "The safetensors spelling: \"BF16\", \"F8_E4M3\", ...")
       .def_prop_ro("shape",
-                   [](const PyTensor& t) {
+                   [](const PyTensor& t) -> nb::typed<nb::tuple, int, nb::ellipsis> {
                      nb::list l;
                      for (int64_t s : t.info->shape) l.append(s);
-                     return nb::tuple(l);
+                     return nb::borrow<nb::typed<nb::tuple, int, nb::ellipsis>>(nb::tuple(l));
                    })
       .def_prop_ro("nbytes", [](const PyTensor& t) { return t.info->nbytes; })
       .def_prop_ro(
@@ -407,7 +407,8 @@ NB_MODULE(_weightcache, m) {
           "device", [](const PyTensor& t) { return t.device(); },
           "The DLPack device: (1, 0) for the host tier, (2, cuda ordinal) for the gpu tier.")
       .def_prop_ro(
-          "attachment", [](const PyTensor& t) { return t.owner; }, "The owning Attachment.")
+          "attachment", [](const PyTensor& t) -> const PyAttachment& { return t.attachment(); },
+          nb::rv_policy::reference, "The owning Attachment.")
       .def_prop_ro(
           "dlpack_native", [](const PyTensor& t) { return t.dtype().native; },
           "False for F4/F6 tensors, which export only their bytes (raw()).")
@@ -419,11 +420,12 @@ NB_MODULE(_weightcache, m) {
           [](const PyTensor& t, nb::kwargs kwargs) {
             return t.Exporter(false).attr("__dlpack__")(**kwargs);
           },
-          "kwargs"_a,
+          nb::sig("def __dlpack__(self, *, stream: object = None, max_version: tuple[int, int] | "
+                  "None = None, dl_device: tuple[int, int] | None = None, copy: bool | None = "
+                  "None) -> object"),
           "DLPack export (stream, max_version, dl_device, copy as the array API defines them; "
           "copy=True is refused: this is a view).")
-      .def("__dlpack_device__",
-           [](const PyTensor& t) { return nb::make_tuple(t.device().first, t.device().second); })
+      .def("__dlpack_device__", [](const PyTensor& t) { return t.device(); })
       .def(
           "raw", [](const PyTensor& t) { return t.Exporter(true); },
           "The tensor's bytes as a uint8[nbytes] array (DLPack and buffer protocol), zero-copy.")
@@ -505,7 +507,7 @@ NB_MODULE(_weightcache, m) {
         return PyTensor{nb::borrow(self), t};
       });
 
-  m.def("attach", &Attach, "options"_a,
+  m.def("attach", &Attach, "options"_a, nb::rv_policy::take_ownership,
         "Attach as AttachOptions say; raises a weightcache.errors exception on failure.");
   m.def("dtype_names", &DTypeNames, "Every safetensors dtype this module knows.");
 }
