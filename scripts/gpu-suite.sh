@@ -2,20 +2,29 @@
 # The GPU tier in one call, from a BARE device machine (nvcc, cmake, ninja, gcc, python3; no
 # Debian -dev packages, no network). Builds weightcache against the header-only / static deps
 # carried in .deps/usr (scripts/stage-device-deps.sh), with the CUDA kernels for sm_90, runs
-# `ctest -L gpu`, then every unit test, then the benchmarks in bench/.
+# `ctest -L gpu` (VMM arena, checksum kernel, upload pipeline, the gpu tier end to end with
+# real daemons and clients, TP2 launch), then every unit test, then the benchmarks in bench/.
+# Tests that need two GPUs skip with the reason on a one-GPU machine (the summary says how
+# many GPUs the run had).
 #
 #   scripts/gpu-suite.sh                       # from the repository root; logs under $OUT
+#   SUITE=quick scripts/gpu-suite.sh           # build + gpu tests only (no unit tier, no benches)
 #
 # Writes (few files, the device tool brings back at most 8):
 #   $OUT/build.log     configure + build output
 #   $OUT/tests.log     ctest output (gpu tier, then unit tier)
 #   $OUT/bench.jsonl   one JSON line per benchmark measurement
-#   $OUT/summary.txt   GPUs, driver, pass/fail counts, skipped gpu tests, bench errors
+#   $OUT/bench.log     the benchmarks' stderr (progress, errors)
+#   $OUT/summary.txt   GPUs, driver, pass/fail counts, skipped tests, every bench's headline
+#                      numbers (attach ms per tensor count, load GB/s and ratios, overhead, RSS)
 # Knobs: OUT (default ./gpu-out), BUILD_DIR (build-gpu), DEPS (.deps/usr), JOBS (nproc),
-#        TARGETS (build only these, for a dry run), SKIP_BENCH=1.
-# Exit status: non-zero if the build or any test fails. Budget: well under 8 minutes.
+#        TARGETS (build only these, for a dry run), SKIP_BENCH=1, SUITE=full|quick,
+#        BENCH_WORK (scratch for the benches' checkpoints; default a temp dir, removed).
+# Exit status: non-zero if the build or any test fails, or a benchmark fails or times out.
+# Budget: under 8 minutes on 1 x H200 (build ~2, tests ~2, benches ~4; each bench has its own
+# timeout so one stuck bench cannot eat the budget).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 root=$PWD
 OUT=${OUT:-$root/gpu-out}
 build=${BUILD_DIR:-build-gpu}
@@ -37,6 +46,17 @@ else
 fi
 say "nvcc: $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'not found')"
 say "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>}"
+suite=${SUITE:-full}
+case $suite in
+  full | quick) ;;
+  *)
+    say "FAIL: SUITE=$suite (want full or quick)"
+    exit 2
+    ;;
+esac
+gpus=0
+command -v nvidia-smi >/dev/null && gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+say "suite: $suite, GPUs: $gpus$( ((gpus < 2)) && echo ' (the two-GPU tests will skip)')"
 
 # ---- configure + build -----------------------------------------------------------------------
 if [[ ! -d $deps/include ]]; then
@@ -78,7 +98,7 @@ else
   exit 1
 fi
 
-# ---- tests -----------------------------------------------------------------------------------
+# ---- tests ----------------------------------------------------------------------------------
 tests_ok=1
 run_ctest() {  # label [extra ctest args]
   local label=$1 log
@@ -96,6 +116,8 @@ run_ctest() {  # label [extra ctest args]
     local skipped
     skipped=$(sed -n '/The following tests did not run/,/^$/p' "$log" | grep -c "Skipped")
     say "  skipped [$label]: $skipped (see tests.log for the reasons)"
+    sed -n '/The following tests did not run/,/^$/p' "$log" | grep "Skipped" |
+      sed 's/^[[:space:]]*/  skipped /' | tee -a "$summary"
   fi
   if ((rc != 0)); then
     tests_ok=0
@@ -111,44 +133,123 @@ run_ctest() {  # label [extra ctest args]
 run_ctest gpu -V -j 1
 reason=$(grep -E "^[0-9]+: .*Skipped$" -A1 "$OUT/tests.log" | grep -vE "Skipped$|^--" | head -1)
 [[ -n $reason ]] && say "  first gpu skip reason: ${reason#*: }"
-run_ctest unit
+[[ $suite == full ]] && run_ctest unit
 
 # ---- benchmarks ------------------------------------------------------------------------------
+# Each bench runs with explicit arguments and its own timeout (seconds); stdout (JSON lines)
+# goes to bench.jsonl, stderr to bench.log.
 : >"$OUT/bench.jsonl"
-if [[ -z ${SKIP_BENCH:-} ]]; then
-  for bench in "$build"/bench/*_bench; do
-    [[ -x $bench ]] || continue
-    name=$(basename "$bench")
-    t0=$(date +%s)
-    if timeout 240 "$bench" >>"$OUT/bench.jsonl" 2>>"$OUT/tests.log"; then
-      say "bench $name: ok ($(($(date +%s) - t0)) s)"
-    else
-      say "bench $name: FAILED (rc $?, stderr in tests.log)"
+: >"$OUT/bench.log"
+bench_ok=1
+if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
+  work=${BENCH_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/wc-bench-XXXXXX")}
+  mkdir -p "$work"
+  run_bench() {  # timeout name args...
+    local limit=$1 name=$2
+    shift 2
+    local exe="$build/bench/$name" t0 rc
+    if [[ ! -x $exe ]]; then
+      say "bench $name: not built"
+      bench_ok=0
+      return
     fi
-  done
+    t0=$(date +%s)
+    echo "==== $name $*" >>"$OUT/bench.log"
+    timeout --kill-after=10 "$limit" "$exe" "$@" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.log"
+    rc=$?
+    if ((rc == 0)); then
+      say "bench $name: ok ($(($(date +%s) - t0)) s)"
+    elif ((rc == 124 || rc == 137)); then
+      say "bench $name: TIMED OUT after ${limit} s (partial output kept)"
+      bench_ok=0
+    else
+      say "bench $name: FAILED (rc $rc, stderr in bench.log)"
+      bench_ok=0
+    fi
+  }
+  run_bench 120 load_bench "$work/load" --gib 4
+  rm -rf "$work/load"
+  run_bench 120 attach_bench --gib 16 --reps 5
+  run_bench 100 host_attach_bench "$work/host" --iters 50 --threads 8 --load-mib 1024
+  rm -rf "$work/host"
+  # 16 GiB checkpoints of 10 / 1,000 / 10,000 tensors, one at a time (deleted after use).
+  run_bench 300 gpu_attach_bench --work "$work/gpu" --gib 16 --counts 10,1000,10000 --iters 20
+  [[ -z ${BENCH_WORK:-} ]] && rm -rf "$work"
+
   if grep -q '"error"' "$OUT/bench.jsonl"; then
     say "bench errors:"
     grep '"error"' "$OUT/bench.jsonl" | head -5 | tee -a "$summary"
   fi
-  # The headline numbers, one line per measurement.
+  # The headline numbers of every bench, one line per measurement (docs/benchmarks.md).
   python3 - "$OUT/bench.jsonl" <<'PY' | tee -a "$summary" || true
 import json, sys
+
+def fmt(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+def mib(v):
+    return None if v is None else f"{v / 2**20:.1f} MiB"
+
+def pick(j, *path):
+    for p in path:
+        if not isinstance(j, dict) or p not in j:
+            return None
+        j = j[p]
+    return j
+
 for line in open(sys.argv[1]):
     try:
         j = json.loads(line)
     except ValueError:
         continue
-    keys = [k for k in ("kind", "tensors", "allocations", "import_ms_median", "open_ms",
-                        "open_us_per_handle", "cuinit_ms", "primary_ctx_ms", "create_export_ms",
-                        "skipped", "error") if k in j]
-    print("  " + j.get("bench", "?") + ": " + ", ".join(f"{k}={j[k]}" for k in keys))
+    b = j.get("bench", "?")
+    if "skipped" in j or "error" in j or "client_error" in j:
+        items = [("kind", j.get("kind")), ("tensors", j.get("tensors")),
+                 ("skipped", j.get("skipped")), ("error", j.get("error")),
+                 ("client_error", j.get("client_error"))]
+    elif b == "load_bench":
+        items = [("kind", j.get("kind")), ("cache", j.get("cache")),
+                 ("gb_per_s", j.get("gb_per_s")), ("limit_gb_per_s", j.get("limit_gb_per_s")),
+                 ("ratio", j.get("ratio")), ("target_ratio", j.get("target_ratio")),
+                 ("matches_pipeline", j.get("matches_pipeline"))]
+    elif b == "attach":
+        items = [("kind", j.get("kind")), ("tensors", j.get("tensors")),
+                 ("allocations", j.get("allocations")),
+                 ("import_ms_median", j.get("import_ms_median")),
+                 ("open_ms", j.get("open_ms")), ("open_us_per_handle", j.get("open_us_per_handle")),
+                 ("cuinit_ms", j.get("cuinit_ms")), ("primary_ctx_ms", j.get("primary_ctx_ms")),
+                 ("create_export_ms", j.get("create_export_ms"))]
+    elif b == "host_attach":
+        items = [("tensors", j.get("tensors")),
+                 ("attach_ms", pick(j, "fingerprint_given", "median_ms")),
+                 ("attach_ms_fingerprint_computed", pick(j, "fingerprint_computed", "median_ms"))]
+    elif b == "host_load":
+        items = [("file_read_gbps", j.get("file_read_gbps")),
+                 ("daemon_load_gbps", j.get("daemon_load_gbps")), ("ratio", j.get("ratio"))]
+    elif b == "gpu_attach":
+        items = [("tensors", j.get("tensors")),
+                 ("attach_ms", pick(j, "attach_ms", "median")),
+                 ("attach_ms_p90", pick(j, "attach_ms", "p90")),
+                 ("attach_ms_fingerprint_computed",
+                  pick(j, "attach_ms_fingerprint_computed", "median")),
+                 ("cuinit_ms", j.get("cuinit_ms")), ("primary_ctx_ms", j.get("primary_ctx_ms")),
+                 ("gb_per_s", j.get("gb_per_s")), ("pipeline_gb_per_s", j.get("pipeline_gb_per_s")),
+                 ("overhead", mib(j.get("overhead_bytes"))),
+                 ("overhead_vs_weights", j.get("overhead_vs_weights")),
+                 ("rss", mib(j.get("rss_bytes"))), ("hwm", mib(j.get("hwm_bytes"))),
+                 ("verify_ok", j.get("verify_ok"))]
+    else:
+        items = list(j.items())[:8]
+    print("  " + b + ": " + ", ".join(f"{k}={fmt(v)}" for k, v in items if v is not None))
 PY
 fi
 
 elapsed=$(($(date +%s) - start))
-if ((tests_ok)); then
-  say "== gpu suite: PASS in ${elapsed} s (logs in $OUT)"
+if ((tests_ok && bench_ok)); then
+  say "== gpu suite ($suite, $gpus GPUs): PASS in ${elapsed} s (logs in $OUT)"
   exit 0
 fi
-say "== gpu suite: FAIL in ${elapsed} s (logs in $OUT)"
+say "== gpu suite ($suite, $gpus GPUs): FAIL in ${elapsed} s (tests ok: $tests_ok, benches ok: $bench_ok; logs in $OUT)"
 exit 1
