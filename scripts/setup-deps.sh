@@ -19,6 +19,11 @@ py_missing=()
 python3 -c 'import safetensors' 2>/dev/null || py_missing+=(safetensors)
 python3 -c 'import numpy' 2>/dev/null || py_missing+=(numpy)
 python3 -c 'import pytest' 2>/dev/null || py_missing+=(pytest)
+# The Python package (pip install .): nanobind pinned to the release the committed stubs
+# (python/weightcache/_weightcache.pyi) were generated with.
+python3 -c 'import nanobind; assert nanobind.__version__.startswith("3.1.")' 2>/dev/null ||
+  py_missing+=(nanobind==3.1.0)
+python3 -c 'import scikit_build_core' 2>/dev/null || py_missing+=(scikit-build-core)
 if ((${#py_missing[@]})); then
   echo "setup-deps: pip install ${py_missing[*]}"
   python3 -m pip install -q --disable-pip-version-check "${py_missing[@]}" 2>&1 |

@@ -7,3 +7,15 @@ cd "$(dirname "$0")/.."
 scripts/build.sh
 build=${BUILD_DIR:-build}
 ctest --test-dir "$build" -LE gpu --output-on-failure -j "${JOBS:-$(nproc)}" --timeout 300
+# The Python tier: build + install the package (its own build dir, build-python/), then pytest.
+# Once per CI run: the sanitizer pass (SANITIZE set) skips it — the extension is not built
+# with sanitizers.
+if [[ -z ${SANITIZE:-} ]]; then
+  if ! python3 -m pip install --disable-pip-version-check --no-build-isolation . \
+      >"$build/pip-install.log" 2>&1; then
+    tail -n 40 "$build/pip-install.log"
+    echo "test.sh: pip install . failed (log: $build/pip-install.log)" >&2
+    exit 1
+  fi
+  python3 -m pytest -q -rs tests/python
+fi

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# The Python package on the GPU machine (issue 6), from a BARE device machine (Python 3.12 with
+# torch, transformers, nanobind, scikit-build-core; no network, no Debian -dev packages: the
+# C++ deps come from the carried .deps/usr, scripts/stage-device-deps.sh).
+#
+#   scripts/gpu-python.sh                     # from the repository root; logs under $OUT
+#
+# 1. pip install --no-build-isolation . into a private target dir (the package + the CLI);
+# 2. pytest tests/python (host tier; the torch tests run here since torch is installed);
+# 3. a real model: a small Llama (random weights, bf16, ~330 MB, sharded safetensors written
+#    by save_pretrained); 32 greedy tokens with transformers loading it from disk (reference);
+#    `weightcache serve --tier gpu --device <UUID of device 0>`; in a separate process the
+#    model built on the meta device gets its weights from weightcache.load_state_dict
+#    (assign=True, zero-copy) and generates 32 tokens that must equal the reference; the
+#    client's GPU memory must show no second copy of the weights.
+#
+# Writes: $OUT/python-build.log, $OUT/python-tests.log, $OUT/python-model.log,
+#         $OUT/python-model.json (the measurements), and appends to $OUT/summary.txt.
+# Knobs: OUT (./gpu-out), DEPS (.deps/usr), PY (python3), WORK (a temp dir, removed after).
+# Exit status: non-zero if the build, a test or the model check fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+OUT=${OUT:-$root/gpu-out}
+deps=${DEPS:-$root/.deps/usr}
+py=${PY:-python3}
+mkdir -p "$OUT"
+summary=$OUT/summary.txt
+say() { echo "$*" | tee -a "$summary"; }
+export PATH="$PATH:/usr/local/cuda/bin"
+work=${WORK:-$(mktemp -d)}
+daemon_pid=
+cleanup() {
+  [[ -n $daemon_pid ]] && kill "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null
+  [[ -z ${WORK:-} ]] && rm -rf "$work"
+}
+trap cleanup EXIT
+start=$(date +%s)
+ok=1
+
+# ---- build + install ---------------------------------------------------------------------------
+arch=x86_64-linux-gnu
+prefix=$root/build-python-gpu/target
+rm -rf "$prefix"
+export CMAKE_ARGS="-DCMAKE_PREFIX_PATH=$deps -DCMAKE_CXX_FLAGS=-isystem\ $deps/include/$arch \
+-DOPENSSL_ROOT_DIR=$deps -DOPENSSL_USE_STATIC_LIBS=ON -DOPENSSL_INCLUDE_DIR=$deps/include \
+-DOPENSSL_CRYPTO_LIBRARY=$deps/lib/$arch/libcrypto.a -DOPENSSL_SSL_LIBRARY=$deps/lib/$arch/libssl.a \
+-Dnlohmann_json_DIR=$deps/share/cmake/nlohmann_json -DCLI11_DIR=$deps/share/cmake/CLI11 \
+-DXXHASH_INCLUDE_DIR=$deps/include"
+if "$py" -m pip install --no-build-isolation --no-deps --no-index -v --target "$prefix" \
+    --config-settings=build-dir="$root/build-python-gpu/build" . >"$OUT/python-build.log" 2>&1; then
+  say "python build: ok ($(($(date +%s) - start)) s, $("$py" -c 'import nanobind; print("nanobind", nanobind.__version__)'))"
+else
+  say "python build: FAILED — last lines of python-build.log:"
+  grep -E "error|Error" "$OUT/python-build.log" | head -15 | tee -a "$summary"
+  tail -n 10 "$OUT/python-build.log" | tee -a "$summary"
+  exit 1
+fi
+export PYTHONPATH=$prefix${PYTHONPATH:+:$PYTHONPATH}
+export WEIGHTCACHE_CLI=$prefix/bin/weightcache
+if [[ ! -x $WEIGHTCACHE_CLI ]]; then
+  say "python build: the CLI is missing from $prefix/bin"
+  exit 1
+fi
+
+# ---- pytest (host tier, with torch) -------------------------------------------------------------
+(cd "$work" && "$py" -m pytest -v -rs "$root/tests/python") >"$OUT/python-tests.log" 2>&1
+rc=$?
+say "python tests: $(tail -n 1 "$OUT/python-tests.log")"
+grep -E "^SKIPPED" "$OUT/python-tests.log" | sed 's/^/  /' | tee -a "$summary"
+((rc == 0)) || ok=0
+
+# ---- a real model: disk vs weightcache ---------------------------------------------------------
+log=$OUT/python-model.log
+: >"$log"
+check=$root/tests/python/gpu_model_check.py
+model=$work/tiny-llama
+runtime=$work/run
+mkdir -p -m 700 "$runtime"
+model_ok=1
+step() {  # name, command...
+  local name=$1 t0
+  shift
+  t0=$(date +%s)
+  echo "==== $name: $*" >>"$log"
+  if "$@" >>"$log" 2>&1; then
+    echo "==== $name: ok ($(($(date +%s) - t0)) s)" >>"$log"
+  else
+    say "python model: $name FAILED (see python-model.log)"
+    tail -n 15 "$log" | tee -a "$summary"
+    model_ok=0
+    return 1
+  fi
+}
+uuid=$("$WEIGHTCACHE_CLI" devices --json 2>>"$log" |
+  "$py" -c 'import json,sys; print(json.load(sys.stdin)["devices"][0]["uuid"])' 2>>"$log")
+if [[ -z $uuid ]]; then
+  say "python model: no GPU visible (weightcache devices), skipped"
+  model_ok=0
+else
+  step make "$py" "$check" make --out "$model" &&
+    step reference "$py" "$check" reference --model "$model" --out "$work/reference.json" &&
+    {
+      "$WEIGHTCACHE_CLI" serve --model "$model" --tier gpu --device "$uuid" \
+        --runtime-dir "$runtime" >"$OUT/python-serve.log" 2>&1 &
+      daemon_pid=$!
+      # load_state_dict(on_missing="error", wait_timeout=60 s) waits through `loading`; give the
+      # daemon a moment to publish its socket first.
+      for _ in $(seq 1 100); do
+        compgen -G "$runtime/default/$uuid/*.sock" >/dev/null && break
+        kill -0 "$daemon_pid" 2>/dev/null || break
+        sleep 0.1
+      done
+      step attach "$py" "$check" attach --model "$model" --reference "$work/reference.json" \
+        --runtime-dir "$runtime"
+    }
+  grep -E '^\{"tokens_equal"' "$log" | tail -1 >"$OUT/python-model.json"
+  if [[ -s $OUT/python-model.json ]]; then
+    "$py" - "$OUT/python-model.json" <<'PY' | tee -a "$summary"
+import json, sys
+j = json.load(open(sys.argv[1]))
+print(f"python model: tokens_equal={j['tokens_equal']} tensors={j['tensors']} "
+      f"weights={j['weight_bytes'] / 1e6:.0f} MB load_state_dict={j['load_state_dict_ms']} ms "
+      f"attach={j['attach_ms']} ms torch_peak/weights={j['torch_peak_over_weights']} "
+      f"device_delta/weights={j['device_used_delta_over_weights']}")
+PY
+  fi
+fi
+((model_ok)) || ok=0
+
+elapsed=$(($(date +%s) - start))
+if ((ok)); then
+  say "== python on gpu: PASS in ${elapsed} s"
+  exit 0
+fi
+say "== python on gpu: FAIL in ${elapsed} s (logs in $OUT)"
+exit 1
