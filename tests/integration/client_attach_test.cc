@@ -493,5 +493,51 @@ TEST_F(ClientAttachTest, TwoGpusSameRankEachClientReachesOnlyItsOwnGpusDaemon) {
   EXPECT_NE(hidden.err.find(gpu0), std::string::npos) << hidden.err;
 }
 
+// The tier is part of the identity: a host-tier daemon with a GPU affinity and a gpu-tier
+// daemon of the same model and ranks on that GPU are two caches with two sockets (before,
+// the second was refused as "already served"), and a gpu-tier client that finds only the
+// host-tier cache is told that exactly the tier differs.
+TEST_F(ClientAttachTest, HostAndGpuTierCachesOnOneGpuAreDistinctAndAMismatchNamesTheTier) {
+  const std::string inventory = dir_.Join("inventory.json");
+  const std::string gpu0 = "GPU-0000abcd-1111-2222-3333-444444444444";
+  WriteFile(inventory, R"([{"index":0,"uuid":")" + gpu0 +
+                           R"(","name":"Fake H200","memory_bytes":150000000000}])");
+  const std::vector<std::string> on_gpu0 = {"--device", gpu0, "--device-inventory", inventory};
+  auto host = Serve(on_gpu0, "serve-host.log");
+  AttachOptions o = Options();
+  o.device = gpu0;
+  o.device_inventory = inventory;
+  auto host_id = client::ResolveIdentity(o);
+  ASSERT_TRUE(host_id.ok()) << host_id.status().ToString();
+  WaitReady(*host, host_id->paths.socket);
+
+  CommandResult r = Attach({"--tier", "gpu", "--device", gpu0, "--device-inventory", inventory,
+                            "--on-missing", "error"});
+  EXPECT_EQ(r.exit_code, 4) << r.out << r.err;
+  EXPECT_NE(r.err.find("(tier): tier: ours=\"gpu\" theirs=\"host\""), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(host_id->paths.socket), std::string::npos) << r.err;
+
+  // A gpu-tier daemon of the same config on the same GPU takes its own lock and socket. Here
+  // (no such device to load onto) its load then fails; what matters is that it got past the
+  // lock instead of exiting 7.
+  std::vector<std::string> gpu_args = {"--model",       ref_.dir, "--model-id",      "tiny",
+                                       "--runtime-dir", runtime_, "--threads",       "2",
+                                       "--tier",        "gpu",    "--failed-linger", "0"};
+  gpu_args.insert(gpu_args.end(), on_gpu0.begin(), on_gpu0.end());
+  auto gpu = ServeProcess::Start(gpu_args, dir_.Join("serve-gpu.log"));
+  ASSERT_NE(gpu, nullptr);
+  std::optional<int> code = gpu->WaitExit(30s);
+  ASSERT_TRUE(code.has_value()) << gpu->Log();
+  EXPECT_NE(*code, 7) << gpu->Log();
+  EXPECT_EQ(gpu->Log().find("already served"), std::string::npos) << gpu->Log();
+  o.tier = Tier::kGpu;
+  auto gpu_id = client::ResolveIdentity(o);
+  ASSERT_TRUE(gpu_id.ok()) << gpu_id.status().ToString();
+  EXPECT_NE(gpu_id->paths.socket, host_id->paths.socket);
+  EXPECT_NE(gpu->Log().find(", tier gpu, device " + gpu0), std::string::npos) << gpu->Log();
+  EXPECT_NE(gpu->Log().find("socket " + gpu_id->paths.socket), std::string::npos) << gpu->Log();
+  EXPECT_TRUE(host->Running()) << host->Log();
+}
+
 }  // namespace
 }  // namespace weightcache::testing

@@ -205,6 +205,77 @@ TEST_F(LaunchTest, TwoJobsOnDisjointGpuSetsCoexistAndClientsNeverCross) {
   }
 }
 
+// SPEC §5: launch takes every identity flag of serve and applies it to every daemon. A client
+// given the same flags attaches to its rank's daemon; one that leaves a flag out is told that
+// exactly that field differs.
+TEST_F(LaunchTest, EveryIdentityFlagOfServeReachesEveryDaemon) {
+  WriteFile(dir_.Join("quant.json"), R"({"bits": 8, "group_size": 128})");
+  const std::vector<std::string> identity = {"--model-id",
+                                             "tiny-q",
+                                             "--revision",
+                                             "r9",
+                                             "--dtype",
+                                             "bf16",
+                                             "--quantization",
+                                             "fp8",
+                                             "--layout-tag",
+                                             "fused-qkv",
+                                             "--quantization-config",
+                                             dir_.Join("quant.json"),
+                                             "--source",
+                                             "published:sglang",
+                                             "--dp-size",
+                                             "2"};
+  std::vector<std::string> extra = {"--tp", "2", "--threads", "3"};
+  extra.insert(extra.end(), identity.begin(), identity.end());
+  nlohmann::json j = Launch(extra, 0);
+  ASSERT_EQ(j["daemons"].size(), 2u) << j.dump();
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE(rank);
+    const auto& d = j["daemons"][rank];
+    const std::string log = ReadFile(d["log"].get<std::string>());
+    for (const std::string flag : {"--dtype bf16", "--layout-tag fused-qkv", "--threads 3",
+                                   "--source published:sglang", "--quantization fp8"}) {
+      EXPECT_NE(log.find(flag), std::string::npos) << flag << " not in " << log;
+    }
+    std::vector<std::string> attach = {CliPath(),
+                                       "attach",
+                                       "--model",
+                                       model_,
+                                       "--tier",
+                                       "host",
+                                       "--device",
+                                       std::to_string(rank),
+                                       "--tp-size",
+                                       "2",
+                                       "--tp-rank",
+                                       std::to_string(rank),
+                                       "--runtime-dir",
+                                       runtime(),
+                                       "--device-inventory",
+                                       dir_.Join("inventory.json"),
+                                       "--on-missing",
+                                       "error",
+                                       "--json"};
+    std::vector<std::string> exact = attach;
+    exact.insert(exact.end(), identity.begin(), identity.end());
+    CommandResult r = RunCommand(exact);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    auto got = nlohmann::json::parse(r.out);
+    EXPECT_EQ(got["source"], "daemon");
+    EXPECT_EQ(got["daemon_pid"], d["pid"]);
+
+    // Everything but --dtype: the daemon's dtype is the launch's, not the default.
+    std::vector<std::string> no_dtype = attach;
+    for (size_t i = 0; i < identity.size(); i += 2) {
+      if (identity[i] != "--dtype") no_dtype.insert(no_dtype.end(), {identity[i], identity[i + 1]});
+    }
+    CommandResult m = RunCommand(no_dtype);
+    EXPECT_EQ(m.exit_code, 4) << m.out << m.err;
+    EXPECT_NE(m.err.find("dtype: ours=\"auto\" theirs=\"bf16\""), std::string::npos) << m.err;
+  }
+}
+
 TEST_F(LaunchTest, ACorruptCheckpointFailsTheLaunchFastAndLeavesNothingBehind) {
   // Truncate one shard: its header promises more data than the file holds.
   const std::string bad = MakeCheckpoint("bad", 8, 2);
