@@ -9,6 +9,10 @@
 //   gpu_client_helper --model DIR [--model-id ID] [--device SPEC] [--runtime-dir DIR]
 //                     [--namespace NS] [--tp-size N --tp-rank R] [--revision REV]
 //                     [--manifest FILE] [--on-missing fallback|error] [--hold]
+//                     [--tier gpu|host]
+//
+// --tier host (no CUDA at all: bytes are read from the mapped host memory) lets the helper
+// itself be exercised on machines without a GPU.
 //
 // Output, one JSON object per line on stdout:
 //   after attaching   {"event":"attached", "source", "reason", "device", "socket",
@@ -23,10 +27,12 @@
 #include <cuda.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -89,6 +95,8 @@ Args Parse(int argc, char** argv) {
       a.options.revision = v;
     } else if (k == "--manifest") {
       a.manifest = v;
+    } else if (k == "--tier") {
+      a.options.tier = v == "host" ? Tier::kHost : Tier::kGpu;
     } else if (k == "--on-missing") {
       a.options.on_missing = v == "error" ? OnMissing::kError : OnMissing::kFallback;
     } else {
@@ -112,8 +120,8 @@ std::map<std::string, std::pair<std::string, uint64_t>> LoadManifest(const std::
   return out;
 }
 
-// Every tensor of `a` read back with cuMemcpyDtoH (in the primary context, which the caller
-// made current) and compared with the manifest.
+// Every tensor of `a` read back (gpu tier: cuMemcpyDtoH in the primary context, which the
+// caller made current; host tier: from the mapping) and compared with the manifest.
 nlohmann::json CheckBytes(const cuda::DriverApi* api, const Attachment& a,
                           const std::map<std::string, std::pair<std::string, uint64_t>>& want) {
   nlohmann::json problems = nlohmann::json::array();
@@ -133,7 +141,9 @@ nlohmann::json CheckBytes(const cuda::DriverApi* api, const Attachment& a,
       continue;
     }
     host.resize(t.nbytes);
-    if (t.nbytes > 0) {
+    if (t.nbytes > 0 && a.tier() == Tier::kHost) {
+      std::memcpy(host.data(), t.host_ptr(), t.nbytes);
+    } else if (t.nbytes > 0) {
       CUresult rc = api->cuMemcpyDtoH(host.data(), t.data, t.nbytes);
       if (rc != CUDA_SUCCESS) {
         problem(cuda::DriverError(api, rc, "cuMemcpyDtoH of " + t.name).ToString());
@@ -183,32 +193,36 @@ int Main(int argc, char** argv) {
   if (!attached.ok()) FailWith(attached.status());
   const Attachment& a = *attached;
 
-  Result<const cuda::DriverApi*> api = cuda::LoadDriver();
-  if (!api.ok()) FailWith(api.status());
-  Result<CUdevice> device = client::FindCudaDevice(*api, a.device_key());
-  if (!device.ok()) FailWith(device.status());
-  // The tensors live in the primary context (client.h); hold it current on this thread.
-  Result<cuda::PrimaryContext> context = cuda::PrimaryContext::Retain(*api, *device);
-  if (!context.ok()) FailWith(context.status());
+  const cuda::DriverApi* api = nullptr;
+  CUdevice device = -1;
+  std::optional<cuda::PrimaryContext> context;
+  if (a.tier() == Tier::kGpu) {
+    Result<const cuda::DriverApi*> loaded = cuda::LoadDriver();
+    if (!loaded.ok()) FailWith(loaded.status());
+    api = *loaded;
+    Result<CUdevice> found = client::FindCudaDevice(api, a.device_key());
+    if (!found.ok()) FailWith(found.status());
+    device = *found;
+    // The tensors live in the primary context (client.h); hold it current on this thread.
+    Result<cuda::PrimaryContext> retained = cuda::PrimaryContext::Retain(api, device);
+    if (!retained.ok()) FailWith(retained.status());
+    context.emplace(std::move(retained).value());
+  }
 
-  nlohmann::json out = {{"event", "attached"},
-                        {"source", AttachSourceName(a.source())},
-                        {"reason", a.source_reason()},
-                        {"device", a.device_key()},
-                        {"socket", a.socket_path()},
-                        {"daemon_pid", a.daemon_pid()},
-                        {"tensors", a.tensors().size()},
-                        {"bytes", a.total_bytes()},
-                        {"attach_ms", a.attach_ms()},
-                        {"device_ordinal", static_cast<int>(*device)},
-                        {"pointer_ordinals_ok", PointersOnDevice(*api, a, *device)}};
-  if (!args.manifest.empty()) out["check"] = CheckBytes(*api, a, manifest);
+  nlohmann::json out = {
+      {"event", "attached"},           {"source", AttachSourceName(a.source())},
+      {"reason", a.source_reason()},   {"device", a.device_key()},
+      {"socket", a.socket_path()},     {"daemon_pid", a.daemon_pid()},
+      {"tensors", a.tensors().size()}, {"bytes", a.total_bytes()},
+      {"attach_ms", a.attach_ms()},    {"device_ordinal", static_cast<int>(device)}};
+  if (api != nullptr) out["pointer_ordinals_ok"] = PointersOnDevice(api, a, device);
+  if (!args.manifest.empty()) out["check"] = CheckBytes(api, a, manifest);
   Print(out);
 
   if (args.hold) {
     for (std::string line; std::getline(std::cin, line);) {
       nlohmann::json r = {{"event", "recheck"}, {"daemon_alive", a.daemon_alive()}};
-      if (!args.manifest.empty()) r["check"] = CheckBytes(*api, a, manifest);
+      if (!args.manifest.empty()) r["check"] = CheckBytes(api, a, manifest);
       Print(r);
     }
   }

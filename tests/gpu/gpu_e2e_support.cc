@@ -87,11 +87,11 @@ Result<TestModel> MakeModel(const std::string& dir, int tensors, int shards, int
   TestModel model;
   model.dir = dir;
   model.manifest_path = dir + ".manifest.json";
-  const CommandResult r = RunCommand(
-      {PythonExe(), SourceDir() + "/tests/tools/make_checkpoint.py", "--out", dir, "--tensors",
-       std::to_string(tensors), "--shards", std::to_string(shards), "--seed", std::to_string(seed),
-       "--dtypes", "f32,bf16,f16,i64,u8,f8_e4m3", "--min-elems", "0", "--max-elems",
-       std::to_string(max_elems), "--manifest", model.manifest_path});
+  const CommandResult r =
+      RunCommand({PythonExe(), SourceDir() + "/tests/tools/make_checkpoint.py", "--out", dir,
+                  "--tensors", std::to_string(tensors), "--shards", std::to_string(shards),
+                  "--seed", std::to_string(seed), "--dtypes", "f32,bf16,f16,i64,u8,f8_e4m3",
+                  "--max-elems", std::to_string(max_elems), "--manifest", model.manifest_path});
   if (r.exit_code != 0) {
     return InternalError("make_checkpoint.py exited " + std::to_string(r.exit_code) + ": " + r.err);
   }

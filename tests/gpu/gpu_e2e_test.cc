@@ -49,8 +49,8 @@ class GpuE2eTest : public ::testing::Test {
     uuids_ = gpus.uuids;
     // One checkpoint for the whole suite: 3 shards, every common dtype, up to 1 MiB tensors.
     if (model_ == nullptr) {
-      static TempDir* model_dir = new TempDir();
-      auto made = MakeModel(model_dir->Join("model"), 48, 3, 11, 1 << 18);
+      static TempDir model_dir;  // removed at exit
+      auto made = MakeModel(model_dir.Join("model"), 48, 3, 11, 1 << 18);
       ASSERT_TRUE(made.ok()) << made.status().ToString();
       model_ = new TestModel(*made);
     }
