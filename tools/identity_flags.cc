@@ -1,6 +1,5 @@
 #include "identity_flags.h"
 
-#include <map>
 #include <string>
 
 namespace weightcache::cli {
@@ -28,9 +27,12 @@ void AddIdentityFlags(CLI::App* sub, AttachOptions* o, IdentityScope scope) {
   }
   sub->add_option("--layout-tag", o->layout_tag, "arena layout tag");
   sub->add_option("--source", o->source, "disk or published:<producer tag>");
-  sub->add_option("--tier", o->tier, "gpu (VMM arena on a GPU) or host (sealed memfds)")
-      ->transform(CLI::CheckedTransformer(
-          std::map<std::string, Tier>{{"gpu", Tier::kGpu}, {"host", Tier::kHost}}));
+  // By name only: a transformer onto the enum would also accept its integer values ("1").
+  sub->add_option_function<std::string>(
+         "--tier",
+         [o](const std::string& tier) { o->tier = tier == "host" ? Tier::kHost : Tier::kGpu; },
+         "gpu (VMM arena on a GPU) or host (sealed memfds); default gpu")
+      ->check(CLI::IsMember({"gpu", "host"}));
   if (one) {
     sub->add_option("--device", o->device,
                     "local index into the visible devices, or a GPU UUID (prefix)");

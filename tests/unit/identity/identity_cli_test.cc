@@ -132,6 +132,11 @@ TEST_F(IdentityCliTest, PathsErrorsAreUsageErrorsWithTheReason) {
   EXPECT_EQ(no_device.exit_code, 2);
   EXPECT_THAT(no_device.err, HasSubstr("--tier gpu needs --device N|UUID"));
 
+  // The tier is taken by name only (not as the enum's integer).
+  CommandResult numeric_tier = Paths({"--device", "0", "--tier", "1"});
+  EXPECT_EQ(numeric_tier.exit_code, 2);
+  EXPECT_THAT(numeric_tier.err, HasSubstr("--tier: 1 not in {gpu,host}"));
+
   CommandResult tmpl = Paths({"--device", "0", "--socket", tmp_.Join("{tp_rank}.sock")});
   EXPECT_EQ(tmpl.exit_code, 2);
   EXPECT_THAT(tmpl.err, HasSubstr("lacks {device_uuid}"));
