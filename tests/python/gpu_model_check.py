@@ -90,6 +90,40 @@ def materialize_buffers(model, cfg, device):
         setattr(model.get_submodule(parent) if parent else model, child, fresh)
 
 
+def check_interop(att, params, torch):
+    """CuPy and JAX read the same GPU tensor through DLPack (where installed): bytes equal to
+    torch's view of it; CuPy must also be zero-copy."""
+    name = next(n for n in params if n in att and att[n].dtype == "BF16")
+    want = params[name].detach().view(torch.uint8).flatten().cpu().numpy().tobytes()
+    out = {}
+    try:
+        import cupy
+    except ImportError:
+        out["cupy"] = "absent"
+    else:
+        try:
+            x = cupy.from_dlpack(att[name].raw())
+            same_ptr = x.data.ptr == att[name].data_ptr
+            out["cupy"] = "ok" if same_ptr and cupy.asnumpy(x).tobytes() == want else (
+                f"bytes or address differ (zero-copy: {same_ptr})")
+        except Exception as e:  # reported, not raised: the other checks still run
+            out["cupy"] = f"{type(e).__name__}: {e}"
+    try:
+        import jax.dlpack
+        import numpy as np
+    except ImportError:
+        out["jax"] = "absent"
+    else:
+        try:
+            y = jax.dlpack.from_dlpack(att[name])
+            got = np.asarray(y).tobytes()
+            out["jax"] = "ok" if (str(y.dtype) == "bfloat16" and got == want) else (
+                f"dtype {y.dtype} or bytes differ")
+        except Exception as e:
+            out["jax"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def cmd_attach(args):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -130,6 +164,7 @@ def cmd_attach(args):
     for name, p in model.named_parameters():
         assert p.device == torch.device("cuda:0") and not p.is_meta, name
 
+    interop = check_interop(att, params, torch)
     tokens = generate(model, torch)
     reference = json.load(open(args.reference))
     peak = torch.cuda.max_memory_allocated(0) - allocated_before
@@ -139,7 +174,7 @@ def cmd_attach(args):
         "tokens_equal": tokens == reference, "tokens": tokens, "reference": reference,
         "tensors": len(att), "weight_bytes": weights, "load_state_dict_ms": round(load_ms, 2),
         "attach_ms": round(att.attach_ms, 3), "daemon_pid": att.daemon_pid,
-        "device_uuid": att.device_uuid,
+        "device_uuid": att.device_uuid, "interop": interop,
         "torch_peak_allocated_bytes": peak,
         "torch_peak_over_weights": round(peak / weights, 4),
         "device_used_delta_bytes": free_before - free_after,
@@ -147,6 +182,9 @@ def cmd_attach(args):
     }
     print(json.dumps(report))
     failures = []
+    # A library that imports the tensor but sees other bytes fails the check; one that cannot
+    # import it at all (e.g. a CPU-only JAX) is reported in the JSON line only.
+    failures += [f"{lib}: {why}" for lib, why in interop.items() if "differ" in why]
     if tokens != reference:
         failures.append("generated tokens differ from the disk-loaded model's")
     # torch's allocator never holds the weights: its peak is activations + KV cache only.

@@ -196,7 +196,9 @@ def test_torch_host_tier(attachment, checkpoint, runtime_dir):
     assert sd.attachment.source == attachment.source
     for name, want in expected.items():
         got = sd[name]
-        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert got.dtype == want.dtype, name
+        if manifest[name]["dtype"] != "F4":  # packed x2: libraries differ on the shape
+            assert got.shape == want.shape, name
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
     for t in attachment.tensors():
         if t.dtype in ("BF16", "F16", "F32", "I64"):
