@@ -381,6 +381,9 @@ LaunchReport Launcher::Run(int signal_fd) {
   const auto deadline = start + options_.ready_timeout;
   epoll_event events[16];
   while (true) {
+    // Readiness counts only if the probe that saw it began before the deadline: a daemon that
+    // became ready after the deadline is late, however soon the launcher looked.
+    const auto probe_started = Clock::now();
     ProbeAll();
     for (size_t i = 0; i < daemons_.size(); ++i) {
       if (daemons_[i].state == DaemonState::kFailed) {
@@ -390,11 +393,11 @@ LaunchReport Launcher::Run(int signal_fd) {
       }
     }
     if (options_.on_progress) options_.on_progress(Snapshots());
-    if (std::all_of(daemons_.begin(), daemons_.end(),
-                    [](const Daemon& d) { return d.state == DaemonState::kReady; })) {
-      break;
-    }
-    if (Clock::now() >= deadline) {
+    const bool all_ready = std::all_of(daemons_.begin(), daemons_.end(), [](const Daemon& d) {
+      return d.state == DaemonState::kReady;
+    });
+    if (all_ready && probe_started < deadline) break;
+    if (probe_started >= deadline) {
       std::string waiting;
       int first = -1;
       for (size_t i = 0; i < daemons_.size(); ++i) {
@@ -409,6 +412,7 @@ LaunchReport Launcher::Run(int signal_fd) {
           waiting += " (" + d.reason + ")";
         }
       }
+      if (waiting.empty()) waiting = "all became ready only after the deadline";
       Status s(StatusCode::kTimeout,
                "daemons not ready after " +
                    std::to_string(options_.ready_timeout.count() / 1000.0).substr(0, 6) +

@@ -12,7 +12,7 @@ namespace weightcache::identity::testing {
 // Device i of the modelled host: "GPU-iiiiiiii-1111-2222-3333-00000000000i". Every UUID has
 // a distinct first hex digit, so "GPU-5" is a unique prefix of device 5.
 inline std::string TestUuid(int i) {
-  char buf[64];
+  char buf[128];  // room for any int, so the compiler can prove no truncation
   std::snprintf(buf, sizeof(buf), "GPU-%d%d%d%d%d%d%d%d-1111-2222-3333-%012d", i, i, i, i, i, i, i,
                 i, i);
   return buf;
