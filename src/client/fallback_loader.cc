@@ -51,15 +51,18 @@ HostBuffer::~HostBuffer() { std::free(data_); }
 // ---- DeviceBuffer ---------------------------------------------------------------------------
 
 Result<DeviceBuffer> DeviceBuffer::Allocate(const cuda::DriverApi* api, uint64_t bytes) {
+  CUcontext context = nullptr;
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuCtxGetCurrent(&context), "cuCtxGetCurrent");
   CUdeviceptr ptr = 0;
   WEIGHTCACHE_CU_RETURN_IF_ERROR(
       api, cuMemAlloc(&ptr, std::max<uint64_t>(bytes, 1)),
       "cuMemAlloc of " + std::to_string(bytes) + " bytes for the fallback load");
-  return DeviceBuffer(api, ptr, bytes);
+  return DeviceBuffer(api, context, ptr, bytes);
 }
 
 DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
     : api_(std::exchange(other.api_, nullptr)),
+      context_(std::exchange(other.context_, nullptr)),
       ptr_(std::exchange(other.ptr_, 0)),
       size_(std::exchange(other.size_, 0)) {}
 
@@ -67,6 +70,7 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   if (this != &other) {
     Reset();
     api_ = std::exchange(other.api_, nullptr);
+    context_ = std::exchange(other.context_, nullptr);
     ptr_ = std::exchange(other.ptr_, 0);
     size_ = std::exchange(other.size_, 0);
   }
@@ -77,12 +81,15 @@ DeviceBuffer::~DeviceBuffer() { Reset(); }
 
 void DeviceBuffer::Reset() {
   if (api_ != nullptr) {
+    // cuMemFree needs the allocation's context current; the destroying thread may have none.
+    const cuda::ScopedCurrentContext in_context(api_, context_);
     CUresult rc = api_->cuMemFree(ptr_);
     if (rc != CUDA_SUCCESS) {
       LOG_WARN << cuda::DriverError(api_, rc, "cuMemFree of the fallback buffer").ToString();
     }
   }
   api_ = nullptr;
+  context_ = nullptr;
   ptr_ = 0;
   size_ = 0;
 }
@@ -177,6 +184,7 @@ Result<GpuFallback> LoadGpuFallback(const cuda::DriverApi* api, CUdevice device,
                                     uint64_t staging_bytes) {
   const auto& infos = checkpoint.tensors();
   std::vector<uint64_t> offsets = PackedOffsets(checkpoint);
+  const cuda::CallerContextGuard caller_context(api);
   WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::PrimaryContext context,
                                cuda::PrimaryContext::Retain(api, device));
   WEIGHTCACHE_ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::Allocate(api, offsets.back()));

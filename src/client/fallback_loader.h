@@ -51,6 +51,8 @@ class HostBuffer {
 // must stay alive (retained) longer than the buffer.
 class DeviceBuffer {
  public:
+  // Allocates in the calling thread's current context; freed in that same context from
+  // whichever thread destroys the buffer.
   static Result<DeviceBuffer> Allocate(const cuda::DriverApi* api, uint64_t bytes);
   DeviceBuffer(DeviceBuffer&& other) noexcept;
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
@@ -62,10 +64,11 @@ class DeviceBuffer {
   uint64_t size() const { return size_; }
 
  private:
-  DeviceBuffer(const cuda::DriverApi* api, CUdeviceptr ptr, uint64_t size)
-      : api_(api), ptr_(ptr), size_(size) {}
+  DeviceBuffer(const cuda::DriverApi* api, CUcontext context, CUdeviceptr ptr, uint64_t size)
+      : api_(api), context_(context), ptr_(ptr), size_(size) {}
   void Reset();
   const cuda::DriverApi* api_ = nullptr;  // null when empty
+  CUcontext context_ = nullptr;           // the context the memory was allocated in
   CUdeviceptr ptr_ = 0;
   uint64_t size_ = 0;
 };

@@ -24,7 +24,9 @@ double SecondsSince(Clock::time_point start) {
 Result<std::vector<uint64_t>> GpuChecksums(const Attachment& attachment) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
   WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice dev, FindCudaDevice(api, attachment.device_key()));
-  // The memory lives in the primary context (client.h); make it current on this thread.
+  // The memory lives in the primary context (client.h); make it current on this thread, and
+  // give the caller's thread back its own context afterwards.
+  const cuda::CallerContextGuard caller_context(api);
   WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::PrimaryContext context,
                                cuda::PrimaryContext::Retain(api, dev));
   std::vector<cuda::DeviceRange> ranges;

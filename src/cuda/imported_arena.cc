@@ -72,6 +72,7 @@ Result<ImportedArena> ImportedArena::Import(const DriverApi* api, CUdevice devic
     if (Status s = CheckReceivedFd(fds[i]); !s.ok()) return s.Context(where + ": " + Which(i, n));
   }
 
+  const CallerContextGuard caller_context(api);
   Result<PrimaryContext> context = PrimaryContext::Retain(api, device);
   if (!context.ok()) return context.status().Context(where);
   // The minimum granularity is the hard requirement of cuMemMap; the daemon rounds to the

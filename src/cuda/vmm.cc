@@ -52,6 +52,34 @@ std::string HexPtr(CUdeviceptr ptr) {
   return buf;
 }
 
+// ---- context guards --------------------------------------------------------------------------
+
+CallerContextGuard::CallerContextGuard(const DriverApi* api) : api_(api) {
+  if (api_->cuCtxGetCurrent(&saved_) != CUDA_SUCCESS) saved_ = nullptr;
+}
+
+CallerContextGuard::~CallerContextGuard() {
+  if (saved_ == nullptr) return;
+  CUcontext now = nullptr;
+  if (api_->cuCtxGetCurrent(&now) == CUDA_SUCCESS && now != saved_) {
+    if (CUresult rc = api_->cuCtxSetCurrent(saved_); rc != CUDA_SUCCESS) {
+      LOG_WARN << DriverError(api_, rc, "restoring the caller's CUDA context").ToString();
+    }
+  }
+}
+
+ScopedCurrentContext::ScopedCurrentContext(const DriverApi* api, CUcontext context) : api_(api) {
+  if (api_->cuCtxGetCurrent(&saved_) != CUDA_SUCCESS) saved_ = nullptr;
+  if (saved_ != context && api_->cuCtxSetCurrent(context) == CUDA_SUCCESS) switched_ = true;
+}
+
+ScopedCurrentContext::~ScopedCurrentContext() {
+  if (!switched_) return;
+  if (CUresult rc = api_->cuCtxSetCurrent(saved_); rc != CUDA_SUCCESS) {
+    LOG_WARN << DriverError(api_, rc, "restoring the previous CUDA context").ToString();
+  }
+}
+
 // ---- PrimaryContext ----------------------------------------------------------------------------
 
 Result<PrimaryContext> PrimaryContext::Retain(const DriverApi* api, CUdevice device) {

@@ -75,6 +75,38 @@ class PrimaryContext {
   CUcontext context_ = nullptr;
 };
 
+// Keeps a library entry point from switching its caller's thread to another context: records
+// the calling thread's current context and, on destruction, makes it current again if there
+// was one and it changed. A thread that had no current context keeps the one the entry point
+// made current (the device's primary context — what cudaSetDevice would have done), so a plain
+// C++ client can use the memory it just attached without further calls.
+class CallerContextGuard {
+ public:
+  explicit CallerContextGuard(const DriverApi* api);
+  CallerContextGuard(const CallerContextGuard&) = delete;
+  CallerContextGuard& operator=(const CallerContextGuard&) = delete;
+  ~CallerContextGuard();
+
+ private:
+  const DriverApi* api_;
+  CUcontext saved_ = nullptr;
+};
+
+// Makes `context` current for its lifetime and restores the previous current context (even
+// none) afterwards: for calls such as cuMemFree in a destructor, which may run on any thread.
+class ScopedCurrentContext {
+ public:
+  ScopedCurrentContext(const DriverApi* api, CUcontext context);
+  ScopedCurrentContext(const ScopedCurrentContext&) = delete;
+  ScopedCurrentContext& operator=(const ScopedCurrentContext&) = delete;
+  ~ScopedCurrentContext();
+
+ private:
+  const DriverApi* api_;
+  CUcontext saved_ = nullptr;
+  bool switched_ = false;
+};
+
 class VmmHandle {
  public:
   // cuMemCreate of `size` bytes (a multiple of the granularity) with `prop`.

@@ -62,6 +62,7 @@ CUresult FakeRelease(CUdevice dev) {
   WC_FAKE_CALL("cuDevicePrimaryCtxRelease", PrimaryCtxRelease(dev));
 }
 CUresult FakeSetCurrent(CUcontext ctx) { WC_FAKE_CALL("cuCtxSetCurrent", CtxSetCurrent(ctx)); }
+CUresult FakeGetCurrent(CUcontext* ctx) { WC_FAKE_CALL("cuCtxGetCurrent", CtxGetCurrent(ctx)); }
 CUresult FakeAttribute(int* value, CUdevice_attribute attribute, CUdevice dev) {
   WC_FAKE_CALL("cuDeviceGetAttribute", DeviceGetAttribute(value, attribute, dev));
 }
@@ -116,6 +117,7 @@ FakeDriver::FakeDriver(uint64_t granularity, int device_count)
   api_.cuDevicePrimaryCtxRetain = FakeRetain;
   api_.cuDevicePrimaryCtxRelease = FakeRelease;
   api_.cuCtxSetCurrent = FakeSetCurrent;
+  api_.cuCtxGetCurrent = FakeGetCurrent;
   api_.cuDeviceGetAttribute = FakeAttribute;
   api_.cuMemGetAllocationGranularity = FakeGranularity;
   api_.cuMemCreate = FakeCreate;
@@ -199,6 +201,11 @@ CUresult FakeDriver::PrimaryCtxRelease(CUdevice dev) {
 
 CUresult FakeDriver::CtxSetCurrent(CUcontext ctx) {
   current_context_ = ctx;
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::CtxGetCurrent(CUcontext* ctx) {
+  *ctx = current_context_;
   return CUDA_SUCCESS;
 }
 

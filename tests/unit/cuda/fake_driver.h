@@ -60,6 +60,8 @@ class FakeDriver {
   int violations() const { return static_cast<int>(violation_log_.size()); }
   const std::vector<std::string>& violation_log() const { return violation_log_; }
   CUcontext current_context() const { return current_context_; }
+  // As if the caller's thread had made `ctx` current before calling into the library.
+  void set_current_context(CUcontext ctx) { current_context_ = ctx; }
   // Access flags set for `device` on the mapping that starts at `ptr` (PROT_NONE if none).
   unsigned long long AccessAt(CUdeviceptr ptr, CUdevice device) const;
   // The properties last passed to cuMemCreate.
@@ -70,6 +72,7 @@ class FakeDriver {
   CUresult PrimaryCtxRetain(CUcontext* ctx, CUdevice dev);
   CUresult PrimaryCtxRelease(CUdevice dev);
   CUresult CtxSetCurrent(CUcontext ctx);
+  CUresult CtxGetCurrent(CUcontext* ctx);
   CUresult DeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice dev);
   CUresult GetGranularity(size_t* granularity, const CUmemAllocationProp* prop);
   CUresult Create(CUmemGenericAllocationHandle* handle, size_t size,

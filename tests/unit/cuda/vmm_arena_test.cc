@@ -442,6 +442,7 @@ TEST(ImportedArenaTest, ASizeLargerThanTheAllocationFailsInCuMemMapAndRollsBack)
 // ---- ImportedArena: failure at every driver call, exact rollback -------------------------------
 
 const std::vector<Step> kImportSteps = {
+    {"cuCtxGetCurrent", 1, ""},  // remembering the caller's context: not a failure of Import
     {"cuDevicePrimaryCtxRetain", 1, "importing VMM arena on device 1"},
     {"cuCtxSetCurrent", 1, "importing VMM arena on device 1"},
     {"cuMemGetAllocationGranularity", 1, "importing VMM arena on device 1"},
@@ -512,10 +513,32 @@ TEST(ImportedArenaRollbackTest, FailedReleaseOfAnImportedHandleIsNotAnImportFail
   EXPECT_EQ(CountOpenFds(), fds_before);
 }
 
+// An engine thread that had another context current gets it back; a thread that had none is
+// left with the device's primary context current, so it can use the memory right away.
+TEST(ImportedArenaTest, RestoresTheCallersContextAndOtherwiseLeavesThePrimaryCurrent) {
+  FakeDriver fake(kGranularity);
+  CUcontext engines = reinterpret_cast<CUcontext>(uintptr_t{0xe0e0});
+  fake.set_current_context(engines);
+  {
+    Result<ImportedArena> arena =
+        ImportedArena::Import(fake.api(), kDevice, ForeignArena(fake), kRounded);
+    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+    EXPECT_EQ(fake.current_context(), engines);
+  }
+  fake.set_current_context(nullptr);
+  Result<ImportedArena> arena =
+      ImportedArena::Import(fake.api(), kDevice, ForeignArena(fake), kRounded);
+  ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+  EXPECT_NE(fake.current_context(), nullptr);
+  EXPECT_NE(fake.current_context(), engines);
+}
+
 std::vector<Step> AcquisitionSteps(const std::vector<Step>& steps) {
   std::vector<Step> out;
   for (const Step& s : steps) {
-    if (std::string(s.function) != "cuMemRelease") out.push_back(s);
+    if (std::string(s.function) != "cuMemRelease" && std::string(s.function) != "cuCtxGetCurrent") {
+      out.push_back(s);
+    }
   }
   return out;
 }
