@@ -398,7 +398,8 @@ int ParentMain(const ParentArgs& args, const std::string& self) {
     }
     const std::string tag = "n" + std::to_string(n) + "-" + std::to_string(::getpid());
     const std::string model = shm ? "/dev/shm/gpu_attach_bench-" + tag : work + "/model-" + tag;
-    const std::string runtime = work + "/rt-" + tag;
+    // Short and outside `work`: the socket path under it must fit the 107-byte sun_path limit.
+    const std::string runtime = "/tmp/wcrt-" + tag;
     const std::string log = work + "/serve-" + tag + ".log";
     rec["storage"] = shm ? "tmpfs (/dev/shm)" : "disk (" + work + ")";
 

@@ -114,11 +114,14 @@ int Run(ServeArgs& args) {
     if (!budget.ok()) return Fail(kCmd, budget.status().Context("--memory-budget"));
     options.load.memory_budget = *budget;
   }
-  auto id = client::ResolveIdentity(args.identity);
-  if (!id.ok()) return Fail(kCmd, id.status());
-
+  // Before anything can start a thread: resolving a gpu identity loads the CUDA driver, whose
+  // cuInit starts threads of its own, and a thread that does not block the stop signals would
+  // take SIGTERM's default action (death) instead of the signalfd getting it.
   auto signals = TakeSignals();
   if (!signals.ok()) return Fail(kCmd, signals.status());
+
+  auto id = client::ResolveIdentity(args.identity);
+  if (!id.ok()) return Fail(kCmd, id.status());
 
   options.config = id->config;
   options.paths = id->paths;

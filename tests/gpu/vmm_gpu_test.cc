@@ -230,13 +230,23 @@ TEST_F(VmmGpuTest, ArenasOnTwoDevicesAreDistinct) {
   EXPECT_EQ(ordinal0, 0);
   EXPECT_EQ(ordinal1, 1);
 
-  // Each creation made its own device's context current; copies go through the pointer's
-  // device regardless (unified addressing).
-  Fill(*a0, 1000);
-  Fill(*a1, 1001);
-  for (size_t i = 0; i < kRequested.size(); ++i) {
-    ExpectPattern(a0->allocations()[i].ptr, a0->allocations()[i].size, 1000, i);
-    ExpectPattern(a1->allocations()[i].ptr, a1->allocations()[i].size, 1001, i);
+  // VMM memory is accessible only where cuMemSetAccess granted it (its own device), so each
+  // arena is written and read under its own device's context, not through unified addressing.
+  {
+    Result<cuda::PrimaryContext> ctx0 = cuda::PrimaryContext::Retain(api_, device0_);
+    ASSERT_TRUE(ctx0.ok()) << ctx0.status().ToString();
+    Fill(*a0, 1000);
+    for (size_t i = 0; i < kRequested.size(); ++i) {
+      ExpectPattern(a0->allocations()[i].ptr, a0->allocations()[i].size, 1000, i);
+    }
+  }
+  {
+    Result<cuda::PrimaryContext> ctx1 = cuda::PrimaryContext::Retain(api_, device1);
+    ASSERT_TRUE(ctx1.ok()) << ctx1.status().ToString();
+    Fill(*a1, 1001);
+    for (size_t i = 0; i < kRequested.size(); ++i) {
+      ExpectPattern(a1->allocations()[i].ptr, a1->allocations()[i].size, 1001, i);
+    }
   }
   // A child attaching to device 1 gets device 1's bytes, not device 0's.
   EXPECT_EQ(AskHelper(ImportRequest(1, 1001, 1002, *a1), FdsOf(*a1)),
