@@ -13,10 +13,12 @@
 //    kTimeout (OnMissing::kError and the daemon was still loading), kPermissionDenied /
 //    kProtocol / kIo (a socket that is not ours, not a socket, or speaks garbage: never a
 //    silent fallback), kInvalidArgument (options), kInvalidCheckpoint (the model dir).
-//  * Ownership and lifetimes: an Attachment owns every mapping its tensors point into. Tensor
-//    addresses stay valid until the Attachment is destroyed — including after the daemon dies
-//    (host tier: the memfd mapping; gpu tier: the imported VMM mapping keeps the memory
-//    alive). Moving an Attachment keeps the addresses; a moved-from Attachment is empty.
+//  * Ownership and lifetimes: an Attachment owns every mapping its tensors point into, and the
+//    tensor table itself (Tensor's name/dtype/shape/strides are views into it). Tensor
+//    addresses and views stay valid until the Attachment is destroyed — including after the
+//    daemon dies (host tier: the memfd mapping; gpu tier: the imported VMM mapping keeps the
+//    memory alive). Moving an Attachment keeps the addresses and views; a moved-from
+//    Attachment is empty.
 //    Received fds are closed once mapped; the connection to the daemon stays open so the
 //    client learns of the daemon's death by EOF.
 //  * GPU tier: device addresses are valid in the device's PRIMARY context (the one the CUDA
@@ -35,6 +37,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -98,12 +101,17 @@ struct AttachOptions {
   int fallback_threads = 8;
 };
 
-// One tensor as the caller sees it. Layout is always contiguous (row-major).
+// One tensor as the caller sees it: a view into its Attachment's tensor table (built with no
+// per-tensor allocation, so attaching stays flat in tensor count). Every view — name, dtype,
+// shape, strides — lives exactly as long as the Attachment (moves included); copy what must
+// outlive it. Layout is always contiguous (row-major).
 struct Tensor {
-  std::string name;
-  std::string dtype;  // the safetensors spelling: "BF16", "F8_E4M3", …
-  std::vector<int64_t> shape;
-  std::vector<int64_t> strides;  // in elements
+  // NUL-terminated in the table (name.data()[name.size()] == '\0'): usable as a C string.
+  std::string_view name;
+  // The safetensors spelling ("BF16", "F8_E4M3", …), a static C string.
+  std::string_view dtype;
+  std::span<const int64_t> shape;
+  std::span<const int64_t> strides;  // in elements, shape.size() entries
   // Host tier: a host pointer (read-only memory). GPU tier: a CUdeviceptr in the device's
   // primary context.
   uint64_t data = 0;
@@ -125,7 +133,7 @@ class Attachment {
   Attachment& operator=(const Attachment&) = delete;
   ~Attachment();
 
-  // Sorted by name.
+  // Sorted by name (byte order).
   const std::vector<Tensor>& tensors() const;
   const Tensor* Find(std::string_view name) const;  // null when absent
   uint64_t total_bytes() const;

@@ -22,12 +22,17 @@ namespace client {
 namespace {
 
 // Dtype semantics are the consumer's to check (protocol/manifest.h): a known safetensors
-// dtype, and nbytes equal to the element count times its size.
-Status CheckTensorEntry(const protocol::TensorEntry& t, const std::string& who) {
-  auto dtype = checkpoint::ParseDType(t.dtype);
-  if (!dtype.ok()) {
-    return ProtocolError(who + ": tensor " + std::string(t.name) + " has unknown dtype \"" +
-                         std::string(t.dtype) + "\"");
+// dtype, and nbytes equal to the element count times its size. `last` caches the previous
+// entry's dtype: a checkpoint has a handful of distinct dtypes, usually one.
+Result<checkpoint::DType> CheckTensorEntry(const protocol::TensorEntry& t, const std::string& who,
+                                           std::pair<std::string_view, checkpoint::DType>& last) {
+  if (t.dtype != last.first) {
+    auto dtype = checkpoint::ParseDType(t.dtype);
+    if (!dtype.ok()) {
+      return ProtocolError(who + ": tensor " + std::string(t.name) + " has unknown dtype \"" +
+                           std::string(t.dtype) + "\"");
+    }
+    last = {t.dtype, *dtype};
   }
   uint64_t elements = 1;
   for (uint64_t d : t.dims()) {
@@ -36,13 +41,13 @@ Status CheckTensorEntry(const protocol::TensorEntry& t, const std::string& who) 
     }
     elements *= d;
   }
-  auto bytes = checkpoint::DTypeByteSize(*dtype, elements);
+  auto bytes = checkpoint::DTypeByteSize(last.second, elements);
   if (!bytes.ok() || *bytes != t.nbytes) {
     return ProtocolError(who + ": tensor " + std::string(t.name) + " claims " +
                          std::to_string(t.nbytes) + " bytes for " + std::to_string(elements) +
                          " elements of " + std::string(t.dtype));
   }
-  return Status::Ok();
+  return last.second;
 }
 
 Status CheckTier(const protocol::AttachReply& reply, Tier want, const std::string& who) {
@@ -56,16 +61,28 @@ Status CheckTier(const protocol::AttachReply& reply, Tier want, const std::strin
   return Status::Ok();
 }
 
-std::vector<Tensor> BuildTable(const protocol::Manifest& manifest,
-                               const std::vector<uint64_t>& allocation_base) {
-  std::vector<Tensor> tensors;
-  tensors.reserve(manifest.tensors().size());
-  for (const auto& t : manifest.tensors()) {
-    tensors.push_back(MakeTensor(std::string(t.name), std::string(t.dtype), t.dims(),
-                                 allocation_base[t.allocation] + t.offset, t.nbytes, t.checksum));
+// Checks every entry (CheckTensorEntry) and builds the public table in one pass: three
+// allocations in all, names copied once into the table (the manifest's string table is not
+// NUL-terminated, the C ABI needs C strings).
+Result<TensorTable> BuildTable(const protocol::Manifest& manifest,
+                               const std::vector<uint64_t>& allocation_base,
+                               const std::string& who) {
+  const auto& entries = manifest.tensors();
+  size_t name_bytes = 0, dims = 0;
+  for (const auto& t : entries) {
+    name_bytes += t.name.size();
+    dims += t.ndim;
   }
-  SortByName(tensors);
-  return tensors;
+  TensorTable table;
+  table.Reserve(entries.size(), name_bytes, dims);
+  std::pair<std::string_view, checkpoint::DType> last{};
+  for (const auto& t : entries) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::DType dtype, CheckTensorEntry(t, who, last));
+    WEIGHTCACHE_RETURN_IF_ERROR(table.Add(
+        t.name, dtype, t.dims(), allocation_base[t.allocation] + t.offset, t.nbytes, t.checksum));
+  }
+  table.Finish();
+  return table;
 }
 
 }  // namespace
@@ -76,9 +93,6 @@ Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attach
   if (reply.fds.size() != sizes.size()) {
     return ProtocolError(who + ": " + std::to_string(sizes.size()) + " allocations but " +
                          std::to_string(reply.fds.size()) + " fds");
-  }
-  for (const auto& t : reply.manifest.tensors()) {
-    WEIGHTCACHE_RETURN_IF_ERROR(CheckTensorEntry(t, who));
   }
   std::vector<os::MappedRegion> regions;
   std::vector<uint64_t> base;
@@ -101,7 +115,7 @@ Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attach
     regions.push_back(std::move(region).value());
   }
   reply.fds.clear();  // the mappings keep the memory; the fds would only pin it longer
-  impl.tensors = BuildTable(reply.manifest, base);
+  WEIGHTCACHE_ASSIGN_OR_RETURN(impl.tensors, BuildTable(reply.manifest, base, who));
   impl.host_regions = std::move(regions);
   return Status::Ok();
 }
@@ -109,15 +123,13 @@ Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attach
 Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::AttachReply& reply,
                    const std::string& who, Attachment::Impl& impl) {
   WEIGHTCACHE_RETURN_IF_ERROR(CheckTier(reply, Tier::kGpu, who));
-  for (const auto& t : reply.manifest.tensors()) {
-    WEIGHTCACHE_RETURN_IF_ERROR(CheckTensorEntry(t, who));
-  }
   const auto& sizes = reply.manifest.allocation_sizes();
   auto arena = cuda::ImportedArena::Import(api, device, std::move(reply.fds), sizes);
   if (!arena.ok()) return arena.status().Context(who);
   std::vector<uint64_t> base;
   for (const auto& a : arena->allocations()) base.push_back(a.ptr);
-  impl.tensors = BuildTable(reply.manifest, base);
+  // Entries are checked while the table is built; a bad one unwinds the imported arena.
+  WEIGHTCACHE_ASSIGN_OR_RETURN(impl.tensors, BuildTable(reply.manifest, base, who));
   impl.gpu_arena.emplace(std::move(arena).value());
   return Status::Ok();
 }
@@ -216,7 +228,7 @@ Result<Attachment> Attachment::Attach(const AttachOptions& options) {
   if (impl->source == AttachSource::kFallback) {
     WEIGHTCACHE_RETURN_IF_ERROR(client::LoadFallback(options, id, *impl));
   }
-  for (const Tensor& t : impl->tensors) impl->total_bytes += t.nbytes;
+  for (const Tensor& t : impl->tensors.tensors()) impl->total_bytes += t.nbytes;
   impl->attach_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   return client::AttachmentAccess::Make(std::move(impl));
 }
@@ -226,10 +238,8 @@ Attachment::Attachment(Attachment&& other) noexcept = default;
 Attachment& Attachment::operator=(Attachment&& other) noexcept = default;
 Attachment::~Attachment() = default;
 
-const std::vector<Tensor>& Attachment::tensors() const { return impl_->tensors; }
-const Tensor* Attachment::Find(std::string_view name) const {
-  return client::FindByName(impl_->tensors, name);
-}
+const std::vector<Tensor>& Attachment::tensors() const { return impl_->tensors.tensors(); }
+const Tensor* Attachment::Find(std::string_view name) const { return impl_->tensors.Find(name); }
 uint64_t Attachment::total_bytes() const { return impl_->total_bytes; }
 Tier Attachment::tier() const { return impl_->tier; }
 AttachSource Attachment::source() const { return impl_->source; }

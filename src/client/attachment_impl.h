@@ -10,6 +10,7 @@
 #include "client/daemon_watcher.h"
 #include "client/discovery.h"
 #include "client/fallback_loader.h"
+#include "client/tensor_table.h"
 #include "cuda/driver_api.h"
 #include "cuda/imported_arena.h"
 #include "os/memfd.h"
@@ -36,7 +37,7 @@ struct Attachment::Impl {
   std::optional<client::HostFallback> host_fallback;
   std::optional<client::GpuFallback> gpu_fallback;
 
-  std::vector<Tensor> tensors;                     // sorted by name
+  client::TensorTable tensors;                     // sorted by name
   std::unique_ptr<client::DaemonWatcher> watcher;  // null for fallback
 };
 

@@ -6,7 +6,6 @@
 #include <string>
 #include <vector>
 
-#include "client/tensor_table.h"
 #include "weightcache/client.h"
 
 struct wc_attachment {
@@ -38,9 +37,10 @@ wc_status_code Report(const Status& status, wc_error* err) {
 
 std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
 
+// Tensor::name and ::dtype are NUL-terminated views (client.h), so they pass as C strings.
 void Fill(const weightcache::Tensor& t, wc_tensor* out) {
-  out->name = t.name.c_str();
-  out->dtype = t.dtype.c_str();
+  out->name = t.name.data();
+  out->dtype = t.dtype.data();
   out->ndim = static_cast<int32_t>(t.shape.size());
   out->shape = t.shape.data();
   out->strides = t.strides.data();

@@ -14,8 +14,24 @@
 namespace weightcache::client {
 namespace {
 
-std::string TensorDType(const checkpoint::TensorInfo& t) {
-  return std::string(checkpoint::DTypeName(t.dtype));
+// The table of `infos` with data[i] = base + offsets[i]: its exact reservation, then one Add
+// per tensor (the checkpoint's order is already by name).
+Result<TensorTable> MakeTable(const std::vector<checkpoint::TensorInfo>& infos, uint64_t base,
+                              const std::vector<uint64_t>& offsets,
+                              const std::vector<uint64_t>& checksums) {
+  size_t name_bytes = 0, dims = 0;
+  for (const auto& t : infos) {
+    name_bytes += t.name.size();
+    dims += t.shape.size();
+  }
+  TensorTable table;
+  table.Reserve(infos.size(), name_bytes, dims);
+  for (size_t i = 0; i < infos.size(); ++i) {
+    WEIGHTCACHE_RETURN_IF_ERROR(table.Add(infos[i].name, infos[i].dtype, infos[i].shape,
+                                          base + offsets[i], infos[i].nbytes, checksums[i]));
+  }
+  table.Finish();
+  return table;
 }
 
 }  // namespace
@@ -169,13 +185,9 @@ Result<HostFallback> LoadHostFallback(const checkpoint::Checkpoint& checkpoint, 
   });
 
   HostFallback out{std::move(buffer), {}};
-  out.tensors.reserve(infos.size());
-  for (size_t i = 0; i < infos.size(); ++i) {
-    uint64_t addr = reinterpret_cast<uint64_t>(out.buffer.data() + offsets[i]);
-    out.tensors.push_back(MakeTensor(infos[i].name, TensorDType(infos[i]), infos[i].shape, addr,
-                                     infos[i].nbytes, checksums[i]));
-  }
-  SortByName(out.tensors);  // already sorted by the checkpoint; kept explicit for the contract
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      out.tensors,
+      MakeTable(infos, reinterpret_cast<uint64_t>(out.buffer.data()), offsets, checksums));
   return out;
 }
 
@@ -238,14 +250,10 @@ Result<GpuFallback> LoadGpuFallback(const cuda::DriverApi* api, CUdevice device,
   }
   WEIGHTCACHE_RETURN_IF_ERROR(flush());
 
+  std::vector<uint64_t> checksums(infos.size());
+  for (size_t i = 0; i < infos.size(); ++i) checksums[i] = builders[i].Finish();
   GpuFallback out{std::move(context), std::move(buffer), {}};
-  out.tensors.reserve(infos.size());
-  for (size_t i = 0; i < infos.size(); ++i) {
-    out.tensors.push_back(MakeTensor(infos[i].name, TensorDType(infos[i]), infos[i].shape,
-                                     out.buffer.ptr() + offsets[i], infos[i].nbytes,
-                                     builders[i].Finish()));
-  }
-  SortByName(out.tensors);
+  WEIGHTCACHE_ASSIGN_OR_RETURN(out.tensors, MakeTable(infos, out.buffer.ptr(), offsets, checksums));
   return out;
 }
 

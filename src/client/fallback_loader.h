@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "client/tensor_table.h"
 #include "cuda/driver_api.h"
 #include "cuda/vmm.h"
 #include "weightcache/client.h"
@@ -97,14 +98,14 @@ class PinnedBuffer {
 
 struct HostFallback {
   HostBuffer buffer;
-  std::vector<Tensor> tensors;  // sorted by name; data = host addresses inside `buffer`
+  TensorTable tensors;  // sorted by name; data = host addresses inside `buffer`
 };
 
 struct GpuFallback {
   // Acquisition order: the context outlives the buffer.
   cuda::PrimaryContext context;
   DeviceBuffer buffer;
-  std::vector<Tensor> tensors;  // sorted by name; data = device addresses inside `buffer`
+  TensorTable tensors;  // sorted by name; data = device addresses inside `buffer`
 };
 
 // Byte offset of every tensor (in checkpoint.tensors() order) inside one packed buffer, each

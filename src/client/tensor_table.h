@@ -1,29 +1,64 @@
-// Building the public tensor table (weightcache::Tensor) from a shape and an address, and
-// looking tensors up by name. Pure functions; thread-safe.
+// TensorTable — the storage behind Attachment::tensors(): every weightcache::Tensor is a view
+// into three flat buffers owned by the table (NUL-terminated names, int64 shape and stride
+// dims, the Tensor records), so building a table of N tensors costs three allocations, not
+// 4·N, and tensor names need no per-tensor string (SPEC §8: attach flat in tensor count).
+//
+// Contract:
+//  * Build with Reserve(count, name_bytes, dims) — the exact totals: tensor count, the sum of
+//    the names' lengths, the sum of the ranks — then Add() each tensor, then Finish(). Adding
+//    beyond what was reserved is a programming error (checked, kInternal). After Finish the
+//    table is sorted by name (byte order) and immutable.
+//  * Views stay valid as long as the table, moves included (the buffers move, not the bytes).
+//    Every Tensor::name is NUL-terminated in the table (name.data()[name.size()] == '\0'), and
+//    every Tensor::dtype views a static string literal (checkpoint::DTypeName), so the C ABI
+//    hands out both as C strings without copying.
+//  * Thread-safety: building is single-threaded; a finished table may be read from any thread.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
-#include <string>
 #include <string_view>
 #include <vector>
 
+#include "checkpoint/dtype.h"
 #include "weightcache/client.h"
+#include "weightcache/status.h"
 
 namespace weightcache::client {
 
-// Contiguous row-major strides, in elements: strides[i] = product of shape[i+1..].
-std::vector<int64_t> ContiguousStrides(std::span<const int64_t> shape);
+// Contiguous row-major strides, in elements: strides[i] = product of shape[i+1..]. `strides`
+// has shape.size() entries.
+void ContiguousStrides(std::span<const int64_t> shape, std::span<int64_t> strides);
 
-// A Tensor with its strides filled in. `shape` entries must fit in int64 (the checkpoint
-// parser and the manifest decoder bound them far below that).
-Tensor MakeTensor(std::string name, std::string dtype, std::span<const uint64_t> shape,
-                  uint64_t data, uint64_t nbytes, uint64_t checksum);
+class TensorTable {
+ public:
+  TensorTable() = default;
+  TensorTable(TensorTable&&) noexcept = default;
+  TensorTable& operator=(TensorTable&&) noexcept = default;
+  TensorTable(const TensorTable&) = delete;
+  TensorTable& operator=(const TensorTable&) = delete;
 
-// Sort by name (byte order), the order Attachment::tensors() promises.
-void SortByName(std::vector<Tensor>& tensors);
+  void Reserve(size_t count, size_t name_bytes, size_t dims);
+  // `shape` entries must fit in int64 (the checkpoint parser and the manifest decoder bound
+  // them far below that). kInternal when the reservation is exceeded.
+  Status Add(std::string_view name, checkpoint::DType dtype, std::span<const uint64_t> shape,
+             uint64_t data, uint64_t nbytes, uint64_t checksum);
+  // Sorts by name unless already sorted (the daemon sends its manifest in name order, so the
+  // attach path only pays the O(N) check).
+  void Finish();
 
-// Binary search in a table sorted by SortByName; null when absent.
-const Tensor* FindByName(const std::vector<Tensor>& tensors, std::string_view name);
+  const std::vector<Tensor>& tensors() const { return tensors_; }
+  size_t size() const { return tensors_.size(); }
+  // Binary search by name; null when absent.
+  const Tensor* Find(std::string_view name) const;
+
+ private:
+  std::unique_ptr<char[]> names_;
+  size_t names_used_ = 0, names_capacity_ = 0;
+  std::unique_ptr<int64_t[]> dims_;  // shape then strides of each tensor
+  size_t dims_used_ = 0, dims_capacity_ = 0;
+  std::vector<Tensor> tensors_;
+};
 
 }  // namespace weightcache::client

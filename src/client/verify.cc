@@ -1,5 +1,6 @@
 #include "client/verify.h"
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -78,9 +79,9 @@ Result<VerifyReport> VerifyChecksums(const Attachment& attachment, int threads) 
     ++report.tensors_checked;
     report.bytes_checked += tensors[i].nbytes;
     if (sums[i] != tensors[i].checksum) {
-      report.problems.push_back({tensors[i].name, "checksum " + Hex64(sums[i]) +
-                                                      " of the memory != recorded " +
-                                                      Hex64(tensors[i].checksum)});
+      report.problems.push_back({std::string(tensors[i].name), "checksum " + Hex64(sums[i]) +
+                                                                   " of the memory != recorded " +
+                                                                   Hex64(tensors[i].checksum)});
     }
   }
   report.seconds = SecondsSince(start);
@@ -122,11 +123,11 @@ Result<VerifyReport> VerifyAgainstCheckpoint(const Attachment& attachment,
     report.bytes_checked += info.nbytes;
     std::vector<int64_t> shape(info.shape.begin(), info.shape.end());
     std::string dtype(checkpoint::DTypeName(info.dtype));
-    if (t->dtype != dtype || t->shape != shape || t->nbytes != info.nbytes) {
-      report.problems.push_back({info.name, "cache has " + t->dtype + ShapeText(t->shape) + " (" +
-                                                std::to_string(t->nbytes) + " bytes), file has " +
-                                                dtype + ShapeText(shape) + " (" +
-                                                std::to_string(info.nbytes) + " bytes)"});
+    if (t->dtype != dtype || !std::ranges::equal(t->shape, shape) || t->nbytes != info.nbytes) {
+      report.problems.push_back(
+          {info.name, "cache has " + std::string(t->dtype) + ShapeText(t->shape) + " (" +
+                          std::to_string(t->nbytes) + " bytes), file has " + dtype +
+                          ShapeText(shape) + " (" + std::to_string(info.nbytes) + " bytes)"});
       continue;
     }
     uint64_t mem = memory[static_cast<size_t>(t - tensors.data())];
@@ -137,7 +138,7 @@ Result<VerifyReport> VerifyAgainstCheckpoint(const Attachment& attachment,
   }
   for (const Tensor& t : tensors) {
     if (checkpoint.Find(t.name) == nullptr) {
-      report.problems.push_back({t.name, "in the cache but not in the checkpoint"});
+      report.problems.push_back({std::string(t.name), "in the cache but not in the checkpoint"});
     }
   }
   report.seconds = SecondsSince(start);

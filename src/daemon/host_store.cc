@@ -20,6 +20,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <span>
 #include <thread>
 
@@ -247,13 +248,20 @@ Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint&
   }
   const double seal_ms = MsSince(seal_start);
 
-  std::vector<PlacedTensor> placements;
-  placements.reserve(order.size());
-  for (const auto& p : plan.placements) placements.push_back({p.allocation, p.offset});
+  // The manifest lists tensors in name order (checkpoint.tensors() order), the order the
+  // client's table is kept in, so attaching needs no sort: only an O(N) is_sorted check.
+  std::vector<size_t> by_name(order.size());
+  std::iota(by_name.begin(), by_name.end(), size_t{0});
+  std::vector<PlacedTensor> placements(order.size());
+  std::vector<uint64_t> checksums_by_name(order.size());
+  for (size_t k = 0; k < order.size(); ++k) {
+    placements[order[k]] = {plan.placements[k].allocation, plan.placements[k].offset};
+    checksums_by_name[order[k]] = checksums[k];
+  }
   StoreSummary summary;
   WEIGHTCACHE_ASSIGN_OR_RETURN(summary.manifest,
-                               BuildManifest(protocol::Tier::kHost, checkpoint, order, placements,
-                                             checksums, plan.allocation_bytes));
+                               BuildManifest(protocol::Tier::kHost, checkpoint, by_name, placements,
+                                             checksums_by_name, plan.allocation_bytes));
   summary.tensor_count = order.size();
   summary.tensor_bytes = total;
   summary.resident_bytes = plan.total_bytes;

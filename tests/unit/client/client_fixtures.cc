@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "common/hash.h"
@@ -54,8 +55,8 @@ std::string CompareWithReference(const Attachment& attachment, const ReferenceCh
   for (const auto& [name, r] : ref.tensors) {
     const Tensor* t = attachment.Find(name);
     if (t == nullptr) return "missing tensor " + name;
-    if (t->dtype != r.dtype) return name + ": dtype " + t->dtype + " != " + r.dtype;
-    if (t->shape != r.shape) return name + ": shape differs";
+    if (t->dtype != r.dtype) return name + ": dtype " + std::string(t->dtype) + " != " + r.dtype;
+    if (!std::ranges::equal(t->shape, r.shape)) return name + ": shape differs";
     if (t->nbytes != r.nbytes) return name + ": nbytes differ";
     if (HostTensorSha256(*t) != r.sha256) return name + ": bytes differ from the file's";
   }

@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -177,19 +178,63 @@ TEST(DaemonWatcherTest, DestroyingWithAPendingCallbackJoinsCleanly) {
   EXPECT_FALSE(fired);
 }
 
-TEST(TensorTableTest, ContiguousStridesAndLookup) {
+TEST(TensorTableTest, ContiguousStrides) {
   std::vector<int64_t> shape = {2, 3, 4};
-  EXPECT_EQ(client::ContiguousStrides(shape), (std::vector<int64_t>{12, 4, 1}));
-  EXPECT_TRUE(client::ContiguousStrides({}).empty());
-  std::vector<Tensor> table;
-  std::vector<uint64_t> s = {5};
-  table.push_back(client::MakeTensor("b", "F32", s, 0x100, 20, 1));
-  table.push_back(client::MakeTensor("a", "BF16", s, 0x200, 10, 2));
-  client::SortByName(table);
-  ASSERT_NE(client::FindByName(table, "b"), nullptr);
-  EXPECT_EQ(client::FindByName(table, "b")->data, 0x100u);
-  EXPECT_EQ(client::FindByName(table, "a")->strides, (std::vector<int64_t>{1}));
-  EXPECT_EQ(client::FindByName(table, "c"), nullptr);
+  std::vector<int64_t> strides(3);
+  client::ContiguousStrides(shape, strides);
+  EXPECT_EQ(strides, (std::vector<int64_t>{12, 4, 1}));
+  client::ContiguousStrides({}, {});  // rank 0: nothing to write
+}
+
+TEST(TensorTableTest, ViewsIntoOneTableSortedAndNulTerminated) {
+  client::TensorTable table;
+  const std::vector<uint64_t> matrix = {2, 3}, vector = {5}, scalar = {};
+  table.Reserve(3, /*name_bytes=*/std::string_view("b.weight").size() + 1 + 3, /*dims=*/3);
+  ASSERT_TRUE(table.Add("b.weight", checkpoint::DType::kF32, matrix, 0x100, 24, 1).ok());
+  ASSERT_TRUE(table.Add("a", checkpoint::DType::kBF16, vector, 0x200, 10, 2).ok());
+  ASSERT_TRUE(table.Add("c.s", checkpoint::DType::kI64, scalar, 0x300, 8, 3).ok());
+  table.Finish();
+
+  ASSERT_EQ(table.size(), 3u);
+  EXPECT_EQ(table.tensors()[0].name, "a");  // sorted by name
+  EXPECT_EQ(table.tensors()[1].name, "b.weight");
+  EXPECT_EQ(table.tensors()[2].name, "c.s");
+  for (const Tensor& t : table.tensors()) {
+    EXPECT_EQ(t.name.data()[t.name.size()], '\0') << t.name;  // C strings for the C ABI
+    EXPECT_EQ(t.dtype.data()[t.dtype.size()], '\0') << t.dtype;
+    EXPECT_EQ(t.strides.size(), t.shape.size()) << t.name;
+  }
+  const Tensor* b = table.Find("b.weight");
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->data, 0x100u);
+  EXPECT_EQ(b->dtype, "F32");
+  EXPECT_TRUE(std::ranges::equal(b->shape, std::vector<int64_t>{2, 3}));
+  EXPECT_TRUE(std::ranges::equal(b->strides, std::vector<int64_t>{3, 1}));
+  EXPECT_TRUE(table.Find("c.s")->shape.empty());
+  EXPECT_EQ(table.Find("c"), nullptr);
+  EXPECT_EQ(table.Find("b"), nullptr);
+
+  // Moving the table moves its buffers: the views stay valid.
+  const char* name_storage = b->name.data();
+  client::TensorTable moved = std::move(table);
+  EXPECT_EQ(moved.Find("b.weight")->name.data(), name_storage);
+}
+
+TEST(TensorTableTest, AddBeyondTheReservationIsAnInternalError) {
+  client::TensorTable table;
+  const std::vector<uint64_t> vector = {4};
+  table.Reserve(1, /*name_bytes=*/1, /*dims=*/1);
+  ASSERT_TRUE(table.Add("a", checkpoint::DType::kU8, vector, 0, 4, 0).ok());
+  Status second = table.Add("b", checkpoint::DType::kU8, vector, 0, 4, 0);
+  EXPECT_EQ(second.code(), StatusCode::kInternal);
+  EXPECT_NE(second.message().find("reservation exceeded at tensor 1 (b)"), std::string::npos)
+      << second.ToString();
+
+  client::TensorTable names;
+  names.Reserve(2, /*name_bytes=*/2, /*dims=*/0);
+  ASSERT_TRUE(names.Add("ab", checkpoint::DType::kU8, {}, 0, 1, 0).ok());
+  Status long_name = names.Add("c", checkpoint::DType::kU8, {}, 0, 1, 0);
+  EXPECT_EQ(long_name.code(), StatusCode::kInternal) << long_name.ToString();
 }
 
 }  // namespace
