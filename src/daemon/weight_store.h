@@ -1,8 +1,9 @@
 // WeightStore — the loaded weights of one cache, in one tier, and the loaders that fill it.
 //
-//   host tier  a few memfds (PlanArena with page granularity), filled with parallel preads,
-//              checksummed, unmapped, then sealed read-only (F_SEAL_WRITE|GROW|SHRINK|SEAL):
-//              after sealing nobody, the daemon included, can change a byte.
+//   host tier  a few memfds (PlanArena with page granularity), filled with pwrite from a
+//              per-thread bounce buffer (pread, checksum, pwrite: one pass, no mapping), then
+//              sealed read-only (F_SEAL_WRITE|GROW|SHRINK|SEAL): after sealing nobody, the
+//              daemon included, can change a byte. The manifest lists tensors by name.
 //   gpu tier   an ExportedArena (cuMemCreate allocations exported as POSIX fds) on one device,
 //              filled by the UploadPipeline (pinned staging ring + async H2D), checksums
 //              computed host-side by the pipeline from the same staging buffers.
