@@ -64,11 +64,11 @@ struct UploadOptions {
   // A multiple of kChecksumChunkBytes (so pieces of an item stay chunk-aligned) and of 4096
   // (O_DIRECT), at least two chunks.
   uint64_t staging_buffer_bytes = uint64_t{32} << 20;
-  int staging_buffers = 8;
+  int staging_buffers = 16;  // more than the readers: a filled buffer waits for its hash too
   int reader_threads = 8;
   // Threads hashing filled staging buffers (ChecksumMode::kCompute) while the readers move on;
   // XXH64 runs at ~10 GB/s a core, so a few keep up with page-cache-speed reads.
-  int checksum_threads = 4;
+  int checksum_threads = 8;
   int copy_streams = 2;
   ReadMode read_mode = ReadMode::kBuffered;
   ChecksumMode checksums = ChecksumMode::kNone;

@@ -135,9 +135,10 @@ nlohmann::json CheckBytes(const cuda::DriverApi* api, const Attachment& a,
   size_t checked = 0;
   std::vector<unsigned char> host;
   for (const Tensor& t : a.tensors()) {
-    auto it = want.find(t.name);
+    const std::string name(t.name);  // Tensor::name is a view into the attachment's table
+    auto it = want.find(name);
     if (it == want.end()) {
-      problem(t.name + ": not in the manifest");
+      problem(name + ": not in the manifest");
       continue;
     }
     host.resize(t.nbytes);
@@ -146,7 +147,7 @@ nlohmann::json CheckBytes(const cuda::DriverApi* api, const Attachment& a,
     } else if (t.nbytes > 0) {
       CUresult rc = api->cuMemcpyDtoH(host.data(), t.data, t.nbytes);
       if (rc != CUDA_SUCCESS) {
-        problem(cuda::DriverError(api, rc, "cuMemcpyDtoH of " + t.name).ToString());
+        problem(cuda::DriverError(api, rc, "cuMemcpyDtoH of " + name).ToString());
         continue;
       }
     }
@@ -156,10 +157,10 @@ nlohmann::json CheckBytes(const cuda::DriverApi* api, const Attachment& a,
     ++checked;
     bytes += t.nbytes;
     if (t.nbytes != it->second.second) {
-      problem(t.name + ": " + std::to_string(t.nbytes) + " bytes, the manifest says " +
+      problem(name + ": " + std::to_string(t.nbytes) + " bytes, the manifest says " +
               std::to_string(it->second.second));
     } else if (sha != it->second.first) {
-      problem(t.name + ": sha256 " + sha + " != manifest " + it->second.first);
+      problem(name + ": sha256 " + sha + " != manifest " + it->second.first);
     }
   }
   for (const auto& [name, unused] : want) {
