@@ -126,9 +126,13 @@ void RegisterAttachCommand(CLI::App& root) {
   CLI::App* sub = root.add_subcommand(
       "attach", "Attach to the daemon of an identity as an engine would, and print a summary");
   AddIdentityFlags(sub, &args->options, IdentityScope::kOneCache);
-  sub->add_option("--on-missing", args->on_missing, "fallback or error")
+  sub->add_option(
+         "--on-missing", args->on_missing,
+         "no daemon for this identity: load from disk (fallback, logged) or exit 3 (error)")
       ->check(CLI::IsMember({"fallback", "error"}));
-  sub->add_option("--on-mismatch", args->on_mismatch, "error or fallback")
+  sub->add_option("--on-mismatch", args->on_mismatch,
+                  "a daemon holds a different config: exit 4 naming each field (error) or load "
+                  "from disk (fallback)")
       ->check(CLI::IsMember({"error", "fallback"}));
   sub->add_option("--wait", args->wait_seconds, "seconds to wait for a loading daemon")
       ->check(CLI::NonNegativeNumber);

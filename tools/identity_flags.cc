@@ -21,9 +21,12 @@ void AddIdentityFlags(CLI::App* sub, AttachOptions* o, IdentityScope scope) {
   sub->add_option("--dp-size", o->dp_size, "data-parallel size (no rank: replicas share weights)")
       ->check(CLI::PositiveNumber);
   if (one) {
-    sub->add_option("--tp-rank", o->tp_rank)->check(CLI::NonNegativeNumber);
-    sub->add_option("--pp-rank", o->pp_rank)->check(CLI::NonNegativeNumber);
-    sub->add_option("--ep-rank", o->ep_rank)->check(CLI::NonNegativeNumber);
+    sub->add_option("--tp-rank", o->tp_rank, "this process's tensor-parallel rank")
+        ->check(CLI::NonNegativeNumber);
+    sub->add_option("--pp-rank", o->pp_rank, "this process's pipeline-parallel rank")
+        ->check(CLI::NonNegativeNumber);
+    sub->add_option("--ep-rank", o->ep_rank, "this process's expert-parallel rank")
+        ->check(CLI::NonNegativeNumber);
   }
   sub->add_option("--layout-tag", o->layout_tag, "arena layout tag");
   sub->add_option("--source", o->source, "disk or published:<producer tag>");
@@ -38,7 +41,9 @@ void AddIdentityFlags(CLI::App* sub, AttachOptions* o, IdentityScope scope) {
                     "local index into the visible devices, or a GPU UUID (prefix)");
   }
   sub->add_option("--namespace", o->namespace_name, "cache namespace (default: default)");
-  sub->add_option("--runtime-dir", o->runtime_dir, "runtime dir");
+  sub->add_option("--runtime-dir", o->runtime_dir,
+                  "runtime dir (default: $WEIGHTCACHE_RUNTIME_DIR, $XDG_RUNTIME_DIR/weightcache, "
+                  "/tmp/weightcache-<uid>)");
   if (one) sub->add_option("--socket", o->socket, "explicit socket path or template");
   sub->add_option("--device-inventory", o->device_inventory,
                   "JSON device inventory standing in for CUDA enumeration");
