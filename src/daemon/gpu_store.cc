@@ -2,6 +2,8 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <optional>
+#include <string>
 
 #include "common/logging.h"
 #include "cuda/arena_plan.h"
@@ -10,6 +12,7 @@
 #include "cuda/exported_arena.h"
 #include "cuda/upload_pipeline.h"
 #include "cuda/vmm.h"
+#include "daemon/load_memory.h"
 #include "daemon/weight_store.h"
 #include "identity/device_inventory.h"
 
@@ -56,11 +59,13 @@ Result<CUdevice> DeviceByUuid(const cuda::DriverApi* api, const std::string& uui
                   "; check CUDA_VISIBLE_DEVICES and --device-inventory");
 }
 
-}  // namespace
-
-Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
-                                                  const LoadOptions& options,
-                                                  const LoadControl& control) {
+// The load itself. Every allocation it makes for the load only (the pipeline and its pinned
+// staging ring, the items, the plan, the checksum vectors) is a local that dies on return;
+// what it reports in `memory` are the two points inside it worth a log line.
+Result<std::unique_ptr<WeightStore>> LoadGpuStoreInner(const checkpoint::Checkpoint& checkpoint,
+                                                       const LoadOptions& options,
+                                                       const LoadControl& control,
+                                                       std::string* memory) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
   WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, DeviceByUuid(api, options.device_uuid));
   WEIGHTCACHE_RETURN_IF_ERROR(cuda::CheckVmmSupport(api, device));
@@ -103,7 +108,11 @@ Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& 
   cuda::UploadOptions upload_options;
   upload_options.reader_threads = std::clamp(options.threads, 1, 64);
   upload_options.checksums = cuda::ChecksumMode::kCompute;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(auto pipeline, cuda::UploadPipeline::Create(api, upload_options));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(auto created, cuda::UploadPipeline::Create(api, upload_options));
+  // Held in an optional so that it is destroyed right after Run(): its 16 x 32 MiB pinned
+  // staging buffers (cuMemFreeHost), streams and events are gone before the manifest is built,
+  // never kept for the life of the store.
+  std::optional<cuda::UploadPipeline> pipeline(std::move(created));
 
   std::vector<cuda::UploadSource> sources;
   for (uint32_t s = 0; s < checkpoint.shards().size(); ++s) {
@@ -127,7 +136,10 @@ Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& 
   upload_control.progress = control.progress;
   upload_control.cancel = control.cancel;
   if (control.progress) control.progress(0, checkpoint.total_bytes());
-  auto report = pipeline.Run(sources, items, upload_control);
+  auto report = pipeline->Run(sources, items, upload_control);
+  *memory = "pipeline=" + DescribeProcessMemory(ReadProcessMemory());
+  pipeline.reset();
+  *memory += "; pipeline_freed=" + DescribeProcessMemory(ReadProcessMemory());
   if (!report.ok()) {
     Status status = report.status();
     return status.Context("gpu tier: uploading " + checkpoint.path() + " to " +
@@ -154,6 +166,20 @@ Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& 
   summary.tensor_bytes = checkpoint.total_bytes();
   summary.resident_bytes = arena->total_bytes();
   return std::unique_ptr<WeightStore>(new GpuStore(std::move(arena).value(), std::move(summary)));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
+                                                  const LoadOptions& options,
+                                                  const LoadControl& control) {
+  std::string memory;
+  auto store = LoadGpuStoreInner(checkpoint, options, control, &memory);
+  // Everything the load allocated is freed now (a failed load's too: a failed daemon lingers).
+  ReleaseLoadMemory();
+  LOG_INFO << "gpu tier: load memory: " << (memory.empty() ? "" : memory + "; ")
+           << "released=" << DescribeProcessMemory(ReadProcessMemory());
+  return store;
 }
 
 }  // namespace weightcache::daemon

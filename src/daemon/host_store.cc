@@ -22,11 +22,13 @@
 #include <mutex>
 #include <numeric>
 #include <span>
+#include <string>
 #include <thread>
 
 #include "common/logging.h"
 #include "cuda/arena_plan.h"
 #include "cuda/checksum.h"
+#include "daemon/load_memory.h"
 #include "daemon/weight_store.h"
 #include "os/memfd.h"
 
@@ -118,11 +120,12 @@ double MsSince(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
-}  // namespace
-
-Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
-                                                   const LoadOptions& options,
-                                                   const LoadControl& control) {
+// The load itself; its buffers and vectors are locals that die on return. The memfds' pages
+// are shmem that the daemon never maps, so they count in no RSS figure of the daemon.
+Result<std::unique_ptr<WeightStore>> LoadHostStoreInner(const checkpoint::Checkpoint& checkpoint,
+                                                        const LoadOptions& options,
+                                                        const LoadControl& control,
+                                                        std::string* memory) {
   const auto start = std::chrono::steady_clock::now();
   const auto& tensors = checkpoint.tensors();
   const std::vector<size_t> order = FileOrder(checkpoint);
@@ -270,7 +273,22 @@ Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint&
            << " ms (" << (read_ms > 0 ? static_cast<double>(total) / read_ms / 1e6 : 0.0)
            << " GB/s, " << items.size() << " items), seal " << seal_ms << " ms, total "
            << MsSince(start) << " ms";
+  *memory = "loaded=" + DescribeProcessMemory(ReadProcessMemory());
   return std::unique_ptr<WeightStore>(new HostStore(std::move(memfds), std::move(summary)));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
+                                                   const LoadOptions& options,
+                                                   const LoadControl& control) {
+  std::string memory;
+  auto store = LoadHostStoreInner(checkpoint, options, control, &memory);
+  // Everything the load allocated is freed now (a failed load's too: a failed daemon lingers).
+  ReleaseLoadMemory();
+  LOG_INFO << "host tier: load memory: " << (memory.empty() ? "" : memory + "; ")
+           << "released=" << DescribeProcessMemory(ReadProcessMemory());
+  return store;
 }
 
 }  // namespace weightcache::daemon
