@@ -12,6 +12,12 @@
 //   4. free device memory after (probe again): the daemon's device footprint minus the
 //      tensor bytes is its overhead (its CUDA context, arena padding, anything else); host
 //      VmRSS / VmHWM from /proc/<pid>/status; nvidia-smi's per-process figure where visible;
+//      what the host memory is made of (bench/proc_memory.h: RssAnon/RssFile/RssShmem,
+//      smaps_rollup, the mappings with the most Rss — libcuda, [heap], unnamed) at three
+//      points: "load_memory" (the daemon's own log line: at the end of the upload with the
+//      pipeline alive, after freeing it, after malloc_trim, i.e. after the load and before
+//      ready), "memory.at_ready" (as soon as Status says ready) and "memory.steady" (after the
+//      client's attaches, detaches and verify, just before the daemon is stopped);
 //   5. a client process (this binary, --client): cuInit (dlopen + cuInit) and primary context
 //      creation timed separately, then Attachment::Attach — connect, Hello, Attach, import
 //      and map every allocation, build the tensor table — timed over --iters attaches with
@@ -52,6 +58,7 @@
 #include "client/verify.h"
 #include "cuda/driver_api.h"
 #include "cuda/vmm.h"
+#include "proc_memory.h"
 #include "protocol/connection.h"
 #include "weightcache/client.h"
 
@@ -477,6 +484,7 @@ int ParentMain(const ParentArgs& args, const std::string& self) {
       continue;
     }
     rec["daemon_ready_s"] = Ms(Clock::now() - spawned) / 1000;
+    nlohmann::json memory = {{"at_ready", ProcMemory(daemon)}};
     rec["resident_bytes"] = ready->bytes;
     const std::string text = ReadText(log);
     // "ready: N tensors, … in S s, G GB/s" (info) and "gpu tier: uploaded B bytes in S s (G
@@ -492,6 +500,7 @@ int ParentMain(const ParentArgs& args, const std::string& self) {
             1)) {
       rec["pipeline_gb_per_s"] = *v;
     }
+    rec["load_memory"] = ParseLoadMemory(text);
 
     nlohmann::json after = CaptureJson({self, "--probe-mem", uuid}, &code);
     if (!before.is_discarded() && !after.is_discarded()) {
@@ -518,6 +527,8 @@ int ParentMain(const ParentArgs& args, const std::string& self) {
     } else {
       for (auto& [k, v] : client.items()) rec[k] = v;
     }
+    memory["steady"] = ProcMemory(daemon);
+    rec["memory"] = memory;
     Stop(daemon);
     fs::remove_all(model);
     fs::remove_all(runtime);

@@ -199,12 +199,28 @@ def pick(j, *path):
         j = j[p]
     return j
 
+def top(j, *path, n=4):
+    # "[libcuda.so.1 60.1 MiB, [anon] 30.2 MiB, ...]": the mappings with the most Rss.
+    maps = pick(j, *path)
+    if not isinstance(maps, list):
+        return None
+    return "[" + ", ".join(f"{m['name'].rsplit('/', 1)[-1]} {mib(m['rss'])}"
+                           for m in maps[:n]) + "]"
+
+def memory(j, where):
+    # RSS and the kernel's anon/file/shmem split of one ProcMemory snapshot (bench/proc_memory.h).
+    st = pick(j, *where, "status") or {}
+    return [("rss_" + where[-1], mib(st.get("VmRSS"))), ("anon", mib(st.get("RssAnon"))),
+            ("file", mib(st.get("RssFile"))), ("shmem", mib(st.get("RssShmem"))),
+            ("top", top(j, *where, "top_mappings"))]
+
 for line in open(sys.argv[1]):
     try:
         j = json.loads(line)
     except ValueError:
         continue
     b = j.get("bench", "?")
+    extra = None
     if "skipped" in j or "error" in j or "client_error" in j:
         items = [("kind", j.get("kind")), ("tensors", j.get("tensors")),
                  ("skipped", j.get("skipped")), ("error", j.get("error")),
@@ -228,6 +244,11 @@ for line in open(sys.argv[1]):
     elif b == "host_load":
         items = [("file_read_gbps", j.get("file_read_gbps")),
                  ("daemon_load_gbps", j.get("daemon_load_gbps")), ("ratio", j.get("ratio"))]
+    elif b == "host_memory":
+        items = [("bytes", j.get("bytes")),
+                 ("load_rss_released", mib(pick(j, "load_memory", "released", "rss"))),
+                 ("system_shmem_growth", mib(j.get("system_shmem_growth_bytes")))]
+        items += memory(j, ("steady",))
     elif b == "gpu_attach":
         items = [("tensors", j.get("tensors")),
                  ("attach_ms", pick(j, "attach_ms", "median")),
@@ -240,9 +261,20 @@ for line in open(sys.argv[1]):
                  ("overhead_vs_weights", j.get("overhead_vs_weights")),
                  ("rss", mib(j.get("rss_bytes"))), ("hwm", mib(j.get("hwm_bytes"))),
                  ("verify_ok", j.get("verify_ok"))]
+        # The daemon's host memory, second line: its own log (with the pipeline, after freeing
+        # it, after malloc_trim), then at ready and in steady state with the breakdown.
+        mem = [("load_rss_pipeline", mib(pick(j, "load_memory", "pipeline", "rss"))),
+               ("load_rss_pipeline_freed", mib(pick(j, "load_memory", "pipeline_freed", "rss"))),
+               ("load_rss_released", mib(pick(j, "load_memory", "released", "rss"))),
+               ("rss_at_ready", mib(pick(j, "memory", "at_ready", "status", "VmRSS")))]
+        mem += memory(j, ("memory", "steady"))
+        mem.append(("threads", pick(j, "memory", "steady", "status", "Threads")))
+        extra = "  gpu_attach memory: " + ", ".join(f"{k}={fmt(v)}" for k, v in mem if v is not None)
     else:
         items = list(j.items())[:8]
     print("  " + b + ": " + ", ".join(f"{k}={fmt(v)}" for k, v in items if v is not None))
+    if extra:
+        print(extra)
 PY
 fi
 
