@@ -10,10 +10,14 @@
 // Contract:
 //  * Create() needs the CUDA context that will own the copies to be current on the calling
 //    thread; the pipeline remembers it and makes it current on its own threads.
-//  * The pipeline owns its staging buffers, streams and events (freed on destruction). It
-//    borrows the source fds and the destination device memory: both must stay valid until
-//    Run() returns. Run() never changes a source fd's file offset or flags (O_DIRECT reads go
-//    through a separate descriptor opened by the pipeline).
+//  * The pipeline owns its staging buffers, streams and events (freed on destruction, and
+//    only then: staging_buffers x staging_buffer_bytes of pinned host memory, 512 MiB by
+//    default, stay resident while the object lives, so a caller that loads once destroys it
+//    right after Run(), as the daemon's gpu store does). Run()'s own bookkeeping (the batch
+//    plan, the chunk hashes) is freed when it returns. It borrows the source fds and the
+//    destination device memory: both must stay valid until Run() returns. Run() never changes a
+//    source fd's file offset or flags (O_DIRECT reads go through a separate descriptor opened by
+//    the pipeline).
 //  * Run() is synchronous and not reentrant: one Run() at a time per pipeline. When it
 //    returns — success, error or cancellation — no copy it issued is still in flight and no
 //    thread it started is still running; the pipeline can be reused.
