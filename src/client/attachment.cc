@@ -34,13 +34,9 @@ Result<checkpoint::DType> CheckTensorEntry(const protocol::TensorEntry& t, const
     }
     last = {t.dtype, *dtype};
   }
+  // Manifest::Decode has checked that the element count does not overflow.
   uint64_t elements = 1;
-  for (uint64_t d : t.dims()) {
-    if (d != 0 && elements > UINT64_MAX / d) {
-      return ProtocolError(who + ": tensor " + std::string(t.name) + ": shape overflows");
-    }
-    elements *= d;
-  }
+  for (uint64_t d : t.dims()) elements *= d;
   auto bytes = checkpoint::DTypeByteSize(last.second, elements);
   if (!bytes.ok() || *bytes != t.nbytes) {
     return ProtocolError(who + ": tensor " + std::string(t.name) + " claims " +
@@ -63,25 +59,22 @@ Status CheckTier(const protocol::AttachReply& reply, Tier want, const std::strin
 
 // Checks every entry (CheckTensorEntry) and builds the public table in one pass: three
 // allocations in all, names copied once into the table (the manifest's string table is not
-// NUL-terminated, the C ABI needs C strings).
+// NUL-terminated, the C ABI needs C strings). The manifest is in name order (checked by its
+// decoder), so the table needs no sort.
 Result<TensorTable> BuildTable(const protocol::Manifest& manifest,
                                const std::vector<uint64_t>& allocation_base,
                                const std::string& who) {
-  const auto& entries = manifest.tensors();
-  size_t name_bytes = 0, dims = 0;
-  for (const auto& t : entries) {
-    name_bytes += t.name.size();
-    dims += t.ndim;
-  }
+  const size_t count = manifest.tensor_count();
   TensorTable table;
-  table.Reserve(entries.size(), name_bytes, dims);
+  table.Reserve(count, manifest.name_bytes(), manifest.dim_count());
   std::pair<std::string_view, checkpoint::DType> last{};
-  for (const auto& t : entries) {
+  for (size_t i = 0; i < count; ++i) {
+    const protocol::TensorEntry t = manifest.tensor(i);
     WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::DType dtype, CheckTensorEntry(t, who, last));
     WEIGHTCACHE_RETURN_IF_ERROR(table.Add(
         t.name, dtype, t.dims(), allocation_base[t.allocation] + t.offset, t.nbytes, t.checksum));
   }
-  table.Finish();
+  table.Finish(TensorTable::Order::kSorted);
   return table;
 }
 

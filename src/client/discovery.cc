@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "common/logging.h"
 #include "cuda/driver_api.h"
 #include "identity/read_file.h"
+#include "os/fd_passing.h"
 #include "os/lock_file.h"
 #include "os/unix_socket.h"
 #include "protocol/frame.h"
@@ -68,12 +70,9 @@ Status ErrorFromDaemon(const protocol::Frame& frame, const std::string& socket) 
   return Status(err->code, "daemon at " + socket + ": " + err->message);
 }
 
-// One request, one reply of `expected` type (an Error frame becomes its Status).
-Result<protocol::Frame> Exchange(int fd, const std::vector<uint8_t>& request,
-                                 protocol::MessageType expected, os::Deadline deadline,
-                                 const std::string& socket) {
-  Status sent = protocol::WriteFrame(fd, request, {}, deadline);
-  if (!sent.ok()) return sent.Context("sending to daemon at " + socket);
+// The next reply, of `expected` type (an Error frame becomes its Status).
+Result<protocol::Frame> ReadReply(int fd, protocol::MessageType expected, os::Deadline deadline,
+                                  const std::string& socket) {
   auto frame = protocol::ReadFrame(fd, protocol::Expect::kReply, deadline);
   if (!frame.ok()) return frame.status().Context("reading the reply of daemon at " + socket);
   if (frame->type == protocol::MessageType::kError) return ErrorFromDaemon(*frame, socket);
@@ -85,6 +84,22 @@ Result<protocol::Frame> Exchange(int fd, const std::vector<uint8_t>& request,
   return std::move(frame).value();
 }
 
+// One request, one reply of `expected` type.
+Result<protocol::Frame> Exchange(int fd, const std::vector<uint8_t>& request,
+                                 protocol::MessageType expected, os::Deadline deadline,
+                                 const std::string& socket) {
+  Status sent = protocol::WriteFrame(fd, request, {}, deadline);
+  if (!sent.ok()) return sent.Context("sending to daemon at " + socket);
+  return ReadReply(fd, expected, deadline, socket);
+}
+
+// Whether the probe sends Attach right behind Hello, in the same sendmsg (docs/protocol.md
+// §1): saves a round trip on the attach path. The daemon answers Hello first, then the Attach
+// (an AttachReply only after a matching Hello on a ready cache; otherwise an Error that
+// leaves the connection usable), so the client reads the HelloReply, decides, and then reads
+// or drops the Attach's reply.
+enum class Pipeline { kHelloOnly, kHelloThenAttach };
+
 enum class SocketState { kAbsent, kStale, kLive };
 
 struct Probe {
@@ -93,11 +108,13 @@ struct Probe {
   UniqueFd connection;
   int64_t pid = 0;
   protocol::HelloReply hello;
+  bool attach_pending = false;  // an Attach was sent behind the Hello; its reply is unread
 };
 
 // lstat → lock → connect → peer credentials → Hello. Errors are the SPEC §4 "error" rows.
 Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
-                          const identity::CacheConfig& config, const DiscoveryPolicy& policy) {
+                          const identity::CacheConfig& config, const DiscoveryPolicy& policy,
+                          Pipeline pipeline) {
   Probe probe;
   struct stat st;
   if (::lstat(socket.c_str(), &st) != 0) {
@@ -146,10 +163,18 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
   hello.client_pid = ::getpid();
   hello.client_name = policy.client_name;
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> request, protocol::EncodeHello(hello));
+  if (pipeline == Pipeline::kHelloThenAttach) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> attach, protocol::EncodeAttachRequest());
+    request.insert(request.end(), attach.begin(), attach.end());
+  }
   auto deadline = os::Deadline::After(policy.exchange_timeout);
+  // Both frames in one sendmsg (neither carries fds).
+  Status sent = os::SendMessage(conn->get(), request, {}, deadline);
+  if (!sent.ok()) return sent.Context("sending to daemon at " + socket);
   WEIGHTCACHE_ASSIGN_OR_RETURN(
       protocol::Frame frame,
-      Exchange(conn->get(), request, protocol::MessageType::kHelloReply, deadline, socket));
+      ReadReply(conn->get(), protocol::MessageType::kHelloReply, deadline, socket));
+  probe.attach_pending = pipeline == Pipeline::kHelloThenAttach;
   WEIGHTCACHE_ASSIGN_OR_RETURN(probe.hello, protocol::DecodeHelloReply(frame.payload));
   probe.state = SocketState::kLive;
   probe.connection = std::move(conn).value();
@@ -194,7 +219,8 @@ std::optional<Status> FindClosestSibling(const ResolvedIdentity& id,
   size_t best_count = SIZE_MAX;
   for (const std::string& socket : *sockets) {
     if (socket == id.paths.socket) continue;
-    auto probe = ProbeSocket(socket, SiblingLockPath(socket), id.config, sibling_policy);
+    auto probe = ProbeSocket(socket, SiblingLockPath(socket), id.config, sibling_policy,
+                             Pipeline::kHelloOnly);
     if (!probe.ok()) {
       LOG_DEBUG << "skipping " << socket << ": " << probe.status().ToString();
       continue;
@@ -300,7 +326,8 @@ Result<ResolvedIdentity> ResolveIdentity(const AttachOptions& options,
 
 Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& policy) {
   const std::string& socket = id.paths.socket;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(Probe probe, ProbeSocket(socket, id.paths.lock, id.config, policy));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(Probe probe, ProbeSocket(socket, id.paths.lock, id.config, policy,
+                                                        Pipeline::kHelloThenAttach));
   if (probe.state != SocketState::kLive) {
     if (!id.paths.explicit_socket) {
       if (auto mismatch = FindClosestSibling(id, policy)) return *std::move(mismatch);
@@ -316,7 +343,21 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
   }
   if (!probe.hello.match) return MismatchStatus(who, Differences(id.config, probe.hello));
 
+  // Ready now, or loading: the pipelined Attach's reply is next on the connection (failed,
+  // draining and mismatch returned above, dropping the connection and that reply with it).
+  std::optional<protocol::Frame> attach_frame;
   if (probe.hello.state == protocol::CacheState::kLoading) {
+    // The daemon answered the Attach after the Hello: usually "cache is loading"
+    // (kUnavailable, connection usable), but the load may have finished in between.
+    auto pending = ReadReply(probe.connection.get(), protocol::MessageType::kAttachReply,
+                             os::Deadline::After(policy.exchange_timeout), socket);
+    if (pending.ok()) {
+      attach_frame = std::move(pending).value();
+    } else if (pending.status().code() != StatusCode::kUnavailable) {
+      return pending.status();
+    }
+  }
+  if (!attach_frame && probe.hello.state == protocol::CacheState::kLoading) {
     auto wait_deadline = Clock::now() + policy.wait_timeout;
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> status_request,
                                  protocol::EncodeStatusRequest());
@@ -344,15 +385,19 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
       }
       if (status.state == protocol::CacheState::kDraining) return Missing(who + " is draining");
     }
+    WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> attach_request,
+                                 protocol::EncodeAttachRequest());
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        attach_frame,
+        Exchange(probe.connection.get(), attach_request, protocol::MessageType::kAttachReply,
+                 os::Deadline::After(policy.exchange_timeout), socket));
   }
-
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> attach_request,
-                               protocol::EncodeAttachRequest());
-  WEIGHTCACHE_ASSIGN_OR_RETURN(
-      protocol::Frame frame,
-      Exchange(probe.connection.get(), attach_request, protocol::MessageType::kAttachReply,
-               os::Deadline::After(policy.exchange_timeout), socket));
-  auto reply = protocol::DecodeAttachReply(std::move(frame));
+  if (!attach_frame) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        attach_frame, ReadReply(probe.connection.get(), protocol::MessageType::kAttachReply,
+                                os::Deadline::After(policy.exchange_timeout), socket));
+  }
+  auto reply = protocol::DecodeAttachReply(std::move(*attach_frame));
   if (!reply.ok()) return reply.status().Context(who);
   Discovery d;
   d.session = DaemonSession{std::move(probe.connection), std::move(reply).value(), probe.pid};

@@ -32,6 +32,7 @@ struct Daemon::Connection {
   os::PeerCred peer;
   protocol::FrameReader reader;
   std::deque<protocol::FrameWriter> outbox;
+  bool hello_seen = false;
   bool hello_matched = false;
   bool attached = false;
   bool close_after_flush = false;  // after an error that ends this connection
@@ -287,7 +288,9 @@ void Daemon::OnLoaderWakeup() {
   if (state_ == CacheState::kDraining) return;  // cancelled or irrelevant now
   if (!result->ok()) return Fail(result->status());
   std::unique_ptr<WeightStore> store = std::move(*result).value();
-  auto frame = protocol::EncodeAttachReply(store->summary().manifest,
+  // Every attach sends these few bytes plus the manifest memfd built at load: nothing is
+  // encoded or copied per attach, whatever the tensor count.
+  auto frame = protocol::EncodeAttachReply(store->summary().manifest.size,
                                            static_cast<uint32_t>(store->fds().size()));
   if (!frame.ok()) {
     Status status = frame.status();
@@ -556,6 +559,7 @@ void Daemon::HandleFrame(Connection& conn, protocol::Frame frame) {
         reply.differences.push_back({d.field, d.ours, d.theirs});
       }
       reply.match = reply.differences.empty();
+      conn.hello_seen = true;
       conn.hello_matched = reply.match;
       LOG_DEBUG << "Hello from " << conn.Describe() << " (" << hello->client_name << "): "
                 << (reply.match ? "match"
@@ -592,14 +596,24 @@ void Daemon::HandleFrame(Connection& conn, protocol::Frame frame) {
     return;
   }
   if (frame.type == MessageType::kAttach) {
-    if (!conn.hello_matched) {
-      // Out of sequence: the protocol requires a matching Hello first, so this client is
-      // either broken or probing; end the conversation.
-      Status status = ProtocolError("Attach before a Hello whose config matches this cache (" +
-                                    options_.config.ShortDigest() + ")");
+    if (!conn.hello_seen) {
+      // Out of sequence: the protocol requires a Hello first, so this client is either broken
+      // or probing; end the conversation.
+      Status status =
+          ProtocolError("Attach before a Hello (cache " + options_.config.ShortDigest() + ")");
       LOG_WARN << conn.Describe() << ": " << status.message();
       QueueError(conn, status);
       conn.close_after_flush = true;
+      return;
+    }
+    if (!conn.hello_matched) {
+      // A client may send Attach right behind its Hello (docs/protocol.md §1, pipelining):
+      // after a Hello that did not match, the Attach is refused as an application error; the
+      // client has the HelloReply with the differences and reports those.
+      LOG_DEBUG << conn.Describe() << ": Attach after a non-matching Hello refused";
+      QueueError(conn, Status(StatusCode::kMismatch,
+                              "Attach refused: the Hello's config does not match this cache (" +
+                                  options_.config.ShortDigest() + ")"));
       return;
     }
     if (state_ != CacheState::kReady) {
@@ -613,7 +627,10 @@ void Daemon::HandleFrame(Connection& conn, protocol::Frame frame) {
       QueueError(conn, Status(StatusCode::kUnavailable, why));
       return;
     }
-    QueueFrame(conn, attach_frame_, store_->fds());
+    // The manifest memfd first, then one fd per allocation (docs/protocol.md §4).
+    std::vector<int> fds = store_->fds();
+    fds.insert(fds.begin(), store_->summary().manifest.fd.get());
+    QueueFrame(conn, attach_frame_, std::move(fds));
     if (!conn.attached) {
       conn.attached = true;
       ++clients_;

@@ -32,12 +32,11 @@ std::vector<size_t> FileOrder(const checkpoint::Checkpoint& checkpoint) {
   return order;
 }
 
-Result<std::vector<uint8_t>> BuildManifest(protocol::Tier tier,
-                                           const checkpoint::Checkpoint& checkpoint,
-                                           const std::vector<size_t>& order,
-                                           const std::vector<PlacedTensor>& placements,
-                                           const std::vector<uint64_t>& checksums,
-                                           const std::vector<uint64_t>& allocation_sizes) {
+Result<ManifestFile> BuildManifest(protocol::Tier tier, const checkpoint::Checkpoint& checkpoint,
+                                   const std::vector<size_t>& order,
+                                   const std::vector<PlacedTensor>& placements,
+                                   const std::vector<uint64_t>& checksums,
+                                   const std::vector<uint64_t>& allocation_sizes) {
   if (placements.size() != order.size() || checksums.size() != order.size()) {
     return InternalError("manifest: " + std::to_string(order.size()) + " tensors but " +
                          std::to_string(placements.size()) + " placements and " +
@@ -69,7 +68,12 @@ Result<std::vector<uint8_t>> BuildManifest(protocol::Tier tier,
     Status status = manifest.status();
     return status.Context("building the attach manifest");
   }
-  return std::move(manifest).value();
+  auto fd = protocol::CreateManifestMemfd(*manifest, "weightcache-manifest");
+  if (!fd.ok()) {
+    Status status = fd.status();
+    return status.Context("writing the attach manifest");
+  }
+  return ManifestFile{std::move(fd).value(), manifest->size()};
 }
 
 }  // namespace weightcache::daemon

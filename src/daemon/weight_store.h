@@ -15,7 +15,9 @@
 //  * The store owns its allocation fds; fds() are borrowed and valid for the store's life.
 //    sendmsg(SCM_RIGHTS) duplicates them into the peer, so clients keep the memory after the
 //    daemon exits (memfd: the file lives while any fd or mapping does; VMM: refcounted).
-//  * manifest() is the encoded attach manifest (protocol/manifest.h), built once at load.
+//  * summary().manifest is the attach manifest (protocol/manifest.h), encoded once at load
+//    into a sealed read-only memfd that every AttachReply hands out (protocol version 2): no
+//    per-attach encoding or copying, and the daemon keeps no heap copy of it.
 //  * Loaders run on the daemon's loader thread; a finished store is immutable and its const
 //    methods may be called from any thread.
 //  * The memory budget (0 = none) is checked against the plan BEFORE anything is allocated:
@@ -31,14 +33,21 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "common/unique_fd.h"
 #include "protocol/manifest.h"
 #include "weightcache/status.h"
 
 namespace weightcache::daemon {
 
+// The encoded attach manifest in its sealed memfd (protocol::CreateManifestMemfd).
+struct ManifestFile {
+  UniqueFd fd;
+  uint64_t size = 0;
+};
+
 // What every store reports about itself, fixed at the end of its load.
 struct StoreSummary {
-  std::vector<uint8_t> manifest;  // encoded attach manifest (protocol/manifest.h)
+  ManifestFile manifest;
   uint64_t tensor_count = 0;
   uint64_t tensor_bytes = 0;    // sum of the tensors' bytes (what the checkpoint holds)
   uint64_t resident_bytes = 0;  // sum of the allocations (what the cache occupies)
@@ -95,17 +104,17 @@ Status CheckMemoryBudget(protocol::Tier tier, uint64_t plan_bytes, size_t alloca
 std::vector<size_t> FileOrder(const checkpoint::Checkpoint& checkpoint);
 
 // The attach manifest of `checkpoint` packed as `placements` (parallel to `order`), with one
-// checksum per entry of `order` (cuda/checksum.h). kInvalidArgument naming the tensor when it
+// checksum per entry of `order` (cuda/checksum.h), in its sealed memfd; the records are in
+// name order whatever `order` is (protocol/manifest.h). kInvalidArgument naming the tensor when it
 // cannot be described (rank above protocol::kMaxTensorDims).
 struct PlacedTensor {
   uint32_t allocation = 0;
   uint64_t offset = 0;
 };
-Result<std::vector<uint8_t>> BuildManifest(protocol::Tier tier,
-                                           const checkpoint::Checkpoint& checkpoint,
-                                           const std::vector<size_t>& order,
-                                           const std::vector<PlacedTensor>& placements,
-                                           const std::vector<uint64_t>& checksums,
-                                           const std::vector<uint64_t>& allocation_sizes);
+Result<ManifestFile> BuildManifest(protocol::Tier tier, const checkpoint::Checkpoint& checkpoint,
+                                   const std::vector<size_t>& order,
+                                   const std::vector<PlacedTensor>& placements,
+                                   const std::vector<uint64_t>& checksums,
+                                   const std::vector<uint64_t>& allocation_sizes);
 
 }  // namespace weightcache::daemon

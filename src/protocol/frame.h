@@ -5,16 +5,17 @@
 //
 //   offset size  field            (all integers little-endian)
 //   0      4     magic            "WCPF" (0x57 0x43 0x50 0x46)
-//   4      2     version          kProtocolVersion (1)
+//   4      2     version          kProtocolVersion (2)
 //   6      2     type             MessageType
 //   8      4     flags            0 (any other value is rejected)
 //   12     4     fd_count         fds attached (SCM_RIGHTS) to the frame's first byte
 //   16     8     payload_length   bytes following the header
 //   24     ...   payload          JSON object for control messages; empty for Status, Attach
-//                                 and Stop requests; a binary table for AttachReply
+//                                 and Stop requests; 16 bytes for AttachReply (the manifest
+//                                 itself travels as a sealed memfd, see messages.h)
 //
 // Bounds are enforced from the header alone, BEFORE any payload allocation: 64 KiB for a
-// request, 1 MiB for a control reply, 64 MiB for AttachReply; fds only on AttachReply (at
+// request, 1 MiB for a control reply, 64 KiB for AttachReply; fds only on AttachReply (at
 // most 253, the kernel's SCM_MAX_FD). A frame of another version is rejected with kProtocol
 // naming both versions, except Error frames, whose header and payload are frozen across
 // versions so that a peer can always explain a version mismatch. Any malformed frame fails
@@ -38,13 +39,13 @@
 
 namespace weightcache::protocol {
 
-inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr uint16_t kProtocolVersion = 2;
 inline constexpr uint8_t kFrameMagic[4] = {'W', 'C', 'P', 'F'};
 inline constexpr size_t kFrameHeaderSize = 24;
 
 inline constexpr uint64_t kMaxRequestPayload = 64 * 1024;
 inline constexpr uint64_t kMaxControlReplyPayload = 1024 * 1024;
-inline constexpr uint64_t kMaxAttachReplyPayload = 64 * 1024 * 1024;
+inline constexpr uint64_t kMaxAttachReplyPayload = 64 * 1024;
 inline constexpr uint32_t kMaxFdsPerFrame = static_cast<uint32_t>(os::kMaxFdsPerMessage);
 
 enum class MessageType : uint16_t {

@@ -1,9 +1,13 @@
 #include "protocol/manifest.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <numeric>
 #include <string>
 
-#include "common/hash.h"
 #include "protocol/frame.h"
 #include "protocol/wire.h"
 
@@ -32,32 +36,38 @@ bool ValidDTypeName(std::string_view dtype) {
 
 // Everything about one entry except name uniqueness. `error` builds the Status (kProtocol when
 // decoding, kInvalidArgument when encoding).
+// `known_dtype` is a dtype string already checked (the previous record's: dtype names are
+// interned in the table, so consecutive records usually point at the same bytes).
 template <typename MakeError>
 Status ValidateEntry(size_t i, const TensorEntry& t, std::span<const uint64_t> allocations,
-                     MakeError error) {
+                     std::string_view known_dtype, MakeError error) {
   if (t.name.empty()) return error(Describe(i, "") + ": empty name");
   if (t.name.size() > kMaxTensorNameLength) {
     return error(Describe(i, t.name) + ": name of " + std::to_string(t.name.size()) +
                  " bytes exceeds " + std::to_string(kMaxTensorNameLength));
   }
-  if (!ValidDTypeName(t.dtype)) {
-    return error(Describe(i, t.name) + ": invalid dtype name (1-16 bytes of [A-Z0-9_] expected)");
+  if (t.dtype.data() != known_dtype.data() || t.dtype.size() != known_dtype.size()) {
+    if (!ValidDTypeName(t.dtype)) {
+      return error(Describe(i, t.name) + ": invalid dtype name (1-16 bytes of [A-Z0-9_] expected)");
+    }
   }
   if (t.ndim > kMaxTensorDims) {
     return error(Describe(i, t.name) + ": ndim " + std::to_string(t.ndim) + " exceeds " +
                  std::to_string(kMaxTensorDims));
   }
-  uint64_t elements = 1;
+  // No division: at 10,000 tensors every nanosecond per record is 10 us of attach.
+  uint64_t elements = 1, unused = 0;
+  bool overflow = false;
   for (uint32_t d = 0; d < kMaxTensorDims; ++d) {
     if (d >= t.ndim) {
-      if (t.shape[d] != 0) return error(Describe(i, t.name) + ": unused shape dimension not 0");
-      continue;
+      unused |= t.shape[d];
+    } else {
+      // Once a dimension is 0 the product stays 0: an overflow only counts before it.
+      overflow |= __builtin_mul_overflow(elements, t.shape[d], &elements);
     }
-    if (t.shape[d] != 0 && elements > UINT64_MAX / t.shape[d]) {
-      return error(Describe(i, t.name) + ": element count overflows 64 bits");
-    }
-    elements *= t.shape[d];
   }
+  if (unused != 0) return error(Describe(i, t.name) + ": unused shape dimension not 0");
+  if (overflow) return error(Describe(i, t.name) + ": element count overflows 64 bits");
   if (t.allocation >= allocations.size()) {
     return error(Describe(i, t.name) + ": allocation index " + std::to_string(t.allocation) +
                  " out of range (" + std::to_string(allocations.size()) + " allocations)");
@@ -67,51 +77,6 @@ Status ValidateEntry(size_t i, const TensorEntry& t, std::span<const uint64_t> a
     return error(Describe(i, t.name) + ": offset " + std::to_string(t.offset) + " + nbytes " +
                  std::to_string(t.nbytes) + " exceeds allocation " + std::to_string(t.allocation) +
                  " of " + std::to_string(alloc_size) + " bytes");
-  }
-  return Status::Ok();
-}
-
-// Open-addressing set of tensor names: one flat array, no allocation per name, so checking
-// 10,000 names for duplicates costs tens of microseconds.
-class NameSet {
- public:
-  explicit NameSet(size_t count) {
-    size_t capacity = 16;
-    while (capacity < count * 2) capacity *= 2;
-    slots_.assign(capacity, kEmpty);
-    names_.reserve(count);
-  }
-  // False if `name` is already present (the index of the earlier one in *previous).
-  bool Insert(std::string_view name, size_t* previous) {
-    size_t mask = slots_.size() - 1;
-    size_t pos = Xxh64(name.data(), name.size()) & mask;
-    while (slots_[pos] != kEmpty) {
-      if (names_[slots_[pos]] == name) {
-        *previous = slots_[pos];
-        return false;
-      }
-      pos = (pos + 1) & mask;
-    }
-    slots_[pos] = static_cast<uint32_t>(names_.size());
-    names_.push_back(name);
-    return true;
-  }
-
- private:
-  static constexpr uint32_t kEmpty = UINT32_MAX;
-  std::vector<uint32_t> slots_;
-  std::vector<std::string_view> names_;
-};
-
-template <typename MakeError>
-Status CheckUniqueNames(std::span<const TensorEntry> tensors, MakeError error) {
-  NameSet names(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    size_t previous = 0;
-    if (!names.Insert(tensors[i].name, &previous)) {
-      return error(Describe(i, tensors[i].name) + ": duplicate name (also tensor " +
-                   std::to_string(previous) + ")");
-    }
   }
   return Status::Ok();
 }
@@ -142,9 +107,10 @@ Result<Tier> ParseTier(std::string_view name) {
 Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t> allocation_sizes,
                                             std::span<const TensorEntry> tensors) {
   if (tier != Tier::kGpu && tier != Tier::kHost) return EncodeError("unknown tier");
-  if (allocation_sizes.size() > kMaxFdsPerFrame) {
+  if (allocation_sizes.size() > kMaxAllocations) {
     return EncodeError(std::to_string(allocation_sizes.size()) + " allocations exceed the " +
-                       std::to_string(kMaxFdsPerFrame) + " fds one frame can carry");
+                       std::to_string(kMaxAllocations) +
+                       " one AttachReply can carry (one fd is the manifest's)");
   }
   for (size_t a = 0; a < allocation_sizes.size(); ++a) {
     if (allocation_sizes[a] == 0)
@@ -152,15 +118,26 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
   }
   if (tensors.size() > UINT32_MAX) return EncodeError("too many tensors");
   for (size_t i = 0; i < tensors.size(); ++i) {
-    WEIGHTCACHE_RETURN_IF_ERROR(ValidateEntry(i, tensors[i], allocation_sizes, EncodeError));
+    WEIGHTCACHE_RETURN_IF_ERROR(ValidateEntry(i, tensors[i], allocation_sizes, {}, EncodeError));
   }
-  WEIGHTCACHE_RETURN_IF_ERROR(CheckUniqueNames(tensors, EncodeError));
+  // Records go out in ascending name order (the decoder's uniqueness check and the client's
+  // table order); equal neighbours are duplicates.
+  std::vector<uint32_t> order(tensors.size());
+  std::iota(order.begin(), order.end(), 0u);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](uint32_t a, uint32_t b) { return tensors[a].name < tensors[b].name; });
+  for (size_t k = 1; k < order.size(); ++k) {
+    if (tensors[order[k]].name == tensors[order[k - 1]].name) {
+      return EncodeError(Describe(order[k], tensors[order[k]].name) +
+                         ": duplicate name (also tensor " + std::to_string(order[k - 1]) + ")");
+    }
+  }
 
-  // The string table: names in order, dtype names interned (a handful of distinct ones).
+  // The string table: names in record order, dtype names interned (a handful of distinct ones).
   std::string table;
   std::vector<std::pair<std::string_view, uint32_t>> dtypes;
   std::vector<uint32_t> name_offsets(tensors.size()), dtype_offsets(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
+  for (uint32_t i : order) {
     name_offsets[i] = static_cast<uint32_t>(table.size());
     table.append(tensors[i].name);
     uint32_t off = UINT32_MAX;
@@ -173,13 +150,13 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
       dtypes.emplace_back(tensors[i].dtype, off);
     }
     dtype_offsets[i] = off;
-    if (table.size() > kMaxAttachReplyPayload) return EncodeError("string table too large");
+    if (table.size() > kMaxManifestSize) return EncodeError("string table too large");
   }
   uint64_t total = kManifestHeaderSize + allocation_sizes.size() * kManifestAllocationSize +
                    tensors.size() * kManifestTensorSize + table.size();
-  if (total > kMaxAttachReplyPayload) {
+  if (total > kMaxManifestSize) {
     return EncodeError(std::to_string(total) + " bytes exceed the " +
-                       std::to_string(kMaxAttachReplyPayload) + "-byte AttachReply limit");
+                       std::to_string(kMaxManifestSize) + "-byte manifest limit");
   }
 
   std::vector<uint8_t> out;
@@ -192,7 +169,7 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
   wire::PutU32(out, static_cast<uint32_t>(table.size()));
   wire::PutU32(out, 0);
   for (uint64_t size : allocation_sizes) wire::PutU64(out, size);
-  for (size_t i = 0; i < tensors.size(); ++i) {
+  for (uint32_t i : order) {
     const TensorEntry& t = tensors[i];
     wire::PutU32(out, name_offsets[i]);
     wire::PutU32(out, static_cast<uint32_t>(t.name.size()));
@@ -210,7 +187,42 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
   return out;
 }
 
-Result<Manifest> Manifest::Decode(std::span<const uint8_t> payload) {
+Result<Manifest> Manifest::Decode(std::span<const uint8_t> bytes) {
+  Manifest m;
+  m.owned_ = std::make_unique_for_overwrite<uint8_t[]>(std::max<size_t>(bytes.size(), 1));
+  std::memcpy(m.owned_.get(), bytes.data(), bytes.size());
+  m.bytes_ = std::span<const uint8_t>(m.owned_.get(), bytes.size());
+  WEIGHTCACHE_RETURN_IF_ERROR(m.Validate());
+  return m;
+}
+
+Result<Manifest> Manifest::DecodeMapped(os::MappedRegion region) {
+  Manifest m;
+  m.mapped_ = std::move(region);
+  m.bytes_ =
+      std::span<const uint8_t>(static_cast<const uint8_t*>(m.mapped_.data()), m.mapped_.size());
+  WEIGHTCACHE_RETURN_IF_ERROR(m.Validate());
+  return m;
+}
+
+TensorEntry Manifest::tensor(size_t i) const {
+  const uint8_t* r = records_ + i * kManifestTensorSize;
+  TensorEntry t;
+  t.name = std::string_view(strings_ + wire::GetU32(r), wire::GetU32(r + 4));
+  t.dtype = std::string_view(strings_ + wire::GetU32(r + 8), wire::GetU32(r + 12));
+  t.allocation = wire::GetU32(r + 16);
+  t.ndim = r[20];
+  t.offset = wire::GetU64(r + 24);
+  t.nbytes = wire::GetU64(r + 32);
+  t.checksum = wire::GetU64(r + 40);
+  for (uint32_t d = 0; d < kMaxTensorDims; ++d) t.shape[d] = wire::GetU64(r + 48 + 8 * d);
+  return t;
+}
+
+// One pass over the records, no allocation per tensor: each record is read into a
+// TensorEntry on the stack, checked, and its name compared with the previous one.
+Status Manifest::Validate() {
+  std::span<const uint8_t> payload = bytes_;
   if (payload.size() < kManifestHeaderSize) {
     return ManifestError("truncated header (" + std::to_string(payload.size()) + " of " +
                          std::to_string(kManifestHeaderSize) + " bytes)");
@@ -229,9 +241,9 @@ Result<Manifest> Manifest::Decode(std::span<const uint8_t> payload) {
   uint32_t allocation_count = wire::GetU32(p + 8);
   uint32_t tensor_count = wire::GetU32(p + 12);
   uint32_t table_size = wire::GetU32(p + 16);
-  if (allocation_count > kMaxFdsPerFrame) {
+  if (allocation_count > kMaxAllocations) {
     return ManifestError(std::to_string(allocation_count) + " allocations exceed the limit of " +
-                         std::to_string(kMaxFdsPerFrame));
+                         std::to_string(kMaxAllocations));
   }
   // 32-bit counts times small record sizes cannot overflow 64 bits.
   uint64_t expected = kManifestHeaderSize + uint64_t{allocation_count} * kManifestAllocationSize +
@@ -240,58 +252,91 @@ Result<Manifest> Manifest::Decode(std::span<const uint8_t> payload) {
     return ManifestError("header describes " + std::to_string(expected) + " bytes (" +
                          std::to_string(allocation_count) + " allocations, " +
                          std::to_string(tensor_count) + " tensors, " + std::to_string(table_size) +
-                         "-byte string table) but the payload has " +
+                         "-byte string table) but the manifest has " +
                          std::to_string(payload.size()));
   }
-
-  Manifest m;
-  m.tier_ = static_cast<Tier>(tier);
+  tier_ = static_cast<Tier>(tier);
   const uint8_t* alloc_p = p + kManifestHeaderSize;
-  m.allocation_sizes_.resize(allocation_count);
+  allocation_sizes_.resize(allocation_count);
   for (uint32_t a = 0; a < allocation_count; ++a) {
-    m.allocation_sizes_[a] = wire::GetU64(alloc_p + a * kManifestAllocationSize);
-    if (m.allocation_sizes_[a] == 0) {
+    allocation_sizes_[a] = wire::GetU64(alloc_p + a * kManifestAllocationSize);
+    if (allocation_sizes_[a] == 0) {
       return ManifestError("allocation " + std::to_string(a) + " has size 0");
     }
   }
-  const uint8_t* tensor_p = alloc_p + uint64_t{allocation_count} * kManifestAllocationSize;
-  const uint8_t* table_p = tensor_p + uint64_t{tensor_count} * kManifestTensorSize;
-  m.strings_ = std::make_unique<char[]>(table_size == 0 ? 1 : table_size);
-  std::memcpy(m.strings_.get(), table_p, table_size);
+  records_ = alloc_p + uint64_t{allocation_count} * kManifestAllocationSize;
+  strings_ = reinterpret_cast<const char*>(records_ + uint64_t{tensor_count} * kManifestTensorSize);
+  tensor_count_ = tensor_count;
 
-  auto string_at = [&](size_t i, uint32_t offset, uint32_t length, const char* what,
-                       std::string_view* out) -> Status {
+  auto check_string = [&](size_t i, const uint8_t* at, const char* what) -> Status {
+    uint32_t offset = wire::GetU32(at), length = wire::GetU32(at + 4);
     if (offset > table_size || length > table_size - offset) {
       return ManifestError(Describe(i, "") + ": " + what + " (offset " + std::to_string(offset) +
                            ", length " + std::to_string(length) +
                            ") lies outside the string table of " + std::to_string(table_size) +
                            " bytes");
     }
-    *out = std::string_view(m.strings_.get() + offset, length);
     return Status::Ok();
   };
-
-  m.tensors_.resize(tensor_count);
+  std::string_view previous, known_dtype;
+  name_bytes_ = 0;
+  dim_count_ = 0;
   for (uint32_t i = 0; i < tensor_count; ++i) {
-    const uint8_t* r = tensor_p + uint64_t{i} * kManifestTensorSize;
-    TensorEntry& t = m.tensors_[i];
-    WEIGHTCACHE_RETURN_IF_ERROR(
-        string_at(i, wire::GetU32(r), wire::GetU32(r + 4), "name", &t.name));
-    WEIGHTCACHE_RETURN_IF_ERROR(
-        string_at(i, wire::GetU32(r + 8), wire::GetU32(r + 12), "dtype", &t.dtype));
-    t.allocation = wire::GetU32(r + 16);
-    t.ndim = r[20];
+    const uint8_t* r = records_ + uint64_t{i} * kManifestTensorSize;
+    // Strings first: tensor(i) may only build views that lie inside the table.
+    WEIGHTCACHE_RETURN_IF_ERROR(check_string(i, r, "name"));
+    WEIGHTCACHE_RETURN_IF_ERROR(check_string(i, r + 8, "dtype"));
+    const TensorEntry t = tensor(i);
     if (r[21] != 0 || r[22] != 0 || r[23] != 0) {
       return ManifestError(Describe(i, t.name) + ": reserved bytes are not 0");
     }
-    t.offset = wire::GetU64(r + 24);
-    t.nbytes = wire::GetU64(r + 32);
-    t.checksum = wire::GetU64(r + 40);
-    for (uint32_t d = 0; d < kMaxTensorDims; ++d) t.shape[d] = wire::GetU64(r + 48 + 8 * d);
-    WEIGHTCACHE_RETURN_IF_ERROR(ValidateEntry(i, t, m.allocation_sizes_, ManifestError));
+    WEIGHTCACHE_RETURN_IF_ERROR(ValidateEntry(i, t, allocation_sizes_, known_dtype, ManifestError));
+    known_dtype = t.dtype;
+    name_bytes_ += t.name.size();
+    dim_count_ += t.ndim;
+    if (i > 0 && !(previous < t.name)) {
+      return ManifestError(Describe(i, t.name) +
+                           (previous == t.name
+                                ? ": duplicate name (also tensor " + std::to_string(i - 1) + ")"
+                                : ": names out of ascending byte order (after '" +
+                                      std::string(previous.substr(0, 200)) + "')"));
+    }
+    previous = t.name;
   }
-  WEIGHTCACHE_RETURN_IF_ERROR(CheckUniqueNames(m.tensors_, ManifestError));
-  return m;
+  return Status::Ok();
+}
+
+Result<UniqueFd> CreateManifestMemfd(std::span<const uint8_t> manifest, const std::string& name) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(UniqueFd fd, os::CreateMemfd(name, manifest.size()));
+  size_t done = 0;
+  while (done < manifest.size()) {
+    ssize_t n = ::pwrite(fd.get(), manifest.data() + done, manifest.size() - done,
+                         static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return IoError("writing the attach manifest into memfd " + name, errno);
+    done += static_cast<size_t>(n);
+  }
+  WEIGHTCACHE_RETURN_IF_ERROR(os::SealReadOnly(fd.get()));
+  return fd;
+}
+
+Result<Manifest> MapManifestMemfd(int fd, uint64_t size) {
+  Status sealed = os::CheckSealedReadOnly(fd);
+  if (!sealed.ok()) return sealed.Context("attach manifest memfd");
+  if (size < kManifestHeaderSize || size > kMaxManifestSize) {
+    return ManifestError("announced size of " + std::to_string(size) + " bytes is outside " +
+                         std::to_string(kManifestHeaderSize) + "-" +
+                         std::to_string(kMaxManifestSize));
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(uint64_t file_size, os::FileSize(fd));
+  // Sealed against shrinking and growing: the size checked here is the size for good.
+  if (file_size != size) {
+    return ManifestError("memfd holds " + std::to_string(file_size) + " bytes, the reply says " +
+                         std::to_string(size));
+  }
+  auto region = os::MapReadOnly(fd, size, os::Prefault::kYes);
+  if (!region.ok()) return region.status().Context("mapping the attach manifest");
+  return Manifest::DecodeMapped(std::move(region).value());
 }
 
 }  // namespace weightcache::protocol

@@ -1,9 +1,12 @@
 // The attach manifest: a compact binary table of allocations and tensors (docs/protocol.md §4).
 //
-// Why binary: attaching must cost O(allocations), and parsing 10,000 tensors must take
-// microseconds (SPEC §8: attach <= 2 ms flat in tensor count). Fixed-size little-endian
-// records are validated in one pass with no per-tensor allocation: names and dtypes are views
-// into one string table owned by the Manifest.
+// Why binary, and why out of the socket: attaching must cost O(allocations), flat in tensor
+// count (SPEC §8). Since protocol version 2 the daemon writes the manifest ONCE, at ready, into
+// a sealed read-only memfd that rides in the AttachReply as one more fd; a client maps it
+// instead of copying ~1.3 MB through the socket per attach. Fixed-size little-endian records
+// are validated in one pass with no per-tensor allocation, and names travel in strictly
+// ascending byte order, so uniqueness is one comparison with the previous name (no hash set)
+// and the client's table needs no sort.
 //
 //   header (24 bytes): magic "WCMF" | u8 tier | 3 reserved (0) | u32 allocation_count |
 //                      u32 tensor_count | u32 string_table_size | u32 reserved (0)
@@ -15,13 +18,16 @@
 // Contract:
 //  * Decode validates everything against bounds and returns kProtocol with a message naming
 //    the tensor and field: sizes add up exactly, every string lies in the table, names are
-//    non-empty, at most kMaxTensorNameLength bytes and unique, dtypes are 1-16 bytes of
-//    [A-Z0-9_], ndim <= kMaxTensorDims with unused dims 0, the element count does not overflow,
-//    allocation indices are in range, offset + nbytes lies inside its allocation without
-//    overflow, reserved bytes are 0. Dtype semantics (known names, nbytes = elements x size)
-//    are checked by the consumer, which owns the dtype table.
-//  * EncodeManifest applies the same validation (kInvalidArgument), so a daemon cannot emit a
-//    manifest its clients would reject.
+//    non-empty, at most kMaxTensorNameLength bytes and strictly ascending (hence unique),
+//    dtypes are 1-16 bytes of [A-Z0-9_], ndim <= kMaxTensorDims with unused dims 0, the
+//    element count does not overflow 64 bits, allocation indices are in range, offset + nbytes
+//    lies inside its allocation without overflow, reserved bytes are 0. Dtype semantics (known
+//    names, nbytes = elements x size) are checked by the consumer, which owns the dtype table.
+//  * The bytes are validated once; tensor(i) then reads record i from them without checking
+//    again. A Manifest owns its bytes: a copy (Decode) or a read-only mapping of a sealed
+//    memfd (DecodeMapped), which nobody can change after the checks.
+//  * EncodeManifest applies the same validation (kInvalidArgument) and orders the records by
+//    name itself, so a daemon cannot emit a manifest its clients would reject.
 //  * Manifest is move-only; TensorEntry views stay valid while the Manifest lives (moves
 //    included). Thread-safe for concurrent reads.
 #pragma once
@@ -30,9 +36,12 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
+#include "common/unique_fd.h"
+#include "os/memfd.h"
 #include "weightcache/status.h"
 
 namespace weightcache::protocol {
@@ -47,6 +56,10 @@ inline constexpr uint32_t kMaxDTypeNameLength = 16;
 inline constexpr size_t kManifestHeaderSize = 24;
 inline constexpr size_t kManifestAllocationSize = 8;
 inline constexpr size_t kManifestTensorSize = 112;
+// One fd of an AttachReply is the manifest's memfd, the others are the allocations.
+inline constexpr uint32_t kMaxAllocations = 252;
+// The manifest memfd's size bound, checked before it is mapped.
+inline constexpr uint64_t kMaxManifestSize = 64 * 1024 * 1024;
 
 struct TensorEntry {
   std::string_view name;
@@ -69,21 +82,51 @@ class Manifest {
   Manifest(Manifest&&) noexcept = default;
   Manifest& operator=(Manifest&&) noexcept = default;
 
-  static Result<Manifest> Decode(std::span<const uint8_t> payload);
+  // Validates a copy of `bytes` (tests, fuzzing, in-process use).
+  static Result<Manifest> Decode(std::span<const uint8_t> bytes);
+  // Validates the bytes of a read-only mapping of a sealed memfd (the attach path: no copy).
+  // The caller has checked the seals, so the bytes cannot change after validation.
+  static Result<Manifest> DecodeMapped(os::MappedRegion region);
 
   Tier tier() const { return tier_; }
   const std::vector<uint64_t>& allocation_sizes() const { return allocation_sizes_; }
-  const std::vector<TensorEntry>& tensors() const { return tensors_; }
+  size_t tensor_count() const { return tensor_count_; }
+  // Totals over all records, counted during validation: the sum of the name lengths and of
+  // the ranks (what a consumer reserves before copying names and dims).
+  size_t name_bytes() const { return name_bytes_; }
+  size_t dim_count() const { return dim_count_; }
+  // Record i (< tensor_count()), read from the validated bytes; names in ascending order.
+  TensorEntry tensor(size_t i) const;
+  // The encoded manifest (what EncodeManifest produced).
+  std::span<const uint8_t> bytes() const { return bytes_; }
 
  private:
+  Status Validate();
+
   Tier tier_ = Tier::kHost;
   std::vector<uint64_t> allocation_sizes_;
-  std::vector<TensorEntry> tensors_;
-  std::unique_ptr<char[]> strings_;  // the string table the entries' views point into
+  size_t tensor_count_ = 0;
+  size_t name_bytes_ = 0;
+  size_t dim_count_ = 0;
+  std::span<const uint8_t> bytes_;  // into owned_ or mapped_
+  const uint8_t* records_ = nullptr;
+  const char* strings_ = nullptr;
+  std::unique_ptr<uint8_t[]> owned_;
+  os::MappedRegion mapped_;
 };
 
-// Builds the manifest bytes (the AttachReply payload). Dtype strings are interned in the table.
+// Builds the manifest bytes, records in ascending name order whatever the order of `tensors`.
+// Dtype strings are interned in the table.
 Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t> allocation_sizes,
                                             std::span<const TensorEntry> tensors);
+
+// The memfd a daemon hands out with every AttachReply: `manifest` written once, then sealed
+// read-only (F_SEAL_WRITE|GROW|SHRINK|SEAL). `name` shows in /proc/<pid>/fd.
+Result<UniqueFd> CreateManifestMemfd(std::span<const uint8_t> manifest, const std::string& name);
+
+// The client side: checks the seals and that the file is exactly `size` bytes (<=
+// kMaxManifestSize), maps it read-only (prefaulted: one call, no page fault per page) and
+// decodes it. kProtocol / kPermissionDenied naming what is wrong.
+Result<Manifest> MapManifestMemfd(int fd, uint64_t size);
 
 }  // namespace weightcache::protocol

@@ -4,6 +4,8 @@
 #include <set>
 #include <string>
 
+#include "protocol/wire.h"
+
 namespace weightcache::protocol {
 namespace {
 
@@ -275,23 +277,49 @@ Result<StatusReply> DecodeStatusReply(std::span<const uint8_t> payload) {
 
 // ---- AttachReply ------------------------------------------------------------------------------
 
-Result<std::vector<uint8_t>> EncodeAttachReply(std::span<const uint8_t> manifest_bytes,
-                                               uint32_t fd_count) {
-  return EncodeFrame(MessageType::kAttachReply, manifest_bytes, fd_count);
+static_assert(kMaxAllocations + 1 == kMaxFdsPerFrame, "the manifest memfd takes one fd");
+
+Result<std::vector<uint8_t>> EncodeAttachReply(uint64_t manifest_size, uint32_t allocation_count) {
+  if (allocation_count > kMaxAllocations) {
+    return InvalidArgument("cannot send AttachReply with " + std::to_string(allocation_count) +
+                           " allocations; at most " + std::to_string(kMaxAllocations));
+  }
+  std::vector<uint8_t> payload;
+  payload.reserve(kAttachReplyPayloadSize);
+  wire::PutU64(payload, manifest_size);
+  wire::PutU32(payload, allocation_count);
+  wire::PutU32(payload, 0);
+  return EncodeFrame(MessageType::kAttachReply, payload, allocation_count + 1);
 }
 
 Result<AttachReply> DecodeAttachReply(Frame frame) {
   if (frame.type != MessageType::kAttachReply) {
     return ProtocolError("expected AttachReply, got " + MessageTypeName(frame.type));
   }
-  AttachReply reply;
-  reply.fds = std::move(frame.fds);  // owned from here, closed on every error path
-  WEIGHTCACHE_ASSIGN_OR_RETURN(reply.manifest, Manifest::Decode(frame.payload));
-  if (reply.fds.size() != reply.manifest.allocation_sizes().size()) {
-    return ProtocolError("AttachReply: manifest lists " +
-                         std::to_string(reply.manifest.allocation_sizes().size()) +
-                         " allocations but " + std::to_string(reply.fds.size()) + " fds arrived");
+  std::vector<UniqueFd> fds = std::move(frame.fds);  // owned from here, closed on every error
+  if (frame.payload.size() != kAttachReplyPayloadSize) {
+    return ProtocolError("AttachReply: payload of " + std::to_string(frame.payload.size()) +
+                         " bytes (expected " + std::to_string(kAttachReplyPayloadSize) + ")");
   }
+  const uint8_t* p = frame.payload.data();
+  const uint64_t manifest_size = wire::GetU64(p);
+  const uint32_t allocation_count = wire::GetU32(p + 8);
+  if (wire::GetU32(p + 12) != 0) return ProtocolError("AttachReply: reserved field is not 0");
+  if (fds.size() != uint64_t{allocation_count} + 1) {
+    return ProtocolError("AttachReply: " + std::to_string(allocation_count) + " allocations need " +
+                         std::to_string(uint64_t{allocation_count} + 1) +
+                         " fds (manifest first) but " + std::to_string(fds.size()) + " arrived");
+  }
+  AttachReply reply;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(reply.manifest, MapManifestMemfd(fds[0].get(), manifest_size));
+  if (reply.manifest.allocation_sizes().size() != allocation_count) {
+    return ProtocolError(
+        "AttachReply: manifest lists " + std::to_string(reply.manifest.allocation_sizes().size()) +
+        " allocations but the reply announces " + std::to_string(allocation_count));
+  }
+  // The mapping keeps the manifest; its fd is not needed any more.
+  reply.fds.reserve(allocation_count);
+  for (size_t i = 1; i < fds.size(); ++i) reply.fds.push_back(std::move(fds[i]));
   return reply;
 }
 

@@ -7,8 +7,10 @@
 //    the message and the offending field: control payloads are JSON objects with exactly the
 //    documented fields (a missing, ill-typed or unknown field is an error), nesting at most
 //    kMaxJsonDepth deep. Decoders never throw and never trust a length they have not checked.
-//  * AttachReply's payload is the binary manifest (manifest.h); its fds travel in the same
-//    frame, one per allocation, in allocation order.
+//  * AttachReply's payload is 16 bytes { u64 manifest_size, u32 allocation_count, u32 0 };
+//    its fds travel in the same frame: first the sealed memfd holding the binary manifest
+//    (manifest.h), then one per allocation, in allocation order. DecodeAttachReply checks the
+//    manifest memfd's seals and size, maps it and validates it (MapManifestMemfd).
 //  * Types are plain values (AttachReply is move-only: it owns fds). Thread-safe: pure.
 #pragma once
 
@@ -75,9 +77,10 @@ struct StatusReply {
 
 // Attach request: empty payload. The reply is AttachReply (or Error, e.g. not ready).
 struct AttachReply {
-  Manifest manifest;
+  Manifest manifest;          // mapped from the reply's first fd, which is then closed
   std::vector<UniqueFd> fds;  // one per manifest allocation, in order
 };
+inline constexpr size_t kAttachReplyPayloadSize = 16;
 
 // Stop request: empty payload. The daemon answers, then drains and exits.
 struct StopReply {
@@ -106,10 +109,11 @@ Status DecodeEmptyRequest(MessageType type, std::span<const uint8_t> payload);
 Result<std::vector<uint8_t>> EncodeStatusReply(const StatusReply& msg);
 Result<StatusReply> DecodeStatusReply(std::span<const uint8_t> payload);
 
-// The manifest bytes come from EncodeManifest; `fd_count` must equal its allocation count.
-Result<std::vector<uint8_t>> EncodeAttachReply(std::span<const uint8_t> manifest_bytes,
-                                               uint32_t fd_count);
-// Takes the whole frame: decodes the manifest and checks one fd per allocation.
+// The frame to send with fds {manifest memfd (CreateManifestMemfd), allocation fds...}:
+// 1 + allocation_count fds. kInvalidArgument beyond kMaxAllocations.
+Result<std::vector<uint8_t>> EncodeAttachReply(uint64_t manifest_size, uint32_t allocation_count);
+// Takes the whole frame: maps and validates the manifest memfd (its first fd) and checks one
+// further fd per allocation.
 Result<AttachReply> DecodeAttachReply(Frame frame);
 
 Result<std::vector<uint8_t>> EncodeStopReply(const StopReply& msg);

@@ -1,7 +1,9 @@
 // libFuzzer target for the wire protocol decoders (protocol/frame.h, messages.h, manifest.h):
 // everything a daemon or client parses from a peer. The input is treated as a frame header
 // followed by a payload, as a bare payload for every payload decoder (the binary attach
-// manifest included), and as a byte stream fed through FrameReader over a real socketpair.
+// manifest included), as the content of the sealed manifest memfd of an AttachReply (decoded
+// through DecodeAttachReply, as a client does), and as a byte stream fed through FrameReader
+// over a real socketpair.
 // Beyond "no crash, no sanitizer report" it checks the decoders' promises on what they
 // accept: manifest bounds hold and re-encoding gives the same table, accepted control
 // messages re-encode and decode again. Build and run: scripts/fuzz.sh frame_fuzzer.
@@ -26,24 +28,52 @@ void Check(bool condition) {
 
 void CheckManifest(const Manifest& m) {
   const auto& allocs = m.allocation_sizes();
-  Check(allocs.size() <= kMaxFdsPerFrame);
-  for (const TensorEntry& t : m.tensors()) {
+  Check(allocs.size() <= kMaxAllocations);
+  std::vector<TensorEntry> entries;
+  size_t name_bytes = 0, dims = 0;
+  for (size_t i = 0; i < m.tensor_count(); ++i) {
+    const TensorEntry t = m.tensor(i);
     Check(!t.name.empty() && t.ndim <= kMaxTensorDims);
     Check(t.allocation < allocs.size());
     Check(t.offset <= allocs[t.allocation] && t.nbytes <= allocs[t.allocation] - t.offset);
+    Check(i == 0 || entries.back().name < t.name);  // strictly ascending, hence unique
+    name_bytes += t.name.size();
+    dims += t.ndim;
+    entries.push_back(t);
   }
-  // What was accepted encodes again (same checks), and decodes to the same table.
-  auto again = EncodeManifest(m.tier(), allocs, m.tensors());
+  Check(name_bytes == m.name_bytes() && dims == m.dim_count());
+  // What was accepted encodes again (same checks), and decodes to the same table; the records
+  // are already in name order, so the encoder keeps it.
+  auto again = EncodeManifest(m.tier(), allocs, entries);
   Check(again.ok());
   auto back = Manifest::Decode(*again);
   Check(back.ok());
-  Check(back->tensors().size() == m.tensors().size());
-  for (size_t i = 0; i < m.tensors().size(); ++i) {
-    const TensorEntry& a = m.tensors()[i];
-    const TensorEntry& b = back->tensors()[i];
+  Check(back->tensor_count() == m.tensor_count());
+  for (size_t i = 0; i < m.tensor_count(); ++i) {
+    const TensorEntry a = m.tensor(i);
+    const TensorEntry b = back->tensor(i);
     Check(a.name == b.name && a.dtype == b.dtype && a.ndim == b.ndim && a.shape == b.shape &&
           a.allocation == b.allocation && a.offset == b.offset && a.nbytes == b.nbytes &&
           a.checksum == b.checksum);
+  }
+}
+
+// The attach path proper: the bytes in a sealed memfd, announced in an AttachReply, mapped and
+// decoded by DecodeAttachReply (as a client does), with allocation memfds alongside.
+void DecodeAsAttachReply(std::span<const uint8_t> manifest) {
+  auto fd = CreateManifestMemfd(manifest, "frame_fuzzer");
+  if (!fd.ok()) return;
+  Frame frame;
+  frame.type = MessageType::kAttachReply;
+  auto encoded = EncodeAttachReply(manifest.size(), 0);
+  Check(encoded.ok());
+  frame.payload.assign(encoded->begin() + kFrameHeaderSize, encoded->end());
+  frame.fds.push_back(std::move(fd).value());
+  auto reply = DecodeAttachReply(std::move(frame));
+  // With no allocation fds, only a manifest of 0 allocations can be accepted.
+  if (reply.ok()) {
+    Check(reply->manifest.allocation_sizes().empty() && reply->fds.empty());
+    CheckManifest(reply->manifest);
   }
 }
 
@@ -68,6 +98,8 @@ void DecodePayloadEverywhere(std::span<const uint8_t> payload) {
   (void)DecodeEmptyRequest(MessageType::kAttach, payload);
   auto manifest = Manifest::Decode(payload);
   if (manifest.ok()) CheckManifest(*manifest);
+  (void)DecodeAttachReply(
+      Frame{MessageType::kAttachReply, std::vector<uint8_t>(payload.begin(), payload.end()), {}});
 }
 
 void ReadAsStream(std::span<const uint8_t> data, Expect expect) {
@@ -98,6 +130,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   if (size >= kFrameHeaderSize) DecodePayloadEverywhere(input.subspan(kFrameHeaderSize));
   DecodePayloadEverywhere(input);
+  DecodeAsAttachReply(input);
   ReadAsStream(input, Expect::kRequest);
   ReadAsStream(input, Expect::kReply);
   return 0;

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes the seed corpus of frame_fuzzer (corpus/frame_fuzzer/): valid frames of every
-message type and a valid attach manifest, built from the layout in docs/protocol.md (an
+message type and a valid attach manifest (names in ascending order), built from the layout in docs/protocol.md (an
 independent encoder: if it disagrees with the C++ codec, the seeds stop parsing)."""
 import json
 import os
@@ -11,7 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus", "frame_fuzzer")
 
 
-def frame(msg_type, payload=b"", fds=0, version=1):
+def frame(msg_type, payload=b"", fds=0, version=2):
     return b"WCPF" + struct.pack("<HHIIQ", version, msg_type, 0, fds, len(payload)) + payload
 
 
@@ -40,7 +40,7 @@ def main():
     m = manifest(1, [4096, 1024], [("embed.weight", "BF16", [16, 32], 0, 0, 1024, 7),
                                    ("lm_head", "F8_E4M3", [32, 32], 1, 0, 1024, 8)])
     seeds = {
-        "hello": frame(1, js({"protocol_version": 1, "config": {"model_id": "m", "tp_size": 2},
+        "hello": frame(1, js({"protocol_version": 2, "config": {"model_id": "m", "tp_size": 2},
                               "client_pid": 12, "client_name": "engine"})),
         "hello_reply": frame(2, js({"state": "loading", "bytes_done": 1, "bytes_total": 2,
                                     "failure_reason": "", "match": False,
@@ -54,12 +54,14 @@ def main():
                                      "model_id": "m", "tensor_count": 2, "bytes": 5,
                                      "clients": 1, "pid": 9, "config_digest": "ab" * 32})),
         "attach": frame(5),
-        "attach_reply": frame(6, m, fds=2),
+        # Version 2: the manifest travels as a sealed memfd (the first of 1 + 2 fds); the
+        # payload only announces its size and the allocation count.
+        "attach_reply": frame(6, struct.pack("<QII", len(m), 2, 0), fds=3),
         "manifest": m,
         "stop": frame(7),
         "stop_reply": frame(8, js({"clients": 0})),
         "error": frame(9, js({"code": 6, "message": "config mismatch: tp_rank"})),
-        "two_frames": frame(3) + frame(1, js({"protocol_version": 1, "config": {},
+        "two_frames": frame(3) + frame(1, js({"protocol_version": 2, "config": {},
                                               "client_pid": 1, "client_name": ""})),
     }
     for name, data in seeds.items():

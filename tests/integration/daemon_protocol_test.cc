@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "integration/daemon_process.h"
+#include "os/fd_passing.h"
 #include "protocol/connection.h"
 #include "support/test_env.h"
 
@@ -72,43 +73,102 @@ class ProtocolTest : public ::testing::Test {
   std::unique_ptr<ServeProcess> serve_;
 };
 
+// Hello and Attach sent back to back in one write (what the client library does,
+// docs/protocol.md §1): a matching Hello gets HelloReply then AttachReply; a non-matching one
+// gets HelloReply with the differences, then an Error (kMismatch) that keeps the connection.
+TEST_F(ProtocolTest, PipelinedHelloAndAttach) {
+  StartDaemon();
+  auto send_pipelined = [&](const identity::CacheConfig& config) -> protocol::Connection {
+    auto conn = protocol::Connection::Connect(socket_, 2s);
+    EXPECT_TRUE(conn.ok()) << conn.status().ToString();
+    protocol::Hello hello;
+    hello.config = config.ToJson();
+    auto bytes = protocol::EncodeHello(hello);
+    auto attach = protocol::EncodeAttachRequest();
+    EXPECT_TRUE(bytes.ok() && attach.ok());
+    bytes->insert(bytes->end(), attach->begin(), attach->end());
+    EXPECT_TRUE(os::SendMessage(conn->fd(), *bytes, {}, os::Deadline::After(5s)).ok());
+    return std::move(conn).value();
+  };
+  auto read = [](protocol::Connection& conn) {
+    return protocol::ReadFrame(conn.fd(), protocol::Expect::kReply, os::Deadline::After(5s));
+  };
+
+  protocol::Connection good = send_pipelined(ConfigFor(model_, "tiny"));
+  auto hello_reply = read(good);
+  ASSERT_TRUE(hello_reply.ok()) << hello_reply.status().ToString();
+  ASSERT_EQ(hello_reply->type, MessageType::kHelloReply);
+  EXPECT_TRUE(protocol::DecodeHelloReply(hello_reply->payload)->match);
+  auto attach_reply = read(good);
+  ASSERT_TRUE(attach_reply.ok()) << attach_reply.status().ToString();
+  ASSERT_EQ(attach_reply->type, MessageType::kAttachReply);
+  auto decoded = protocol::DecodeAttachReply(std::move(attach_reply).value());
+  ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+  EXPECT_EQ(decoded->manifest.tensor_count(), 8u);
+
+  identity::CacheConfig other = ConfigFor(model_, "tiny");
+  other.tp_size = 2;
+  protocol::Connection mismatched = send_pipelined(other);
+  auto mismatch_reply = read(mismatched);
+  ASSERT_TRUE(mismatch_reply.ok()) << mismatch_reply.status().ToString();
+  auto hr = protocol::DecodeHelloReply(mismatch_reply->payload);
+  ASSERT_TRUE(hr.ok());
+  EXPECT_FALSE(hr->match);
+  auto refused = read(mismatched);
+  ASSERT_TRUE(refused.ok()) << refused.status().ToString();
+  ASSERT_EQ(refused->type, MessageType::kError);
+  auto error = protocol::DecodeError(refused->payload);
+  ASSERT_TRUE(error.ok());
+  EXPECT_EQ(error->code, StatusCode::kMismatch);
+  EXPECT_NE(error->message.find("Attach refused: the Hello's config does not match"),
+            std::string::npos)
+      << error->message;
+  // An application error: the connection still answers, and did not count as a client.
+  auto st = mismatched.QueryStatus(os::Deadline::After(5s));
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  EXPECT_EQ(st->clients, 1u);
+}
+
 TEST_F(ProtocolTest, MalformedOversizeAndWrongVersionFramesCloseOnlyTheirConnection) {
   StartDaemon();
   protocol::Connection good = AttachedClient();
   const auto status = static_cast<uint16_t>(MessageType::kStatus);
 
-  auto bad_magic = SendBad(RawHeader(1, status, 0, 0, 0, "XXXX"));
+  auto bad_magic = SendBad(RawHeader(protocol::kProtocolVersion, status, 0, 0, 0, "XXXX"));
   ASSERT_TRUE(bad_magic.ok()) << bad_magic.status().ToString();
   EXPECT_EQ(bad_magic->code, StatusCode::kProtocol);
   EXPECT_NE(bad_magic->message.find("magic"), std::string::npos) << bad_magic->message;
 
   auto oversize =
-      SendBad(RawHeader(1, static_cast<uint16_t>(MessageType::kHello), 0, 0, uint64_t{1} << 30));
+      SendBad(RawHeader(protocol::kProtocolVersion, static_cast<uint16_t>(MessageType::kHello), 0,
+                        0, uint64_t{1} << 30));
   ASSERT_TRUE(oversize.ok()) << oversize.status().ToString();
   EXPECT_EQ(oversize->code, StatusCode::kProtocol);
   EXPECT_NE(oversize->message.find(std::to_string(uint64_t{1} << 30)), std::string::npos)
       << oversize->message;
 
-  auto version = SendBad(RawHeader(2, status, 0, 0, 0));
+  auto version = SendBad(RawHeader(3, status, 0, 0, 0));
   ASSERT_TRUE(version.ok()) << version.status().ToString();
   EXPECT_EQ(version->code, StatusCode::kProtocol);
-  EXPECT_NE(version->message.find("version 2"), std::string::npos) << version->message;
+  EXPECT_NE(version->message.find("version 3"), std::string::npos) << version->message;
 
   // A reply type sent to the daemon.
-  auto reply_type =
-      SendBad(RawHeader(1, static_cast<uint16_t>(MessageType::kStatusReply), 0, 0, 0));
+  auto reply_type = SendBad(RawHeader(protocol::kProtocolVersion,
+                                      static_cast<uint16_t>(MessageType::kStatusReply), 0, 0, 0));
   ASSERT_TRUE(reply_type.ok()) << reply_type.status().ToString();
   EXPECT_EQ(reply_type->code, StatusCode::kProtocol);
 
   // A Hello whose payload is not JSON.
-  std::vector<uint8_t> garbage = RawHeader(1, static_cast<uint16_t>(MessageType::kHello), 0, 0, 5);
+  std::vector<uint8_t> garbage =
+      RawHeader(protocol::kProtocolVersion, static_cast<uint16_t>(MessageType::kHello), 0, 0, 5);
   for (char c : std::string("{{{{{")) garbage.push_back(static_cast<uint8_t>(c));
   auto not_json = SendBad(garbage);
   ASSERT_TRUE(not_json.ok()) << not_json.status().ToString();
   EXPECT_EQ(not_json->code, StatusCode::kProtocol);
 
   // Attach without a Hello.
-  auto early = SendBad(RawHeader(1, static_cast<uint16_t>(MessageType::kAttach), 0, 0, 0));
+  auto early = SendBad(
+      RawHeader(protocol::kProtocolVersion, static_cast<uint16_t>(MessageType::kAttach), 0, 0, 0));
   ASSERT_TRUE(early.ok()) << early.status().ToString();
   EXPECT_EQ(early->code, StatusCode::kProtocol);
   EXPECT_NE(early->message.find("Attach before a Hello"), std::string::npos) << early->message;
@@ -146,9 +206,16 @@ TEST_F(ProtocolTest, MismatchedHelloNamesEachFieldAndRefusesAttach) {
       EXPECT_EQ(d.client, "2");
     }
   }
+  // Refused as an application error (a pipelining client sends Attach before it has seen the
+  // HelloReply): kMismatch, and the connection stays usable.
   auto attach = conn->Attach(os::Deadline::After(5s));
   ASSERT_FALSE(attach.ok());
-  EXPECT_EQ(attach.status().code(), StatusCode::kProtocol);
+  EXPECT_EQ(attach.status().code(), StatusCode::kMismatch) << attach.status().ToString();
+  EXPECT_NE(attach.status().message().find("does not match this cache"), std::string::npos)
+      << attach.status().ToString();
+  auto st = conn->QueryStatus(os::Deadline::After(5s));
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  EXPECT_EQ(st->clients, 0u);
 }
 
 TEST_F(ProtocolTest, ManyClientsAreServedWhileOneStallsMidFrame) {
@@ -157,7 +224,8 @@ TEST_F(ProtocolTest, ManyClientsAreServedWhileOneStallsMidFrame) {
   auto staller = ConnectRaw(socket_);
   ASSERT_TRUE(staller.ok());
   UniqueFd stalled(*staller);
-  const auto half = RawHeader(1, static_cast<uint16_t>(MessageType::kStatus), 0, 0, 0);
+  const auto half =
+      RawHeader(protocol::kProtocolVersion, static_cast<uint16_t>(MessageType::kStatus), 0, 0, 0);
   ASSERT_EQ(::send(stalled.get(), half.data(), 10, MSG_NOSIGNAL), 10);
 
   std::vector<protocol::Connection> conns;

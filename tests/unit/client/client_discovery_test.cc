@@ -113,9 +113,14 @@ class ClientDiscoveryTest : public ::testing::Test {
 };
 
 TEST_F(ClientDiscoveryTest, LoadingPastTheWaitTimeoutIsTimeoutOrFallback) {
+  // As the real daemon: the Attach pipelined behind the Hello is refused while loading
+  // (kUnavailable, connection kept), and Status polls say loading.
   ScriptedDaemon daemon(id_.paths, [&](const protocol::Frame& f) {
-    return f.type == protocol::MessageType::kHello ? Hello(protocol::CacheState::kLoading)
-                                                   : Loading();
+    if (f.type == protocol::MessageType::kHello) return Hello(protocol::CacheState::kLoading);
+    if (f.type == protocol::MessageType::kAttach) {
+      return protocol::EncodeError(Status(StatusCode::kUnavailable, "cache is loading")).value();
+    }
+    return Loading();
   });
   options_.on_missing = OnMissing::kError;
   auto a = Attachment::Attach(options_);

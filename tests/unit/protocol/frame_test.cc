@@ -1,6 +1,7 @@
 #include "protocol/frame.h"
 
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 
 #include <string>
 #include <thread>
@@ -56,29 +57,34 @@ TEST(FrameHeaderTest, EncodeDecodeRoundTripWithExactLayout) {
 }
 
 TEST(FrameHeaderTest, EachMalformationHasItsOwnError) {
-  ExpectProtocolError(HeaderError(Header(1, 1, 0, 0, 0, "HTTP"), Expect::kRequest),
+  ExpectProtocolError(HeaderError(Header(kProtocolVersion, 1, 0, 0, 0, "HTTP"), Expect::kRequest),
                       "bad frame magic");
-  ExpectProtocolError(HeaderError(Header(2, 1, 0, 0, 0), Expect::kRequest),
-                      "unsupported protocol version 2 (this build speaks version 1)");
-  ExpectProtocolError(HeaderError(Header(1, 77, 0, 0, 0), Expect::kRequest),
+  ExpectProtocolError(HeaderError(Header(3, 1, 0, 0, 0), Expect::kRequest),
+                      "unsupported protocol version 3 (this build speaks version 2)");
+  // Version 1 carried the manifest inside AttachReply; its peers are refused, not misread.
+  ExpectProtocolError(HeaderError(Header(1, 1, 0, 0, 0), Expect::kRequest),
+                      "unsupported protocol version 1 (this build speaks version 2)");
+  ExpectProtocolError(HeaderError(Header(kProtocolVersion, 77, 0, 0, 0), Expect::kRequest),
                       "unknown message type 77");
-  ExpectProtocolError(HeaderError(Header(1, 0, 0, 0, 0), Expect::kRequest),
+  ExpectProtocolError(HeaderError(Header(kProtocolVersion, 0, 0, 0, 0), Expect::kRequest),
                       "unknown message type 0");
-  ExpectProtocolError(HeaderError(Header(1, 1, 4, 0, 0), Expect::kRequest),
+  ExpectProtocolError(HeaderError(Header(kProtocolVersion, 1, 4, 0, 0), Expect::kRequest),
                       "unknown frame flags 0x00000004");
-  ExpectProtocolError(HeaderError(Header(1, 2, 0, 0, 0), Expect::kRequest),
+  ExpectProtocolError(HeaderError(Header(kProtocolVersion, 2, 0, 0, 0), Expect::kRequest),
                       "unexpected HelloReply frame: expected a request");
-  ExpectProtocolError(HeaderError(Header(1, 1, 0, 0, 0), Expect::kReply),
+  ExpectProtocolError(HeaderError(Header(kProtocolVersion, 1, 0, 0, 0), Expect::kReply),
                       "unexpected Hello frame: expected a reply");
-  ExpectProtocolError(HeaderError(Header(1, 1, 0, 0, kMaxRequestPayload + 1), Expect::kRequest),
-                      "Hello frame payload of 65537 bytes exceeds the 65536-byte limit");
-  ExpectProtocolError(HeaderError(Header(1, 6, 0, 0, uint64_t{1} << 40), Expect::kReply),
-                      "exceeds the 67108864-byte limit");
-  ExpectProtocolError(HeaderError(Header(1, 1, 0, 1, 2), Expect::kRequest),
+  ExpectProtocolError(
+      HeaderError(Header(kProtocolVersion, 1, 0, 0, kMaxRequestPayload + 1), Expect::kRequest),
+      "Hello frame payload of 65537 bytes exceeds the 65536-byte limit");
+  ExpectProtocolError(
+      HeaderError(Header(kProtocolVersion, 6, 0, 0, uint64_t{1} << 40), Expect::kReply),
+      "exceeds the 65536-byte limit");
+  ExpectProtocolError(HeaderError(Header(kProtocolVersion, 1, 0, 1, 2), Expect::kRequest),
                       "Hello frame announces 1 fds; at most 0 allowed");
-  ExpectProtocolError(HeaderError(Header(1, 6, 0, 254, 2), Expect::kReply),
+  ExpectProtocolError(HeaderError(Header(kProtocolVersion, 6, 0, 254, 2), Expect::kReply),
                       "announces 254 fds; at most 253 allowed");
-  std::vector<uint8_t> short_header = Header(1, 1, 0, 0, 0);
+  std::vector<uint8_t> short_header = Header(kProtocolVersion, 1, 0, 0, 0);
   short_header.resize(10);
   ExpectProtocolError(HeaderError(short_header, Expect::kRequest),
                       "frame header truncated: 10 of 24 bytes");
@@ -116,13 +122,13 @@ class FrameIoTest : public ::testing::Test {
 TEST_F(FrameIoTest, OversizeFrameIsRejectedBeforeAllocating) {
   // Announces 2^62 bytes; nothing but the header is ever sent. If the reader allocated first
   // it would die with bad_alloc; instead it names the bound.
-  SendRaw(Header(1, 6, 0, 0, uint64_t{1} << 62));
+  SendRaw(Header(kProtocolVersion, 6, 0, 0, uint64_t{1} << 62));
   auto r = ReadFrame(b_.get(), Expect::kReply, Soon());
   ExpectProtocolError(r.status(), "AttachReply frame payload of 4611686018427387904 bytes");
 }
 
 TEST_F(FrameIoTest, TruncatedPayloadIsProtocolError) {
-  std::vector<uint8_t> bytes = Header(1, 1, 0, 0, 100);
+  std::vector<uint8_t> bytes = Header(kProtocolVersion, 1, 0, 0, 100);
   bytes.resize(bytes.size() + 40, '{');
   SendRaw(bytes);
   a_.Reset();
@@ -218,7 +224,11 @@ TEST_F(FrameIoTest, FrameReaderAssemblesIncrementallyAndReportsCleanClose) {
 }
 
 TEST_F(FrameIoTest, FrameWriterResumesAfterWouldBlockWithFdsSentOnce) {
-  std::vector<uint8_t> payload(4 << 20, 0x11);  // larger than the socket buffer
+  // An AttachReply is small since protocol version 2: shrink the send buffer (the kernel
+  // doubles 4096 to its minimum of a few KiB) so the largest allowed one still blocks.
+  const int sndbuf = 4096;
+  ASSERT_EQ(::setsockopt(a_.get(), SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf)), 0);
+  std::vector<uint8_t> payload(kMaxAttachReplyPayload, 0x11);  // larger than the send buffer
   auto frame = EncodeFrame(MessageType::kAttachReply, payload, 1);
   ASSERT_TRUE(frame.ok());
   UniqueFd m = MemfdWith("alloc0");

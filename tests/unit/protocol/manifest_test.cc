@@ -2,9 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
+#include "os/memfd.h"
 #include "protocol/wire.h"
 
 namespace weightcache::protocol {
@@ -20,7 +22,7 @@ class ManifestTest : public ::testing::Test {
  protected:
   void SetUp() override {
     tensors_.clear();
-    names_ = {"embed.weight", "layers.0.attn.q", "layers.0.attn.k"};
+    names_ = {"embed.weight", "layers.0.attn.k", "layers.0.attn.q"};  // name order
     allocs_ = {1 << 20, 4096};
     for (size_t i = 0; i < names_.size(); ++i) {
       TensorEntry t;
@@ -55,9 +57,11 @@ TEST_F(ManifestTest, RoundTripsEveryField) {
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   EXPECT_EQ(m->tier(), Tier::kGpu);
   EXPECT_EQ(m->allocation_sizes(), allocs_);
-  ASSERT_EQ(m->tensors().size(), 3u);
+  ASSERT_EQ(m->tensor_count(), 3u);
+  EXPECT_EQ(m->name_bytes(), names_[0].size() + names_[1].size() + names_[2].size());
+  EXPECT_EQ(m->dim_count(), 6u);
   for (size_t i = 0; i < 3; ++i) {
-    const TensorEntry& t = m->tensors()[i];
+    const TensorEntry t = m->tensor(i);
     EXPECT_EQ(t.name, names_[i]);
     EXPECT_EQ(t.dtype, tensors_[i].dtype);
     EXPECT_EQ(t.ndim, 2u);
@@ -70,7 +74,7 @@ TEST_F(ManifestTest, RoundTripsEveryField) {
   }
   // Views survive a move of the Manifest.
   Manifest moved = std::move(m).value();
-  EXPECT_EQ(moved.tensors()[1].name, "layers.0.attn.q");
+  EXPECT_EQ(moved.tensor(1).name, "layers.0.attn.k");
 }
 
 TEST_F(ManifestTest, TenThousandTensorsRoundTrip) {
@@ -92,15 +96,20 @@ TEST_F(ManifestTest, TenThousandTensorsRoundTrip) {
   ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
   auto m = Manifest::Decode(*bytes);
   ASSERT_TRUE(m.ok()) << m.status().ToString();
-  ASSERT_EQ(m->tensors().size(), 10000u);
-  EXPECT_EQ(m->tensors()[9999].name, "model.layers.9999.w");
-  EXPECT_EQ(m->tensors()[9999].offset, 9999ull * 1024);
+  ASSERT_EQ(m->tensor_count(), 10000u);
+  // Records in name order: "model.layers.9999.w" sorts last, with its own fields.
+  EXPECT_EQ(m->tensor(9999).name, "model.layers.9999.w");
+  EXPECT_EQ(m->tensor(9999).offset, 9999ull * 1024);
+  EXPECT_EQ(m->tensor(0).name, "model.layers.0.w");
+  EXPECT_EQ(m->tensor(1).name, "model.layers.1.w");
+  EXPECT_EQ(m->tensor(2).name, "model.layers.10.w");
+  EXPECT_EQ(m->tensor(2).offset, 10ull * 1024);
 }
 
 TEST_F(ManifestTest, OffsetOutsideAllocationIsRejected) {
   wire::SetU64(bytes_, TensorAt(2) + 24, 4096 - 1000);  // tensor 2: 3096 + 1024 > 4096
   ExpectProtocolError(Decoded(),
-                      "tensor 2 'layers.0.attn.k': offset 3096 + nbytes 1024 exceeds allocation 1 "
+                      "tensor 2 'layers.0.attn.q': offset 3096 + nbytes 1024 exceeds allocation 1 "
                       "of 4096 bytes");
 }
 
@@ -116,16 +125,15 @@ TEST_F(ManifestTest, DuplicateNamesAreRejected) {
   // Point tensor 2's name at tensor 1's bytes.
   auto m = Manifest::Decode(bytes_);
   ASSERT_TRUE(m.ok());
-  SetU32(TensorAt(2),
-         static_cast<uint32_t>(m->tensors()[1].name.data() - m->tensors()[0].name.data()));
+  SetU32(TensorAt(2), static_cast<uint32_t>(m->tensor(1).name.data() - m->tensor(0).name.data()));
   SetU32(TensorAt(2) + 4, static_cast<uint32_t>(names_[1].size()));
-  ExpectProtocolError(Decoded(), "tensor 2 'layers.0.attn.q': duplicate name (also tensor 1)");
+  ExpectProtocolError(Decoded(), "tensor 2 'layers.0.attn.k': duplicate name (also tensor 1)");
 }
 
 TEST_F(ManifestTest, AllocationIndexOutOfRangeIsRejected) {
   SetU32(TensorAt(1) + 16, 2);
   ExpectProtocolError(Decoded(),
-                      "tensor 1 'layers.0.attn.q': allocation index 2 out of range "
+                      "tensor 1 'layers.0.attn.k': allocation index 2 out of range "
                       "(2 allocations)");
 }
 
@@ -163,19 +171,19 @@ TEST_F(ManifestTest, HeaderChecks) {
   ExpectProtocolError(Decoded(), "reserved header bytes are not 0");
   bytes_ = saved;
   bytes_.pop_back();
-  ExpectProtocolError(Decoded(), "but the payload has");
+  ExpectProtocolError(Decoded(), "but the manifest has");
   bytes_ = saved;
   SetU32(12, 0x7fffffff);  // tensor count far beyond the payload
   ExpectProtocolError(Decoded(), "2147483647 tensors");
   bytes_ = saved;
   SetU32(8, 300);
-  ExpectProtocolError(Decoded(), "300 allocations exceed the limit of 253");
+  ExpectProtocolError(Decoded(), "300 allocations exceed the limit of 252");
   bytes_ = saved;
   wire::SetU64(bytes_, kManifestHeaderSize + 8, 0);
   ExpectProtocolError(Decoded(), "allocation 1 has size 0");
   bytes_ = saved;
   bytes_[TensorAt(1) + 22] = 1;
-  ExpectProtocolError(Decoded(), "tensor 1 'layers.0.attn.q': reserved bytes are not 0");
+  ExpectProtocolError(Decoded(), "tensor 1 'layers.0.attn.k': reserved bytes are not 0");
   ExpectProtocolError(Manifest::Decode(std::span(saved).first(10)).status(),
                       "truncated header (10 of 24 bytes)");
 }
@@ -190,10 +198,73 @@ TEST_F(ManifestTest, EncoderRejectsInvalidInputWithTheSameChecks) {
   bad[0].dtype = "bf16";
   auto dtype = EncodeManifest(Tier::kGpu, allocs_, bad);
   EXPECT_NE(dtype.status().message().find("invalid dtype name"), std::string::npos);
-  std::vector<uint64_t> too_many(254, 4096);
+  // 253 fds per frame, one of them the manifest's memfd.
+  std::vector<uint64_t> too_many(253, 4096);
   auto allocs = EncodeManifest(Tier::kGpu, too_many, {});
-  EXPECT_NE(allocs.status().message().find("254 allocations exceed the 253 fds"),
+  EXPECT_NE(allocs.status().message().find("253 allocations exceed the 252 one AttachReply"),
             std::string::npos);
+}
+
+TEST_F(ManifestTest, NamesOutOfOrderAreRejected) {
+  // Swap the name references of records 1 and 2: both names still exist, once each, but
+  // record 2's now sorts before record 1's.
+  std::vector<uint8_t> r1(bytes_.begin() + TensorAt(1), bytes_.begin() + TensorAt(1) + 8);
+  std::copy(bytes_.begin() + TensorAt(2), bytes_.begin() + TensorAt(2) + 8,
+            bytes_.begin() + TensorAt(1));
+  std::copy(r1.begin(), r1.end(), bytes_.begin() + TensorAt(2));
+  ExpectProtocolError(Decoded(),
+                      "tensor 2 'layers.0.attn.k': names out of ascending byte order (after "
+                      "'layers.0.attn.q')");
+}
+
+TEST_F(ManifestTest, EncoderOrdersRecordsByName) {
+  std::vector<TensorEntry> reversed(tensors_.rbegin(), tensors_.rend());
+  auto bytes = EncodeManifest(Tier::kGpu, allocs_, reversed);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+  EXPECT_EQ(*bytes, bytes_);  // the same bytes as from the ordered input
+}
+
+// A sealed memfd holding `bytes` (what a daemon hands out).
+UniqueFd SealedManifest(const std::vector<uint8_t>& bytes) {
+  auto fd = CreateManifestMemfd(bytes, "manifest_test");
+  EXPECT_TRUE(fd.ok()) << fd.status().ToString();
+  return fd.ok() ? std::move(fd).value() : UniqueFd();
+}
+
+TEST_F(ManifestTest, MapsASealedManifestMemfd) {
+  UniqueFd fd = SealedManifest(bytes_);
+  EXPECT_TRUE(os::CheckSealedReadOnly(fd.get()).ok());
+  auto m = MapManifestMemfd(fd.get(), bytes_.size());
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  fd.Reset();  // the mapping outlives the fd
+  ASSERT_EQ(m->tensor_count(), 3u);
+  EXPECT_EQ(m->tensor(2).name, "layers.0.attn.q");
+  EXPECT_EQ(m->tensor(2).checksum, 1002u);
+  EXPECT_TRUE(std::equal(m->bytes().begin(), m->bytes().end(), bytes_.begin(), bytes_.end()));
+}
+
+TEST_F(ManifestTest, ManifestMemfdMustBeSealedAndExactlyTheAnnouncedSize) {
+  // Not sealed: a writer could change the records after they were checked.
+  auto unsealed = os::CreateMemfd("unsealed", bytes_.size());
+  ASSERT_TRUE(unsealed.ok());
+  auto m = MapManifestMemfd(unsealed->get(), bytes_.size());
+  EXPECT_EQ(m.status().code(), StatusCode::kPermissionDenied) << m.status().ToString();
+  EXPECT_NE(m.status().message().find("attach manifest memfd"), std::string::npos);
+  EXPECT_NE(m.status().message().find("F_SEAL_WRITE"), std::string::npos);
+
+  UniqueFd fd = SealedManifest(bytes_);
+  ExpectProtocolError(MapManifestMemfd(fd.get(), bytes_.size() - 1).status(),
+                      "memfd holds " + std::to_string(bytes_.size()) + " bytes, the reply says " +
+                          std::to_string(bytes_.size() - 1));
+  ExpectProtocolError(MapManifestMemfd(fd.get(), kMaxManifestSize + 1).status(),
+                      "announced size of 67108865 bytes is outside 24-67108864");
+  ExpectProtocolError(MapManifestMemfd(fd.get(), 3).status(), "announced size of 3 bytes");
+
+  // Sealed and sized right, but invalid content is still rejected (untrusted).
+  std::vector<uint8_t> bad = bytes_;
+  bad[4] = 7;
+  UniqueFd bad_fd = SealedManifest(bad);
+  ExpectProtocolError(MapManifestMemfd(bad_fd.get(), bad.size()).status(), "unknown tier code 7");
 }
 
 }  // namespace

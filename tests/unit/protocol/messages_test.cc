@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "os/unix_socket.h"
+#include "protocol/wire.h"
 #include "support/test_env.h"
 #include "unit/os/fd_test_util.h"
 
@@ -138,50 +139,91 @@ TEST_F(MessagesTest, StopReplyAndErrorRoundTrip) {
   EXPECT_EQ(err->message, "tp_rank differs");
 }
 
-TEST_F(MessagesTest, AttachReplyCarriesManifestAndMemfds) {
+TEST_F(MessagesTest, AttachReplyCarriesManifestMemfdAndAllocationMemfds) {
   auto m0 = weightcache::testing::MemfdWith(std::string(64, 'A'));
   auto m1 = weightcache::testing::MemfdWith(std::string(32, 'B'));
   std::vector<uint64_t> allocs = {64, 32};
   std::vector<TensorEntry> tensors(2);
-  tensors[0].name = "w0";
-  tensors[0].dtype = "BF16";
-  tensors[0].ndim = 2;
-  tensors[0].shape = {4, 8};
-  tensors[0].nbytes = 64;
-  tensors[1].name = "w1";
-  tensors[1].dtype = "F32";
-  tensors[1].ndim = 1;
-  tensors[1].shape = {8};
-  tensors[1].allocation = 1;
-  tensors[1].nbytes = 32;
-  tensors[1].checksum = 0xdeadbeef;
+  tensors[0].name = "w1";  // out of order on purpose: the encoder sorts
+  tensors[0].dtype = "F32";
+  tensors[0].ndim = 1;
+  tensors[0].shape = {8};
+  tensors[0].allocation = 1;
+  tensors[0].nbytes = 32;
+  tensors[0].checksum = 0xdeadbeef;
+  tensors[1].name = "w0";
+  tensors[1].dtype = "BF16";
+  tensors[1].ndim = 2;
+  tensors[1].shape = {4, 8};
+  tensors[1].nbytes = 64;
   auto manifest = EncodeManifest(Tier::kHost, allocs, tensors);
   ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
-  int fds[] = {m0.get(), m1.get()};
-  Frame f = Transfer(EncodeAttachReply(*manifest, 2), Expect::kReply, fds);
+  auto manifest_fd = CreateManifestMemfd(*manifest, "messages_test");
+  ASSERT_TRUE(manifest_fd.ok()) << manifest_fd.status().ToString();
+  auto frame = EncodeAttachReply(manifest->size(), 2);
+  ASSERT_TRUE(frame.ok());
+  // A fixed 16-byte payload whatever the tensor count: the manifest is not in the frame.
+  EXPECT_EQ(frame->size(), kFrameHeaderSize + kAttachReplyPayloadSize);
+  int fds[] = {manifest_fd->get(), m0.get(), m1.get()};
+  int before = weightcache::testing::CountOpenFds();
+  Frame f = Transfer(std::move(frame), Expect::kReply, fds);
   auto reply = DecodeAttachReply(std::move(f));
   ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  // The received manifest fd is closed once mapped; the two allocation fds are kept.
+  EXPECT_EQ(weightcache::testing::CountOpenFds(), before + 2);
   ASSERT_EQ(reply->fds.size(), 2u);
   EXPECT_EQ(weightcache::testing::ReadAll(reply->fds[0].get()), std::string(64, 'A'));
   EXPECT_EQ(weightcache::testing::ReadAll(reply->fds[1].get()), std::string(32, 'B'));
-  const auto& t = reply->manifest.tensors();
-  ASSERT_EQ(t.size(), 2u);
-  EXPECT_EQ(t[1].name, "w1");
-  EXPECT_EQ(t[1].dtype, "F32");
-  EXPECT_EQ(t[1].checksum, 0xdeadbeefu);
+  ASSERT_EQ(reply->manifest.tensor_count(), 2u);
+  EXPECT_EQ(reply->manifest.tensor(0).name, "w0");
+  EXPECT_EQ(reply->manifest.tensor(1).name, "w1");
+  EXPECT_EQ(reply->manifest.tensor(1).dtype, "F32");
+  EXPECT_EQ(reply->manifest.tensor(1).checksum, 0xdeadbeefu);
 }
 
 TEST_F(MessagesTest, AttachReplyWithFdCountNotMatchingAllocationsIsRejected) {
+  // A frame that carries 2 fds but announces 2 allocations (which need 1 + 2).
+  std::vector<uint8_t> payload;
+  wire::PutU64(payload, 100);
+  wire::PutU32(payload, 2);
+  wire::PutU32(payload, 0);
+  auto m0 = weightcache::testing::MemfdWith("x");
+  auto m1 = weightcache::testing::MemfdWith("y");
+  int fds[] = {m0.get(), m1.get()};
+  Frame f = Transfer(EncodeFrame(MessageType::kAttachReply, payload, 2), Expect::kReply, fds);
+  int before = weightcache::testing::CountOpenFds();
+  auto reply = DecodeAttachReply(std::move(f));
+  ExpectProtocolError(reply.status(),
+                      "AttachReply: 2 allocations need 3 fds (manifest first) but 2 arrived");
+  EXPECT_EQ(weightcache::testing::CountOpenFds(), before - 2);  // the received fds were closed
+}
+
+TEST_F(MessagesTest, AttachReplyManifestMustBeASealedMemfd) {
+  // A plain (unsealed) memfd in the manifest's place: its content could change after checks.
+  std::vector<uint64_t> allocs = {64};
+  auto manifest = EncodeManifest(Tier::kHost, allocs, {});
+  ASSERT_TRUE(manifest.ok());
+  auto unsealed = weightcache::testing::MemfdWith(std::string(manifest->begin(), manifest->end()));
+  auto m0 = weightcache::testing::MemfdWith(std::string(64, 'A'));
+  int fds[] = {unsealed.get(), m0.get()};
+  Frame f = Transfer(EncodeAttachReply(manifest->size(), 1), Expect::kReply, fds);
+  auto reply = DecodeAttachReply(std::move(f));
+  EXPECT_EQ(reply.status().code(), StatusCode::kPermissionDenied) << reply.status().ToString();
+  EXPECT_NE(reply.status().message().find("attach manifest memfd"), std::string::npos);
+}
+
+TEST_F(MessagesTest, AttachReplyAllocationCountMustMatchTheManifest) {
   std::vector<uint64_t> allocs = {64, 32};
   auto manifest = EncodeManifest(Tier::kHost, allocs, {});
   ASSERT_TRUE(manifest.ok());
+  auto manifest_fd = CreateManifestMemfd(*manifest, "messages_test");
+  ASSERT_TRUE(manifest_fd.ok());
   auto m0 = weightcache::testing::MemfdWith("x");
-  int fds[] = {m0.get()};
-  Frame f = Transfer(EncodeAttachReply(*manifest, 1), Expect::kReply, fds);
-  int before = weightcache::testing::CountOpenFds();
-  auto reply = DecodeAttachReply(std::move(f));
-  ExpectProtocolError(reply.status(), "manifest lists 2 allocations but 1 fds arrived");
-  EXPECT_EQ(weightcache::testing::CountOpenFds(), before - 1);  // the received fd was closed
+  int fds[] = {manifest_fd->get(), m0.get()};
+  Frame f = Transfer(EncodeAttachReply(manifest->size(), 1), Expect::kReply, fds);
+  ExpectProtocolError(DecodeAttachReply(std::move(f)).status(),
+                      "AttachReply: manifest lists 2 allocations but the reply announces 1");
+  EXPECT_EQ(EncodeAttachReply(10, 253).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(MessageDecodeTest, StrictFieldChecking) {
@@ -205,7 +247,7 @@ TEST(MessageDecodeTest, StrictFieldChecking) {
   ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":3,"config":{},"client_pid":7,)"
                                         R"("client_name":"x"})"))
                           .status(),
-                      "Hello: client speaks protocol version 3, this build speaks 1");
+                      "Hello: client speaks protocol version 3, this build speaks 2");
   ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":-1})")).status(),
                       "StopReply: field 'clients' must be a non-negative integer");
   ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":4294967296})")).status(),
@@ -261,14 +303,17 @@ TEST(MessageDecodeTest, FramesFromTheDocumentedLayoutDecode) {
   auto err = DecodeError(Bytes(payload_of("error", MessageType::kError, 0)));
   ASSERT_TRUE(err.ok());
   EXPECT_EQ(err->code, StatusCode::kMismatch);
-  std::string manifest = payload_of("attach_reply", MessageType::kAttachReply, 2);
+  std::string manifest = weightcache::testing::ReadFile(dir + "manifest");
+  std::string attach_reply = payload_of("attach_reply", MessageType::kAttachReply, 3);
+  ASSERT_EQ(attach_reply.size(), kAttachReplyPayloadSize);
+  EXPECT_EQ(wire::GetU64(Bytes(attach_reply).data()), manifest.size());
   auto m = Manifest::Decode(Bytes(manifest));
   ASSERT_TRUE(m.ok()) << m.status().ToString();
-  ASSERT_EQ(m->tensors().size(), 2u);
-  EXPECT_EQ(m->tensors()[1].name, "lm_head");
-  EXPECT_EQ(m->tensors()[1].dtype, "F8_E4M3");
-  EXPECT_EQ(m->tensors()[1].allocation, 1u);
-  EXPECT_EQ(m->tensors()[1].checksum, 8u);
+  ASSERT_EQ(m->tensor_count(), 2u);
+  EXPECT_EQ(m->tensor(1).name, "lm_head");
+  EXPECT_EQ(m->tensor(1).dtype, "F8_E4M3");
+  EXPECT_EQ(m->tensor(1).allocation, 1u);
+  EXPECT_EQ(m->tensor(1).checksum, 8u);
 }
 
 }  // namespace
