@@ -78,14 +78,14 @@ void MappedRegion::Unmap() {
 
 namespace {
 
-Result<void*> MapChecked(int fd, size_t size, int prot, int extra_flags = 0) {
+Result<void*> MapChecked(int fd, size_t size, int prot) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(uint64_t file_size, FileSize(fd));
   if (size > file_size) {
     return InvalidArgument("cannot map " + std::to_string(size) + " bytes of " + FdName(fd) +
                            ", which holds only " + std::to_string(file_size));
   }
   if (size == 0) return static_cast<void*>(nullptr);
-  void* p = ::mmap(nullptr, size, prot, MAP_SHARED | extra_flags, fd, 0);
+  void* p = ::mmap(nullptr, size, prot, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     return IoError("mmap " + std::to_string(size) + " bytes of " + FdName(fd), errno);
   }
@@ -94,9 +94,8 @@ Result<void*> MapChecked(int fd, size_t size, int prot, int extra_flags = 0) {
 
 }  // namespace
 
-Result<MappedRegion> MapReadOnly(int fd, size_t size, Prefault prefault) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(
-      void* p, MapChecked(fd, size, PROT_READ, prefault == Prefault::kYes ? MAP_POPULATE : 0));
+Result<MappedRegion> MapReadOnly(int fd, size_t size) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(void* p, MapChecked(fd, size, PROT_READ));
   return MappedRegion(p, p == nullptr ? 0 : size);
 }
 

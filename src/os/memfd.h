@@ -35,10 +35,6 @@ Status CheckSealedReadOnly(int fd);
 // fstat size of an fd.
 Result<uint64_t> FileSize(int fd);
 
-// MAP_POPULATE: the kernel maps every page in the mmap call itself, far cheaper than one page
-// fault per page for a mapping that is read in full right away (an attach manifest).
-enum class Prefault { kNo, kYes };
-
 class MappedRegion {
  public:
   MappedRegion() = default;
@@ -52,7 +48,7 @@ class MappedRegion {
   size_t size() const { return size_; }
 
  private:
-  friend Result<MappedRegion> MapReadOnly(int fd, size_t size, Prefault prefault);
+  friend Result<MappedRegion> MapReadOnly(int fd, size_t size);
   friend Result<MappedRegion> MapReadWrite(int fd, size_t size);
   MappedRegion(void* data, size_t size) : data_(data), size_(size) {}
   void Unmap();
@@ -63,7 +59,7 @@ class MappedRegion {
 
 // PROT_READ, MAP_SHARED, from offset 0. kInvalidArgument if `size` exceeds the file's size.
 // A zero size gives an empty region (mmap refuses zero-length mappings).
-Result<MappedRegion> MapReadOnly(int fd, size_t size, Prefault prefault = Prefault::kNo);
+Result<MappedRegion> MapReadOnly(int fd, size_t size);
 // PROT_READ | PROT_WRITE, MAP_SHARED, from offset 0 (the loader filling a memfd).
 Result<MappedRegion> MapReadWrite(int fd, size_t size);
 

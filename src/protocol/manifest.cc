@@ -81,8 +81,31 @@ Status ValidateEntry(size_t i, const TensorEntry& t, std::span<const uint64_t> a
   return Status::Ok();
 }
 
-Status ManifestError(std::string message) { return ProtocolError("attach manifest: " + message); }
-Status EncodeError(std::string message) {
+// The same checks as ValidateEntry for a decoded record (its dtype aside), as one branch-light
+// predicate with no Status on the way: the hot loop of Decode calls only this, and ValidateEntry
+// runs to name the problem once this says there is one.
+inline bool EntryLooksValid(const TensorEntry& t, std::span<const uint64_t> allocations) {
+  if (t.name.empty() || t.name.size() > kMaxTensorNameLength || t.ndim > kMaxTensorDims ||
+      t.allocation >= allocations.size()) {
+    return false;
+  }
+  uint64_t elements = 1, unused = 0;
+  bool overflow = false;
+  for (uint32_t d = 0; d < kMaxTensorDims; ++d) {
+    if (d >= t.ndim) {
+      unused |= t.shape[d];
+    } else {
+      overflow |= __builtin_mul_overflow(elements, t.shape[d], &elements);
+    }
+  }
+  const uint64_t alloc_size = allocations[t.allocation];
+  return unused == 0 && !overflow && t.offset <= alloc_size && t.nbytes <= alloc_size - t.offset;
+}
+
+Status ManifestError(const std::string& message) {
+  return ProtocolError("attach manifest: " + message);
+}
+Status EncodeError(const std::string& message) {
   return InvalidArgument("cannot encode attach manifest: " + message);
 }
 
@@ -215,7 +238,7 @@ TensorEntry Manifest::tensor(size_t i) const {
   t.offset = wire::GetU64(r + 24);
   t.nbytes = wire::GetU64(r + 32);
   t.checksum = wire::GetU64(r + 40);
-  for (uint32_t d = 0; d < kMaxTensorDims; ++d) t.shape[d] = wire::GetU64(r + 48 + 8 * d);
+  for (uint32_t d = 0; d < kMaxTensorDims; ++d) t.shape[d] = wire::GetU64(r + 48 + size_t{8} * d);
   return t;
 }
 
@@ -268,15 +291,16 @@ Status Manifest::Validate() {
   strings_ = reinterpret_cast<const char*>(records_ + uint64_t{tensor_count} * kManifestTensorSize);
   tensor_count_ = tensor_count;
 
-  auto check_string = [&](size_t i, const uint8_t* at, const char* what) -> Status {
+  auto string_ok = [&](const uint8_t* at) {
     uint32_t offset = wire::GetU32(at), length = wire::GetU32(at + 4);
-    if (offset > table_size || length > table_size - offset) {
-      return ManifestError(Describe(i, "") + ": " + what + " (offset " + std::to_string(offset) +
-                           ", length " + std::to_string(length) +
-                           ") lies outside the string table of " + std::to_string(table_size) +
-                           " bytes");
-    }
-    return Status::Ok();
+    return offset <= table_size && length <= table_size - offset;
+  };
+  auto string_error = [&](size_t i, const uint8_t* at, const char* what) {
+    uint32_t offset = wire::GetU32(at), length = wire::GetU32(at + 4);
+    return ManifestError(Describe(i, "") + ": " + what + " (offset " + std::to_string(offset) +
+                         ", length " + std::to_string(length) +
+                         ") lies outside the string table of " + std::to_string(table_size) +
+                         " bytes");
   };
   std::string_view previous, known_dtype;
   name_bytes_ = 0;
@@ -284,14 +308,21 @@ Status Manifest::Validate() {
   for (uint32_t i = 0; i < tensor_count; ++i) {
     const uint8_t* r = records_ + uint64_t{i} * kManifestTensorSize;
     // Strings first: tensor(i) may only build views that lie inside the table.
-    WEIGHTCACHE_RETURN_IF_ERROR(check_string(i, r, "name"));
-    WEIGHTCACHE_RETURN_IF_ERROR(check_string(i, r + 8, "dtype"));
+    if (!string_ok(r)) return string_error(i, r, "name");
+    if (!string_ok(r + 8)) return string_error(i, r + 8, "dtype");
     const TensorEntry t = tensor(i);
     if (r[21] != 0 || r[22] != 0 || r[23] != 0) {
       return ManifestError(Describe(i, t.name) + ": reserved bytes are not 0");
     }
-    WEIGHTCACHE_RETURN_IF_ERROR(ValidateEntry(i, t, allocation_sizes_, known_dtype, ManifestError));
-    known_dtype = t.dtype;
+    // Dtype names are interned: a record pointing at the bytes already checked skips the
+    // character check.
+    const bool dtype_known =
+        t.dtype.data() == known_dtype.data() && t.dtype.size() == known_dtype.size();
+    if (!dtype_known || !EntryLooksValid(t, allocation_sizes_)) {
+      WEIGHTCACHE_RETURN_IF_ERROR(
+          ValidateEntry(i, t, allocation_sizes_, known_dtype, ManifestError));
+      known_dtype = t.dtype;
+    }
     name_bytes_ += t.name.size();
     dim_count_ += t.ndim;
     if (i > 0 && !(previous < t.name)) {
@@ -334,7 +365,9 @@ Result<Manifest> MapManifestMemfd(int fd, uint64_t size) {
     return ManifestError("memfd holds " + std::to_string(file_size) + " bytes, the reply says " +
                          std::to_string(size));
   }
-  auto region = os::MapReadOnly(fd, size, os::Prefault::kYes);
+  // No MAP_POPULATE: shmem read faults map 16 pages at a time (fault-around), which measured
+  // cheaper than populating every page up front (docs/benchmarks.md).
+  auto region = os::MapReadOnly(fd, size);
   if (!region.ok()) return region.status().Context("mapping the attach manifest");
   return Manifest::DecodeMapped(std::move(region).value());
 }

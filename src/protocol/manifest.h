@@ -59,7 +59,7 @@ inline constexpr size_t kManifestTensorSize = 112;
 // One fd of an AttachReply is the manifest's memfd, the others are the allocations.
 inline constexpr uint32_t kMaxAllocations = 252;
 // The manifest memfd's size bound, checked before it is mapped.
-inline constexpr uint64_t kMaxManifestSize = 64 * 1024 * 1024;
+inline constexpr uint64_t kMaxManifestSize = uint64_t{64} * 1024 * 1024;
 
 struct TensorEntry {
   std::string_view name;
@@ -125,8 +125,8 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
 Result<UniqueFd> CreateManifestMemfd(std::span<const uint8_t> manifest, const std::string& name);
 
 // The client side: checks the seals and that the file is exactly `size` bytes (<=
-// kMaxManifestSize), maps it read-only (prefaulted: one call, no page fault per page) and
-// decodes it. kProtocol / kPermissionDenied naming what is wrong.
+// kMaxManifestSize), maps it read-only and decodes it. kProtocol / kPermissionDenied naming what is
+// wrong.
 Result<Manifest> MapManifestMemfd(int fd, uint64_t size);
 
 }  // namespace weightcache::protocol
