@@ -9,7 +9,8 @@
 //   Hello → no match                              → kMismatch naming every field, both values
 //   Hello → loading                               → Status polls until ready, failed or the
 //                                                   wait timeout (→ missing, timed_out)
-//   Hello → ready + match                         → Attach → AttachReply (manifest + fds)
+//   Hello → ready + match                         → AttachReply (manifest memfd + fds); the
+//                                                   Attach is sent with the Hello (pipelined)
 //   bad frame / unexpected reply                  → error (kProtocol)
 // When our exact socket is missing and it is a layout path (not an explicit --socket), every
 // other live cache under the same device key is asked Hello with our config; if one holds the
