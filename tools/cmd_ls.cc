@@ -138,7 +138,7 @@ int Run(const LsArgs& args) {
     };
     std::string model = str("model_id");
     const auto config = r.value("config", nlohmann::json());
-    if (config.is_object() && config.value("revision", std::string()) != "") {
+    if (config.is_object() && !config.value("revision", std::string()).empty()) {
       model += "@" + config.value("revision", std::string());
     }
     std::string state = str("state");

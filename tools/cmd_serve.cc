@@ -140,9 +140,10 @@ int Run(ServeArgs& args) {
 
   {
     std::string device = id->device_key;
-    if (id->device)
+    if (id->device) {
       device +=
           " (" + id->device->name + ", local index " + std::to_string(id->device->index) + ")";
+    }
     LOG_INFO << "serving " << options.config.model_id
              << (options.config.revision.empty() ? "" : "@" + options.config.revision) << " tp "
              << options.config.tp_rank << "/" << options.config.tp_size << " pp "

@@ -4,6 +4,9 @@
 
 #include "cli_common.h"
 
+// Only CLI11's parse errors are expected here (caught below); anything else thrown is a
+// programming error, and terminate() is the right end for it.
+// NOLINTNEXTLINE(bugprone-exception-escape): see above
 int main(int argc, char** argv) {
   namespace cli = weightcache::cli;
   CLI::App root{

@@ -132,7 +132,9 @@ class [[nodiscard]] Result {
 // `lhs = value of rexpr` (a Result<T>), or return its error from the enclosing function.
 #define WEIGHTCACHE_ASSIGN_OR_RETURN(lhs, rexpr) \
   WEIGHTCACHE_ASSIGN_OR_RETURN_IMPL_(WEIGHTCACHE_CONCAT_(wc_result_, __LINE__), lhs, rexpr)
+// NOLINTBEGIN(bugprone-macro-parentheses): `tmp` names a variable, `lhs` may declare one.
 #define WEIGHTCACHE_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, rexpr) \
   auto tmp = (rexpr);                                       \
   if (!tmp.ok()) return tmp.status();                       \
   lhs = std::move(tmp).value()
+// NOLINTEND(bugprone-macro-parentheses)

@@ -40,7 +40,7 @@
 #include "weightcache/status.h"
 
 namespace nb = nanobind;
-using namespace nb::literals;
+using namespace nb::literals;  // NOLINT(google-build-using-namespace): nanobind's "name"_a
 
 namespace weightcache::python {
 namespace {
@@ -330,8 +330,9 @@ std::vector<std::string> DTypeNames() {
 }  // namespace weightcache::python
 
 NB_MODULE(_weightcache, m) {
-  using namespace weightcache;
-  using namespace weightcache::python;
+  // The binding table names most of the client's types; spelling each out would bury it.
+  using namespace weightcache;          // NOLINT(google-build-using-namespace): see above
+  using namespace weightcache::python;  // NOLINT(google-build-using-namespace): see above
   m.doc() = "The C++ weightcache client, bound with nanobind (use the weightcache package).";
 
   nb::class_<AttachOptions>(m, "AttachOptions",
@@ -417,7 +418,7 @@ NB_MODULE(_weightcache, m) {
           "True when NumPy has this dtype (numpy() works on the host tier).")
       .def(
           "__dlpack__",
-          [](const PyTensor& t, nb::kwargs kwargs) {
+          [](const PyTensor& t, const nb::kwargs& kwargs) {
             return t.Exporter(false).attr("__dlpack__")(**kwargs);
           },
           nb::sig("def __dlpack__(self, *, stream: object = None, max_version: tuple[int, int] | "

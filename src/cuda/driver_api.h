@@ -82,6 +82,7 @@ namespace weightcache::cuda {
   X(cuIpcCloseMemHandle)
 
 struct DriverApi {
+  // NOLINTNEXTLINE(bugprone-macro-parentheses): `name` is declared, it cannot be parenthesised.
 #define WEIGHTCACHE_DECLARE_MEMBER_(name) decltype(&::name) name = nullptr;
   WEIGHTCACHE_CUDA_DRIVER_FUNCTIONS(WEIGHTCACHE_DECLARE_MEMBER_)
 #undef WEIGHTCACHE_DECLARE_MEMBER_

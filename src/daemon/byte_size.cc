@@ -32,9 +32,8 @@ Result<uint64_t> ParseByteSize(std::string_view text) {
     std::string_view unit = suffix;
     if (unit == "B") {
       unit = "";
-    } else if (unit.size() == 3 && unit.substr(1) == "IB") {
-      unit = unit.substr(0, 1);
-    } else if (unit.size() == 2 && unit[1] == 'B') {
+    } else if ((unit.size() == 3 && unit.substr(1) == "IB") ||
+               (unit.size() == 2 && unit[1] == 'B')) {
       unit = unit.substr(0, 1);
     }
     if (unit == "K") {

@@ -76,12 +76,13 @@ Status FieldError(std::string_view field, const std::string& what) {
 }  // namespace
 
 const std::vector<std::string_view>& CacheConfig::FieldNames() {
-  static const std::vector<std::string_view> names = [] {
+  static const std::vector<std::string_view> kNames = [] {
     std::vector<std::string_view> out;
+    out.reserve(std::size(kFields));
     for (const Field& f : kFields) out.push_back(f.name);
     return out;
   }();
-  return names;
+  return kNames;
 }
 
 nlohmann::json CacheConfig::ToJson() const {
@@ -172,7 +173,10 @@ Status CacheConfig::Validate() const {
 
 Result<CacheConfig> CacheConfig::FromJson(const nlohmann::json& json) {
   if (!json.is_object()) return ProtocolError("config: expected a JSON object");
-  for (const auto& [key, value] : json.items()) {
+  for (const auto& item : json.items()) {
+    // A named reference, not a structured binding: clang (and so clang-tidy) before 16 cannot
+    // capture a binding in the lambda below.
+    const std::string& key = item.key();
     if (std::none_of(kFields.begin(), kFields.end(),
                      [&](const Field& f) { return f.name == key; })) {
       return ProtocolError("config: unknown field \"" + key + "\"");

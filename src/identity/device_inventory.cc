@@ -57,6 +57,7 @@ std::string Lower(std::string s) {
 std::vector<DeviceInfo> ApplyVisibility(const std::vector<DeviceInfo>& physical,
                                         const EnvLookup& env, std::vector<std::string>* notes) {
   std::vector<std::string> uuids;
+  uuids.reserve(physical.size());
   for (const DeviceInfo& d : physical) uuids.push_back(d.uuid);
   VisibleSelection sel = SelectVisibleDevices(env("CUDA_VISIBLE_DEVICES"), uuids);
   if (!sel.note.empty()) notes->push_back(sel.note);

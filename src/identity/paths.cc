@@ -43,15 +43,14 @@ Status CheckSocketLength(const std::string& socket) {
 // The names in `dir` (sorted) whose lstat type is `type` and that pass `keep`.
 template <typename Keep>
 Result<std::vector<std::string>> ListDir(const std::string& dir, mode_t type, Keep keep) {
-  namespace fs = std::filesystem;
   std::vector<std::string> names;
   std::error_code ec;
-  fs::directory_iterator it(dir, ec);
+  std::filesystem::directory_iterator it(dir, ec);
   if (ec) {
     if (ec == std::errc::no_such_file_or_directory) return names;
     return IoError("listing " + dir, ec.value());
   }
-  for (fs::directory_iterator end; it != end; it.increment(ec)) {
+  for (std::filesystem::directory_iterator end; it != end; it.increment(ec)) {
     if (ec) return IoError("listing " + dir, ec.value());
     const std::string name = it->path().filename().string();
     struct stat st;

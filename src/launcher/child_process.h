@@ -83,6 +83,6 @@ class ChildProcess {
 // The last `max_lines` lines of a text file (a daemon's log), at most `max_bytes` read from
 // its end. A missing file gives an empty list.
 std::vector<std::string> TailLines(const std::string& path, size_t max_lines,
-                                   size_t max_bytes = 64 * 1024);
+                                   size_t max_bytes = size_t{64} * 1024);
 
 }  // namespace weightcache::launcher

@@ -244,6 +244,7 @@ void Launcher::StopAll() {
   // SIGTERM cannot turn it into a busy loop.
   while (!alive.empty() && Clock::now() < deadline) {
     std::vector<pollfd> fds;
+    fds.reserve(alive.size());
     for (size_t i : alive) fds.push_back({daemons_[i].child->pidfd(), POLLIN, 0});
     int n = ::poll(fds.data(), fds.size(), MillisUntil(deadline));
     if (n < 0 && errno != EINTR) break;

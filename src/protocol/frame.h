@@ -43,9 +43,9 @@ inline constexpr uint16_t kProtocolVersion = 2;
 inline constexpr uint8_t kFrameMagic[4] = {'W', 'C', 'P', 'F'};
 inline constexpr size_t kFrameHeaderSize = 24;
 
-inline constexpr uint64_t kMaxRequestPayload = 64 * 1024;
-inline constexpr uint64_t kMaxControlReplyPayload = 1024 * 1024;
-inline constexpr uint64_t kMaxAttachReplyPayload = 64 * 1024;
+inline constexpr uint64_t kMaxRequestPayload = uint64_t{64} * 1024;
+inline constexpr uint64_t kMaxControlReplyPayload = uint64_t{1024} * 1024;
+inline constexpr uint64_t kMaxAttachReplyPayload = uint64_t{64} * 1024;
 inline constexpr uint32_t kMaxFdsPerFrame = static_cast<uint32_t>(os::kMaxFdsPerMessage);
 
 enum class MessageType : uint16_t {
