@@ -369,6 +369,9 @@ LaunchReport Launcher::Run(int signal_fd) {
     Status s = RemoveStaleFiles(daemons_[i]);
     if (!s.ok()) return Finish(std::move(s), -1);
   }
+  // --ready-timeout counts from the first spawn: the daemons' start-up is part of what it bounds.
+  const auto start = Clock::now();
+  const auto deadline = start + options_.ready_timeout;
   for (size_t i = 0; i < daemons_.size(); ++i) {
     Status s = SpawnDaemon(i);
     if (!s.ok()) {
@@ -378,8 +381,6 @@ LaunchReport Launcher::Run(int signal_fd) {
   }
 
   // ---- start-up: every daemon must answer `ready` before the deadline ----
-  const auto start = Clock::now();
-  const auto deadline = start + options_.ready_timeout;
   epoll_event events[16];
   while (true) {
     // Readiness counts only if the probe that saw it began before the deadline: a daemon that
