@@ -28,15 +28,7 @@ struct LsArgs {
   double timeout_s = 2;
 };
 
-// The lock that belongs to a layout socket: same stem, ".lock".
-std::string LockPathFor(const std::string& socket) {
-  const std::string suffix = ".sock";
-  if (socket.size() > suffix.size() &&
-      socket.compare(socket.size() - suffix.size(), suffix.size(), suffix) == 0) {
-    return socket.substr(0, socket.size() - suffix.size()) + ".lock";
-  }
-  return socket + ".lock";
-}
+using identity::LockPathFor;
 
 // A Hello needs a well-formed config; this one matches nothing, so the daemon answers with its
 // own config and the differences, which is all `ls` wants.

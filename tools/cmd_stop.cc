@@ -33,14 +33,7 @@ struct StopArgs {
   double timeout_s = 30;
 };
 
-std::string LockPathFor(const std::string& socket) {
-  const std::string suffix = ".sock";
-  if (socket.size() > suffix.size() &&
-      socket.compare(socket.size() - suffix.size(), suffix.size(), suffix) == 0) {
-    return socket.substr(0, socket.size() - suffix.size()) + ".lock";
-  }
-  return socket + ".lock";
-}
+using identity::LockPathFor;
 
 bool PathExists(const std::string& path) {
   struct stat st {};

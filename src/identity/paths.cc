@@ -285,4 +285,12 @@ Result<std::vector<SocketEntry>> ListAllCacheSockets(const std::string& runtime_
   return out;
 }
 
+std::string LockPathFor(const std::string& socket_path) {
+  constexpr std::string_view kSuffix = ".sock";
+  if (socket_path.ends_with(kSuffix)) {
+    return socket_path.substr(0, socket_path.size() - kSuffix.size()) + ".lock";
+  }
+  return socket_path + ".lock";
+}
+
 }  // namespace weightcache::identity

@@ -118,4 +118,7 @@ struct SocketEntry {
 // Every cache socket under a runtime dir (for `ls`), ordered by namespace, key, socket.
 Result<std::vector<SocketEntry>> ListAllCacheSockets(const std::string& runtime_dir);
 
+// The lock file of a socket: <stem>.sock → <stem>.lock (the layout); any other name → +".lock".
+std::string LockPathFor(const std::string& socket_path);
+
 }  // namespace weightcache::identity

@@ -86,14 +86,6 @@ Result<ProbeReport> ProbeDaemonState(const std::string& socket_path,
   return r;
 }
 
-std::string LockPathFor(const std::string& socket_path) {
-  constexpr std::string_view kSuffix = ".sock";
-  if (socket_path.ends_with(kSuffix)) {
-    return socket_path.substr(0, socket_path.size() - kSuffix.size()) + ".lock";
-  }
-  return socket_path + ".lock";
-}
-
 namespace {
 
 Result<std::vector<std::string>> NamespaceSockets(const std::string& runtime_dir,

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "identity/paths.h"
 #include "launcher/launcher.h"
 #include "launcher/placement.h"
 #include "weightcache/client.h"
@@ -60,8 +61,8 @@ Result<ProbeReport> ProbeDaemonState(const std::string& socket_path,
 std::optional<PublishedPaths> LocatePublishedSocket(const std::string& runtime_dir,
                                                     const std::string& namespace_name, pid_t pid);
 
-// The lock file of a layout socket: <stem>.sock → <stem>.lock.
-std::string LockPathFor(const std::string& socket_path);
+// The lock file of a socket: identity's rule, the one place path rules live.
+using identity::LockPathFor;
 
 // Removes every socket under <namespace_dir>/*/ whose lock is not held (stale, SPEC §2); a
 // socket with a held lock, and every lock file, stays. Returns the removed paths.
