@@ -236,6 +236,8 @@ int main(int argc, char** argv) {
     Daemon d = StartAndWait(model, runtime, threads, startup, runtime + ".log");
 
     std::vector<double> full, known;
+    // The library's phases (weightcache::AttachTimings) of the fingerprint-given attaches.
+    std::vector<double> discover, map, table;
     AttachOptions fast = o;
     fast.checkpoint_fingerprint = ckpt->fingerprint();
     for (int i = 0; i < iters; ++i) {
@@ -244,6 +246,9 @@ int main(int argc, char** argv) {
       auto t1 = Clock::now();
       if (!a.ok() || a->source() != weightcache::AttachSource::kDaemon) Die("attach failed");
       known.push_back(Ms(t1 - t0));
+      discover.push_back(a->timings().discover_ms);
+      map.push_back(a->timings().map_ms);
+      table.push_back(a->timings().table_ms);
       auto t2 = Clock::now();
       auto b = Attachment::Attach(o);
       auto t3 = Clock::now();
@@ -256,7 +261,11 @@ int main(int argc, char** argv) {
                                        {"bytes", ckpt->total_bytes()},
                                        {"iters", iters},
                                        {"fingerprint_given", Percentiles(known)},
-                                       {"fingerprint_computed", Percentiles(full)}}
+                                       {"fingerprint_computed", Percentiles(full)},
+                                       {"phases_ms",
+                                        {{"discover", Percentiles(discover)},
+                                         {"map", Percentiles(map)},
+                                         {"table", Percentiles(table)}}}}
                             .dump()
                             .c_str());
     std::fflush(stdout);

@@ -123,6 +123,26 @@ struct Tensor {
   const void* host_ptr() const { return reinterpret_cast<const void*>(data); }
 };
 
+// Where Attachment::attach_ms() went, in milliseconds (steady clock). For an engine's logs
+// and for benchmarks; the phases are those of docs/client.md.
+struct AttachTimings {
+  // Resolving the identity: options, visible devices, the checkpoint fingerprint (reads the
+  // shard headers unless AttachOptions::checkpoint_fingerprint is given).
+  double resolve_ms = 0;
+  // Finding the daemon: connect, Hello + Attach, the reply with its fds, mapping and
+  // validating the manifest (or deciding there is no daemon).
+  double discover_ms = 0;
+  // Mapping the memory: host tier, every memfd; gpu tier, importing, mapping and enabling
+  // access to every VMM allocation (the CUDA driver's share). 0 for a fallback load.
+  double map_ms = 0;
+  // Building the tensor table from the manifest. With many tensors on the gpu tier this runs
+  // on a second thread while the driver maps (table_concurrent), hidden inside map_ms.
+  double table_ms = 0;
+  bool table_concurrent = false;
+  // Loading from disk (fallback only).
+  double fallback_ms = 0;
+};
+
 class Attachment {
  public:
   static Result<Attachment> Attach(const AttachOptions& options);
@@ -149,6 +169,8 @@ class Attachment {
   int daemon_pid() const;  // 0 for fallback
   // Wall time of Attach (discovery, handshake, mapping or fallback load) in milliseconds.
   double attach_ms() const;
+  // Its phases.
+  const AttachTimings& timings() const;
 
   // False for fallback attachments, and once the daemon's end of the connection closed.
   // Mappings stay valid either way.

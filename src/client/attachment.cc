@@ -1,6 +1,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <optional>
+#include <thread>
 #include <utility>
 
 #include "checkpoint/checkpoint.h"
@@ -21,31 +23,6 @@ std::string_view AttachSourceName(AttachSource source) {
 namespace client {
 namespace {
 
-// Dtype semantics are the consumer's to check (protocol/manifest.h): a known safetensors
-// dtype, and nbytes equal to the element count times its size. `last` caches the previous
-// entry's dtype: a checkpoint has a handful of distinct dtypes, usually one.
-Result<checkpoint::DType> CheckTensorEntry(const protocol::TensorEntry& t, const std::string& who,
-                                           std::pair<std::string_view, checkpoint::DType>& last) {
-  if (t.dtype != last.first) {
-    auto dtype = checkpoint::ParseDType(t.dtype);
-    if (!dtype.ok()) {
-      return ProtocolError(who + ": tensor " + std::string(t.name) + " has unknown dtype \"" +
-                           std::string(t.dtype) + "\"");
-    }
-    last = {t.dtype, *dtype};
-  }
-  // Manifest::Decode has checked that the element count does not overflow.
-  uint64_t elements = 1;
-  for (uint64_t d : t.dims()) elements *= d;
-  auto bytes = checkpoint::DTypeByteSize(last.second, elements);
-  if (!bytes.ok() || *bytes != t.nbytes) {
-    return ProtocolError(who + ": tensor " + std::string(t.name) + " claims " +
-                         std::to_string(t.nbytes) + " bytes for " + std::to_string(elements) +
-                         " elements of " + std::string(t.dtype));
-  }
-  return last.second;
-}
-
 Status CheckTier(const protocol::AttachReply& reply, Tier want, const std::string& who) {
   protocol::Tier expected = want == Tier::kGpu ? protocol::Tier::kGpu : protocol::Tier::kHost;
   if (reply.manifest.tier() != expected) {
@@ -57,25 +34,68 @@ Status CheckTier(const protocol::AttachReply& reply, Tier want, const std::strin
   return Status::Ok();
 }
 
-// Checks every entry (CheckTensorEntry) and builds the public table in one pass: three
-// allocations in all, names copied once into the table (the manifest's string table is not
-// NUL-terminated, the C ABI needs C strings). The manifest is in name order (checked by its
-// decoder), so the table needs no sort.
-Result<TensorTable> BuildTable(const protocol::Manifest& manifest,
-                               const std::vector<uint64_t>& allocation_base,
-                               const std::string& who) {
+using Clock = std::chrono::steady_clock;
+
+double MsSince(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+// The last dtype seen: the manifest interns dtype names, so consecutive records usually point
+// at the same bytes, and one checkpoint has a handful of dtypes, usually one.
+struct DTypeCache {
+  std::string_view bytes;  // the manifest's spelling it was parsed from
+  checkpoint::DType dtype{};
+  uint64_t bits = 0;
+  std::string_view name;  // the static spelling (checkpoint::DTypeName)
+};
+
+// The public table from the validated manifest, in one pass and with no per-tensor
+// allocation: each Tensor's name, shape and strides point into the manifest (names are NUL-
+// terminated there), its address is the allocation's base plus the offset. What the manifest
+// decoder leaves to its consumer is checked here: the dtype is known and nbytes is the element
+// count times its size. Records are in name order (checked by the decoder): no sort.
+Result<std::vector<Tensor>> BuildViews(const protocol::Manifest& manifest,
+                                       std::span<const uint64_t> allocation_base,
+                                       const std::string& who) {
   const size_t count = manifest.tensor_count();
-  TensorTable table;
-  table.Reserve(count, manifest.name_bytes(), manifest.dim_count());
-  std::pair<std::string_view, checkpoint::DType> last{};
+  std::vector<Tensor> views;
+  views.reserve(count);
+  DTypeCache cache;
   for (size_t i = 0; i < count; ++i) {
-    const protocol::TensorEntry t = manifest.tensor(i);
-    WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::DType dtype, CheckTensorEntry(t, who, last));
-    WEIGHTCACHE_RETURN_IF_ERROR(table.Add(
-        t.name, dtype, t.dims(), allocation_base[t.allocation] + t.offset, t.nbytes, t.checksum));
+    const protocol::TensorRecord r = manifest.record(i);
+    if (r.dtype.data() != cache.bytes.data() || r.dtype.size() != cache.bytes.size()) {
+      auto dtype = checkpoint::ParseDType(r.dtype);
+      if (!dtype.ok()) {
+        return ProtocolError(who + ": tensor " + std::string(r.name) + " has unknown dtype \"" +
+                             std::string(r.dtype) + "\"");
+      }
+      cache = {r.dtype, *dtype, checkpoint::DTypeBits(*dtype), checkpoint::DTypeName(*dtype)};
+    }
+    // The decoder checked that the element count does not overflow.
+    uint64_t elements = 1;
+    for (int64_t d : r.shape) elements *= static_cast<uint64_t>(d);
+    uint64_t bits = 0;
+    if (__builtin_mul_overflow(elements, cache.bits, &bits) || bits % 8 != 0 ||
+        bits / 8 != r.nbytes) {
+      return ProtocolError(who + ": tensor " + std::string(r.name) + " claims " +
+                           std::to_string(r.nbytes) + " bytes for " + std::to_string(elements) +
+                           " elements of " + std::string(r.dtype));
+    }
+    views.push_back(Tensor{.name = r.name,
+                           .dtype = cache.name,
+                           .shape = r.shape,
+                           .strides = r.strides,
+                           .data = allocation_base[r.allocation] + r.offset,
+                           .nbytes = r.nbytes,
+                           .checksum = r.checksum});
   }
-  table.Finish(TensorTable::Order::kSorted);
-  return table;
+  return views;
+}
+
+// Adopts the views and the manifest they point into.
+void KeepTable(std::vector<Tensor> views, protocol::Manifest manifest, Attachment::Impl& impl) {
+  impl.tensors = TensorTable::FromViews(std::move(views));
+  impl.manifest = std::move(manifest);
 }
 
 }  // namespace
@@ -87,6 +107,7 @@ Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attach
     return ProtocolError(who + ": " + std::to_string(sizes.size()) + " allocations but " +
                          std::to_string(reply.fds.size()) + " fds");
   }
+  const auto map_start = Clock::now();
   std::vector<os::MappedRegion> regions;
   std::vector<uint64_t> base;
   regions.reserve(sizes.size());
@@ -108,7 +129,11 @@ Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attach
     regions.push_back(std::move(region).value());
   }
   reply.fds.clear();  // the mappings keep the memory; the fds would only pin it longer
-  WEIGHTCACHE_ASSIGN_OR_RETURN(impl.tensors, BuildTable(reply.manifest, base, who));
+  impl.timings.map_ms = MsSince(map_start);
+  const auto table_start = Clock::now();
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<Tensor> views, BuildViews(reply.manifest, base, who));
+  impl.timings.table_ms = MsSince(table_start);
+  KeepTable(std::move(views), std::move(reply.manifest), impl);
   impl.host_regions = std::move(regions);
   return Status::Ok();
 }
@@ -116,13 +141,34 @@ Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attach
 Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::AttachReply& reply,
                    const std::string& who, Attachment::Impl& impl) {
   WEIGHTCACHE_RETURN_IF_ERROR(CheckTier(reply, Tier::kGpu, who));
-  const auto& sizes = reply.manifest.allocation_sizes();
-  auto arena = cuda::ImportedArena::Import(api, device, std::move(reply.fds), sizes);
+  const auto map_start = Clock::now();
+  // Reserving fixes every allocation's address, so the table can be built while the driver
+  // imports and maps (the driver's share is most of an attach, and flat in tensor count).
+  auto arena = cuda::ImportedArena::Reserve(api, device, reply.manifest.allocation_sizes());
   if (!arena.ok()) return arena.status().Context(who);
   std::vector<uint64_t> base;
   for (const auto& a : arena->allocations()) base.push_back(a.ptr);
-  // Entries are checked while the table is built; a bad one unwinds the imported arena.
-  WEIGHTCACHE_ASSIGN_OR_RETURN(impl.tensors, BuildTable(reply.manifest, base, who));
+
+  std::optional<Result<std::vector<Tensor>>> views;
+  Status mapped;
+  const auto build = [&] {
+    const auto table_start = Clock::now();
+    views.emplace(BuildViews(reply.manifest, base, who));
+    impl.timings.table_ms = MsSince(table_start);
+  };
+  impl.timings.table_concurrent = reply.manifest.tensor_count() >= kConcurrentTableMinTensors;
+  if (impl.timings.table_concurrent) {
+    std::jthread builder(build);  // joined at the end of this scope, also on errors
+    mapped = arena->Map(std::move(reply.fds));
+  } else {
+    mapped = arena->Map(std::move(reply.fds));
+    build();
+  }
+  impl.timings.map_ms = MsSince(map_start);
+  // A bad entry unwinds the imported arena with everything else.
+  if (!mapped.ok()) return mapped.Context(who);
+  if (!views->ok()) return views->status();
+  KeepTable(std::move(*views).value(), std::move(reply.manifest), impl);
   impl.gpu_arena.emplace(std::move(arena).value());
   return Status::Ok();
 }
@@ -175,10 +221,12 @@ Status LoadFallback(const AttachOptions& options, const ResolvedIdentity& id,
 }  // namespace client
 
 Result<Attachment> Attachment::Attach(const AttachOptions& options) {
-  using Clock = std::chrono::steady_clock;
+  using client::Clock;
+  using client::MsSince;
   const auto start = Clock::now();
   WEIGHTCACHE_ASSIGN_OR_RETURN(client::ResolvedIdentity id, client::ResolveIdentity(options));
   auto impl = std::make_unique<Impl>();
+  impl->timings.resolve_ms = MsSince(start);
   impl->tier = options.tier;
   impl->socket_path = id.paths.socket;
   impl->device_key = id.device_key;
@@ -186,7 +234,9 @@ Result<Attachment> Attachment::Attach(const AttachOptions& options) {
 
   client::DiscoveryPolicy policy;
   policy.wait_timeout = options.wait_timeout;
+  const auto discover_start = Clock::now();
   auto found = client::Discover(id, policy);
+  impl->timings.discover_ms = MsSince(discover_start);
   if (!found.ok()) {
     if (found.status().code() != StatusCode::kMismatch ||
         options.on_mismatch != OnMismatch::kFallback) {
@@ -219,10 +269,12 @@ Result<Attachment> Attachment::Attach(const AttachOptions& options) {
     LOG_INFO << found->missing_reason << "; loading " << options.model_dir << " from disk";
   }
   if (impl->source == AttachSource::kFallback) {
+    const auto fallback_start = Clock::now();
     WEIGHTCACHE_RETURN_IF_ERROR(client::LoadFallback(options, id, *impl));
+    impl->timings.fallback_ms = MsSince(fallback_start);
   }
   for (const Tensor& t : impl->tensors.tensors()) impl->total_bytes += t.nbytes;
-  impl->attach_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  impl->attach_ms = MsSince(start);
   return client::AttachmentAccess::Make(std::move(impl));
 }
 
@@ -242,6 +294,7 @@ const std::string& Attachment::device_key() const { return impl_->device_key; }
 const std::string& Attachment::config_digest() const { return impl_->config_digest; }
 int Attachment::daemon_pid() const { return impl_->daemon_pid; }
 double Attachment::attach_ms() const { return impl_->attach_ms; }
+const AttachTimings& Attachment::timings() const { return impl_->timings; }
 bool Attachment::daemon_alive() const { return impl_->watcher && impl_->watcher->alive(); }
 void Attachment::OnDaemonGone(std::function<void()> callback) {
   if (impl_->watcher) impl_->watcher->OnGone(std::move(callback));

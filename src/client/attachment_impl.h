@@ -14,6 +14,7 @@
 #include "cuda/driver_api.h"
 #include "cuda/imported_arena.h"
 #include "os/memfd.h"
+#include "protocol/manifest.h"
 #include "weightcache/client.h"
 
 namespace weightcache {
@@ -27,8 +28,12 @@ struct Attachment::Impl {
   std::string config_digest;
   int daemon_pid = 0;
   double attach_ms = 0;
+  AttachTimings timings;
   uint64_t total_bytes = 0;
 
+  // The attach manifest (daemon attaches): the table's names, shapes and strides point into
+  // its mapping. Declared before the table so it is destroyed after it.
+  protocol::Manifest manifest;
   // The memory the tensors point into: exactly one of these is populated. Declared before
   // the table so they are destroyed after it (the order does not matter for correctness: the
   // table holds plain addresses).
@@ -51,11 +56,15 @@ struct AttachmentAccess {
 
 // Maps a host-tier AttachReply: every memfd checked sealed read-only and large enough, mapped
 // PROT_READ/MAP_SHARED, then closed; every tensor's dtype and size checked. Fills
-// impl.host_regions and impl.tensors.
+// impl.host_regions, impl.tensors (views into the manifest), impl.manifest and the map/table
+// timings.
 Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attachment::Impl& impl);
 
-// Imports a gpu-tier AttachReply into `device` (ImportedArena). Fills impl.gpu_arena and
-// impl.tensors.
+// Imports a gpu-tier AttachReply into `device` (ImportedArena): reserves the VA range, then
+// maps while the tensor table is built from the reserved addresses — on a second thread when
+// the manifest has kConcurrentTableMinTensors or more. Fills impl.gpu_arena, impl.tensors,
+// impl.manifest and the map/table timings.
+inline constexpr size_t kConcurrentTableMinTensors = 2048;
 Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::AttachReply& reply,
                    const std::string& who, Attachment::Impl& impl);
 

@@ -14,6 +14,12 @@ void ContiguousStrides(std::span<const int64_t> shape, std::span<int64_t> stride
   }
 }
 
+TensorTable TensorTable::FromViews(std::vector<Tensor> sorted_views) {
+  TensorTable table;
+  table.tensors_ = std::move(sorted_views);
+  return table;
+}
+
 void TensorTable::Reserve(size_t count, size_t name_bytes, size_t dims) {
   // One NUL per name; 2 * dims for shape and strides.
   names_capacity_ = name_bytes + count;

@@ -1,13 +1,19 @@
-// TensorTable — the storage behind Attachment::tensors(): every weightcache::Tensor is a view
-// into three flat buffers owned by the table (NUL-terminated names, int64 shape and stride
-// dims, the Tensor records), so building a table of N tensors costs three allocations, not
-// 4·N, and tensor names need no per-tensor string (SPEC §8: attach flat in tensor count).
+// TensorTable — the storage behind Attachment::tensors(). Two ways to fill it:
+//  * copying (the fallback loader): every weightcache::Tensor is a view into three flat
+//    buffers owned by the table (NUL-terminated names, int64 shape and stride dims, the Tensor
+//    records), so a table of N tensors costs three allocations, not 4·N;
+//  * adopting views (an attach): FromViews takes Tensor records whose names, shapes and
+//    strides point into storage the table's owner keeps alive — the mapped attach manifest —
+//    so nothing per tensor is copied but the record itself (SPEC §8: attach flat in tensor
+//    count).
 //
 // Contract:
-//  * Build with Reserve(count, name_bytes, dims) — the exact totals: tensor count, the sum of
+//  * Copying: Reserve(count, name_bytes, dims) — the exact totals: tensor count, the sum of
 //    the names' lengths, the sum of the ranks — then Add() each tensor, then Finish(). Adding
 //    beyond what was reserved is a programming error (checked, kInternal). After Finish the
 //    table is sorted by name (byte order) and immutable.
+//  * FromViews: the caller guarantees names strictly ascending and each name NUL-terminated
+//    in its storage; nothing is checked (the manifest decoder checked exactly that).
 //  * Views stay valid as long as the table, moves included (the buffers move, not the bytes).
 //    Every Tensor::name is NUL-terminated in the table (name.data()[name.size()] == '\0'), and
 //    every Tensor::dtype views a static string literal (checkpoint::DTypeName), so the C ABI
@@ -38,6 +44,8 @@ class TensorTable {
   TensorTable& operator=(TensorTable&&) noexcept = default;
   TensorTable(const TensorTable&) = delete;
   TensorTable& operator=(const TensorTable&) = delete;
+
+  static TensorTable FromViews(std::vector<Tensor> sorted_views);
 
   void Reserve(size_t count, size_t name_bytes, size_t dims);
   // `shape` entries must fit in int64 (the checkpoint parser and the manifest decoder bound

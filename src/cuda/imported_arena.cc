@@ -32,13 +32,33 @@ Status CheckReceivedFd(const UniqueFd& fd) {
   return Status::Ok();
 }
 
+Status CheckCount(size_t n, const std::string& where) {
+  if (n == 0) return InvalidArgument(where + ": no allocations received");
+  if (n > kMaxImportedAllocations) {
+    return InvalidArgument(where + ": " + std::to_string(n) + " allocations exceed the limit of " +
+                           std::to_string(kMaxImportedAllocations));
+  }
+  return Status::Ok();
+}
+
+Status CheckReceivedFds(const std::vector<UniqueFd>& fds, const std::string& where) {
+  for (size_t i = 0; i < fds.size(); ++i) {
+    if (Status s = CheckReceivedFd(fds[i]); !s.ok()) {
+      return s.Context(where + ": " + Which(i, fds.size()));
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
-ImportedArena::ImportedArena(PrimaryContext context, VaRange va, std::vector<MappedRange> mappings)
-    : context_(std::move(context)), va_(std::move(va)), mappings_(std::move(mappings)) {
-  table_.reserve(mappings_.size());
-  for (const MappedRange& m : mappings_) {
-    table_.push_back(ImportedAllocation{.size = m.size(), .ptr = m.ptr()});
+ImportedArena::ImportedArena(PrimaryContext context, VaRange va, std::span<const uint64_t> sizes)
+    : context_(std::move(context)), va_(std::move(va)) {
+  table_.reserve(sizes.size());
+  CUdeviceptr next = va_.base();
+  for (uint64_t size : sizes) {
+    table_.push_back(ImportedAllocation{.size = size, .ptr = next});
+    next += size;
   }
 }
 
@@ -56,21 +76,25 @@ ImportedArena& ImportedArena::operator=(ImportedArena&& other) noexcept {
 Result<ImportedArena> ImportedArena::Import(const DriverApi* api, CUdevice device,
                                             std::vector<UniqueFd> fds,
                                             std::span<const uint64_t> sizes) {
-  // `fds` is a by-value parameter: every return path below closes all of them.
-  const size_t n = fds.size();
+  // `fds` is a by-value parameter: every return path below closes all of them. They are
+  // checked before any driver call.
   const std::string where = "importing VMM arena on device " + std::to_string(device);
-  if (n != sizes.size()) {
-    return InvalidArgument(where + ": received " + std::to_string(n) + " fds for " +
+  if (fds.size() != sizes.size()) {
+    return InvalidArgument(where + ": received " + std::to_string(fds.size()) + " fds for " +
                            std::to_string(sizes.size()) + " allocation sizes");
   }
-  if (n == 0) return InvalidArgument(where + ": no allocations received");
-  if (n > kMaxImportedAllocations) {
-    return InvalidArgument(where + ": " + std::to_string(n) + " allocations exceed the limit of " +
-                           std::to_string(kMaxImportedAllocations));
-  }
-  for (size_t i = 0; i < n; ++i) {
-    if (Status s = CheckReceivedFd(fds[i]); !s.ok()) return s.Context(where + ": " + Which(i, n));
-  }
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckCount(sizes.size(), where));
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckReceivedFds(fds, where));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(ImportedArena arena, Reserve(api, device, sizes));
+  WEIGHTCACHE_RETURN_IF_ERROR(arena.Map(std::move(fds)));
+  return arena;
+}
+
+Result<ImportedArena> ImportedArena::Reserve(const DriverApi* api, CUdevice device,
+                                             std::span<const uint64_t> sizes) {
+  const size_t n = sizes.size();
+  const std::string where = "importing VMM arena on device " + std::to_string(device);
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckCount(n, where));
 
   const CallerContextGuard caller_context(api);
   Result<PrimaryContext> context = PrimaryContext::Retain(api, device);
@@ -93,29 +117,44 @@ Result<ImportedArena> ImportedArena::Import(const DriverApi* api, CUdevice devic
     }
     total += sizes[i];
   }
-
   Result<VaRange> va = VaRange::Reserve(api, total, *granularity);
   if (!va.ok()) return va.status().Context(where);
+  return ImportedArena(*std::move(context), *std::move(va), sizes);
+}
 
+Status ImportedArena::Map(std::vector<UniqueFd> fds) {
+  // `fds` is a by-value parameter: every return path below closes all of them.
+  const size_t n = table_.size();
+  const std::string where = "importing VMM arena on device " + std::to_string(device());
+  if (!mappings_.empty()) return InternalError(where + ": the arena is already mapped");
+  if (fds.size() != n) {
+    return InvalidArgument(where + ": received " + std::to_string(fds.size()) + " fds for " +
+                           std::to_string(n) + " allocation sizes");
+  }
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckReceivedFds(fds, where));
+
+  // The primary context for the driver calls; Reserve() already made it current when this
+  // runs on the same thread, and then this costs one cuCtxGetCurrent.
+  const ScopedCurrentContext current(context_.api(), context_.get());
   std::vector<MappedRange> mappings;
   mappings.reserve(n);
-  CUdeviceptr next = va->base();
   for (size_t i = 0; i < n; ++i) {
-    Result<VmmHandle> handle = VmmHandle::ImportPosixFd(api, fds[i].get(), sizes[i]);
+    Result<VmmHandle> handle =
+        VmmHandle::ImportPosixFd(context_.api(), fds[i].get(), table_[i].size);
     if (!handle.ok()) return handle.status().Context(where + ": " + Which(i, n));
-    Result<MappedRange> mapping = MappedRange::Map(api, next, *handle);
+    Result<MappedRange> mapping = MappedRange::Map(context_.api(), table_[i].ptr, *handle);
     if (!mapping.ok()) return mapping.status().Context(where + ": " + Which(i, n));
     // Read-write: see the header for why not read-only.
-    if (Status s = mapping->SetAccess(device, CU_MEM_ACCESS_FLAGS_PROT_READWRITE); !s.ok()) {
+    if (Status s = mapping->SetAccess(device(), CU_MEM_ACCESS_FLAGS_PROT_READWRITE); !s.ok()) {
       return s.Context(where + ": " + Which(i, n));
     }
     mappings.push_back(*std::move(mapping));
-    next += sizes[i];
     // `handle` is released here: the mapping keeps the memory alive, and an unreleased
     // imported handle would pin it after the client unmaps.
   }
   fds.clear();  // closed now rather than whenever the caller's full-expression ends
-  return ImportedArena(*std::move(context), *std::move(va), std::move(mappings));
+  mappings_ = std::move(mappings);
+  return Status::Ok();
 }
 
 }  // namespace weightcache::cuda

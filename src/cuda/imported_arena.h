@@ -12,6 +12,11 @@
 //  * Import() either returns a complete arena or releases everything it acquired: no imported
 //    handle, reservation, mapping or context reference survives a failed Import (proved
 //    against a fault-injecting fake driver in tests/unit/cuda/).
+//  * Import() is Reserve() then Map(). A caller may split them: Reserve() fixes every
+//    allocation's address (they are mapped back to back from base()), so the caller can
+//    compute tensor addresses on another thread while Map() talks to the driver. A failed
+//    Map() leaves nothing imported or mapped; the reservation and the context reference go
+//    with the arena.
 //  * The mapping is read-write for the client's device. Read-only device mappings are not
 //    something to rely on (cuMemSetAccess with PROT_READ on device memory is rejected by the
 //    drivers we target), and engines legitimately write in place (e.g. load_state_dict with
@@ -52,6 +57,15 @@ class ImportedArena {
   static Result<ImportedArena> Import(const DriverApi* api, CUdevice device,
                                       std::vector<UniqueFd> fds, std::span<const uint64_t> sizes);
 
+  // Step 1: checks `sizes` (kInvalidArgument), retains the primary context and reserves one VA
+  // range for all of them. allocations() then holds every final address; nothing is mapped.
+  static Result<ImportedArena> Reserve(const DriverApi* api, CUdevice device,
+                                       std::span<const uint64_t> sizes);
+  // Step 2: checks, imports, maps (read-write for the device) and closes `fds`, one per size
+  // given to Reserve, in order. Once only (kInternal on a second call).
+  Status Map(std::vector<UniqueFd> fds);
+  bool mapped() const { return !mappings_.empty(); }
+
   ImportedArena(ImportedArena&&) noexcept = default;
   // Releases the old arena in destruction order first.
   ImportedArena& operator=(ImportedArena&& other) noexcept;
@@ -65,7 +79,7 @@ class ImportedArena {
   std::span<const ImportedAllocation> allocations() const { return table_; }
 
  private:
-  ImportedArena(PrimaryContext context, VaRange va, std::vector<MappedRange> mappings);
+  ImportedArena(PrimaryContext context, VaRange va, std::span<const uint64_t> sizes);
 
   // Declared in acquisition order: destroyed in reverse (mappings, VA, context).
   PrimaryContext context_;

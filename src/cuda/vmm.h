@@ -63,6 +63,7 @@ class PrimaryContext {
   // Make the context current on the calling thread (for use from another thread).
   Status MakeCurrent() const;
   CUcontext get() const { return context_; }
+  const DriverApi* api() const { return api_; }
   CUdevice device() const { return device_; }
 
  private:

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cstring>
 #include <numeric>
@@ -34,72 +35,62 @@ bool ValidDTypeName(std::string_view dtype) {
   return true;
 }
 
-// Everything about one entry except name uniqueness. `error` builds the Status (kProtocol when
-// decoding, kInvalidArgument when encoding).
-// `known_dtype` is a dtype string already checked (the previous record's: dtype names are
-// interned in the table, so consecutive records usually point at the same bytes).
-template <typename MakeError>
-Status ValidateEntry(size_t i, const TensorEntry& t, std::span<const uint64_t> allocations,
-                     std::string_view known_dtype, MakeError error) {
-  if (t.name.empty()) return error(Describe(i, "") + ": empty name");
-  if (t.name.size() > kMaxTensorNameLength) {
-    return error(Describe(i, t.name) + ": name of " + std::to_string(t.name.size()) +
-                 " bytes exceeds " + std::to_string(kMaxTensorNameLength));
-  }
-  if (t.dtype.data() != known_dtype.data() || t.dtype.size() != known_dtype.size()) {
-    if (!ValidDTypeName(t.dtype)) {
-      return error(Describe(i, t.name) + ": invalid dtype name (1-16 bytes of [A-Z0-9_] expected)");
-    }
-  }
-  if (t.ndim > kMaxTensorDims) {
-    return error(Describe(i, t.name) + ": ndim " + std::to_string(t.ndim) + " exceeds " +
-                 std::to_string(kMaxTensorDims));
-  }
-  // No division: at 10,000 tensors every nanosecond per record is 10 us of attach.
-  uint64_t elements = 1, unused = 0;
+// The contiguous row-major strides of `shape` (in elements) into `strides`; false when one
+// overflows int64 (possible only when a later dimension is 0, so the element count does not).
+bool ContiguousStrides(std::span<const uint64_t> shape, int64_t* strides) {
+  int64_t stride = 1;
   bool overflow = false;
+  for (size_t d = shape.size(); d-- > 0;) {
+    strides[d] = stride;
+    if (d > 0) overflow |= __builtin_mul_overflow(stride, shape[d], &stride);
+  }
+  return !overflow;
+}
+
+// Everything the encoder checks about one entry except name uniqueness (the decoder checks
+// the same rules on the encoded form, in Manifest::Validate).
+Status ValidateEntry(size_t i, const TensorEntry& t, std::span<const uint64_t> allocations) {
+  auto error = [&](const std::string& what) {
+    return InvalidArgument("cannot encode attach manifest: " + Describe(i, t.name) + ": " + what);
+  };
+  if (t.name.empty()) return error("empty name");
+  if (t.name.size() > kMaxTensorNameLength) {
+    return error("name of " + std::to_string(t.name.size()) + " bytes exceeds " +
+                 std::to_string(kMaxTensorNameLength));
+  }
+  if (!ValidDTypeName(t.dtype))
+    return error("invalid dtype name (1-16 bytes of [A-Z0-9_] expected)");
+  if (t.ndim > kMaxTensorDims) {
+    return error("ndim " + std::to_string(t.ndim) + " exceeds " + std::to_string(kMaxTensorDims));
+  }
+  uint64_t elements = 1, unused = 0;
+  bool overflow = false, negative = false, zero = false;
   for (uint32_t d = 0; d < kMaxTensorDims; ++d) {
     if (d >= t.ndim) {
       unused |= t.shape[d];
     } else {
-      // Once a dimension is 0 the product stays 0: an overflow only counts before it.
+      negative |= t.shape[d] > static_cast<uint64_t>(INT64_MAX);
+      zero |= t.shape[d] == 0;
       overflow |= __builtin_mul_overflow(elements, t.shape[d], &elements);
     }
   }
-  if (unused != 0) return error(Describe(i, t.name) + ": unused shape dimension not 0");
-  if (overflow) return error(Describe(i, t.name) + ": element count overflows 64 bits");
+  if (unused != 0) return error("unused shape dimension not 0");
+  if (negative) return error("dimension above the int64 range");
+  // A zero dimension makes the product 0 whatever the order of the multiplications.
+  if (overflow && !zero) return error("element count overflows 64 bits");
+  std::array<int64_t, kMaxTensorDims> strides{};
+  if (!ContiguousStrides(t.dims(), strides.data())) return error("a stride overflows int64");
   if (t.allocation >= allocations.size()) {
-    return error(Describe(i, t.name) + ": allocation index " + std::to_string(t.allocation) +
-                 " out of range (" + std::to_string(allocations.size()) + " allocations)");
+    return error("allocation index " + std::to_string(t.allocation) + " out of range (" +
+                 std::to_string(allocations.size()) + " allocations)");
   }
   uint64_t alloc_size = allocations[t.allocation];
   if (t.offset > alloc_size || t.nbytes > alloc_size - t.offset) {
-    return error(Describe(i, t.name) + ": offset " + std::to_string(t.offset) + " + nbytes " +
-                 std::to_string(t.nbytes) + " exceeds allocation " + std::to_string(t.allocation) +
-                 " of " + std::to_string(alloc_size) + " bytes");
+    return error("offset " + std::to_string(t.offset) + " + nbytes " + std::to_string(t.nbytes) +
+                 " exceeds allocation " + std::to_string(t.allocation) + " of " +
+                 std::to_string(alloc_size) + " bytes");
   }
   return Status::Ok();
-}
-
-// The same checks as ValidateEntry for a decoded record (its dtype aside), as one branch-light
-// predicate with no Status on the way: the hot loop of Decode calls only this, and ValidateEntry
-// runs to name the problem once this says there is one.
-inline bool EntryLooksValid(const TensorEntry& t, std::span<const uint64_t> allocations) {
-  if (t.name.empty() || t.name.size() > kMaxTensorNameLength || t.ndim > kMaxTensorDims ||
-      t.allocation >= allocations.size()) {
-    return false;
-  }
-  uint64_t elements = 1, unused = 0;
-  bool overflow = false;
-  for (uint32_t d = 0; d < kMaxTensorDims; ++d) {
-    if (d >= t.ndim) {
-      unused |= t.shape[d];
-    } else {
-      overflow |= __builtin_mul_overflow(elements, t.shape[d], &elements);
-    }
-  }
-  const uint64_t alloc_size = allocations[t.allocation];
-  return unused == 0 && !overflow && t.offset <= alloc_size && t.nbytes <= alloc_size - t.offset;
 }
 
 Status ManifestError(const std::string& message) {
@@ -141,7 +132,7 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
   }
   if (tensors.size() > UINT32_MAX) return EncodeError("too many tensors");
   for (size_t i = 0; i < tensors.size(); ++i) {
-    WEIGHTCACHE_RETURN_IF_ERROR(ValidateEntry(i, tensors[i], allocation_sizes, {}, EncodeError));
+    WEIGHTCACHE_RETURN_IF_ERROR(ValidateEntry(i, tensors[i], allocation_sizes));
   }
   // Records go out in ascending name order (the decoder's uniqueness check and the client's
   // table order); equal neighbours are duplicates.
@@ -156,13 +147,16 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
     }
   }
 
-  // The string table: names in record order, dtype names interned (a handful of distinct ones).
+  // The string table: names in record order, each followed by a NUL (the client hands them
+  // out as C strings in place); dtype names interned (a handful of distinct ones).
   std::string table;
   std::vector<std::pair<std::string_view, uint32_t>> dtypes;
   std::vector<uint32_t> name_offsets(tensors.size()), dtype_offsets(tensors.size());
+  uint64_t dim_count = 0;
   for (uint32_t i : order) {
     name_offsets[i] = static_cast<uint32_t>(table.size());
     table.append(tensors[i].name);
+    table.push_back('\0');
     uint32_t off = UINT32_MAX;
     for (const auto& [name, at] : dtypes) {
       if (name == tensors[i].dtype) off = at;
@@ -170,13 +164,16 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
     if (off == UINT32_MAX) {
       off = static_cast<uint32_t>(table.size());
       table.append(tensors[i].dtype);
+      table.push_back('\0');
       dtypes.emplace_back(tensors[i].dtype, off);
     }
     dtype_offsets[i] = off;
+    dim_count += 2 * uint64_t{tensors[i].ndim};
     if (table.size() > kMaxManifestSize) return EncodeError("string table too large");
   }
-  uint64_t total = kManifestHeaderSize + allocation_sizes.size() * kManifestAllocationSize +
-                   tensors.size() * kManifestTensorSize + table.size();
+  const uint64_t total = kManifestHeaderSize + allocation_sizes.size() * kManifestAllocationSize +
+                         tensors.size() * kManifestTensorSize + dim_count * kManifestDimSize +
+                         table.size();
   if (total > kMaxManifestSize) {
     return EncodeError(std::to_string(total) + " bytes exceed the " +
                        std::to_string(kMaxManifestSize) + "-byte manifest limit");
@@ -189,22 +186,32 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
   for (int r = 0; r < 3; ++r) wire::PutU8(out, 0);
   wire::PutU32(out, static_cast<uint32_t>(allocation_sizes.size()));
   wire::PutU32(out, static_cast<uint32_t>(tensors.size()));
+  wire::PutU32(out, static_cast<uint32_t>(dim_count));
   wire::PutU32(out, static_cast<uint32_t>(table.size()));
-  wire::PutU32(out, 0);
+  wire::PutU64(out, 0);
   for (uint64_t size : allocation_sizes) wire::PutU64(out, size);
+  uint32_t dims_at = 0;
   for (uint32_t i : order) {
     const TensorEntry& t = tensors[i];
     wire::PutU32(out, name_offsets[i]);
     wire::PutU32(out, static_cast<uint32_t>(t.name.size()));
     wire::PutU32(out, dtype_offsets[i]);
-    wire::PutU32(out, static_cast<uint32_t>(t.dtype.size()));
-    wire::PutU32(out, t.allocation);
+    wire::PutU8(out, static_cast<uint8_t>(t.dtype.size()));
     wire::PutU8(out, static_cast<uint8_t>(t.ndim));
-    for (int r = 0; r < 3; ++r) wire::PutU8(out, 0);
+    wire::PutU16(out, 0);
+    wire::PutU32(out, t.allocation);
+    wire::PutU32(out, dims_at);
     wire::PutU64(out, t.offset);
     wire::PutU64(out, t.nbytes);
     wire::PutU64(out, t.checksum);
-    for (uint64_t d : t.shape) wire::PutU64(out, d);
+    dims_at += 2 * t.ndim;
+  }
+  for (uint32_t i : order) {
+    const TensorEntry& t = tensors[i];
+    std::array<int64_t, kMaxTensorDims> strides{};
+    ContiguousStrides(t.dims(), strides.data());  // checked by ValidateEntry
+    for (uint64_t d : t.dims()) wire::PutU64(out, d);
+    for (uint32_t d = 0; d < t.ndim; ++d) wire::PutU64(out, static_cast<uint64_t>(strides[d]));
   }
   out.insert(out.end(), table.begin(), table.end());
   return out;
@@ -228,29 +235,50 @@ Result<Manifest> Manifest::DecodeMapped(os::MappedRegion region) {
   return m;
 }
 
-TensorEntry Manifest::tensor(size_t i) const {
+TensorRecord Manifest::record(size_t i) const {
   const uint8_t* r = records_ + i * kManifestTensorSize;
-  TensorEntry t;
+  const uint32_t ndim = r[13];
+  const int64_t* shape = dims_ + wire::GetU32(r + 20);
+  TensorRecord t;
   t.name = std::string_view(strings_ + wire::GetU32(r), wire::GetU32(r + 4));
-  t.dtype = std::string_view(strings_ + wire::GetU32(r + 8), wire::GetU32(r + 12));
+  t.dtype = std::string_view(strings_ + wire::GetU32(r + 8), r[12]);
+  t.shape = std::span<const int64_t>(shape, ndim);
+  t.strides = std::span<const int64_t>(shape + ndim, ndim);
   t.allocation = wire::GetU32(r + 16);
-  t.ndim = r[20];
   t.offset = wire::GetU64(r + 24);
   t.nbytes = wire::GetU64(r + 32);
   t.checksum = wire::GetU64(r + 40);
-  for (uint32_t d = 0; d < kMaxTensorDims; ++d) t.shape[d] = wire::GetU64(r + 48 + size_t{8} * d);
   return t;
 }
 
-// One pass over the records, no allocation per tensor: each record is read into a
-// TensorEntry on the stack, checked, and its name compared with the previous one.
+TensorEntry Manifest::tensor(size_t i) const {
+  const TensorRecord r = record(i);
+  TensorEntry t;
+  t.name = r.name;
+  t.dtype = r.dtype;
+  t.ndim = static_cast<uint32_t>(r.shape.size());
+  for (size_t d = 0; d < r.shape.size(); ++d) t.shape[d] = static_cast<uint64_t>(r.shape[d]);
+  t.allocation = r.allocation;
+  t.offset = r.offset;
+  t.nbytes = r.nbytes;
+  t.checksum = r.checksum;
+  return t;
+}
+
+// One pass over the records, no allocation: each record's fields are read straight from the
+// bytes and checked; an error message is built only on the way out.
 Status Manifest::Validate() {
+  static_assert(std::endian::native == std::endian::little,
+                "the dims are read in place as little-endian int64");
   std::span<const uint8_t> payload = bytes_;
   if (payload.size() < kManifestHeaderSize) {
     return ManifestError("truncated header (" + std::to_string(payload.size()) + " of " +
                          std::to_string(kManifestHeaderSize) + " bytes)");
   }
   const uint8_t* p = payload.data();
+  if (reinterpret_cast<uintptr_t>(p) % alignof(int64_t) != 0) {
+    return InternalError("attach manifest bytes are not 8-byte aligned");
+  }
   if (std::memcmp(p, kManifestMagic, sizeof(kManifestMagic)) != 0) {
     return ManifestError("bad magic (expected \"WCMF\")");
   }
@@ -258,25 +286,28 @@ Status Manifest::Validate() {
   if (tier != static_cast<uint8_t>(Tier::kGpu) && tier != static_cast<uint8_t>(Tier::kHost)) {
     return ManifestError("unknown tier code " + std::to_string(tier));
   }
-  if (p[5] != 0 || p[6] != 0 || p[7] != 0 || wire::GetU32(p + 20) != 0) {
+  if (p[5] != 0 || p[6] != 0 || p[7] != 0 || wire::GetU64(p + 24) != 0) {
     return ManifestError("reserved header bytes are not 0");
   }
-  uint32_t allocation_count = wire::GetU32(p + 8);
-  uint32_t tensor_count = wire::GetU32(p + 12);
-  uint32_t table_size = wire::GetU32(p + 16);
+  const uint32_t allocation_count = wire::GetU32(p + 8);
+  const uint32_t tensor_count = wire::GetU32(p + 12);
+  const uint32_t dim_count = wire::GetU32(p + 16);
+  const uint32_t table_size = wire::GetU32(p + 20);
   if (allocation_count > kMaxAllocations) {
     return ManifestError(std::to_string(allocation_count) + " allocations exceed the limit of " +
                          std::to_string(kMaxAllocations));
   }
   // 32-bit counts times small record sizes cannot overflow 64 bits.
-  uint64_t expected = kManifestHeaderSize + uint64_t{allocation_count} * kManifestAllocationSize +
-                      uint64_t{tensor_count} * kManifestTensorSize + table_size;
+  const uint64_t expected = kManifestHeaderSize +
+                            uint64_t{allocation_count} * kManifestAllocationSize +
+                            uint64_t{tensor_count} * kManifestTensorSize +
+                            uint64_t{dim_count} * kManifestDimSize + table_size;
   if (expected != payload.size()) {
-    return ManifestError("header describes " + std::to_string(expected) + " bytes (" +
-                         std::to_string(allocation_count) + " allocations, " +
-                         std::to_string(tensor_count) + " tensors, " + std::to_string(table_size) +
-                         "-byte string table) but the manifest has " +
-                         std::to_string(payload.size()));
+    return ManifestError(
+        "header describes " + std::to_string(expected) + " bytes (" +
+        std::to_string(allocation_count) + " allocations, " + std::to_string(tensor_count) +
+        " tensors, " + std::to_string(dim_count) + " dims, " + std::to_string(table_size) +
+        "-byte string table) but the manifest has " + std::to_string(payload.size()));
   }
   tier_ = static_cast<Tier>(tier);
   const uint8_t* alloc_p = p + kManifestHeaderSize;
@@ -288,52 +319,114 @@ Status Manifest::Validate() {
     }
   }
   records_ = alloc_p + uint64_t{allocation_count} * kManifestAllocationSize;
-  strings_ = reinterpret_cast<const char*>(records_ + uint64_t{tensor_count} * kManifestTensorSize);
+  const uint8_t* dims_p = records_ + uint64_t{tensor_count} * kManifestTensorSize;
+  // Every section offset is a multiple of 8 (sizes above), and the base is aligned: the
+  // bytes are storage for int64 objects (a mapping, or an unsigned char array).
+  dims_ = reinterpret_cast<const int64_t*>(dims_p);
+  strings_ = reinterpret_cast<const char*>(dims_p + uint64_t{dim_count} * kManifestDimSize);
   tensor_count_ = tensor_count;
 
-  auto string_ok = [&](const uint8_t* at) {
-    uint32_t offset = wire::GetU32(at), length = wire::GetU32(at + 4);
-    return offset <= table_size && length <= table_size - offset;
-  };
-  auto string_error = [&](size_t i, const uint8_t* at, const char* what) {
-    uint32_t offset = wire::GetU32(at), length = wire::GetU32(at + 4);
-    return ManifestError(Describe(i, "") + ": " + what + " (offset " + std::to_string(offset) +
-                         ", length " + std::to_string(length) +
-                         ") lies outside the string table of " + std::to_string(table_size) +
-                         " bytes");
-  };
   std::string_view previous, known_dtype;
-  name_bytes_ = 0;
-  dim_count_ = 0;
+  size_t name_bytes = 0, ranks = 0;
   for (uint32_t i = 0; i < tensor_count; ++i) {
     const uint8_t* r = records_ + uint64_t{i} * kManifestTensorSize;
-    // Strings first: tensor(i) may only build views that lie inside the table.
-    if (!string_ok(r)) return string_error(i, r, "name");
-    if (!string_ok(r + 8)) return string_error(i, r + 8, "dtype");
-    const TensorEntry t = tensor(i);
-    if (r[21] != 0 || r[22] != 0 || r[23] != 0) {
-      return ManifestError(Describe(i, t.name) + ": reserved bytes are not 0");
+    const uint32_t name_offset = wire::GetU32(r), name_length = wire::GetU32(r + 4);
+    // Strictly inside the table: the name's NUL follows it.
+    if (name_offset > table_size || name_length >= table_size - name_offset) {
+      return ManifestError(Describe(i, "") + ": name (offset " + std::to_string(name_offset) +
+                           ", length " + std::to_string(name_length) +
+                           " and its NUL) lies outside the string table of " +
+                           std::to_string(table_size) + " bytes");
     }
-    // Dtype names are interned: a record pointing at the bytes already checked skips the
-    // character check.
-    const bool dtype_known =
-        t.dtype.data() == known_dtype.data() && t.dtype.size() == known_dtype.size();
-    if (!dtype_known || !EntryLooksValid(t, allocation_sizes_)) {
-      WEIGHTCACHE_RETURN_IF_ERROR(
-          ValidateEntry(i, t, allocation_sizes_, known_dtype, ManifestError));
-      known_dtype = t.dtype;
+    if (name_length == 0) return ManifestError(Describe(i, "") + ": empty name");
+    const std::string_view name(strings_ + name_offset, name_length);
+    if (name_length > kMaxTensorNameLength) {
+      return ManifestError(Describe(i, name) + ": name of " + std::to_string(name_length) +
+                           " bytes exceeds " + std::to_string(kMaxTensorNameLength));
     }
-    name_bytes_ += t.name.size();
-    dim_count_ += t.ndim;
-    if (i > 0 && !(previous < t.name)) {
-      return ManifestError(Describe(i, t.name) +
-                           (previous == t.name
+    if (strings_[name_offset + name_length] != '\0') {
+      return ManifestError(Describe(i, name) + ": name is not followed by a NUL");
+    }
+    if (i > 0 && !(previous < name)) {
+      return ManifestError(Describe(i, name) +
+                           (previous == name
                                 ? ": duplicate name (also tensor " + std::to_string(i - 1) + ")"
                                 : ": names out of ascending byte order (after '" +
                                       std::string(previous.substr(0, 200)) + "')"));
     }
-    previous = t.name;
+    previous = name;
+
+    const uint32_t dtype_offset = wire::GetU32(r + 8), dtype_length = r[12];
+    if (dtype_offset > table_size || dtype_length > table_size - dtype_offset) {
+      return ManifestError(Describe(i, name) + ": dtype (offset " + std::to_string(dtype_offset) +
+                           ", length " + std::to_string(dtype_length) +
+                           ") lies outside the string table of " + std::to_string(table_size) +
+                           " bytes");
+    }
+    // Dtype names are interned: a record pointing at the bytes already checked skips the
+    // character check.
+    const std::string_view dtype(strings_ + dtype_offset, dtype_length);
+    if (dtype.data() != known_dtype.data() || dtype.size() != known_dtype.size()) {
+      if (!ValidDTypeName(dtype)) {
+        return ManifestError(Describe(i, name) +
+                             ": invalid dtype name (1-16 bytes of [A-Z0-9_] expected)");
+      }
+      known_dtype = dtype;
+    }
+    const uint32_t ndim = r[13];
+    if (wire::GetU16(r + 14) != 0) {
+      return ManifestError(Describe(i, name) + ": reserved bytes are not 0");
+    }
+    if (ndim > kMaxTensorDims) {
+      return ManifestError(Describe(i, name) + ": ndim " + std::to_string(ndim) + " exceeds " +
+                           std::to_string(kMaxTensorDims));
+    }
+    const uint32_t dims_at = wire::GetU32(r + 20);
+    if (dims_at > dim_count || 2 * ndim > dim_count - dims_at) {
+      return ManifestError(Describe(i, name) + ": dims " + std::to_string(dims_at) + " + 2 x " +
+                           std::to_string(ndim) + " lie outside the " + std::to_string(dim_count) +
+                           " dims of the manifest");
+    }
+    const int64_t* shape = dims_ + dims_at;
+    const int64_t* strides = shape + ndim;
+    uint64_t elements = 1;
+    int64_t stride = 1;
+    bool negative = false, zero = false, overflow = false, stride_overflow = false,
+         wrong_stride = false;
+    for (uint32_t d = ndim; d-- > 0;) {
+      negative |= shape[d] < 0;
+      zero |= shape[d] == 0;
+      overflow |= __builtin_mul_overflow(elements, static_cast<uint64_t>(shape[d]), &elements);
+      wrong_stride |= strides[d] != stride;
+      if (d > 0) stride_overflow |= __builtin_mul_overflow(stride, shape[d], &stride);
+    }
+    if (negative) return ManifestError(Describe(i, name) + ": negative dimension");
+    // The same rule as the encoder's: a zero dimension makes the product 0.
+    if (overflow && !zero) {
+      return ManifestError(Describe(i, name) + ": element count overflows 64 bits");
+    }
+    if (stride_overflow) return ManifestError(Describe(i, name) + ": a stride overflows int64");
+    if (wrong_stride) {
+      return ManifestError(Describe(i, name) + ": strides are not the contiguous row-major ones");
+    }
+    const uint32_t allocation = wire::GetU32(r + 16);
+    if (allocation >= allocation_count) {
+      return ManifestError(Describe(i, name) + ": allocation index " + std::to_string(allocation) +
+                           " out of range (" + std::to_string(allocation_count) + " allocations)");
+    }
+    const uint64_t offset = wire::GetU64(r + 24), nbytes = wire::GetU64(r + 32);
+    const uint64_t alloc_size = allocation_sizes_[allocation];
+    if (offset > alloc_size || nbytes > alloc_size - offset) {
+      return ManifestError(Describe(i, name) + ": offset " + std::to_string(offset) + " + nbytes " +
+                           std::to_string(nbytes) + " exceeds allocation " +
+                           std::to_string(allocation) + " of " + std::to_string(alloc_size) +
+                           " bytes");
+    }
+    name_bytes += name_length;
+    ranks += ndim;
   }
+  name_bytes_ = name_bytes;
+  dim_count_ = ranks;
   return Status::Ok();
 }
 

@@ -1,35 +1,42 @@
 // The attach manifest: a compact binary table of allocations and tensors (docs/protocol.md §4).
 //
 // Why binary, and why out of the socket: attaching must cost O(allocations), flat in tensor
-// count (SPEC §8). Since protocol version 2 the daemon writes the manifest ONCE, at ready, into
-// a sealed read-only memfd that rides in the AttachReply as one more fd; a client maps it
-// instead of copying ~1.3 MB through the socket per attach. Fixed-size little-endian records
-// are validated in one pass with no per-tensor allocation, and names travel in strictly
-// ascending byte order, so uniqueness is one comparison with the previous name (no hash set)
-// and the client's table needs no sort.
+// count (SPEC §8). The daemon writes the manifest ONCE, at ready, into a sealed read-only memfd
+// that rides in the AttachReply as one more fd; a client maps it instead of copying it through
+// the socket per attach. Since protocol version 3 the client's tensor table points INTO the
+// mapped manifest: names are stored NUL-terminated and shapes and strides as little-endian
+// int64 arrays, so building the table copies no name and no dimension — per tensor, a client
+// validates one 48-byte record and writes one table entry.
 //
-//   header (24 bytes): magic "WCMF" | u8 tier | 3 reserved (0) | u32 allocation_count |
-//                      u32 tensor_count | u32 string_table_size | u32 reserved (0)
+//   header (32 bytes): magic "WCMF" | u8 tier | 3 reserved (0) | u32 allocation_count |
+//                      u32 tensor_count | u32 dim_count | u32 string_table_size |
+//                      u64 reserved (0)
 //   allocations:       allocation_count x { u64 size }
-//   tensors:           tensor_count x 112-byte records (layout in docs/protocol.md)
-//   string table:      string_table_size bytes; tensor names and dtype names (the
-//                      safetensors spelling, "BF16", "F8_E4M3", ...) as offset/length pairs
+//   tensors:           tensor_count x 48-byte records (layout in docs/protocol.md)
+//   dims:              dim_count x i64: each tensor's shape, then its contiguous strides
+//   string table:      string_table_size bytes; tensor names, each followed by a NUL, and
+//                      dtype names (the safetensors spelling, "BF16", "F8_E4M3", ...)
+//
+// Every section starts at a multiple of 8 bytes, so the dims can be read in place as int64_t
+// from a mapping (page-aligned) or an owned copy (operator new alignment).
 //
 // Contract:
 //  * Decode validates everything against bounds and returns kProtocol with a message naming
 //    the tensor and field: sizes add up exactly, every string lies in the table, names are
-//    non-empty, at most kMaxTensorNameLength bytes and strictly ascending (hence unique),
-//    dtypes are 1-16 bytes of [A-Z0-9_], ndim <= kMaxTensorDims with unused dims 0, the
-//    element count does not overflow 64 bits, allocation indices are in range, offset + nbytes
-//    lies inside its allocation without overflow, reserved bytes are 0. Dtype semantics (known
-//    names, nbytes = elements x size) are checked by the consumer, which owns the dtype table.
-//  * The bytes are validated once; tensor(i) then reads record i from them without checking
+//    non-empty, at most kMaxTensorNameLength bytes, followed by a NUL and strictly ascending
+//    (hence unique), dtypes are 1-16 bytes of [A-Z0-9_], ndim <= kMaxTensorDims, the dims lie
+//    in the dims section, every dimension is >= 0, the element count does not overflow 64
+//    bits, the strides are exactly the contiguous row-major ones, allocation indices are in
+//    range, offset + nbytes lies inside its allocation without overflow, reserved bytes are 0.
+//    Dtype semantics (known names, nbytes = elements x size) are checked by the consumer,
+//    which owns the dtype table.
+//  * The bytes are validated once; record(i) then reads record i from them without checking
 //    again. A Manifest owns its bytes: a copy (Decode) or a read-only mapping of a sealed
 //    memfd (DecodeMapped), which nobody can change after the checks.
 //  * EncodeManifest applies the same validation (kInvalidArgument) and orders the records by
 //    name itself, so a daemon cannot emit a manifest its clients would reject.
-//  * Manifest is move-only; TensorEntry views stay valid while the Manifest lives (moves
-//    included). Thread-safe for concurrent reads.
+//  * Manifest is move-only; the views of a TensorRecord or TensorEntry stay valid while the
+//    Manifest lives (moves included: the bytes do not move). Thread-safe for concurrent reads.
 #pragma once
 
 #include <array>
@@ -53,14 +60,16 @@ Result<Tier> ParseTier(std::string_view name);
 inline constexpr uint32_t kMaxTensorDims = 8;
 inline constexpr uint32_t kMaxTensorNameLength = 4096;
 inline constexpr uint32_t kMaxDTypeNameLength = 16;
-inline constexpr size_t kManifestHeaderSize = 24;
+inline constexpr size_t kManifestHeaderSize = 32;
 inline constexpr size_t kManifestAllocationSize = 8;
-inline constexpr size_t kManifestTensorSize = 112;
+inline constexpr size_t kManifestTensorSize = 48;
+inline constexpr size_t kManifestDimSize = 8;
 // One fd of an AttachReply is the manifest's memfd, the others are the allocations.
 inline constexpr uint32_t kMaxAllocations = 252;
 // The manifest memfd's size bound, checked before it is mapped.
 inline constexpr uint64_t kMaxManifestSize = uint64_t{64} * 1024 * 1024;
 
+// What the encoder takes (and what tensor(i) copies out, for tests and tools).
 struct TensorEntry {
   std::string_view name;
   std::string_view dtype;  // safetensors spelling
@@ -74,6 +83,18 @@ struct TensorEntry {
   uint64_t checksum = 0;
 
   std::span<const uint64_t> dims() const { return {shape.data(), ndim}; }
+};
+
+// One record as views into the validated manifest bytes: nothing is copied.
+struct TensorRecord {
+  std::string_view name;  // NUL-terminated in the manifest: name.data()[name.size()] == '\0'
+  std::string_view dtype;
+  std::span<const int64_t> shape;    // every entry >= 0
+  std::span<const int64_t> strides;  // contiguous row-major, in elements; shape.size() entries
+  uint32_t allocation = 0;
+  uint64_t offset = 0;
+  uint64_t nbytes = 0;
+  uint64_t checksum = 0;
 };
 
 class Manifest {
@@ -92,10 +113,13 @@ class Manifest {
   const std::vector<uint64_t>& allocation_sizes() const { return allocation_sizes_; }
   size_t tensor_count() const { return tensor_count_; }
   // Totals over all records, counted during validation: the sum of the name lengths and of
-  // the ranks (what a consumer reserves before copying names and dims).
+  // the ranks.
   size_t name_bytes() const { return name_bytes_; }
   size_t dim_count() const { return dim_count_; }
-  // Record i (< tensor_count()), read from the validated bytes; names in ascending order.
+  // Record i (< tensor_count()) as views into the validated bytes; names in ascending order.
+  // The attach path reads this: no copy, no check.
+  TensorRecord record(size_t i) const;
+  // The same record copied into a TensorEntry (tests, tools, re-encoding).
   TensorEntry tensor(size_t i) const;
   // The encoded manifest (what EncodeManifest produced).
   std::span<const uint8_t> bytes() const { return bytes_; }
@@ -110,6 +134,7 @@ class Manifest {
   size_t dim_count_ = 0;
   std::span<const uint8_t> bytes_;  // into owned_ or mapped_
   const uint8_t* records_ = nullptr;
+  const int64_t* dims_ = nullptr;
   const char* strings_ = nullptr;
   std::unique_ptr<uint8_t[]> owned_;
   os::MappedRegion mapped_;

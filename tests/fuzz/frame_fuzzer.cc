@@ -37,6 +37,15 @@ void CheckManifest(const Manifest& m) {
     Check(t.allocation < allocs.size());
     Check(t.offset <= allocs[t.allocation] && t.nbytes <= allocs[t.allocation] - t.offset);
     Check(i == 0 || entries.back().name < t.name);  // strictly ascending, hence unique
+    // The in-place views the client hands out: a C-string name, contiguous strides.
+    const TensorRecord r = m.record(i);
+    Check(r.name == t.name && r.name.data()[r.name.size()] == '\0');
+    Check(r.shape.size() == t.ndim && r.strides.size() == t.ndim);
+    int64_t stride = 1;
+    for (size_t d = t.ndim; d-- > 0;) {
+      Check(r.shape[d] >= 0 && r.strides[d] == stride);
+      if (d > 0) stride *= r.shape[d];  // no overflow: the decoder checked it
+    }
     name_bytes += t.name.size();
     dims += t.ndim;
     entries.push_back(t);

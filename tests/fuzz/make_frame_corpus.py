@@ -11,24 +11,35 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus", "frame_fuzzer")
 
 
-def frame(msg_type, payload=b"", fds=0, version=2):
+def frame(msg_type, payload=b"", fds=0, version=3):
     return b"WCPF" + struct.pack("<HHIIQ", version, msg_type, 0, fds, len(payload)) + payload
 
 
 def manifest(tier, allocations, tensors):
+    """Protocol version 3: 48-byte records, shapes and strides in a dims section, names
+    NUL-terminated in the string table, dtype names interned."""
     table = b""
     records = b""
+    dims = []
+    dtypes = {}
     for name, dtype, shape, alloc, offset, nbytes, checksum in tensors:
         name_off = len(table)
-        table += name.encode()
-        dtype_off = len(table)
-        table += dtype.encode()
-        dims = list(shape) + [0] * (8 - len(shape))
-        records += struct.pack("<IIIIIB3xQQQ8Q", name_off, len(name), dtype_off, len(dtype),
-                               alloc, len(shape), offset, nbytes, checksum, *dims)
-    header = b"WCMF" + struct.pack("<B3xIIII", tier, len(allocations), len(tensors), len(table),
-                                   0)
-    return header + b"".join(struct.pack("<Q", a) for a in allocations) + records + table
+        table += name.encode() + b"\0"
+        if dtype not in dtypes:
+            dtypes[dtype] = len(table)
+            table += dtype.encode() + b"\0"
+        strides = []
+        stride = 1
+        for d in reversed(shape):
+            strides.insert(0, stride)
+            stride *= d
+        records += struct.pack("<IIIBBHIIQQQ", name_off, len(name), dtypes[dtype], len(dtype),
+                               len(shape), 0, alloc, len(dims), offset, nbytes, checksum)
+        dims += list(shape) + strides
+    header = b"WCMF" + struct.pack("<B3xIIIIQ", tier, len(allocations), len(tensors), len(dims),
+                                   len(table), 0)
+    return (header + b"".join(struct.pack("<Q", a) for a in allocations) + records +
+            b"".join(struct.pack("<q", d) for d in dims) + table)
 
 
 def js(obj):
@@ -40,7 +51,7 @@ def main():
     m = manifest(1, [4096, 1024], [("embed.weight", "BF16", [16, 32], 0, 0, 1024, 7),
                                    ("lm_head", "F8_E4M3", [32, 32], 1, 0, 1024, 8)])
     seeds = {
-        "hello": frame(1, js({"protocol_version": 2, "config": {"model_id": "m", "tp_size": 2},
+        "hello": frame(1, js({"protocol_version": 3, "config": {"model_id": "m", "tp_size": 2},
                               "client_pid": 12, "client_name": "engine"})),
         "hello_reply": frame(2, js({"state": "loading", "bytes_done": 1, "bytes_total": 2,
                                     "failure_reason": "", "match": False,
@@ -54,14 +65,14 @@ def main():
                                      "model_id": "m", "tensor_count": 2, "bytes": 5,
                                      "clients": 1, "pid": 9, "config_digest": "ab" * 32})),
         "attach": frame(5),
-        # Version 2: the manifest travels as a sealed memfd (the first of 1 + 2 fds); the
+        # Since version 2 the manifest travels as a sealed memfd (the first of 1 + 2 fds); the
         # payload only announces its size and the allocation count.
         "attach_reply": frame(6, struct.pack("<QII", len(m), 2, 0), fds=3),
         "manifest": m,
         "stop": frame(7),
         "stop_reply": frame(8, js({"clients": 0})),
         "error": frame(9, js({"code": 6, "message": "config mismatch: tp_rank"})),
-        "two_frames": frame(3) + frame(1, js({"protocol_version": 2, "config": {},
+        "two_frames": frame(3) + frame(1, js({"protocol_version": 3, "config": {},
                                               "client_pid": 1, "client_name": ""})),
     }
     for name, data in seeds.items():

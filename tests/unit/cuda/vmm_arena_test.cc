@@ -45,6 +45,9 @@ bool IsCloexec(int fd) {
   return flags >= 0 && (flags & FD_CLOEXEC) != 0;
 }
 
+// Fds of allocations another process exported, one per kRounded size.
+std::vector<UniqueFd> ForeignArena(FakeDriver& fake);
+
 // The fds an importer would receive over SCM_RIGHTS: duplicates of the exporter's.
 std::vector<UniqueFd> Received(const ExportedArena& arena) {
   std::vector<UniqueFd> fds;
@@ -293,6 +296,68 @@ TEST(ImportedArenaTest, MapsContiguouslyReadWriteReleasesHandlesAndClosesFds) {
   ExpectNothingLive(fake, fds_before);
 }
 
+// The attach path splits Import: Reserve fixes every address before anything is mapped (the
+// client builds its tensor table from them while Map runs), then Map maps exactly there.
+TEST(ImportedArenaTest, ReserveFixesTheAddressesThatMapThenUses) {
+  FakeDriver fake(kGranularity);
+  const int fds_before = CountOpenFds();
+  {
+    Result<ImportedArena> arena = ImportedArena::Reserve(fake.api(), kDevice, kRounded);
+    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+    EXPECT_FALSE(arena->mapped());
+    EXPECT_EQ(fake.live_mappings(), 0);
+    EXPECT_EQ(fake.live_reservations(), 1);
+    std::vector<CUdeviceptr> reserved;
+    CUdeviceptr expected_ptr = arena->base();
+    for (const ImportedAllocation& a : arena->allocations()) {
+      EXPECT_EQ(a.ptr, expected_ptr);
+      expected_ptr += a.size;
+      reserved.push_back(a.ptr);
+    }
+    ASSERT_EQ(reserved.size(), 3u);
+
+    ASSERT_TRUE(arena->Map(ForeignArena(fake)).ok());
+    EXPECT_TRUE(arena->mapped());
+    EXPECT_EQ(fake.live_mappings(), 3);
+    EXPECT_EQ(CountOpenFds(), fds_before);  // Map closed the fds
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_EQ(arena->allocations()[i].ptr, reserved[i]);
+      EXPECT_EQ(fake.AccessAt(reserved[i], kDevice), CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    }
+    // Once only.
+    Status again = arena->Map(ForeignArena(fake));
+    EXPECT_EQ(again.code(), StatusCode::kInternal);
+    EXPECT_THAT(again.message(), HasSubstr("already mapped"));
+    EXPECT_EQ(fake.live_mappings(), 3);
+  }
+  ExpectNothingLive(fake, fds_before);
+}
+
+TEST(ImportedArenaTest, AFailedMapLeavesNothingMappedAndTheArenaStillUnwinds) {
+  FakeDriver fake(kGranularity);
+  const int fds_before = CountOpenFds();
+  {
+    Result<ImportedArena> arena = ImportedArena::Reserve(fake.api(), kDevice, kRounded);
+    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+    std::vector<UniqueFd> two = ForeignArena(fake);
+    two.pop_back();
+    Status count = arena->Map(std::move(two));
+    EXPECT_EQ(count.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(count.message(), HasSubstr("received 2 fds for 3 allocation sizes"));
+    EXPECT_EQ(CountOpenFds(), fds_before);  // closed on the error path too
+
+    fake.FailCall("cuMemMap", 3, CUDA_ERROR_NOT_PERMITTED);  // the last allocation
+    Status failed = arena->Map(ForeignArena(fake));
+    EXPECT_EQ(failed.code(), StatusCode::kCuda);
+    EXPECT_THAT(failed.message(), HasSubstr("allocation 2 of 3"));
+    EXPECT_FALSE(arena->mapped());
+    EXPECT_EQ(fake.live_mappings(), 0);
+    EXPECT_EQ(fake.live_handles(), 0);
+    EXPECT_EQ(fake.live_reservations(), 1);  // the arena's, until it goes
+  }
+  ExpectNothingLive(fake, fds_before);
+}
+
 TEST(ImportedArenaTest, ImportsAnExportedArenaIntoItsOwnRangeAndLeavesTheExporterIntact) {
   FakeDriver fake(kGranularity);
   const int fds_before = CountOpenFds();
@@ -447,6 +512,7 @@ const std::vector<Step> kImportSteps = {
     {"cuCtxSetCurrent", 1, "importing VMM arena on device 1"},
     {"cuMemGetAllocationGranularity", 1, "importing VMM arena on device 1"},
     {"cuMemAddressReserve", 1, "importing VMM arena on device 1"},
+    {"cuCtxGetCurrent", 2, ""},  // Map: the primary context is current already
     {"cuMemImportFromShareableHandle", 1, "allocation 0 of 3"},
     {"cuMemMap", 1, "allocation 0 of 3"},
     {"cuMemSetAccess", 1, "allocation 0 of 3"},

@@ -40,7 +40,13 @@ class ManifestTest : public ::testing::Test {
     ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
     bytes_ = std::move(bytes).value();
   }
-  size_t TensorAt(size_t i) const { return kManifestHeaderSize + 8 * allocs_.size() + 112 * i; }
+  size_t TensorAt(size_t i) const {
+    return kManifestHeaderSize + 8 * allocs_.size() + kManifestTensorSize * i;
+  }
+  // Entry k of the dims section (tensor i's shape starts at 4 * i: every tensor is 2-d).
+  size_t DimAt(size_t k) const { return TensorAt(tensors_.size()) + 8 * k; }
+  // Byte k of the string table (12 dims in all).
+  size_t StringAt(size_t k) const { return DimAt(12) + k; }
   void SetU32(size_t at, uint32_t v) {
     for (int k = 0; k < 4; ++k) bytes_[at + k] = static_cast<uint8_t>(v >> (8 * k));
   }
@@ -75,6 +81,35 @@ TEST_F(ManifestTest, RoundTripsEveryField) {
   // Views survive a move of the Manifest.
   Manifest moved = std::move(m).value();
   EXPECT_EQ(moved.tensor(1).name, "layers.0.attn.k");
+}
+
+TEST_F(ManifestTest, RecordsAreViewsIntoTheManifestBytes) {
+  auto m = Manifest::Decode(bytes_);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  const auto inside = [&](const void* p) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    return b >= m->bytes().data() && b < m->bytes().data() + m->bytes().size();
+  };
+  for (size_t i = 0; i < 3; ++i) {
+    const TensorRecord r = m->record(i);
+    EXPECT_EQ(r.name, names_[i]);
+    EXPECT_TRUE(inside(r.name.data()));
+    EXPECT_EQ(r.name.data()[r.name.size()], '\0');  // usable as a C string in place
+    EXPECT_EQ(r.dtype, tensors_[i].dtype);
+    EXPECT_EQ(std::vector<int64_t>(r.shape.begin(), r.shape.end()), (std::vector<int64_t>{16, 32}));
+    EXPECT_EQ(std::vector<int64_t>(r.strides.begin(), r.strides.end()),
+              (std::vector<int64_t>{32, 1}));
+    EXPECT_TRUE(inside(r.shape.data()));
+    EXPECT_TRUE(inside(r.strides.data()));
+    EXPECT_EQ(r.allocation, tensors_[i].allocation);
+    EXPECT_EQ(r.offset, tensors_[i].offset);
+    EXPECT_EQ(r.nbytes, 1024u);
+    EXPECT_EQ(r.checksum, 1000 + i);
+  }
+  // 32-byte header, 2 allocations of 8 bytes, 3 records of 48, 12 dims of 8, then the strings.
+  EXPECT_EQ(StringAt(0), 288u);
+  EXPECT_EQ(std::string_view(reinterpret_cast<const char*>(&bytes_[StringAt(0)]), 18),
+            std::string_view("embed.weight\0BF16\0", 18));
 }
 
 TEST_F(ManifestTest, TenThousandTensorsRoundTrip) {
@@ -140,23 +175,59 @@ TEST_F(ManifestTest, AllocationIndexOutOfRangeIsRejected) {
 TEST_F(ManifestTest, StringOutsideTableIsRejected) {
   SetU32(TensorAt(0), 0xfffffff0);
   ExpectProtocolError(Decoded(),
-                      "tensor 0: name (offset 4294967280, length 12) lies outside "
+                      "tensor 0: name (offset 4294967280, length 12 and its NUL) lies outside "
                       "the string table");
   SetUp();
-  SetU32(TensorAt(0) + 12, 0xffffffff);
-  ExpectProtocolError(Decoded(), "tensor 0: dtype");
+  SetU32(TensorAt(0) + 8, 0xffffffff);
+  ExpectProtocolError(Decoded(), "tensor 0 'embed.weight': dtype (offset 4294967295, length 4)");
+  SetUp();
+  bytes_[StringAt(12)] = 'x';  // the NUL after "embed.weight"
+  ExpectProtocolError(Decoded(), "tensor 0 'embed.weight': name is not followed by a NUL");
 }
 
 TEST_F(ManifestTest, ShapeChecks) {
-  bytes_[TensorAt(0) + 20] = 9;
+  bytes_[TensorAt(0) + 13] = 9;
   ExpectProtocolError(Decoded(), "tensor 0 'embed.weight': ndim 9 exceeds 8");
   SetUp();
-  wire::SetU64(bytes_, TensorAt(0) + 48 + 8 * 5, 7);  // dim 5 of a 2-d tensor
-  ExpectProtocolError(Decoded(), "unused shape dimension not 0");
+  SetU32(TensorAt(1) + 20, 10);  // dims 10..13 of 12
+  ExpectProtocolError(Decoded(),
+                      "tensor 1 'layers.0.attn.k': dims 10 + 2 x 2 lie outside the 12 dims");
   SetUp();
-  wire::SetU64(bytes_, TensorAt(0) + 48, uint64_t{1} << 40);
-  wire::SetU64(bytes_, TensorAt(0) + 56, uint64_t{1} << 40);
+  wire::SetU64(bytes_, DimAt(0), UINT64_MAX);  // -1
+  ExpectProtocolError(Decoded(), "tensor 0 'embed.weight': negative dimension");
+  SetUp();
+  wire::SetU64(bytes_, DimAt(0), uint64_t{1} << 40);
+  wire::SetU64(bytes_, DimAt(1), uint64_t{1} << 40);
   ExpectProtocolError(Decoded(), "element count overflows 64 bits");
+  SetUp();
+  wire::SetU64(bytes_, DimAt(2), 31);  // tensor 0's strides are {32, 1}
+  ExpectProtocolError(Decoded(),
+                      "tensor 0 'embed.weight': strides are not the contiguous row-major ones");
+  SetUp();
+  wire::SetU64(bytes_, DimAt(3), 0);
+  ExpectProtocolError(Decoded(), "strides are not the contiguous row-major ones");
+}
+
+TEST_F(ManifestTest, AZeroDimensionMakesAnyShapeValidInEveryOrder) {
+  // {2^40, 2^40, 0} holds 0 elements: the partial product overflows before the 0, and that is
+  // no overflow. Encoder and decoder agree.
+  std::vector<TensorEntry> t = {tensors_[0]};
+  t[0].ndim = 3;
+  t[0].shape = {uint64_t{1} << 40, uint64_t{1} << 40, 0};
+  t[0].nbytes = 0;
+  auto bytes = EncodeManifest(Tier::kGpu, allocs_, t);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+  auto m = Manifest::Decode(*bytes);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(std::vector<int64_t>(m->record(0).strides.begin(), m->record(0).strides.end()),
+            (std::vector<int64_t>{0, 0, 1}));
+  // {0, 2^40, 2^40} holds 0 elements too, but its first stride (2^80) has no int64.
+  t[0].shape = {0, uint64_t{1} << 40, uint64_t{1} << 40};
+  auto overflow = EncodeManifest(Tier::kGpu, allocs_, t);
+  EXPECT_EQ(overflow.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(overflow.status().message().find("'embed.weight': a stride overflows int64"),
+            std::string::npos)
+      << overflow.status().ToString();
 }
 
 TEST_F(ManifestTest, HeaderChecks) {
@@ -182,10 +253,16 @@ TEST_F(ManifestTest, HeaderChecks) {
   wire::SetU64(bytes_, kManifestHeaderSize + 8, 0);
   ExpectProtocolError(Decoded(), "allocation 1 has size 0");
   bytes_ = saved;
-  bytes_[TensorAt(1) + 22] = 1;
+  wire::SetU64(bytes_, 24, 1);
+  ExpectProtocolError(Decoded(), "reserved header bytes are not 0");
+  bytes_ = saved;
+  bytes_[TensorAt(1) + 15] = 1;
   ExpectProtocolError(Decoded(), "tensor 1 'layers.0.attn.k': reserved bytes are not 0");
+  bytes_ = saved;
+  SetU32(16, 13);  // one dim more than the section holds
+  ExpectProtocolError(Decoded(), "13 dims");
   ExpectProtocolError(Manifest::Decode(std::span(saved).first(10)).status(),
-                      "truncated header (10 of 24 bytes)");
+                      "truncated header (10 of 32 bytes)");
 }
 
 TEST_F(ManifestTest, EncoderRejectsInvalidInputWithTheSameChecks) {
@@ -198,6 +275,16 @@ TEST_F(ManifestTest, EncoderRejectsInvalidInputWithTheSameChecks) {
   bad[0].dtype = "bf16";
   auto dtype = EncodeManifest(Tier::kGpu, allocs_, bad);
   EXPECT_NE(dtype.status().message().find("invalid dtype name"), std::string::npos);
+  bad = tensors_;
+  bad[1].shape[5] = 7;  // dim 5 of a 2-d tensor
+  auto unused = EncodeManifest(Tier::kGpu, allocs_, bad);
+  EXPECT_NE(unused.status().message().find("'layers.0.attn.k': unused shape dimension not 0"),
+            std::string::npos)
+      << unused.status().ToString();
+  bad = tensors_;
+  bad[0].shape[0] = uint64_t{1} << 63;
+  auto huge = EncodeManifest(Tier::kGpu, allocs_, bad);
+  EXPECT_NE(huge.status().message().find("dimension above the int64 range"), std::string::npos);
   // 253 fds per frame, one of them the manifest's memfd.
   std::vector<uint64_t> too_many(253, 4096);
   auto allocs = EncodeManifest(Tier::kGpu, too_many, {});
@@ -257,7 +344,7 @@ TEST_F(ManifestTest, ManifestMemfdMustBeSealedAndExactlyTheAnnouncedSize) {
                       "memfd holds " + std::to_string(bytes_.size()) + " bytes, the reply says " +
                           std::to_string(bytes_.size() - 1));
   ExpectProtocolError(MapManifestMemfd(fd.get(), kMaxManifestSize + 1).status(),
-                      "announced size of 67108865 bytes is outside 24-67108864");
+                      "announced size of 67108865 bytes is outside 32-67108864");
   ExpectProtocolError(MapManifestMemfd(fd.get(), 3).status(), "announced size of 3 bytes");
 
   // Sealed and sized right, but invalid content is still rejected (untrusted).
