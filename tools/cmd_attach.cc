@@ -77,7 +77,14 @@ int Run(AttachArgs& args) {
                           {"config_digest", a.config_digest()},
                           {"tensors", a.tensors().size()},
                           {"bytes", a.total_bytes()},
-                          {"attach_ms", a.attach_ms()}};
+                          {"attach_ms", a.attach_ms()},
+                          {"timings",
+                           {{"resolve_ms", a.timings().resolve_ms},
+                            {"discover_ms", a.timings().discover_ms},
+                            {"map_ms", a.timings().map_ms},
+                            {"table_ms", a.timings().table_ms},
+                            {"table_concurrent", a.timings().table_concurrent},
+                            {"fallback_ms", a.timings().fallback_ms}}}};
     if (report) out["verify"] = VerifyJson(*report);
     std::cout << out.dump() << std::endl;
   } else {

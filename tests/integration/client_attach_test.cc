@@ -219,6 +219,16 @@ TEST_F(ClientAttachTest, AttachCliVerifiesAndVerifyCommandMatchesTheFiles) {
   EXPECT_EQ(j["tensors"], 24);
   EXPECT_EQ(j["verify"]["ok"], true) << r.out;
   EXPECT_EQ(j["verify"]["tensors"], 24);
+  // Where the attach went: a daemon attach maps and builds its table, it loads nothing; 24
+  // tensors is far below the concurrent-table threshold.
+  const auto& t = j["timings"];
+  EXPECT_GT(t["discover_ms"].get<double>(), 0) << r.out;
+  EXPECT_GT(t["map_ms"].get<double>(), 0) << r.out;
+  EXPECT_GT(t["table_ms"].get<double>(), 0) << r.out;
+  EXPECT_EQ(t["table_concurrent"], false);
+  EXPECT_EQ(t["fallback_ms"].get<double>(), 0);
+  EXPECT_LE(t["discover_ms"].get<double>() + t["map_ms"].get<double>(),
+            j["attach_ms"].get<double>());
 
   std::vector<std::string> argv = {CliPath(), "verify"};
   auto ids = IdentityArgs({"--json"});
@@ -370,6 +380,8 @@ TEST_F(ClientAttachTest, NoDaemonFallsBackWithCorrectBytesOrExits3) {
   auto j = nlohmann::json::parse(f.out);
   EXPECT_EQ(j["source"], "fallback");
   EXPECT_EQ(j["verify"]["ok"], true);
+  EXPECT_GT(j["timings"]["fallback_ms"].get<double>(), 0) << f.out;
+  EXPECT_EQ(j["timings"]["map_ms"].get<double>(), 0);
 }
 
 TEST_F(ClientAttachTest, KillNineLeavesAttachedClientsWorkingAndANewDaemonServes) {
