@@ -56,6 +56,14 @@ ExportedArena::ExportedArena(PrimaryContext context, uint64_t granularity,
   }
 }
 
+std::vector<UniqueFd> ExportedArena::ReleaseToFds() && {
+  std::vector<UniqueFd> fds = std::move(fds_);
+  fds_.clear();
+  table_.clear();
+  ExportedArena gone(std::move(*this));  // mappings, VA, handles, context: in that order
+  return fds;
+}
+
 ExportedArena& ExportedArena::operator=(ExportedArena&& other) noexcept {
   if (this != &other) {
     ExportedArena old(std::move(*this));  // destroyed at the end of this scope, in order

@@ -11,6 +11,11 @@
 //  * Destruction closes the fds, unmaps, frees the VA and releases the handles and the
 //    primary context reference. Memory already imported by a client stays alive in that client
 //    (the driver refcounts it), so a daemon exiting never invalidates attached engines.
+//  * ReleaseToFds() ends the arena but for its fds: once the weights are in place, the fds
+//    alone keep the memory alive and importable — a VMM fd held by a process with NO CUDA
+//    context stays importable by new processes, data intact (shared/DEVICE.md) — so a daemon
+//    can serve from fds without a CUDA context of its own (no ~0.5 GiB of device memory and no
+//    driver host memory for it).
 //  * Retaining the primary context makes it current on the thread that calls Create.
 //  * Not thread-safe to mutate; const accessors may be called from any thread. The DriverApi
 //    must outlive the arena.
@@ -57,6 +62,12 @@ class ExportedArena {
   uint64_t total_bytes() const { return va_.size(); }
   uint64_t granularity() const { return granularity_; }
   std::span<const ExportedAllocation> allocations() const { return table_; }
+
+  // Unmaps, frees the VA, releases the handles and the primary context reference (the context
+  // goes when nobody else retains it), and returns the exported fds, one per allocation in
+  // order. Every write to the memory must be complete (streams synchronized). The arena is
+  // empty afterwards.
+  std::vector<UniqueFd> ReleaseToFds() &&;
 
  private:
   ExportedArena(PrimaryContext context, uint64_t granularity, std::vector<VmmHandle> handles,

@@ -19,20 +19,23 @@
 namespace weightcache::daemon {
 namespace {
 
+// Serves from the exported fds alone: no mapping, no handle, no CUDA context (see
+// ExportedArena::ReleaseToFds). The device memory lives while any fd does — ours, or the
+// duplicates attached clients received.
 class GpuStore final : public WeightStore {
  public:
-  GpuStore(cuda::ExportedArena arena, StoreSummary summary)
-      : WeightStore(std::move(summary)), arena_(std::move(arena)) {}
+  GpuStore(std::vector<UniqueFd> fds, StoreSummary summary)
+      : WeightStore(std::move(summary)), fds_(std::move(fds)) {}
 
   protocol::Tier tier() const override { return protocol::Tier::kGpu; }
   std::vector<int> fds() const override {
     std::vector<int> fds;
-    for (const auto& a : arena_.allocations()) fds.push_back(a.fd);
+    for (const auto& fd : fds_) fds.push_back(fd.get());
     return fds;
   }
 
  private:
-  cuda::ExportedArena arena_;
+  std::vector<UniqueFd> fds_;
 };
 
 // The CUdevice whose cuDeviceGetUuid matches `uuid`. The identity layer resolved --device to
@@ -165,7 +168,11 @@ Result<std::unique_ptr<WeightStore>> LoadGpuStoreInner(const checkpoint::Checkpo
   summary.tensor_count = order.size();
   summary.tensor_bytes = checkpoint.total_bytes();
   summary.resident_bytes = arena->total_bytes();
-  return std::unique_ptr<WeightStore>(new GpuStore(std::move(arena).value(), std::move(summary)));
+  // The upload is complete (Run synchronized its streams and the pipeline is gone): from here
+  // the fds are all the daemon needs. Releasing the rest drops its CUDA context — the device
+  // memory and driver host memory a context costs — for the life of the cache.
+  std::vector<UniqueFd> fds = std::move(arena).value().ReleaseToFds();
+  return std::unique_ptr<WeightStore>(new GpuStore(std::move(fds), std::move(summary)));
 }
 
 }  // namespace

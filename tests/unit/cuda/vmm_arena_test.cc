@@ -110,6 +110,37 @@ TEST(ExportedArenaTest, DestructorReleasesEverythingAndClosesTheFds) {
   ExpectNothingLive(fake, fds_before);
 }
 
+// What the daemon keeps after its load: the fds, and nothing else of the driver's — no
+// mapping, reservation, handle or context reference. The memory stays importable through them.
+TEST(ExportedArenaTest, ReleaseToFdsKeepsOnlyTheFdsAndTheyStillImport) {
+  FakeDriver fake(kGranularity);
+  const int fds_before = CountOpenFds();
+  {
+    Result<ExportedArena> arena = ExportedArena::Create(fake.api(), kDevice, kRequested);
+    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+    std::vector<uint64_t> sizes;
+    for (const ExportedAllocation& a : arena->allocations()) sizes.push_back(a.size);
+
+    std::vector<UniqueFd> fds = std::move(arena).value().ReleaseToFds();
+    ASSERT_EQ(fds.size(), 3u);
+    EXPECT_EQ(fake.live_handles(), 0);
+    EXPECT_EQ(fake.live_mappings(), 0);
+    EXPECT_EQ(fake.live_reservations(), 0);
+    EXPECT_EQ(fake.total_context_refs(), 0);
+    EXPECT_EQ(CountOpenFds(), fds_before + 3);
+    for (const UniqueFd& fd : fds) EXPECT_TRUE(IsCloexec(fd.get()));
+
+    // A client receives duplicates (SCM_RIGHTS) and maps the same memory.
+    std::vector<UniqueFd> received;
+    for (const UniqueFd& fd : fds) received.emplace_back(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
+    Result<ImportedArena> client =
+        ImportedArena::Import(fake.api(), kDevice, std::move(received), sizes);
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    EXPECT_EQ(fake.live_mappings(), 3);
+  }
+  ExpectNothingLive(fake, fds_before);
+}
+
 TEST(ExportedArenaTest, MoveAssignmentReleasesTheOldArenaAndKeepsTheNewOne) {
   FakeDriver fake(kGranularity);
   const int fds_before = CountOpenFds();
