@@ -54,9 +54,12 @@ struct DTypeCache {
 // terminated there), its address is the allocation's base plus the offset. What the manifest
 // decoder leaves to its consumer is checked here: the dtype is known and nbytes is the element
 // count times its size. Records are in name order (checked by the decoder): no sort.
-Result<std::vector<Tensor>> BuildViews(const protocol::Manifest& manifest,
+// The manifest's records are checked here first (discovery deferred them: on the gpu tier this
+// runs on its own thread while the driver maps).
+Result<std::vector<Tensor>> BuildViews(protocol::Manifest& manifest,
                                        std::span<const uint64_t> allocation_base,
                                        const std::string& who) {
+  if (Status s = manifest.ValidateRecords(); !s.ok()) return s.Context(who);
   const size_t count = manifest.tensor_count();
   std::vector<Tensor> views;
   views.reserve(count);

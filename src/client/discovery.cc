@@ -397,7 +397,10 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
         attach_frame, ReadReply(probe.connection.get(), protocol::MessageType::kAttachReply,
                                 os::Deadline::After(policy.exchange_timeout), socket));
   }
-  auto reply = protocol::DecodeAttachReply(std::move(*attach_frame));
+  // The manifest's records are checked by the caller, on the thread that builds the tensor
+  // table (attachment.cc), so that on the gpu tier the check overlaps the VMM import.
+  auto reply =
+      protocol::DecodeAttachReply(std::move(*attach_frame), protocol::RecordCheck::kDeferred);
   if (!reply.ok()) return reply.status().Context(who);
   Discovery d;
   d.session = DaemonSession{std::move(probe.connection), std::move(reply).value(), probe.pid};

@@ -57,6 +57,8 @@ Result<identity::CacheConfig> BuildCacheConfig(const AttachOptions& options,
 // DaemonWatcher learns of the daemon's death by EOF).
 struct DaemonSession {
   UniqueFd connection;
+  // Header and allocations checked; the manifest's records are NOT yet (RecordCheck::kDeferred):
+  // the consumer runs reply.manifest.ValidateRecords() before reading one.
   protocol::AttachReply reply;
   int64_t pid = 0;
 };

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cassert>
 #include <cerrno>
 #include <cstring>
 #include <numeric>
@@ -222,20 +223,23 @@ Result<Manifest> Manifest::Decode(std::span<const uint8_t> bytes) {
   m.owned_ = std::make_unique_for_overwrite<uint8_t[]>(std::max<size_t>(bytes.size(), 1));
   std::memcpy(m.owned_.get(), bytes.data(), bytes.size());
   m.bytes_ = std::span<const uint8_t>(m.owned_.get(), bytes.size());
-  WEIGHTCACHE_RETURN_IF_ERROR(m.Validate());
+  WEIGHTCACHE_RETURN_IF_ERROR(m.ValidateHeader());
+  WEIGHTCACHE_RETURN_IF_ERROR(m.ValidateRecords());
   return m;
 }
 
-Result<Manifest> Manifest::DecodeMapped(os::MappedRegion region) {
+Result<Manifest> Manifest::DecodeMapped(os::MappedRegion region, RecordCheck check) {
   Manifest m;
   m.mapped_ = std::move(region);
   m.bytes_ =
       std::span<const uint8_t>(static_cast<const uint8_t*>(m.mapped_.data()), m.mapped_.size());
-  WEIGHTCACHE_RETURN_IF_ERROR(m.Validate());
+  WEIGHTCACHE_RETURN_IF_ERROR(m.ValidateHeader());
+  if (check == RecordCheck::kNow) WEIGHTCACHE_RETURN_IF_ERROR(m.ValidateRecords());
   return m;
 }
 
 TensorRecord Manifest::record(size_t i) const {
+  assert(records_ok_ && "Manifest::record before ValidateRecords");
   const uint8_t* r = records_ + i * kManifestTensorSize;
   const uint32_t ndim = r[13];
   const int64_t* shape = dims_ + wire::GetU32(r + 20);
@@ -265,9 +269,7 @@ TensorEntry Manifest::tensor(size_t i) const {
   return t;
 }
 
-// One pass over the records, no allocation: each record's fields are read straight from the
-// bytes and checked; an error message is built only on the way out.
-Status Manifest::Validate() {
+Status Manifest::ValidateHeader() {
   static_assert(std::endian::native == std::endian::little,
                 "the dims are read in place as little-endian int64");
   std::span<const uint8_t> payload = bytes_;
@@ -325,6 +327,27 @@ Status Manifest::Validate() {
   dims_ = reinterpret_cast<const int64_t*>(dims_p);
   strings_ = reinterpret_cast<const char*>(dims_p + uint64_t{dim_count} * kManifestDimSize);
   tensor_count_ = tensor_count;
+  allocation_count_ = allocation_count;
+  dim_total_ = dim_count;
+  table_size_ = table_size;
+  return Status::Ok();
+}
+
+// One pass over the records, no allocation: each record's fields are read straight from the
+// bytes and checked; an error message is built only on the way out.
+Status Manifest::ValidateRecords() {
+  if (records_status_) return *records_status_;
+  Status verdict = CheckRecords();
+  records_ok_ = verdict.ok();
+  records_status_ = verdict;
+  return verdict;
+}
+
+Status Manifest::CheckRecords() {
+  const uint32_t tensor_count = static_cast<uint32_t>(tensor_count_);
+  const uint32_t allocation_count = allocation_count_;
+  const uint32_t dim_count = dim_total_;
+  const uint32_t table_size = table_size_;
 
   std::string_view previous, known_dtype;
   size_t name_bytes = 0, ranks = 0;
@@ -444,7 +467,7 @@ Result<UniqueFd> CreateManifestMemfd(std::span<const uint8_t> manifest, const st
   return fd;
 }
 
-Result<Manifest> MapManifestMemfd(int fd, uint64_t size) {
+Result<Manifest> MapManifestMemfd(int fd, uint64_t size, RecordCheck check) {
   Status sealed = os::CheckSealedReadOnly(fd);
   if (!sealed.ok()) return sealed.Context("attach manifest memfd");
   if (size < kManifestHeaderSize || size > kMaxManifestSize) {
@@ -462,7 +485,7 @@ Result<Manifest> MapManifestMemfd(int fd, uint64_t size) {
   // cheaper than populating every page up front (docs/benchmarks.md).
   auto region = os::MapReadOnly(fd, size);
   if (!region.ok()) return region.status().Context("mapping the attach manifest");
-  return Manifest::DecodeMapped(std::move(region).value());
+  return Manifest::DecodeMapped(std::move(region).value(), check);
 }
 
 }  // namespace weightcache::protocol

@@ -31,8 +31,12 @@
 //    Dtype semantics (known names, nbytes = elements x size) are checked by the consumer,
 //    which owns the dtype table.
 //  * The bytes are validated once; record(i) then reads record i from them without checking
-//    again. A Manifest owns its bytes: a copy (Decode) or a read-only mapping of a sealed
-//    memfd (DecodeMapped), which nobody can change after the checks.
+//    again. The attach path may split the validation (RecordCheck::kDeferred): the header and
+//    allocations when the reply arrives, the records on the thread that builds the tensor
+//    table while the driver maps (ValidateRecords). Records are never readable unchecked:
+//    record(), tensor(), name_bytes() and dim_count() need ValidateRecords() to have
+//    succeeded (checked in debug builds). A Manifest owns its bytes: a copy (Decode) or a read-only
+//    mapping of a sealed memfd (DecodeMapped), which nobody can change after the checks.
 //  * EncodeManifest applies the same validation (kInvalidArgument) and orders the records by
 //    name itself, so a daemon cannot emit a manifest its clients would reject.
 //  * Manifest is move-only; the views of a TensorRecord or TensorEntry stay valid while the
@@ -42,6 +46,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -97,6 +102,12 @@ struct TensorRecord {
   uint64_t checksum = 0;
 };
 
+// How much of a manifest to check when decoding it.
+enum class RecordCheck {
+  kNow,       // header, allocations and every record
+  kDeferred,  // header and allocations; the records wait for Manifest::ValidateRecords()
+};
+
 class Manifest {
  public:
   Manifest() = default;
@@ -107,7 +118,12 @@ class Manifest {
   static Result<Manifest> Decode(std::span<const uint8_t> bytes);
   // Validates the bytes of a read-only mapping of a sealed memfd (the attach path: no copy).
   // The caller has checked the seals, so the bytes cannot change after validation.
-  static Result<Manifest> DecodeMapped(os::MappedRegion region);
+  static Result<Manifest> DecodeMapped(os::MappedRegion region,
+                                       RecordCheck check = RecordCheck::kNow);
+  // The record checks (kProtocol naming the tensor and field). Idempotent: the second call
+  // returns the first call's verdict without checking again. Not thread-safe against readers.
+  Status ValidateRecords();
+  bool records_validated() const { return records_ok_; }
 
   Tier tier() const { return tier_; }
   const std::vector<uint64_t>& allocation_sizes() const { return allocation_sizes_; }
@@ -125,7 +141,8 @@ class Manifest {
   std::span<const uint8_t> bytes() const { return bytes_; }
 
  private:
-  Status Validate();
+  Status ValidateHeader();
+  Status CheckRecords();
 
   Tier tier_ = Tier::kHost;
   std::vector<uint64_t> allocation_sizes_;
@@ -136,6 +153,9 @@ class Manifest {
   const uint8_t* records_ = nullptr;
   const int64_t* dims_ = nullptr;
   const char* strings_ = nullptr;
+  uint32_t allocation_count_ = 0, dim_total_ = 0, table_size_ = 0;
+  bool records_ok_ = false;
+  std::optional<Status> records_status_;  // the verdict of ValidateRecords, once run
   std::unique_ptr<uint8_t[]> owned_;
   os::MappedRegion mapped_;
 };
@@ -152,6 +172,6 @@ Result<UniqueFd> CreateManifestMemfd(std::span<const uint8_t> manifest, const st
 // The client side: checks the seals and that the file is exactly `size` bytes (<=
 // kMaxManifestSize), maps it read-only and decodes it. kProtocol / kPermissionDenied naming what is
 // wrong.
-Result<Manifest> MapManifestMemfd(int fd, uint64_t size);
+Result<Manifest> MapManifestMemfd(int fd, uint64_t size, RecordCheck check = RecordCheck::kNow);
 
 }  // namespace weightcache::protocol

@@ -292,7 +292,7 @@ Result<std::vector<uint8_t>> EncodeAttachReply(uint64_t manifest_size, uint32_t 
   return EncodeFrame(MessageType::kAttachReply, payload, allocation_count + 1);
 }
 
-Result<AttachReply> DecodeAttachReply(Frame frame) {
+Result<AttachReply> DecodeAttachReply(Frame frame, RecordCheck check) {
   if (frame.type != MessageType::kAttachReply) {
     return ProtocolError("expected AttachReply, got " + MessageTypeName(frame.type));
   }
@@ -311,7 +311,8 @@ Result<AttachReply> DecodeAttachReply(Frame frame) {
                          " fds (manifest first) but " + std::to_string(fds.size()) + " arrived");
   }
   AttachReply reply;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(reply.manifest, MapManifestMemfd(fds[0].get(), manifest_size));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(reply.manifest,
+                               MapManifestMemfd(fds[0].get(), manifest_size, check));
   if (reply.manifest.allocation_sizes().size() != allocation_count) {
     return ProtocolError(
         "AttachReply: manifest lists " + std::to_string(reply.manifest.allocation_sizes().size()) +

@@ -114,7 +114,9 @@ Result<StatusReply> DecodeStatusReply(std::span<const uint8_t> payload);
 Result<std::vector<uint8_t>> EncodeAttachReply(uint64_t manifest_size, uint32_t allocation_count);
 // Takes the whole frame: maps and validates the manifest memfd (its first fd) and checks one
 // further fd per allocation.
-Result<AttachReply> DecodeAttachReply(Frame frame);
+// `check`: RecordCheck::kDeferred leaves the manifest's records to the consumer
+// (Manifest::ValidateRecords), which then must run it before reading a record.
+Result<AttachReply> DecodeAttachReply(Frame frame, RecordCheck check = RecordCheck::kNow);
 
 Result<std::vector<uint8_t>> EncodeStopReply(const StopReply& msg);
 Result<StopReply> DecodeStopReply(std::span<const uint8_t> payload);

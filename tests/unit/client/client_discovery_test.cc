@@ -1,6 +1,7 @@
 // Discovery against a scripted in-process daemon speaking the real protocol over a real
 // socket with the real identity lock: the SPEC §4 rows a well-behaved daemon rarely shows on
-// demand — `loading` past the wait timeout, `failed`, and a peer that speaks garbage.
+// demand — `loading` past the wait timeout, `failed`, a peer that speaks garbage, and a
+// ready daemon whose attach manifest is hostile.
 #include <gtest/gtest.h>
 #include <poll.h>
 
@@ -11,8 +12,10 @@
 #include "client/discovery.h"
 #include "os/fd_passing.h"
 #include "os/lock_file.h"
+#include "os/memfd.h"
 #include "os/unix_socket.h"
 #include "protocol/frame.h"
+#include "protocol/manifest.h"
 #include "protocol/messages.h"
 #include "support/test_env.h"
 #include "unit/client/client_fixtures.h"
@@ -23,12 +26,15 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// Answers each request frame with the bytes `reply` returns (empty = close the connection).
+// Answers each request frame with the bytes `reply` returns (empty = close the connection),
+// and the fds `FdScript` returns with them (borrowed: SCM_RIGHTS duplicates them).
 using Script = std::function<std::vector<uint8_t>(const protocol::Frame&)>;
+using FdScript = std::function<std::vector<int>(const protocol::Frame&)>;
 
 class ScriptedDaemon {
  public:
-  ScriptedDaemon(const identity::CachePaths& paths, Script script) : script_(std::move(script)) {
+  ScriptedDaemon(const identity::CachePaths& paths, Script script, FdScript fds = {})
+      : script_(std::move(script)), fds_(std::move(fds)) {
     auto lock = os::LockFile::TryAcquire(paths.lock);
     EXPECT_TRUE(lock.ok()) << lock.status().ToString();
     lock_.emplace(std::move(lock).value());
@@ -56,12 +62,14 @@ class ScriptedDaemon {
         if (!frame.ok()) break;
         std::vector<uint8_t> out = script_(*frame);
         if (out.empty()) break;
-        if (!os::SendMessage(fd.get(), out, {}, os::Deadline::After(5s)).ok()) break;
+        std::vector<int> fds = fds_ ? fds_(*frame) : std::vector<int>{};
+        if (!os::SendMessage(fd.get(), out, fds, os::Deadline::After(5s)).ok()) break;
       }
     }
   }
 
   Script script_;
+  FdScript fds_;
   std::optional<os::LockFile> lock_;
   UniqueFd listener_;
   std::atomic<bool> stop_{false};
@@ -176,6 +184,81 @@ TEST_F(ClientDiscoveryTest, AnErrorReplyKeepsTheDaemonsCodeAndMessage) {
   EXPECT_EQ(a.status().code(), StatusCode::kPermissionDenied);
   EXPECT_NE(a.status().message().find("uid 4242 is not allowed"), std::string::npos)
       << a.status().ToString();
+}
+
+// A ready, matching daemon whose manifest passes the header checks (which run when the reply
+// arrives) but not a record check (which runs while the table is built, deferred so that it
+// overlaps the gpu tier's VMM import): the attach fails with kProtocol naming the daemon and
+// the tensor, and never falls back to disk.
+class HostileManifestTest : public ClientDiscoveryTest {
+ protected:
+  // `corrupt` edits the encoded manifest of one 4-byte F32 tensor "w" (shape {1}, strides {1}).
+  Status AttachWith(const std::function<void(std::vector<uint8_t>&)>& corrupt,
+                    std::string dtype = "F32") {
+    protocol::TensorEntry t;
+    t.name = "w";
+    t.dtype = dtype;
+    t.ndim = 1;
+    t.shape = {1};
+    t.nbytes = 4;
+    const std::vector<uint64_t> allocations = {4096};
+    auto bytes = protocol::EncodeManifest(protocol::Tier::kHost, allocations, {&t, 1});
+    EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
+    corrupt(*bytes);
+    auto manifest = protocol::CreateManifestMemfd(*bytes, "hostile-manifest");
+    auto memory = os::CreateMemfd("hostile-memory", 4096);
+    EXPECT_TRUE(manifest.ok() && memory.ok());
+    EXPECT_TRUE(os::SealReadOnly(memory->get()).ok());
+    const std::vector<int> fds = {manifest->get(), memory->get()};
+    const uint64_t manifest_size = bytes->size();
+    ScriptedDaemon daemon(
+        id_.paths,
+        [&](const protocol::Frame& f) {
+          if (f.type == protocol::MessageType::kHello) return Hello(protocol::CacheState::kReady);
+          return protocol::EncodeAttachReply(manifest_size, 1).value();
+        },
+        [&](const protocol::Frame& f) {
+          return f.type == protocol::MessageType::kAttach ? fds : std::vector<int>{};
+        });
+    auto a = Attachment::Attach(options_);
+    if (a.ok()) return Status::Ok();
+    EXPECT_NE(a.status().message().find(id_.paths.socket), std::string::npos)
+        << a.status().ToString();
+    return a.status();
+  }
+  // The dims section starts after the 32-byte header, one allocation and one record.
+  static constexpr size_t kDims = protocol::kManifestHeaderSize + 8 + protocol::kManifestTensorSize;
+};
+
+TEST_F(HostileManifestTest, AWellFormedManifestAttaches) {
+  EXPECT_TRUE(AttachWith([](std::vector<uint8_t>&) {}).ok());
+}
+
+TEST_F(HostileManifestTest, ABadStrideIsAProtocolErrorNamingTheTensor) {
+  Status s = AttachWith([](std::vector<uint8_t>& b) { b[kDims + 8] = 2; });  // strides[0] = 2
+  EXPECT_EQ(s.code(), StatusCode::kProtocol) << s.ToString();
+  EXPECT_NE(s.message().find("tensor 0 'w': strides are not the contiguous row-major ones"),
+            std::string::npos)
+      << s.ToString();
+}
+
+TEST_F(HostileManifestTest, AMissingNulIsAProtocolError) {
+  // The string table follows the 2 dims: "w\0F32\0".
+  Status s = AttachWith([](std::vector<uint8_t>& b) { b[kDims + 16 + 1] = 'x'; });
+  EXPECT_EQ(s.code(), StatusCode::kProtocol) << s.ToString();
+  EXPECT_NE(s.message().find("name is not followed by a NUL"), std::string::npos) << s.ToString();
+}
+
+TEST_F(HostileManifestTest, DtypeSemanticsAreTheClientsToCheck) {
+  Status unknown = AttachWith([](std::vector<uint8_t>&) {}, "Q7");
+  EXPECT_EQ(unknown.code(), StatusCode::kProtocol) << unknown.ToString();
+  EXPECT_NE(unknown.message().find("tensor w has unknown dtype \"Q7\""), std::string::npos)
+      << unknown.ToString();
+  Status size = AttachWith([](std::vector<uint8_t>&) {}, "BF16");  // 4 bytes for 1 element
+  EXPECT_EQ(size.code(), StatusCode::kProtocol) << size.ToString();
+  EXPECT_NE(size.message().find("tensor w claims 4 bytes for 1 elements of BF16"),
+            std::string::npos)
+      << size.ToString();
 }
 
 }  // namespace

@@ -330,6 +330,30 @@ TEST_F(ManifestTest, MapsASealedManifestMemfd) {
   EXPECT_TRUE(std::equal(m->bytes().begin(), m->bytes().end(), bytes_.begin(), bytes_.end()));
 }
 
+TEST_F(ManifestTest, DeferredRecordChecksRunOnceWhenAsked) {
+  std::vector<uint8_t> bad = bytes_;
+  wire::SetU64(bad, DimAt(2), 31);  // tensor 0's first stride
+  UniqueFd fd = SealedManifest(bad);
+  // The header is fine: a deferred decode accepts it, and no record is readable yet.
+  auto m = MapManifestMemfd(fd.get(), bad.size(), RecordCheck::kDeferred);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_FALSE(m->records_validated());
+  EXPECT_EQ(m->tensor_count(), 3u);
+  EXPECT_EQ(m->allocation_sizes(), allocs_);
+  ExpectProtocolError(m->ValidateRecords(), "tensor 0 'embed.weight': strides are not");
+  ExpectProtocolError(m->ValidateRecords(), "tensor 0 'embed.weight': strides are not");
+  EXPECT_FALSE(m->records_validated());
+  // The same bytes decoded at once fail at once.
+  ExpectProtocolError(MapManifestMemfd(fd.get(), bad.size()).status(), "strides are not");
+
+  UniqueFd good_fd = SealedManifest(bytes_);
+  auto good = MapManifestMemfd(good_fd.get(), bytes_.size(), RecordCheck::kDeferred);
+  ASSERT_TRUE(good.ok()) << good.status().ToString();
+  ASSERT_TRUE(good->ValidateRecords().ok());
+  EXPECT_TRUE(good->records_validated());
+  EXPECT_EQ(good->record(1).name, "layers.0.attn.k");
+}
+
 TEST_F(ManifestTest, ManifestMemfdMustBeSealedAndExactlyTheAnnouncedSize) {
   // Not sealed: a writer could change the records after they were checked.
   auto unsealed = os::CreateMemfd("unsealed", bytes_.size());
