@@ -7,9 +7,10 @@
 // and every client is a posix_spawn'ed executable (gpu_client_helper or the CLI), never a
 // fork of the test: a CUDA context must not cross a fork.
 //
-// Ownership: Daemon and PipedChild own their child process; destruction SIGKILLs and reaps a
-// child that is still running, so no test leaks a daemon or a client holding GPU memory.
-// Not thread-safe (one test thread).
+// Ownership: Daemon and PipedChild own their child process (a TestChild, support/
+// child_process.h, which spawns and waits for every tier's children); destruction SIGKILLs
+// and reaps a child that is still running, so no test leaks a daemon or a client holding GPU
+// memory. Not thread-safe (one test thread).
 #pragma once
 
 #include <sys/types.h>
@@ -21,9 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "common/unique_fd.h"
-#include "launcher/child_process.h"
 #include "protocol/messages.h"
+#include "support/child_process.h"
 #include "weightcache/status.h"
 
 namespace weightcache::testing {
@@ -51,7 +51,8 @@ struct TestModel {
 Result<TestModel> MakeModel(const std::string& dir, int tensors, int shards, int seed,
                             int max_elems);
 
-// One `weightcache serve` child; stdout+stderr appended to `log`, at WEIGHTCACHE_LOG_LEVEL=info.
+// One `weightcache serve` child (SpawnServe): stdout+stderr appended to `log`, at
+// WEIGHTCACHE_LOG_LEVEL=info.
 class Daemon {
  public:
   static Result<std::unique_ptr<Daemon>> Start(const std::vector<std::string>& serve_args,
@@ -59,8 +60,8 @@ class Daemon {
                                                const std::string& log);
 
   pid_t pid() const { return child_.pid(); }
-  launcher::ChildProcess& child() { return child_; }
-  std::string Log() const;
+  TestChild& child() { return child_; }
+  std::string Log() const { return child_.Log(); }
 
   // Polls until this daemon's socket (the one under <runtime>/<namespace>/<device_uuid>/
   // whose Status reports our pid) answers `ready`. kTimeout with the log, or kInternal when
@@ -75,10 +76,8 @@ class Daemon {
   Result<int> Terminate(std::chrono::milliseconds timeout = std::chrono::seconds(20));
 
  private:
-  Daemon(launcher::ChildProcess child, std::string log)
-      : child_(std::move(child)), log_(std::move(log)) {}
-  launcher::ChildProcess child_;
-  std::string log_;
+  explicit Daemon(TestChild child) : child_(std::move(child)) {}
+  TestChild child_;
 };
 
 // A child with stdin and stdout on pipes (stderr appended to a log file): the tests write
@@ -88,30 +87,23 @@ class PipedChild {
   static Result<std::unique_ptr<PipedChild>> Spawn(const std::vector<std::string>& argv,
                                                    const std::vector<std::string>& env_overrides,
                                                    const std::string& stderr_log);
-  ~PipedChild();
-  PipedChild(const PipedChild&) = delete;
-  PipedChild& operator=(const PipedChild&) = delete;
 
-  pid_t pid() const { return pid_; }
-  Status WriteLine(const std::string& line);
+  pid_t pid() const { return child_.pid(); }
+  Status WriteLine(const std::string& line) { return child_.WriteLine(line); }
   // The next line of stdout (without '\n'); kTimeout, or kUnavailable at EOF.
-  Result<std::string> ReadLine(std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  Result<std::string> ReadLine(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+    return child_.ReadLine(timeout);
+  }
   // The next stdout line parsed as JSON.
   Result<nlohmann::json> ReadJson(std::chrono::milliseconds timeout = std::chrono::seconds(60));
-  void CloseStdin() { stdin_.Reset(); }
+  void CloseStdin() { child_.CloseStdin(); }
   // Waits for the exit (128 + signal when killed); std::nullopt at the timeout.
-  std::optional<int> Wait(std::chrono::milliseconds timeout);
-  std::string StderrLog() const;
+  std::optional<int> Wait(std::chrono::milliseconds timeout) { return child_.WaitExit(timeout); }
+  std::string StderrLog() const { return child_.Log(); }
 
  private:
-  PipedChild(pid_t pid, UniqueFd in, UniqueFd out, std::string log)
-      : pid_(pid), stdin_(std::move(in)), stdout_(std::move(out)), log_(std::move(log)) {}
-  pid_t pid_;
-  UniqueFd stdin_;
-  UniqueFd stdout_;
-  std::string log_;
-  std::string buffered_;
-  std::optional<int> exit_code_;
+  explicit PipedChild(TestChild child) : child_(std::move(child)) {}
+  TestChild child_;
 };
 
 // Runs a command to completion (test_env RunCommand) and parses the LAST non-empty stdout
@@ -129,8 +121,10 @@ std::vector<std::string> SocketsUnder(const std::string& runtime_dir,
                                       const std::string& namespace_name,
                                       const std::string& device_uuid);
 
-// The Status reply of the daemon at `socket`.
-Result<protocol::StatusReply> StatusOf(const std::string& socket);
+// The Status reply of the daemon at `socket` (support/child_process.h QueryStatus).
+inline Result<protocol::StatusReply> StatusOf(const std::string& socket) {
+  return QueryStatus(socket);
+}
 
 // The CUDA_VISIBLE_DEVICES value that makes this process's local device `index` the only
 // device of a child: the bare index when this process has no CUDA_VISIBLE_DEVICES (its local

@@ -1,26 +1,18 @@
 #include "integration/daemon_process.h"
 
-#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
-#include <signal.h>
-#include <spawn.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
-#include <thread>
 
 #include "client/discovery.h"
 #include "identity/paths.h"
-#include "protocol/connection.h"
 #include "protocol/frame.h"
 #include "protocol/wire.h"
 #include "support/test_env.h"
-
-extern char** environ;
 
 namespace weightcache::testing {
 
@@ -28,60 +20,18 @@ using Clock = std::chrono::steady_clock;
 
 std::unique_ptr<ServeProcess> ServeProcess::Start(const std::vector<std::string>& args,
                                                   const std::string& log_path) {
-  std::vector<std::string> argv = {CliPath(), "serve"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  std::vector<char*> cargs;
-  for (auto& s : argv) cargs.push_back(s.data());
-  cargs.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_APPEND, 0600);
-  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  // The tests read the daemon's info lines (ctest runs with WEIGHTCACHE_LOG_LEVEL=warn).
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::strncmp(*e, "WEIGHTCACHE_LOG_LEVEL=", 22) != 0) env.emplace_back(*e);
+  Result<TestChild> child = SpawnServe(args, {}, log_path);
+  if (!child.ok()) {
+    ADD_FAILURE() << "serve did not start: " << child.status().ToString();
+    return nullptr;
   }
-  env.emplace_back("WEIGHTCACHE_LOG_LEVEL=info");
-  std::vector<char*> cenv;
-  for (auto& s : env) cenv.push_back(s.data());
-  cenv.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, cargs[0], &actions, nullptr, cargs.data(), cenv.data());
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) return nullptr;
-  return std::unique_ptr<ServeProcess>(new ServeProcess(pid, log_path));
+  return std::unique_ptr<ServeProcess>(new ServeProcess(std::move(child).value()));
 }
 
-ServeProcess::~ServeProcess() {
-  if (!exit_code_) {
-    ::kill(pid_, SIGKILL);
-    int status = 0;
-    ::waitpid(pid_, &status, 0);
-  }
+void ServeProcess::Signal(int signo) {
+  const Status sent = child_.Signal(signo);
+  EXPECT_TRUE(sent.ok()) << sent.ToString();
 }
-
-bool ServeProcess::Running() { return !WaitExit(std::chrono::milliseconds(0)).has_value(); }
-
-void ServeProcess::Signal(int signo) const { ::kill(pid_, signo); }
-
-std::optional<int> ServeProcess::WaitExit(std::chrono::milliseconds timeout) {
-  if (exit_code_) return exit_code_;
-  const auto deadline = Clock::now() + timeout;
-  while (true) {
-    int status = 0;
-    const pid_t r = ::waitpid(pid_, &status, WNOHANG);
-    if (r == pid_) {
-      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      return exit_code_;
-    }
-    if (Clock::now() >= deadline) return std::nullopt;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-}
-
-std::string ServeProcess::Log() const { return ReadFile(log_path_); }
 
 std::string MakeCheckpoint(const std::string& dir, int tensors, int shards, int seed,
                            int max_elems) {
@@ -119,39 +69,24 @@ std::vector<std::string> FindSockets(const std::string& runtime_dir,
   return out;
 }
 
-Result<protocol::StatusReply> QueryStatus(const std::string& socket) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(auto conn,
-                               protocol::Connection::Connect(socket, std::chrono::seconds(2)));
-  return conn.QueryStatus(os::Deadline::After(std::chrono::seconds(5)));
-}
-
 Result<std::string> WaitForState(ServeProcess& process, const std::string& runtime_dir,
                                  std::optional<protocol::CacheState> state,
                                  std::chrono::milliseconds timeout,
                                  const std::string& namespace_name) {
-  const auto deadline = Clock::now() + timeout;
-  std::string last = "no socket yet";
-  while (Clock::now() < deadline) {
-    if (!process.Running()) {
-      return InternalError("serve exited with " + std::to_string(*process.WaitExit({})) +
-                           " before the state was reached; log:\n" + process.Log());
-    }
-    auto sockets = FindSockets(runtime_dir, namespace_name);
-    if (sockets.size() == 1) {
-      auto st = QueryStatus(sockets[0]);
-      if (st.ok()) {
-        last = std::string(protocol::CacheStateName(st->state));
-        const bool reached =
-            state ? st->state == *state : st->state != protocol::CacheState::kLoading;
-        if (reached) return sockets[0];
-      } else {
-        last = st.status().ToString();
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return Status(StatusCode::kTimeout,
-                "state not reached; last: " + last + "; log:\n" + process.Log());
+  StatusWait wait;
+  wait.sockets = [&] {
+    std::vector<std::string> sockets = FindSockets(runtime_dir, namespace_name);
+    if (sockets.size() != 1) sockets.clear();  // wait until exactly one socket exists
+    return sockets;
+  };
+  wait.reached = [&](const protocol::StatusReply& st) {
+    return state ? st.state == *state : st.state != protocol::CacheState::kLoading;
+  };
+  wait.what = state ? "state " + std::string(protocol::CacheStateName(*state))
+                    : std::string("a state past loading");
+  wait.timeout = timeout;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(FoundStatus found, WaitForStatus(process.child(), wait));
+  return found.socket;
 }
 
 Result<int> ConnectRaw(const std::string& socket) {

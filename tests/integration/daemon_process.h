@@ -1,8 +1,9 @@
 // Test support for the daemon's integration tests: a real `weightcache serve` process, real
 // checkpoints written by tests/tools/make_checkpoint.py, and a raw protocol client.
 //
-// Ownership: a ServeProcess owns its child; destroying it SIGKILLs and reaps a child that is
-// still running, so no test leaks a daemon. Not thread-safe (one test thread).
+// Ownership: a ServeProcess owns its child (a TestChild, support/child_process.h, which
+// spawns and waits for every tier's children); destroying it SIGKILLs and reaps a child that
+// is still running, so no test leaks a daemon. Not thread-safe (one test thread).
 #pragma once
 
 #include <sys/types.h>
@@ -15,29 +16,33 @@
 
 #include "identity/cache_config.h"
 #include "protocol/messages.h"
+#include "support/child_process.h"
 #include "weightcache/status.h"
 
 namespace weightcache::testing {
 
+// One `weightcache serve` child (SpawnServe), its stdout and stderr appended to its log.
 class ServeProcess {
  public:
-  // Spawns CliPath() with {"serve", args...}; stdout and stderr go to `log_path`.
+  // Spawns CliPath() with {"serve", args...}; stdout and stderr go to `log_path`. nullptr
+  // (and a test failure with the reason) when it cannot be spawned.
   static std::unique_ptr<ServeProcess> Start(const std::vector<std::string>& args,
                                              const std::string& log_path);
-  ~ServeProcess();
 
-  pid_t pid() const { return pid_; }
-  bool Running();
-  void Signal(int signo) const;
+  pid_t pid() const { return child_.pid(); }
+  TestChild& child() { return child_; }
+  bool Running() { return child_.Running(); }
+  // A signal that cannot be sent (the child is already reaped) fails the test.
+  void Signal(int signo);
   // The exit code (128 + signal when killed), or std::nullopt if still running at the timeout.
-  std::optional<int> WaitExit(std::chrono::milliseconds timeout);
-  std::string Log() const;
+  std::optional<int> WaitExit(std::chrono::milliseconds timeout) {
+    return child_.WaitExit(timeout);
+  }
+  std::string Log() const { return child_.Log(); }
 
  private:
-  ServeProcess(pid_t pid, std::string log_path) : pid_(pid), log_path_(std::move(log_path)) {}
-  pid_t pid_;
-  std::string log_path_;
-  std::optional<int> exit_code_;
+  explicit ServeProcess(TestChild child) : child_(std::move(child)) {}
+  TestChild child_;
 };
 
 // Writes a checkpoint with the real safetensors library into `dir`; returns `dir`.
@@ -51,16 +56,14 @@ identity::CacheConfig ConfigFor(const std::string& model_dir, const std::string&
 std::vector<std::string> FindSockets(const std::string& runtime_dir,
                                      const std::string& namespace_name = "");
 
-// Polls until exactly one socket exists under runtime_dir (in `namespace_name`, if given) and
-// answers Status with `state`
-// (or any state but loading when `state` is empty). Fails (returns an error) if `process`
-// exits first or the timeout passes.
+// Polls (WaitForStatus) until exactly one socket exists under runtime_dir (in
+// `namespace_name`, if given) and answers Status with `state` (or any state but loading when
+// `state` is empty). Fails (returns an error) if `process` exits first or the timeout passes.
+// QueryStatus (one Status reply) comes from support/child_process.h.
 Result<std::string> WaitForState(ServeProcess& process, const std::string& runtime_dir,
                                  std::optional<protocol::CacheState> state,
                                  std::chrono::milliseconds timeout = std::chrono::seconds(30),
                                  const std::string& namespace_name = "");
-
-Result<protocol::StatusReply> QueryStatus(const std::string& socket);
 
 // Raw socket helpers.
 Result<int> ConnectRaw(const std::string& socket);  // blocking fd, caller closes
