@@ -286,9 +286,9 @@ TEST_F(LaunchTest, ACorruptCheckpointFailsTheLaunchFastAndLeavesNothingBehind) {
   ASSERT_FALSE(shard.empty());
   std::filesystem::resize_file(shard, std::filesystem::file_size(shard) - 16);
   model_ = bad;
-  const auto t0 = Clock::now();
   nlohmann::json j = Launch({"--tp", "4"}, 5);
-  EXPECT_LT(Clock::now() - t0, 1s) << "a dying daemon must fail the launch at once";
+  // At once, without a wall-clock assertion: the status is the daemon's death, not the ready
+  // timeout ("timeout", exit 6), so the launcher did not wait for the deadline.
   EXPECT_EQ(j["status"], "invalid checkpoint");
   EXPECT_NE(last_err_.find("died before it was ready: exit code 5"), std::string::npos)
       << last_err_;

@@ -136,10 +136,9 @@ TEST_F(LauncherTest, DaemonDyingBeforeReadyFailsTheLaunchFastAndStopsTheOthers) 
       "echo 'fatal: shard model-00002 truncated' >&2; exit 5";
   LaunchOptions o = FastOptions();
   Launcher l = Make({Daemon(0, kLoadForever), Daemon(1, dies)}, o);
-  const auto t0 = Clock::now();
   LaunchReport r = l.Run(-1);
-  const auto elapsed = Clock::now() - t0;
-  EXPECT_LT(elapsed, 1500ms);
+  // Fast, without a wall-clock assertion (CI machines stall): daemon 0 loads forever, so only
+  // the death of daemon 1 — not the 10 s ready timeout (kTimeout) — can end this launch.
   EXPECT_EQ(r.status.code(), StatusCode::kInvalidCheckpoint) << r.status.ToString();
   EXPECT_NE(r.status.message().find("daemon tp1-pp0 (GPU 2 GPU-00000001"), std::string::npos)
       << r.status.message();
@@ -210,8 +209,8 @@ TEST_F(LauncherTest, StoppedAndTermIgnoringDaemonsAreStillTakenDown) {
   LaunchReport r = l.Run(-1);
   const auto elapsed = Clock::now() - t0;
   EXPECT_EQ(r.status.code(), StatusCode::kTimeout);
-  EXPECT_GE(elapsed, 1200ms);  // the grace period was honoured
-  EXPECT_LT(elapsed, 3s);
+  // The grace period was honoured (a lower bound: a loaded machine only makes it longer).
+  EXPECT_GE(elapsed, 1200ms);
   ASSERT_TRUE(r.daemons[0].exit.has_value());
   EXPECT_EQ(r.daemons[0].exit->signal, SIGTERM);
   ASSERT_TRUE(r.daemons[1].exit.has_value());
@@ -316,10 +315,8 @@ TEST_F(LauncherTest, SuperviseRestartsADaemonThatDiesAndStopsOnSignal) {
     if (all[1].restarts == 1 && all[1].state == DaemonState::kReady) ::raise(SIGUSR1);
   };
   Launcher l = Make({Daemon(0, kReadySoon), Daemon(1, flaky)}, o);
-  const auto t0 = Clock::now();
   LaunchReport r = l.Run(sig.fd());
   EXPECT_TRUE(r.status.ok()) << r.status.ToString();
-  EXPECT_LT(Clock::now() - t0, 5s);
   EXPECT_TRUE(ready_once);
   EXPECT_EQ(r.stop_signal, SIGUSR1);
   EXPECT_EQ(r.daemons[0].restarts, 0);
