@@ -16,8 +16,8 @@
 //    sendmsg(SCM_RIGHTS) duplicates them into the peer, so clients keep the memory after the
 //    daemon exits (memfd: the file lives while any fd or mapping does; VMM: refcounted).
 //  * summary().manifest is the attach manifest (protocol/manifest.h), encoded once at load
-//    into a sealed read-only memfd that every AttachReply hands out (protocol version 2 and later): no
-//    per-attach encoding or copying, and the daemon keeps no heap copy of it.
+//    into a sealed read-only memfd that every AttachReply hands out (protocol version 2 and later):
+//    no per-attach encoding or copying, and the daemon keeps no heap copy of it.
 //  * Loaders run on the daemon's loader thread; a finished store is immutable and its const
 //    methods may be called from any thread.
 //  * The memory budget (0 = none) is checked against the plan BEFORE anything is allocated:
