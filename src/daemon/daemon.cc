@@ -15,6 +15,7 @@
 #include "checkpoint/checkpoint.h"
 #include "common/logging.h"
 #include "daemon/byte_size.h"
+#include "daemon/load_memory.h"
 #include "os/fd_passing.h"
 #include "protocol/frame.h"
 
@@ -284,6 +285,9 @@ void Daemon::OnLoaderWakeup() {
     return;
   }
   if (loader_.joinable()) loader_.join();
+  // The loader's locals — the checkpoint with its parsed headers among them — died with its
+  // thread, after the loader's own trim: give their pages back too (load_memory.h).
+  ReleaseLoadMemory();
   const double seconds = SecondsSince(load_start_);
   if (state_ == CacheState::kDraining) return;  // cancelled or irrelevant now
   if (!result->ok()) return Fail(result->status());
