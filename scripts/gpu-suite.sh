@@ -37,7 +37,14 @@ start=$(date +%s)
 export PATH="$PATH:/usr/local/cuda/bin"
 say() { echo "$*" | tee -a "$summary"; }
 
-say "== weightcache gpu suite, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+# The commit under test: a `git archive` snapshot (how a clean HEAD travels to the device
+# machine) has it stamped in scripts/archive-commit (.gitattributes export-subst); a checkout
+# asks git.
+commit=$(cat scripts/archive-commit 2>/dev/null)
+if [[ -z $commit || $commit == *Format* ]]; then
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+fi
+say "== weightcache gpu suite, $(date -u +%FT%TZ), commit $commit"
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi -L 2>&1 | tee -a "$summary"
   say "driver version: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>&1 | head -1)"
