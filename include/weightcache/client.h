@@ -13,6 +13,11 @@
 //    kTimeout (OnMissing::kError and the daemon was still loading), kPermissionDenied /
 //    kProtocol / kIo (a socket that is not ours, not a socket, or speaks garbage: never a
 //    silent fallback), kInvalidArgument (options), kInvalidCheckpoint (the model dir).
+//  * Diagnostics as data: Attach(options, &diagnostics) also fills an AttachDiagnostics — the
+//    outcome's code, the socket and device key discovery resolved, and for a mismatch every
+//    differing field with both values, the socket of the daemon that holds the other config
+//    and its pid — so a caller acts on a failure without parsing Status::message(). The
+//    message is built from the same values (AttachDiagnostics below says how they are spelt).
 //  * Ownership and lifetimes: an Attachment owns every mapping its tensors point into, and the
 //    tensor table itself (Tensor's name/dtype/shape/strides are views into it). Tensor
 //    addresses and views stay valid until the Attachment is destroyed — including after the
@@ -37,6 +42,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -143,9 +149,50 @@ struct AttachTimings {
   double fallback_ms = 0;
 };
 
+// One CacheConfig field on which this client and a daemon differ.
+struct ConfigFieldDiff {
+  std::string field;  // the CacheConfig field name: "revision", "tp_rank", "tier", …
+  // Both values exactly as the kMismatch message spells them ("<field>: ours=<client_text>
+  // theirs=<daemon_text>"): a string field JSON-quoted ("\"r1\""), a number in decimal.
+  std::string client_text;
+  std::string daemon_text;
+  // The same values decoded: a string field's contents without the JSON quoting ("r1"), a
+  // number as above. Use these to act on a value; the *_text ones to match the message.
+  std::string client_value;
+  std::string daemon_value;
+  bool operator==(const ConfigFieldDiff&) const = default;
+};
+
+// A daemon on this device that holds a different config of this model (SPEC §4).
+struct MismatchDetails {
+  // Every differing field, in the CacheConfig's canonical (sorted) field order (empty only if
+  // a daemon of another build refused our config without naming a field).
+  std::vector<ConfigFieldDiff> fields;
+  // The socket of the daemon that holds the other config: the socket discovery resolved, or —
+  // when that one is absent and the sibling scan found the closest other cache of the model
+  // under our device key — that cache's socket.
+  std::string daemon_socket;
+  int daemon_pid = 0;  // its pid (the peer's credentials), 0 when unknown
+};
+
+// The structured outcome of Attachment::Attach. Every field is reset by each call.
+struct AttachDiagnostics {
+  StatusCode code = StatusCode::kOk;  // the returned Status's code; kOk when Attach succeeded
+  // The socket path and device key (GPU UUID or "host") discovery resolved; "" when the
+  // identity did not resolve (bad options, bad checkpoint, unknown device).
+  std::string socket_path;
+  std::string device_key;
+  // Set when a daemon holds a different config: with code == kMismatch, or on success when
+  // OnMismatch::kFallback ignored it and the weights were loaded from disk.
+  std::optional<MismatchDetails> mismatch;
+};
+
 class Attachment {
  public:
   static Result<Attachment> Attach(const AttachOptions& options);
+  // The same, and fills *diagnostics (when not null) with the outcome as data, on success and
+  // on failure alike. It is written by this call only: give concurrent calls their own.
+  static Result<Attachment> Attach(const AttachOptions& options, AttachDiagnostics* diagnostics);
 
   Attachment(Attachment&& other) noexcept;
   Attachment& operator=(Attachment&& other) noexcept;

@@ -10,8 +10,9 @@
 //    GPU tier memory is mapped read-write (CUDA rejects read-only device mappings) and exported
 //    writable; writing it corrupts the weights every other client of the daemon sees.
 //  * Errors: a failed attach raises the exception weightcache.errors.from_status builds (the
-//    Python side owns the exception classes and the parsing of mismatch details); nothing
-//    else here raises but ValueError/TypeError/KeyError for bad arguments.
+//    Python side owns the exception classes) from the client's AttachDiagnostics: the socket
+//    path, the device key and, for a mismatch, the differing fields as data (nothing parses the
+//    message). Nothing else here raises but ValueError/TypeError/KeyError for bad arguments.
 //  * Threading: attach releases the GIL while it discovers, waits, maps or loads. Callbacks of
 //    on_daemon_gone run on the client's watcher thread and take the GIL to run. Destroying an
 //    Attachment releases the GIL while the client joins that thread, so a callback that is
@@ -33,7 +34,6 @@
 #include <utility>
 #include <vector>
 
-#include "client/discovery.h"
 #include "cuda/driver_api.h"
 #include "identity/device_inventory.h"
 #include "weightcache/client.h"
@@ -282,37 +282,43 @@ OnMismatch ParseOnMismatch(const std::string& s) {
       ("on_mismatch must be \"error\" or \"fallback\", not \"" + s + "\"").c_str());
 }
 
-// Raises the Python exception for a failed attach. The socket path and device UUID discovery
-// would use are resolved again (cheap: headers only) because a Status carries only text.
-[[noreturn]] void RaiseAttachError(const Status& status, const AttachOptions& options) {
-  std::optional<std::string> socket_path, device_uuid;
-  {
-    nb::gil_scoped_release release;
-    auto id = client::ResolveIdentity(options);
-    if (id.ok()) {
-      socket_path = id->paths.socket;
-      device_uuid = id->device_key;
+// Raises the Python exception for a failed attach, from the client's diagnostics of it.
+[[noreturn]] void RaiseAttachError(const Status& status, const AttachDiagnostics& diagnostics) {
+  const auto or_none = [](const std::string& s) -> nb::object {
+    return s.empty() ? nb::none() : nb::cast(s);
+  };
+  nb::dict kw;
+  // Also set on success when on_mismatch=fallback ignored one: only a mismatch error uses it.
+  if (status.code() == StatusCode::kMismatch && diagnostics.mismatch.has_value()) {
+    const MismatchDetails& m = *diagnostics.mismatch;
+    nb::list fields;
+    for (const ConfigFieldDiff& f : m.fields) {
+      fields.append(nb::make_tuple(f.field, f.daemon_value, f.client_value));
     }
+    kw["fields"] = fields;
+    kw["daemon_socket"] = or_none(m.daemon_socket);
+    kw["daemon_pid"] = m.daemon_pid != 0 ? nb::cast(m.daemon_pid) : nb::none();
   }
   nb::object errors = nb::module_::import_("weightcache.errors");
-  nb::object exc =
-      errors.attr("from_status")(std::string(StatusCodeName(status.code())), status.message(),
-                                 socket_path, device_uuid, status.sys_errno());
+  nb::object exc = errors.attr("from_status")(
+      std::string(StatusCodeName(status.code())), status.message(),
+      or_none(diagnostics.socket_path), or_none(diagnostics.device_key), status.sys_errno(), **kw);
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   throw nb::python_error();
 }
 
 PyAttachment* Attach(const AttachOptions& options) {
   std::optional<Result<Attachment>> result;
+  AttachDiagnostics diagnostics;
   {
     nb::gil_scoped_release release;
-    result.emplace(Attachment::Attach(options));
+    result.emplace(Attachment::Attach(options, &diagnostics));
   }
-  if (!result->ok()) RaiseAttachError(result->status(), options);
+  if (!result->ok()) RaiseAttachError(result->status(), diagnostics);
   int ordinal = -1;
   if ((*result)->tier() == Tier::kGpu) {
     auto found = CudaOrdinalOf((*result)->device_key());
-    if (!found.ok()) RaiseAttachError(found.status(), options);
+    if (!found.ok()) RaiseAttachError(found.status(), diagnostics);
     ordinal = *found;
   }
   auto* attachment = new PyAttachment(std::move(*result).value());

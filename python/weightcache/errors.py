@@ -6,16 +6,18 @@ it without parsing text:
 * ``code`` — the status code in snake case ("mismatch", "no_daemon", "timeout", ...);
 * ``socket_path`` — the socket discovery looked at (None if the identity did not resolve);
 * ``device_uuid`` — the GPU UUID the identity resolved to, or "host";
-* ``MismatchError.fields`` — each differing CacheConfig field as (field, daemon, client).
+* ``MismatchError.fields`` — each differing CacheConfig field as (field, daemon, client);
+  ``daemon_socket`` and ``daemon_pid`` — the daemon that holds the other config.
+
+Everything is handed over by the client as data (weightcache::AttachDiagnostics); nothing
+here reads it back out of the message.
 
 The exit codes of the CLI (SPEC §5) are on ``exit_code``.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 __all__ = [
     "WeightcacheError",
@@ -59,14 +61,27 @@ class MismatchError(WeightcacheError):
     """A daemon on this device holds a different config of this model (on_mismatch="error").
 
     ``fields``: one (field, daemon_value, client_value) per differing CacheConfig field, in the
-    canonical field order; string values are decoded (no JSON quotes).
+    canonical field order; string values are decoded (no JSON quotes), numbers in decimal.
+    ``daemon_socket``: the socket of the daemon that holds the other config — ``socket_path``
+    itself, or another cache of this model found when ``socket_path`` is absent;
+    ``daemon_pid``: its pid (None when unknown).
     """
 
     exit_code = 4
 
-    def __init__(self, message: str, *, fields: List[Tuple[str, str, str]], **kw) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        fields: Sequence[Tuple[str, str, str]],
+        daemon_socket: Optional[str] = None,
+        daemon_pid: Optional[int] = None,
+        **kw,
+    ) -> None:
         super().__init__(message, **kw)
-        self.fields = fields
+        self.fields: List[Tuple[str, str, str]] = [(f, d, c) for f, d, c in fields]
+        self.daemon_socket = daemon_socket
+        self.daemon_pid = daemon_pid
 
     @property
     def field_names(self) -> List[str]:
@@ -121,26 +136,6 @@ _BY_STATUS = {
     "internal error": ("internal", WeightcacheError),
 }
 
-# identity::FormatDiffOneLine: "field: ours=V theirs=V; field: ..." where V is a JSON string
-# (CacheConfig::FieldText of a string field), a number, or (the manifest's tier check) a bare
-# word. "ours" is the client, "theirs" the daemon.
-_VALUE = r'(?:"(?:[^"\\]|\\.)*"|[^\s;()"]+)'
-_DIFF = re.compile(r"([a-z_]+): ours=(" + _VALUE + r") theirs=(" + _VALUE + r")")
-
-
-def _decode(value: str) -> str:
-    if value.startswith('"'):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
-    return value
-
-
-def parse_mismatch_fields(message: str) -> List[Tuple[str, str, str]]:
-    """The (field, daemon, client) triples of a mismatch message, in message order."""
-    return [(m.group(1), _decode(m.group(3)), _decode(m.group(2))) for m in _DIFF.finditer(message)]
-
 
 def from_status(
     status_name: str,
@@ -148,10 +143,16 @@ def from_status(
     socket_path: Optional[str] = None,
     device_uuid: Optional[str] = None,
     errno: int = 0,
+    *,
+    fields: Optional[Sequence[Tuple[str, str, str]]] = None,
+    daemon_socket: Optional[str] = None,
+    daemon_pid: Optional[int] = None,
 ) -> WeightcacheError:
-    """The exception for a failed C++ Status (called by the extension)."""
+    """The exception for a failed C++ Status (called by the extension with the client's
+    AttachDiagnostics: ``fields``, ``daemon_socket`` and ``daemon_pid`` for a mismatch)."""
     code, cls = _BY_STATUS.get(status_name, (status_name.replace(" ", "_"), WeightcacheError))
     kw = dict(code=code, socket_path=socket_path, device_uuid=device_uuid, errno=errno)
     if cls is MismatchError:
-        return MismatchError(message, fields=parse_mismatch_fields(message), **kw)
+        return MismatchError(message, fields=fields or [], daemon_socket=daemon_socket,
+                             daemon_pid=daemon_pid, **kw)
     return cls(message, **kw)

@@ -23,15 +23,25 @@ std::string_view AttachSourceName(AttachSource source) {
 namespace client {
 namespace {
 
-Status CheckTier(const protocol::AttachReply& reply, Tier want, const std::string& who) {
-  protocol::Tier expected = want == Tier::kGpu ? protocol::Tier::kGpu : protocol::Tier::kHost;
-  if (reply.manifest.tier() != expected) {
-    return Status(StatusCode::kMismatch,
-                  who + " serves the " + std::string(protocol::TierName(reply.manifest.tier())) +
-                      " tier (tier: ours=" + std::string(TierName(want)) +
-                      " theirs=" + std::string(protocol::TierName(reply.manifest.tier())) + ")");
+// The manifest's tier must be ours. The tier is a CacheConfig field, so a matching Hello
+// already implies it (defence in depth); a daemon that serves the other tier anyway is
+// reported as the mismatch of that field, like any other.
+Status CheckTier(const protocol::AttachReply& reply, Tier want, const std::string& who,
+                 const std::string& socket, int64_t pid, MismatchDetails* mismatch) {
+  const protocol::Tier theirs = reply.manifest.tier();
+  if (theirs == (want == Tier::kGpu ? protocol::Tier::kGpu : protocol::Tier::kHost)) {
+    return Status::Ok();
   }
-  return Status::Ok();
+  // Spelt as CacheConfig::FieldText spells the tier field (a JSON string).
+  const auto quoted = [](std::string_view name) { return "\"" + std::string(name) + "\""; };
+  MismatchDetails details;
+  details.fields.push_back(ToConfigFieldDiff(
+      identity::FieldDiff{"tier", quoted(TierName(want)), quoted(protocol::TierName(theirs))}));
+  details.daemon_socket = socket;
+  details.daemon_pid = static_cast<int>(pid);
+  Status status = MismatchStatus(who, details);
+  if (mismatch != nullptr) *mismatch = std::move(details);
+  return status;
 }
 
 using Clock = std::chrono::steady_clock;
@@ -104,7 +114,6 @@ void KeepTable(std::vector<Tensor> views, protocol::Manifest manifest, Attachmen
 }  // namespace
 
 Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attachment::Impl& impl) {
-  WEIGHTCACHE_RETURN_IF_ERROR(CheckTier(reply, Tier::kHost, who));
   const auto& sizes = reply.manifest.allocation_sizes();
   if (reply.fds.size() != sizes.size()) {
     return ProtocolError(who + ": " + std::to_string(sizes.size()) + " allocations but " +
@@ -143,7 +152,6 @@ Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attach
 
 Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::AttachReply& reply,
                    const std::string& who, Attachment::Impl& impl) {
-  WEIGHTCACHE_RETURN_IF_ERROR(CheckTier(reply, Tier::kGpu, who));
   const auto map_start = Clock::now();
   // Reserving fixes every allocation's address, so the table can be built while the driver
   // imports and maps (the driver's share is most of an attach, and flat in tensor count).
@@ -220,27 +228,32 @@ Status LoadFallback(const AttachOptions& options, const ResolvedIdentity& id,
   return Status::Ok();
 }
 
-}  // namespace
-}  // namespace client
-
-Result<Attachment> Attachment::Attach(const AttachOptions& options) {
-  using client::Clock;
-  using client::MsSince;
+// Attachment::Attach; `diagnostics` is filled as the attach goes (its code by the caller).
+Result<Attachment> AttachAndDiagnose(const AttachOptions& options, AttachDiagnostics& diagnostics) {
   const auto start = Clock::now();
-  WEIGHTCACHE_ASSIGN_OR_RETURN(client::ResolvedIdentity id, client::ResolveIdentity(options));
-  auto impl = std::make_unique<Impl>();
+  WEIGHTCACHE_ASSIGN_OR_RETURN(ResolvedIdentity id, ResolveIdentity(options));
+  diagnostics.socket_path = id.paths.socket;
+  diagnostics.device_key = id.device_key;
+  auto impl = std::make_unique<Attachment::Impl>();
   impl->timings.resolve_ms = MsSince(start);
   impl->tier = options.tier;
   impl->socket_path = id.paths.socket;
   impl->device_key = id.device_key;
   impl->config_digest = id.config.Digest();
 
-  client::DiscoveryPolicy policy;
+  DiscoveryPolicy policy;
   policy.wait_timeout = options.wait_timeout;
   const auto discover_start = Clock::now();
-  auto found = client::Discover(id, policy);
+  // Discover fills it on every kMismatch it builds; one relayed from a daemon's Error frame
+  // names no field, and then this says at least which daemon refused.
+  MismatchDetails mismatch;
+  mismatch.daemon_socket = id.paths.socket;
+  auto found = Discover(id, policy, &mismatch);
   impl->timings.discover_ms = MsSince(discover_start);
   if (!found.ok()) {
+    if (found.status().code() == StatusCode::kMismatch) {
+      diagnostics.mismatch = std::move(mismatch);
+    }
     if (found.status().code() != StatusCode::kMismatch ||
         options.on_mismatch != OnMismatch::kFallback) {
       return found.status();
@@ -248,18 +261,24 @@ Result<Attachment> Attachment::Attach(const AttachOptions& options) {
     impl->source_reason = "mismatch ignored (on_mismatch=fallback): " + found.status().message();
     LOG_WARN << impl->source_reason << "; loading from disk";
   } else if (found->session.has_value()) {
-    client::DaemonSession& session = *found->session;
+    DaemonSession& session = *found->session;
     const std::string who =
         "daemon at " + id.paths.socket + " (pid " + std::to_string(session.pid) + ")";
+    if (Status tier =
+            CheckTier(session.reply, options.tier, who, id.paths.socket, session.pid, &mismatch);
+        !tier.ok()) {
+      diagnostics.mismatch = std::move(mismatch);
+      return tier;
+    }
     if (options.tier == Tier::kHost) {
-      WEIGHTCACHE_RETURN_IF_ERROR(client::MapHostReply(session.reply, who, *impl));
+      WEIGHTCACHE_RETURN_IF_ERROR(MapHostReply(session.reply, who, *impl));
     } else {
       WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
-      WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice dev, client::FindCudaDevice(api, id.device_key));
-      WEIGHTCACHE_RETURN_IF_ERROR(client::MapGpuReply(api, dev, session.reply, who, *impl));
+      WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice dev, FindCudaDevice(api, id.device_key));
+      WEIGHTCACHE_RETURN_IF_ERROR(MapGpuReply(api, dev, session.reply, who, *impl));
     }
     WEIGHTCACHE_ASSIGN_OR_RETURN(impl->watcher,
-                                 client::DaemonWatcher::Create(std::move(session.connection)));
+                                 DaemonWatcher::Create(std::move(session.connection)));
     impl->source = AttachSource::kDaemon;
     impl->daemon_pid = static_cast<int>(session.pid);
     impl->source_reason = "attached to " + who;
@@ -273,12 +292,29 @@ Result<Attachment> Attachment::Attach(const AttachOptions& options) {
   }
   if (impl->source == AttachSource::kFallback) {
     const auto fallback_start = Clock::now();
-    WEIGHTCACHE_RETURN_IF_ERROR(client::LoadFallback(options, id, *impl));
+    WEIGHTCACHE_RETURN_IF_ERROR(LoadFallback(options, id, *impl));
     impl->timings.fallback_ms = MsSince(fallback_start);
   }
   for (const Tensor& t : impl->tensors.tensors()) impl->total_bytes += t.nbytes;
   impl->attach_ms = MsSince(start);
-  return client::AttachmentAccess::Make(std::move(impl));
+  return AttachmentAccess::Make(std::move(impl));
+}
+
+}  // namespace
+}  // namespace client
+
+Result<Attachment> Attachment::Attach(const AttachOptions& options) {
+  return Attach(options, nullptr);
+}
+
+Result<Attachment> Attachment::Attach(const AttachOptions& options,
+                                      AttachDiagnostics* diagnostics) {
+  AttachDiagnostics unused;
+  AttachDiagnostics& d = diagnostics != nullptr ? *diagnostics : unused;
+  d = AttachDiagnostics{};
+  Result<Attachment> result = client::AttachAndDiagnose(options, d);
+  d.code = result.ok() ? StatusCode::kOk : result.status().code();
+  return result;
 }
 
 Attachment::Attachment(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -54,6 +54,9 @@ struct AttachmentAccess {
   }
 };
 
+// Both expect a reply whose manifest tier the caller has checked against its own (Attach does,
+// and reports a different one as the kMismatch of the field `tier`).
+//
 // Maps a host-tier AttachReply: every memfd checked sealed read-only and large enough, mapped
 // PROT_READ/MAP_SHARED, then closed; every tensor's dtype and size checked. Fills
 // impl.host_regions, impl.tensors (views into the manifest), impl.manifest and the map/table

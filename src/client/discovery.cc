@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -196,17 +197,32 @@ std::vector<identity::FieldDiff> Differences(const identity::CacheConfig& ours,
   return diffs;
 }
 
-Status MismatchStatus(const std::string& where, const std::vector<identity::FieldDiff>& diffs) {
-  std::string fields;
-  for (const auto& d : diffs) fields += (fields.empty() ? "" : ", ") + d.field;
-  return Status(StatusCode::kMismatch, where + " holds a different config (" + fields +
-                                           "): " + identity::FormatDiffOneLine(diffs));
+// A daemon that holds a different config: who to name in the message, and the details.
+struct Mismatch {
+  std::string where;
+  MismatchDetails details;
+};
+
+Mismatch MakeMismatch(std::string where, const std::vector<identity::FieldDiff>& diffs,
+                      const std::string& socket, int64_t pid) {
+  Mismatch m{std::move(where), {}};
+  m.details.fields.reserve(diffs.size());
+  for (const auto& d : diffs) m.details.fields.push_back(ToConfigFieldDiff(d));
+  m.details.daemon_socket = socket;
+  m.details.daemon_pid = static_cast<int>(pid);
+  return m;
+}
+
+Status Report(Mismatch mismatch, MismatchDetails* out) {
+  Status status = MismatchStatus(mismatch.where, mismatch.details);
+  if (out != nullptr) *out = std::move(mismatch.details);
+  return status;
 }
 
 // Looks for another live cache of the same model under our device key (SPEC §4: keep the
 // explicit mismatch although different configs have different paths).
-std::optional<Status> FindClosestSibling(const ResolvedIdentity& id,
-                                         const DiscoveryPolicy& policy) {
+std::optional<Mismatch> FindClosestSibling(const ResolvedIdentity& id,
+                                           const DiscoveryPolicy& policy) {
   auto sockets = identity::ListCacheSockets(id.paths.device_dir);
   if (!sockets.ok()) {
     LOG_DEBUG << "listing " << id.paths.device_dir << ": " << sockets.status().ToString();
@@ -215,7 +231,7 @@ std::optional<Status> FindClosestSibling(const ResolvedIdentity& id,
   DiscoveryPolicy sibling_policy = policy;
   sibling_policy.exchange_timeout =
       std::min(policy.exchange_timeout, std::chrono::milliseconds(2000));
-  std::optional<Status> best;
+  std::optional<Mismatch> best;
   size_t best_count = SIZE_MAX;
   for (const std::string& socket : *sockets) {
     if (socket == id.paths.socket) continue;
@@ -234,10 +250,10 @@ std::optional<Status> FindClosestSibling(const ResolvedIdentity& id,
     auto diffs = Differences(id.config, probe->hello);
     if (diffs.empty() || diffs.size() >= best_count) continue;
     best_count = diffs.size();
-    best = MismatchStatus("no cache of this config at " + id.paths.socket + "; the cache of " +
-                              "model \"" + id.config.model_id + "\" on device " + id.device_key +
-                              " at " + socket + " (pid " + std::to_string(probe->pid) + ")",
-                          diffs);
+    best = MakeMismatch("no cache of this config at " + id.paths.socket + "; the cache of " +
+                            "model \"" + id.config.model_id + "\" on device " + id.device_key +
+                            " at " + socket + " (pid " + std::to_string(probe->pid) + ")",
+                        diffs, socket, probe->pid);
   }
   return best;
 }
@@ -250,6 +266,31 @@ Result<Discovery> Missing(std::string why, bool timed_out = false) {
 }
 
 }  // namespace
+
+ConfigFieldDiff ToConfigFieldDiff(const identity::FieldDiff& diff) {
+  const auto decode = [](const std::string& text) {
+    if (text.empty() || text.front() != '"') return text;
+    auto parsed = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    return parsed.is_string() ? parsed.get<std::string>() : text;
+  };
+  return ConfigFieldDiff{.field = diff.field,
+                         .client_text = diff.ours,
+                         .daemon_text = diff.theirs,
+                         .client_value = decode(diff.ours),
+                         .daemon_value = decode(diff.theirs)};
+}
+
+Status MismatchStatus(const std::string& where, const MismatchDetails& details) {
+  std::string names;
+  std::vector<identity::FieldDiff> diffs;
+  diffs.reserve(details.fields.size());
+  for (const ConfigFieldDiff& f : details.fields) {
+    names += (names.empty() ? "" : ", ") + f.field;
+    diffs.push_back({f.field, f.client_text, f.daemon_text});
+  }
+  return Status(StatusCode::kMismatch, where + " holds a different config (" + names +
+                                           "): " + identity::FormatDiffOneLine(diffs));
+}
 
 Result<identity::CacheConfig> BuildCacheConfig(const AttachOptions& options,
                                                const std::string& fingerprint) {
@@ -324,13 +365,16 @@ Result<ResolvedIdentity> ResolveIdentity(const AttachOptions& options,
   return id;
 }
 
-Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& policy) {
+Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& policy,
+                           MismatchDetails* mismatch) {
   const std::string& socket = id.paths.socket;
   WEIGHTCACHE_ASSIGN_OR_RETURN(Probe probe, ProbeSocket(socket, id.paths.lock, id.config, policy,
                                                         Pipeline::kHelloThenAttach));
   if (probe.state != SocketState::kLive) {
     if (!id.paths.explicit_socket) {
-      if (auto mismatch = FindClosestSibling(id, policy)) return *std::move(mismatch);
+      if (auto sibling = FindClosestSibling(id, policy)) {
+        return Report(*std::move(sibling), mismatch);
+      }
     }
     return Missing(probe.why);
   }
@@ -341,7 +385,10 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
   if (probe.hello.state == protocol::CacheState::kDraining) {
     return Missing(who + " is draining");
   }
-  if (!probe.hello.match) return MismatchStatus(who, Differences(id.config, probe.hello));
+  if (!probe.hello.match) {
+    return Report(MakeMismatch(who, Differences(id.config, probe.hello), socket, probe.pid),
+                  mismatch);
+  }
 
   // Ready now, or loading: the pipelined Attach's reply is next on the connection (failed,
   // draining and mismatch returned above, dropping the connection and that reply with it).

@@ -15,6 +15,8 @@
 // When our exact socket is missing and it is a layout path (not an explicit --socket), every
 // other live cache under the same device key is asked Hello with our config; if one holds the
 // same model_id, the closest (fewest differing fields) is reported as kMismatch.
+// Every kMismatch is also available as data (MismatchDetails, weightcache/client.h): its
+// message and its fields are built from the same values.
 //
 // Thread-safety: every function is reentrant. Ownership: a DaemonSession owns the connection.
 #pragma once
@@ -78,6 +80,18 @@ struct DiscoveryPolicy {
 
 // Errors are returned as statuses (kMismatch, kPermissionDenied, kProtocol, kIo, …); "no
 // daemon" is not an error here (Discovery::missing_reason) — the caller applies on_missing.
-Result<Discovery> Discover(const ResolvedIdentity& identity, const DiscoveryPolicy& policy);
+// On kMismatch, *mismatch (when not null) receives the differing fields and the daemon that
+// holds the other config; it is left alone otherwise.
+Result<Discovery> Discover(const ResolvedIdentity& identity, const DiscoveryPolicy& policy,
+                           MismatchDetails* mismatch = nullptr);
+
+// A kMismatch status naming `where` and every field of `details` ("<where> holds a different
+// config (f1, f2): f1: ours=<client_text> theirs=<daemon_text>; …"), the message the
+// discovery and the attach report.
+Status MismatchStatus(const std::string& where, const MismatchDetails& details);
+
+// A public field difference from an identity::FieldDiff (ours = the client): the texts as
+// given, the values decoded (a JSON string literal to its contents; anything else as is).
+ConfigFieldDiff ToConfigFieldDiff(const identity::FieldDiff& diff);
 
 }  // namespace weightcache::client

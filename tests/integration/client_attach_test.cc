@@ -1,8 +1,8 @@
 // The client against real `weightcache serve --tier host` daemons: bytes equal the files'
 // (hashed by the Python safetensors reader, not by our reader), 32 concurrent attach
-// processes, a mismatch in each CacheConfig field, fallback and on_missing=error, kill -9 of
-// the daemon under attached clients, two daemons on two GPUs of an inventory, and the
-// daemon-gone notification.
+// processes, a mismatch in each CacheConfig field (and as AttachDiagnostics data), fallback
+// and on_missing=error, kill -9 of the daemon under attached clients, two daemons on two GPUs
+// of an inventory, and the daemon-gone notification.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -363,6 +363,89 @@ TEST_F(ClientAttachTest, AMismatchInEachConfigFieldExits4NamingThatField) {
   EXPECT_EQ(a.status().code(), StatusCode::kMismatch);
   EXPECT_NE(a.status().message().find("tp_rank: ours=1 theirs=0"), std::string::npos)
       << a.status().ToString();
+}
+
+// The C++ API hands a mismatch over as data (AttachDiagnostics): each differing field with
+// both values, the daemon that holds the other config and its pid, the same values the
+// message shows — whether the client found the daemon by the sibling scan or at its own
+// (explicit) socket, and also when on_mismatch=fallback ignored it.
+TEST_F(ClientAttachTest, AMismatchComesAsDataWithTheDaemonsSocketAndPid) {
+  const std::string daemon_revision = R"(r1 "beta", a=b; (c))";
+  auto serve = Serve({"--tp-size", "2", "--tp-rank", "1", "--revision", daemon_revision});
+  auto socket = WaitForState(*serve, runtime_, protocol::CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString();
+
+  AttachOptions o = Options();
+  o.tp_size = 2;
+  o.tp_rank = 0;
+  o.revision = R"(r2, x="y" theirs=z)";
+  auto ours = client::ResolveIdentity(o);
+  ASSERT_TRUE(ours.ok()) << ours.status().ToString();
+  ASSERT_NE(ours->paths.socket, *socket);
+  const std::vector<ConfigFieldDiff> expected = {{.field = "revision",
+                                                  .client_text = R"j("r2, x=\"y\" theirs=z")j",
+                                                  .daemon_text = R"j("r1 \"beta\", a=b; (c)")j",
+                                                  .client_value = o.revision,
+                                                  .daemon_value = daemon_revision},
+                                                 {.field = "tp_rank",
+                                                  .client_text = "0",
+                                                  .daemon_text = "1",
+                                                  .client_value = "0",
+                                                  .daemon_value = "1"}};
+  const std::string daemon = *socket + " (pid " + std::to_string(serve->pid()) + ")";
+  const std::string diffs =
+      "holds a different config (revision, tp_rank): revision: ours=" + expected[0].client_text +
+      " theirs=" + expected[0].daemon_text + "; tp_rank: ours=0 theirs=1";
+
+  // Our exact socket is absent: the sibling scan finds the daemon's.
+  AttachDiagnostics why;
+  auto a = Attachment::Attach(o, &why);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kMismatch);
+  EXPECT_EQ(why.code, StatusCode::kMismatch);
+  EXPECT_EQ(why.socket_path, ours->paths.socket);
+  EXPECT_EQ(why.device_key, "host");
+  ASSERT_TRUE(why.mismatch.has_value());
+  EXPECT_EQ(why.mismatch->fields, expected);
+  EXPECT_EQ(why.mismatch->daemon_socket, *socket);
+  EXPECT_EQ(why.mismatch->daemon_pid, serve->pid());
+  EXPECT_EQ(a.status().message(), "no cache of this config at " + ours->paths.socket +
+                                      "; the cache of model \"tiny\" on device host at " + daemon +
+                                      " " + diffs);
+
+  // At the daemon's own socket (explicit: no scan), the daemon itself.
+  AttachOptions at = o;
+  at.socket = *socket;
+  auto b = Attachment::Attach(at, &why);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(why.code, StatusCode::kMismatch);
+  EXPECT_EQ(why.socket_path, *socket);
+  ASSERT_TRUE(why.mismatch.has_value());
+  EXPECT_EQ(why.mismatch->fields, expected);
+  EXPECT_EQ(why.mismatch->daemon_socket, *socket);
+  EXPECT_EQ(why.mismatch->daemon_pid, serve->pid());
+  EXPECT_EQ(b.status().message(), "daemon at " + daemon + " " + diffs);
+
+  // on_mismatch=fallback: loaded from disk, and what was ignored is still there as data.
+  o.on_mismatch = OnMismatch::kFallback;
+  auto c = Attachment::Attach(o, &why);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->source(), AttachSource::kFallback);
+  EXPECT_EQ(CompareWithReference(*c, ref_), "");
+  EXPECT_EQ(why.code, StatusCode::kOk);
+  ASSERT_TRUE(why.mismatch.has_value());
+  EXPECT_EQ(why.mismatch->fields, expected);
+  EXPECT_EQ(why.mismatch->daemon_pid, serve->pid());
+
+  // The daemon's own config attaches; the diagnostics say so and hold no stale mismatch.
+  o.revision = daemon_revision;
+  o.tp_rank = 1;
+  auto d = Attachment::Attach(o, &why);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->source(), AttachSource::kDaemon) << d->source_reason();
+  EXPECT_EQ(why.code, StatusCode::kOk);
+  EXPECT_EQ(why.socket_path, *socket);
+  EXPECT_FALSE(why.mismatch.has_value());
 }
 
 TEST_F(ClientAttachTest, NoDaemonFallsBackWithCorrectBytesOrExits3) {

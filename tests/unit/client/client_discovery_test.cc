@@ -4,6 +4,7 @@
 // ready daemon whose attach manifest is hostile.
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <functional>
@@ -103,6 +104,16 @@ class ClientDiscoveryTest : public ::testing::Test {
     r.daemon_config = id_.config.ToJson();
     return protocol::EncodeHelloReply(r).value();
   }
+  // A daemon whose config this client cannot read (another build's): the client falls back
+  // on the daemon's own list of differences.
+  std::vector<uint8_t> UnreadableMismatch(std::vector<protocol::ConfigDifference> differences) {
+    protocol::HelloReply r;
+    r.state = protocol::CacheState::kReady;
+    r.match = false;
+    r.daemon_config = {{"format_version", 99}};
+    r.differences = std::move(differences);
+    return protocol::EncodeHelloReply(r).value();
+  }
   std::vector<uint8_t> Loading() {
     protocol::StatusReply s;
     s.state = protocol::CacheState::kLoading;
@@ -186,6 +197,99 @@ TEST_F(ClientDiscoveryTest, AnErrorReplyKeepsTheDaemonsCodeAndMessage) {
       << a.status().ToString();
 }
 
+// The structured outcome (AttachDiagnostics) of each kind of mismatch a scripted daemon can
+// show, and of the other outcomes.
+TEST_F(ClientDiscoveryTest, AMismatchFromTheDaemonsOwnListIsDataDecodedAndAsTheMessageShowsIt) {
+  // The daemon's values are texts as its CacheConfig::FieldText spells them (strings quoted).
+  const std::string daemon_rev = R"j("r1 \"beta\", a=b; (c)")j";
+  ScriptedDaemon daemon(id_.paths, [&](const protocol::Frame& f) {
+    if (f.type != protocol::MessageType::kHello) return std::vector<uint8_t>{};
+    return UnreadableMismatch({{"revision", daemon_rev, R"("")"}, {"tp_rank", "1", "0"}});
+  });
+  AttachDiagnostics why;
+  auto a = Attachment::Attach(options_, &why);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kMismatch) << a.status().ToString();
+  EXPECT_EQ(why.code, StatusCode::kMismatch);
+  EXPECT_EQ(why.socket_path, id_.paths.socket);
+  EXPECT_EQ(why.device_key, "host");
+  ASSERT_TRUE(why.mismatch.has_value());
+  const std::vector<ConfigFieldDiff> expected = {{.field = "revision",
+                                                  .client_text = R"("")",
+                                                  .daemon_text = daemon_rev,
+                                                  .client_value = "",
+                                                  .daemon_value = R"(r1 "beta", a=b; (c))"},
+                                                 {.field = "tp_rank",
+                                                  .client_text = "0",
+                                                  .daemon_text = "1",
+                                                  .client_value = "0",
+                                                  .daemon_value = "1"}};
+  EXPECT_EQ(why.mismatch->fields, expected);
+  EXPECT_EQ(why.mismatch->daemon_socket, id_.paths.socket);
+  EXPECT_EQ(why.mismatch->daemon_pid, ::getpid());  // the scripted daemon is this process
+  EXPECT_EQ(a.status().message(), "daemon at " + id_.paths.socket + " (pid " +
+                                      std::to_string(::getpid()) +
+                                      ") holds a different config (revision, tp_rank): "
+                                      "revision: ours=\"\" theirs=" +
+                                      daemon_rev + "; tp_rank: ours=0 theirs=1");
+
+  // on_mismatch=fallback: the attach succeeds from disk and still says what it ignored.
+  options_.on_mismatch = OnMismatch::kFallback;
+  auto b = Attachment::Attach(options_, &why);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(b->source(), AttachSource::kFallback);
+  EXPECT_EQ(why.code, StatusCode::kOk);
+  ASSERT_TRUE(why.mismatch.has_value());
+  EXPECT_EQ(why.mismatch->fields, expected);
+}
+
+TEST_F(ClientDiscoveryTest, AMismatchErrorFrameNamesTheDaemonButNoField) {
+  ScriptedDaemon daemon(id_.paths, [](const protocol::Frame&) {
+    return protocol::EncodeError(Status(StatusCode::kMismatch, "config differs")).value();
+  });
+  AttachDiagnostics why;
+  auto a = Attachment::Attach(options_, &why);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kMismatch) << a.status().ToString();
+  EXPECT_EQ(why.code, StatusCode::kMismatch);
+  ASSERT_TRUE(why.mismatch.has_value());
+  EXPECT_TRUE(why.mismatch->fields.empty());
+  EXPECT_EQ(why.mismatch->daemon_socket, id_.paths.socket);
+  EXPECT_EQ(why.mismatch->daemon_pid, 0);
+}
+
+TEST_F(ClientDiscoveryTest, OtherOutcomesCarryTheirCodeAndWhereButNoMismatch) {
+  ScriptedDaemon daemon(id_.paths, [&](const protocol::Frame&) {
+    return Hello(protocol::CacheState::kFailed, "shard 2 is truncated");
+  });
+  options_.on_missing = OnMissing::kError;
+  AttachDiagnostics why;
+  why.mismatch.emplace();  // stale content is reset by the call
+  auto a = Attachment::Attach(options_, &why);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(why.code, StatusCode::kNoDaemon);
+  EXPECT_EQ(why.socket_path, id_.paths.socket);
+  EXPECT_EQ(why.device_key, "host");
+  EXPECT_FALSE(why.mismatch.has_value());
+
+  options_.on_missing = OnMissing::kFallback;
+  auto b = Attachment::Attach(options_, &why);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(why.code, StatusCode::kOk);
+  EXPECT_EQ(why.socket_path, id_.paths.socket);
+  EXPECT_FALSE(why.mismatch.has_value());
+
+  // An identity that does not resolve: the code, and no socket or device.
+  options_.tp_rank = 3;
+  options_.tp_size = 2;
+  auto c = Attachment::Attach(options_, &why);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(why.code, StatusCode::kInvalidArgument) << c.status().ToString();
+  EXPECT_EQ(why.socket_path, "");
+  EXPECT_EQ(why.device_key, "");
+  EXPECT_FALSE(why.mismatch.has_value());
+}
+
 // A ready, matching daemon whose manifest passes the header checks (which run when the reply
 // arrives) but not a record check (which runs while the table is built, deferred so that it
 // overlaps the gpu tier's VMM import): the attach fails with kProtocol naming the daemon and
@@ -194,7 +298,8 @@ class HostileManifestTest : public ClientDiscoveryTest {
  protected:
   // `corrupt` edits the encoded manifest of one 4-byte F32 tensor "w" (shape {1}, strides {1}).
   Status AttachWith(const std::function<void(std::vector<uint8_t>&)>& corrupt,
-                    std::string dtype = "F32") {
+                    std::string dtype = "F32", protocol::Tier tier = protocol::Tier::kHost,
+                    AttachDiagnostics* why = nullptr) {
     protocol::TensorEntry t;
     t.name = "w";
     t.dtype = dtype;
@@ -202,7 +307,7 @@ class HostileManifestTest : public ClientDiscoveryTest {
     t.shape = {1};
     t.nbytes = 4;
     const std::vector<uint64_t> allocations = {4096};
-    auto bytes = protocol::EncodeManifest(protocol::Tier::kHost, allocations, {&t, 1});
+    auto bytes = protocol::EncodeManifest(tier, allocations, {&t, 1});
     EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
     corrupt(*bytes);
     auto manifest = protocol::CreateManifestMemfd(*bytes, "hostile-manifest");
@@ -220,7 +325,7 @@ class HostileManifestTest : public ClientDiscoveryTest {
         [&](const protocol::Frame& f) {
           return f.type == protocol::MessageType::kAttach ? fds : std::vector<int>{};
         });
-    auto a = Attachment::Attach(options_);
+    auto a = Attachment::Attach(options_, why);
     if (a.ok()) return Status::Ok();
     EXPECT_NE(a.status().message().find(id_.paths.socket), std::string::npos)
         << a.status().ToString();
@@ -259,6 +364,27 @@ TEST_F(HostileManifestTest, DtypeSemanticsAreTheClientsToCheck) {
   EXPECT_NE(size.message().find("tensor w claims 4 bytes for 1 elements of BF16"),
             std::string::npos)
       << size.ToString();
+}
+
+// The tier is a CacheConfig field, so a matching Hello implies it; a manifest of the other
+// tier behind one is still caught, before anything is mapped, as the mismatch of `tier`.
+TEST_F(HostileManifestTest, AManifestOfTheOtherTierIsAMismatchOfTheTierField) {
+  AttachDiagnostics why;
+  Status s = AttachWith([](std::vector<uint8_t>&) {}, "F32", protocol::Tier::kGpu, &why);
+  EXPECT_EQ(s.code(), StatusCode::kMismatch) << s.ToString();
+  EXPECT_NE(s.message().find(R"(holds a different config (tier): tier: ours="host" theirs="gpu")"),
+            std::string::npos)
+      << s.ToString();
+  EXPECT_EQ(why.code, StatusCode::kMismatch);
+  ASSERT_TRUE(why.mismatch.has_value());
+  const std::vector<ConfigFieldDiff> expected = {{.field = "tier",
+                                                  .client_text = R"("host")",
+                                                  .daemon_text = R"("gpu")",
+                                                  .client_value = "host",
+                                                  .daemon_value = "gpu"}};
+  EXPECT_EQ(why.mismatch->fields, expected);
+  EXPECT_EQ(why.mismatch->daemon_socket, id_.paths.socket);
+  EXPECT_EQ(why.mismatch->daemon_pid, ::getpid());
 }
 
 }  // namespace
