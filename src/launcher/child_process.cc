@@ -1,6 +1,7 @@
 #include "launcher/child_process.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/stat.h>
@@ -8,14 +9,20 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
+#include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <utility>
 
 extern char** environ;
 
 namespace weightcache::launcher {
 namespace {
+
+using Clock = std::chrono::steady_clock;
 
 // glibc 2.36 has wrappers, older ones do not; the raw syscalls work wherever the kernel does
 // (pidfd_open: Linux 5.3).
@@ -34,6 +41,34 @@ ExitInfo DecodeWaitStatus(int status) {
   return info;
 }
 
+// A poll() timeout for what is left until `deadline`: rounded up (so a wait never ends early
+// and spins), never negative, at most INT_MAX ms.
+int PollTimeout(Clock::time_point deadline) {
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return static_cast<int>(std::clamp<int64_t>(left, 0, INT_MAX));
+}
+
+// This process's environment with each "NAME=VALUE" of `overrides` replacing NAME.
+std::vector<std::string> MergedEnv(const std::vector<std::string>& overrides) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+  for (const std::string& kv : overrides) {
+    const std::string key = kv.substr(0, kv.find('=') + 1);
+    std::erase_if(env, [&](const std::string& s) { return s.starts_with(key); });
+    env.push_back(kv);
+  }
+  return env;
+}
+
+// argv/envp for posix_spawn: pointers into `strings`, which must outlive them.
+std::vector<char*> NullTerminated(std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  out.reserve(strings.size() + 1);
+  for (std::string& s : strings) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
 // RAII for the two posix_spawn attribute objects, so every early return destroys them.
 struct SpawnAttrs {
   posix_spawn_file_actions_t actions;
@@ -46,6 +81,8 @@ struct SpawnAttrs {
     posix_spawn_file_actions_destroy(&actions);
     posix_spawnattr_destroy(&attr);
   }
+  SpawnAttrs(const SpawnAttrs&) = delete;
+  SpawnAttrs& operator=(const SpawnAttrs&) = delete;
 };
 
 }  // namespace
@@ -59,58 +96,78 @@ Result<ChildProcess> ChildProcess::Spawn(const SpawnOptions& options) {
   if (options.argv.empty() || options.argv[0].empty() || options.argv[0][0] != '/') {
     return InvalidArgument("spawn needs an absolute program path");
   }
-  UniqueFd log(::open(options.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
-  if (!log) return IoError("opening log file " + options.log_path, errno);
-  UniqueFd null_in(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-  if (!null_in) return IoError("opening /dev/null", errno);
+  const Stdio streams[3] = {options.in, options.out, options.err};
+  const auto uses = [&](Stdio s) { return std::ranges::find(streams, s) != std::end(streams); };
+
+  UniqueFd log;
+  if (uses(Stdio::kLog)) {
+    if (options.log_path.empty()) return InvalidArgument("a kLog stream needs a log_path");
+    log.Reset(::open(options.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
+    if (!log) return IoError("opening log file " + options.log_path, errno);
+  }
+  UniqueFd null;
+  if (uses(Stdio::kNull)) {
+    null.Reset(::open("/dev/null", O_RDWR | O_CLOEXEC));
+    if (!null) return IoError("opening /dev/null", errno);
+  }
+  // For each piped stream, the end the child gets (dup2'ed onto 0, 1 or 2) and the parent's.
+  UniqueFd child_end[3];
+  StdioPipes pipes;
+  UniqueFd* const parent_end[3] = {&pipes.in, &pipes.out, &pipes.err};
+  for (int i = 0; i < 3; ++i) {
+    if (streams[i] != Stdio::kPipe) continue;
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) return IoError("pipe2", errno);
+    UniqueFd read_end(fds[0]);
+    UniqueFd write_end(fds[1]);
+    child_end[i] = std::move(i == STDIN_FILENO ? read_end : write_end);
+    *parent_end[i] = std::move(i == STDIN_FILENO ? write_end : read_end);
+  }
 
   SpawnAttrs a;
-  // dup2 clears CLOEXEC on the targets only; the originals stay CLOEXEC and vanish at exec.
-  posix_spawn_file_actions_adddup2(&a.actions, null_in.get(), STDIN_FILENO);
-  posix_spawn_file_actions_adddup2(&a.actions, log.get(), STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&a.actions, log.get(), STDERR_FILENO);
-  sigset_t empty, all;
+  for (int i = 0; i < 3; ++i) {
+    // dup2 clears CLOEXEC on the target only; the originals stay CLOEXEC and vanish at exec.
+    int source = -1;  // kInherit: the parent's stream stays
+    if (streams[i] == Stdio::kLog) source = log.get();
+    if (streams[i] == Stdio::kNull) source = null.get();
+    if (streams[i] == Stdio::kPipe) source = child_end[i].get();
+    if (source >= 0) posix_spawn_file_actions_adddup2(&a.actions, source, i);
+  }
+  sigset_t empty;
+  sigset_t all;
   sigemptyset(&empty);
   sigfillset(&all);
   posix_spawnattr_setsigmask(&a.attr, &empty);
   posix_spawnattr_setsigdefault(&a.attr, &all);
-  posix_spawnattr_setflags(&a.attr,
-                           POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSID);
+  int flags = POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF;
+  if (options.session == Session::kNew) flags |= POSIX_SPAWN_SETSID;
+  posix_spawnattr_setflags(&a.attr, static_cast<short>(flags));
 
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
-  for (const auto& kv : options.env_overrides) {
-    const std::string key = kv.substr(0, kv.find('=') + 1);
-    std::erase_if(env_strings, [&](const std::string& s) { return s.starts_with(key); });
-    env_strings.push_back(kv);
-  }
-  std::vector<char*> envp, args;
-  for (auto& s : env_strings) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  std::vector<std::string> argv_copy = options.argv;
-  for (auto& s : argv_copy) args.push_back(s.data());
-  args.push_back(nullptr);
-
+  std::vector<std::string> env = MergedEnv(options.env_overrides);
+  std::vector<std::string> argv = options.argv;
+  std::vector<char*> envp = NullTerminated(env);
+  std::vector<char*> args = NullTerminated(argv);
   pid_t pid = -1;
-  int rc = ::posix_spawn(&pid, args[0], &a.actions, &a.attr, args.data(), envp.data());
+  const int rc = ::posix_spawn(&pid, args[0], &a.actions, &a.attr, args.data(), envp.data());
   if (rc != 0) return IoError("spawning " + options.argv[0], rc);
 
   UniqueFd pidfd(PidfdOpen(pid));
   if (!pidfd) {
     // Without a pidfd we cannot watch it safely: take it down while the pid is still ours
     // (an unreaped child's pid cannot be recycled, so kill() here is exact).
-    int err = errno;
+    const int err = errno;
     ::kill(pid, SIGKILL);
     while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
     }
     return IoError("pidfd_open for child " + std::to_string(pid), err);
   }
-  return ChildProcess(pid, std::move(pidfd));
+  return ChildProcess(pid, std::move(pidfd), std::move(pipes));
 }
 
 ChildProcess::ChildProcess(ChildProcess&& other) noexcept
     : pid_(std::exchange(other.pid_, -1)),
       pidfd_(std::move(other.pidfd_)),
+      pipes_(std::move(other.pipes_)),
       exit_(std::exchange(other.exit_, std::nullopt)) {}
 
 ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
@@ -118,6 +175,7 @@ ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
     KillAndReap();
     pid_ = std::exchange(other.pid_, -1);
     pidfd_ = std::move(other.pidfd_);
+    pipes_ = std::move(other.pipes_);
     exit_ = std::exchange(other.exit_, std::nullopt);
   }
   return *this;
@@ -136,8 +194,12 @@ void ChildProcess::KillAndReap() {
 }
 
 Status ChildProcess::Signal(int sig) {
-  if (pid_ < 0 || exit_.has_value() || !pidfd_) {
-    return InternalError("signal to child " + std::to_string(pid_) + " that is reaped or detached");
+  if (exit_.has_value()) {
+    return InternalError("signal " + std::to_string(sig) + " to child " + std::to_string(pid_) +
+                         ", which is reaped (" + exit_->ToString() + ")");
+  }
+  if (pid_ < 0 || !pidfd_) {
+    return InternalError("signal " + std::to_string(sig) + " to a detached child");
   }
   if (PidfdSendSignal(pidfd_.get(), sig) != 0) {
     // ESRCH: it has exited and waits to be reaped; the pidfd will report it.
@@ -159,6 +221,25 @@ Result<std::optional<ExitInfo>> ChildProcess::TryReap() {
   exit_ = DecodeWaitStatus(status);
   pidfd_.Reset();
   return exit_;
+}
+
+Result<std::optional<ExitInfo>> ChildProcess::WaitFor(std::chrono::milliseconds timeout) {
+  if (exit_.has_value()) return exit_;
+  if (pid_ < 0 || !pidfd_) return InternalError("wait for a detached child");
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    pollfd p{pidfd_.get(), POLLIN, 0};
+    const int n = ::poll(&p, 1, PollTimeout(deadline));
+    if (n > 0) {
+      // Exited: the waitpid in Wait() returns at once.
+      WEIGHTCACHE_ASSIGN_OR_RETURN(ExitInfo exit, Wait());
+      return std::optional<ExitInfo>(exit);
+    }
+    if (n < 0 && errno != EINTR) {
+      return IoError("poll on the pidfd of child " + std::to_string(pid_), errno);
+    }
+    if (n == 0 && Clock::now() >= deadline) return std::optional<ExitInfo>();
+  }
 }
 
 Result<ExitInfo> ChildProcess::Wait() {

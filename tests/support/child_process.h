@@ -2,12 +2,16 @@
 // command), its standard streams on /dev/null, a log file or pipes, its exit watched through a
 // pidfd; and WaitForStatus, which polls daemon sockets until a Status reply is the one wanted.
 // Every tier's support code spawns and waits through these (test_env's RunCommand, the
-// integration tier's ServeProcess, the gpu tier's Daemon and PipedChild).
+// integration tier's ServeProcess, the gpu tier's Daemon and PipedChild). The spawning, the
+// pidfd and the exit are the launcher's ChildProcess (launcher/child_process.h), the one
+// spawner of the project; this adds the tests' conveniences (exit codes as a shell reports
+// them, waits with a timeout, line-wise pipes).
 //
 // Contract:
-//  * Spawn() starts argv[0] (a path, no PATH search) with this process's environment plus the
-//    overrides, every signal unblocked and at its default disposition, in the test's own
-//    process group (a Ctrl-C or a kill of the test's group reaches its children too).
+//  * Spawn() starts argv[0] (a path, no PATH search; a relative one is taken from the current
+//    directory) with this process's environment plus the overrides, every signal unblocked and
+//    at its default disposition, in the test's own process group (a Ctrl-C or a kill of the
+//    test's group reaches its children too).
 //  * Exit codes are the exit status, or 128 + the signal when the child was killed.
 //  * WaitExit blocks in poll() on the pidfd: it returns as soon as the child exits, never
 //    later, and never sleeps in steps. Signals go through the pidfd, so they can never reach
@@ -27,18 +31,16 @@
 #include <vector>
 
 #include "common/unique_fd.h"
+#include "launcher/child_process.h"
 #include "protocol/messages.h"
 #include "weightcache/status.h"
 
 namespace weightcache::testing {
 
-// Where one standard stream of the child goes.
-enum class Stdio {
-  kInherit,  // the test's own
-  kNull,     // /dev/null
-  kLog,      // appended to ChildSpec::log_path
-  kPipe,     // a pipe to the test: WriteLine (stdin), ReadLine / DrainOutput (stdout, stderr)
-};
+// Where one standard stream of the child goes: kInherit (the test's own), kNull (/dev/null),
+// kLog (appended to ChildSpec::log_path) or kPipe (a pipe to the test: WriteLine for stdin,
+// ReadLine / DrainOutput for stdout and stderr).
+using Stdio = launcher::Stdio;
 
 struct ChildSpec {
   std::vector<std::string> argv;  // argv[0]: the program's path
@@ -56,13 +58,14 @@ class TestChild {
   // the log, a pipe, the spawn or the pidfd fails (no child is left running then).
   static Result<TestChild> Spawn(const ChildSpec& spec);
 
-  TestChild(TestChild&& other) noexcept;
-  TestChild& operator=(TestChild&& other) noexcept;
+  // Moving a TestChild onto one that still runs kills and reaps that one first.
+  TestChild(TestChild&& other) noexcept = default;
+  TestChild& operator=(TestChild&& other) noexcept = default;
   TestChild(const TestChild&) = delete;
   TestChild& operator=(const TestChild&) = delete;
-  ~TestChild();
+  ~TestChild() = default;
 
-  pid_t pid() const { return pid_; }
+  pid_t pid() const { return process_.pid(); }
   const std::string& log_path() const { return log_path_; }
   // The log file as it is now ("" when there is none).
   std::string Log() const;
@@ -92,20 +95,15 @@ class TestChild {
   Status DrainOutput(std::string* out, std::string* err);
 
  private:
-  TestChild(pid_t pid, UniqueFd pidfd, std::string log_path)
-      : pid_(pid), pidfd_(std::move(pidfd)), log_path_(std::move(log_path)) {}
-  void Reap(int wait_status);
-  void KillAndReap();
+  TestChild(launcher::ChildProcess process, std::string log_path);
 
-  pid_t pid_ = -1;
-  UniqueFd pidfd_;  // readable once the child has exited; closed when it is reaped
+  // Declared first, so destroyed last: the child is killed and reaped after the pipes close.
+  launcher::ChildProcess process_;
   std::string log_path_;
   UniqueFd stdin_;               // write end
   UniqueFd stdout_;              // read end
   std::string stdout_buffered_;  // read but not yet returned by ReadLine
   UniqueFd stderr_;              // read end
-  std::optional<int> exit_code_;
-  int exit_signal_ = 0;
 };
 
 // `weightcache serve <serve_args>` (CliPath()), stdin on /dev/null, stdout and stderr appended

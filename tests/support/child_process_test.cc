@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 
 #include <chrono>
+#include <filesystem>
 #include <string>
 
 #include "common/unique_fd.h"
@@ -155,6 +156,18 @@ TEST(TestChildTest, DestructionKillsAndReapsARunningChild) {
   const int wait_errno = errno;
   EXPECT_EQ(waited, -1) << "the child was not reaped";
   EXPECT_EQ(wait_errno, ECHILD);
+}
+
+TEST(TestChildTest, ARelativeProgramPathIsTakenFromTheCurrentDirectory) {
+  TempDir dir;
+  WriteFile(dir.Join("prog"), "#!/bin/sh\nexit 6\n");
+  ASSERT_EQ(::chmod(dir.Join("prog").c_str(), 0700), 0);
+  const std::string cwd = std::filesystem::current_path().string();
+  ASSERT_EQ(::chdir(dir.path().c_str()), 0);
+  auto child = TestChild::Spawn({.argv = {"./prog"}, .out = Stdio::kNull, .err = Stdio::kNull});
+  ASSERT_EQ(::chdir(cwd.c_str()), 0);
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  EXPECT_EQ(child->WaitExit(30s), 6);
 }
 
 TEST(TestChildTest, SpawnErrorsNameTheirCause) {

@@ -6,11 +6,16 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <climits>
+#include <string>
+
 #include "support/test_env.h"
 
 namespace weightcache::launcher {
 namespace {
 
+using namespace std::chrono_literals;
 using weightcache::testing::ReadFile;
 using weightcache::testing::TempDir;
 using weightcache::testing::WriteFile;
@@ -30,6 +35,26 @@ SpawnOptions Shell(const TempDir& dir, const std::string& script) {
   o.argv = {"/bin/sh", "-c", script};
   o.log_path = dir.Join("child.log");
   return o;
+}
+
+// Everything `fd` carries until EOF.
+std::string ReadToEnd(int fd) {
+  std::string data;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return data;
+    data.append(buf, static_cast<size_t>(n));
+  }
+}
+
+// What /proc/self/fd/<fd> names in this process ("" when the fd is not open).
+std::string OwnFdTarget(int fd) {
+  char buf[PATH_MAX];
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = ::readlink(link.c_str(), buf, sizeof(buf));
+  return n < 0 ? "" : std::string(buf, static_cast<size_t>(n));
 }
 
 TEST(ChildProcessTest, StdoutAndStderrGoToTheLogAndExitCodeIsReported) {
@@ -145,6 +170,146 @@ TEST(ChildProcessTest, SpawnErrorsNameTheProgramOrLog) {
   EXPECT_EQ(l.status().code(), StatusCode::kNotFound);
   EXPECT_NE(l.status().message().find("opening log file " + dir.Join("no-dir/child.log")),
             std::string::npos);
+}
+
+TEST(ChildProcessTest, PipesCarryStdinToTheChildAndItsStdoutAndStderrBack) {
+  TempDir dir;
+  SpawnOptions o = Shell(dir, "read line; echo \"out $line\"; echo \"err $line\" >&2; exit 2");
+  o.in = o.out = o.err = Stdio::kPipe;
+  auto child = ChildProcess::Spawn(o);
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  StdioPipes pipes = child->TakePipes();
+  ASSERT_TRUE(pipes.in.valid() && pipes.out.valid() && pipes.err.valid());
+  // Taken once: a second call hands over nothing.
+  StdioPipes again = child->TakePipes();
+  EXPECT_FALSE(again.in.valid() || again.out.valid() || again.err.valid());
+
+  const std::string line = "hello\n";
+  ASSERT_EQ(::write(pipes.in.get(), line.data(), line.size()), static_cast<ssize_t>(line.size()));
+  pipes.in.Reset();
+  // A few bytes each: neither pipe can fill up while the other is read to its end.
+  EXPECT_EQ(ReadToEnd(pipes.out.get()), "out hello\n");
+  EXPECT_EQ(ReadToEnd(pipes.err.get()), "err hello\n");
+  auto exit = child->Wait();
+  ASSERT_TRUE(exit.ok());
+  EXPECT_EQ(exit->exit_code, 2);
+  // Nothing went to a log: no kLog stream, so the log file was never created.
+  EXPECT_NE(::access(o.log_path.c_str(), F_OK), 0);
+}
+
+TEST(ChildProcessTest, StdinDefaultsToDevNullAndKNullDiscardsOutput) {
+  TempDir dir;
+  SpawnOptions o = Shell(dir, "readlink /proc/$$/fd/0 >&2; echo discarded");
+  o.out = Stdio::kNull;  // stdin keeps its default, /dev/null; stderr goes to the log
+  auto child = ChildProcess::Spawn(o);
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  auto exit = child->Wait();
+  ASSERT_TRUE(exit.ok());
+  EXPECT_EQ(exit->exit_code, 0);
+  EXPECT_EQ(ReadFile(o.log_path), "/dev/null\n");
+}
+
+TEST(ChildProcessTest, InheritedStreamsAreTheParents) {
+  const std::string parent_stdin = OwnFdTarget(STDIN_FILENO);
+  if (parent_stdin.empty()) GTEST_SKIP() << "this test process has no stdin to hand down";
+  TempDir dir;
+  SpawnOptions o = Shell(dir, "readlink /proc/$$/fd/0");
+  o.in = Stdio::kInherit;
+  o.out = Stdio::kPipe;
+  o.err = Stdio::kNull;
+  o.log_path.clear();  // no kLog stream: no log needed
+  auto child = ChildProcess::Spawn(o);
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  StdioPipes pipes = child->TakePipes();
+  EXPECT_FALSE(pipes.in.valid());
+  EXPECT_FALSE(pipes.err.valid());
+  EXPECT_EQ(ReadToEnd(pipes.out.get()), parent_stdin + "\n");
+  ASSERT_TRUE(child->Wait().ok());
+}
+
+TEST(ChildProcessTest, EnvironmentOverridesAddVariablesAndTheLastOfOneNameWins) {
+  TempDir dir;
+  SpawnOptions o = Shell(dir, "echo \"$WC_SPAWN_NEW $WC_SPAWN_KEPT $WC_SPAWN_KEPT_TOO\"");
+  ::setenv("WC_SPAWN_KEPT", "kept", 1);
+  ::setenv("WC_SPAWN_KEPT_TOO", "kept-too", 1);  // shares a prefix with an override's name
+  ::unsetenv("WC_SPAWN_NEW");
+  o.env_overrides = {"WC_SPAWN_NEW=first", "WC_SPAWN_NEW=second", "WC_SPAWN_KEPT_=x"};
+  auto child = ChildProcess::Spawn(o);
+  ::unsetenv("WC_SPAWN_KEPT");
+  ::unsetenv("WC_SPAWN_KEPT_TOO");
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  ASSERT_TRUE(child->Wait().ok());
+  EXPECT_EQ(ReadFile(o.log_path), "second kept kept-too\n");
+}
+
+TEST(ChildProcessTest, ChildStartsWithDefaultDispositionsEvenWhenTheParentIgnoresSignals) {
+  // An ignored signal stays ignored across exec unless the spawn resets it.
+  TempDir dir;
+  struct sigaction ignore {};
+  struct sigaction old {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  ASSERT_EQ(::sigaction(SIGTERM, &ignore, &old), 0);
+  auto child = ChildProcess::Spawn(Shell(dir, "exec sleep 30"));
+  ASSERT_EQ(::sigaction(SIGTERM, &old, nullptr), 0);
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  ASSERT_TRUE(child->Signal(SIGTERM).ok());
+  auto exit = child->WaitFor(30s);
+  ASSERT_TRUE(exit.ok()) << exit.status().ToString();
+  ASSERT_TRUE(exit->has_value()) << "SIGTERM was ignored in the child";
+  EXPECT_EQ((*exit)->signal, SIGTERM);
+}
+
+TEST(ChildProcessTest, SessionInheritKeepsTheParentsProcessGroupAndSession) {
+  TempDir dir;
+  SpawnOptions o = Shell(dir, "cut -d' ' -f5,6 /proc/$$/stat");
+  o.session = Session::kInherit;
+  auto child = ChildProcess::Spawn(o);
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  ASSERT_TRUE(child->Wait().ok());
+  EXPECT_EQ(ReadFile(o.log_path),
+            std::to_string(::getpgrp()) + " " + std::to_string(::getsid(0)) + "\n");
+}
+
+TEST(ChildProcessTest, WaitForTimesOutOnARunningChildAndReapsOneThatExits) {
+  TempDir dir;
+  auto child = ChildProcess::Spawn(Shell(dir, "exec sleep 30"));
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  auto running = child->WaitFor(0ms);
+  ASSERT_TRUE(running.ok());
+  EXPECT_FALSE(running->has_value());
+  running = child->WaitFor(50ms);
+  ASSERT_TRUE(running.ok());
+  EXPECT_FALSE(running->has_value());
+  EXPECT_FALSE(child->reaped());
+
+  ASSERT_TRUE(child->Signal(SIGKILL).ok());
+  auto exit = child->WaitFor(30s);
+  ASSERT_TRUE(exit.ok()) << exit.status().ToString();
+  ASSERT_TRUE(exit->has_value());
+  EXPECT_EQ((*exit)->signal, SIGKILL);
+  EXPECT_TRUE(child->reaped());
+  EXPECT_TRUE(PidGone(child->pid()));
+  // Reaped: later waits report the same exit; a signal is refused with how it ended.
+  auto later = child->WaitFor(0ms);
+  ASSERT_TRUE(later.ok());
+  ASSERT_TRUE(later->has_value());
+  EXPECT_EQ((*later)->signal, SIGKILL);
+  Status late = child->Signal(SIGTERM);
+  EXPECT_EQ(late.code(), StatusCode::kInternal);
+  EXPECT_NE(late.message().find("which is reaped (killed by signal 9"), std::string::npos)
+      << late.ToString();
+}
+
+TEST(ChildProcessTest, ALogStreamNeedsALogPath) {
+  TempDir dir;
+  SpawnOptions o = Shell(dir, "true");
+  o.log_path.clear();
+  o.out = Stdio::kNull;  // stderr is still kLog
+  auto r = ChildProcess::Spawn(o);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("a kLog stream needs a log_path"), std::string::npos)
+      << r.status().ToString();
 }
 
 TEST(TailLinesTest, LastLinesOfAFile) {
