@@ -7,10 +7,15 @@
 //   kind=vmm         ImportedArena::Import (reserve + import + map + access) plus computing every
 //                    tensor's pointer, for 10 / 1,000 / 10,000 tensors packed by PlanArena into a
 //                    few allocations: should be flat in the tensor count
+//                    — and, with raw driver calls on the same fds, where the import's time
+//                    goes ("steps_ms": every cuMemImportFromShareableHandle, the reserve and
+//                    every cuMemMap, cuMemSetAccess per allocation, or once over the range)
 //   kind=legacy_ipc  the baseline: one cuMemAlloc + cuIpcGetMemHandle per tensor, and one
 //                    cuIpcOpenMemHandle per tensor in the child (1,000 and 10,000 tensors)
 //
-// Usage: attach_bench [--gib N] [--reps R]
+// Usage: attach_bench [--gib N] [--reps R] [--max-alloc-gib G] [--vmm-only]
+//   --max-alloc-gib: the arena's largest allocation (default 4 = kDefaultMaxAllocationBytes),
+//   to see how the import scales with the allocation count.
 #include <fcntl.h>
 
 #include <algorithm>
@@ -98,6 +103,66 @@ Status ChildVmm(const DriverApi* api, CUdevice dev, std::istringstream& in,
     WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuMemcpyDtoH(&probe, ptrs.back(), sizeof(probe)),
                                    "cuMemcpyDtoH probe");
   }
+  // The same import, step by step with raw driver calls (no rollback: a failure ends the
+  // bench), each step's total over all allocations; access once per allocation, then again
+  // once over the whole range on a second mapping of the same memory.
+  std::vector<double> step_import, step_map, step_access_each, step_access_once;
+  for (int r = 0; r < reps; ++r) {
+    uint64_t total = 0;
+    for (uint64_t s : sizes) total += s;
+    std::vector<CUmemGenericAllocationHandle> handles(sizes.size());
+    Clock::time_point t0 = Clock::now();
+    for (size_t a = 0; a < sizes.size(); ++a) {
+      void* os_handle = reinterpret_cast<void*>(static_cast<uintptr_t>(fds[a].get()));
+      WEIGHTCACHE_CU_RETURN_IF_ERROR(
+          api,
+          cuMemImportFromShareableHandle(&handles[a], os_handle,
+                                         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+          "cuMemImportFromShareableHandle");
+    }
+    step_import.push_back(MsSince(t0));
+    CUmemAccessDesc access = {};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = dev;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    for (int pass = 0; pass < 2; ++pass) {
+      CUdeviceptr base = 0;
+      Clock::time_point t1 = Clock::now();
+      WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuMemAddressReserve(&base, total, granularity, 0, 0),
+                                     "cuMemAddressReserve");
+      CUdeviceptr at = base;
+      for (size_t a = 0; a < sizes.size(); ++a) {
+        WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuMemMap(at, sizes[a], 0, handles[a], 0), "cuMemMap");
+        at += sizes[a];
+      }
+      step_map.push_back(MsSince(t1));
+      Clock::time_point t2 = Clock::now();
+      if (pass == 0) {
+        at = base;
+        for (uint64_t size : sizes) {
+          WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuMemSetAccess(at, size, &access, 1),
+                                         "cuMemSetAccess");
+          at += size;
+        }
+        step_access_each.push_back(MsSince(t2));
+      } else {
+        WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuMemSetAccess(base, total, &access, 1),
+                                       "cuMemSetAccess (whole range)");
+        step_access_once.push_back(MsSince(t2));
+      }
+      at = base;
+      for (uint64_t size : sizes) {
+        api->cuMemUnmap(at, size);
+        at += size;
+      }
+      api->cuMemAddressFree(base, total);
+    }
+    for (CUmemGenericAllocationHandle h : handles) api->cuMemRelease(h);
+  }
+  (*out)["steps_ms"] = {{"import_all", Median(step_import)},
+                        {"reserve_and_map_all", Median(step_map)},
+                        {"set_access_per_allocation", Median(step_access_each)},
+                        {"set_access_once", Median(step_access_once)}};
   (*out)["import_ms_min"] = *std::min_element(import_ms.begin(), import_ms.end());
   (*out)["import_ms_median"] = Median(import_ms);
   (*out)["tensor_table_ms_median"] = Median(tensors_ms);
@@ -188,13 +253,16 @@ void Emit(nlohmann::json j) {
   std::fflush(stdout);
 }
 
+uint64_t g_max_alloc = cuda::kDefaultMaxAllocationBytes;
+bool g_vmm_only = false;
+
 Status BenchVmm(const DriverApi* api, CUdevice dev, uint64_t total_bytes, uint64_t tensors,
                 int reps) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(
       uint64_t granularity,
       cuda::AllocationGranularity(api, dev, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
   const uint64_t tensor_bytes = total_bytes / tensors;
-  const uint64_t max_alloc = cuda::kDefaultMaxAllocationBytes;
+  const uint64_t max_alloc = g_max_alloc;
   std::vector<uint64_t> tensor_sizes(tensors, tensor_bytes);
   cuda::ArenaPlan plan = cuda::PlanArena(tensor_sizes, granularity, max_alloc);
   Clock::time_point t0 = Clock::now();
@@ -293,8 +361,10 @@ int ParentMain(uint64_t gib, int reps) {
   for (uint64_t tensors : {uint64_t{10}, uint64_t{1000}, uint64_t{10000}}) {
     run("vmm", BenchVmm(*api, dev, total, tensors, reps));
   }
-  for (uint64_t tensors : {uint64_t{1000}, uint64_t{10000}}) {
-    run("legacy_ipc", BenchLegacyIpc(*api, total, tensors));
+  if (!g_vmm_only) {
+    for (uint64_t tensors : {uint64_t{1000}, uint64_t{10000}}) {
+      run("legacy_ipc", BenchLegacyIpc(*api, total, tensors));
+    }
   }
   return failures == 0 ? 0 : 1;
 }
@@ -314,8 +384,13 @@ int main(int argc, char** argv) {
       gib = std::stoull(argv[++i]);
     } else if (a == "--reps" && i + 1 < argc) {
       reps = std::stoi(argv[++i]);
+    } else if (a == "--max-alloc-gib" && i + 1 < argc) {
+      g_max_alloc = std::stoull(argv[++i]) << 30;
+    } else if (a == "--vmm-only") {
+      g_vmm_only = true;
     } else {
-      std::fprintf(stderr, "usage: attach_bench [--gib N] [--reps R]\n");
+      std::fprintf(stderr,
+                   "usage: attach_bench [--gib N] [--reps R] [--max-alloc-gib G] [--vmm-only]\n");
       return 2;
     }
   }
