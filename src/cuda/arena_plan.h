@@ -16,9 +16,12 @@
 namespace weightcache::cuda {
 
 inline constexpr uint64_t kTensorAlignment = 256;
-// Large enough that a 16 GiB shard needs four allocations, small enough that one failed
-// cuMemCreate near a full device wastes little and that a tensor never waits for a huge one.
-inline constexpr uint64_t kDefaultMaxAllocationBytes = uint64_t{4} << 30;
+// An attach pays per allocation, mostly in cuMemSetAccess: on an H200 (attach_bench steps,
+// docs/benchmarks.md) importing 16 GiB took 0.67 ms as 5 allocations of <= 4 GiB, 0.47-0.52 ms
+// as 2 of <= 16 GiB and 1.3-1.4 ms as 10-17 of <= 1 GiB. 16 GiB keeps a 140 GB shard at 9
+// allocations; the arena is created before the upload, all or nothing, so a larger
+// allocation risks nothing a smaller one would not.
+inline constexpr uint64_t kDefaultMaxAllocationBytes = uint64_t{16} << 30;
 
 struct TensorPlacement {
   uint32_t allocation = 0;  // index into ArenaPlan::allocation_bytes
