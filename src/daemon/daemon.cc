@@ -158,26 +158,35 @@ void Daemon::StopLoader() {
 // ---- the loader thread ------------------------------------------------------------------------
 
 void Daemon::LoaderMain() {
-  auto finish = [this](Result<std::unique_ptr<WeightStore>> result) {
-    {
-      std::lock_guard<std::mutex> lock(result_mu_);
-      load_result_.emplace(std::move(result));
-      load_finished_ = true;
-    }
-    Wake(wakeup_.get());
-  };
+  std::string memory;  // the loader's memory at its steps, for the log line below
+  Result<std::unique_ptr<WeightStore>> result = Load(&memory);
+  // Everything the load allocated is gone now — the checkpoint with its parsed headers
+  // included, and a failed load's allocations too (a failed daemon lingers): give the pages
+  // back here, on the loader thread, once (load_memory.h).
+  ReleaseLoadMemory();
+  LOG_INFO << protocol::TierName(options_.tier)
+           << " tier: load memory: " << (memory.empty() ? "" : memory + "; ")
+           << "released=" << DescribeProcessMemory(ReadProcessMemory());
+  {
+    std::lock_guard<std::mutex> lock(result_mu_);
+    load_result_.emplace(std::move(result));
+    load_finished_ = true;
+  }
+  Wake(wakeup_.get());
+}
 
-  auto checkpoint = checkpoint::Checkpoint::Open(options_.model_path);
-  if (!checkpoint.ok()) return finish(checkpoint.status());
+Result<std::unique_ptr<WeightStore>> Daemon::Load(std::string* memory) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint checkpoint,
+                               checkpoint::Checkpoint::Open(options_.model_path));
   // The identity (and so the socket path) was computed from the checkpoint's headers before
   // the lock; a checkpoint replaced since then would be served under the wrong identity.
-  if (checkpoint->fingerprint() != options_.config.checkpoint_fingerprint) {
-    return finish(InvalidCheckpoint("checkpoint " + options_.model_path +
-                                    " changed while the daemon started: fingerprint " +
-                                    checkpoint->fingerprint() + ", identity computed from " +
-                                    options_.config.checkpoint_fingerprint));
+  if (checkpoint.fingerprint() != options_.config.checkpoint_fingerprint) {
+    return InvalidCheckpoint("checkpoint " + options_.model_path +
+                             " changed while the daemon started: fingerprint " +
+                             checkpoint.fingerprint() + ", identity computed from " +
+                             options_.config.checkpoint_fingerprint);
   }
-  bytes_total_.store(checkpoint->total_bytes());
+  bytes_total_.store(checkpoint.total_bytes());
 
   // Throttle wakeups: about every 1 % or 250 ms, whichever comes first.
   std::mutex progress_mu;
@@ -197,12 +206,10 @@ void Daemon::LoaderMain() {
     }
   };
   LoadOptions load = options_.load;
-  if (options_.tier == protocol::Tier::kHost) {
-    finish(LoadHostStore(*checkpoint, load, control));
-  } else {
-    load.device_uuid = options_.device_key;
-    finish(LoadGpuStore(*checkpoint, load, control));
-  }
+  if (options_.tier == protocol::Tier::kHost)
+    return LoadHostStore(checkpoint, load, control, memory);
+  load.device_uuid = options_.device_key;
+  return LoadGpuStore(checkpoint, load, control, memory);
 }
 
 // ---- the event loop ---------------------------------------------------------------------------
@@ -285,9 +292,6 @@ void Daemon::OnLoaderWakeup() {
     return;
   }
   if (loader_.joinable()) loader_.join();
-  // The loader's locals — the checkpoint with its parsed headers among them — died with its
-  // thread, after the loader's own trim: give their pages back too (load_memory.h).
-  ReleaseLoadMemory();
   const double seconds = SecondsSince(load_start_);
   if (state_ == CacheState::kDraining) return;  // cancelled or irrelevant now
   if (!result->ok()) return Fail(result->status());

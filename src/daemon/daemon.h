@@ -116,6 +116,9 @@ class Daemon {
          UniqueFd wakeup);
 
   void LoaderMain();
+  // The load proper (checkpoint open, fingerprint check, the tier's loader); `memory` gets the
+  // loader's memory at its steps for the log line.
+  Result<std::unique_ptr<WeightStore>> Load(std::string* memory);
   void OnLoaderWakeup();
   void OnSignal(int signal_fd);
   void AcceptAll();

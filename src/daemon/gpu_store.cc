@@ -19,25 +19,6 @@
 namespace weightcache::daemon {
 namespace {
 
-// Serves from the exported fds alone: no mapping, no handle, no CUDA context (see
-// ExportedArena::ReleaseToFds). The device memory lives while any fd does — ours, or the
-// duplicates attached clients received.
-class GpuStore final : public WeightStore {
- public:
-  GpuStore(std::vector<UniqueFd> fds, StoreSummary summary)
-      : WeightStore(std::move(summary)), fds_(std::move(fds)) {}
-
-  protocol::Tier tier() const override { return protocol::Tier::kGpu; }
-  std::vector<int> fds() const override {
-    std::vector<int> fds;
-    for (const auto& fd : fds_) fds.push_back(fd.get());
-    return fds;
-  }
-
- private:
-  std::vector<UniqueFd> fds_;
-};
-
 // The CUdevice whose cuDeviceGetUuid matches `uuid`. The identity layer resolved --device to
 // a UUID among the devices this process sees; the driver sees the same set (it applies
 // CUDA_VISIBLE_DEVICES itself), so matching by UUID is exact where an index could drift.
@@ -62,13 +43,14 @@ Result<CUdevice> DeviceByUuid(const cuda::DriverApi* api, const std::string& uui
                   "; check CUDA_VISIBLE_DEVICES and --device-inventory");
 }
 
-// The load itself. Every allocation it makes for the load only (the pipeline and its pinned
-// staging ring, the items, the plan, the checksum vectors) is a local that dies on return;
-// what it reports in `memory` are the two points inside it worth a log line.
-Result<std::unique_ptr<WeightStore>> LoadGpuStoreInner(const checkpoint::Checkpoint& checkpoint,
-                                                       const LoadOptions& options,
-                                                       const LoadControl& control,
-                                                       std::string* memory) {
+}  // namespace
+
+// Every allocation the load makes for the load only (the pipeline and its pinned staging
+// ring, the items, the plan, the checksum vectors) is a local that dies on return; what it
+// reports in `memory` are the two points inside it worth a log line.
+Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
+                                                  const LoadOptions& options,
+                                                  const LoadControl& control, std::string* memory) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
   WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, DeviceByUuid(api, options.device_uuid));
   WEIGHTCACHE_RETURN_IF_ERROR(cuda::CheckVmmSupport(api, device));
@@ -171,22 +153,10 @@ Result<std::unique_ptr<WeightStore>> LoadGpuStoreInner(const checkpoint::Checkpo
   // The upload is complete (Run synchronized its streams and the pipeline is gone): from here
   // the fds are all the daemon needs. Releasing the rest drops its CUDA context — the device
   // memory and driver host memory a context costs — for the life of the cache.
-  std::vector<UniqueFd> fds = std::move(arena).value().ReleaseToFds();
-  return std::unique_ptr<WeightStore>(new GpuStore(std::move(fds), std::move(summary)));
-}
-
-}  // namespace
-
-Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
-                                                  const LoadOptions& options,
-                                                  const LoadControl& control) {
-  std::string memory;
-  auto store = LoadGpuStoreInner(checkpoint, options, control, &memory);
-  // Everything the load allocated is freed now (a failed load's too: a failed daemon lingers).
-  ReleaseLoadMemory();
-  LOG_INFO << "gpu tier: load memory: " << (memory.empty() ? "" : memory + "; ")
-           << "released=" << DescribeProcessMemory(ReadProcessMemory());
-  return store;
+  // The fds alone serve: no mapping, no handle, no CUDA context. The device memory lives
+  // while any fd does — ours, or the duplicates attached clients received.
+  return std::unique_ptr<WeightStore>(new FdStore(
+      protocol::Tier::kGpu, std::move(arena).value().ReleaseToFds(), std::move(summary)));
 }
 
 }  // namespace weightcache::daemon

@@ -48,22 +48,6 @@ static_assert(kItemBytes % cuda::kChecksumChunkBytes == 0);
 static_assert(kStepBytes % cuda::kChecksumChunkBytes == 0);
 static_assert(kItemBytes % kStepBytes == 0);
 
-class HostStore final : public WeightStore {
- public:
-  HostStore(std::vector<UniqueFd> memfds, StoreSummary summary)
-      : WeightStore(std::move(summary)), memfds_(std::move(memfds)) {}
-
-  protocol::Tier tier() const override { return protocol::Tier::kHost; }
-  std::vector<int> fds() const override {
-    std::vector<int> fds;
-    for (const auto& fd : memfds_) fds.push_back(fd.get());
-    return fds;
-  }
-
- private:
-  std::vector<UniqueFd> memfds_;
-};
-
 bool Cancelled(const LoadControl& control) {
   return control.cancel != nullptr && control.cancel->load(std::memory_order_relaxed);
 }
@@ -120,12 +104,14 @@ double MsSince(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
-// The load itself; its buffers and vectors are locals that die on return. The memfds' pages
-// are shmem that the daemon never maps, so they count in no RSS figure of the daemon.
-Result<std::unique_ptr<WeightStore>> LoadHostStoreInner(const checkpoint::Checkpoint& checkpoint,
-                                                        const LoadOptions& options,
-                                                        const LoadControl& control,
-                                                        std::string* memory) {
+}  // namespace
+
+// The load's buffers and vectors are locals that die on return. The memfds' pages are shmem
+// that the daemon never maps, so they count in no RSS figure of the daemon.
+Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
+                                                   const LoadOptions& options,
+                                                   const LoadControl& control,
+                                                   std::string* memory) {
   const auto start = std::chrono::steady_clock::now();
   const auto& tensors = checkpoint.tensors();
   const std::vector<size_t> order = FileOrder(checkpoint);
@@ -274,21 +260,8 @@ Result<std::unique_ptr<WeightStore>> LoadHostStoreInner(const checkpoint::Checkp
            << " GB/s, " << items.size() << " items), seal " << seal_ms << " ms, total "
            << MsSince(start) << " ms";
   *memory = "loaded=" + DescribeProcessMemory(ReadProcessMemory());
-  return std::unique_ptr<WeightStore>(new HostStore(std::move(memfds), std::move(summary)));
-}
-
-}  // namespace
-
-Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
-                                                   const LoadOptions& options,
-                                                   const LoadControl& control) {
-  std::string memory;
-  auto store = LoadHostStoreInner(checkpoint, options, control, &memory);
-  // Everything the load allocated is freed now (a failed load's too: a failed daemon lingers).
-  ReleaseLoadMemory();
-  LOG_INFO << "host tier: load memory: " << (memory.empty() ? "" : memory + "; ")
-           << "released=" << DescribeProcessMemory(ReadProcessMemory());
-  return store;
+  return std::unique_ptr<WeightStore>(
+      new FdStore(protocol::Tier::kHost, std::move(memfds), std::move(summary)));
 }
 
 }  // namespace weightcache::daemon

@@ -2,9 +2,10 @@
 // holds, and the step that gives back what only the load needed.
 //
 // Why: SPEC §8 wants a serving daemon under 100 MB of host RSS, and a load needs far more for
-// a moment (the gpu tier's pinned staging ring, reader threads, per-tensor vectors). Both
-// loaders end with ReleaseLoadMemory() once everything the load allocated is destroyed, and
-// log ReadProcessMemory() before and after, so a daemon log says what the load left behind.
+// a moment (the gpu tier's pinned staging ring, reader threads, per-tensor vectors). The
+// daemon's loader thread calls ReleaseLoadMemory() once everything the load allocated is
+// destroyed — the checkpoint included — and logs ReadProcessMemory() at the loader's steps and
+// after, so a daemon log says what the load left behind.
 //
 // Contract: header-only, no state. ReadProcessMemory() reads /proc/self/status (all zeros
 // when unreadable: it is for logs and never fails a load). ReleaseLoadMemory() is safe from

@@ -86,13 +86,35 @@ struct LoadControl {
   const std::atomic<bool>* cancel = nullptr;
 };
 
+// The loaders. `memory` receives the process's memory at the load's steps worth a log line
+// (load_memory.h); the caller trims the heap and logs once the checkpoint is gone too.
 Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
                                                    const LoadOptions& options,
-                                                   const LoadControl& control);
+                                                   const LoadControl& control, std::string* memory);
 
 Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
                                                   const LoadOptions& options,
-                                                  const LoadControl& control);
+                                                  const LoadControl& control, std::string* memory);
+
+// What both tiers serve from once loaded: one fd per allocation (sealed memfds, or exported
+// VMM fds with no mapping or context left in the daemon) — the fds alone keep the memory.
+class FdStore final : public WeightStore {
+ public:
+  FdStore(protocol::Tier tier, std::vector<UniqueFd> fds, StoreSummary summary)
+      : WeightStore(std::move(summary)), tier_(tier), fds_(std::move(fds)) {}
+
+  protocol::Tier tier() const override { return tier_; }
+  std::vector<int> fds() const override {
+    std::vector<int> fds;
+    fds.reserve(fds_.size());
+    for (const auto& fd : fds_) fds.push_back(fd.get());
+    return fds;
+  }
+
+ private:
+  protocol::Tier tier_;
+  std::vector<UniqueFd> fds_;
+};
 
 // Budget check shared by both tiers: kOutOfMemory "<tier> plan needs X (N allocations), over
 // the memory budget of Y (--memory-budget)".
