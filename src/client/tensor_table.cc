@@ -62,8 +62,7 @@ Status TensorTable::Add(std::string_view name, checkpoint::DType dtype,
   return Status::Ok();
 }
 
-void TensorTable::Finish(Order order) {
-  if (order == Order::kSorted) return;
+void TensorTable::Finish() {
   auto by_name = [](const Tensor& a, const Tensor& b) { return a.name < b.name; };
   if (!std::is_sorted(tensors_.begin(), tensors_.end(), by_name)) {
     std::sort(tensors_.begin(), tensors_.end(), by_name);

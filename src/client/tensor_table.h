@@ -52,10 +52,8 @@ class TensorTable {
   // them far below that). kInternal when the reservation is exceeded.
   Status Add(std::string_view name, checkpoint::DType dtype, std::span<const uint64_t> shape,
              uint64_t data, uint64_t nbytes, uint64_t checksum);
-  // Sorts by name unless already sorted. kSorted: the caller guarantees strictly ascending
-  // names (an attach manifest, whose decoder checked exactly that), so nothing is checked.
-  enum class Order { kUnknown, kSorted };
-  void Finish(Order order = Order::kUnknown);
+  // Sorts by name unless already sorted.
+  void Finish();
 
   const std::vector<Tensor>& tensors() const { return tensors_; }
   size_t size() const { return tensors_.size(); }

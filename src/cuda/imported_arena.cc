@@ -86,7 +86,7 @@ Result<ImportedArena> ImportedArena::Import(const DriverApi* api, CUdevice devic
   WEIGHTCACHE_RETURN_IF_ERROR(CheckCount(sizes.size(), where));
   WEIGHTCACHE_RETURN_IF_ERROR(CheckReceivedFds(fds, where));
   WEIGHTCACHE_ASSIGN_OR_RETURN(ImportedArena arena, Reserve(api, device, sizes));
-  WEIGHTCACHE_RETURN_IF_ERROR(arena.Map(std::move(fds)));
+  WEIGHTCACHE_RETURN_IF_ERROR(arena.MapChecked(std::move(fds), where));  // checked above
   return arena;
 }
 
@@ -132,7 +132,11 @@ Status ImportedArena::Map(std::vector<UniqueFd> fds) {
                            std::to_string(n) + " allocation sizes");
   }
   WEIGHTCACHE_RETURN_IF_ERROR(CheckReceivedFds(fds, where));
+  return MapChecked(std::move(fds), where);
+}
 
+Status ImportedArena::MapChecked(std::vector<UniqueFd> fds, const std::string& where) {
+  const size_t n = table_.size();
   // The primary context for the driver calls; Reserve() already made it current when this
   // runs on the same thread, and then this costs one cuCtxGetCurrent.
   const ScopedCurrentContext current(context_.api(), context_.get());

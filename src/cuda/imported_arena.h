@@ -7,7 +7,9 @@
 //    holding fds would only pin memory after the client unmaps.
 //  * The received fds are untrusted: each is checked (open, and not a directory, pipe or
 //    socket) and every size must be a non-zero multiple of this device's VMM granularity
-//    before any driver call; the driver validates the rest (that the fd is a VMM export, that
+//    before any driver call that uses them (Import checks the fds before it touches the driver
+//    at all; split, Reserve sees only the sizes and Map checks the fds before importing); the
+//    driver validates the rest (that the fd is a VMM export, that
 //    the size fits the allocation).
 //  * Import() either returns a complete arena or releases everything it acquired: no imported
 //    handle, reservation, mapping or context reference survives a failed Import (proved
@@ -32,6 +34,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "common/unique_fd.h"
@@ -80,6 +83,9 @@ class ImportedArena {
 
  private:
   ImportedArena(PrimaryContext context, VaRange va, std::span<const uint64_t> sizes);
+  // Map's driver part, for fds already checked (one per allocation, open, not a directory,
+  // pipe or socket). Closes them.
+  Status MapChecked(std::vector<UniqueFd> fds, const std::string& where);
 
   // Declared in acquisition order: destroyed in reverse (mappings, VA, context).
   PrimaryContext context_;

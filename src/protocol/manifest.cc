@@ -239,7 +239,7 @@ Result<Manifest> Manifest::DecodeMapped(os::MappedRegion region, RecordCheck che
 }
 
 TensorRecord Manifest::record(size_t i) const {
-  assert(records_ok_ && "Manifest::record before ValidateRecords");
+  assert(records_validated() && "Manifest::record before ValidateRecords");
   const uint8_t* r = records_ + i * kManifestTensorSize;
   const uint32_t ndim = r[13];
   const int64_t* shape = dims_ + wire::GetU32(r + 20);
@@ -336,11 +336,8 @@ Status Manifest::ValidateHeader() {
 // One pass over the records, no allocation: each record's fields are read straight from the
 // bytes and checked; an error message is built only on the way out.
 Status Manifest::ValidateRecords() {
-  if (records_status_) return *records_status_;
-  Status verdict = CheckRecords();
-  records_ok_ = verdict.ok();
-  records_status_ = verdict;
-  return verdict;
+  if (!records_status_) records_status_ = CheckRecords();
+  return *records_status_;
 }
 
 Status Manifest::CheckRecords() {
@@ -350,7 +347,6 @@ Status Manifest::CheckRecords() {
   const uint32_t table_size = table_size_;
 
   std::string_view previous, known_dtype;
-  size_t name_bytes = 0, ranks = 0;
   for (uint32_t i = 0; i < tensor_count; ++i) {
     const uint8_t* r = records_ + uint64_t{i} * kManifestTensorSize;
     const uint32_t name_offset = wire::GetU32(r), name_length = wire::GetU32(r + 4);
@@ -445,11 +441,7 @@ Status Manifest::CheckRecords() {
                            std::to_string(allocation) + " of " + std::to_string(alloc_size) +
                            " bytes");
     }
-    name_bytes += name_length;
-    ranks += ndim;
   }
-  name_bytes_ = name_bytes;
-  dim_count_ = ranks;
   return Status::Ok();
 }
 

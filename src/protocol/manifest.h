@@ -34,9 +34,9 @@
 //    again. The attach path may split the validation (RecordCheck::kDeferred): the header and
 //    allocations when the reply arrives, the records on the thread that builds the tensor
 //    table while the driver maps (ValidateRecords). Records are never readable unchecked:
-//    record(), tensor(), name_bytes() and dim_count() need ValidateRecords() to have
-//    succeeded (checked in debug builds). A Manifest owns its bytes: a copy (Decode) or a read-only
-//    mapping of a sealed memfd (DecodeMapped), which nobody can change after the checks.
+//    record() and tensor() need ValidateRecords() to have succeeded (checked in debug builds). A
+//    Manifest owns its bytes: a copy (Decode) or a read-only mapping of a sealed memfd
+//    (DecodeMapped), which nobody can change after the checks.
 //  * EncodeManifest applies the same validation (kInvalidArgument) and orders the records by
 //    name itself, so a daemon cannot emit a manifest its clients would reject.
 //  * Manifest is move-only; the views of a TensorRecord or TensorEntry stay valid while the
@@ -123,15 +123,11 @@ class Manifest {
   // The record checks (kProtocol naming the tensor and field). Idempotent: the second call
   // returns the first call's verdict without checking again. Not thread-safe against readers.
   Status ValidateRecords();
-  bool records_validated() const { return records_ok_; }
+  bool records_validated() const { return records_status_ && records_status_->ok(); }
 
   Tier tier() const { return tier_; }
   const std::vector<uint64_t>& allocation_sizes() const { return allocation_sizes_; }
   size_t tensor_count() const { return tensor_count_; }
-  // Totals over all records, counted during validation: the sum of the name lengths and of
-  // the ranks.
-  size_t name_bytes() const { return name_bytes_; }
-  size_t dim_count() const { return dim_count_; }
   // Record i (< tensor_count()) as views into the validated bytes; names in ascending order.
   // The attach path reads this: no copy, no check.
   TensorRecord record(size_t i) const;
@@ -147,14 +143,11 @@ class Manifest {
   Tier tier_ = Tier::kHost;
   std::vector<uint64_t> allocation_sizes_;
   size_t tensor_count_ = 0;
-  size_t name_bytes_ = 0;
-  size_t dim_count_ = 0;
   std::span<const uint8_t> bytes_;  // into owned_ or mapped_
   const uint8_t* records_ = nullptr;
   const int64_t* dims_ = nullptr;
   const char* strings_ = nullptr;
   uint32_t allocation_count_ = 0, dim_total_ = 0, table_size_ = 0;
-  bool records_ok_ = false;
   std::optional<Status> records_status_;  // the verdict of ValidateRecords, once run
   std::unique_ptr<uint8_t[]> owned_;
   os::MappedRegion mapped_;
