@@ -62,6 +62,18 @@ void Die(const std::string& what) {
   std::exit(1);
 }
 
+// The bench's client identity for the daemon serving `model` under `runtime` (host tier, an
+// error rather than a fallback when the daemon is missing).
+AttachOptions BenchOptions(const std::string& model, const std::string& runtime) {
+  AttachOptions o;
+  o.model_dir = model;
+  o.model_id = "bench";
+  o.runtime_dir = runtime;
+  o.tier = weightcache::Tier::kHost;
+  o.on_missing = weightcache::OnMissing::kError;
+  return o;
+}
+
 int Run(const std::vector<std::string>& argv) {
   std::vector<std::string> args = argv;
   std::vector<char*> c;
@@ -225,12 +237,7 @@ int main(int argc, char** argv) {
     const std::string runtime = work + "/run-attach-" + std::to_string(n);
     auto ckpt = weightcache::checkpoint::Checkpoint::Open(model);
     if (!ckpt.ok()) Die(ckpt.status().ToString());
-    AttachOptions o;
-    o.model_dir = model;
-    o.model_id = "bench";
-    o.runtime_dir = runtime;
-    o.tier = weightcache::Tier::kHost;
-    o.on_missing = weightcache::OnMissing::kError;
+    AttachOptions o = BenchOptions(model, runtime);
     AttachOptions startup = o;
     startup.wait_timeout = std::chrono::milliseconds(0);
     Daemon d = StartAndWait(model, runtime, threads, startup, runtime + ".log");
@@ -286,12 +293,7 @@ int main(int argc, char** argv) {
     memfd_gbps.push_back(FileReadGbps(*ckpt, threads, Destination::kMemfd));
     const std::string runtime = work + "/run-load-" + std::to_string(round);
     Run({"rm", "-rf", runtime, runtime + ".log"});
-    AttachOptions o;
-    o.model_dir = model;
-    o.model_id = "bench";
-    o.runtime_dir = runtime;
-    o.tier = weightcache::Tier::kHost;
-    o.on_missing = weightcache::OnMissing::kError;
+    AttachOptions o = BenchOptions(model, runtime);
     o.checkpoint_fingerprint = ckpt->fingerprint();
     o.wait_timeout = std::chrono::milliseconds(0);
     Daemon d = StartAndWait(model, runtime, threads, o, runtime + ".log");
@@ -336,12 +338,7 @@ int main(int argc, char** argv) {
   {
     const std::string runtime = work + "/run-memory";
     Run({"rm", "-rf", runtime, runtime + ".log"});
-    AttachOptions o;
-    o.model_dir = model;
-    o.model_id = "bench";
-    o.runtime_dir = runtime;
-    o.tier = weightcache::Tier::kHost;
-    o.on_missing = weightcache::OnMissing::kError;
+    AttachOptions o = BenchOptions(model, runtime);
     o.checkpoint_fingerprint = ckpt->fingerprint();
     o.wait_timeout = std::chrono::milliseconds(0);
     auto shmem = [] {
