@@ -56,11 +56,7 @@ class GpuE2eTest : public ::testing::Test {
     }
   }
 
-  void NeedGpus(size_t n) {
-    if (uuids_.size() < n) {
-      GTEST_SKIP() << "needs " << n << " GPUs, the driver shows " << uuids_.size();
-    }
-  }
+  bool HasGpus(size_t n) const { return uuids_.size() >= n; }
 
   std::string runtime() const { return dir_.Join("rt"); }
 
@@ -187,7 +183,9 @@ TEST_F(GpuE2eTest, TwoClientsOnOneGpuReadIdenticalCorrectBytesAndVerifyPasses) {
 }
 
 TEST_F(GpuE2eTest, CudaVisibleDevices1AndDevice0FindsGpu1sDaemonNotGpu0s) {
-  NeedGpus(2);
+  // In the test body: GTEST_SKIP in a helper would return from the helper only, and the test
+  // would go on to index a second GPU that is not there.
+  if (!HasGpus(2)) GTEST_SKIP() << "needs 2 GPUs, the driver shows " << uuids_.size();
   // Same model, same ranks, same namespace and runtime dir: only the GPU differs.
   auto d0 = StartDaemon("serve-gpu0", uuids_[0]);
   auto d1 = StartDaemon("serve-gpu1", uuids_[1]);
@@ -224,7 +222,9 @@ TEST_F(GpuE2eTest, CudaVisibleDevices1AndDevice0FindsGpu1sDaemonNotGpu0s) {
 }
 
 TEST_F(GpuE2eTest, TwoJobsEachWithItsOwnTpRank0NeverCross) {
-  NeedGpus(2);
+  // In the test body: GTEST_SKIP in a helper would return from the helper only, and the test
+  // would go on to index a second GPU that is not there.
+  if (!HasGpus(2)) GTEST_SKIP() << "needs 2 GPUs, the driver shows " << uuids_.size();
   // Job A runs on physical GPU 0, job B on GPU 1, each seeing its GPU as device 0. Same
   // namespace, model, tp_size and tp_rank: the GPU UUID is the only thing that separates them.
   struct Job {
