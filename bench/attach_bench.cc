@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/arena_plan.h"
+#include "checkpoint/arena_plan.h"
 #include "cuda/driver_api.h"
 #include "cuda/exported_arena.h"
 #include "cuda/imported_arena.h"
@@ -93,7 +93,7 @@ Status ChildVmm(const DriverApi* api, CUdevice dev, std::istringstream& in,
     // What a client does next: one pointer per tensor from the daemon's placement table.
     Clock::time_point t1 = Clock::now();
     std::vector<uint64_t> tensor_sizes(tensors, tensor_bytes);
-    cuda::ArenaPlan plan = cuda::PlanArena(tensor_sizes, granularity, max_alloc);
+    checkpoint::ArenaPlan plan = checkpoint::PlanArena(tensor_sizes, granularity, max_alloc);
     std::vector<CUdeviceptr> ptrs(tensors);
     for (size_t i = 0; i < tensors; ++i) {
       ptrs[i] = arena.allocations()[plan.placements[i].allocation].ptr + plan.placements[i].offset;
@@ -253,7 +253,7 @@ void Emit(nlohmann::json j) {
   std::fflush(stdout);
 }
 
-uint64_t g_max_alloc = cuda::kDefaultMaxAllocationBytes;
+uint64_t g_max_alloc = checkpoint::kDefaultMaxAllocationBytes;
 bool g_vmm_only = false;
 
 Status BenchVmm(const DriverApi* api, CUdevice dev, uint64_t total_bytes, uint64_t tensors,
@@ -264,7 +264,7 @@ Status BenchVmm(const DriverApi* api, CUdevice dev, uint64_t total_bytes, uint64
   const uint64_t tensor_bytes = total_bytes / tensors;
   const uint64_t max_alloc = g_max_alloc;
   std::vector<uint64_t> tensor_sizes(tensors, tensor_bytes);
-  cuda::ArenaPlan plan = cuda::PlanArena(tensor_sizes, granularity, max_alloc);
+  checkpoint::ArenaPlan plan = checkpoint::PlanArena(tensor_sizes, granularity, max_alloc);
   Clock::time_point t0 = Clock::now();
   WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::ExportedArena arena,
                                cuda::ExportedArena::Create(api, dev, plan.allocation_bytes));
@@ -288,7 +288,7 @@ Status BenchVmm(const DriverApi* api, CUdevice dev, uint64_t total_bytes, uint64
 }
 
 Status BenchLegacyIpc(const DriverApi* api, uint64_t total_bytes, uint64_t tensors) {
-  const uint64_t tensor_bytes = cuda::AlignUp(total_bytes / tensors, cuda::kTensorAlignment);
+  const uint64_t tensor_bytes = AlignUp(total_bytes / tensors, checkpoint::kTensorAlignment);
   std::vector<CUdeviceptr> ptrs;
   ptrs.reserve(tensors);
   Status status;

@@ -5,11 +5,11 @@
 #include <string>
 #include <utility>
 
+#include "checkpoint/arena_plan.h"
 #include "client/parallel.h"
 #include "client/tensor_table.h"
+#include "common/checksum.h"
 #include "common/logging.h"
-#include "cuda/arena_plan.h"
-#include "cuda/checksum.h"
 
 namespace weightcache::client {
 namespace {
@@ -40,8 +40,8 @@ Result<TensorTable> MakeTable(const std::vector<checkpoint::TensorInfo>& infos, 
 
 Result<HostBuffer> HostBuffer::Allocate(uint64_t bytes) {
   // aligned_alloc wants a size that is a multiple of the alignment, and never zero.
-  uint64_t size = cuda::AlignUp(std::max<uint64_t>(bytes, 1), cuda::kTensorAlignment);
-  void* p = std::aligned_alloc(cuda::kTensorAlignment, size);
+  uint64_t size = AlignUp(std::max<uint64_t>(bytes, 1), checkpoint::kTensorAlignment);
+  void* p = std::aligned_alloc(checkpoint::kTensorAlignment, size);
   if (p == nullptr) {
     return Status(StatusCode::kOutOfMemory, "allocating " + std::to_string(bytes) +
                                                 " bytes of host memory for the "
@@ -156,7 +156,7 @@ std::vector<uint64_t> PackedOffsets(const checkpoint::Checkpoint& checkpoint) {
   uint64_t at = 0;
   for (const auto& t : checkpoint.tensors()) {
     offsets.push_back(at);
-    at = cuda::AlignUp(at + t.nbytes, cuda::kTensorAlignment);
+    at = AlignUp(at + t.nbytes, checkpoint::kTensorAlignment);
   }
   offsets.push_back(at);
   return offsets;
@@ -181,7 +181,7 @@ Result<HostFallback> LoadHostFallback(const checkpoint::Checkpoint& checkpoint, 
 
   std::vector<uint64_t> checksums(infos.size());
   ParallelFor(infos.size(), threads, [&](size_t i) {
-    checksums[i] = cuda::TensorChecksum(buffer.data() + offsets[i], infos[i].nbytes);
+    checksums[i] = TensorChecksum(buffer.data() + offsets[i], infos[i].nbytes);
   });
 
   HostFallback out{std::move(buffer), {}};
@@ -210,7 +210,7 @@ Result<GpuFallback> LoadGpuFallback(const cuda::DriverApi* api, CUdevice device,
     uint64_t length;
     uint64_t staging_offset;
   };
-  std::vector<cuda::ChecksumBuilder> builders(infos.size());
+  std::vector<ChecksumBuilder> builders(infos.size());
   std::vector<Piece> batch;
   uint64_t batch_bytes = 0;
   checkpoint::ReadOptions read_options;

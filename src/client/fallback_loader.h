@@ -28,7 +28,7 @@
 
 namespace weightcache::client {
 
-// malloc'ed host memory, aligned to cuda::kTensorAlignment.
+// malloc'ed host memory, aligned to checkpoint::kTensorAlignment.
 class HostBuffer {
  public:
   static Result<HostBuffer> Allocate(uint64_t bytes);
@@ -109,7 +109,7 @@ struct GpuFallback {
 };
 
 // Byte offset of every tensor (in checkpoint.tensors() order) inside one packed buffer, each
-// aligned to cuda::kTensorAlignment; the last element is the buffer size.
+// aligned to checkpoint::kTensorAlignment; the last element is the buffer size.
 std::vector<uint64_t> PackedOffsets(const checkpoint::Checkpoint& checkpoint);
 
 Result<HostFallback> LoadHostFallback(const checkpoint::Checkpoint& checkpoint, int threads);

@@ -8,8 +8,8 @@
 #include "checkpoint/dtype.h"
 #include "client/attachment_impl.h"
 #include "client/parallel.h"
+#include "common/checksum.h"
 #include "common/hash.h"
-#include "cuda/checksum.h"
 #include "cuda/checksum_gpu.h"
 
 namespace weightcache::client {
@@ -39,7 +39,7 @@ Result<std::vector<uint64_t>> GpuChecksums(const Attachment& attachment) {
 // The checksum of a tensor's bytes in its shard file, streamed through one buffer.
 Result<uint64_t> FileChecksum(const checkpoint::Checkpoint& ckpt,
                               const checkpoint::TensorInfo& info, std::vector<uint8_t>& buffer) {
-  cuda::ChecksumBuilder builder;
+  ChecksumBuilder builder;
   checkpoint::ReadOptions one_thread;
   one_thread.threads = 1;
   for (uint64_t done = 0; done < info.nbytes;) {
@@ -64,9 +64,8 @@ Result<std::vector<uint64_t>> MemoryChecksums(const Attachment& attachment, int 
   if (attachment.tier() == Tier::kGpu) return GpuChecksums(attachment);
   const auto& tensors = attachment.tensors();
   std::vector<uint64_t> out(tensors.size());
-  ParallelFor(tensors.size(), threads, [&](size_t i) {
-    out[i] = cuda::TensorChecksum(tensors[i].host_ptr(), tensors[i].nbytes);
-  });
+  ParallelFor(tensors.size(), threads,
+              [&](size_t i) { out[i] = TensorChecksum(tensors[i].host_ptr(), tensors[i].nbytes); });
   return out;
 }
 

@@ -2,7 +2,7 @@
 // checksum recomputed over the mapped memory and compared with the daemon's record) and
 // `weightcache verify` (the mapped memory compared with the checkpoint files on disk).
 //
-// Host tier memory is hashed on the CPU (cuda::TensorChecksum); gpu tier memory with the GPU
+// Host tier memory is hashed on the CPU (TensorChecksum); gpu tier memory with the GPU
 // checksum kernel (cuda::ChecksumKernel) in the device's primary context, so the bytes never
 // travel to the host. File bytes are read with pread and hashed on the CPU. Both sides use the
 // one checksum definition of docs/integrity.md.

@@ -1,40 +1,27 @@
 // UniqueFd — sole owner of one file descriptor. Move-only; closes on destruction.
 // Every fd in the project is held by one of these from the moment it exists (received fds
-// are wrapped before they are validated).
+// are wrapped before they are validated). The ownership rules are UniqueHandle's
+// (common/unique_handle.h); an fd is live when it is >= 0, and -1 is the empty value.
 #pragma once
 
 #include <unistd.h>
 
-#include <utility>
+#include "common/unique_handle.h"
 
 namespace weightcache {
 
-class UniqueFd {
+struct FdTraits {
+  using Handle = int;
+  using Context = NoContext;
+  static constexpr int Null() { return -1; }
+  static bool IsValid(int fd) { return fd >= 0; }
+  static void Close(NoContext /*unused*/, int fd) noexcept { ::close(fd); }
+};
+
+// A class, not an alias, so that it can be forward-declared.
+class UniqueFd : public UniqueHandle<FdTraits> {
  public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  UniqueFd(UniqueFd&& other) noexcept : fd_(other.Release()) {}
-  UniqueFd& operator=(UniqueFd&& other) noexcept {
-    if (this != &other) Reset(other.Release());
-    return *this;
-  }
-  ~UniqueFd() { Reset(); }
-
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  explicit operator bool() const { return valid(); }
-
-  // Give up ownership without closing.
-  int Release() { return std::exchange(fd_, -1); }
-  void Reset(int fd = -1) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_ = -1;
+  using UniqueHandle::UniqueHandle;
 };
 
 }  // namespace weightcache

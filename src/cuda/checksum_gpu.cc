@@ -4,8 +4,8 @@
 #include <string>
 #include <utility>
 
+#include "common/checksum.h"
 #include "common/hash.h"
-#include "cuda/checksum.h"
 #include "cuda/kernels/checksum_abi.h"
 
 namespace weightcache::cuda {
@@ -18,30 +18,26 @@ extern const size_t kChecksumFatbinSize;
 namespace {
 
 // The kernel's scratch: the range table followed by the chunk-hash output. One allocation
-// per call, freed on every path.
-class DeviceScratch {
- public:
-  static Result<DeviceScratch> Create(const DriverApi* api, size_t bytes) {
-    CUdeviceptr ptr = 0;
-    WEIGHTCACHE_CU_RETURN_IF_ERROR(
-        api, cuMemAlloc(&ptr, bytes),
-        "cuMemAlloc of " + std::to_string(bytes) + " bytes of checksum scratch");
-    return DeviceScratch(api, ptr);
+// per call, freed (cuMemFree) on every path.
+struct DeviceMemoryTraits {
+  using Handle = CUdeviceptr;
+  using Context = const DriverApi*;
+  static constexpr Handle Null() { return 0; }
+  static void Close(const DriverApi* api, CUdeviceptr p) noexcept {
+    if (CUresult rc = api->cuMemFree(p); rc != CUDA_SUCCESS) {
+      LogReleaseFailure(api, rc, "cuMemFree of checksum scratch");
+    }
   }
-  DeviceScratch(DeviceScratch&& other) noexcept
-      : api_(other.api_), ptr_(std::exchange(other.ptr_, 0)) {}
-  DeviceScratch& operator=(DeviceScratch&&) = delete;
-  DeviceScratch(const DeviceScratch&) = delete;
-  ~DeviceScratch() {
-    if (ptr_ != 0) api_->cuMemFree(ptr_);
-  }
-  CUdeviceptr get() const { return ptr_; }
-
- private:
-  DeviceScratch(const DriverApi* api, CUdeviceptr ptr) : api_(api), ptr_(ptr) {}
-  const DriverApi* api_;
-  CUdeviceptr ptr_;
 };
+using DeviceScratch = UniqueHandle<DeviceMemoryTraits>;
+
+Result<DeviceScratch> AllocateScratch(const DriverApi* api, size_t bytes) {
+  CUdeviceptr ptr = 0;
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(
+      api, cuMemAlloc(&ptr, bytes),
+      "cuMemAlloc of " + std::to_string(bytes) + " bytes of checksum scratch");
+  return DeviceScratch(api, ptr);
+}
 
 }  // namespace
 
@@ -56,41 +52,23 @@ Result<ChecksumKernel> ChecksumKernel::Create(const DriverApi* api) {
   CUmodule module = nullptr;
   WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuModuleLoadData(&module, kernels::kChecksumFatbin),
                                  "cuModuleLoadData of the embedded checksum kernel");
+  UniqueHandle<ModuleTraits> owned(api, module);  // unloaded on the error path too
   CUfunction function = nullptr;
-  CUresult rc = api->cuModuleGetFunction(&function, module, kernels::kChunkXxh64Kernel);
-  if (rc != CUDA_SUCCESS) {
-    api->cuModuleUnload(module);
-    return DriverError(api, rc,
-                       std::string("cuModuleGetFunction(") + kernels::kChunkXxh64Kernel + ")");
-  }
-  return ChecksumKernel(api, module, function);
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(
+      api, cuModuleGetFunction(&function, module, kernels::kChunkXxh64Kernel),
+      std::string("cuModuleGetFunction(") + kernels::kChunkXxh64Kernel + ")");
+  return ChecksumKernel(std::move(owned), function);
 }
 
-ChecksumKernel::ChecksumKernel(ChecksumKernel&& other) noexcept
-    : api_(other.api_),
-      module_(std::exchange(other.module_, nullptr)),
-      function_(std::exchange(other.function_, nullptr)) {}
-
-ChecksumKernel& ChecksumKernel::operator=(ChecksumKernel&& other) noexcept {
-  if (this != &other) {
-    Reset();
-    api_ = other.api_;
-    module_ = std::exchange(other.module_, nullptr);
-    function_ = std::exchange(other.function_, nullptr);
+void ModuleTraits::Close(const DriverApi* api, CUmodule module) noexcept {
+  if (CUresult rc = api->cuModuleUnload(module); rc != CUDA_SUCCESS) {
+    LogReleaseFailure(api, rc, "cuModuleUnload of the checksum kernel");
   }
-  return *this;
-}
-
-ChecksumKernel::~ChecksumKernel() { Reset(); }
-
-void ChecksumKernel::Reset() {
-  if (module_ != nullptr) api_->cuModuleUnload(module_);
-  module_ = nullptr;
-  function_ = nullptr;
 }
 
 Result<std::vector<uint64_t>> ChecksumKernel::ChunkHashes(
     CUstream stream, std::span<const DeviceRange> ranges) const {
+  const DriverApi* api = module_.context();
   std::vector<kernels::ChecksumRange> table;
   table.reserve(ranges.size());
   uint64_t total_chunks = 0;
@@ -114,11 +92,10 @@ Result<std::vector<uint64_t>> ChecksumKernel::ChunkHashes(
   const size_t table_bytes = table.size() * sizeof(kernels::ChecksumRange);
   const size_t out_offset = (table_bytes + 255) / 256 * 256;
   const size_t out_bytes = hashes.size() * sizeof(uint64_t);
-  WEIGHTCACHE_ASSIGN_OR_RETURN(DeviceScratch scratch,
-                               DeviceScratch::Create(api_, out_offset + out_bytes));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(DeviceScratch scratch, AllocateScratch(api, out_offset + out_bytes));
   CUdeviceptr d_ranges = scratch.get();
   CUdeviceptr d_out = scratch.get() + out_offset;
-  WEIGHTCACHE_CU_RETURN_IF_ERROR(api_,
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(api,
                                  cuMemcpyHtoDAsync(d_ranges, table.data(), table_bytes, stream),
                                  "copying the checksum range table to the device");
 
@@ -127,21 +104,21 @@ Result<std::vector<uint64_t>> ChecksumKernel::ChunkHashes(
   uint64_t seed = kChecksumSeed;
   void* params[] = {&d_ranges, &num_ranges, &total_chunks, &chunk_bytes, &seed, &d_out};
   CUresult rc =
-      api_->cuLaunchKernel(function_, static_cast<unsigned>(blocks), 1, 1,
-                           kernels::kChunkXxh64BlockThreads, 1, 1, 0, stream, params, nullptr);
+      api->cuLaunchKernel(function_, static_cast<unsigned>(blocks), 1, 1,
+                          kernels::kChunkXxh64BlockThreads, 1, 1, 0, stream, params, nullptr);
   if (rc != CUDA_SUCCESS) {
     // The table copy may still be reading `table`; finish it before the vector goes away.
-    api_->cuStreamSynchronize(stream);
-    return DriverError(api_, rc,
+    api->cuStreamSynchronize(stream);
+    return DriverError(api, rc,
                        "cuLaunchKernel(checksum) over " + std::to_string(total_chunks) +
                            " chunks in " + std::to_string(table.size()) + " ranges");
   }
-  rc = api_->cuMemcpyDtoHAsync(hashes.data(), d_out, out_bytes, stream);
-  CUresult sync_rc = api_->cuStreamSynchronize(stream);
-  if (rc != CUDA_SUCCESS) return DriverError(api_, rc, "copying the chunk hashes to the host");
+  rc = api->cuMemcpyDtoHAsync(hashes.data(), d_out, out_bytes, stream);
+  CUresult sync_rc = api->cuStreamSynchronize(stream);
+  if (rc != CUDA_SUCCESS) return DriverError(api, rc, "copying the chunk hashes to the host");
   if (sync_rc != CUDA_SUCCESS) {
     // A kernel fault (an invalid range) surfaces here, as CUDA_ERROR_ILLEGAL_ADDRESS.
-    return DriverError(api_, sync_rc,
+    return DriverError(api, sync_rc,
                        "checksum kernel over " + std::to_string(table.size()) + " device ranges");
   }
   return hashes;

@@ -18,8 +18,10 @@
 
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
+#include "common/unique_handle.h"
 #include "cuda/driver_api.h"
 #include "weightcache/status.h"
 
@@ -33,15 +35,17 @@ struct DeviceRange {
 // True when this build embeds the kernel image.
 bool GpuChecksumKernelBuilt();
 
+// A loaded module, unloaded with cuModuleUnload.
+struct ModuleTraits {
+  using Handle = CUmodule;
+  using Context = const DriverApi*;
+  static constexpr Handle Null() { return nullptr; }
+  static void Close(const DriverApi* api, CUmodule module) noexcept;
+};
+
 class ChecksumKernel {
  public:
   static Result<ChecksumKernel> Create(const DriverApi* api);
-
-  ChecksumKernel(ChecksumKernel&& other) noexcept;
-  ChecksumKernel& operator=(ChecksumKernel&& other) noexcept;
-  ChecksumKernel(const ChecksumKernel&) = delete;
-  ChecksumKernel& operator=(const ChecksumKernel&) = delete;
-  ~ChecksumKernel();
 
   // One checksum per range, in order. One kernel launch for all ranges. Uses a small device
   // scratch allocation (24 bytes per range + 8 bytes per chunk).
@@ -54,13 +58,11 @@ class ChecksumKernel {
                                             std::span<const DeviceRange> ranges) const;
 
  private:
-  ChecksumKernel(const DriverApi* api, CUmodule module, CUfunction function)
-      : api_(api), module_(module), function_(function) {}
-  void Reset();
+  ChecksumKernel(UniqueHandle<ModuleTraits> module, CUfunction function)
+      : module_(std::move(module)), function_(function) {}
 
-  const DriverApi* api_ = nullptr;
-  CUmodule module_ = nullptr;
-  CUfunction function_ = nullptr;
+  UniqueHandle<ModuleTraits> module_;
+  CUfunction function_ = nullptr;  // belongs to module_
 };
 
 // Loads the kernel, computes, unloads: for one-off verification. A caller verifying often

@@ -4,6 +4,8 @@
 
 #include <mutex>
 
+#include "common/logging.h"
+
 namespace weightcache::cuda {
 namespace {
 
@@ -82,6 +84,11 @@ Status DriverError(const DriverApi* api, CUresult rc, std::string_view what) {
   Status s(StatusCode::kCuda, std::move(msg));
   s.WithDriverError(static_cast<int>(rc));
   return s;
+}
+
+void LogReleaseFailure(const DriverApi* api, CUresult rc, std::string_view what) {
+  LOG_WARN << "releasing CUDA resource failed, continuing: "
+           << DriverError(api, rc, what).message();
 }
 
 }  // namespace weightcache::cuda

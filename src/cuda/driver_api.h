@@ -97,6 +97,10 @@ Result<const DriverApi*> LoadDriver();
 // with the CUresult attached. `api` may be null (then only the number is printed).
 Status DriverError(const DriverApi* api, CUresult rc, std::string_view what);
 
+// For release calls in destructors, which cannot report: logs (LOG_WARN) the failed `what` and
+// returns, so the caller carries on releasing the rest.
+void LogReleaseFailure(const DriverApi* api, CUresult rc, std::string_view what);
+
 }  // namespace weightcache::cuda
 
 // Call a driver function through `api`, returning a Status from the enclosing function on error.

@@ -4,7 +4,7 @@
 #include <string>
 #include <utility>
 
-#include "cuda/arena_plan.h"
+#include "common/align.h"
 
 namespace weightcache::cuda {
 namespace {

@@ -3,6 +3,8 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -12,9 +14,10 @@
 #include <mutex>
 #include <thread>
 
+#include "common/align.h"
+#include "common/checksum.h"
 #include "common/logging.h"
 #include "common/unique_fd.h"
-#include "cuda/checksum.h"
 
 namespace weightcache::cuda {
 namespace {
@@ -24,7 +27,6 @@ namespace {
 constexpr uint64_t kDirectAlign = 4096;
 
 uint64_t AlignDown(uint64_t v, uint64_t a) { return v / a * a; }
-uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 // One contiguous file region read into a staging buffer. Its buffer position is congruent to
 // its file offset modulo kDirectAlign, so the O_DIRECT variant (the aligned superset of the
@@ -118,6 +120,333 @@ std::string DescribeRead(const UploadSource& src, uint64_t offset, uint64_t leng
          std::to_string(length) + " bytes, item " + std::to_string(item) + ")";
 }
 
+// ---- Run, step by step
+// ---------------------------------------------------------------------------
+//
+//   1. ValidateItems   every item names a source, fits off_t and has a destination;
+//   2. OpenDirect      O_DIRECT descriptors (ReadMode::kDirect);
+//   3. PlanBatches     items packed into staging-buffer fills (above), ChunkLayout for hashes;
+//   4. UploadRun::Stage   reader threads: wait for the slot, read, copy, record the event;
+//                         hasher threads: chunk hashes of each filled buffer, then its release;
+//   5. UploadRun::Drain   synchronize every stream, on success and on error alike;
+//   6. UploadRun::ReportTail and the report: progress of the last batches, the checksums.
+
+// Step 1. Returns the total bytes of the items.
+Result<uint64_t> ValidateItems(std::span<const UploadSource> sources,
+                               std::span<const UploadItem> items) {
+  uint64_t total = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const UploadItem& it = items[i];
+    if (it.source >= sources.size()) {
+      return InvalidArgument("upload item " + std::to_string(i) + " names source " +
+                             std::to_string(it.source) + " of " + std::to_string(sources.size()));
+    }
+    if (it.length > std::numeric_limits<uint64_t>::max() - it.file_offset ||
+        it.file_offset + it.length > uint64_t{std::numeric_limits<off_t>::max()}) {
+      return InvalidArgument("upload item " + std::to_string(i) + " of " + sources[it.source].path +
+                             ": offset + length overflows");
+    }
+    if (it.length > 0 && it.dst == 0) {
+      return InvalidArgument("upload item " + std::to_string(i) + " of " + sources[it.source].path +
+                             " has a null device destination");
+    }
+    total += it.length;
+  }
+  return total;
+}
+
+// Step 2. A separate open file description per source, so the caller's fd keeps its flags;
+// /proc/self/fd reopens the same file without knowing its path. An invalid entry means "read
+// this source buffered".
+std::vector<UniqueFd> OpenDirect(std::span<const UploadSource> sources, ReadMode mode) {
+  std::vector<UniqueFd> direct_fds(sources.size());
+  if (mode != ReadMode::kDirect) return direct_fds;
+  for (size_t s = 0; s < sources.size(); ++s) {
+    const std::string proc = "/proc/self/fd/" + std::to_string(sources[s].fd);
+    direct_fds[s].Reset(::open(proc.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC));
+    if (!direct_fds[s].valid()) {
+      LOG_DEBUG << "O_DIRECT refused for " << sources[s].path << " (" << std::strerror(errno)
+                << "); reading it through the page cache";
+    }
+  }
+  return direct_fds;
+}
+
+// Step 3, for checksums: every item's chunk hashes in one flat array, item i's at [begin[i],
+// begin[i + 1]): two allocations however many items (10,000 tensors made 10,000 small vectors),
+// freed when Run() returns. Segments write disjoint slices, so the hashers need no lock.
+class ChunkLayout {
+ public:
+  ChunkLayout(std::span<const UploadItem> items, bool checksums)
+      : begin_(checksums ? items.size() + 1 : 0, 0) {
+    for (size_t i = 0; checksums && i < items.size(); ++i) {
+      begin_[i + 1] = begin_[i] + ChecksumChunkCount(items[i].length);
+    }
+    hashes_.resize(checksums ? begin_.back() : 0);
+  }
+  std::span<uint64_t> SegmentHashes(const Segment& seg) {
+    return std::span<uint64_t>(hashes_).subspan(
+        begin_[seg.item] + seg.item_offset / kChecksumChunkBytes, ChecksumChunkCount(seg.length));
+  }
+  std::vector<uint64_t> Checksums() const {
+    std::vector<uint64_t> out;
+    out.reserve(begin_.empty() ? 0 : begin_.size() - 1);
+    for (size_t i = 0; i + 1 < begin_.size(); ++i) {
+      out.push_back(CombineChunkHashes(
+          std::span<const uint64_t>(hashes_).subspan(begin_[i], begin_[i + 1] - begin_[i])));
+    }
+    return out;
+  }
+
+ private:
+  std::vector<uint64_t> begin_;
+  std::vector<uint64_t> hashes_;
+};
+
+// Steps 4 to 6: the threads and shared state of one Run(). Staging buffer slot b % N carries
+// batch b; a batch may refill its slot once the slot's previous batch is done on the host (read,
+// copies issued, hashed) and its copies have completed on the device (its event).
+class UploadRun {
+ public:
+  struct Resources {
+    const DriverApi* api;
+    CUcontext context;
+    std::span<const PinnedHostBuffer> buffers;
+    std::span<const CudaStream> streams;
+    std::span<const CudaEvent> events;  // one per buffer
+  };
+
+  UploadRun(const Resources& r, std::span<const UploadSource> sources,
+            std::span<const UploadItem> items, std::span<const Batch> batches,
+            std::span<const UniqueFd> direct_fds, ChunkLayout* chunks, const UploadControl& control,
+            uint64_t total)
+      : r_(r),
+        sources_(sources),
+        items_(items),
+        batches_(batches),
+        direct_fds_(direct_fds),
+        chunks_(chunks),
+        control_(control),
+        total_(total),
+        slot_fills_(r.buffers.size(), 0) {}
+
+  // Step 4: runs `readers` reader threads and, when `chunks` was given, `hashers` hasher
+  // threads, until every batch is done or one of them fails. The first error is kept for Drain.
+  void Stage(size_t readers, size_t hashers) {
+    std::vector<std::thread> hasher_threads;
+    if (chunks_ != nullptr) {
+      for (size_t t = 0; t < std::min(hashers, batches_.size()); ++t) {
+        hasher_threads.emplace_back([this] { Hasher(); });
+      }
+    }
+    std::vector<std::thread> reader_threads;
+    const size_t num_readers = std::min(readers, batches_.size());
+    reader_threads.reserve(num_readers);
+    for (size_t t = 0; t < num_readers; ++t) reader_threads.emplace_back([this] { Reader(); });
+    for (std::thread& t : reader_threads) t.join();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      readers_done_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : hasher_threads) t.join();
+  }
+
+  // Step 5: drains every stream, on success and on error alike: the staging buffers must not
+  // be refilled or freed under a copy that is still reading them. Returns the first error.
+  Status Drain() {
+    for (const CudaStream& s : r_.streams) {
+      CUresult rc = r_.api->cuStreamSynchronize(s.get());
+      if (rc != CUDA_SUCCESS && first_error_.ok()) {
+        first_error_ = DriverError(r_.api, rc, "cuStreamSynchronize after the upload copies");
+      }
+    }
+    return first_error_;
+  }
+
+  // Step 6: progress for the batches whose completion no later batch observed.
+  void ReportTail() {
+    const size_t n = r_.buffers.size();
+    const size_t tail_start = batches_.size() > n ? batches_.size() - n : 0;
+    for (size_t b = tail_start; b < batches_.size(); ++b) ReportProgress(batches_[b].bytes);
+    if (batches_.empty() && control_.progress) control_.progress(0, 0);
+  }
+
+ private:
+  void Reader() {
+    CUresult rc = r_.api->cuCtxSetCurrent(r_.context);
+    if (rc != CUDA_SUCCESS) {
+      return Fail(DriverError(r_.api, rc, "cuCtxSetCurrent on upload thread"));
+    }
+    while (!stop_.load()) {
+      const size_t b = next_batch_.fetch_add(1);
+      if (b >= batches_.size()) return;
+      if (control_.cancel != nullptr && control_.cancel->load()) {
+        return Fail(Status(StatusCode::kUnavailable, "upload cancelled"));
+      }
+      const size_t slot = b % r_.buffers.size();
+      if (!WaitForSlot(b, slot)) return;
+      std::byte* buf = r_.buffers[slot].data();
+      if (Status s = ReadBatch(batches_[b], buf); !s.ok()) return Fail(std::move(s));
+      if (Status s = IssueCopies(b, slot, buf); !s.ok()) return Fail(std::move(s));
+      HandOff(b, slot);
+    }
+  }
+
+  // The slot's previous batch (b - N) must be done on the host before this thread may wait on
+  // its event, and its copies done on the device before the buffer is refilled. False when the
+  // run stopped meanwhile (an error is recorded through Fail).
+  bool WaitForSlot(size_t b, size_t slot) {
+    const size_t n = r_.buffers.size();
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_.load() || slot_fills_[slot] == b / n; });
+      if (stop_.load()) return false;
+    }
+    if (b < n) return true;
+    CUresult rc = r_.api->cuEventSynchronize(r_.events[slot].get());
+    if (rc != CUDA_SUCCESS) {
+      Fail(DriverError(r_.api, rc, "cuEventSynchronize on staging buffer " + std::to_string(slot)));
+      return false;
+    }
+    ReportProgress(batches_[b - n].bytes);
+    return true;
+  }
+
+  Status ReadBatch(const Batch& batch, std::byte* buf) {
+    for (const ReadOp& r : batch.reads) WEIGHTCACHE_RETURN_IF_ERROR(ReadOne(r, buf));
+    return Status::Ok();
+  }
+
+  Status ReadOne(const ReadOp& r, std::byte* buf) {
+    const UploadSource& src = sources_[r.source];
+    const int dfd = direct_fds_[r.source].get();
+    if (dfd >= 0) {
+      const uint64_t lead = r.file_offset % kDirectAlign;
+      const uint64_t aligned_len = AlignUp(lead + r.length, kDirectAlign);
+      Result<uint64_t> n =
+          PreadFull(dfd, buf + (r.buf_offset - lead), aligned_len, r.file_offset - lead);
+      if (n.ok() && *n >= lead + r.length) return Status::Ok();
+      // EINVAL: this filesystem or region does not take O_DIRECT after all; a short direct
+      // read is re-read buffered so the error below reports what the file really holds.
+      if (!n.ok() && n.status().sys_errno() != EINVAL) {
+        return IoError(DescribeRead(src, r.file_offset, r.length, r.first_item),
+                       n.status().sys_errno());
+      }
+    }
+    Result<uint64_t> n = PreadFull(src.fd, buf + r.buf_offset, r.length, r.file_offset);
+    if (!n.ok()) {
+      return IoError(DescribeRead(src, r.file_offset, r.length, r.first_item),
+                     n.status().sys_errno());
+    }
+    if (*n < r.length) {
+      return Status(StatusCode::kIo, DescribeRead(src, r.file_offset, r.length, r.first_item) +
+                                         ": short read, the file ends at offset " +
+                                         std::to_string(r.file_offset + *n));
+    }
+    return Status::Ok();
+  }
+
+  // The batch's copies on one of the streams, then the slot's event after them.
+  Status IssueCopies(size_t b, size_t slot, const std::byte* buf) {
+    CUstream stream = r_.streams[b % r_.streams.size()].get();
+    for (const Segment& seg : batches_[b].segments) {
+      const UploadItem& it = items_[seg.item];
+      CUresult rc = r_.api->cuMemcpyHtoDAsync(it.dst + seg.item_offset, buf + seg.buf_offset,
+                                              seg.length, stream);
+      if (rc != CUDA_SUCCESS) {
+        return DriverError(r_.api, rc,
+                           "cuMemcpyHtoDAsync of item " + std::to_string(seg.item) + " (" +
+                               sources_[it.source].path + " offset " +
+                               std::to_string(it.file_offset + seg.item_offset) + ", " +
+                               std::to_string(seg.length) + " bytes) to device address " +
+                               std::to_string(it.dst + seg.item_offset));
+      }
+    }
+    CUresult rc = r_.api->cuEventRecord(r_.events[slot].get(), stream);
+    if (rc != CUDA_SUCCESS) {
+      return DriverError(r_.api, rc, "cuEventRecord on staging buffer " + std::to_string(slot));
+    }
+    return Status::Ok();
+  }
+
+  // The copy engine reads the buffer now; hashing it at the same time is safe. The hashers,
+  // not this thread, do it, so the reads keep the disk busy meanwhile.
+  void HandOff(size_t b, size_t slot) {
+    if (chunks_ == nullptr) return ReleaseSlot(slot);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      hash_queue_.push_back(b);
+    }
+    cv_.notify_all();
+  }
+
+  // Chunk hashes of each filled staging buffer, then the buffer's release.
+  void Hasher() {
+    for (;;) {
+      size_t b = 0;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_.load() || !hash_queue_.empty() || readers_done_; });
+        if (stop_.load() || hash_queue_.empty()) return;
+        b = hash_queue_.front();
+        hash_queue_.pop_front();
+      }
+      const size_t slot = b % r_.buffers.size();
+      const std::byte* buf = r_.buffers[slot].data();
+      for (const Segment& seg : batches_[b].segments) {
+        HashChunks(buf + seg.buf_offset, seg.length, chunks_->SegmentHashes(seg));
+      }
+      ReleaseSlot(slot);
+    }
+  }
+
+  void Fail(Status s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (first_error_.ok()) first_error_ = std::move(s);
+      stop_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  // A staging buffer's batch is done on the host: the next batch of that slot may wait on its
+  // event and refill it.
+  void ReleaseSlot(size_t slot) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++slot_fills_[slot];
+    }
+    cv_.notify_all();
+  }
+
+  void ReportProgress(uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    bytes_done_ += bytes;
+    if (control_.progress) control_.progress(bytes_done_, total_);
+  }
+
+  const Resources r_;
+  const std::span<const UploadSource> sources_;
+  const std::span<const UploadItem> items_;
+  const std::span<const Batch> batches_;
+  const std::span<const UniqueFd> direct_fds_;
+  ChunkLayout* const chunks_;  // null without checksums
+  const UploadControl& control_;
+  const uint64_t total_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<size_t> slot_fills_;  // batches finished on the host, per slot (under mu_)
+  std::deque<size_t> hash_queue_;   // filled batches waiting for their checksums (under mu_)
+  bool readers_done_ = false;       // (under mu_)
+  Status first_error_;              // (under mu_ while threads run)
+  std::atomic<size_t> next_batch_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex progress_mu_;
+  uint64_t bytes_done_ = 0;  // (under progress_mu_)
+};
+
 }  // namespace
 
 Result<UploadPipeline> UploadPipeline::Create(const DriverApi* api, const UploadOptions& o) {
@@ -162,249 +491,27 @@ Result<UploadReport> UploadPipeline::Run(std::span<const UploadSource> sources,
                                          std::span<const UploadItem> items,
                                          const UploadControl& control) {
   const auto t0 = std::chrono::steady_clock::now();
-  uint64_t total = 0;
-  for (size_t i = 0; i < items.size(); ++i) {
-    const UploadItem& it = items[i];
-    if (it.source >= sources.size()) {
-      return InvalidArgument("upload item " + std::to_string(i) + " names source " +
-                             std::to_string(it.source) + " of " + std::to_string(sources.size()));
-    }
-    if (it.length > std::numeric_limits<uint64_t>::max() - it.file_offset ||
-        it.file_offset + it.length > uint64_t{std::numeric_limits<off_t>::max()}) {
-      return InvalidArgument("upload item " + std::to_string(i) + " of " + sources[it.source].path +
-                             ": offset + length overflows");
-    }
-    if (it.length > 0 && it.dst == 0) {
-      return InvalidArgument("upload item " + std::to_string(i) + " of " + sources[it.source].path +
-                             " has a null device destination");
-    }
-    total += it.length;
-  }
-
-  // O_DIRECT descriptors: a separate open file description per source, so the caller's fd
-  // keeps its flags. /proc/self/fd reopens the same file without knowing its path.
-  std::vector<UniqueFd> direct_fds(sources.size());
-  size_t direct_sources = 0;
-  if (options_.read_mode == ReadMode::kDirect) {
-    for (size_t s = 0; s < sources.size(); ++s) {
-      const std::string proc = "/proc/self/fd/" + std::to_string(sources[s].fd);
-      direct_fds[s].Reset(::open(proc.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC));
-      if (direct_fds[s].valid()) {
-        ++direct_sources;
-      } else {
-        LOG_DEBUG << "O_DIRECT refused for " << sources[s].path << " (" << std::strerror(errno)
-                  << "); reading it through the page cache";
-      }
-    }
-  }
-
+  WEIGHTCACHE_ASSIGN_OR_RETURN(uint64_t total, ValidateItems(sources, items));
+  const std::vector<UniqueFd> direct_fds = OpenDirect(sources, options_.read_mode);
   const std::vector<Batch> batches = PlanBatches(items, options_.staging_buffer_bytes);
   const bool checksums = options_.checksums == ChecksumMode::kCompute;
-  // Every item's chunk hashes in one flat array, item i's at [chunk_begin[i], chunk_begin[i +
-  // 1]): two allocations however many items (10,000 tensors made 10,000 small vectors), all
-  // freed when Run() returns. Segments write disjoint slices, so the hashers need no lock.
-  std::vector<uint64_t> chunk_begin(checksums ? items.size() + 1 : 0, 0);
-  for (size_t i = 0; checksums && i < items.size(); ++i) {
-    chunk_begin[i + 1] = chunk_begin[i] + ChecksumChunkCount(items[i].length);
-  }
-  std::vector<uint64_t> chunk_hashes(checksums ? chunk_begin.back() : 0);
+  ChunkLayout chunks(items, checksums);
 
-  const size_t num_buffers = buffers_.size();
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<size_t> slot_fills(num_buffers, 0);  // batches finished on the host, per slot
-  std::atomic<size_t> next_batch{0};
-  std::atomic<bool> stop{false};
-  std::deque<size_t> hash_queue;  // filled batches waiting for their checksums (under mu)
-  bool readers_done = false;      // (under mu)
-  Status first_error;
-  std::mutex progress_mu;
-  uint64_t bytes_done = 0;
-
-  auto fail = [&](Status s) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (first_error.ok()) first_error = std::move(s);
-      stop = true;
-    }
-    cv.notify_all();
-  };
-  // A staging buffer's batch is done on the host (read, copies issued, hashed): the next
-  // batch of that slot may wait on its event and refill it.
-  auto release_slot = [&](size_t slot) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      ++slot_fills[slot];
-    }
-    cv.notify_all();
-  };
-  auto report_progress = [&](uint64_t bytes) {
-    std::lock_guard<std::mutex> lock(progress_mu);
-    bytes_done += bytes;
-    if (control.progress) control.progress(bytes_done, total);
-  };
-
-  auto do_read = [&](const ReadOp& r, std::byte* buf) -> Status {
-    const UploadSource& src = sources[r.source];
-    const int dfd = direct_fds[r.source].get();
-    if (dfd >= 0) {
-      const uint64_t lead = r.file_offset % kDirectAlign;
-      const uint64_t aligned_len = AlignUp(lead + r.length, kDirectAlign);
-      Result<uint64_t> n =
-          PreadFull(dfd, buf + (r.buf_offset - lead), aligned_len, r.file_offset - lead);
-      if (n.ok() && *n >= lead + r.length) return Status::Ok();
-      // EINVAL: this filesystem or region does not take O_DIRECT after all; a short direct
-      // read is re-read buffered so the error below reports what the file really holds.
-      if (!n.ok() && n.status().sys_errno() != EINVAL) {
-        return IoError(DescribeRead(src, r.file_offset, r.length, r.first_item),
-                       n.status().sys_errno());
-      }
-    }
-    Result<uint64_t> n = PreadFull(src.fd, buf + r.buf_offset, r.length, r.file_offset);
-    if (!n.ok()) {
-      return IoError(DescribeRead(src, r.file_offset, r.length, r.first_item),
-                     n.status().sys_errno());
-    }
-    if (*n < r.length) {
-      return Status(StatusCode::kIo, DescribeRead(src, r.file_offset, r.length, r.first_item) +
-                                         ": short read, the file ends at offset " +
-                                         std::to_string(r.file_offset + *n));
-    }
-    return Status::Ok();
-  };
-
-  auto reader = [&]() {
-    CUresult rc = api_->cuCtxSetCurrent(context_);
-    if (rc != CUDA_SUCCESS) return fail(DriverError(api_, rc, "cuCtxSetCurrent on upload thread"));
-    while (!stop.load()) {
-      const size_t b = next_batch.fetch_add(1);
-      if (b >= batches.size()) return;
-      if (control.cancel != nullptr && control.cancel->load()) {
-        return fail(Status(StatusCode::kUnavailable, "upload cancelled"));
-      }
-      const size_t slot = b % num_buffers;
-      {
-        // The slot's previous batch (b - num_buffers) must have issued its copies and
-        // recorded its event before this thread may wait on that event.
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return stop.load() || slot_fills[slot] == b / num_buffers; });
-        if (stop.load()) return;
-      }
-      if (b >= num_buffers) {
-        rc = api_->cuEventSynchronize(events_[slot].get());
-        if (rc != CUDA_SUCCESS) {
-          return fail(DriverError(api_, rc,
-                                  "cuEventSynchronize on staging buffer " + std::to_string(slot)));
-        }
-        report_progress(batches[b - num_buffers].bytes);
-      }
-      const Batch& batch = batches[b];
-      std::byte* buf = buffers_[slot].data();
-      for (const ReadOp& r : batch.reads) {
-        if (Status s = do_read(r, buf); !s.ok()) return fail(std::move(s));
-      }
-      CUstream stream = streams_[b % streams_.size()].get();
-      for (const Segment& seg : batch.segments) {
-        const UploadItem& it = items[seg.item];
-        rc = api_->cuMemcpyHtoDAsync(it.dst + seg.item_offset, buf + seg.buf_offset, seg.length,
-                                     stream);
-        if (rc != CUDA_SUCCESS) {
-          return fail(DriverError(api_, rc,
-                                  "cuMemcpyHtoDAsync of item " + std::to_string(seg.item) + " (" +
-                                      sources[it.source].path + " offset " +
-                                      std::to_string(it.file_offset + seg.item_offset) + ", " +
-                                      std::to_string(seg.length) + " bytes) to device address " +
-                                      std::to_string(it.dst + seg.item_offset)));
-        }
-      }
-      rc = api_->cuEventRecord(events_[slot].get(), stream);
-      if (rc != CUDA_SUCCESS) {
-        return fail(
-            DriverError(api_, rc, "cuEventRecord on staging buffer " + std::to_string(slot)));
-      }
-      if (checksums) {
-        // The copy engine reads the buffer now; hashing it at the same time is safe. The
-        // hashers, not this thread, do it, so the reads keep the disk busy meanwhile.
-        {
-          std::lock_guard<std::mutex> lock(mu);
-          hash_queue.push_back(b);
-        }
-        cv.notify_all();
-      } else {
-        release_slot(slot);
-      }
-    }
-  };
-
-  // Hasher threads: chunk hashes of each filled staging buffer, then the buffer's release.
-  auto hasher = [&]() {
-    for (;;) {
-      size_t b = 0;
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return stop.load() || !hash_queue.empty() || readers_done; });
-        if (stop.load() || hash_queue.empty()) return;
-        b = hash_queue.front();
-        hash_queue.pop_front();
-      }
-      const std::byte* buf = buffers_[b % num_buffers].data();
-      for (const Segment& seg : batches[b].segments) {
-        HashChunks(buf + seg.buf_offset, seg.length,
-                   std::span<uint64_t>(chunk_hashes)
-                       .subspan(chunk_begin[seg.item] + seg.item_offset / kChecksumChunkBytes,
-                                ChecksumChunkCount(seg.length)));
-      }
-      release_slot(b % num_buffers);
-    }
-  };
-
-  std::vector<std::thread> hashers;
-  if (checksums) {
-    const size_t num_hashers =
-        std::min<size_t>(static_cast<size_t>(options_.checksum_threads), batches.size());
-    for (size_t t = 0; t < num_hashers; ++t) hashers.emplace_back(hasher);
-  }
-  std::vector<std::thread> threads;
-  const size_t num_threads =
-      std::min<size_t>(static_cast<size_t>(options_.reader_threads), batches.size());
-  threads.reserve(num_threads);
-  for (size_t t = 0; t < num_threads; ++t) threads.emplace_back(reader);
-  for (std::thread& t : threads) t.join();
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    readers_done = true;
-  }
-  cv.notify_all();
-  for (std::thread& t : hashers) t.join();
-
-  // Drain every stream, on success and on error alike: the staging buffers must not be
-  // refilled or freed under a copy that is still reading them.
-  for (const CudaStream& s : streams_) {
-    CUresult rc = api_->cuStreamSynchronize(s.get());
-    if (rc != CUDA_SUCCESS && first_error.ok()) {
-      first_error = DriverError(api_, rc, "cuStreamSynchronize after the upload copies");
-    }
-  }
-  if (!first_error.ok()) return first_error;
-  // The batches whose completion no later batch observed.
-  const size_t tail_start = batches.size() > num_buffers ? batches.size() - num_buffers : 0;
-  for (size_t b = tail_start; b < batches.size(); ++b) report_progress(batches[b].bytes);
-  if (batches.empty() && control.progress) control.progress(0, 0);
+  UploadRun run({api_, context_, buffers_, streams_, events_}, sources, items, batches, direct_fds,
+                checksums ? &chunks : nullptr, control, total);
+  run.Stage(static_cast<size_t>(options_.reader_threads),
+            static_cast<size_t>(options_.checksum_threads));
+  WEIGHTCACHE_RETURN_IF_ERROR(run.Drain());
+  run.ReportTail();
 
   UploadReport report;
   report.bytes = total;
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   report.gb_per_s = report.seconds > 0 ? static_cast<double>(total) / report.seconds / 1e9 : 0;
   report.staging_fills = batches.size();
-  report.direct_sources = direct_sources;
-  if (checksums) {
-    report.checksums.reserve(items.size());
-    for (size_t i = 0; i < items.size(); ++i) {
-      report.checksums.push_back(
-          CombineChunkHashes(std::span<const uint64_t>(chunk_hashes)
-                                 .subspan(chunk_begin[i], chunk_begin[i + 1] - chunk_begin[i])));
-    }
-  }
+  report.direct_sources = static_cast<size_t>(std::count_if(
+      direct_fds.begin(), direct_fds.end(), [](const UniqueFd& fd) { return fd.valid(); }));
+  if (checksums) report.checksums = chunks.Checksums();
   LOG_DEBUG << "upload: " << total << " bytes in " << report.seconds << " s (" << report.gb_per_s
             << " GB/s), " << batches.size() << " staging fills";
   return report;

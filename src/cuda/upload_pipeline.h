@@ -4,7 +4,7 @@
 // each filled buffer is copied to the device with cuMemcpyHtoDAsync on one of a few streams,
 // and an event recorded after its copies gates the buffer's reuse, so reads of the next
 // buffers overlap the copies of the previous ones. While a copy is in flight, checksum threads
-// compute the content checksums (cuda/checksum.h) of what was just read from the same
+// compute the content checksums (common/checksum.h) of what was just read from the same
 // staging buffer, so verification data costs no extra pass over the bytes and no read time.
 //
 // Contract:

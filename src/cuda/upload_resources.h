@@ -1,6 +1,12 @@
 // RAII owners of the driver resources the upload pipeline holds: pinned host buffers, streams
 // and events. One class per resource; each is move-only, created through Create() (nothing
-// half-built escapes) and released through the same DriverApi table it was created with.
+// half-built escapes), owns its handle through a UniqueHandle (common/unique_handle.h) and
+// releases it through the same DriverApi table it was created with; a failed release is logged.
+//
+// Pinned host memory has one rule in the project: it is allocated by cuMemHostAlloc
+// (PORTABLE, so every context sees it pinned) and freed by cuMemFreeHost, the only call that
+// frees cuMemHostAlloc'ed memory (cuMemHostUnregister is for cuMemHostRegister'ed memory the
+// caller allocated, which the project does not use). PinnedHostBuffer is that rule.
 //
 // Thread-safety: none of these synchronize; the pipeline coordinates their use. Destruction
 // must happen with a CUDA context current (the driver needs it to free) and with no GPU work
@@ -11,12 +17,45 @@
 
 #include <cstddef>
 #include <string>
-#include <utility>
 
+#include "common/unique_handle.h"
 #include "cuda/driver_api.h"
 #include "weightcache/status.h"
 
 namespace weightcache::cuda {
+
+struct PinnedHostTraits {
+  using Handle = void*;
+  using Context = const DriverApi*;
+  static constexpr Handle Null() { return nullptr; }
+  static void Close(const DriverApi* api, void* p) noexcept {
+    if (CUresult rc = api->cuMemFreeHost(p); rc != CUDA_SUCCESS) {
+      LogReleaseFailure(api, rc, "cuMemFreeHost of a pinned host buffer");
+    }
+  }
+};
+
+struct StreamTraits {
+  using Handle = CUstream;
+  using Context = const DriverApi*;
+  static constexpr Handle Null() { return nullptr; }
+  static void Close(const DriverApi* api, CUstream s) noexcept {
+    if (CUresult rc = api->cuStreamDestroy(s); rc != CUDA_SUCCESS) {
+      LogReleaseFailure(api, rc, "cuStreamDestroy");
+    }
+  }
+};
+
+struct EventTraits {
+  using Handle = CUevent;
+  using Context = const DriverApi*;
+  static constexpr Handle Null() { return nullptr; }
+  static void Close(const DriverApi* api, CUevent e) noexcept {
+    if (CUresult rc = api->cuEventDestroy(e); rc != CUDA_SUCCESS) {
+      LogReleaseFailure(api, rc, "cuEventDestroy");
+    }
+  }
+};
 
 class PinnedHostBuffer {
  public:
@@ -28,21 +67,13 @@ class PinnedHostBuffer {
         "cuMemHostAlloc of a " + std::to_string(bytes) + "-byte pinned staging buffer");
     return PinnedHostBuffer(api, p, bytes);
   }
-  PinnedHostBuffer(PinnedHostBuffer&& o) noexcept
-      : api_(o.api_), data_(std::exchange(o.data_, nullptr)), size_(o.size_) {}
-  PinnedHostBuffer& operator=(PinnedHostBuffer&&) = delete;
-  PinnedHostBuffer(const PinnedHostBuffer&) = delete;
-  ~PinnedHostBuffer() {
-    if (data_ != nullptr) api_->cuMemFreeHost(data_);
-  }
-  std::byte* data() const { return static_cast<std::byte*>(data_); }
+  std::byte* data() const { return static_cast<std::byte*>(memory_.get()); }
   size_t size() const { return size_; }
 
  private:
   PinnedHostBuffer(const DriverApi* api, void* data, size_t size)
-      : api_(api), data_(data), size_(size) {}
-  const DriverApi* api_;
-  void* data_;
+      : memory_(api, data), size_(size) {}
+  UniqueHandle<PinnedHostTraits> memory_;
   size_t size_;
 };
 
@@ -54,18 +85,11 @@ class CudaStream {
                                    "cuStreamCreate for the upload pipeline");
     return CudaStream(api, s);
   }
-  CudaStream(CudaStream&& o) noexcept : api_(o.api_), stream_(std::exchange(o.stream_, nullptr)) {}
-  CudaStream& operator=(CudaStream&&) = delete;
-  CudaStream(const CudaStream&) = delete;
-  ~CudaStream() {
-    if (stream_ != nullptr) api_->cuStreamDestroy(stream_);
-  }
-  CUstream get() const { return stream_; }
+  CUstream get() const { return stream_.get(); }
 
  private:
-  CudaStream(const DriverApi* api, CUstream s) : api_(api), stream_(s) {}
-  const DriverApi* api_;
-  CUstream stream_;
+  CudaStream(const DriverApi* api, CUstream s) : stream_(api, s) {}
+  UniqueHandle<StreamTraits> stream_;
 };
 
 class CudaEvent {
@@ -77,18 +101,11 @@ class CudaEvent {
                                    "cuEventCreate for the upload pipeline");
     return CudaEvent(api, e);
   }
-  CudaEvent(CudaEvent&& o) noexcept : api_(o.api_), event_(std::exchange(o.event_, nullptr)) {}
-  CudaEvent& operator=(CudaEvent&&) = delete;
-  CudaEvent(const CudaEvent&) = delete;
-  ~CudaEvent() {
-    if (event_ != nullptr) api_->cuEventDestroy(event_);
-  }
-  CUevent get() const { return event_; }
+  CUevent get() const { return event_.get(); }
 
  private:
-  CudaEvent(const DriverApi* api, CUevent e) : api_(api), event_(e) {}
-  const DriverApi* api_;
-  CUevent event_;
+  CudaEvent(const DriverApi* api, CUevent e) : event_(api, e) {}
+  UniqueHandle<EventTraits> event_;
 };
 
 }  // namespace weightcache::cuda

@@ -14,13 +14,6 @@ namespace {
 
 std::string Bytes(uint64_t n) { return std::to_string(n) + " bytes"; }
 
-// Destructors cannot report: say what leaked and carry on releasing the rest.
-void WarnOnRelease(const DriverApi* api, CUresult rc, const std::string& what) {
-  if (rc == CUDA_SUCCESS) return;
-  LOG_WARN << "releasing CUDA resource failed, continuing: "
-           << DriverError(api, rc, what).message();
-}
-
 }  // namespace
 
 CUmemAllocationProp ArenaAllocationProp(CUdevice device) {
@@ -91,35 +84,17 @@ Result<PrimaryContext> PrimaryContext::Retain(const DriverApi* api, CUdevice dev
   return retained;
 }
 
-PrimaryContext::PrimaryContext(PrimaryContext&& other) noexcept
-    : api_(std::exchange(other.api_, nullptr)),
-      device_(other.device_),
-      context_(std::exchange(other.context_, nullptr)) {}
-
-PrimaryContext& PrimaryContext::operator=(PrimaryContext&& other) noexcept {
-  if (this != &other) {
-    Reset();
-    api_ = std::exchange(other.api_, nullptr);
-    device_ = other.device_;
-    context_ = std::exchange(other.context_, nullptr);
+void PrimaryContextTraits::Close(const DriverApi* api, const Handle& h) noexcept {
+  if (CUresult rc = api->cuDevicePrimaryCtxRelease(h.device); rc != CUDA_SUCCESS) {
+    LogReleaseFailure(api, rc,
+                      "cuDevicePrimaryCtxRelease(device " + std::to_string(h.device) + ")");
   }
-  return *this;
-}
-
-PrimaryContext::~PrimaryContext() { Reset(); }
-
-void PrimaryContext::Reset() {
-  if (api_ == nullptr) return;
-  WarnOnRelease(api_, api_->cuDevicePrimaryCtxRelease(device_),
-                "cuDevicePrimaryCtxRelease(device " + std::to_string(device_) + ")");
-  api_ = nullptr;
-  context_ = nullptr;
 }
 
 Status PrimaryContext::MakeCurrent() const {
   WEIGHTCACHE_CU_RETURN_IF_ERROR(
-      api_, cuCtxSetCurrent(context_),
-      "cuCtxSetCurrent(primary context of device " + std::to_string(device_) + ")");
+      api(), cuCtxSetCurrent(get()),
+      "cuCtxSetCurrent(primary context of device " + std::to_string(device()) + ")");
   return Status::Ok();
 }
 
@@ -145,37 +120,18 @@ Result<VmmHandle> VmmHandle::ImportPosixFd(const DriverApi* api, int fd, uint64_
   return VmmHandle(api, handle, size);
 }
 
-VmmHandle::VmmHandle(VmmHandle&& other) noexcept
-    : api_(std::exchange(other.api_, nullptr)),
-      handle_(std::exchange(other.handle_, 0)),
-      size_(std::exchange(other.size_, 0)) {}
-
-VmmHandle& VmmHandle::operator=(VmmHandle&& other) noexcept {
-  if (this != &other) {
-    Reset();
-    api_ = std::exchange(other.api_, nullptr);
-    handle_ = std::exchange(other.handle_, 0);
-    size_ = std::exchange(other.size_, 0);
+void VmmHandleTraits::Close(const DriverApi* api, const Handle& h) noexcept {
+  if (CUresult rc = api->cuMemRelease(h.handle); rc != CUDA_SUCCESS) {
+    LogReleaseFailure(api, rc, "cuMemRelease(" + Bytes(h.size) + ")");
   }
-  return *this;
-}
-
-VmmHandle::~VmmHandle() { Reset(); }
-
-void VmmHandle::Reset() {
-  if (api_ == nullptr) return;
-  WarnOnRelease(api_, api_->cuMemRelease(handle_), "cuMemRelease(" + Bytes(size_) + ")");
-  api_ = nullptr;
-  handle_ = 0;
-  size_ = 0;
 }
 
 Result<UniqueFd> VmmHandle::ExportPosixFd() const {
   int raw = -1;
   WEIGHTCACHE_CU_RETURN_IF_ERROR(
-      api_,
-      cuMemExportToShareableHandle(&raw, handle_, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-      "cuMemExportToShareableHandle(" + Bytes(size_) + ", POSIX fd)");
+      owned_.context(),
+      cuMemExportToShareableHandle(&raw, get(), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+      "cuMemExportToShareableHandle(" + Bytes(size()) + ", POSIX fd)");
   UniqueFd fd(raw);
   // The driver does not promise CLOEXEC; an fd leaked into an exec'd child would keep the
   // whole allocation alive for that child's lifetime.
@@ -196,30 +152,10 @@ Result<VaRange> VaRange::Reserve(const DriverApi* api, uint64_t size, uint64_t a
   return VaRange(api, base, size);
 }
 
-VaRange::VaRange(VaRange&& other) noexcept
-    : api_(std::exchange(other.api_, nullptr)),
-      base_(std::exchange(other.base_, 0)),
-      size_(std::exchange(other.size_, 0)) {}
-
-VaRange& VaRange::operator=(VaRange&& other) noexcept {
-  if (this != &other) {
-    Reset();
-    api_ = std::exchange(other.api_, nullptr);
-    base_ = std::exchange(other.base_, 0);
-    size_ = std::exchange(other.size_, 0);
+void VaRangeTraits::Close(const DriverApi* api, const Handle& h) noexcept {
+  if (CUresult rc = api->cuMemAddressFree(h.base, h.size); rc != CUDA_SUCCESS) {
+    LogReleaseFailure(api, rc, "cuMemAddressFree(" + HexPtr(h.base) + ", " + Bytes(h.size) + ")");
   }
-  return *this;
-}
-
-VaRange::~VaRange() { Reset(); }
-
-void VaRange::Reset() {
-  if (api_ == nullptr) return;
-  WarnOnRelease(api_, api_->cuMemAddressFree(base_, size_),
-                "cuMemAddressFree(" + HexPtr(base_) + ", " + Bytes(size_) + ")");
-  api_ = nullptr;
-  base_ = 0;
-  size_ = 0;
 }
 
 // ---- MappedRange -------------------------------------------------------------------------------
@@ -231,30 +167,10 @@ Result<MappedRange> MappedRange::Map(const DriverApi* api, CUdeviceptr ptr,
   return MappedRange(api, ptr, handle.size());
 }
 
-MappedRange::MappedRange(MappedRange&& other) noexcept
-    : api_(std::exchange(other.api_, nullptr)),
-      ptr_(std::exchange(other.ptr_, 0)),
-      size_(std::exchange(other.size_, 0)) {}
-
-MappedRange& MappedRange::operator=(MappedRange&& other) noexcept {
-  if (this != &other) {
-    Reset();
-    api_ = std::exchange(other.api_, nullptr);
-    ptr_ = std::exchange(other.ptr_, 0);
-    size_ = std::exchange(other.size_, 0);
+void MappedRangeTraits::Close(const DriverApi* api, const Handle& h) noexcept {
+  if (CUresult rc = api->cuMemUnmap(h.ptr, h.size); rc != CUDA_SUCCESS) {
+    LogReleaseFailure(api, rc, "cuMemUnmap(" + HexPtr(h.ptr) + ", " + Bytes(h.size) + ")");
   }
-  return *this;
-}
-
-MappedRange::~MappedRange() { Reset(); }
-
-void MappedRange::Reset() {
-  if (api_ == nullptr) return;
-  WarnOnRelease(api_, api_->cuMemUnmap(ptr_, size_),
-                "cuMemUnmap(" + HexPtr(ptr_) + ", " + Bytes(size_) + ")");
-  api_ = nullptr;
-  ptr_ = 0;
-  size_ = 0;
 }
 
 Status MappedRange::SetAccess(CUdevice device, CUmemAccess_flags flags) const {
@@ -262,8 +178,8 @@ Status MappedRange::SetAccess(CUdevice device, CUmemAccess_flags flags) const {
   desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   desc.location.id = device;
   desc.flags = flags;
-  WEIGHTCACHE_CU_RETURN_IF_ERROR(api_, cuMemSetAccess(ptr_, size_, &desc, 1),
-                                 "cuMemSetAccess(" + HexPtr(ptr_) + ", " + Bytes(size_) +
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(owned_.context(), cuMemSetAccess(ptr(), size(), &desc, 1),
+                                 "cuMemSetAccess(" + HexPtr(ptr()) + ", " + Bytes(size()) +
                                      ", device " + std::to_string(device) + ")");
   return Status::Ok();
 }

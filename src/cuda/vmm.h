@@ -9,7 +9,9 @@
 //   exported fd     UniqueFd, returned by VmmHandle::ExportPosixFd with FD_CLOEXEC set
 //
 // Contract:
-//  * Each class is move-only and owns exactly one resource; a moved-from object owns nothing.
+//  * Each class is move-only and owns exactly one resource, through a UniqueHandle
+//    (common/unique_handle.h) whose traits below name the release call; a moved-from object
+//    owns nothing.
 //    Construction is only through the static factories, which return the driver's error as a
 //    kCuda Status naming the call, the sizes and the device.
 //  * Destructors release the resource and never fail: a driver error on release is logged
@@ -29,6 +31,7 @@
 #include <string>
 
 #include "common/unique_fd.h"
+#include "common/unique_handle.h"
 #include "cuda/driver_api.h"
 #include "weightcache/status.h"
 
@@ -46,6 +49,49 @@ Result<uint64_t> AllocationGranularity(const DriverApi* api, CUdevice device,
 // "0x7f12a0000000" — for messages.
 std::string HexPtr(CUdeviceptr ptr);
 
+// The release rule of each VMM resource, for UniqueHandle. Close logs a failed release
+// (LogReleaseFailure) and carries on.
+struct PrimaryContextTraits {
+  struct Handle {
+    CUdevice device = 0;
+    CUcontext context = nullptr;
+    friend bool operator==(const Handle&, const Handle&) = default;
+  };
+  using Context = const DriverApi*;
+  static constexpr Handle Null() { return {}; }
+  static void Close(const DriverApi* api, const Handle& h) noexcept;  // cuDevicePrimaryCtxRelease
+};
+struct VmmHandleTraits {
+  struct Handle {
+    CUmemGenericAllocationHandle handle = 0;
+    uint64_t size = 0;  // never 0 for a live handle
+    friend bool operator==(const Handle&, const Handle&) = default;
+  };
+  using Context = const DriverApi*;
+  static constexpr Handle Null() { return {}; }
+  static void Close(const DriverApi* api, const Handle& h) noexcept;  // cuMemRelease
+};
+struct VaRangeTraits {
+  struct Handle {
+    CUdeviceptr base = 0;
+    uint64_t size = 0;
+    friend bool operator==(const Handle&, const Handle&) = default;
+  };
+  using Context = const DriverApi*;
+  static constexpr Handle Null() { return {}; }
+  static void Close(const DriverApi* api, const Handle& h) noexcept;  // cuMemAddressFree
+};
+struct MappedRangeTraits {
+  struct Handle {
+    CUdeviceptr ptr = 0;
+    uint64_t size = 0;
+    friend bool operator==(const Handle&, const Handle&) = default;
+  };
+  using Context = const DriverApi*;
+  static constexpr Handle Null() { return {}; }
+  static void Close(const DriverApi* api, const Handle& h) noexcept;  // cuMemUnmap
+};
+
 class PrimaryContext {
  public:
   // Retains the device's primary context (the one the CUDA runtime and torch also use, so
@@ -54,26 +100,17 @@ class PrimaryContext {
   // context (the runtime) keep it current and it stays alive while anyone retains it.
   static Result<PrimaryContext> Retain(const DriverApi* api, CUdevice device);
 
-  PrimaryContext(PrimaryContext&& other) noexcept;
-  PrimaryContext& operator=(PrimaryContext&& other) noexcept;
-  PrimaryContext(const PrimaryContext&) = delete;
-  PrimaryContext& operator=(const PrimaryContext&) = delete;
-  ~PrimaryContext();
-
   // Make the context current on the calling thread (for use from another thread).
   Status MakeCurrent() const;
-  CUcontext get() const { return context_; }
-  const DriverApi* api() const { return api_; }
-  CUdevice device() const { return device_; }
+  CUcontext get() const { return owned_.get().context; }
+  const DriverApi* api() const { return owned_.context(); }
+  CUdevice device() const { return owned_.get().device; }
 
  private:
   PrimaryContext(const DriverApi* api, CUdevice device, CUcontext context)
-      : api_(api), device_(device), context_(context) {}
-  void Reset();
+      : owned_(api, {device, context}) {}
 
-  const DriverApi* api_ = nullptr;  // null when empty
-  CUdevice device_ = 0;
-  CUcontext context_ = nullptr;
+  UniqueHandle<PrimaryContextTraits> owned_;
 };
 
 // Keeps a library entry point from switching its caller's thread to another context: records
@@ -117,28 +154,19 @@ class VmmHandle {
   // driver takes its own reference, so the caller may close it right after.
   static Result<VmmHandle> ImportPosixFd(const DriverApi* api, int fd, uint64_t size);
 
-  VmmHandle(VmmHandle&& other) noexcept;
-  VmmHandle& operator=(VmmHandle&& other) noexcept;
-  VmmHandle(const VmmHandle&) = delete;
-  VmmHandle& operator=(const VmmHandle&) = delete;
-  ~VmmHandle();
-
   // cuMemExportToShareableHandle as a POSIX fd, returned CLOEXEC. The fd is an independent
   // reference to the memory: it keeps the allocation alive after the handle is released and
   // after this process exits (shared/DEVICE.md).
   Result<UniqueFd> ExportPosixFd() const;
 
-  CUmemGenericAllocationHandle get() const { return handle_; }
-  uint64_t size() const { return size_; }
+  CUmemGenericAllocationHandle get() const { return owned_.get().handle; }
+  uint64_t size() const { return owned_.get().size; }
 
  private:
   VmmHandle(const DriverApi* api, CUmemGenericAllocationHandle handle, uint64_t size)
-      : api_(api), handle_(handle), size_(size) {}
-  void Reset();
+      : owned_(api, {handle, size}) {}
 
-  const DriverApi* api_ = nullptr;  // null when empty
-  CUmemGenericAllocationHandle handle_ = 0;
-  uint64_t size_ = 0;
+  UniqueHandle<VmmHandleTraits> owned_;
 };
 
 class VaRange {
@@ -146,23 +174,13 @@ class VaRange {
   // cuMemAddressReserve of `size` bytes aligned to `alignment` (the granularity).
   static Result<VaRange> Reserve(const DriverApi* api, uint64_t size, uint64_t alignment);
 
-  VaRange(VaRange&& other) noexcept;
-  VaRange& operator=(VaRange&& other) noexcept;
-  VaRange(const VaRange&) = delete;
-  VaRange& operator=(const VaRange&) = delete;
-  ~VaRange();
-
-  CUdeviceptr base() const { return base_; }
-  uint64_t size() const { return size_; }
+  CUdeviceptr base() const { return owned_.get().base; }
+  uint64_t size() const { return owned_.get().size; }
 
  private:
-  VaRange(const DriverApi* api, CUdeviceptr base, uint64_t size)
-      : api_(api), base_(base), size_(size) {}
-  void Reset();
+  VaRange(const DriverApi* api, CUdeviceptr base, uint64_t size) : owned_(api, {base, size}) {}
 
-  const DriverApi* api_ = nullptr;  // null when empty
-  CUdeviceptr base_ = 0;
-  uint64_t size_ = 0;
+  UniqueHandle<VaRangeTraits> owned_;
 };
 
 class MappedRange {
@@ -171,26 +189,16 @@ class MappedRange {
   // mapping holds its own reference to the memory: `handle` may be released afterwards.
   static Result<MappedRange> Map(const DriverApi* api, CUdeviceptr ptr, const VmmHandle& handle);
 
-  MappedRange(MappedRange&& other) noexcept;
-  MappedRange& operator=(MappedRange&& other) noexcept;
-  MappedRange(const MappedRange&) = delete;
-  MappedRange& operator=(const MappedRange&) = delete;
-  ~MappedRange();
-
   // cuMemSetAccess over this mapping for `device`. A new mapping has no access at all.
   Status SetAccess(CUdevice device, CUmemAccess_flags flags) const;
 
-  CUdeviceptr ptr() const { return ptr_; }
-  uint64_t size() const { return size_; }
+  CUdeviceptr ptr() const { return owned_.get().ptr; }
+  uint64_t size() const { return owned_.get().size; }
 
  private:
-  MappedRange(const DriverApi* api, CUdeviceptr ptr, uint64_t size)
-      : api_(api), ptr_(ptr), size_(size) {}
-  void Reset();
+  MappedRange(const DriverApi* api, CUdeviceptr ptr, uint64_t size) : owned_(api, {ptr, size}) {}
 
-  const DriverApi* api_ = nullptr;  // null when empty
-  CUdeviceptr ptr_ = 0;
-  uint64_t size_ = 0;
+  UniqueHandle<MappedRangeTraits> owned_;
 };
 
 }  // namespace weightcache::cuda

@@ -5,9 +5,9 @@
 #include <optional>
 #include <string>
 
+#include "checkpoint/arena_plan.h"
+#include "common/checksum.h"
 #include "common/logging.h"
-#include "cuda/arena_plan.h"
-#include "cuda/checksum.h"
 #include "cuda/driver_api.h"
 #include "cuda/exported_arena.h"
 #include "cuda/upload_pipeline.h"
@@ -63,7 +63,7 @@ Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& 
   std::vector<uint64_t> sizes;
   sizes.reserve(order.size());
   for (size_t idx : order) sizes.push_back(tensors[idx].nbytes);
-  const cuda::ArenaPlan plan = cuda::PlanArena(sizes, granularity);
+  const checkpoint::ArenaPlan plan = checkpoint::PlanArena(sizes, granularity);
   WEIGHTCACHE_RETURN_IF_ERROR(CheckMemoryBudget(
       protocol::Tier::kGpu, plan.total_bytes, plan.allocation_bytes.size(), options.memory_budget));
   if (plan.allocation_bytes.empty()) {
@@ -136,7 +136,7 @@ Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& 
 
   std::vector<uint64_t> checksums;
   checksums.reserve(order.size());
-  const uint64_t empty_checksum = cuda::TensorChecksum(nullptr, 0);
+  const uint64_t empty_checksum = TensorChecksum(nullptr, 0);
   for (size_t i = 0; i < order.size(); ++i) {
     checksums.push_back(item_of[i] == SIZE_MAX ? empty_checksum : report->checksums[item_of[i]]);
   }

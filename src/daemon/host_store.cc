@@ -25,9 +25,9 @@
 #include <string>
 #include <thread>
 
+#include "checkpoint/arena_plan.h"
+#include "common/checksum.h"
 #include "common/logging.h"
-#include "cuda/arena_plan.h"
-#include "cuda/checksum.h"
 #include "daemon/load_memory.h"
 #include "daemon/weight_store.h"
 #include "os/memfd.h"
@@ -44,8 +44,8 @@ constexpr uint64_t kItemBytes = uint64_t{8} << 20;
 // still sits in the core's L2 when the checksum and the pwrite walk over it. Also a multiple
 // of the checksum chunk.
 constexpr uint64_t kStepBytes = uint64_t{1} << 20;
-static_assert(kItemBytes % cuda::kChecksumChunkBytes == 0);
-static_assert(kStepBytes % cuda::kChecksumChunkBytes == 0);
+static_assert(kItemBytes % kChecksumChunkBytes == 0);
+static_assert(kStepBytes % kChecksumChunkBytes == 0);
 static_assert(kItemBytes % kStepBytes == 0);
 
 bool Cancelled(const LoadControl& control) {
@@ -121,7 +121,7 @@ Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint&
 
   // Page granularity: a memfd is sized in pages anyway, and mmap needs page-aligned lengths.
   const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  const cuda::ArenaPlan plan = cuda::PlanArena(sizes, page);
+  const checkpoint::ArenaPlan plan = checkpoint::PlanArena(sizes, page);
   WEIGHTCACHE_RETURN_IF_ERROR(CheckMemoryBudget(protocol::Tier::kHost, plan.total_bytes,
                                                 plan.allocation_bytes.size(),
                                                 options.memory_budget));
@@ -142,7 +142,7 @@ Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint&
   // chunk_begin[i + 1]). Items write disjoint slices, so no lock is needed.
   std::vector<uint64_t> chunk_begin(order.size() + 1, 0);
   for (size_t i = 0; i < order.size(); ++i) {
-    chunk_begin[i + 1] = chunk_begin[i] + cuda::ChecksumChunkCount(sizes[i]);
+    chunk_begin[i + 1] = chunk_begin[i] + ChecksumChunkCount(sizes[i]);
   }
   std::vector<uint64_t> chunk_hashes(chunk_begin.back());
   const std::vector<Item> items = MakeItems(sizes);
@@ -168,10 +168,9 @@ Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint&
       read_options.threads = 1;
       WEIGHTCACHE_RETURN_IF_ERROR(checkpoint::ReadRanges(
           checkpoint, std::span<const checkpoint::ReadRequest>(&request, 1), read_options));
-      const uint64_t first_chunk = chunk_begin[i] + at / cuda::kChecksumChunkBytes;
-      cuda::HashChunks(
-          bounce, step,
-          std::span<uint64_t>(chunk_hashes).subspan(first_chunk, cuda::ChecksumChunkCount(step)));
+      const uint64_t first_chunk = chunk_begin[i] + at / kChecksumChunkBytes;
+      HashChunks(bounce, step,
+                 std::span<uint64_t>(chunk_hashes).subspan(first_chunk, ChecksumChunkCount(step)));
       Status written = PwriteExact(memfds[place.allocation].get(), bounce, step, place.offset + at);
       if (!written.ok()) {
         return written.Context("tensor " + t.name + " (allocation " +
@@ -225,8 +224,8 @@ Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint&
   std::vector<uint64_t> checksums(order.size());
   for (size_t i = 0; i < order.size(); ++i) {
     checksums[i] =
-        cuda::CombineChunkHashes(std::span<const uint64_t>(chunk_hashes)
-                                     .subspan(chunk_begin[i], chunk_begin[i + 1] - chunk_begin[i]));
+        CombineChunkHashes(std::span<const uint64_t>(chunk_hashes)
+                               .subspan(chunk_begin[i], chunk_begin[i + 1] - chunk_begin[i]));
   }
 
   // No writable mapping exists (the kernel would refuse F_SEAL_WRITE while one did).

@@ -126,7 +126,7 @@ Status CheckMemoryBudget(protocol::Tier tier, uint64_t plan_bytes, size_t alloca
 std::vector<size_t> FileOrder(const checkpoint::Checkpoint& checkpoint);
 
 // The attach manifest of `checkpoint` packed as `placements` (parallel to `order`), with one
-// checksum per entry of `order` (cuda/checksum.h), in its sealed memfd; the records are in
+// checksum per entry of `order` (common/checksum.h), in its sealed memfd; the records are in
 // name order whatever `order` is (protocol/manifest.h). kInvalidArgument naming the tensor when it
 // cannot be described (rank above protocol::kMaxTensorDims).
 struct PlacedTensor {

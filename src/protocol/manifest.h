@@ -84,7 +84,7 @@ struct TensorEntry {
   uint64_t offset = 0;                           // byte offset inside that allocation
   uint64_t nbytes = 0;
   // The content checksum of the tensor's bytes for --verify: XXH64 of the XXH64s of its
-  // 256 KiB chunks (cuda/checksum.h, docs/integrity.md), not a plain XXH64 of the bytes.
+  // 256 KiB chunks (common/checksum.h, docs/integrity.md), not a plain XXH64 of the bytes.
   uint64_t checksum = 0;
 
   std::span<const uint64_t> dims() const { return {shape.data(), ndim}; }

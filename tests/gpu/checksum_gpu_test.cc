@@ -1,5 +1,5 @@
 // The checksum kernel on a real GPU: its per-chunk XXH64 and the tensor checksums equal the
-// host implementation (cuda/checksum.h) over random data of awkward sizes, aligned and not,
+// host implementation (common/checksum.h) over random data of awkward sizes, aligned and not,
 // and a one-byte change on the device changes exactly that tensor's checksum. Skips (with the
 // reason) where there is no driver, no device or no kernel in this build.
 #include "cuda/checksum_gpu.h"
@@ -12,7 +12,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/checksum.h"
+#include "common/checksum.h"
 #include "cuda/driver_api.h"
 
 namespace weightcache::cuda {

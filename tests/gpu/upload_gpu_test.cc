@@ -12,8 +12,8 @@
 #include <random>
 #include <vector>
 
+#include "common/checksum.h"
 #include "common/unique_fd.h"
-#include "cuda/checksum.h"
 #include "cuda/checksum_gpu.h"
 #include "cuda/driver_api.h"
 #include "cuda/upload_pipeline.h"

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/arena_plan.h"
+#include "checkpoint/arena_plan.h"
 #include "cuda/driver_api.h"
 #include "cuda/exported_arena.h"
 #include "cuda/imported_arena.h"
@@ -110,7 +110,7 @@ TEST_F(VmmGpuTest, ArenaIsGranularityAlignedContiguousAndReadWrite) {
   CUdeviceptr next = arena->base();
   for (size_t i = 0; i < kRequested.size(); ++i) {
     const cuda::ExportedAllocation& a = arena->allocations()[i];
-    EXPECT_EQ(a.size, cuda::AlignUp(kRequested[i], g));
+    EXPECT_EQ(a.size, AlignUp(kRequested[i], g));
     EXPECT_EQ(a.ptr, next);
     next += a.size;
     CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, device0_};
@@ -185,7 +185,7 @@ TEST_F(VmmGpuTest, ImportedArenaStaysValidAfterTheExporterIsKilled) {
 
 TEST_F(VmmGpuTest, PlannedArenaOfManyTensorsHasFewAllocations) {
   std::vector<uint64_t> tensors(1000, 1 * kMiB + 100);
-  cuda::ArenaPlan plan = cuda::PlanArena(tensors, 2 * kMiB, 256 * kMiB);
+  checkpoint::ArenaPlan plan = checkpoint::PlanArena(tensors, 2 * kMiB, 256 * kMiB);
   Result<ExportedArena> arena = ExportedArena::Create(api_, device0_, plan.allocation_bytes);
   ASSERT_TRUE(arena.ok()) << arena.status().ToString();
   EXPECT_EQ(arena->allocations().size(), plan.allocation_bytes.size());

@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "checkpoint/checkpoint.h"
-#include "cuda/checksum.h"
+#include "common/checksum.h"
 #include "integration/daemon_process.h"
 #include "os/lock_file.h"
 #include "os/memfd.h"
@@ -112,7 +112,7 @@ TEST_F(ServeTest, ReachesReadyAndAttachMapsSealedBytesEqualToTheCheckpoint) {
     ASSERT_TRUE(checkpoint::ReadTensor(*checkpoint, *info, expected.data()).ok());
     const auto* mapped = static_cast<const uint8_t*>(maps[entry.allocation].data()) + entry.offset;
     EXPECT_EQ(std::memcmp(mapped, expected.data(), expected.size()), 0) << entry.name;
-    EXPECT_EQ(entry.checksum, cuda::TensorChecksum(expected.data(), expected.size())) << entry.name;
+    EXPECT_EQ(entry.checksum, TensorChecksum(expected.data(), expected.size())) << entry.name;
     EXPECT_EQ(entry.offset % 256, 0u) << entry.name;
   }
 

@@ -1,11 +1,11 @@
-#include "cuda/arena_plan.h"
+#include "checkpoint/arena_plan.h"
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <vector>
 
-namespace weightcache::cuda {
+namespace weightcache::checkpoint {
 namespace {
 
 constexpr uint64_t kMiB = uint64_t{1} << 20;
@@ -116,4 +116,4 @@ TEST(ArenaPlanTest, GranularitySmallerThanTensorAlignmentStillAlignsAllocations)
 }
 
 }  // namespace
-}  // namespace weightcache::cuda
+}  // namespace weightcache::checkpoint

@@ -9,13 +9,13 @@
 #include <random>
 #include <vector>
 
-#include "cuda/checksum.h"
-#include "upload_fake_driver.h"
+#include "common/checksum.h"
+#include "unit/cuda/fake_driver.h"
 
 namespace weightcache::cuda {
 namespace {
 
-using testing::UploadFakeDriver;
+using testing::FakeDriver;
 
 class ChecksumGpuTest : public ::testing::Test {
  protected:
@@ -33,7 +33,7 @@ class ChecksumGpuTest : public ::testing::Test {
     for (size_t i = 0; i < n; ++i) b[i] = static_cast<uint8_t>(rng());
     return p;
   }
-  UploadFakeDriver fake_;
+  FakeDriver fake_;
 };
 
 TEST_F(ChecksumGpuTest, ChecksumsEqualHostChecksums) {
@@ -133,7 +133,7 @@ TEST_F(ChecksumGpuTest, KernelFaultSurfacesAtSynchronize) {
 
 TEST(ChecksumGpuUnavailableTest, UnavailableWithoutKernel) {
   if (GpuChecksumKernelBuilt()) GTEST_SKIP() << "this build embeds the kernel";
-  UploadFakeDriver fake;
+  FakeDriver fake;
   auto got = ChecksumKernel::Create(fake.api());
   ASSERT_FALSE(got.ok());
   EXPECT_EQ(got.status().code(), StatusCode::kUnavailable);

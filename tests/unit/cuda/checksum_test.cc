@@ -1,6 +1,6 @@
-// The content checksum (cuda/checksum.h) against a reference written straight from its
+// The content checksum (common/checksum.h) against a reference written straight from its
 // definition, and the kernel's XXH64 (kernels/xxh64_core.h) against libxxhash.
-#include "cuda/checksum.h"
+#include "common/checksum.h"
 
 #include <gtest/gtest.h>
 #define XXH_INLINE_ALL

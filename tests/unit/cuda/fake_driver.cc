@@ -5,145 +5,282 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cassert>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <iterator>
 #include <string>
 #include <vector>
+
+#include "cuda/kernels/checksum_abi.h"
+#include "cuda/kernels/xxh64_core.h"
 
 namespace weightcache::cuda::testing {
 namespace {
 
 FakeDriver* g_fake = nullptr;  // the installed fake; the C trampolines forward to it
 
-CUresult GetErrorName(CUresult rc, const char** name) {
+// One fake function handle: what cuModuleGetFunction hands out for the checksum kernel.
+CUfunction FakeFunction() { return reinterpret_cast<CUfunction>(uintptr_t{0xF00D}); }
+
+const char* ErrorName(CUresult rc) {
   switch (rc) {
+    case CUDA_SUCCESS:
+      return "CUDA_SUCCESS";
     case CUDA_ERROR_INVALID_VALUE:
-      *name = "CUDA_ERROR_INVALID_VALUE";
-      break;
+      return "CUDA_ERROR_INVALID_VALUE";
     case CUDA_ERROR_OUT_OF_MEMORY:
-      *name = "CUDA_ERROR_OUT_OF_MEMORY";
-      break;
+      return "CUDA_ERROR_OUT_OF_MEMORY";
     case CUDA_ERROR_NOT_SUPPORTED:
-      *name = "CUDA_ERROR_NOT_SUPPORTED";
-      break;
+      return "CUDA_ERROR_NOT_SUPPORTED";
     case CUDA_ERROR_NOT_PERMITTED:
-      *name = "CUDA_ERROR_NOT_PERMITTED";
-      break;
+      return "CUDA_ERROR_NOT_PERMITTED";
     case CUDA_ERROR_INVALID_DEVICE:
-      *name = "CUDA_ERROR_INVALID_DEVICE";
-      break;
+      return "CUDA_ERROR_INVALID_DEVICE";
+    case CUDA_ERROR_UNKNOWN:
+      return "CUDA_ERROR_UNKNOWN";
+    case CUDA_ERROR_LAUNCH_FAILED:
+      return "CUDA_ERROR_LAUNCH_FAILED";
+    case CUDA_ERROR_ILLEGAL_ADDRESS:
+      return "CUDA_ERROR_ILLEGAL_ADDRESS";
+    case CUDA_ERROR_INVALID_IMAGE:
+      return "CUDA_ERROR_INVALID_IMAGE";
+    case CUDA_ERROR_NOT_FOUND:
+      return "CUDA_ERROR_NOT_FOUND";
+    case CUDA_ERROR_INVALID_HANDLE:
+      return "CUDA_ERROR_INVALID_HANDLE";
+    case CUDA_ERROR_INVALID_CONTEXT:
+      return "CUDA_ERROR_INVALID_CONTEXT";
     default:
-      *name = nullptr;
-      return CUDA_ERROR_INVALID_VALUE;
+      return nullptr;
   }
-  return CUDA_SUCCESS;
 }
 
-CUresult GetErrorString(CUresult rc, const char** desc) {
-  *desc = "injected by FakeDriver";
-  return CUDA_SUCCESS;
-}
-
-// One trampoline per entry point: record the call, apply any injected failure, forward.
-#define WC_FAKE_CALL(name, ...)                                 \
-  do {                                                          \
-    if (CUresult rc = g_fake->Hook(name); rc != CUDA_SUCCESS) { \
-      return rc;                                                \
-    }                                                           \
-    return g_fake->__VA_ARGS__;                                 \
+// Record the call, apply any injected failure.
+#define WC_HOOK(name)                              \
+  do {                                             \
+    CUresult hook_rc_ = g_fake->Hook(name);        \
+    if (hook_rc_ != CUDA_SUCCESS) return hook_rc_; \
   } while (0)
 
-CUresult FakeRetain(CUcontext* ctx, CUdevice dev) {
-  WC_FAKE_CALL("cuDevicePrimaryCtxRetain", PrimaryCtxRetain(ctx, dev));
-}
-CUresult FakeRelease(CUdevice dev) {
-  WC_FAKE_CALL("cuDevicePrimaryCtxRelease", PrimaryCtxRelease(dev));
-}
-CUresult FakeSetCurrent(CUcontext ctx) { WC_FAKE_CALL("cuCtxSetCurrent", CtxSetCurrent(ctx)); }
-CUresult FakeGetCurrent(CUcontext* ctx) { WC_FAKE_CALL("cuCtxGetCurrent", CtxGetCurrent(ctx)); }
-CUresult FakeAttribute(int* value, CUdevice_attribute attribute, CUdevice dev) {
-  WC_FAKE_CALL("cuDeviceGetAttribute", DeviceGetAttribute(value, attribute, dev));
-}
-CUresult FakeGranularity(size_t* granularity, const CUmemAllocationProp* prop,
-                         CUmemAllocationGranularity_flags) {
-  WC_FAKE_CALL("cuMemGetAllocationGranularity", GetGranularity(granularity, prop));
-}
-CUresult FakeCreate(CUmemGenericAllocationHandle* handle, size_t size,
-                    const CUmemAllocationProp* prop, unsigned long long) {
-  WC_FAKE_CALL("cuMemCreate", Create(handle, size, prop));
-}
-CUresult FakeMemRelease(CUmemGenericAllocationHandle handle) {
-  WC_FAKE_CALL("cuMemRelease", Release(handle));
-}
-CUresult FakeExport(void* shareable, CUmemGenericAllocationHandle handle,
-                    CUmemAllocationHandleType type, unsigned long long) {
-  WC_FAKE_CALL("cuMemExportToShareableHandle", Export(shareable, handle, type));
-}
-CUresult FakeImport(CUmemGenericAllocationHandle* handle, void* os_handle,
-                    CUmemAllocationHandleType type) {
-  WC_FAKE_CALL("cuMemImportFromShareableHandle", Import(handle, os_handle, type));
-}
-CUresult FakeReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr,
-                     unsigned long long) {
-  WC_FAKE_CALL("cuMemAddressReserve", Reserve(ptr, size, alignment));
-}
-CUresult FakeFree(CUdeviceptr ptr, size_t size) {
-  WC_FAKE_CALL("cuMemAddressFree", Free(ptr, size));
-}
-CUresult FakeMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
-                 unsigned long long) {
-  WC_FAKE_CALL("cuMemMap", Map(ptr, size, offset, handle));
-}
-CUresult FakeUnmap(CUdeviceptr ptr, size_t size) { WC_FAKE_CALL("cuMemUnmap", Unmap(ptr, size)); }
-CUresult FakeSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
-  WC_FAKE_CALL("cuMemSetAccess", SetAccess(ptr, size, desc, count));
-}
-#undef WC_FAKE_CALL
-
-CUcontext ContextFor(CUdevice dev) {
-  return reinterpret_cast<CUcontext>(static_cast<uintptr_t>(0xc0de0000 + dev));
-}
-
 }  // namespace
+
+CUcontext FakeDriver::ContextOf(CUdevice device) {
+  return reinterpret_cast<CUcontext>(static_cast<uintptr_t>(0xc0de0000 + device));
+}
 
 FakeDriver::FakeDriver(uint64_t granularity, int device_count)
     : granularity_(granularity), device_count_(device_count) {
   assert(g_fake == nullptr && "one FakeDriver at a time");
   g_fake = this;
-  api_.cuGetErrorName = GetErrorName;
-  api_.cuGetErrorString = GetErrorString;
-  api_.cuDevicePrimaryCtxRetain = FakeRetain;
-  api_.cuDevicePrimaryCtxRelease = FakeRelease;
-  api_.cuCtxSetCurrent = FakeSetCurrent;
-  api_.cuCtxGetCurrent = FakeGetCurrent;
-  api_.cuDeviceGetAttribute = FakeAttribute;
-  api_.cuMemGetAllocationGranularity = FakeGranularity;
-  api_.cuMemCreate = FakeCreate;
-  api_.cuMemRelease = FakeMemRelease;
-  api_.cuMemExportToShareableHandle = FakeExport;
-  api_.cuMemImportFromShareableHandle = FakeImport;
-  api_.cuMemAddressReserve = FakeReserve;
-  api_.cuMemAddressFree = FakeFree;
-  api_.cuMemMap = FakeMap;
-  api_.cuMemUnmap = FakeUnmap;
-  api_.cuMemSetAccess = FakeSetAccess;
+  streams_[nullptr];  // the legacy default stream always exists
+  api_.cuGetErrorName = [](CUresult rc, const char** s) -> CUresult {
+    *s = ErrorName(rc);
+    return *s != nullptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+  };
+  api_.cuGetErrorString = [](CUresult rc, const char** s) -> CUresult {
+    *s = ErrorName(rc) != nullptr ? "injected by FakeDriver" : nullptr;
+    return *s != nullptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+  };
+  // Contexts and devices.
+  api_.cuDevicePrimaryCtxRetain = [](CUcontext* ctx, CUdevice dev) -> CUresult {
+    WC_HOOK("cuDevicePrimaryCtxRetain");
+    return g_fake->PrimaryCtxRetain(ctx, dev);
+  };
+  api_.cuDevicePrimaryCtxRelease = [](CUdevice dev) -> CUresult {
+    WC_HOOK("cuDevicePrimaryCtxRelease");
+    return g_fake->PrimaryCtxRelease(dev);
+  };
+  api_.cuCtxSetCurrent = [](CUcontext ctx) -> CUresult {
+    WC_HOOK("cuCtxSetCurrent");
+    return g_fake->CtxSetCurrent(ctx);
+  };
+  api_.cuCtxGetCurrent = [](CUcontext* ctx) -> CUresult {
+    WC_HOOK("cuCtxGetCurrent");
+    return g_fake->CtxGetCurrent(ctx);
+  };
+  api_.cuDeviceGetAttribute = [](int* value, CUdevice_attribute attribute,
+                                 CUdevice dev) -> CUresult {
+    WC_HOOK("cuDeviceGetAttribute");
+    return g_fake->DeviceGetAttribute(value, attribute, dev);
+  };
+  // VMM.
+  api_.cuMemGetAllocationGranularity = [](size_t* granularity, const CUmemAllocationProp* prop,
+                                          CUmemAllocationGranularity_flags) -> CUresult {
+    WC_HOOK("cuMemGetAllocationGranularity");
+    return g_fake->GetGranularity(granularity, prop);
+  };
+  api_.cuMemCreate = [](CUmemGenericAllocationHandle* handle, size_t size,
+                        const CUmemAllocationProp* prop, unsigned long long) -> CUresult {
+    WC_HOOK("cuMemCreate");
+    return g_fake->Create(handle, size, prop);
+  };
+  api_.cuMemRelease = [](CUmemGenericAllocationHandle handle) -> CUresult {
+    WC_HOOK("cuMemRelease");
+    return g_fake->Release(handle);
+  };
+  api_.cuMemExportToShareableHandle = [](void* shareable, CUmemGenericAllocationHandle handle,
+                                         CUmemAllocationHandleType type,
+                                         unsigned long long) -> CUresult {
+    WC_HOOK("cuMemExportToShareableHandle");
+    return g_fake->Export(shareable, handle, type);
+  };
+  api_.cuMemImportFromShareableHandle = [](CUmemGenericAllocationHandle* handle, void* os_handle,
+                                           CUmemAllocationHandleType type) -> CUresult {
+    WC_HOOK("cuMemImportFromShareableHandle");
+    return g_fake->Import(handle, os_handle, type);
+  };
+  api_.cuMemAddressReserve = [](CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr,
+                                unsigned long long) -> CUresult {
+    WC_HOOK("cuMemAddressReserve");
+    return g_fake->Reserve(ptr, size, alignment);
+  };
+  api_.cuMemAddressFree = [](CUdeviceptr ptr, size_t size) -> CUresult {
+    WC_HOOK("cuMemAddressFree");
+    return g_fake->Free(ptr, size);
+  };
+  api_.cuMemMap = [](CUdeviceptr ptr, size_t size, size_t offset,
+                     CUmemGenericAllocationHandle handle, unsigned long long) -> CUresult {
+    WC_HOOK("cuMemMap");
+    return g_fake->Map(ptr, size, offset, handle);
+  };
+  api_.cuMemUnmap = [](CUdeviceptr ptr, size_t size) -> CUresult {
+    WC_HOOK("cuMemUnmap");
+    return g_fake->Unmap(ptr, size);
+  };
+  api_.cuMemSetAccess = [](CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc,
+                           size_t count) -> CUresult {
+    WC_HOOK("cuMemSetAccess");
+    return g_fake->SetAccess(ptr, size, desc, count);
+  };
+  // Memory-backed allocations.
+  api_.cuMemHostAlloc = [](void** p, size_t bytes, unsigned int) -> CUresult {
+    WC_HOOK("cuMemHostAlloc");
+    return g_fake->HostAlloc(p, bytes);
+  };
+  api_.cuMemFreeHost = [](void* p) -> CUresult {
+    WC_HOOK("cuMemFreeHost");
+    return g_fake->FreeHost(p);
+  };
+  api_.cuMemHostRegister = [](void* p, size_t bytes, unsigned int) -> CUresult {
+    WC_HOOK("cuMemHostRegister");
+    return g_fake->HostRegister(p, bytes);
+  };
+  api_.cuMemHostUnregister = [](void* p) -> CUresult {
+    WC_HOOK("cuMemHostUnregister");
+    return g_fake->HostUnregister(p);
+  };
+  api_.cuMemAlloc = [](CUdeviceptr* p, size_t bytes) -> CUresult {
+    WC_HOOK("cuMemAlloc");
+    return g_fake->MemAlloc(p, bytes);
+  };
+  api_.cuMemFree = [](CUdeviceptr p) -> CUresult {
+    WC_HOOK("cuMemFree");
+    return g_fake->MemFree(p);
+  };
+  // Streams, events, copies.
+  api_.cuStreamCreate = [](CUstream* s, unsigned int) -> CUresult {
+    WC_HOOK("cuStreamCreate");
+    return g_fake->StreamCreate(s);
+  };
+  api_.cuStreamDestroy = [](CUstream s) -> CUresult {
+    WC_HOOK("cuStreamDestroy");
+    return g_fake->StreamDestroy(s);
+  };
+  api_.cuStreamSynchronize = [](CUstream s) -> CUresult {
+    WC_HOOK("cuStreamSynchronize");
+    return g_fake->StreamSynchronize(s);
+  };
+  api_.cuEventCreate = [](CUevent* e, unsigned int) -> CUresult {
+    WC_HOOK("cuEventCreate");
+    return g_fake->EventCreate(e);
+  };
+  api_.cuEventDestroy = [](CUevent e) -> CUresult {
+    WC_HOOK("cuEventDestroy");
+    return g_fake->EventDestroy(e);
+  };
+  api_.cuEventRecord = [](CUevent e, CUstream s) -> CUresult {
+    WC_HOOK("cuEventRecord");
+    return g_fake->EventRecord(e, s);
+  };
+  api_.cuEventSynchronize = [](CUevent e) -> CUresult {
+    WC_HOOK("cuEventSynchronize");
+    return g_fake->EventSynchronize(e);
+  };
+  api_.cuMemcpyHtoDAsync = [](CUdeviceptr dst, const void* src, size_t n, CUstream s) -> CUresult {
+    WC_HOOK("cuMemcpyHtoDAsync");
+    return g_fake->MemcpyAsync(reinterpret_cast<void*>(dst), src, n, s);
+  };
+  api_.cuMemcpyDtoHAsync = [](void* dst, CUdeviceptr src, size_t n, CUstream s) -> CUresult {
+    WC_HOOK("cuMemcpyDtoHAsync");
+    return g_fake->MemcpyAsync(dst, reinterpret_cast<const void*>(src), n, s);
+  };
+  // Modules and kernels.
+  api_.cuModuleLoadData = [](CUmodule* m, const void* image) -> CUresult {
+    WC_HOOK("cuModuleLoadData");
+    return g_fake->ModuleLoadData(m, image);
+  };
+  api_.cuModuleUnload = [](CUmodule m) -> CUresult {
+    WC_HOOK("cuModuleUnload");
+    return g_fake->ModuleUnload(m);
+  };
+  api_.cuModuleGetFunction = [](CUfunction* f, CUmodule m, const char* name) -> CUresult {
+    WC_HOOK("cuModuleGetFunction");
+    return g_fake->ModuleGetFunction(f, m, name);
+  };
+  api_.cuLaunchKernel = [](CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                           unsigned by, unsigned bz, unsigned, CUstream s, void** params,
+                           void**) -> CUresult {
+    WC_HOOK("cuLaunchKernel");
+    if (gy != 1 || gz != 1 || by != 1 || bz != 1) return CUDA_ERROR_INVALID_VALUE;
+    return g_fake->LaunchKernel(f, gx, bx, s, params);
+  };
 }
 
-FakeDriver::~FakeDriver() { g_fake = nullptr; }
+FakeDriver::~FakeDriver() {
+  for (const auto& [p, size] : host_buffers_) std::free(p);
+  for (CUdeviceptr p : device_allocs_) std::free(reinterpret_cast<void*>(p));
+  g_fake = nullptr;
+}
+
+#undef WC_HOOK
 
 void FakeDriver::FailCall(const std::string& function, int nth, CUresult rc) {
+  std::lock_guard<std::mutex> lock(mu_);
   failures_.push_back(Failure{function, nth, rc});
 }
 
+void FakeDriver::SetAttribute(CUdevice_attribute attribute, int value) {
+  std::lock_guard<std::mutex> lock(mu_);
+  attributes_[attribute] = value;
+}
+
+void FakeDriver::SetMaxQueued(size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  max_queued_ = n;
+}
+
 CUresult FakeDriver::Hook(const char* function) {
-  calls_.push_back(function);
-  int n = ++call_counts_[function];
+  std::lock_guard<std::mutex> lock(mu_);
+  calls_.emplace_back(function);
+  const int n = ++call_counts_[function];
   for (const Failure& f : failures_) {
     if (f.function == function && f.nth == n) return f.rc;
   }
   return CUDA_SUCCESS;
+}
+
+int FakeDriver::CallCount(const std::string& function) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = call_counts_.find(function);
+  return it == call_counts_.end() ? 0 : it->second;
+}
+
+void FakeDriver::ClearCalls() {
+  std::lock_guard<std::mutex> lock(mu_);
+  calls_.clear();
 }
 
 CUresult FakeDriver::Violation(const std::string& what) {
@@ -151,24 +288,76 @@ CUresult FakeDriver::Violation(const std::string& what) {
   return CUDA_ERROR_INVALID_VALUE;
 }
 
+// ---- live state --------------------------------------------------------------------------------
+
+#define WC_LOCKED_COUNT(method, expr)      \
+  int FakeDriver::method() const {         \
+    std::lock_guard<std::mutex> lock(mu_); \
+    return static_cast<int>(expr);         \
+  }
+WC_LOCKED_COUNT(live_handles, handles_.size())
+WC_LOCKED_COUNT(live_reservations, reservations_.size())
+WC_LOCKED_COUNT(live_mappings, mappings_.size())
+WC_LOCKED_COUNT(exported_fds_made, exported_fds_made_)
+WC_LOCKED_COUNT(violations, violation_log_.size())
+WC_LOCKED_COUNT(live_host_buffers, host_buffers_.size())
+WC_LOCKED_COUNT(live_host_registrations, host_registrations_.size())
+WC_LOCKED_COUNT(live_streams, streams_.size() - 1)  // minus the default stream
+WC_LOCKED_COUNT(live_events, events_.size())
+WC_LOCKED_COUNT(live_device_allocs, device_allocs_.size())
+WC_LOCKED_COUNT(loaded_modules, modules_.size())
+#undef WC_LOCKED_COUNT
+
 int FakeDriver::context_refs(CUdevice device) const {
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = context_refs_.find(device);
   return it == context_refs_.end() ? 0 : it->second;
 }
 
 int FakeDriver::total_context_refs() const {
+  std::lock_guard<std::mutex> lock(mu_);
   int total = 0;
   for (const auto& [dev, refs] : context_refs_) total += refs;
   return total;
 }
 
+CUcontext FakeDriver::current_context() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return current_context_;
+}
+
+void FakeDriver::set_current_context(CUcontext ctx) {
+  std::lock_guard<std::mutex> lock(mu_);
+  current_context_ = ctx;
+}
+
 unsigned long long FakeDriver::AccessAt(CUdeviceptr ptr, CUdevice device) const {
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = mappings_.find(ptr);
   constexpr unsigned long long kNone = CU_MEM_ACCESS_FLAGS_PROT_NONE;
   if (it == mappings_.end()) return kNone;
   auto a = it->second.access.find(device);
   return a == it->second.access.end() ? kNone : a->second;
 }
+
+CUmemAllocationProp FakeDriver::last_create_prop() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_create_prop_;
+}
+
+size_t FakeDriver::pending_copies() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const auto& [handle, s] : streams_) n += s.queue.size();
+  return n;
+}
+
+uint64_t FakeDriver::launched_chunks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return launched_chunks_;
+}
+
+// ---- VMM ---------------------------------------------------------------------------------------
 
 uint64_t FakeDriver::NewMemory(uint64_t size, CUdevice device, bool exportable) {
   uint64_t id = next_memory_++;
@@ -177,6 +366,7 @@ uint64_t FakeDriver::NewMemory(uint64_t size, CUdevice device, bool exportable) 
 }
 
 UniqueFd FakeDriver::ForeignExport(uint64_t size, CUdevice device) {
+  std::lock_guard<std::mutex> lock(mu_);
   uint64_t id = NewMemory(size, device, /*exportable=*/true);
   UniqueFd fd(::memfd_create("fake-foreign-vmm", MFD_CLOEXEC));
   if (!fd.valid()) std::abort();
@@ -187,29 +377,35 @@ UniqueFd FakeDriver::ForeignExport(uint64_t size, CUdevice device) {
 }
 
 CUresult FakeDriver::PrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
+  std::lock_guard<std::mutex> lock(mu_);
   if (dev < 0 || dev >= device_count_) return CUDA_ERROR_INVALID_DEVICE;
   ++context_refs_[dev];
-  *ctx = ContextFor(dev);
+  *ctx = ContextOf(dev);
   return CUDA_SUCCESS;
 }
 
 CUresult FakeDriver::PrimaryCtxRelease(CUdevice dev) {
-  if (context_refs(dev) == 0) return Violation("cuDevicePrimaryCtxRelease without a retain");
-  if (--context_refs_[dev] == 0) context_refs_.erase(dev);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto refs = context_refs_.find(dev);
+  if (refs == context_refs_.end()) return Violation("cuDevicePrimaryCtxRelease without a retain");
+  if (--refs->second == 0) context_refs_.erase(refs);
   return CUDA_SUCCESS;
 }
 
 CUresult FakeDriver::CtxSetCurrent(CUcontext ctx) {
+  std::lock_guard<std::mutex> lock(mu_);
   current_context_ = ctx;
   return CUDA_SUCCESS;
 }
 
 CUresult FakeDriver::CtxGetCurrent(CUcontext* ctx) {
+  std::lock_guard<std::mutex> lock(mu_);
   *ctx = current_context_;
   return CUDA_SUCCESS;
 }
 
 CUresult FakeDriver::DeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice dev) {
+  std::lock_guard<std::mutex> lock(mu_);
   if (dev < 0 || dev >= device_count_) return CUDA_ERROR_INVALID_DEVICE;
   auto it = attributes_.find(attribute);
   *value = it == attributes_.end() ? 1 : it->second;
@@ -217,6 +413,7 @@ CUresult FakeDriver::DeviceGetAttribute(int* value, CUdevice_attribute attribute
 }
 
 CUresult FakeDriver::GetGranularity(size_t* granularity, const CUmemAllocationProp* prop) {
+  std::lock_guard<std::mutex> lock(mu_);
   if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id < 0 ||
       prop->location.id >= device_count_) {
     return CUDA_ERROR_INVALID_DEVICE;
@@ -227,6 +424,7 @@ CUresult FakeDriver::GetGranularity(size_t* granularity, const CUmemAllocationPr
 
 CUresult FakeDriver::Create(CUmemGenericAllocationHandle* handle, size_t size,
                             const CUmemAllocationProp* prop) {
+  std::lock_guard<std::mutex> lock(mu_);
   last_create_prop_ = *prop;
   if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED) return Violation("cuMemCreate: not pinned");
   if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
@@ -243,12 +441,14 @@ CUresult FakeDriver::Create(CUmemGenericAllocationHandle* handle, size_t size,
 }
 
 CUresult FakeDriver::Release(CUmemGenericAllocationHandle handle) {
+  std::lock_guard<std::mutex> lock(mu_);
   if (handles_.erase(handle) == 0) return Violation("cuMemRelease of an unknown handle");
   return CUDA_SUCCESS;
 }
 
 CUresult FakeDriver::Export(void* shareable, CUmemGenericAllocationHandle handle,
                             CUmemAllocationHandleType type) {
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = handles_.find(handle);
   if (it == handles_.end()) return Violation("cuMemExportToShareableHandle: unknown handle");
   if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !memory_[it->second].exportable) {
@@ -267,6 +467,7 @@ CUresult FakeDriver::Export(void* shareable, CUmemGenericAllocationHandle handle
 
 CUresult FakeDriver::Import(CUmemGenericAllocationHandle* handle, void* os_handle,
                             CUmemAllocationHandleType type) {
+  std::lock_guard<std::mutex> lock(mu_);
   if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
     return Violation("cuMemImportFromShareableHandle: not a POSIX fd");
   }
@@ -281,6 +482,7 @@ CUresult FakeDriver::Import(CUmemGenericAllocationHandle* handle, void* os_handl
 }
 
 CUresult FakeDriver::Reserve(CUdeviceptr* ptr, size_t size, size_t alignment) {
+  std::lock_guard<std::mutex> lock(mu_);
   if (size == 0 || size % granularity_ != 0) {
     return Violation("cuMemAddressReserve: size not granularity-aligned");
   }
@@ -293,6 +495,7 @@ CUresult FakeDriver::Reserve(CUdeviceptr* ptr, size_t size, size_t alignment) {
 }
 
 CUresult FakeDriver::Free(CUdeviceptr ptr, size_t size) {
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = reservations_.find(ptr);
   if (it == reservations_.end() || it->second != size) {
     return Violation("cuMemAddressFree of a range that was not reserved");
@@ -307,6 +510,7 @@ CUresult FakeDriver::Free(CUdeviceptr ptr, size_t size) {
 
 CUresult FakeDriver::Map(CUdeviceptr ptr, size_t size, size_t offset,
                          CUmemGenericAllocationHandle handle) {
+  std::lock_guard<std::mutex> lock(mu_);
   auto h = handles_.find(handle);
   if (h == handles_.end()) return Violation("cuMemMap of an unknown handle");
   if (offset != 0) return Violation("cuMemMap with a non-zero offset");
@@ -331,6 +535,7 @@ CUresult FakeDriver::Map(CUdeviceptr ptr, size_t size, size_t offset,
 }
 
 CUresult FakeDriver::Unmap(CUdeviceptr ptr, size_t size) {
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = mappings_.find(ptr);
   if (it == mappings_.end() || it->second.size != size) {
     return Violation("cuMemUnmap of a range that is not exactly one mapping");
@@ -341,6 +546,7 @@ CUresult FakeDriver::Unmap(CUdeviceptr ptr, size_t size) {
 
 CUresult FakeDriver::SetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc,
                                size_t count) {
+  std::lock_guard<std::mutex> lock(mu_);
   // The range must be fully mapped: walk the mappings from ptr, contiguously.
   std::vector<Mapping*> covered;
   CUdeviceptr at = ptr;
@@ -359,6 +565,203 @@ CUresult FakeDriver::SetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
   }
   for (Mapping* m : covered) {
     for (size_t i = 0; i < count; ++i) m->access[desc[i].location.id] = desc[i].flags;
+  }
+  return CUDA_SUCCESS;
+}
+
+// ---- memory-backed allocations -----------------------------------------------------------------
+
+CUresult FakeDriver::HostAlloc(void** p, size_t bytes) {
+  void* mem = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+  if (mem == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+  std::lock_guard<std::mutex> lock(mu_);
+  host_buffers_[mem] = bytes;
+  *p = mem;
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::FreeHost(void* p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = host_buffers_.find(p);
+  if (it == host_buffers_.end()) {
+    return Violation(host_registrations_.count(p) != 0
+                         ? "cuMemFreeHost of cuMemHostRegister'ed memory"
+                         : "cuMemFreeHost of memory cuMemHostAlloc did not return");
+  }
+  // Freeing a buffer a queued copy still reads from is a use-after-free on a real GPU;
+  // fail the whole test binary loudly rather than let it pass.
+  const auto* begin = static_cast<const char*>(p);
+  for (const auto& [handle, s] : streams_) {
+    for (const Copy& c : s.queue) {
+      const auto* src = static_cast<const char*>(c.src);
+      if (src >= begin && src < begin + it->second) std::abort();
+    }
+  }
+  host_buffers_.erase(it);
+  std::free(p);
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::HostRegister(void* p, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (p == nullptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (host_buffers_.count(p) != 0 || !host_registrations_.emplace(p, bytes).second) {
+    return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::HostUnregister(void* p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (host_registrations_.erase(p) == 0) {
+    return Violation(host_buffers_.count(p) != 0
+                         ? "cuMemHostUnregister of cuMemHostAlloc'ed memory"
+                         : "cuMemHostUnregister of memory that is not registered");
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::MemAlloc(CUdeviceptr* p, size_t bytes) {
+  void* mem = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  if (mem == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+  std::lock_guard<std::mutex> lock(mu_);
+  device_allocs_.insert(reinterpret_cast<CUdeviceptr>(mem));
+  *p = reinterpret_cast<CUdeviceptr>(mem);
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::MemFree(CUdeviceptr p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (device_allocs_.erase(p) == 0)
+    return Violation("cuMemFree of memory cuMemAlloc did not return");
+  std::free(reinterpret_cast<void*>(p));
+  return CUDA_SUCCESS;
+}
+
+// ---- streams, events, copies -------------------------------------------------------------------
+
+CUresult FakeDriver::StreamCreate(CUstream* s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  *s = reinterpret_cast<CUstream>(next_object_++);
+  streams_[*s];
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::StreamDestroy(CUstream s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = streams_.find(s);
+  if (s == nullptr || it == streams_.end()) return CUDA_ERROR_INVALID_HANDLE;
+  RunUntil(it->second, it->second.next_seq - 1);  // pending work completes, as on a GPU
+  streams_.erase(it);
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::StreamSynchronize(CUstream s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = streams_.find(s);
+  if (it == streams_.end()) return CUDA_ERROR_INVALID_HANDLE;
+  RunUntil(it->second, it->second.next_seq - 1);
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::EventCreate(CUevent* e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  *e = reinterpret_cast<CUevent>(next_object_++);
+  events_[*e];
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::EventDestroy(CUevent e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return events_.erase(e) == 1 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+CUresult FakeDriver::EventRecord(CUevent e, CUstream s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto ev = events_.find(e);
+  auto st = streams_.find(s);
+  if (ev == events_.end() || st == streams_.end()) return CUDA_ERROR_INVALID_HANDLE;
+  ev->second = {s, st->second.next_seq - 1};
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::EventSynchronize(CUevent e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto ev = events_.find(e);
+  if (ev == events_.end()) return CUDA_ERROR_INVALID_HANDLE;
+  auto st = streams_.find(ev->second.stream);
+  if (st != streams_.end()) RunUntil(st->second, ev->second.seq);
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::MemcpyAsync(void* dst, const void* src, size_t bytes, CUstream s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto st = streams_.find(s);
+  if (st == streams_.end()) return CUDA_ERROR_INVALID_HANDLE;
+  Stream& stream = st->second;
+  stream.queue.push_back({dst, src, bytes, stream.next_seq++});
+  if (stream.queue.size() > max_queued_) RunUntil(stream, stream.queue.front().seq);
+  return CUDA_SUCCESS;
+}
+
+void FakeDriver::RunUntil(Stream& s, uint64_t seq) {
+  while (!s.queue.empty() && s.queue.front().seq <= seq) {
+    const Copy& c = s.queue.front();
+    std::memcpy(c.dst, c.src, c.bytes);
+    s.queue.pop_front();
+  }
+}
+
+// ---- modules and kernels -----------------------------------------------------------------------
+
+CUresult FakeDriver::ModuleLoadData(CUmodule* m, const void* image) {
+  if (image == nullptr) return CUDA_ERROR_INVALID_IMAGE;
+  std::lock_guard<std::mutex> lock(mu_);
+  *m = reinterpret_cast<CUmodule>(next_object_++);
+  modules_.insert(*m);
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::ModuleUnload(CUmodule m) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return modules_.erase(m) == 1 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+CUresult FakeDriver::ModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (modules_.count(m) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  if (std::strcmp(name, kernels::kChunkXxh64Kernel) != 0) return CUDA_ERROR_NOT_FOUND;
+  *f = FakeFunction();
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::LaunchKernel(CUfunction f, unsigned grid, unsigned block, CUstream s,
+                                  void** params) {
+  if (f != FakeFunction()) return CUDA_ERROR_INVALID_HANDLE;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto st = streams_.find(s);
+  if (st == streams_.end()) return CUDA_ERROR_INVALID_HANDLE;
+  // Stream order: the range table copied before the launch must have landed.
+  RunUntil(st->second, st->second.next_seq - 1);
+  const auto* ranges =
+      reinterpret_cast<const kernels::ChecksumRange*>(*static_cast<CUdeviceptr*>(params[0]));
+  const uint32_t num_ranges = *static_cast<uint32_t*>(params[1]);
+  const uint64_t total_chunks = *static_cast<uint64_t*>(params[2]);
+  const uint64_t chunk_bytes = *static_cast<uint64_t*>(params[3]);
+  const uint64_t seed = *static_cast<uint64_t*>(params[4]);
+  auto* out = reinterpret_cast<uint64_t*>(*static_cast<CUdeviceptr*>(params[5]));
+  const uint64_t threads = uint64_t{grid} * block;
+  // The device code's thread loop, run serially: thread `chunk` finds its range and hashes.
+  for (uint64_t chunk = 0; chunk < total_chunks && chunk < threads; ++chunk) {
+    uint32_t r = 0;
+    while (r + 1 < num_ranges && ranges[r + 1].first_chunk <= chunk) ++r;
+    const uint64_t offset = (chunk - ranges[r].first_chunk) * chunk_bytes;
+    const uint64_t len = std::min(chunk_bytes, ranges[r].size - offset);
+    const auto* p = reinterpret_cast<const uint8_t*>(ranges[r].ptr + offset);
+    out[chunk] = (reinterpret_cast<uintptr_t>(p) % 16 == 0)
+                     ? xxh64::Hash<xxh64::Access::kVector16>(p, len, seed)
+                     : xxh64::Hash<xxh64::Access::kBytewise>(p, len, seed);
+    ++launched_chunks_;
   }
   return CUDA_SUCCESS;
 }

@@ -1,24 +1,44 @@
-// FakeDriver — a DriverApi whose VMM entry points are backed by bookkeeping instead of a GPU,
-// with failure injection: "fail the Nth call of function F with CUresult X". It exists to
-// prove exact rollback: after any failed Create/Import nothing may remain live.
+// FakeDriver — the one fake CUDA driver of the unit tests: a DriverApi whose entry points are
+// backed by bookkeeping and host memory instead of a GPU, with failure injection ("fail the Nth
+// call of function F with CUresult X") on every entry point it implements. The VMM arena tests
+// use it to prove exact rollback; the upload-pipeline and checksum-launcher tests use it to
+// prove ordering, cleanup and error paths. What it models:
 //
-// What it models: primary-context retain counts and the current context; VMM handles (created
-// or imported) over shared "memory objects"; VA reservations; mappings (with the access flags
-// set on them); exported POSIX fds, which are real memfds (created without CLOEXEC, like a
-// driver that does not promise it) so the fd path — CLOEXEC, fstat checks, closing — is real.
-// It also checks the rules the real driver enforces (sizes multiple of the granularity, map
-// only into a reservation, no overlap, unmap exactly what was mapped, no free of a
-// reservation with live mappings) and counts violations instead of crashing.
+//  * Contexts: primary-context retain counts per device and one current context (set with
+//    cuCtxSetCurrent, or by a test through set_current_context; null at construction).
+//  * VMM: handles (created or imported) over shared "memory objects", VA reservations, mappings
+//    with the access flags set on them, and exported POSIX fds, which are real memfds (created
+//    without CLOEXEC, like a driver that does not promise it) so the fd path is real. It checks
+//    the rules the real driver enforces (sizes multiple of the granularity, map only into a
+//    reservation, no overlap, unmap exactly what was mapped, no free of a reservation with live
+//    mappings) and counts violations instead of crashing. VMM addresses are not backed.
+//  * Memory-backed resources: cuMemAlloc and cuMemHostAlloc return host memory (a CUdeviceptr
+//    from cuMemAlloc is a host address), and each kind is freed only by its own call
+//    (cuMemFree, cuMemFreeHost); a wrong release call is a violation. cuMemHostRegister and
+//    cuMemHostUnregister track registrations of caller memory the same way.
+//  * Streams and events: cuMemcpyHtoDAsync/DtoHAsync do NOT copy when called: the copy (source
+//    pointer, not bytes) is queued on its stream and runs only when something waits for it —
+//    cuEventSynchronize on an event recorded after it, cuStreamSynchronize, cuStreamDestroy — or
+//    when the stream has more than `max_queued` pending. So a pipeline that refills a staging
+//    buffer before waiting for its copy uploads the wrong bytes, and the tests see it; freeing
+//    pinned memory a queued copy still reads aborts the test binary.
+//  * Kernels: cuLaunchKernel runs the checksum kernel's algorithm (the same xxh64_core.h) on
+//    the host for the function cuModuleGetFunction handed out.
 //
 // Driver entry points are plain C function pointers, so the fake installs itself as the
-// process-wide "current fake" for its lifetime; one FakeDriver at a time, single-threaded.
+// process-wide "current fake" for its lifetime: one FakeDriver at a time. Its entry points and
+// counters are thread-safe (the upload pipeline calls them from its threads); the accessors
+// that return references (calls(), violation_log()) are for after the code under test returns.
 #pragma once
 
 #include <cuda.h>
 #include <sys/types.h>
 
 #include <cstdint>
+#include <deque>
 #include <map>
+#include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -36,36 +56,50 @@ class FakeDriver {
 
   const DriverApi* api() const { return &api_; }
 
+  // The primary context the fake hands out for `device`.
+  static CUcontext ContextOf(CUdevice device);
+
   // Make the `nth` (1-based) call of `function` (e.g. "cuMemMap") return `rc` without
   // changing any state. Several failures may be armed at once.
   void FailCall(const std::string& function, int nth, CUresult rc);
   // Report `value` for a device attribute (default 1 for every attribute).
-  void SetAttribute(CUdevice_attribute attribute, int value) { attributes_[attribute] = value; }
+  void SetAttribute(CUdevice_attribute attribute, int value);
+  // Queued copies per stream beyond which the oldest one runs (models a bounded queue).
+  void SetMaxQueued(size_t n);
 
   // Every call made so far, in order, by function name (cuGetErrorName/String excluded).
   const std::vector<std::string>& calls() const { return calls_; }
-  void ClearCalls() { calls_.clear(); }
+  int CallCount(const std::string& function) const;
+  void ClearCalls();
 
   // A memory object exported by "another process" (the daemon): a new memfd the fake will
   // accept in cuMemImportFromShareableHandle, for `size` bytes on `device`.
   UniqueFd ForeignExport(uint64_t size, CUdevice device);
 
   // Live state.
-  int live_handles() const { return static_cast<int>(handles_.size()); }
-  int live_reservations() const { return static_cast<int>(reservations_.size()); }
-  int live_mappings() const { return static_cast<int>(mappings_.size()); }
+  int live_handles() const;
+  int live_reservations() const;
+  int live_mappings() const;
   int context_refs(CUdevice device) const;
   int total_context_refs() const;
-  int exported_fds_made() const { return exported_fds_made_; }
-  int violations() const { return static_cast<int>(violation_log_.size()); }
+  int exported_fds_made() const;
+  int violations() const;
   const std::vector<std::string>& violation_log() const { return violation_log_; }
-  CUcontext current_context() const { return current_context_; }
+  CUcontext current_context() const;
   // As if the caller's thread had made `ctx` current before calling into the library.
-  void set_current_context(CUcontext ctx) { current_context_ = ctx; }
+  void set_current_context(CUcontext ctx);
   // Access flags set for `device` on the mapping that starts at `ptr` (PROT_NONE if none).
   unsigned long long AccessAt(CUdeviceptr ptr, CUdevice device) const;
   // The properties last passed to cuMemCreate.
-  const CUmemAllocationProp& last_create_prop() const { return last_create_prop_; }
+  CUmemAllocationProp last_create_prop() const;
+  int live_host_buffers() const;  // cuMemHostAlloc'ed, not yet freed
+  int live_host_registrations() const;
+  int live_streams() const;
+  int live_events() const;
+  int live_device_allocs() const;  // cuMemAlloc'ed, not yet freed
+  int loaded_modules() const;
+  size_t pending_copies() const;  // queued on any stream, not yet executed
+  uint64_t launched_chunks() const;
 
   // --- implementation of the entry points (public so the C trampolines can reach them) ---
   CUresult Hook(const char* function);
@@ -87,6 +121,24 @@ class FakeDriver {
   CUresult Map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle);
   CUresult Unmap(CUdeviceptr ptr, size_t size);
   CUresult SetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count);
+  CUresult HostAlloc(void** p, size_t bytes);
+  CUresult FreeHost(void* p);
+  CUresult HostRegister(void* p, size_t bytes);
+  CUresult HostUnregister(void* p);
+  CUresult MemAlloc(CUdeviceptr* p, size_t bytes);
+  CUresult MemFree(CUdeviceptr p);
+  CUresult StreamCreate(CUstream* s);
+  CUresult StreamDestroy(CUstream s);
+  CUresult StreamSynchronize(CUstream s);
+  CUresult EventCreate(CUevent* e);
+  CUresult EventDestroy(CUevent e);
+  CUresult EventRecord(CUevent e, CUstream s);
+  CUresult EventSynchronize(CUevent e);
+  CUresult MemcpyAsync(void* dst, const void* src, size_t bytes, CUstream s);
+  CUresult ModuleLoadData(CUmodule* m, const void* image);
+  CUresult ModuleUnload(CUmodule m);
+  CUresult ModuleGetFunction(CUfunction* f, CUmodule m, const char* name);
+  CUresult LaunchKernel(CUfunction f, unsigned grid, unsigned block, CUstream s, void** params);
 
  private:
   struct MemoryObject {
@@ -104,19 +156,37 @@ class FakeDriver {
     int nth;
     CUresult rc;
   };
+  struct Copy {
+    void* dst;
+    const void* src;
+    size_t bytes;
+    uint64_t seq;
+  };
+  struct Stream {
+    std::deque<Copy> queue;
+    uint64_t next_seq = 1;
+  };
+  struct Event {
+    CUstream stream = nullptr;
+    uint64_t seq = 0;  // the stream position it marks
+  };
 
+  // Caller holds mu_.
   CUresult Violation(const std::string& what);
   uint64_t NewMemory(uint64_t size, CUdevice device, bool exportable);
+  void RunUntil(Stream& s, uint64_t seq);  // runs queued copies of `s` up to `seq`
 
   DriverApi api_;
   uint64_t granularity_;
   int device_count_;
+  mutable std::mutex mu_;
   std::vector<Failure> failures_;
   std::map<std::string, int> call_counts_;
   std::vector<std::string> calls_;
   std::map<CUdevice_attribute, int> attributes_;
   std::map<CUdevice, int> context_refs_;
   CUcontext current_context_ = nullptr;
+  // VMM.
   std::map<uint64_t, MemoryObject> memory_;                   // id -> object
   std::map<CUmemGenericAllocationHandle, uint64_t> handles_;  // handle -> memory id
   std::map<CUdeviceptr, uint64_t> reservations_;              // base -> size
@@ -128,6 +198,16 @@ class FakeDriver {
   int exported_fds_made_ = 0;
   std::vector<std::string> violation_log_;
   CUmemAllocationProp last_create_prop_ = {};
+  // Memory-backed resources, streams, events, modules.
+  size_t max_queued_ = size_t{1} << 20;
+  std::map<void*, size_t> host_buffers_;        // cuMemHostAlloc'ed: pointer -> size
+  std::map<void*, size_t> host_registrations_;  // cuMemHostRegister'ed: pointer -> size
+  std::set<CUdeviceptr> device_allocs_;
+  std::map<CUstream, Stream> streams_;  // nullptr key: the legacy default stream
+  std::map<CUevent, Event> events_;
+  std::set<CUmodule> modules_;
+  uint64_t next_object_ = 0x1000;
+  uint64_t launched_chunks_ = 0;
 };
 
 // Open file descriptors of this process (from /proc/self/fd), to prove none leaked.

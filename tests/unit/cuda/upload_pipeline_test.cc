@@ -14,15 +14,15 @@
 #include <random>
 #include <vector>
 
+#include "common/checksum.h"
 #include "common/unique_fd.h"
-#include "cuda/checksum.h"
 #include "support/test_env.h"
-#include "upload_fake_driver.h"
+#include "unit/cuda/fake_driver.h"
 
 namespace weightcache::cuda {
 namespace {
 
-using testing::UploadFakeDriver;
+using testing::FakeDriver;
 using weightcache::testing::TempDir;
 
 constexpr uint64_t kChunk = kChecksumChunkBytes;
@@ -36,6 +36,8 @@ std::string RandomString(size_t n, uint32_t seed) {
 
 class UploadPipelineTest : public ::testing::Test {
  protected:
+  // The pipeline records the caller's current context at Create.
+  UploadPipelineTest() { fake_.set_current_context(FakeDriver::ContextOf(0)); }
   // A real file of random bytes, opened read-only; returns its source index.
   size_t AddFile(const std::string& name, size_t size, uint32_t seed) {
     const std::string path = dir_.Join(name);
@@ -80,7 +82,7 @@ class UploadPipelineTest : public ::testing::Test {
     return o;
   }
 
-  UploadFakeDriver fake_;
+  FakeDriver fake_;
   TempDir dir_;
   std::vector<std::string> contents_;
   std::vector<UniqueFd> fds_;
@@ -250,6 +252,60 @@ TEST_F(UploadPipelineTest, EventSynchronizeFailureStops) {
   ExpectAllReleased();
 }
 
+// One test per step boundary of Run() that the tests above do not reach: the reader thread's
+// context (start of step 4), the event after a batch's copies (end of step 4) and the drain
+// (step 5). Each stops the run with the driver's error and leaves nothing in flight.
+TEST_F(UploadPipelineTest, ContextFailureOnAReaderThreadStops) {
+  const size_t a = AddFile("a.bin", 8 * kChunk, 13);
+  for (int i = 0; i < 4; ++i) AddItem(a, i * 2 * kChunk, 2 * kChunk);
+  UploadOptions o = SmallRing();
+  o.reader_threads = 1;
+  fake_.FailCall("cuCtxSetCurrent", 1, CUDA_ERROR_INVALID_CONTEXT);
+  {
+    auto report = Run(o);
+    ASSERT_FALSE(report.ok());
+    EXPECT_EQ(report.status().code(), StatusCode::kCuda);
+    EXPECT_EQ(report.status().driver_error(), CUDA_ERROR_INVALID_CONTEXT);
+    EXPECT_NE(report.status().message().find("cuCtxSetCurrent on upload thread"), std::string::npos)
+        << report.status().message();
+    EXPECT_EQ(fake_.CallCount("cuMemcpyHtoDAsync"), 0);
+  }
+  ExpectAllReleased();
+}
+
+TEST_F(UploadPipelineTest, EventRecordFailureNamesTheBufferAndStops) {
+  const size_t a = AddFile("a.bin", 20 * kChunk, 14);
+  for (int i = 0; i < 10; ++i) AddItem(a, i * 2 * kChunk, 2 * kChunk);
+  fake_.FailCall("cuEventRecord", 2, CUDA_ERROR_UNKNOWN);
+  {
+    auto report = Run(SmallRing());
+    ASSERT_FALSE(report.ok());
+    EXPECT_EQ(report.status().driver_error(), CUDA_ERROR_UNKNOWN);
+    EXPECT_NE(report.status().message().find("cuEventRecord on staging buffer "), std::string::npos)
+        << report.status().message();
+    EXPECT_LT(fake_.CallCount("cuEventRecord"), 10);
+  }
+  ExpectAllReleased();
+}
+
+TEST_F(UploadPipelineTest, DrainFailureIsReportedAfterEveryStreamIsSynchronized) {
+  const size_t a = AddFile("a.bin", 8 * kChunk, 15);
+  for (int i = 0; i < 4; ++i) AddItem(a, i * 2 * kChunk, 2 * kChunk);
+  fake_.FailCall("cuStreamSynchronize", 1, CUDA_ERROR_LAUNCH_FAILED);
+  {
+    auto report = Run(SmallRing());
+    ASSERT_FALSE(report.ok());
+    EXPECT_EQ(report.status().driver_error(), CUDA_ERROR_LAUNCH_FAILED);
+    EXPECT_NE(report.status().message().find("cuStreamSynchronize after the upload copies"),
+              std::string::npos)
+        << report.status().message();
+    // Every item was copied; the second stream was still drained after the first one failed.
+    EXPECT_EQ(fake_.CallCount("cuMemcpyHtoDAsync"), 4);
+    EXPECT_EQ(fake_.CallCount("cuStreamSynchronize"), 2);
+  }
+  ExpectAllReleased();
+}
+
 TEST_F(UploadPipelineTest, CreateFailureReleasesWhatWasAllocated) {
   fake_.FailCall("cuMemHostAlloc", 3, CUDA_ERROR_OUT_OF_MEMORY);
   auto p = UploadPipeline::Create(fake_.api(), SmallRing());
@@ -293,11 +349,11 @@ TEST_F(UploadPipelineTest, RejectsBadOptionsAndItems) {
   EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(p.status().message().find("must be a multiple of"), std::string::npos);
 
-  fake_.SetHasContext(false);
+  fake_.set_current_context(nullptr);
   auto p2 = UploadPipeline::Create(fake_.api(), SmallRing());
   ASSERT_FALSE(p2.ok());
   EXPECT_NE(p2.status().message().find("no current CUDA context"), std::string::npos);
-  fake_.SetHasContext(true);
+  fake_.set_current_context(FakeDriver::ContextOf(0));
 
   const size_t a = AddFile("a.bin", 10, 12);
   AddItem(a, 0, 10);

@@ -8,8 +8,9 @@
 // staging buffer at a time, in any order) and by the GPU kernel (one thread per chunk) over
 // device memory. An empty tensor has zero chunks: its checksum is XXH64 of zero bytes.
 //
-// Everything here is pure CPU. Free functions are thread-safe; a ChecksumBuilder is a value
-// used by one thread at a time.
+// Everything here is pure CPU (the host tier, the fallback loader and the verifier use it with
+// no CUDA; the gpu tier's upload pipeline and kernel compute the same values). Free functions are
+// thread-safe; a ChecksumBuilder is a value used by one thread at a time.
 #pragma once
 
 #include <cstddef>
@@ -18,7 +19,7 @@
 #include <span>
 #include <vector>
 
-namespace weightcache::cuda {
+namespace weightcache {
 
 inline constexpr uint64_t kChecksumChunkBytes = uint64_t{256} << 10;  // 256 KiB
 inline constexpr uint64_t kChecksumSeed = 0;
@@ -60,4 +61,4 @@ class ChecksumBuilder {
   uint64_t bytes_ = 0;
 };
 
-}  // namespace weightcache::cuda
+}  // namespace weightcache

@@ -1,4 +1,4 @@
-#include "cuda/checksum.h"
+#include "common/checksum.h"
 
 #define XXH_INLINE_ALL  // header-only use: no libxxhash at run time
 #include <xxhash.h>
@@ -8,7 +8,7 @@
 
 #include "common/hash.h"
 
-namespace weightcache::cuda {
+namespace weightcache {
 
 void HashChunks(const void* data, size_t size, std::span<uint64_t> out) {
   assert(out.size() == ChecksumChunkCount(size));
@@ -76,4 +76,4 @@ uint64_t ChecksumBuilder::Finish() const {
   return CombineChunkHashes(hashes);
 }
 
-}  // namespace weightcache::cuda
+}  // namespace weightcache

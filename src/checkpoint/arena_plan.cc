@@ -1,9 +1,9 @@
-#include "cuda/arena_plan.h"
+#include "checkpoint/arena_plan.h"
 
 #include <algorithm>
 #include <cassert>
 
-namespace weightcache::cuda {
+namespace weightcache::checkpoint {
 
 ArenaPlan PlanArena(std::span<const uint64_t> tensor_bytes, uint64_t granularity,
                     uint64_t max_allocation_bytes) {
@@ -45,4 +45,4 @@ ArenaPlan PlanArena(std::span<const uint64_t> tensor_bytes, uint64_t granularity
   return plan;
 }
 
-}  // namespace weightcache::cuda
+}  // namespace weightcache::checkpoint

@@ -1,5 +1,6 @@
-// PlanArena — where each tensor of a shard lives inside a VMM arena. Pure function: no driver,
-// no I/O, thread-safe.
+// PlanArena — where each tensor of a shard lives inside an arena: the gpu tier's VMM allocations
+// (at the device's VMM granularity) and the host tier's memfds (at the page size). Pure function:
+// no driver, no I/O, thread-safe.
 //
 // Tensors are packed in the given order into a FEW large allocations so that attaching costs
 // O(allocations), not O(tensors) (SPEC §3): each allocation is filled up to
@@ -13,7 +14,9 @@
 #include <span>
 #include <vector>
 
-namespace weightcache::cuda {
+#include "common/align.h"
+
+namespace weightcache::checkpoint {
 
 inline constexpr uint64_t kTensorAlignment = 256;
 // An attach pays per allocation, mostly in cuMemSetAccess: on an H200 (attach_bench steps,
@@ -45,9 +48,4 @@ struct ArenaPlan {
 ArenaPlan PlanArena(std::span<const uint64_t> tensor_bytes, uint64_t granularity,
                     uint64_t max_allocation_bytes = kDefaultMaxAllocationBytes);
 
-// Round `value` up to a multiple of `alignment` (a power of two).
-constexpr uint64_t AlignUp(uint64_t value, uint64_t alignment) {
-  return (value + alignment - 1) & ~(alignment - 1);
-}
-
-}  // namespace weightcache::cuda
+}  // namespace weightcache::checkpoint
