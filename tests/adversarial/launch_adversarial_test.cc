@@ -128,7 +128,10 @@ class LaunchAdversarialTest : public ::testing::Test {
     return argv;
   }
   TestChild Spawn(std::vector<std::string> extra, const std::string& log) {
-    auto child = TestChild::Spawn({.argv = Args(std::move(extra)), .log_path = dir_.Join(log)});
+    ChildSpec spec;
+    spec.argv = Args(std::move(extra));
+    spec.log_path = dir_.Join(log);
+    auto child = TestChild::Spawn(spec);
     EXPECT_TRUE(child.ok()) << child.status().ToString();
     return std::move(child).value();
   }
