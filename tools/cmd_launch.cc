@@ -2,7 +2,8 @@
 // job on this node. Placement, lifecycle and exit codes: docs/launcher.md. This file only
 // parses flags, prepares directories and signals, and prints; src/launcher does the work.
 // The identity flags are serve's own (AddIdentityFlags, job scope), so every flag that shapes
-// a daemon's CacheConfig is accepted here and forwarded to every daemon (BuildDaemonSpecs).
+// a daemon's CacheConfig is accepted here, and forwarded to every daemon by ServeArgsFor,
+// written from the same table (identity_flags.h).
 #include <signal.h>
 #include <sys/signalfd.h>
 #include <unistd.h>
@@ -115,6 +116,7 @@ int RunLaunch(const LaunchArgs& args) {
   if (!plan.ok()) return Fail(kCmd, plan.status());
 
   launcher::ServeFlags serve = args.serve;
+  serve.identity_args = ServeArgsFor;
   AttachOptions& id = serve.identity;
   if (id.namespace_name.empty()) id.namespace_name = std::string(identity::kDefaultNamespace);
   if (Status s = identity::ValidateNamespace(id.namespace_name); !s.ok()) return Fail(kCmd, s);

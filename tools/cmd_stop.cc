@@ -94,9 +94,7 @@ int Run(StopArgs& args) {
                                         " is a template; without --model it cannot be "
                                         "expanded (give the identity flags too)"));
     }
-    // A layout socket's lock is <stem>.lock; an explicit socket's is <socket>.lock.
-    const std::string layout_lock = LockPathFor(socket);
-    targets.push_back({socket, PathExists(layout_lock) ? layout_lock : socket + ".lock"});
+    targets.push_back({socket, LockPathFor(socket)});
   } else {
     auto id = client::ResolveIdentity(args.identity);
     if (!id.ok()) return Fail(kCmd, id.status());

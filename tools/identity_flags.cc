@@ -1,52 +1,138 @@
 #include "identity_flags.h"
 
 #include <string>
+#include <variant>
 
 namespace weightcache::cli {
+namespace {
+
+// What a flag's value is, and the check CLI11 makes on it.
+enum class Check { kNone, kRequired, kPositive, kNonNegative };
+
+struct IdentityFlag {
+  const char* name;       // the kOneCache spelling, which ServeArgsFor writes
+  const char* job_names;  // the kJob spelling when it differs ("--tp,--tp-size"), else nullptr
+  bool per_daemon;        // kOneCache only: launch sets it per daemon, never from the job
+  std::variant<std::string AttachOptions::*, int AttachOptions::*, Tier AttachOptions::*> field;
+  Check check;
+  const char* help;
+};
+
+// Every identity flag, once. Order = registration order = forwarding order.
+const IdentityFlag kIdentityFlags[] = {
+    {"--model", nullptr, false, &AttachOptions::model_dir, Check::kRequired,
+     "checkpoint dir or .safetensors file"},
+    {"--model-id", nullptr, false, &AttachOptions::model_id, Check::kNone,
+     "model id (default: the model dir's basename)"},
+    {"--revision", nullptr, false, &AttachOptions::revision, Check::kNone, "model revision"},
+    {"--dtype", nullptr, false, &AttachOptions::dtype, Check::kNone, "dtype (default: as stored)"},
+    {"--quantization", nullptr, false, &AttachOptions::quantization, Check::kNone,
+     "quantization method"},
+    {"--quantization-config", nullptr, false, &AttachOptions::quantization_config, Check::kNone,
+     "JSON file of the quantization method"},
+    {"--tp-size", "--tp,--tp-size", false, &AttachOptions::tp_size, Check::kPositive,
+     "tensor-parallel size"},
+    {"--pp-size", "--pp,--pp-size", false, &AttachOptions::pp_size, Check::kPositive,
+     "pipeline-parallel size"},
+    {"--ep-size", nullptr, false, &AttachOptions::ep_size, Check::kPositive,
+     "expert-parallel size"},
+    {"--dp-size", nullptr, false, &AttachOptions::dp_size, Check::kPositive,
+     "data-parallel size (no rank: replicas share weights)"},
+    {"--tp-rank", nullptr, true, &AttachOptions::tp_rank, Check::kNonNegative,
+     "this process's tensor-parallel rank"},
+    {"--pp-rank", nullptr, true, &AttachOptions::pp_rank, Check::kNonNegative,
+     "this process's pipeline-parallel rank"},
+    {"--ep-rank", nullptr, true, &AttachOptions::ep_rank, Check::kNonNegative,
+     "this process's expert-parallel rank"},
+    {"--layout-tag", nullptr, false, &AttachOptions::layout_tag, Check::kNone, "arena layout tag"},
+    {"--source", nullptr, false, &AttachOptions::source, Check::kNone,
+     "disk or published:<producer tag>"},
+    {"--tier", nullptr, false, &AttachOptions::tier, Check::kNone,
+     "gpu (VMM arena on a GPU) or host (sealed memfds); default gpu"},
+    {"--device", nullptr, true, &AttachOptions::device, Check::kNone,
+     "local index into the visible devices, or a GPU UUID (prefix)"},
+    {"--namespace", nullptr, false, &AttachOptions::namespace_name, Check::kNone,
+     "cache namespace (default: default)"},
+    {"--runtime-dir", nullptr, false, &AttachOptions::runtime_dir, Check::kNone,
+     "runtime dir (default: $WEIGHTCACHE_RUNTIME_DIR, $XDG_RUNTIME_DIR/weightcache, "
+     "/tmp/weightcache-<uid>)"},
+    {"--socket", nullptr, true, &AttachOptions::socket, Check::kNone,
+     "explicit socket path or template"},
+    {"--device-inventory", nullptr, false, &AttachOptions::device_inventory, Check::kNone,
+     "JSON device inventory standing in for CUDA enumeration"},
+};
+
+CLI::Option* Register(CLI::App* sub, const IdentityFlag& f, const std::string& names,
+                      AttachOptions* o) {
+  struct Visitor {
+    CLI::App* sub;
+    const std::string& names;
+    const char* help;
+    AttachOptions* o;
+    CLI::Option* operator()(std::string AttachOptions::*m) const {
+      return sub->add_option(names, o->*m, help);
+    }
+    CLI::Option* operator()(int AttachOptions::*m) const {
+      return sub->add_option(names, o->*m, help);
+    }
+    CLI::Option* operator()(Tier AttachOptions::*m) const {
+      // By name only: a transformer onto the enum would also accept its integer values ("1").
+      return sub
+          ->add_option_function<std::string>(
+              names,
+              [o = o, m](const std::string& tier) {
+                o->*m = tier == "host" ? Tier::kHost : Tier::kGpu;
+              },
+              help)
+          ->check(CLI::IsMember({"gpu", "host"}));
+    }
+  };
+  CLI::Option* opt = std::visit(Visitor{sub, names, f.help, o}, f.field);
+  switch (f.check) {
+    case Check::kNone:
+      break;
+    case Check::kRequired:
+      opt->required();
+      break;
+    case Check::kPositive:
+      opt->check(CLI::PositiveNumber);
+      break;
+    case Check::kNonNegative:
+      opt->check(CLI::NonNegativeNumber);
+      break;
+  }
+  return opt;
+}
+
+}  // namespace
 
 void AddIdentityFlags(CLI::App* sub, AttachOptions* o, IdentityScope scope) {
-  const bool one = scope == IdentityScope::kOneCache;
-  sub->add_option("--model", o->model_dir, "checkpoint dir or .safetensors file")->required();
-  sub->add_option("--model-id", o->model_id, "model id (default: the model dir's basename)");
-  sub->add_option("--revision", o->revision, "model revision");
-  sub->add_option("--dtype", o->dtype, "dtype (default: as stored)");
-  sub->add_option("--quantization", o->quantization, "quantization method");
-  sub->add_option("--quantization-config", o->quantization_config,
-                  "JSON file of the quantization method");
-  sub->add_option(one ? "--tp-size" : "--tp,--tp-size", o->tp_size, "tensor-parallel size")
-      ->check(CLI::PositiveNumber);
-  sub->add_option(one ? "--pp-size" : "--pp,--pp-size", o->pp_size, "pipeline-parallel size")
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--ep-size", o->ep_size, "expert-parallel size")->check(CLI::PositiveNumber);
-  sub->add_option("--dp-size", o->dp_size, "data-parallel size (no rank: replicas share weights)")
-      ->check(CLI::PositiveNumber);
-  if (one) {
-    sub->add_option("--tp-rank", o->tp_rank, "this process's tensor-parallel rank")
-        ->check(CLI::NonNegativeNumber);
-    sub->add_option("--pp-rank", o->pp_rank, "this process's pipeline-parallel rank")
-        ->check(CLI::NonNegativeNumber);
-    sub->add_option("--ep-rank", o->ep_rank, "this process's expert-parallel rank")
-        ->check(CLI::NonNegativeNumber);
+  const bool job = scope == IdentityScope::kJob;
+  for (const IdentityFlag& f : kIdentityFlags) {
+    if (job && f.per_daemon) continue;
+    Register(sub, f, job && f.job_names != nullptr ? f.job_names : f.name, o);
   }
-  sub->add_option("--layout-tag", o->layout_tag, "arena layout tag");
-  sub->add_option("--source", o->source, "disk or published:<producer tag>");
-  // By name only: a transformer onto the enum would also accept its integer values ("1").
-  sub->add_option_function<std::string>(
-         "--tier",
-         [o](const std::string& tier) { o->tier = tier == "host" ? Tier::kHost : Tier::kGpu; },
-         "gpu (VMM arena on a GPU) or host (sealed memfds); default gpu")
-      ->check(CLI::IsMember({"gpu", "host"}));
-  if (one) {
-    sub->add_option("--device", o->device,
-                    "local index into the visible devices, or a GPU UUID (prefix)");
+}
+
+std::vector<std::string> ServeArgsFor(const AttachOptions& options) {
+  static const AttachOptions kDefaults;
+  std::vector<std::string> args;
+  for (const IdentityFlag& f : kIdentityFlags) {
+    std::visit(
+        [&](auto AttachOptions::*m) {
+          using T = std::remove_cvref_t<decltype(options.*m)>;
+          if constexpr (std::is_same_v<T, std::string>) {
+            if (options.*m == kDefaults.*m) return;
+            args.insert(args.end(), {f.name, options.*m});
+          } else if constexpr (std::is_same_v<T, int>) {
+            args.insert(args.end(), {f.name, std::to_string(options.*m)});
+          } else {
+            args.insert(args.end(), {f.name, std::string(TierName(options.*m))});
+          }
+        },
+        f.field);
   }
-  sub->add_option("--namespace", o->namespace_name, "cache namespace (default: default)");
-  sub->add_option("--runtime-dir", o->runtime_dir,
-                  "runtime dir (default: $WEIGHTCACHE_RUNTIME_DIR, $XDG_RUNTIME_DIR/weightcache, "
-                  "/tmp/weightcache-<uid>)");
-  if (one) sub->add_option("--socket", o->socket, "explicit socket path or template");
-  sub->add_option("--device-inventory", o->device_inventory,
-                  "JSON device inventory standing in for CUDA enumeration");
+  return args;
 }
 
 }  // namespace weightcache::cli

@@ -5,6 +5,13 @@
 // same CacheConfig, device key and socket path by construction, and a flag added here reaches
 // every command at once.
 //
+// One table (identity_flags.cc, kIdentityFlags) lists every flag: its names, help, the
+// AttachOptions field it binds, its check and whether it is per daemon. AddIdentityFlags
+// registers from it, and ServeArgsFor writes from it the `serve` arguments that `launch`
+// gives each daemon, so a flag added to the table is registered and forwarded at once; there
+// is no second list to keep in step (tests/unit/launcher/launch_flags_test.cc parses the
+// forwarded command line with these same registrations).
+//
 // Defaults are the values the bound AttachOptions holds when the flags are registered (the
 // struct's own defaults: tier gpu, source disk, sizes 1), so every command shares them too.
 // The bound object must outlive the CLI::App (commands keep it in a shared_ptr captured by
@@ -12,15 +19,18 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <string>
+#include <vector>
 
 #include "weightcache/client.h"
 
 namespace weightcache::cli {
 
 // kOneCache: one daemon's identity (serve, attach, verify, paths, stop): every flag.
-// kJob: a job's identity (launch): every flag but the ones the launcher sets per daemon from
-// its placement (--tp-rank, --pp-rank, --ep-rank, --device) and --socket (the launcher finds
-// each daemon's socket in the layout); the sizes are also spelled --tp and --pp (SPEC §5).
+// kJob: a job's identity (launch): every flag but the per-daemon ones, which the launcher
+// sets for each daemon from its placement (--tp-rank, --pp-rank, --ep-rank, --device) or
+// leaves to the layout (--socket: the launcher finds each daemon's socket there); the sizes
+// are also spelled --tp and --pp (SPEC §5).
 enum class IdentityScope { kOneCache, kJob };
 
 // Registers on `sub`, bound to `options`:
@@ -31,5 +41,11 @@ enum class IdentityScope { kOneCache, kJob };
 // Value checks that CLI11 can make (sizes >= 1, ranks >= 0, tier gpu|host) are usage errors
 // here; everything else is CacheConfig::Validate()'s, at resolution.
 void AddIdentityFlags(CLI::App* sub, AttachOptions* options, IdentityScope scope);
+
+// The arguments that make `serve` (kOneCache registrations) parse `options` back exactly:
+// "--flag value" for every flag of the table, in table order, by its kOneCache name. Numbers
+// and the tier are always written (a readable command line); a string only when it differs
+// from AttachOptions' default (so "" stays serve's default). Pure.
+std::vector<std::string> ServeArgsFor(const AttachOptions& options);
 
 }  // namespace weightcache::cli

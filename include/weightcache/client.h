@@ -212,6 +212,10 @@ class Attachment {
   const std::string& source_reason() const;
   const std::string& socket_path() const;  // the path discovery resolved (also for fallback)
   const std::string& device_key() const;   // the GPU UUID, or "host"
+  // Gpu tier: the CUDA ordinal of device_key() in this process (its index among the devices
+  // the driver shows, CUDA_VISIBLE_DEVICES applied), e.g. the DLPack device id of the
+  // tensors; -1 on the host tier.
+  int cuda_device() const;
   const std::string& config_digest() const;
   int daemon_pid() const;  // 0 for fallback
   // Wall time of Attach (discovery, handshake, mapping or fallback load) in milliseconds.

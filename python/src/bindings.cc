@@ -34,8 +34,6 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/driver_api.h"
-#include "identity/device_inventory.h"
 #include "weightcache/client.h"
 #include "weightcache/status.h"
 
@@ -115,27 +113,6 @@ struct TensorInfo {
   uint64_t nbytes = 0;
   uint64_t checksum = 0;
 };
-
-// The CUDA ordinal (index among the devices this process sees) of the GPU with `uuid`: the
-// DLPack device id of gpu-tier tensors. The client resolved the same UUID through the same
-// driver, so a failure here is an internal inconsistency.
-Result<int> CudaOrdinalOf(const std::string& uuid) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
-  int count = 0;
-  if (api->cuDeviceGetCount(&count) != CUDA_SUCCESS) {
-    return Status(StatusCode::kCuda, "cuDeviceGetCount failed");
-  }
-  for (int i = 0; i < count; ++i) {
-    CUdevice dev = 0;
-    CUuuid raw;
-    if (api->cuDeviceGet(&dev, i) != CUDA_SUCCESS || api->cuDeviceGetUuid(&raw, dev) != 0) {
-      return Status(StatusCode::kCuda,
-                    "cuDeviceGet/cuDeviceGetUuid failed for ordinal " + std::to_string(i));
-    }
-    if (identity::FormatGpuUuid(raw) == uuid) return i;
-  }
-  return NotFound("device " + uuid + " is not among the CUDA devices of this process");
-}
 
 class PyAttachment {
  public:
@@ -315,12 +292,7 @@ PyAttachment* Attach(const AttachOptions& options) {
     result.emplace(Attachment::Attach(options, &diagnostics));
   }
   if (!result->ok()) RaiseAttachError(result->status(), diagnostics);
-  int ordinal = -1;
-  if ((*result)->tier() == Tier::kGpu) {
-    auto found = CudaOrdinalOf((*result)->device_key());
-    if (!found.ok()) RaiseAttachError(found.status(), diagnostics);
-    ordinal = *found;
-  }
+  const int ordinal = (*result)->cuda_device();
   auto* attachment = new PyAttachment(std::move(*result).value());
   attachment->set_cuda_device(ordinal);
   return attachment;

@@ -184,7 +184,7 @@ Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::Attach
   return Status::Ok();
 }
 
-Result<CUdevice> FindCudaDevice(const cuda::DriverApi* api, const std::string& uuid) {
+Result<CUdevice> FindCudaDevice(const cuda::DriverApi* api, const std::string& uuid, int* ordinal) {
   int count = 0;
   WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetCount(&count), "cuDeviceGetCount");
   for (int i = 0; i < count; ++i) {
@@ -192,7 +192,10 @@ Result<CUdevice> FindCudaDevice(const cuda::DriverApi* api, const std::string& u
     WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGet(&dev, i), "cuDeviceGet");
     CUuuid raw;
     WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetUuid(&raw, dev), "cuDeviceGetUuid");
-    if (identity::FormatGpuUuid(raw) == uuid) return dev;
+    if (identity::FormatGpuUuid(raw) == uuid) {
+      if (ordinal != nullptr) *ordinal = i;
+      return dev;
+    }
   }
   return NotFound("device " + uuid + " is not among the " + std::to_string(count) +
                   " devices the CUDA driver shows this process");
@@ -220,7 +223,7 @@ Status LoadFallback(const AttachOptions& options, const ResolvedIdentity& id,
     return Status::Ok();
   }
   WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
-  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice dev, FindCudaDevice(api, id.device_key));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice dev, FindCudaDevice(api, id.device_key, &impl.cuda_device));
   WEIGHTCACHE_ASSIGN_OR_RETURN(GpuFallback loaded,
                                LoadGpuFallback(api, dev, ckpt, options.fallback_threads));
   impl.tensors = std::move(loaded.tensors);
@@ -274,7 +277,8 @@ Result<Attachment> AttachAndDiagnose(const AttachOptions& options, AttachDiagnos
       WEIGHTCACHE_RETURN_IF_ERROR(MapHostReply(session.reply, who, *impl));
     } else {
       WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
-      WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice dev, FindCudaDevice(api, id.device_key));
+      WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice dev,
+                                   FindCudaDevice(api, id.device_key, &impl->cuda_device));
       WEIGHTCACHE_RETURN_IF_ERROR(MapGpuReply(api, dev, session.reply, who, *impl));
     }
     WEIGHTCACHE_ASSIGN_OR_RETURN(impl->watcher,
@@ -330,6 +334,7 @@ AttachSource Attachment::source() const { return impl_->source; }
 const std::string& Attachment::source_reason() const { return impl_->source_reason; }
 const std::string& Attachment::socket_path() const { return impl_->socket_path; }
 const std::string& Attachment::device_key() const { return impl_->device_key; }
+int Attachment::cuda_device() const { return impl_->cuda_device; }
 const std::string& Attachment::config_digest() const { return impl_->config_digest; }
 int Attachment::daemon_pid() const { return impl_->daemon_pid; }
 double Attachment::attach_ms() const { return impl_->attach_ms; }

@@ -25,6 +25,7 @@ struct Attachment::Impl {
   std::string source_reason;
   std::string socket_path;
   std::string device_key;
+  int cuda_device = -1;  // gpu tier: the ordinal FindCudaDevice found
   std::string config_digest;
   int daemon_pid = 0;
   double attach_ms = 0;
@@ -72,7 +73,9 @@ Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::Attach
                    const std::string& who, Attachment::Impl& impl);
 
 // The CUdevice whose UUID is `uuid` (the driver applies CUDA_VISIBLE_DEVICES itself).
-Result<CUdevice> FindCudaDevice(const cuda::DriverApi* api, const std::string& uuid);
+// Its ordinal (the index cuDeviceGet took) goes to *ordinal when given.
+Result<CUdevice> FindCudaDevice(const cuda::DriverApi* api, const std::string& uuid,
+                                int* ordinal = nullptr);
 
 }  // namespace client
 }  // namespace weightcache

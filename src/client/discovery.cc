@@ -55,16 +55,6 @@ std::string DefaultGpuSpec() {
   return "0";
 }
 
-// The lock that guards a socket path: <stem>.lock for layout paths, <socket>.lock for an
-// explicit socket (identity/paths.h).
-std::string SiblingLockPath(const std::string& socket) {
-  constexpr std::string_view kSuffix = ".sock";
-  if (socket.size() > kSuffix.size() && socket.ends_with(kSuffix)) {
-    return socket.substr(0, socket.size() - kSuffix.size()) + ".lock";
-  }
-  return socket + ".lock";
-}
-
 Status ErrorFromDaemon(const protocol::Frame& frame, const std::string& socket) {
   auto err = protocol::DecodeError(frame.payload);
   if (!err.ok()) return err.status().Context("daemon at " + socket);
@@ -132,10 +122,7 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
     return PermissionDenied("socket " + socket + " is owned by uid " + std::to_string(st.st_uid) +
                             ", not by us (uid " + std::to_string(::geteuid()) + ")");
   }
-  // An explicit socket's own lock is <socket>.lock, but an explicit --socket may also name a
-  // layout path, whose daemon holds <stem>.lock: the socket is live if either is held.
-  const std::string layout_lock = SiblingLockPath(socket);
-  if (!os::IsLockHeld(lock) && (layout_lock == lock || !os::IsLockHeld(layout_lock))) {
+  if (!os::IsLockHeld(lock)) {
     probe.state = SocketState::kStale;
     probe.why = "stale socket " + socket + " (its lock " + lock + " is not held)";
     return probe;
@@ -235,7 +222,7 @@ std::optional<Mismatch> FindClosestSibling(const ResolvedIdentity& id,
   size_t best_count = SIZE_MAX;
   for (const std::string& socket : *sockets) {
     if (socket == id.paths.socket) continue;
-    auto probe = ProbeSocket(socket, SiblingLockPath(socket), id.config, sibling_policy,
+    auto probe = ProbeSocket(socket, identity::LockPathFor(socket), id.config, sibling_policy,
                              Pipeline::kHelloOnly);
     if (!probe.ok()) {
       LOG_DEBUG << "skipping " << socket << ": " << probe.status().ToString();

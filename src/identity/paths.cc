@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "identity/device_inventory.h"
+#include "os/unix_socket.h"
 
 namespace weightcache::identity {
 namespace {
@@ -31,9 +32,9 @@ std::string Dirname(const std::string& path) {
 }
 
 Status CheckSocketLength(const std::string& socket) {
-  if (socket.size() > kMaxSocketPathBytes) {
+  if (socket.size() > os::kMaxUnixPathLength) {
     return InvalidArgument("socket path " + socket + " is " + std::to_string(socket.size()) +
-                           " bytes, over the " + std::to_string(kMaxSocketPathBytes) +
+                           " bytes, over the " + std::to_string(os::kMaxUnixPathLength) +
                            "-byte sun_path limit; choose a shorter --runtime-dir, namespace "
                            "or --socket");
   }
@@ -174,7 +175,7 @@ Result<CachePaths> ResolveCachePaths(const CacheConfig& config, std::string_view
     p.namespace_dir = p.runtime_dir + "/" + p.namespace_name;
     p.device_dir = p.namespace_dir + "/" + p.device_key;
     p.socket = p.device_dir + "/" + short_digest + ".sock";
-    p.lock = p.device_dir + "/" + short_digest + ".lock";
+    p.lock = LockPathFor(p.socket);
     WEIGHTCACHE_RETURN_IF_ERROR(CheckSocketLength(p.socket));
     return p;
   }
@@ -197,7 +198,7 @@ Result<CachePaths> ResolveCachePaths(const CacheConfig& config, std::string_view
     return InvalidArgument("socket path \"" + p.socket + "\" (from " + p.socket_origin +
                            ") names a directory");
   }
-  p.lock = p.socket + ".lock";
+  p.lock = LockPathFor(p.socket);
   p.device_dir = Dirname(p.socket);
   WEIGHTCACHE_RETURN_IF_ERROR(CheckSocketLength(p.socket));
   return p;

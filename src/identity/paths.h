@@ -10,10 +10,14 @@
 // {runtime_dir} {namespace} {device_uuid} {digest} {tp_rank} {pp_rank} {ep_rank} where
 // {digest} is the same 16-hex short digest as in the layout and {device_uuid} is the device
 // key. A template (anything with a placeholder) must contain {device_uuid}: without it two
-// GPUs' caches would share a path, the very bug this system exists to prevent. An explicit
-// socket's lock is the socket path + ".lock".
+// GPUs' caches would share a path, the very bug this system exists to prevent.
 //
-// Every socket path is checked against the 107-byte sun_path limit here, at resolution time,
+// Lock path: one rule for every socket, layout or explicit (LockPathFor, below):
+// <stem>.sock → <stem>.lock, any other name → <name>.lock. Every reader (daemon, client,
+// launcher, ls, stop) takes it from CachePaths::lock or LockPathFor, never by its own rule.
+//
+// Every socket path is checked against the sun_path limit (os::kMaxUnixPathLength, 107
+// bytes, the one constant; ListenUnix/ConnectUnix enforce it too) here, at resolution time,
 // before anything is created or loaded.
 //
 // Directories (EnsureCacheDirs): created 0700; an existing one is refused with
@@ -40,7 +44,6 @@
 
 namespace weightcache::identity {
 
-inline constexpr size_t kMaxSocketPathBytes = 107;  // sizeof(sockaddr_un::sun_path) - 1
 inline constexpr std::string_view kHostDeviceKey = "host";
 inline constexpr std::string_view kDefaultNamespace = "default";
 
@@ -77,7 +80,7 @@ struct CachePaths {
   std::string device_key;
   std::string device_dir;  // <namespace_dir>/<device key>; for an explicit socket its directory
   std::string socket;
-  std::string lock;
+  std::string lock;    // LockPathFor(socket)
   std::string digest;  // the full config digest (64 hex)
   bool explicit_socket = false;
   std::string socket_origin;  // "layout", "--socket" or "WEIGHTCACHE_SOCKET"
@@ -86,7 +89,7 @@ struct CachePaths {
 // Every path of one cache. Pure string work: nothing is created. Errors (all
 // kInvalidArgument): bad namespace or device key, relative runtime dir or socket, unknown
 // placeholder, unbalanced brace, template without {device_uuid}, socket path over
-// kMaxSocketPathBytes (the message names the path, its length and the limit).
+// os::kMaxUnixPathLength (the message names the path, its length and the limit).
 Result<CachePaths> ResolveCachePaths(const CacheConfig& config, std::string_view device_key,
                                      const PathOptions& options);
 
@@ -118,7 +121,9 @@ struct SocketEntry {
 // Every cache socket under a runtime dir (for `ls`), ordered by namespace, key, socket.
 Result<std::vector<SocketEntry>> ListAllCacheSockets(const std::string& runtime_dir);
 
-// The lock file of a socket: <stem>.sock → <stem>.lock (the layout); any other name → +".lock".
+// The lock file of a socket, the one rule: <stem>.sock → <stem>.lock (so the layout's
+// <digest16>.sock is guarded by <digest16>.lock); any other name → <name>.lock. The same for
+// layout and explicit sockets, so a lock never depends on how its socket was named.
 std::string LockPathFor(const std::string& socket_path);
 
 }  // namespace weightcache::identity

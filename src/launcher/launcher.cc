@@ -277,6 +277,18 @@ void Launcher::StopAll() {
   }
 }
 
+// What a daemon that exited said last: serve prints its failure as one "weightcache serve: …"
+// line on stderr, which goes to its log. For exit 7 it names the lock and the pid that owns
+// it, for exit 5 the bad file. "" when the log holds no such line.
+std::string Launcher::LastServeError(const Daemon& d) const {
+  constexpr std::string_view kPrefix = "weightcache serve: ";
+  const std::vector<std::string> tail = TailLines(d.spec.spawn.log_path, options_.log_tail_lines);
+  for (auto it = tail.rbegin(); it != tail.rend(); ++it) {
+    if (it->starts_with(kPrefix)) return "; it said: " + it->substr(kPrefix.size());
+  }
+  return "";
+}
+
 Status Launcher::FailureFor(size_t index) const {
   const Daemon& d = daemons_[index];
   const pid_t pid = d.child ? d.child->pid() : -1;
@@ -286,7 +298,8 @@ Status Launcher::FailureFor(size_t index) const {
       return Status(StatusCode::kAlreadyServed,
                     "daemon " + who +
                         " exited with code 7: its identity is already served by another daemon" +
-                        (d.socket_path.empty() ? std::string() : " (" + d.socket_path + ")"));
+                        (d.socket_path.empty() ? std::string() : " (" + d.socket_path + ")") +
+                        LastServeError(d));
     }
     // A daemon that found its checkpoint invalid (serve's exit 5) makes the launch exit 5 too:
     // restarting or retrying elsewhere will not help, and scripts can tell it apart.
@@ -294,7 +307,7 @@ Status Launcher::FailureFor(size_t index) const {
                                 ? StatusCode::kInvalidCheckpoint
                                 : StatusCode::kUnavailable;
     return Status(code, "daemon " + who + " died before it was ready: " + d.exit->ToString() +
-                            " (log: " + d.spec.spawn.log_path + ")");
+                            " (log: " + d.spec.spawn.log_path + ")" + LastServeError(d));
   }
   return Status(StatusCode::kUnavailable,
                 "daemon " + who + " reported failed: " +

@@ -175,6 +175,7 @@ class Launcher {
   void ProbeAll();
   void StopAll();
   Status FailureFor(size_t index) const;
+  std::string LastServeError(const Daemon& d) const;
   std::vector<DaemonSnapshot> Snapshots() const;
   LaunchReport Finish(Status status, int failed_index);
   Result<int> ReadSignal(int signal_fd);

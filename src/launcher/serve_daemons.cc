@@ -18,35 +18,21 @@ std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& pla
     DaemonSpec s;
     s.placement = p;
     s.name = "tp" + std::to_string(p.tp_rank) + "-pp" + std::to_string(p.pp_rank);
-    const AttachOptions& id = flags.identity;
+    AttachOptions daemon = flags.identity;
+    daemon.tp_rank = p.tp_rank;
+    daemon.pp_rank = p.pp_rank;
+    daemon.ep_rank = p.ep_rank;
+    daemon.device = p.device_uuid;
+    daemon.socket.clear();
     auto& argv = s.spawn.argv;
-    argv = {files.exe,   "serve",
-            "--model",   id.model_dir,
-            "--tier",    id.tier == Tier::kHost ? "host" : "gpu",
-            "--device",  p.device_uuid,
-            "--tp-size", std::to_string(id.tp_size),
-            "--tp-rank", std::to_string(p.tp_rank),
-            "--pp-size", std::to_string(id.pp_size),
-            "--pp-rank", std::to_string(p.pp_rank),
-            "--ep-size", std::to_string(id.ep_size),
-            "--ep-rank", std::to_string(p.ep_rank),
-            "--dp-size", std::to_string(id.dp_size)};
+    argv = {files.exe, "serve"};
+    const std::vector<std::string> identity_args = flags.identity_args(daemon);
+    argv.insert(argv.end(), identity_args.begin(), identity_args.end());
     auto add = [&argv](const char* flag, const std::string& value) {
       if (value.empty()) return;
       argv.push_back(flag);
       argv.push_back(value);
     };
-    // Every identity flag of the job scope (tools/identity_flags.h) but those set above.
-    add("--namespace", id.namespace_name);
-    add("--runtime-dir", id.runtime_dir);
-    add("--model-id", id.model_id);
-    add("--revision", id.revision);
-    add("--dtype", id.dtype);
-    add("--quantization", id.quantization);
-    add("--quantization-config", id.quantization_config);
-    add("--layout-tag", id.layout_tag);
-    add("--source", id.source);
-    add("--device-inventory", id.device_inventory);
     add("--memory-budget", flags.memory_budget);
     if (flags.threads > 0) add("--threads", std::to_string(flags.threads));
     // "GPU-1a2b3c4d-…" → "1a2b3c4d": short, and unique among the GPUs of one host in practice.

@@ -6,7 +6,8 @@
 //  * BuildDaemonSpecs is pure. Each daemon runs `<exe> serve` with every identity flag of the
 //    job (SPEC §5: launch applies the identity flags of serve to every daemon), its own ranks
 //    and `--device <UUID>` (never a local index: the UUID is the identity, and the daemon
-//    re-resolves it against the same visible devices), plus the job's load flags.
+//    re-resolves it against the same visible devices), plus the job's load flags. The
+//    identity flags are written by ServeFlags::identity_args, never listed here.
 //  * Log files: <log_dir>/<job>-tp<r>-pp<r>-<uuid tag>.log; the uuid tag keeps two jobs with
 //    the same name and ranks on different GPUs apart.
 //  * The probes are stateless and thread-safe; each opens and closes its own connection/fds.
@@ -15,6 +16,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,13 +32,15 @@ namespace weightcache::launcher {
 // The `serve` flags a launch applies to every daemon (SPEC §5).
 struct ServeFlags {
   // The job's identity, as `weightcache launch` parsed it with the identity flags of `serve`
-  // (tools/identity_flags.h, job scope). Forwarded: model_dir (made absolute by the caller),
-  // tier, model_id, revision, dtype, quantization, quantization_config (absolute), the four
-  // sizes, layout_tag, source, namespace_name, runtime_dir (resolved, absolute: every daemon
-  // uses exactly this one) and device_inventory; empty strings are omitted (serve's default).
-  // Not forwarded: the ranks and device (each daemon's come from its placement), socket (the
-  // launcher finds sockets in the layout) and the client-only fields (policy, fingerprint).
+  // (tools/identity_flags.h, job scope), with model_dir, quantization_config and
+  // device_inventory made absolute and runtime_dir resolved by the caller (every daemon uses
+  // exactly that one). Each daemon gets a copy with its ranks and device (the UUID) from its
+  // placement and no socket (the launcher finds sockets in the layout).
   AttachOptions identity;
+  // Writes one daemon's AttachOptions as `serve` arguments: tools/identity_flags.h
+  // ServeArgsFor, generated from the table that registers the flags, so that every identity
+  // flag is forwarded and none is spelled here. Required.
+  std::function<std::vector<std::string>(const AttachOptions&)> identity_args;
   // Load flags of serve: "" / 0 = serve's default.
   std::string memory_budget;
   int threads = 0;

@@ -2,6 +2,8 @@
 // on_missing=error, stale and foreign socket files, the daemon watcher, the tensor table and
 // the C ABI (driven from a C translation unit).
 #include <gtest/gtest.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -151,10 +153,23 @@ TEST(DaemonWatcherTest, CallbackFiresOnceWhenThePeerCloses) {
     ++fired;
     cv.notify_all();
   });
-  // Unsolicited bytes are drained, not mistaken for a death.
+  // Unsolicited bytes are drained, not mistaken for a death. The drain is observed, not
+  // slept on: the sender's SIOCOUTQ counts the bytes the receiver has not read yet, so it
+  // reaches 0 only once the watcher thread has read the byte (without a watcher it stays 1).
   ASSERT_EQ(::write(pair->second.get(), "x", 1), 1);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_TRUE((*watcher)->alive());
+  int unread = -1;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (std::chrono::steady_clock::now() < deadline) {
+    ASSERT_EQ(::ioctl(pair->second.get(), SIOCOUTQ, &unread), 0) << std::strerror(errno);
+    if (unread == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(unread, 0) << "the watcher never read the unsolicited byte";
+  EXPECT_TRUE((*watcher)->alive()) << "a drained byte is not a death";
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(fired, 0);
+  }
   pair->second.Reset();  // the "daemon" dies
 
   std::unique_lock<std::mutex> lock(mu);

@@ -11,6 +11,7 @@
 #include <filesystem>
 
 #include "common/unique_fd.h"
+#include "os/unix_socket.h"
 #include "support/test_env.h"
 #include "unit/identity/test_devices.h"
 
@@ -195,14 +196,31 @@ TEST(CachePathsTest, LiteralSocketAndEnvironmentSocket) {
   Result<CachePaths> literal = ResolveCachePaths(Config(), TestUuid(1), o);
   ASSERT_TRUE(literal.ok()) << literal.status().ToString();
   EXPECT_EQ(literal->socket, "/srv/wc/only.sock");
-  EXPECT_EQ(literal->lock, "/srv/wc/only.sock.lock");
+  EXPECT_EQ(literal->lock, "/srv/wc/only.lock");
   EXPECT_EQ(literal->device_dir, "/srv/wc");
+}
+
+// One lock rule (LockPathFor) for every socket: an explicit --socket that names a layout
+// path resolves to the layout's own lock, so a daemon started either way excludes the other.
+TEST(CachePathsTest, ExplicitSocketAtTheLayoutPathSharesTheLayoutLock) {
+  PathOptions layout = Options({});
+  layout.runtime_dir_flag = "/rt";
+  Result<CachePaths> by_layout = ResolveCachePaths(Config(), TestUuid(2), layout);
+  ASSERT_TRUE(by_layout.ok()) << by_layout.status().ToString();
+  PathOptions explicit_socket = layout;
+  explicit_socket.socket_flag = by_layout->socket;
+  Result<CachePaths> by_flag = ResolveCachePaths(Config(), TestUuid(2), explicit_socket);
+  ASSERT_TRUE(by_flag.ok()) << by_flag.status().ToString();
+  EXPECT_TRUE(by_flag->explicit_socket);
+  EXPECT_EQ(by_flag->socket, by_layout->socket);
+  EXPECT_EQ(by_flag->lock, by_layout->lock);
+  EXPECT_EQ(by_layout->lock, LockPathFor(by_layout->socket));
 }
 
 TEST(CachePathsTest, SocketPathOverTheSunPathLimitIsRefusedAtResolution) {
   // /<pad>/weightcache... : pick a runtime dir that makes the socket exactly 107, then 108.
   const std::string tail = "/default/" + TestUuid(0) + "/0123456789abcdef.sock";
-  const std::string runtime_107 = "/" + std::string(kMaxSocketPathBytes - tail.size() - 1, 'r');
+  const std::string runtime_107 = "/" + std::string(os::kMaxUnixPathLength - tail.size() - 1, 'r');
   PathOptions o = Options({});
   o.runtime_dir_flag = runtime_107;
   Result<CachePaths> at_limit = ResolveCachePaths(Config(), TestUuid(0), o);

@@ -1,5 +1,5 @@
-// The real-daemon side of the launcher: command lines, log names, lock-based socket
-// discovery and the stale sweep, on real files, real sockets and real flocks.
+// The real-daemon side of the launcher: lock-based socket discovery and the stale sweep, on
+// real files, real sockets and real flocks. The daemons' command lines: launch_flags_test.cc.
 #include "launcher/serve_daemons.h"
 
 #include <gtest/gtest.h>
@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <fstream>
-#include <map>
 #include <nlohmann/json.hpp>
 
 #include "os/lock_file.h"
@@ -21,134 +20,10 @@ using weightcache::testing::TempDir;
 using weightcache::testing::WriteFile;
 
 constexpr const char* kGpu0 = "GPU-1a2b3c4d-0000-4000-8000-000000000000";
-constexpr const char* kGpu2 = "GPU-5e6f7a8b-0000-4000-8000-000000000002";
 
 bool Exists(const std::string& path) {
   struct stat st {};
   return ::lstat(path.c_str(), &st) == 0;
-}
-
-TEST(BuildDaemonSpecsTest, EachDaemonServesItsRanksOnItsGpuByUuid) {
-  std::vector<DaemonPlacement> plan(2);
-  plan[0] = {.tp_rank = 0, .pp_rank = 1, .ep_rank = 0, .local_gpu_id = 0, .device_uuid = kGpu0};
-  plan[1] = {.tp_rank = 1, .pp_rank = 1, .ep_rank = 1, .local_gpu_id = 2, .device_uuid = kGpu2};
-  ServeFlags flags;
-  flags.identity.model_dir = "/models/llama";
-  flags.identity.tier = Tier::kGpu;
-  flags.identity.model_id = "llama";
-  flags.identity.namespace_name = "jobA";
-  flags.identity.runtime_dir = "/run/user/1000/weightcache";
-  flags.identity.tp_size = 2;
-  flags.identity.pp_size = 2;
-  flags.identity.ep_size = 2;
-  JobFiles files{.exe = "/opt/bin/weightcache", .log_dir = "/var/log/wc", .job = "llama"};
-  auto specs = BuildDaemonSpecs(plan, flags, files);
-  ASSERT_EQ(specs.size(), 2u);
-  EXPECT_EQ(specs[1].name, "tp1-pp1");
-  EXPECT_EQ(specs[1].spawn.argv, (std::vector<std::string>{"/opt/bin/weightcache",
-                                                           "serve",
-                                                           "--model",
-                                                           "/models/llama",
-                                                           "--tier",
-                                                           "gpu",
-                                                           "--device",
-                                                           kGpu2,
-                                                           "--tp-size",
-                                                           "2",
-                                                           "--tp-rank",
-                                                           "1",
-                                                           "--pp-size",
-                                                           "2",
-                                                           "--pp-rank",
-                                                           "1",
-                                                           "--ep-size",
-                                                           "2",
-                                                           "--ep-rank",
-                                                           "1",
-                                                           "--dp-size",
-                                                           "1",
-                                                           "--namespace",
-                                                           "jobA",
-                                                           "--runtime-dir",
-                                                           "/run/user/1000/weightcache",
-                                                           "--model-id",
-                                                           "llama",
-                                                           "--source",
-                                                           "disk"}));
-  EXPECT_EQ(specs[0].spawn.log_path, "/var/log/wc/llama-tp0-pp1-1a2b3c4d.log");
-  EXPECT_EQ(specs[1].spawn.log_path, "/var/log/wc/llama-tp1-pp1-5e6f7a8b.log");
-  // Paths are discovered from the running daemon.
-  EXPECT_TRUE(specs[0].socket_path.empty());
-}
-
-// SPEC §5: launch applies every identity flag of serve to every daemon. Each field set to a
-// non-default value must reach each daemon's command line with its serve flag; the ranks and
-// device come from the placement, never from the job's options.
-TEST(BuildDaemonSpecsTest, EveryIdentityFlagAndLoadFlagIsForwardedToEveryDaemon) {
-  std::vector<DaemonPlacement> plan(2);
-  plan[0] = {.tp_rank = 0, .pp_rank = 0, .ep_rank = 0, .local_gpu_id = 0, .device_uuid = kGpu0};
-  plan[1] = {.tp_rank = 1, .pp_rank = 0, .ep_rank = 0, .local_gpu_id = 2, .device_uuid = kGpu2};
-  ServeFlags flags;
-  AttachOptions& id = flags.identity;
-  id.model_dir = "/models/q";
-  id.tier = Tier::kHost;
-  id.model_id = "q-model";
-  id.revision = "r7";
-  id.dtype = "bf16";
-  id.quantization = "fp8";
-  id.quantization_config = "/cfg/quant.json";
-  id.tp_size = 2;
-  id.dp_size = 3;
-  id.layout_tag = "fused-qkv";
-  id.source = "published:sglang";
-  id.namespace_name = "ns";
-  id.runtime_dir = "/rt";
-  id.device_inventory = "/inv.json";
-  // Per-daemon or client-only: must not leak into the command line.
-  id.tp_rank = 5;
-  id.device = "7";
-  id.socket = "/elsewhere/{device_uuid}.sock";
-  flags.memory_budget = "20G";
-  flags.threads = 4;
-  JobFiles files{.exe = "/bin/wc", .log_dir = "/logs", .job = "q"};
-  auto specs = BuildDaemonSpecs(plan, flags, files);
-  ASSERT_EQ(specs.size(), 2u);
-  for (size_t i = 0; i < specs.size(); ++i) {
-    SCOPED_TRACE(i);
-    const std::vector<std::string>& argv = specs[i].spawn.argv;
-    ASSERT_GE(argv.size(), 2u);
-    EXPECT_EQ(argv[1], "serve");
-    ASSERT_EQ(argv.size() % 2, 0u) << "flags and values come in pairs";
-    std::map<std::string, std::string> got;
-    for (size_t a = 2; a + 1 < argv.size(); a += 2) {
-      EXPECT_TRUE(got.emplace(argv[a], argv[a + 1]).second) << "repeated " << argv[a];
-    }
-    const std::map<std::string, std::string> want = {
-        {"--model", "/models/q"},
-        {"--tier", "host"},
-        {"--device", plan[i].device_uuid},
-        {"--tp-size", "2"},
-        {"--tp-rank", std::to_string(plan[i].tp_rank)},
-        {"--pp-size", "1"},
-        {"--pp-rank", "0"},
-        {"--ep-size", "1"},
-        {"--ep-rank", "0"},
-        {"--dp-size", "3"},
-        {"--namespace", "ns"},
-        {"--runtime-dir", "/rt"},
-        {"--model-id", "q-model"},
-        {"--revision", "r7"},
-        {"--dtype", "bf16"},
-        {"--quantization", "fp8"},
-        {"--quantization-config", "/cfg/quant.json"},
-        {"--layout-tag", "fused-qkv"},
-        {"--source", "published:sglang"},
-        {"--device-inventory", "/inv.json"},
-        {"--memory-budget", "20G"},
-        {"--threads", "4"},
-    };
-    EXPECT_EQ(got, want);
-  }
 }
 
 TEST(LockPathForTest, SwapsTheSocketSuffix) {

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The include graph between modules (issue 11 §6): every `#include "<area>/..."` in src/,
+# tools/ and python/src must point down (or within its own area) in this order:
+#
+#   common → os → cuda → checkpoint → identity → protocol → daemon | client → launcher
+#          → tools | python
+#
+# daemon and client are siblings (neither includes the other), and so are tools and python.
+# The Python extension is a client like any engine: it includes the public API only
+# ("weightcache/...", include/; CMake gives it no other include dir, weightcache::client).
+# Public headers may be included from anywhere; includes
+# without an area prefix (a tool's own "cli_common.h") are the file's own area's.
+# Exit 1, listing every upward edge as file:line: from → to, when there is one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+declare -A rank=([common]=0 [os]=1 [cuda]=2 [checkpoint]=3 [identity]=4 [protocol]=5
+                 [daemon]=6 [client]=6 [launcher]=7 [tools]=8 [python]=8)
+
+area_of() {  # the module a source file belongs to
+  case $1 in
+    src/*) local rest=${1#src/}; echo "${rest%%/*}" ;;
+    tools/*) echo tools ;;
+    python/*) echo python ;;
+  esac
+}
+
+bad=0
+while IFS=: read -r file line text; do
+  from=$(area_of "$file")
+  to=$(sed -E 's/^[[:space:]]*#[[:space:]]*include[[:space:]]+"([A-Za-z0-9_]+)\/.*/\1/' <<<"$text")
+  [[ $to == weightcache ]] && continue
+  if [[ $from == python ]]; then
+    echo "check-includes: $file:$line: the Python extension includes a module header" \
+         "(public API only, include/weightcache/): $text" >&2
+    bad=1; continue
+  fi
+  if [[ -z ${rank[$from]+x} ]]; then
+    echo "check-includes: $file is in no known module ($from)" >&2; bad=1; continue
+  fi
+  if [[ -z ${rank[$to]+x} ]]; then
+    echo "check-includes: $file:$line includes \"$to/...\", which is no module" >&2; bad=1
+    continue
+  fi
+  [[ $to == "$from" ]] && continue
+  if (( rank[$to] >= rank[$from] )); then
+    echo "check-includes: $file:$line: $from → $to is an upward (or sibling) edge: $text" >&2
+    bad=1
+  fi
+done < <(grep -rnE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"[A-Za-z0-9_]+/' \
+           --include='*.h' --include='*.cc' --include='*.cu' --include='*.cuh' \
+           src tools python/src)
+
+if (( bad )); then
+  echo "check-includes: the include graph has upward edges (order: common → os → cuda →" \
+       "checkpoint → identity → protocol → daemon|client → launcher → tools|python)" >&2
+  exit 1
+fi
+echo "check-includes: ok"
