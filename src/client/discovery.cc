@@ -171,7 +171,15 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
   auto deadline = os::Deadline::After(policy.exchange_timeout);
   // Both frames in one sendmsg (neither carries fds).
   Status sent = os::SendMessage(conn->get(), request, {}, deadline);
-  if (!sent.ok()) return sent.Context("sending to daemon at " + socket);
+  if (!sent.ok()) {
+    // A daemon that refuses a connection (too many connections, a uid it does not allow)
+    // sends an Error and closes at once, perhaps before our send: report its Error, not EPIPE.
+    auto refusal = protocol::ReadFrame(conn->get(), protocol::Expect::kReply, deadline);
+    if (refusal.ok() && refusal->type == protocol::MessageType::kError) {
+      return ErrorFromDaemon(*refusal, socket);
+    }
+    return sent.Context("sending to daemon at " + socket);
+  }
   WEIGHTCACHE_ASSIGN_OR_RETURN(
       protocol::Frame frame,
       ReadReply(conn->get(), protocol::MessageType::kHelloReply, deadline, socket));
