@@ -202,7 +202,9 @@ void RegisterServeCommand(CLI::App& root) {
       "serve", "Run one cache daemon in the foreground: load a checkpoint once, serve it");
   AddIdentityFlags(sub, &args->identity, IdentityScope::kOneCache);
   sub->add_option("--allow-uid", args->allow_uids,
-                  "also accept clients of this uid (repeatable; default: our uid only)");
+                  "also accept clients of this uid (repeatable; default: our uid only). With "
+                  "--allow-uid/--allow-gid the cache dirs are made 0755 and the socket 0666, "
+                  "and SO_PEERCRED decides who may talk to the daemon");
   sub->add_option("--allow-gid", args->allow_gids,
                   "also accept clients whose primary gid is this (repeatable)");
   sub->add_option("--memory-budget", args->memory_budget,

@@ -123,7 +123,11 @@ Result<std::unique_ptr<Daemon>> Daemon::Create(DaemonOptions options) {
                            std::string(protocol::TierName(options.tier)) + " tier");
   }
   const identity::CachePaths& paths = options.paths;
-  WEIGHTCACHE_RETURN_IF_ERROR(identity::EnsureCacheDirs(paths));
+  // A daemon that serves other uids opens its directories and socket to them (0755, 0666):
+  // who may talk to it is then decided by SO_PEERCRED against the allow lists (PeerAllowed).
+  const bool shared = !options.allow_uids.empty() || !options.allow_gids.empty();
+  WEIGHTCACHE_RETURN_IF_ERROR(identity::EnsureCacheDirs(
+      paths, ::geteuid(), shared ? identity::DirAccess::kShared : identity::DirAccess::kPrivate));
 
   // The lock comes before anything else touches the cache's files: whoever holds it owns the
   // socket path, so everything below may replace what it finds there.
@@ -142,7 +146,7 @@ Result<std::unique_ptr<Daemon>> Daemon::Create(DaemonOptions options) {
     // over it atomically, so clients never see the path missing.
     LOG_INFO << "replacing stale socket " << paths.socket << " (its lock was free)";
   }
-  auto listen_fd = os::ListenUnix(paths.socket, 0600, os::Blocking::kNonBlocking);
+  auto listen_fd = os::ListenUnix(paths.socket, shared ? 0666 : 0600, os::Blocking::kNonBlocking);
   if (!listen_fd.ok()) {
     Status status = listen_fd.status();
     return status.Context("publishing " + paths.socket);

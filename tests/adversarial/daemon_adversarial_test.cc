@@ -486,5 +486,119 @@ TEST_F(DaemonAdversarialTest, ExtraClientAtTheConnectionCapSeesTooManyConnection
   }
 }
 
+// ---- item 17: --allow-uid / --allow-gid end to end, the client's trusted uids ----------------
+
+constexpr uid_t kNobody = 65534;
+
+class DaemonUidTest : public DaemonAdversarialTest {
+ protected:
+  void SetUp() override {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root to run one side as uid 65534";
+    DaemonAdversarialTest::SetUp();
+    ShareWithEveryone();
+  }
+  std::vector<std::string> AsNobody() const {
+    return {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"};
+  }
+  // `weightcache attach --on-missing error` (as nobody when `prefix` says so) + `extra`.
+  CommandResult Attach(const std::vector<std::string>& prefix, std::vector<std::string> extra,
+                       const std::vector<std::string>& env = {}) {
+    std::vector<std::string> argv = prefix;
+    for (const std::string& a :
+         {CliPath(), std::string("attach"), std::string("--on-missing"), std::string("error")}) {
+      argv.push_back(a);
+    }
+    for (const auto& a : Identity()) argv.push_back(a);
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return RunCommand(argv, env);
+  }
+};
+
+// The normal deployment: a service user runs the daemon, engines of other users attach. Here
+// the daemon is nobody's, in a runtime dir nobody owns, and root attaches trusting nobody.
+TEST_F(DaemonUidTest, ServiceUsersDaemonServesAClientThatTrustsIt) {
+  runtime_ = DirOwnedBy(kNobody, "svc") + "/run";
+  auto daemon = SpawnWrapped(AsNobody(), {"--allow-uid", "0"}, "serve.log");
+  ASSERT_TRUE(daemon.ok()) << daemon.status().ToString();
+  auto socket = WaitReady(*daemon);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString();
+
+  const CommandResult trusting = Attach({}, {"--trust-uid", "65534", "--verify"});
+  EXPECT_EQ(trusting.exit_code, 0) << trusting.err;
+  EXPECT_NE(trusting.out.find("source:     daemon"), std::string::npos) << trusting.out;
+  EXPECT_NE(trusting.out.find("verify:     ok"), std::string::npos) << trusting.out;
+
+  const CommandResult by_env = Attach({}, {}, {"WEIGHTCACHE_TRUSTED_UIDS=1234,65534"});
+  EXPECT_EQ(by_env.exit_code, 0) << by_env.err;
+  EXPECT_NE(by_env.out.find("source:     daemon"), std::string::npos) << by_env.out;
+
+  // Not trusted (the default: our own uid only): refused before anything is sent.
+  const CommandResult untrusted = Attach({}, {});
+  EXPECT_EQ(untrusted.exit_code, 1) << untrusted.err;
+  EXPECT_NE(untrusted.err.find("permission denied: socket " + *socket +
+                               " is owned by uid 65534, which this client does not trust "
+                               "(trusted uids: 0;"),
+            std::string::npos)
+      << untrusted.err;
+  EXPECT_TRUE(daemon->Running());
+}
+
+// A root daemon that allows nobody, and nobody attaching trusting root.
+TEST_F(DaemonUidTest, RootDaemonServesAnAllowedUidThatTrustsRoot) {
+  auto daemon = SpawnWrapped({}, {"--allow-uid", "65534"}, "serve.log");
+  ASSERT_TRUE(daemon.ok()) << daemon.status().ToString();
+  auto socket = WaitReady(*daemon);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString();
+  struct stat st {};
+  ASSERT_EQ(::stat(socket->c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0666u) << "SO_PEERCRED is the access control";
+
+  const CommandResult allowed = Attach(AsNobody(), {"--trust-uid", "0", "--verify"});
+  EXPECT_EQ(allowed.exit_code, 0) << allowed.err;
+  EXPECT_NE(allowed.out.find("source:     daemon"), std::string::npos) << allowed.out;
+  EXPECT_NE(allowed.out.find("verify:     ok"), std::string::npos) << allowed.out;
+
+  const CommandResult untrusted = Attach(AsNobody(), {});
+  EXPECT_EQ(untrusted.exit_code, 1) << untrusted.err;
+  EXPECT_NE(untrusted.err.find("is owned by uid 0, which this client does not trust (trusted "
+                               "uids: 65534;"),
+            std::string::npos)
+      << untrusted.err;
+}
+
+// A uid the daemon does not allow gets the daemon's permission error, exit 1.
+TEST_F(DaemonUidTest, UidTheDaemonDoesNotAllowGetsItsPermissionError) {
+  auto daemon = SpawnWrapped({}, {"--allow-uid", "12345"}, "serve.log");
+  ASSERT_TRUE(daemon.ok()) << daemon.status().ToString();
+  auto socket = WaitReady(*daemon);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString();
+
+  const CommandResult refused = Attach(AsNobody(), {"--trust-uid", "0"});
+  EXPECT_EQ(refused.exit_code, 1) << refused.err;
+  EXPECT_NE(refused.err.find("permission denied: daemon at " + *socket + ": peer pid "),
+            std::string::npos)
+      << refused.err;
+  EXPECT_NE(
+      refused.err.find(" uid 65534 is not allowed by daemon pid " + std::to_string(daemon->pid())),
+      std::string::npos)
+      << refused.err;
+
+  // And a daemon that allows nobody else keeps its directories private: a clear error too.
+  auto private_daemon = SpawnWrapped({}, {"--namespace", "private"}, "private.log");
+  ASSERT_TRUE(private_daemon.ok());
+  StatusWait wait;
+  wait.sockets = [&] { return FindSockets(runtime_, "private"); };
+  wait.reached = [](const protocol::StatusReply& st) { return st.state == CacheState::kReady; };
+  wait.what = "state ready";
+  ASSERT_TRUE(WaitForStatus(*private_daemon, wait).ok());
+  const CommandResult unreachable =
+      Attach(AsNobody(), {"--trust-uid", "0", "--namespace", "private"});
+  EXPECT_EQ(unreachable.exit_code, 1) << unreachable.err;
+  EXPECT_NE(unreachable.err.find(": permission denied (a daemon of another user serves other "
+                                 "uids only when started with --allow-uid/--allow-gid"),
+            std::string::npos)
+      << unreachable.err;
+}
+
 }  // namespace
 }  // namespace weightcache::testing
