@@ -150,6 +150,9 @@ void RegisterAttachCommand(CLI::App& root) {
                 "stay attached until stdin closes; each stdin line re-verifies");
   sub->add_option("--threads", args->threads, "threads for verify and fallback reads")
       ->check(CLI::Range(1, 256));
+  sub->add_option("--trust-uid", args->options.trusted_uids,
+                  "also use a daemon run by this uid, e.g. a service user's (repeatable; "
+                  "default: WEIGHTCACHE_TRUSTED_UIDS, else our uid only)");
   SetAction(sub, [args] { return Run(*args); });
 }
 

@@ -27,6 +27,7 @@
 #include "daemon/byte_size.h"
 #include "daemon/daemon.h"
 #include "identity_flags.h"
+#include "os/syscalls.h"
 
 namespace weightcache::cli {
 namespace {
@@ -38,7 +39,14 @@ struct ServeArgs {
   std::string memory_budget;
   int threads = 8;
   double failed_linger_s = 30;
+  double handshake_timeout_s = 10;
+  double stall_timeout_s = 30;
+  size_t max_connections = 4096;
 };
+
+std::chrono::milliseconds Millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
 
 // Blocks the shutdown signals in this (the only) thread before any other thread exists, so
 // every thread inherits the mask and the signals queue on the signalfd for the event loop.
@@ -132,8 +140,19 @@ int Run(ServeArgs& args) {
   options.load.cache_name = "weightcache:" + id->config.ShortDigest();
   options.allow_uids.assign(args.allow_uids.begin(), args.allow_uids.end());
   options.allow_gids.assign(args.allow_gids.begin(), args.allow_gids.end());
-  options.failed_linger =
-      std::chrono::milliseconds(static_cast<int64_t>(args.failed_linger_s * 1000));
+  options.failed_linger = Millis(args.failed_linger_s);
+  options.handshake_timeout = Millis(args.handshake_timeout_s);
+  options.stall_timeout = Millis(args.stall_timeout_s);
+  options.max_connections = args.max_connections;
+
+  // One fd per client: take every fd the hard limit allows (the soft default of 1024 is a
+  // select()-era guess). A daemon that still runs out pauses accepting (docs/daemon.md).
+  auto fd_limit = os::RaiseFdLimitToHard();
+  if (!fd_limit.ok()) {
+    LOG_WARN << fd_limit.status().ToString();
+  } else if (fd_limit->raised) {
+    LOG_DEBUG << "RLIMIT_NOFILE soft limit raised to the hard limit, " << fd_limit->soft;
+  }
 
   auto daemon = daemon::Daemon::Create(options);
   if (!daemon.ok()) return Fail(kCmd, daemon.status());
@@ -183,7 +202,9 @@ void RegisterServeCommand(CLI::App& root) {
       "serve", "Run one cache daemon in the foreground: load a checkpoint once, serve it");
   AddIdentityFlags(sub, &args->identity, IdentityScope::kOneCache);
   sub->add_option("--allow-uid", args->allow_uids,
-                  "also accept clients of this uid (repeatable; default: our uid only)");
+                  "also accept clients of this uid (repeatable; default: our uid only). With "
+                  "--allow-uid/--allow-gid the cache dirs are made 0755 and the socket 0666, "
+                  "and SO_PEERCRED decides who may talk to the daemon");
   sub->add_option("--allow-gid", args->allow_gids,
                   "also accept clients whose primary gid is this (repeatable)");
   sub->add_option("--memory-budget", args->memory_budget,
@@ -193,6 +214,18 @@ void RegisterServeCommand(CLI::App& root) {
   sub->add_option("--failed-linger", args->failed_linger_s,
                   "seconds a failed daemon keeps answering `failed` before exiting (default 30)")
       ->check(CLI::NonNegativeNumber);
+  sub->add_option("--handshake-timeout", args->handshake_timeout_s,
+                  "seconds a connection that has not attached may go without a request before "
+                  "it is closed (default 10)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--stall-timeout", args->stall_timeout_s,
+                  "seconds a connection may leave our replies unread before it is closed "
+                  "(default 30)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--max-connections", args->max_connections,
+                  "connections served at once; the next get an Error and are closed (default "
+                  "4096)")
+      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
   SetAction(sub, [args] { return Run(*args); });
 }
 

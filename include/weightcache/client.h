@@ -97,6 +97,11 @@ struct AttachOptions {
   std::string runtime_dir;       // "" = WEIGHTCACHE_RUNTIME_DIR > XDG_RUNTIME_DIR/… > /tmp/…
   std::string socket;            // "" = WEIGHTCACHE_SOCKET, else the digest-keyed path
   std::string device_inventory;  // "" = WEIGHTCACHE_DEVICE_INVENTORY, else the CUDA driver
+  // The uids a daemon may run as (its socket's owner and its SO_PEERCRED uid) for this client
+  // to use it, besides our own euid, which is always trusted. Empty: WEIGHTCACHE_TRUSTED_UIDS
+  // (comma-separated uids), else our uid only. For a daemon run by a service user
+  // (`serve --allow-uid <ours>`), list that user's uid here.
+  std::vector<uint32_t> trusted_uids;
 
   // ---- policy ----
   OnMissing on_missing = OnMissing::kFallback;

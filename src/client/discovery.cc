@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
@@ -102,10 +103,56 @@ struct Probe {
   bool attach_pending = false;  // an Attach was sent behind the Hello; its reply is unread
 };
 
+constexpr std::string_view kTrustedUidsEnv = "WEIGHTCACHE_TRUSTED_UIDS";
+
+// Our euid, then `configured`, else the uids of WEIGHTCACHE_TRUSTED_UIDS ("1001,1002").
+Result<std::vector<uid_t>> TrustedUids(const std::vector<uint32_t>& configured,
+                                       const identity::EnvLookup& env) {
+  std::vector<uid_t> uids{::geteuid()};
+  if (!configured.empty()) {
+    uids.insert(uids.end(), configured.begin(), configured.end());
+    return uids;
+  }
+  const std::string list = env(std::string(kTrustedUidsEnv)).value_or("");
+  size_t start = 0;
+  while (start < list.size()) {
+    size_t comma = list.find(',', start);
+    if (comma == std::string::npos) comma = list.size();
+    const std::string item = list.substr(start, comma - start);
+    uint32_t uid = 0;
+    auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), uid);
+    if (item.empty() || ec != std::errc() || end != item.data() + item.size()) {
+      return InvalidArgument(std::string(kTrustedUidsEnv) + "=\"" + list +
+                             "\": expected comma-separated numeric uids");
+    }
+    uids.push_back(uid);
+    start = comma + 1;
+  }
+  return uids;
+}
+
+std::string DescribeUids(const std::vector<uid_t>& uids) {
+  std::string out;
+  for (uid_t uid : uids) out += (out.empty() ? "" : ", ") + std::to_string(uid);
+  return out;
+}
+
+// The socket's owner and the daemon's uid must be trusted: a socket of an untrusted user could
+// hand us any weights.
+Status CheckTrusted(std::string_view what, uid_t uid, const std::vector<uid_t>& trusted) {
+  if (std::find(trusted.begin(), trusted.end(), uid) != trusted.end()) return Status::Ok();
+  return PermissionDenied(
+      std::string(what) + " uid " + std::to_string(uid) +
+      ", which this client does not trust (trusted uids: " + DescribeUids(trusted) +
+      "; a daemon of a service user needs AttachOptions::trusted_uids, "
+      "--trust-uid or " +
+      std::string(kTrustedUidsEnv) + ")");
+}
+
 // lstat → lock → connect → peer credentials → Hello. Errors are the SPEC §4 "error" rows.
 Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
                           const identity::CacheConfig& config, const DiscoveryPolicy& policy,
-                          Pipeline pipeline) {
+                          const std::vector<uid_t>& trusted, Pipeline pipeline) {
   Probe probe;
   struct stat st;
   if (::lstat(socket.c_str(), &st) != 0) {
@@ -113,15 +160,19 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
       probe.why = "no daemon at " + socket;
       return probe;
     }
+    if (errno == EACCES) {
+      return PermissionDenied("lstat " + socket +
+                              ": permission denied (a daemon of another user serves other uids "
+                              "only when started with --allow-uid/--allow-gid, which opens its "
+                              "directories to them)");
+    }
     return IoError("lstat " + socket, errno);
   }
   if (!S_ISSOCK(st.st_mode)) {
     return Status(StatusCode::kIo, socket + " exists but is not a socket; refusing to use it");
   }
-  if (st.st_uid != ::geteuid()) {
-    return PermissionDenied("socket " + socket + " is owned by uid " + std::to_string(st.st_uid) +
-                            ", not by us (uid " + std::to_string(::geteuid()) + ")");
-  }
+  WEIGHTCACHE_RETURN_IF_ERROR(
+      CheckTrusted("socket " + socket + " is owned by", st.st_uid, trusted));
   if (!os::IsLockHeld(lock)) {
     probe.state = SocketState::kStale;
     probe.why = "stale socket " + socket + " (its lock " + lock + " is not held)";
@@ -141,11 +192,9 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
     return conn.status().Context("connecting to " + socket);
   }
   WEIGHTCACHE_ASSIGN_OR_RETURN(os::PeerCred cred, os::PeerCredentials(conn->get()));
-  if (cred.uid != ::geteuid()) {
-    return PermissionDenied("daemon at " + socket + " (pid " + std::to_string(cred.pid) +
-                            ") runs as uid " + std::to_string(cred.uid) + ", not as us (uid " +
-                            std::to_string(::geteuid()) + ")");
-  }
+  WEIGHTCACHE_RETURN_IF_ERROR(
+      CheckTrusted("daemon at " + socket + " (pid " + std::to_string(cred.pid) + ") runs as",
+                   cred.uid, trusted));
   protocol::Hello hello;
   hello.config = config.ToJson();
   hello.client_pid = ::getpid();
@@ -158,7 +207,15 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
   auto deadline = os::Deadline::After(policy.exchange_timeout);
   // Both frames in one sendmsg (neither carries fds).
   Status sent = os::SendMessage(conn->get(), request, {}, deadline);
-  if (!sent.ok()) return sent.Context("sending to daemon at " + socket);
+  if (!sent.ok()) {
+    // A daemon that refuses a connection (too many connections, a uid it does not allow)
+    // sends an Error and closes at once, perhaps before our send: report its Error, not EPIPE.
+    auto refusal = protocol::ReadFrame(conn->get(), protocol::Expect::kReply, deadline);
+    if (refusal.ok() && refusal->type == protocol::MessageType::kError) {
+      return ErrorFromDaemon(*refusal, socket);
+    }
+    return sent.Context("sending to daemon at " + socket);
+  }
   WEIGHTCACHE_ASSIGN_OR_RETURN(
       protocol::Frame frame,
       ReadReply(conn->get(), protocol::MessageType::kHelloReply, deadline, socket));
@@ -223,7 +280,7 @@ std::optional<Mismatch> FindClosestSibling(const ResolvedIdentity& id,
   for (const std::string& socket : *sockets) {
     if (socket == id.paths.socket) continue;
     auto probe = ProbeSocket(socket, identity::LockPathFor(socket), id.config, sibling_policy,
-                             Pipeline::kHelloOnly);
+                             id.trusted_uids, Pipeline::kHelloOnly);
     if (!probe.ok()) {
       LOG_DEBUG << "skipping " << socket << ": " << probe.status().ToString();
       continue;
@@ -325,6 +382,7 @@ Result<ResolvedIdentity> ResolveIdentity(const AttachOptions& options,
   }
   ResolvedIdentity id;
   WEIGHTCACHE_ASSIGN_OR_RETURN(id.config, BuildCacheConfig(options, fingerprint));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(id.trusted_uids, TrustedUids(options.trusted_uids, env));
 
   std::string spec = options.device;
   if (spec.empty() && options.tier == Tier::kGpu) spec = DefaultGpuSpec();
@@ -355,8 +413,9 @@ Result<ResolvedIdentity> ResolveIdentity(const AttachOptions& options,
 Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& policy,
                            MismatchDetails* mismatch) {
   const std::string& socket = id.paths.socket;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(Probe probe, ProbeSocket(socket, id.paths.lock, id.config, policy,
-                                                        Pipeline::kHelloThenAttach));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      Probe probe, ProbeSocket(socket, id.paths.lock, id.config, policy, id.trusted_uids,
+                               Pipeline::kHelloThenAttach));
   if (probe.state != SocketState::kLive) {
     if (!id.paths.explicit_socket) {
       if (auto sibling = FindClosestSibling(id, policy)) {

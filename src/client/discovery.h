@@ -3,8 +3,9 @@
 //
 // The SPEC §4 table, as implemented here (docs/client.md has the long form):
 //   socket absent, or stale (its .lock not held)  → missing (then the sibling scan below)
-//   lstat: not a socket / owned by another uid    → error (kIo / kPermissionDenied)
-//   peer credentials of another uid               → error (kPermissionDenied)
+//   lstat: not a socket / owned by an untrusted uid → error (kIo / kPermissionDenied)
+//   peer credentials of an untrusted uid          → error (kPermissionDenied)
+//   (trusted: our euid, plus ResolvedIdentity::trusted_uids)
 //   Hello → failed / draining                     → missing, with the daemon's reason
 //   Hello → no match                              → kMismatch naming every field, both values
 //   Hello → loading                               → Status polls until ready, failed or the
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/unique_fd.h"
 #include "identity/cache_config.h"
@@ -42,6 +44,9 @@ struct ResolvedIdentity {
   std::string device_key;                      // the GPU UUID, or "host"
   std::optional<identity::DeviceInfo> device;  // the GPU: gpu tier, or host tier with affinity
   identity::CachePaths paths;
+  // The uids a daemon may run as for us to use it: our euid first, then
+  // AttachOptions::trusted_uids, else WEIGHTCACHE_TRUSTED_UIDS.
+  std::vector<uid_t> trusted_uids;
 };
 
 // The CacheConfig of `options` (fingerprint from options.checkpoint_fingerprint, else from the

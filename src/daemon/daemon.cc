@@ -1,7 +1,9 @@
 #include "daemon/daemon.h"
 
+#include <linux/sockios.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -26,8 +28,8 @@ using protocol::CacheState;
 using protocol::MessageType;
 
 struct Daemon::Connection {
-  Connection(UniqueFd socket, os::PeerCred cred)
-      : fd(std::move(socket)), peer(cred), reader(protocol::Expect::kRequest) {}
+  Connection(UniqueFd socket, os::PeerCred cred, Clock::time_point now)
+      : fd(std::move(socket)), peer(cred), reader(protocol::Expect::kRequest), last_request(now) {}
 
   UniqueFd fd;
   os::PeerCred peer;
@@ -38,6 +40,10 @@ struct Daemon::Connection {
   bool attached = false;
   bool close_after_flush = false;  // after an error that ends this connection
   uint32_t armed = 0;              // the epoll mask currently registered
+  Clock::time_point last_request;  // the accept, then each complete request
+  bool fds_sent = false;           // an AttachReply went out: its fds may be unread
+  bool held = false;               // not read until its peer reads our replies
+  std::optional<Clock::time_point> backed_up_since;  // replies queued or unread since
 
   std::string Describe() const {
     return "peer pid " + std::to_string(peer.pid) + " uid " + std::to_string(peer.uid);
@@ -45,6 +51,23 @@ struct Daemon::Connection {
 };
 
 namespace {
+
+// Replies a peer may leave unread in its socket before we stop reading its requests (beyond
+// an AttachReply's fds, which always stop it: one set of fds in flight per connection).
+constexpr int kMaxUnreadReplyBytes = 256 * 1024;
+// Accept back-off after a failed accept (no fds, no memory): doubling between these.
+constexpr std::chrono::milliseconds kAcceptBackoffMin{50};
+constexpr std::chrono::milliseconds kAcceptBackoffMax{1000};
+// At most one log line per this interval about failing accepts (with the count since).
+constexpr std::chrono::seconds kAcceptLogInterval{10};
+
+// Bytes we sent on `fd` that its peer has not read yet (SIOCOUTQ: for AF_UNIX, what our
+// sends still occupy in the peer's receive queue); 0 when unknown.
+int UnreadBytes(int fd) {
+  int queued = 0;
+  if (::ioctl(fd, SIOCOUTQ, &queued) != 0) return 0;
+  return queued;
+}
 
 Status EpollCtl(int epoll, int op, int fd, uint32_t events) {
   epoll_event ev{};
@@ -100,7 +123,11 @@ Result<std::unique_ptr<Daemon>> Daemon::Create(DaemonOptions options) {
                            std::string(protocol::TierName(options.tier)) + " tier");
   }
   const identity::CachePaths& paths = options.paths;
-  WEIGHTCACHE_RETURN_IF_ERROR(identity::EnsureCacheDirs(paths));
+  // A daemon that serves other uids opens its directories and socket to them (0755, 0666):
+  // who may talk to it is then decided by SO_PEERCRED against the allow lists (PeerAllowed).
+  const bool shared = !options.allow_uids.empty() || !options.allow_gids.empty();
+  WEIGHTCACHE_RETURN_IF_ERROR(identity::EnsureCacheDirs(
+      paths, ::geteuid(), shared ? identity::DirAccess::kShared : identity::DirAccess::kPrivate));
 
   // The lock comes before anything else touches the cache's files: whoever holds it owns the
   // socket path, so everything below may replace what it finds there.
@@ -119,7 +146,7 @@ Result<std::unique_ptr<Daemon>> Daemon::Create(DaemonOptions options) {
     // over it atomically, so clients never see the path missing.
     LOG_INFO << "replacing stale socket " << paths.socket << " (its lock was free)";
   }
-  auto listen_fd = os::ListenUnix(paths.socket, 0600, os::Blocking::kNonBlocking);
+  auto listen_fd = os::ListenUnix(paths.socket, shared ? 0666 : 0600, os::Blocking::kNonBlocking);
   if (!listen_fd.ok()) {
     Status status = listen_fd.status();
     return status.Context("publishing " + paths.socket);
@@ -236,9 +263,19 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
                                         [](const auto& c) { return !c.second->outbox.empty(); });
       if (flushed || now >= *drain_until_) break;
     }
+    if (accept_paused_until_ && now >= *accept_paused_until_) ResumeAccepting();
+    if (sweep_at_ && now >= *sweep_at_) {
+      sweep_at_.reset();
+      if (Sweep(now)) ScheduleSweep();
+    }
     std::optional<Clock::time_point> wake_at;
-    if (state_ == CacheState::kFailed && linger_until_) wake_at = linger_until_;
-    if (state_ == CacheState::kDraining) wake_at = drain_until_;
+    auto wake_by = [&](const std::optional<Clock::time_point>& t) {
+      if (t && (!wake_at || *t < *wake_at)) wake_at = t;
+    };
+    if (state_ == CacheState::kFailed) wake_by(linger_until_);
+    if (state_ == CacheState::kDraining) wake_by(drain_until_);
+    wake_by(accept_paused_until_);
+    wake_by(sweep_at_);
     int timeout_ms = -1;
     if (wake_at) {
       auto left = std::chrono::ceil<std::chrono::milliseconds>(*wake_at - now).count();
@@ -374,11 +411,19 @@ void Daemon::AcceptAll() {
   while (true) {
     auto accepted = os::AcceptConnection(socket_.fd(), os::Blocking::kNonBlocking);
     if (!accepted.ok()) {
-      // EMFILE and friends: log and retry on the next readiness; the loop stays alive.
-      LOG_WARN << "accept on " << options_.paths.socket << ": " << accepted.status().ToString();
+      // EMFILE and friends. The listener stays readable (the connection waits in the
+      // backlog), so retrying at once would spin: pause it instead.
+      PauseAccepting(accepted.status());
       return;
     }
     if (!accepted->has_value()) return;
+    if (accept_failures_ > 0) {
+      LOG_INFO << "accepting again on " << options_.paths.socket << " after " << accept_failures_
+               << " failed accept(s)";
+      accept_failures_ = 0;
+      accept_failures_unlogged_ = 0;
+      accept_backoff_ = std::chrono::milliseconds(0);
+    }
     UniqueFd fd = std::move(**accepted);
     auto cred = os::PeerCredentials(fd.get());
     if (!cred.ok()) {
@@ -413,10 +458,104 @@ void Daemon::AcceptAll() {
       continue;
     }
     LOG_DEBUG << "connection from pid " << cred->pid << " uid " << cred->uid;
-    auto conn = std::make_unique<Connection>(std::move(fd), *cred);
+    auto conn = std::make_unique<Connection>(std::move(fd), *cred, Clock::now());
     conn->armed = EPOLLIN | EPOLLRDHUP;
     connections_.emplace(raw, std::move(conn));
+    ScheduleSweep();  // its handshake deadline
   }
+}
+
+void Daemon::PauseAccepting(const Status& error) {
+  const auto now = Clock::now();
+  ++accept_failures_;
+  accept_backoff_ = std::clamp(2 * accept_backoff_, kAcceptBackoffMin, kAcceptBackoffMax);
+  accept_paused_until_ = now + accept_backoff_;
+  (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, socket_.fd(), nullptr);
+  if (accept_failures_ == 1 || now >= accept_log_next_) {
+    LOG_WARN << "accept on " << options_.paths.socket << ": " << error.ToString()
+             << "; not accepting for " << accept_backoff_.count() << " ms ("
+             << accept_failures_unlogged_ + 1 << " failed accept(s) since the last such line, "
+             << connections_.size() << " connection(s) open)";
+    accept_failures_unlogged_ = 0;
+    accept_log_next_ = now + kAcceptLogInterval;
+  } else {
+    ++accept_failures_unlogged_;
+  }
+}
+
+void Daemon::ResumeAccepting() {
+  accept_paused_until_.reset();
+  if (state_ == CacheState::kDraining) return;  // the listener is gone
+  Status added = EpollCtl(epoll_.get(), EPOLL_CTL_ADD, socket_.fd(), EPOLLIN);
+  if (!added.ok()) {
+    LOG_WARN << "resuming accepts: " << added.ToString();
+  }
+}
+
+void Daemon::ScheduleSweep() {
+  if (sweep_at_) return;
+  const auto shortest = std::min(options_.handshake_timeout, options_.stall_timeout);
+  const auto tick = std::clamp<std::chrono::milliseconds>(
+      shortest / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(100));
+  sweep_at_ = Clock::now() + tick;
+}
+
+bool Daemon::Sweep(Clock::time_point now) {
+  bool again = false;
+  std::vector<int> expired, caught_up;
+  for (auto& [fd, conn_ptr] : connections_) {
+    Connection& conn = *conn_ptr;
+    const int unread = UnreadBytes(fd);
+    const bool backed_up = !conn.outbox.empty() || (conn.held && unread > 0);
+    if (backed_up) {
+      if (!conn.backed_up_since) conn.backed_up_since = now;
+      if (now - *conn.backed_up_since >= options_.stall_timeout) {
+        LOG_WARN << "closing connection of " << conn.Describe() << ": its replies (" << unread
+                 << " bytes in its socket, " << conn.outbox.size() << " queued) stayed unread for "
+                 << options_.stall_timeout.count() << " ms (--stall-timeout)";
+        expired.push_back(fd);
+        continue;
+      }
+      again = true;
+      continue;
+    }
+    conn.backed_up_since.reset();
+    if (conn.held) {
+      // Its peer caught up: read its requests again (level-triggered, so anything already
+      // waiting in its socket is reported at once).
+      conn.held = false;
+      caught_up.push_back(fd);
+    }
+    if (!conn.attached && !conn.close_after_flush) {
+      if (now - conn.last_request >= options_.handshake_timeout) {
+        LOG_WARN << "closing connection of " << conn.Describe() << ": no "
+                 << (conn.hello_seen ? "further " : "") << "request within "
+                 << options_.handshake_timeout.count() << " ms (--handshake-timeout)";
+        expired.push_back(fd);
+        continue;
+      }
+      again = true;
+    }
+  }
+  for (int fd : expired) CloseConnection(fd);
+  for (int fd : caught_up) {
+    if (auto it = connections_.find(fd); it != connections_.end()) FlushAndRearm(*it->second);
+  }
+  return again;
+}
+
+bool Daemon::Readable(Connection& conn) {
+  if (!conn.outbox.empty() || conn.close_after_flush || conn.held) return false;
+  const int unread = UnreadBytes(conn.fd.get());
+  if ((conn.fds_sent && unread > 0) || unread > kMaxUnreadReplyBytes) {
+    // Its peer has not read what we sent (an AttachReply's fds, or a pile of replies): read
+    // nothing more from it until it does (Sweep checks), or until the stall timeout.
+    conn.held = true;
+    ScheduleSweep();
+    return false;
+  }
+  conn.fds_sent = false;  // all read: nothing of ours is in flight any more
+  return true;
 }
 
 void Daemon::OnConnectionEvent(int fd, uint32_t events) {
@@ -426,8 +565,9 @@ void Daemon::OnConnectionEvent(int fd, uint32_t events) {
     if (connections_.count(fd) == 0) return;
   }
   // Read only while nothing is pending: one request, one reply. A client that pipelines
-  // requests without reading the replies is throttled by its own socket, not our memory.
-  while (conn.outbox.empty() && !conn.close_after_flush) {
+  // requests without reading the replies is throttled by its own socket, not our memory, and
+  // never has more than one AttachReply's fds in flight (Readable).
+  while (Readable(conn)) {
     auto frame = conn.reader.ReadAvailable(fd);
     if (!frame.ok()) {
       const Status& status = frame.status();
@@ -442,6 +582,7 @@ void Daemon::OnConnectionEvent(int fd, uint32_t events) {
       break;
     }
     if (!frame->has_value()) break;  // need more bytes
+    conn.last_request = Clock::now();
     HandleFrame(conn, std::move(**frame));
     if (!conn.outbox.empty()) FlushAndRearm(conn);
     if (connections_.count(fd) == 0) return;
@@ -490,7 +631,10 @@ void Daemon::FlushAndRearm(Connection& conn) {
     CloseConnection(fd);
     return;
   }
-  const uint32_t want = conn.outbox.empty() ? (EPOLLIN | EPOLLRDHUP) : EPOLLOUT;
+  // Held: no events but EPOLLHUP/EPOLLERR (always reported) until Sweep sees its peer read;
+  // EPOLLRDHUP would report a half-closed peer again and again.
+  const uint32_t want = !conn.outbox.empty() ? EPOLLOUT : conn.held ? 0u : (EPOLLIN | EPOLLRDHUP);
+  if (!conn.outbox.empty()) ScheduleSweep();  // its stall deadline
   if (want != conn.armed) {
     Status status = EpollCtl(epoll_.get(), EPOLL_CTL_MOD, fd, want);
     if (!status.ok()) {
@@ -639,6 +783,7 @@ void Daemon::HandleFrame(Connection& conn, protocol::Frame frame) {
     std::vector<int> fds = store_->fds();
     fds.insert(fds.begin(), store_->summary().manifest.fd.get());
     QueueFrame(conn, attach_frame_, std::move(fds));
+    conn.fds_sent = true;
     if (!conn.attached) {
       conn.attached = true;
       ++clients_;

@@ -1,7 +1,7 @@
 // Daemon — one cache identity served over one Unix socket (SPEC §2, §3, §7; docs/daemon.md).
 //
 // Lifecycle:
-//   Create   ensure the runtime dirs (0700, owner-checked) → take the identity flock (a second
+//   Create   ensure the runtime dirs (0700, owner-checked) → take the identity lock (a second
 //            daemon gets kAlreadyServed naming the owner's pid) → publish the socket (bound
 //            under a temporary name, 0600, renamed into place; a socket already there is
 //            stale because we hold the lock, and is replaced). Nothing is loaded yet.
@@ -21,6 +21,13 @@
 //    whatever ended the linger.
 //  * Signals: the daemon only reads the signalfd its caller (the process's main) created with
 //    the signals already blocked in every thread; the library installs no handlers.
+//  * Greedy or idle peers (docs/daemon.md, "Limits"): a connection is not read while its last
+//    reply is queued, or while an AttachReply's fds (or more than kMaxUnreadReplyBytes) sit
+//    unread in its socket, so each connection has at most one set of fds in flight; a
+//    connection backed up for stall_timeout, or one that has not attached and sends no
+//    request for handshake_timeout, is closed. When accept fails (no fds: EMFILE/ENFILE, no
+//    memory), the listener is paused with a doubling back-off (50 ms .. 1 s) and the failure
+//    logged once per 10 s with a count; accepting resumes by itself once fds are free.
 //  * Clients: any number at once, non-blocking, per-connection buffers. A connection whose
 //    peer is not allowed (SO_PEERCRED uid/gid), or which sends a malformed, oversize,
 //    wrong-version or out-of-sequence frame, gets an Error frame (where the socket still
@@ -69,6 +76,14 @@ struct DaemonOptions {
   std::chrono::milliseconds drain_timeout{2'000};
   // Connections beyond this are answered with an Error and closed (fd exhaustion guard).
   size_t max_connections = 4096;
+  // A connection that has not attached is closed when no complete request arrives within
+  // this of its accept or of its previous request (a peer that connects and says nothing, or
+  // stops mid-frame). Attached connections are never idle-closed: their open socket is how
+  // the client's DaemonWatcher learns of our death.
+  std::chrono::milliseconds handshake_timeout{10'000};
+  // A connection whose replies stay unsent (our queue) or unread (its socket) this long is
+  // closed: a peer that pipelines requests and never reads.
+  std::chrono::milliseconds stall_timeout{30'000};
 };
 
 // Called on the Run thread (never the loader's), for the CLI's log lines.
@@ -82,6 +97,8 @@ struct DaemonEvents {
 
 class Daemon {
  public:
+  using Clock = std::chrono::steady_clock;
+
   static Result<std::unique_ptr<Daemon>> Create(DaemonOptions options);
   ~Daemon();
   Daemon(const Daemon&) = delete;
@@ -129,6 +146,15 @@ class Daemon {
   // Flushes what it can, then re-arms epoll (or closes a finished connection).
   void FlushAndRearm(Connection& conn);
   void CloseConnection(int fd);
+  // Whether `conn` may be read: nothing queued, and not held by replies its peer has not read.
+  bool Readable(Connection& conn);
+  // The periodic check of idle and backed-up connections (handshake/stall timeouts, held
+  // connections whose peer caught up). Returns whether another sweep is needed.
+  bool Sweep(Clock::time_point now);
+  void ScheduleSweep();
+  // Accept failures: pause the listener (back-off) and rate-limit the log.
+  void PauseAccepting(const Status& error);
+  void ResumeAccepting();
   void BeginDrain(std::string_view reason);
   void Fail(Status failure);
   bool PeerAllowed(const os::PeerCred& peer) const;
@@ -153,7 +179,14 @@ class Daemon {
   std::chrono::steady_clock::time_point load_start_;
   std::optional<std::chrono::steady_clock::time_point> linger_until_;
   std::optional<std::chrono::steady_clock::time_point> drain_until_;
-  std::string stop_requested_by_;  // set by a Stop request; the loop then drains
+  std::string stop_requested_by_;              // set by a Stop request; the loop then drains
+  std::optional<Clock::time_point> sweep_at_;  // the next Sweep, while a connection needs one
+  // Accept back-off: the listener is out of epoll until accept_paused_until_.
+  std::optional<Clock::time_point> accept_paused_until_;
+  std::chrono::milliseconds accept_backoff_{0};
+  uint64_t accept_failures_ = 0;           // since accepting last succeeded
+  uint64_t accept_failures_unlogged_ = 0;  // since the last log line
+  Clock::time_point accept_log_next_;      // no failure line before this
 
   // Loader handoff.
   std::atomic<bool> cancel_{false};

@@ -204,16 +204,17 @@ Result<CachePaths> ResolveCachePaths(const CacheConfig& config, std::string_view
   return p;
 }
 
-Status EnsurePrivateDir(const std::string& path, uid_t uid) {
+Status EnsurePrivateDir(const std::string& path, uid_t uid, DirAccess access) {
+  const mode_t mode = access == DirAccess::kShared ? 0755 : 0700;
   struct stat st;
   if (::lstat(path.c_str(), &st) != 0) {
     if (errno != ENOENT) return IoError("lstat " + path, errno);
-    if (::mkdir(path.c_str(), 0700) != 0) {
+    if (::mkdir(path.c_str(), mode) != 0) {
       if (errno != EEXIST) return IoError("mkdir " + path, errno);
-    } else if (::chmod(path.c_str(), 0700) != 0) {
+    } else if (::chmod(path.c_str(), mode) != 0) {
       // mkdir's mode is filtered by the umask; a umask like 0277 would leave us a dir we
       // cannot write, so the mode is set exactly.
-      return IoError("chmod 0700 " + path, errno);
+      return IoError("chmod " + Octal(mode) + " " + path, errno);
     }
     if (::lstat(path.c_str(), &st) != 0) return IoError("lstat " + path, errno);
   }
@@ -233,23 +234,30 @@ Status EnsurePrivateDir(const std::string& path, uid_t uid) {
                             ", writable by group or others; it must be 0700 (chmod 0700 " + path +
                             ")");
   }
+  // Shared: the allowed users must be able to reach the socket below (an existing dir of ours
+  // from a private daemon is widened; never to writable).
+  if (access == DirAccess::kShared && (st.st_mode & 0755) != 0755 &&
+      ::chmod(path.c_str(), (st.st_mode & 07777) | 0755) != 0) {
+    return IoError("chmod 0755 " + path + " (a daemon with --allow-uid/--allow-gid)", errno);
+  }
   return Status::Ok();
 }
 
-Status EnsureCacheDirs(const CachePaths& paths, uid_t uid) {
-  if (paths.explicit_socket) return EnsurePrivateDir(paths.device_dir, uid);
+Status EnsureCacheDirs(const CachePaths& paths, uid_t uid, DirAccess access) {
+  if (paths.explicit_socket) return EnsurePrivateDir(paths.device_dir, uid, access);
   // Missing ancestors of the runtime dir (e.g. a fresh --runtime-dir /run/wc/jobA).
   for (size_t slash = paths.runtime_dir.find('/', 1); slash != std::string::npos;
        slash = paths.runtime_dir.find('/', slash + 1)) {
     const std::string ancestor = paths.runtime_dir.substr(0, slash);
-    if (::mkdir(ancestor.c_str(), 0700) != 0 && errno != EEXIST) {
+    if (::mkdir(ancestor.c_str(), access == DirAccess::kShared ? 0755 : 0700) != 0 &&
+        errno != EEXIST) {
       return IoError("mkdir " + ancestor + " (creating runtime dir " + paths.runtime_dir + ")",
                      errno);
     }
   }
-  WEIGHTCACHE_RETURN_IF_ERROR(EnsurePrivateDir(paths.runtime_dir, uid));
-  WEIGHTCACHE_RETURN_IF_ERROR(EnsurePrivateDir(paths.namespace_dir, uid));
-  return EnsurePrivateDir(paths.device_dir, uid);
+  WEIGHTCACHE_RETURN_IF_ERROR(EnsurePrivateDir(paths.runtime_dir, uid, access));
+  WEIGHTCACHE_RETURN_IF_ERROR(EnsurePrivateDir(paths.namespace_dir, uid, access));
+  return EnsurePrivateDir(paths.device_dir, uid, access);
 }
 
 Result<std::vector<std::string>> ListCacheSockets(const std::string& device_dir) {

@@ -25,6 +25,10 @@
 // writable by group or others. The runtime dir's missing ancestors are created 0700 but not
 // checked (they are typically /run/user/<uid> or /tmp). Checks use lstat; everything below
 // the runtime dir is only writable by us, which is what makes check-then-use safe.
+// DirAccess::kShared (a daemon that serves other uids: --allow-uid/--allow-gid) creates them
+// 0755 instead and widens an existing one of ours to 0755, so that those users can reach the
+// socket (which is then 0666: SO_PEERCRED against the allow lists is the access control);
+// still never writable by anyone but us.
 //
 // Thread-safety: pure functions except EnsureCacheDirs / EnsurePrivateDir / List*, which do
 // filesystem I/O and are safe to call concurrently (mkdir races resolve to EEXIST + checks).
@@ -100,11 +104,16 @@ struct TemplateValues {
 };
 Result<std::string> ExpandSocketTemplate(std::string_view tmpl, const TemplateValues& values);
 
-// Create (0700) or check one directory as described above.
-Status EnsurePrivateDir(const std::string& path, uid_t uid = ::geteuid());
+// Who may reach a daemon's directories: only us, or also the users it allows.
+enum class DirAccess { kPrivate, kShared };
+
+// Create (0700; 0755 when shared) or check one directory as described above.
+Status EnsurePrivateDir(const std::string& path, uid_t uid = ::geteuid(),
+                        DirAccess access = DirAccess::kPrivate);
 // The runtime dir (with missing ancestors), namespace dir and device dir of `paths`; for an
 // explicit socket, the socket's directory.
-Status EnsureCacheDirs(const CachePaths& paths, uid_t uid = ::geteuid());
+Status EnsureCacheDirs(const CachePaths& paths, uid_t uid = ::geteuid(),
+                       DirAccess access = DirAccess::kPrivate);
 
 // The *.sock sockets directly under one device dir, sorted, as full paths. A missing dir is
 // an empty list. Includes stale sockets: liveness is the lock's business, not the name's.

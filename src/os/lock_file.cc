@@ -1,30 +1,71 @@
 #include "os/lock_file.h"
 
 #include <fcntl.h>
-#include <sys/file.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <charconv>
+#include <thread>
 
 namespace weightcache::os {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct flock WholeFile(short type) {
+  struct flock lock {};
+  lock.l_type = type;
+  lock.l_whence = SEEK_SET;
+  lock.l_start = 0;
+  lock.l_len = 0;  // to the end, however the file grows
+  lock.l_pid = 0;  // must be 0 for the OFD commands
+  return lock;
+}
+
+// F_OFD_SETLK: true when taken, false on contention, an error otherwise.
+Result<bool> TrySetLock(int fd, const std::string& path) {
+  while (true) {
+    struct flock lock = WholeFile(F_WRLCK);
+    if (::fcntl(fd, F_OFD_SETLK, &lock) == 0) return true;
+    const int err = errno;
+    if (err == EINTR) continue;
+    if (err == EAGAIN || err == EACCES) return false;
+    return IoError("fcntl(F_OFD_SETLK) on lock file " + path, err);
+  }
+}
+
+// Whether `pid` names a live process (EPERM: it lives, under another uid).
+bool Alive(pid_t pid) { return ::kill(pid, 0) == 0 || errno == EPERM; }
+
+}  // namespace
 
 Result<LockFile> LockFile::TryAcquire(const std::string& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
   if (!fd) return IoError("open lock file " + path, errno);
-  while (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
-    int err = errno;
-    if (err == EINTR) continue;
-    if (err == EWOULDBLOCK) {
-      std::optional<pid_t> owner = ReadLockOwner(path);
+  const auto give_up_at = Clock::now() + kOwnerPidWait;
+  while (true) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(bool taken, TrySetLock(fd.get(), path));
+    if (taken) break;
+    // Held by another open file description. Its owner records its pid right after taking
+    // the lock; until then the file is empty or names a former owner that is gone.
+    std::optional<pid_t> owner = ReadLockOwner(path);
+    const bool named = owner && Alive(*owner);
+    if (named || Clock::now() >= give_up_at) {
       return Status(StatusCode::kAlreadyServed,
                     "lock " + path + " is held by " +
-                        (owner ? "pid " + std::to_string(*owner) : std::string("another process")) +
+                        (named ? "pid " + std::to_string(*owner)
+                               : std::string("another process (it recorded no live pid within " +
+                                             std::to_string(kOwnerPidWait.count()) + " ms)")) +
                         ": another daemon already serves this identity");
     }
-    return IoError("flock " + path, err);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    // The owner may also have exited meanwhile: the next TrySetLock then takes the lock.
   }
   // We own the lock: record our pid. The file may hold a dead owner's pid, so truncate first.
+  // 0644 whatever mode an older file had (best effort: only its owner may change it).
+  (void)::fchmod(fd.get(), 0644);
   std::string pid = std::to_string(::getpid()) + "\n";
   if (::ftruncate(fd.get(), 0) != 0) return IoError("truncate lock file " + path, errno);
   if (::pwrite(fd.get(), pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
@@ -36,12 +77,11 @@ Result<LockFile> LockFile::TryAcquire(const std::string& path) {
 bool IsLockHeld(const std::string& path) {
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
   if (!fd) return false;
-  while (::flock(fd.get(), LOCK_SH | LOCK_NB) != 0) {
-    if (errno == EINTR) continue;
-    return errno == EWOULDBLOCK;
+  struct flock lock = WholeFile(F_WRLCK);
+  while (::fcntl(fd.get(), F_OFD_GETLK, &lock) != 0) {
+    if (errno != EINTR) return false;
   }
-  ::flock(fd.get(), LOCK_UN);
-  return false;
+  return lock.l_type != F_UNLCK;
 }
 
 std::optional<pid_t> ReadLockOwner(const std::string& path) {

@@ -1,21 +1,34 @@
 // LockFile — the identity lock of a daemon (SPEC §2: ownership).
 //
 // Contract:
-//  * TryAcquire opens (creating, mode 0600, O_CLOEXEC | O_NOFOLLOW) and takes an exclusive,
-//    non-blocking flock. On success it writes our pid into the file so that a second daemon
-//    can name the owner; on contention it returns kAlreadyServed naming the owner's pid. The
-//    lock lives exactly as long as the LockFile (the kernel drops it when the fd closes, also
-//    when the process dies: there is no stale lock to clean up).
+//  * The lock is an open-file-description (OFD) write lock on the whole file (fcntl
+//    F_OFD_SETLK), not flock: a probe (IsLockHeld) asks with F_OFD_GETLK, which never takes
+//    the lock, so a daemon starting while `ls`, `stop`, the launcher or a client probes can
+//    never lose its own lock to the probe. (flock has no "test" operation; the probe had to
+//    take a shared lock for an instant, and a daemon starting in that instant exited 7.)
+//    OFD locks and flock do not see each other: every weightcache of one host must use the
+//    same kind (any build from this one on does).
+//  * TryAcquire opens (creating, O_CLOEXEC | O_NOFOLLOW) and takes the lock, non-blocking.
+//    On success it records our pid in the file ("<pid>\n"; mode 0644, so that allowed users
+//    of a shared daemon can probe it too) so that a loser can name the owner. On contention it
+//    returns kAlreadyServed naming the owner's pid: F_OFD_GETLK reports no pid for OFD locks,
+//    so the loser reads the pid the owner recorded, retrying for up to kOwnerPidWait while
+//    the file is empty (the owner took the lock but has not written yet) or still names a
+//    process that is gone (a crashed former owner's pid, before the new owner rewrote it).
+//    A lock that became free meanwhile is retried. Only when the owner never records a live
+//    pid in time does the message say "another process".
+//  * The lock lives exactly as long as the LockFile (the kernel drops it when the last fd of
+//    the open file description closes, also when the process dies: there is no stale lock).
 //  * The file itself is never unlinked: unlinking a lock file races with a new acquirer that
-//    opened the old inode. Only the flock state matters, never the file's existence.
-//  * IsLockHeld tries a shared lock and releases it at once. flock locks belong to the open
-//    file description, so it reports "held" even for a lock held by this same process
-//    through another LockFile.
+//    opened the old inode. Only the lock state matters, never the file's existence.
+//  * IsLockHeld reports "held" for a lock held through any other open file description,
+//    this process's own LockFiles included (OFD locks conflict between descriptions).
 //  * Move-only. Thread-safe: no shared state.
 #pragma once
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <optional>
 #include <string>
 
@@ -23,6 +36,9 @@
 #include "weightcache/status.h"
 
 namespace weightcache::os {
+
+// How long a loser waits for the owner to record its pid before naming "another process".
+inline constexpr std::chrono::milliseconds kOwnerPidWait{2000};
 
 class LockFile {
  public:
@@ -40,8 +56,8 @@ class LockFile {
   std::string path_;
 };
 
-// True if some open file description holds a flock on `path`; false if not or the file does
-// not exist (a socket whose lock is not held is stale).
+// True if some open file description holds the lock on `path`; false if not or the file does
+// not exist (a socket whose lock is not held is stale). Never takes the lock.
 bool IsLockHeld(const std::string& path);
 
 // The pid recorded in a lock file, if it parses as one.

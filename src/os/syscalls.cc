@@ -1,5 +1,8 @@
 #include "os/syscalls.h"
 
+#include <sys/resource.h>
+
+#include <cerrno>
 #include <climits>
 
 namespace weightcache::os {
@@ -21,6 +24,20 @@ int SysCalls::Poll(pollfd* fds, nfds_t count, int timeout_ms) {
 SysCalls& SysCalls::Default() {
   static SysCalls real;
   return real;
+}
+
+Result<FdLimit> RaiseFdLimitToHard() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return IoError("getrlimit(RLIMIT_NOFILE)", errno);
+  FdLimit out{limit.rlim_cur, limit.rlim_max, false};
+  if (limit.rlim_cur >= limit.rlim_max) return out;
+  limit.rlim_cur = limit.rlim_max;
+  if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) {
+    return IoError("setrlimit(RLIMIT_NOFILE, soft " + std::to_string(limit.rlim_max) + ")", errno);
+  }
+  out.soft = limit.rlim_max;
+  out.raised = true;
+  return out;
 }
 
 int Deadline::PollTimeoutMs() const {

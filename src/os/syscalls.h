@@ -16,7 +16,10 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <optional>
+
+#include "weightcache/status.h"
 
 namespace weightcache::os {
 
@@ -32,6 +35,16 @@ class SysCalls {
   // The real syscalls.
   static SysCalls& Default();
 };
+
+struct FdLimit {
+  uint64_t soft = 0;
+  uint64_t hard = 0;
+  bool raised = false;  // the soft limit was below the hard one and now equals it
+};
+
+// Raises this process's soft RLIMIT_NOFILE to its hard limit (a daemon serves one fd per
+// client; the default soft 1024 is a guess for select()-era programs). The limits after.
+Result<FdLimit> RaiseFdLimitToHard();
 
 // When a blocking-style operation must give up. Never() waits forever.
 class Deadline {

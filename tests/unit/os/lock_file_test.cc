@@ -14,7 +14,7 @@ namespace {
 
 using weightcache::testing::TempDir;
 
-TEST(LockFileTest, AcquireWritesPidAndMode0600) {
+TEST(LockFileTest, AcquireWritesPidAndMode0644) {
   TempDir dir;
   std::string path = dir.Join("x.lock");
   auto lock = LockFile::TryAcquire(path);
@@ -22,7 +22,8 @@ TEST(LockFileTest, AcquireWritesPidAndMode0600) {
   EXPECT_EQ(ReadLockOwner(path), ::getpid());
   struct stat st {};
   ASSERT_EQ(::stat(path.c_str(), &st), 0);
-  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  // 0644: allowed users of a shared daemon probe it too (its dir decides who reaches it).
+  EXPECT_EQ(st.st_mode & 0777, 0644u);
 }
 
 TEST(LockFileTest, SecondAcquirerInChildIsAlreadyServedNamingParentPid) {
@@ -36,7 +37,7 @@ TEST(LockFileTest, SecondAcquirerInChildIsAlreadyServedNamingParentPid) {
   ASSERT_GE(child, 0);
   if (child == 0) {
     // The child inherits the parent's fd (same open file description) but opens its own, so
-    // its flock conflicts. Exit codes: 0 = the expected error, 1.. = something else.
+    // its OFD lock conflicts. Exit codes: 0 = the expected error, 1.. = something else.
     auto second = LockFile::TryAcquire(path);
     if (second.ok()) ::_exit(1);
     if (second.status().code() != StatusCode::kAlreadyServed) ::_exit(2);
