@@ -321,7 +321,7 @@ SiblingScan FindClosestSibling(const ResolvedIdentity& id, const DiscoveryPolicy
       continue;
     }
     if (probe->state == SocketState::kHung) {
-      scan.unanswered += "; the cache of another config at " + probe->why;
+      scan.unanswered += "; " + probe->why;
       continue;
     }
     if (probe->state != SocketState::kLive) continue;
