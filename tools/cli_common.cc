@@ -11,26 +11,7 @@ std::map<CLI::App*, CommandAction>& Actions() {
 }
 }  // namespace
 
-int ExitCodeFor(const Status& status) {
-  switch (status.code()) {
-    case StatusCode::kOk:
-      return kExitOk;
-    case StatusCode::kInvalidArgument:
-      return kExitUsage;
-    case StatusCode::kNoDaemon:
-      return kExitNoDaemon;
-    case StatusCode::kMismatch:
-      return kExitMismatch;
-    case StatusCode::kInvalidCheckpoint:
-      return kExitInvalidCheckpoint;
-    case StatusCode::kTimeout:
-      return kExitTimeout;
-    case StatusCode::kAlreadyServed:
-      return kExitAlreadyServed;
-    default:
-      return kExitError;
-  }
-}
+int ExitCodeFor(const Status& status) { return weightcache::ExitCodeFor(status.code()); }
 
 int Fail(std::string_view command, const Status& status) {
   std::cerr << "weightcache " << command << ": " << status.ToString() << std::endl;

@@ -9,18 +9,9 @@
 
 namespace weightcache::cli {
 
-// SPEC §5 exit codes.
-enum ExitCode : int {
-  kExitOk = 0,
-  kExitError = 1,
-  kExitUsage = 2,
-  kExitNoDaemon = 3,
-  kExitMismatch = 4,
-  kExitInvalidCheckpoint = 5,
-  kExitTimeout = 6,
-  kExitAlreadyServed = 7,
-};
-
+// The exit codes (kExitOk, kExitUsage, …) are weightcache::ExitCode (weightcache/status.h).
+using enum ::weightcache::ExitCode;
+// The exit code of `status`, from the one table (weightcache::kStatusCodeTable).
 int ExitCodeFor(const Status& status);
 
 // Print "weightcache <command>: <status>" to stderr and return its exit code.

@@ -2,8 +2,10 @@
 // weightcache::Attachment::Attach) and print what it got: source, socket, device, tensors,
 // bytes, attach time, and with --verify every tensor's checksum recomputed over the mapped
 // memory against the daemon's record. Exit codes (SPEC §5): 3 no daemon with
-// --on-missing error, 4 config mismatch (the fields on stderr), 6 still loading at the
-// deadline with --on-missing error, 1 a verification failure (the tensors on stderr).
+// --on-missing error, 4 config mismatch (the fields on stderr), 6 still loading or not
+// answering at the --wait deadline with --on-missing error, a failed daemon's own code with
+// --on-missing error (5 invalid checkpoint, 8 memory budget, …), 1 a verification failure
+// (the tensors on stderr).
 //
 // --hold keeps the attachment open after the summary until stdin closes: each line read
 // re-verifies the mapped memory, and "daemon-gone" is printed when the daemon goes away. Tests
@@ -141,7 +143,9 @@ void RegisterAttachCommand(CLI::App& root) {
                   "a daemon holds a different config: exit 4 naming each field (error) or load "
                   "from disk (fallback)")
       ->check(CLI::IsMember({"error", "fallback"}));
-  sub->add_option("--wait", args->wait_seconds, "seconds to wait for a loading daemon")
+  sub->add_option("--wait", args->wait_seconds,
+                  "the attach's deadline in seconds: waiting for a loading daemon and every "
+                  "exchange with a daemon (one that does not answer by then is absent)")
       ->check(CLI::NonNegativeNumber);
   sub->add_flag("--verify", args->verify,
                 "recompute every tensor's checksum over the mapped memory and compare");

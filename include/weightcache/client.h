@@ -8,9 +8,13 @@
 //    The discovery rules are SPEC §4; docs/client.md walks through them row by row.
 //  * Outcomes: source() == kDaemon (mapped from a daemon), kFallback (loaded from disk into
 //    memory this process owns — no daemon, stale socket, daemon still loading past the wait
-//    timeout, failed daemon, or a mismatch ignored with OnMismatch::kFallback). Errors:
-//    kMismatch (each differing field named with both values), kNoDaemon (OnMissing::kError),
-//    kTimeout (OnMissing::kError and the daemon was still loading), kPermissionDenied /
+//    timeout, a daemon that did not answer by the deadline, failed daemon, or a mismatch
+//    ignored with OnMismatch::kFallback). Errors: kMismatch (each differing field named with
+//    both values, by the client's own comparison of the daemon's config — never on the
+//    daemon's word), kNoDaemon (OnMissing::kError), kTimeout (OnMissing::kError and the
+//    daemon was still loading or did not answer by the deadline), a failed daemon's own
+//    failure code (OnMissing::kError), kUnavailable (gpu tier without the NVIDIA driver),
+//    kPermissionDenied /
 //    kProtocol / kIo (a socket that is not ours, not a socket, or speaks garbage: never a
 //    silent fallback), kInvalidArgument (options), kInvalidCheckpoint (the model dir).
 //  * Diagnostics as data: Attach(options, &diagnostics) also fills an AttachDiagnostics — the
@@ -106,7 +110,12 @@ struct AttachOptions {
   // ---- policy ----
   OnMissing on_missing = OnMissing::kFallback;
   OnMismatch on_mismatch = OnMismatch::kError;
-  // How long to wait for a daemon that reports `loading` before treating it as absent.
+  // The attach's one deadline, counted from the start of Attach (docs/client.md "Deadlines"):
+  // how long to wait for a daemon that reports `loading`, and the end of every exchange with
+  // a daemon (connect, Hello, Status polls, the Attach reply, the sibling scan). A daemon
+  // that has not answered by then (hung) is treated as absent, like one still loading:
+  // fallback with the reason in source_reason, or kTimeout with OnMissing::kError. Answers
+  // are awaited at least 1 s, so 0 means "do not wait for a loading daemon".
   std::chrono::milliseconds wait_timeout{std::chrono::seconds(60)};
   // Reader threads of the fallback loader.
   int fallback_threads = 8;

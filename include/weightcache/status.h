@@ -10,6 +10,9 @@
 #pragma once
 
 #include <cassert>
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -18,13 +21,13 @@
 
 namespace weightcache {
 
-// The kinds of failure. The CLI maps these onto the exit codes of SPEC §5 (ExitCodeFor).
+// The kinds of failure. The CLI maps these onto the exit codes of SPEC §5 (kStatusCodeTable).
 //
 // The integer values are part of the wire format: a daemon's Error frame carries the code
 // as a u32 (docs/protocol.md §3), and a client of another build decodes it back into this
 // enum. They are written out and pinned below (and in tests/unit/common/status_test.cc):
-// never renumber or reuse a value; add a new code at the end, and widen the range that
-// protocol::DecodeError accepts (1 … kInternal today) in the same change.
+// never renumber or reuse a value; add a new code at the end, with its row in
+// kStatusCodeTable (the wire accepts exactly the table's error codes, IsErrorCodeValue).
 enum class StatusCode : int {
   kOk = 0,
   kInvalidArgument = 1,    // bad flag, bad config value, path too long, bad template
@@ -48,7 +51,78 @@ static_assert(static_cast<int>(StatusCode::kInvalidArgument) == 1 &&
                   static_cast<int>(StatusCode::kInternal) == 14,
               "StatusCode values are on the wire (Error frames): never renumber them");
 
+// The exit codes of the `weightcache` CLI (SPEC §5). Which code a StatusCode exits with is
+// decided once, in kStatusCodeTable below.
+enum ExitCode : int {
+  kExitOk = 0,
+  kExitError = 1,  // any other error
+  kExitUsage = 2,
+  kExitNoDaemon = 3,
+  kExitMismatch = 4,
+  kExitInvalidCheckpoint = 5,
+  kExitTimeout = 6,
+  kExitAlreadyServed = 7,
+  kExitOutOfMemory = 8,  // no room under the device's memory budget
+};
+
+// The one table of what a StatusCode means at every edge: its name (Status::ToString's
+// prefix), its key (the C ABI's wc_status_code_name, Python's `WeightcacheError.code`), the
+// CLI's exit code and the Python exception class (weightcache.errors.<python_class>, which
+// gets this table from the extension, never a copy). Indexed by the code's value.
+struct StatusCodeInfo {
+  StatusCode code;
+  std::string_view name;          // "invalid checkpoint"
+  std::string_view key;           // "invalid_checkpoint"
+  ExitCode exit_code;             // SPEC §5
+  std::string_view python_class;  // "InvalidCheckpointError"
+};
+
+inline constexpr StatusCodeInfo kStatusCodeTable[] = {
+    {StatusCode::kOk, "ok", "ok", kExitOk, ""},
+    {StatusCode::kInvalidArgument, "invalid argument", "invalid_argument", kExitUsage,
+     "InvalidArgumentError"},
+    {StatusCode::kNotFound, "not found", "not_found", kExitError, "WeightcacheError"},
+    {StatusCode::kPermissionDenied, "permission denied", "permission_denied", kExitError,
+     "PermissionDeniedError"},
+    {StatusCode::kInvalidCheckpoint, "invalid checkpoint", "invalid_checkpoint",
+     kExitInvalidCheckpoint, "InvalidCheckpointError"},
+    {StatusCode::kNoDaemon, "no daemon", "no_daemon", kExitNoDaemon, "NoDaemonError"},
+    {StatusCode::kMismatch, "config mismatch", "mismatch", kExitMismatch, "MismatchError"},
+    {StatusCode::kTimeout, "timeout", "timeout", kExitTimeout, "DaemonTimeoutError"},
+    {StatusCode::kAlreadyServed, "already served", "already_served", kExitAlreadyServed,
+     "AlreadyServedError"},
+    {StatusCode::kProtocol, "protocol error", "protocol", kExitError, "ProtocolError"},
+    {StatusCode::kIo, "i/o error", "io", kExitError, "WeightcacheError"},
+    {StatusCode::kCuda, "cuda error", "cuda", kExitError, "WeightcacheError"},
+    {StatusCode::kUnavailable, "unavailable", "unavailable", kExitError, "UnavailableError"},
+    {StatusCode::kOutOfMemory, "out of memory", "out_of_memory", kExitOutOfMemory,
+     "OutOfMemoryError"},
+    {StatusCode::kInternal, "internal error", "internal", kExitError, "WeightcacheError"},
+};
+inline constexpr size_t kStatusCodeCount = std::size(kStatusCodeTable);
+
+constexpr bool StatusCodeTableIsIndexedByValue() {
+  for (size_t i = 0; i < kStatusCodeCount; ++i) {
+    if (static_cast<size_t>(kStatusCodeTable[i].code) != i) return false;
+  }
+  return true;
+}
+static_assert(StatusCodeTableIsIndexedByValue() &&
+                  kStatusCodeCount == static_cast<size_t>(StatusCode::kInternal) + 1,
+              "kStatusCodeTable has one row per StatusCode, in value order");
+
+// An error code as it arrives from the wire (Error.code, failure_code): 1 … kInternal.
+constexpr bool IsErrorCodeValue(uint64_t value) { return value >= 1 && value < kStatusCodeCount; }
+
+// The row of `code` (the kInternal row for a value outside the enum).
+constexpr const StatusCodeInfo& InfoFor(StatusCode code) {
+  const auto i = static_cast<size_t>(code);
+  return i < kStatusCodeCount ? kStatusCodeTable[i] : kStatusCodeTable[kStatusCodeCount - 1];
+}
+
 std::string_view StatusCodeName(StatusCode code);
+// The CLI's exit code for `code` (SPEC §5).
+constexpr ExitCode ExitCodeFor(StatusCode code) { return InfoFor(code).exit_code; }
 
 class [[nodiscard]] Status {
  public:

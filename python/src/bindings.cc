@@ -10,13 +10,16 @@
 //    GPU tier memory is mapped read-write (CUDA rejects read-only device mappings) and exported
 //    writable; writing it corrupts the weights every other client of the daemon sees.
 //  * Errors: a failed attach raises the exception weightcache.errors.from_status builds (the
-//    Python side owns the exception classes) from the client's AttachDiagnostics: the socket
+//    Python side owns the exception classes; which class and exit code a status code gets is
+//    the C++ table status_codes() hands over) from the client's AttachDiagnostics: the socket
 //    path, the device key and, for a mismatch, the differing fields as data (nothing parses the
 //    message). Nothing else here raises but ValueError/TypeError/KeyError for bad arguments.
 //  * Threading: attach releases the GIL while it discovers, waits, maps or loads. Callbacks of
 //    on_daemon_gone run on the client's watcher thread and take the GIL to run. Destroying an
 //    Attachment releases the GIL while the client joins that thread, so a callback that is
 //    waiting for the GIL cannot deadlock the destructor.
+//  * Python's GC sees what an Attachment (its callbacks) and a Tensor (its Attachment) hold, so
+//    a callback that refers to its own Attachment is collected like any other cycle.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
@@ -31,6 +34,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -150,6 +154,21 @@ class PyAttachment {
     return nullptr;
   }
 
+  // Python's GC (tp_traverse / tp_clear below): a callback that refers to its own Attachment
+  // (directly, or through one of its tensors) is a reference cycle only the GC can break.
+  int Traverse(visitproc visit, void* arg) const {
+    for (const nb::object& callback : callbacks_) Py_VISIT(callback.ptr());
+    return 0;
+  }
+  // Drops the callbacks (with the GIL, as the GC calls it). Their slots stay, empty: the watcher
+  // thread finds an empty slot and runs nothing. The references are released only once every
+  // slot is empty, since releasing one may run Python code (a finalizer) that registers more.
+  void ClearCallbacks() {
+    std::vector<nb::object> dropped;
+    dropped.reserve(callbacks_.size());
+    for (nb::object& callback : callbacks_) dropped.push_back(std::move(callback));
+  }
+
   void OnDaemonGone(nb::typed<nb::callable, void()> callback) {
     // Kept here, not in the client's std::function, so that its reference is dropped with the
     // GIL held (see the destructor).
@@ -159,6 +178,7 @@ class PyAttachment {
     std::function<void()> run = [self, index] {
       if (!Py_IsInitialized()) return;
       nb::gil_scoped_acquire acquire;
+      if (!self->callbacks_[index].is_valid()) return;  // cleared by the GC
       try {
         self->callbacks_[index]();
       } catch (nb::python_error& e) {
@@ -236,6 +256,53 @@ struct PyTensor {
     return nb::cast(Array<nb::array_api>(raw));
   }
 };
+
+// ---- Python's GC ------------------------------------------------------------------------------
+// An Attachment holds its on_daemon_gone callbacks, a Tensor its Attachment: a callback that
+// refers to its Attachment (or to one of its tensors) closes a cycle. Both types tell the GC
+// what they hold (tp_traverse); the Attachment breaks such a cycle by dropping its callbacks
+// (tp_clear), after which the cycle's objects are freed as usual: the client's connection,
+// watcher thread and mappings go with them. (nanobind docs, "Reference cycles involving
+// functions".)
+
+int AttachmentTraverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));  // a heap type's instances refer to their type
+  if (!nb::inst_ready(self)) return 0;
+  return nb::inst_ptr<PyAttachment>(self)->Traverse(visit, arg);
+}
+
+int AttachmentClear(PyObject* self) {
+  if (nb::inst_ready(self)) nb::inst_ptr<PyAttachment>(self)->ClearCallbacks();
+  return 0;
+}
+
+// A Tensor's owner is never cleared (every method reads it); the cycle is broken at the
+// Attachment, which every cycle through a Tensor contains.
+int TensorTraverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));
+  if (!nb::inst_ready(self)) return 0;
+  Py_VISIT(nb::inst_ptr<PyTensor>(self)->owner.ptr());
+  return 0;
+}
+
+PyType_Slot kAttachmentSlots[] = {{Py_tp_traverse, reinterpret_cast<void*>(AttachmentTraverse)},
+                                  {Py_tp_clear, reinterpret_cast<void*>(AttachmentClear)},
+                                  {0, nullptr}};
+PyType_Slot kTensorSlots[] = {{Py_tp_traverse, reinterpret_cast<void*>(TensorTraverse)},
+                              {0, nullptr}};
+
+// ---- status codes -----------------------------------------------------------------------------
+
+// weightcache::kStatusCodeTable as data: (value, name, code, exit_code, python class), one row
+// per StatusCode. weightcache.errors builds its mapping from it.
+std::vector<std::tuple<int, std::string, std::string, int, std::string>> StatusCodes() {
+  std::vector<std::tuple<int, std::string, std::string, int, std::string>> rows;
+  for (const StatusCodeInfo& info : kStatusCodeTable) {
+    rows.emplace_back(static_cast<int>(info.code), std::string(info.name), std::string(info.key),
+                      static_cast<int>(info.exit_code), std::string(info.python_class));
+  }
+  return rows;
+}
 
 // ---- options ----------------------------------------------------------------------------------
 
@@ -359,10 +426,12 @@ NB_MODULE(_weightcache, m) {
             if (!(seconds >= 0)) throw nb::value_error("wait_timeout must be >= 0 seconds");
             o.wait_timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
           },
-          "Seconds to wait for a daemon that reports `loading`.")
+          "The attach's deadline in seconds (default 60): waiting for a daemon that "
+          "reports `loading`, and every exchange with a daemon; one that does not answer "
+          "by then is treated as absent.")
       .def_rw("fallback_threads", &AttachOptions::fallback_threads);
 
-  nb::class_<PyTensor>(m, "Tensor",
+  nb::class_<PyTensor>(m, "Tensor", nb::type_slots(kTensorSlots),
                        "One tensor of an Attachment: metadata plus zero-copy DLPack export. "
                        "Keeps its Attachment alive.")
       .def_prop_ro("name", [](const PyTensor& t) { return t.info->name; })
@@ -432,6 +501,7 @@ NB_MODULE(_weightcache, m) {
       });
 
   nb::class_<PyAttachment>(m, "Attachment", nb::is_weak_referenceable(),
+                           nb::type_slots(kAttachmentSlots),
                            "Weights mapped from a daemon, or loaded from disk (fallback). The "
                            "memory lives as long as this object or any tensor exported from it.")
       .def_prop_ro("tier",
@@ -489,4 +559,7 @@ NB_MODULE(_weightcache, m) {
   m.def("attach", &Attach, "options"_a, nb::rv_policy::take_ownership,
         "Attach as AttachOptions say; raises a weightcache.errors exception on failure.");
   m.def("dtype_names", &DTypeNames, "Every safetensors dtype this module knows.");
+  m.def("status_codes", &StatusCodes,
+        "One row per status code: (value, name, code, exit_code, python_class), from the C++ "
+        "table that also decides the CLI's exit codes (weightcache.errors reads it).");
 }

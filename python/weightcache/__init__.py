@@ -26,13 +26,16 @@ from . import errors
 from ._weightcache import Attachment, AttachOptions, Tensor, dtype_names
 from ._weightcache import attach as _attach
 from .errors import (
+    AlreadyServedError,
     DaemonTimeoutError,
     InvalidArgumentError,
     InvalidCheckpointError,
     MismatchError,
     NoDaemonError,
+    OutOfMemoryError,
     PermissionDeniedError,
     ProtocolError,
+    UnavailableError,
     WeightcacheError,
 )
 
@@ -57,6 +60,9 @@ __all__ = [
     "InvalidArgumentError",
     "PermissionDeniedError",
     "ProtocolError",
+    "AlreadyServedError",
+    "UnavailableError",
+    "OutOfMemoryError",
 ]
 
 __version__ = "0.1.0"

@@ -161,7 +161,9 @@ class AttachOptions:
 
     @property
     def wait_timeout(self) -> float:
-        """Seconds to wait for a daemon that reports `loading`."""
+        """
+        The attach's deadline in seconds (default 60): waiting for a daemon that reports `loading`, and every exchange with a daemon; one that does not answer by then is treated as absent.
+        """
 
     @wait_timeout.setter
     def wait_timeout(self, arg: float, /) -> None: ...
@@ -302,3 +304,8 @@ def attach(options: AttachOptions) -> Attachment:
 
 def dtype_names() -> list[str]:
     """Every safetensors dtype this module knows."""
+
+def status_codes() -> list[tuple[int, str, str, int, str]]:
+    """
+    One row per status code: (value, name, code, exit_code, python_class), from the C++ table that also decides the CLI's exit codes (weightcache.errors reads it).
+    """

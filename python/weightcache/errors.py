@@ -12,12 +12,18 @@ it without parsing text:
 Everything is handed over by the client as data (weightcache::AttachDiagnostics); nothing
 here reads it back out of the message.
 
-The exit codes of the CLI (SPEC §5) are on ``exit_code``.
+``exit_code`` is the CLI's exit code for the same failure (SPEC §5), for every code.
+
+Which class, ``code`` and ``exit_code`` a status code gets is decided by one table in the C++
+library (``weightcache::kStatusCodeTable``, weightcache/status.h), which the extension hands
+over (``_weightcache.status_codes()``); this module only defines the classes it names.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Type
+
+from . import _weightcache
 
 __all__ = [
     "WeightcacheError",
@@ -28,6 +34,9 @@ __all__ = [
     "InvalidArgumentError",
     "PermissionDeniedError",
     "ProtocolError",
+    "AlreadyServedError",
+    "UnavailableError",
+    "OutOfMemoryError",
     "from_status",
 ]
 
@@ -45,10 +54,13 @@ class WeightcacheError(Exception):
         socket_path: Optional[str] = None,
         device_uuid: Optional[str] = None,
         errno: int = 0,
+        exit_code: Optional[int] = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
+        if exit_code is not None:
+            self.exit_code = exit_code
         self.socket_path = socket_path
         self.device_uuid = device_uuid
         self.errno = errno
@@ -66,8 +78,6 @@ class MismatchError(WeightcacheError):
     itself, or another cache of this model found when ``socket_path`` is absent;
     ``daemon_pid``: its pid (None when unknown).
     """
-
-    exit_code = 4
 
     def __init__(
         self,
@@ -91,19 +101,15 @@ class MismatchError(WeightcacheError):
 class NoDaemonError(WeightcacheError):
     """No live daemon serves this identity (on_missing="error")."""
 
-    exit_code = 3
-
 
 class DaemonTimeoutError(WeightcacheError, TimeoutError):
-    """The daemon was still loading when the wait timeout passed (on_missing="error")."""
-
-    exit_code = 6
+    """The daemon was still loading, or did not answer at all (hung), when the attach's deadline
+    (``wait_timeout``) passed (on_missing="error")."""
 
 
 class InvalidCheckpointError(WeightcacheError, ValueError):
-    """The model dir is not a valid safetensors checkpoint (the message names file and rule)."""
-
-    exit_code = 5
+    """The model dir is not a valid safetensors checkpoint (the message names file and rule), or
+    the daemon's load failed on one (on_missing="error")."""
 
 
 class InvalidArgumentError(WeightcacheError, ValueError):
@@ -118,23 +124,29 @@ class ProtocolError(WeightcacheError):
     """The socket answered with something that is not the weightcache protocol."""
 
 
-# StatusCodeName (src/common/status.cc) → (code, class).
-_BY_STATUS = {
-    "invalid argument": ("invalid_argument", InvalidArgumentError),
-    "not found": ("not_found", WeightcacheError),
-    "permission denied": ("permission_denied", PermissionDeniedError),
-    "invalid checkpoint": ("invalid_checkpoint", InvalidCheckpointError),
-    "no daemon": ("no_daemon", NoDaemonError),
-    "config mismatch": ("mismatch", MismatchError),
-    "timeout": ("timeout", DaemonTimeoutError),
-    "already served": ("already_served", WeightcacheError),
-    "protocol error": ("protocol", ProtocolError),
-    "i/o error": ("io", WeightcacheError),
-    "cuda error": ("cuda", WeightcacheError),
-    "unavailable": ("unavailable", WeightcacheError),
-    "out of memory": ("out_of_memory", WeightcacheError),
-    "internal error": ("internal", WeightcacheError),
+class AlreadyServedError(WeightcacheError):
+    """Another daemon holds this identity's lock (the message names its pid)."""
+
+
+class UnavailableError(WeightcacheError):
+    """A facility this host lacks: the NVIDIA driver for the gpu tier, a GPU."""
+
+
+class OutOfMemoryError(WeightcacheError):
+    """No room under the device's memory budget (e.g. the daemon's load failed on it)."""
+
+
+# The C++ table, one row per status code: (value, name, code, exit_code, class name). ``name``
+# is what the extension passes to from_status (StatusCodeName, Status::ToString's prefix).
+_TABLE: List[Tuple[int, str, str, int, str]] = [tuple(row) for row in _weightcache.status_codes()]
+_BY_STATUS: Dict[str, Tuple[str, int, Type[WeightcacheError]]] = {
+    name: (code, exit_code, globals()[cls]) for _, name, code, exit_code, cls in _TABLE if cls
 }
+# A class that stands for exactly one code carries that code's exit code as its default too.
+for _code, _exit_code, _cls in _BY_STATUS.values():
+    if _cls is not WeightcacheError:
+        _cls.exit_code = _exit_code
+del _code, _exit_code, _cls
 
 
 def from_status(
@@ -150,8 +162,10 @@ def from_status(
 ) -> WeightcacheError:
     """The exception for a failed C++ Status (called by the extension with the client's
     AttachDiagnostics: ``fields``, ``daemon_socket`` and ``daemon_pid`` for a mismatch)."""
-    code, cls = _BY_STATUS.get(status_name, (status_name.replace(" ", "_"), WeightcacheError))
-    kw = dict(code=code, socket_path=socket_path, device_uuid=device_uuid, errno=errno)
+    code, exit_code, cls = _BY_STATUS.get(
+        status_name, (status_name.replace(" ", "_"), WeightcacheError.exit_code, WeightcacheError))
+    kw = dict(code=code, socket_path=socket_path, device_uuid=device_uuid, errno=errno,
+              exit_code=exit_code)
     if cls is MismatchError:
         return MismatchError(message, fields=fields or [], daemon_socket=daemon_socket,
                              daemon_pid=daemon_pid, **kw)

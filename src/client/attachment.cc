@@ -244,7 +244,9 @@ Result<Attachment> AttachAndDiagnose(const AttachOptions& options, AttachDiagnos
   impl->device_key = id.device_key;
   impl->config_digest = id.config.Digest();
 
+  // One deadline for the whole attach (docs/client.md "Deadlines"), counted from its start.
   DiscoveryPolicy policy;
+  policy.start = start;
   policy.wait_timeout = options.wait_timeout;
   const auto discover_start = Clock::now();
   // Discover fills it on every kMismatch it builds; one relayed from a daemon's Error frame
@@ -288,8 +290,7 @@ Result<Attachment> AttachAndDiagnose(const AttachOptions& options, AttachDiagnos
     impl->source_reason = "attached to " + who;
   } else {
     if (options.on_missing == OnMissing::kError) {
-      return Status(found->timed_out ? StatusCode::kTimeout : StatusCode::kNoDaemon,
-                    found->missing_reason + " (on_missing=error)");
+      return Status(found->missing_code, found->missing_reason + " (on_missing=error)");
     }
     impl->source_reason = found->missing_reason;
     LOG_INFO << found->missing_reason << "; loading " << options.model_dir << " from disk";

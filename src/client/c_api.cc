@@ -179,24 +179,10 @@ wc_status_code wc_attachment_on_daemon_gone(wc_attachment* a, wc_daemon_gone_fn 
 }
 
 const char* wc_status_code_name(wc_status_code code) {
-  static const char* const kNames[] = {"ok",
-                                       "invalid_argument",
-                                       "not_found",
-                                       "permission_denied",
-                                       "invalid_checkpoint",
-                                       "no_daemon",
-                                       "mismatch",
-                                       "timeout",
-                                       "already_served",
-                                       "protocol",
-                                       "io",
-                                       "cuda",
-                                       "unavailable",
-                                       "out_of_memory",
-                                       "internal"};
-  int i = static_cast<int>(code);
-  if (i < 0 || i >= static_cast<int>(sizeof(kNames) / sizeof(kNames[0]))) return "unknown";
-  return kNames[i];
+  const int i = static_cast<int>(code);
+  if (i < 0 || i >= static_cast<int>(weightcache::kStatusCodeCount)) return "unknown";
+  // The table's keys are string literals: NUL-terminated.
+  return weightcache::kStatusCodeTable[i].key.data();
 }
 
 }  // extern "C"

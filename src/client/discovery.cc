@@ -62,11 +62,50 @@ Status ErrorFromDaemon(const protocol::Frame& frame, const std::string& socket) 
   return Status(err->code, "daemon at " + socket + ": " + err->message);
 }
 
-// The next reply, of `expected` type (an Error frame becomes its Status).
+// The time points of one discovery (DiscoveryPolicy): the wait for a loading daemon ends at
+// `wait`, every exchange with a daemon (connect, request, reply) at `answer`, which is `wait`
+// unless the min_answer_wait floor lies later.
+struct Deadlines {
+  explicit Deadlines(const DiscoveryPolicy& policy)
+      : wait(policy.start + policy.wait_timeout),
+        answer(std::max(wait, policy.start + policy.min_answer_wait)),
+        start(policy.start),
+        wait_timeout(policy.wait_timeout) {}
+
+  std::chrono::milliseconds AnswerLeft() const {
+    return std::max(std::chrono::ceil<std::chrono::milliseconds>(answer - Clock::now()),
+                    std::chrono::milliseconds(0));
+  }
+  os::Deadline Answer() const { return os::Deadline::After(AnswerLeft()); }
+  bool AnswerPassed() const { return Clock::now() >= answer; }
+  // "within the attach deadline (wait_timeout 1000 ms)"
+  std::string Describe() const {
+    std::string text =
+        "within the attach deadline (wait_timeout " + std::to_string(wait_timeout.count()) + " ms";
+    if (answer > wait) {
+      text += "; answers awaited " +
+              std::to_string(
+                  std::chrono::duration_cast<std::chrono::milliseconds>(answer - start).count()) +
+              " ms";
+    }
+    return text + ")";
+  }
+
+  Clock::time_point wait;
+  Clock::time_point answer;
+  Clock::time_point start;
+  std::chrono::milliseconds wait_timeout;
+};
+
+// The next reply, of `expected` type (an Error frame becomes its Status). *deadline_passed is
+// set when no reply arrived by `deadline` (our timeout, as opposed to an Error the daemon sent).
 Result<protocol::Frame> ReadReply(int fd, protocol::MessageType expected, os::Deadline deadline,
-                                  const std::string& socket) {
+                                  const std::string& socket, bool* deadline_passed) {
   auto frame = protocol::ReadFrame(fd, protocol::Expect::kReply, deadline);
-  if (!frame.ok()) return frame.status().Context("reading the reply of daemon at " + socket);
+  if (!frame.ok()) {
+    *deadline_passed = frame.status().code() == StatusCode::kTimeout;
+    return frame.status().Context("reading the reply of daemon at " + socket);
+  }
   if (frame->type == protocol::MessageType::kError) return ErrorFromDaemon(*frame, socket);
   if (frame->type != expected) {
     return ProtocolError("daemon at " + socket + " answered " +
@@ -79,10 +118,13 @@ Result<protocol::Frame> ReadReply(int fd, protocol::MessageType expected, os::De
 // One request, one reply of `expected` type.
 Result<protocol::Frame> Exchange(int fd, const std::vector<uint8_t>& request,
                                  protocol::MessageType expected, os::Deadline deadline,
-                                 const std::string& socket) {
+                                 const std::string& socket, bool* deadline_passed) {
   Status sent = protocol::WriteFrame(fd, request, {}, deadline);
-  if (!sent.ok()) return sent.Context("sending to daemon at " + socket);
-  return ReadReply(fd, expected, deadline, socket);
+  if (!sent.ok()) {
+    *deadline_passed = sent.code() == StatusCode::kTimeout;
+    return sent.Context("sending to daemon at " + socket);
+  }
+  return ReadReply(fd, expected, deadline, socket, deadline_passed);
 }
 
 // Whether the probe sends Attach right behind Hello, in the same sendmsg (docs/protocol.md
@@ -92,11 +134,13 @@ Result<protocol::Frame> Exchange(int fd, const std::vector<uint8_t>& request,
 // or drops the Attach's reply.
 enum class Pipeline { kHelloOnly, kHelloThenAttach };
 
-enum class SocketState { kAbsent, kStale, kLive };
+// kHung: a live daemon (its lock held) that did not answer by the deadline: stopped,
+// deadlocked, or its listen backlog full.
+enum class SocketState { kAbsent, kStale, kHung, kLive };
 
 struct Probe {
   SocketState state = SocketState::kAbsent;
-  std::string why;  // for absent / stale
+  std::string why;  // for absent / stale / hung
   UniqueFd connection;
   int64_t pid = 0;
   protocol::HelloReply hello;
@@ -149,10 +193,18 @@ Status CheckTrusted(std::string_view what, uid_t uid, const std::vector<uid_t>& 
       std::string(kTrustedUidsEnv) + ")");
 }
 
-// lstat → lock → connect → peer credentials → Hello. Errors are the SPEC §4 "error" rows.
+Probe Hung(Probe probe, const std::string& who, const Deadlines& deadlines, const Status& status) {
+  probe.state = SocketState::kHung;
+  probe.why = who + " did not answer " + deadlines.Describe() + ": " + status.message();
+  return probe;
+}
+
+// lstat → lock → connect → peer credentials → Hello, each step by `deadlines`. Errors are the
+// SPEC §4 "error" rows; no answer by the deadline is a kHung probe, not an error.
 Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
                           const identity::CacheConfig& config, const DiscoveryPolicy& policy,
-                          const std::vector<uid_t>& trusted, Pipeline pipeline) {
+                          const std::vector<uid_t>& trusted, const Deadlines& deadlines,
+                          Pipeline pipeline) {
   Probe probe;
   struct stat st;
   if (::lstat(socket.c_str(), &st) != 0) {
@@ -178,8 +230,11 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
     probe.why = "stale socket " + socket + " (its lock " + lock + " is not held)";
     return probe;
   }
-  auto conn = os::ConnectUnix(socket, policy.exchange_timeout);
+  auto conn = os::ConnectUnix(socket, deadlines.AnswerLeft());
   if (!conn.ok()) {
+    if (conn.status().code() == StatusCode::kTimeout) {
+      return Hung(std::move(probe), "daemon at " + socket, deadlines, conn.status());
+    }
     if (conn.status().code() == StatusCode::kNotFound) {
       probe.why = "no daemon at " + socket + " (it went away)";
       return probe;
@@ -204,37 +259,50 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> attach, protocol::EncodeAttachRequest());
     request.insert(request.end(), attach.begin(), attach.end());
   }
-  auto deadline = os::Deadline::After(policy.exchange_timeout);
+  const std::string who = "daemon at " + socket + " (pid " + std::to_string(cred.pid) + ")";
   // Both frames in one sendmsg (neither carries fds).
-  Status sent = os::SendMessage(conn->get(), request, {}, deadline);
+  Status sent = os::SendMessage(conn->get(), request, {}, deadlines.Answer());
   if (!sent.ok()) {
+    if (sent.code() == StatusCode::kTimeout) return Hung(std::move(probe), who, deadlines, sent);
     // A daemon that refuses a connection (too many connections, a uid it does not allow)
     // sends an Error and closes at once, perhaps before our send: report its Error, not EPIPE.
-    auto refusal = protocol::ReadFrame(conn->get(), protocol::Expect::kReply, deadline);
+    auto refusal = protocol::ReadFrame(conn->get(), protocol::Expect::kReply, deadlines.Answer());
     if (refusal.ok() && refusal->type == protocol::MessageType::kError) {
       return ErrorFromDaemon(*refusal, socket);
     }
     return sent.Context("sending to daemon at " + socket);
   }
-  WEIGHTCACHE_ASSIGN_OR_RETURN(
-      protocol::Frame frame,
-      ReadReply(conn->get(), protocol::MessageType::kHelloReply, deadline, socket));
+  bool deadline_passed = false;
+  auto frame = ReadReply(conn->get(), protocol::MessageType::kHelloReply, deadlines.Answer(),
+                         socket, &deadline_passed);
+  if (!frame.ok()) {
+    if (deadline_passed) return Hung(std::move(probe), who, deadlines, frame.status());
+    return frame.status();
+  }
   probe.attach_pending = pipeline == Pipeline::kHelloThenAttach;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(probe.hello, protocol::DecodeHelloReply(frame.payload));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(probe.hello, protocol::DecodeHelloReply(frame->payload));
   probe.state = SocketState::kLive;
   probe.connection = std::move(conn).value();
   probe.pid = cred.pid;
   return probe;
 }
 
-// Our own diff when the daemon's config parses (we trust our Diff over the peer's list),
-// else the peer's list.
-std::vector<identity::FieldDiff> Differences(const identity::CacheConfig& ours,
-                                             const protocol::HelloReply& reply) {
+// The fields on which a daemon's config differs from ours, by our own comparison of the
+// config its HelloReply carries: the reply's `match` flag and `differences` list are the
+// daemon's word and never decide an attach. Only when the daemon itself declares a mismatch
+// and its config is unreadable here (another build's) is its own list reported; a config that
+// cannot be checked but is claimed to match is refused (kProtocol).
+Result<std::vector<identity::FieldDiff>> CompareConfigs(const identity::CacheConfig& ours,
+                                                        const protocol::HelloReply& reply,
+                                                        const std::string& who) {
   auto theirs = identity::CacheConfig::FromJson(reply.daemon_config);
   if (theirs.ok()) {
     auto diffs = identity::Diff(ours, *theirs);
-    if (!diffs.empty()) return diffs;
+    // Equal by our reading but refused by the daemon (it refuses the Attach too): its list.
+    if (!diffs.empty() || reply.match) return diffs;
+  } else if (reply.match) {
+    return ProtocolError(who + " says it holds our config, but its config cannot be checked (" +
+                         theirs.status().message() + "); refusing to attach");
   }
   std::vector<identity::FieldDiff> diffs;
   for (const auto& d : reply.differences) diffs.push_back({d.field, d.client, d.daemon});
@@ -263,50 +331,80 @@ Status Report(Mismatch mismatch, MismatchDetails* out) {
   return status;
 }
 
+// What the sibling scan found: the closest other config of our model, and the caches it could
+// not ask (no answer by the deadline, or the deadline passed before their turn).
+struct SiblingScan {
+  std::optional<Mismatch> closest;
+  std::string unanswered;  // "; "-prefixed notes for the missing reason, "" when none
+};
+
 // Looks for another live cache of the same model under our device key (SPEC §4: keep the
-// explicit mismatch although different configs have different paths).
-std::optional<Mismatch> FindClosestSibling(const ResolvedIdentity& id,
-                                           const DiscoveryPolicy& policy) {
+// explicit mismatch although different configs have different paths). Bounded by the same
+// deadlines as the rest of the discovery: a hung sibling costs what is left of them, no more.
+SiblingScan FindClosestSibling(const ResolvedIdentity& id, const DiscoveryPolicy& policy,
+                               const Deadlines& deadlines) {
+  SiblingScan scan;
   auto sockets = identity::ListCacheSockets(id.paths.device_dir);
   if (!sockets.ok()) {
     LOG_DEBUG << "listing " << id.paths.device_dir << ": " << sockets.status().ToString();
-    return std::nullopt;
+    return scan;
   }
-  DiscoveryPolicy sibling_policy = policy;
-  sibling_policy.exchange_timeout =
-      std::min(policy.exchange_timeout, std::chrono::milliseconds(2000));
-  std::optional<Mismatch> best;
   size_t best_count = SIZE_MAX;
+  std::string not_asked;
   for (const std::string& socket : *sockets) {
     if (socket == id.paths.socket) continue;
-    auto probe = ProbeSocket(socket, identity::LockPathFor(socket), id.config, sibling_policy,
-                             id.trusted_uids, Pipeline::kHelloOnly);
+    if (deadlines.AnswerPassed()) {
+      not_asked += (not_asked.empty() ? "" : ", ") + socket;
+      continue;
+    }
+    auto probe = ProbeSocket(socket, identity::LockPathFor(socket), id.config, policy,
+                             id.trusted_uids, deadlines, Pipeline::kHelloOnly);
     if (!probe.ok()) {
       LOG_DEBUG << "skipping " << socket << ": " << probe.status().ToString();
       continue;
     }
-    if (probe->state != SocketState::kLive || probe->hello.match) continue;
+    if (probe->state == SocketState::kHung) {
+      scan.unanswered += "; " + probe->why;
+      continue;
+    }
+    if (probe->state != SocketState::kLive) continue;
     auto model = probe->hello.daemon_config.find("model_id");
     if (model == probe->hello.daemon_config.end() || !model->is_string() ||
         model->get<std::string>() != id.config.model_id) {
       continue;
     }
-    auto diffs = Differences(id.config, probe->hello);
-    if (diffs.empty() || diffs.size() >= best_count) continue;
-    best_count = diffs.size();
-    best = MakeMismatch("no cache of this config at " + id.paths.socket + "; the cache of " +
-                            "model \"" + id.config.model_id + "\" on device " + id.device_key +
-                            " at " + socket + " (pid " + std::to_string(probe->pid) + ")",
-                        diffs, socket, probe->pid);
+    const std::string who = "daemon at " + socket + " (pid " + std::to_string(probe->pid) + ")";
+    auto diffs = CompareConfigs(id.config, probe->hello, who);
+    if (!diffs.ok()) {
+      LOG_DEBUG << "skipping " << socket << ": " << diffs.status().ToString();
+      continue;
+    }
+    if (diffs->empty() || diffs->size() >= best_count) continue;
+    best_count = diffs->size();
+    scan.closest =
+        MakeMismatch("no cache of this config at " + id.paths.socket + "; the cache of model \"" +
+                         id.config.model_id + "\" on device " + id.device_key + " at " + socket +
+                         " (pid " + std::to_string(probe->pid) + ")",
+                     *diffs, socket, probe->pid);
   }
-  return best;
+  if (!not_asked.empty()) {
+    scan.unanswered += "; the attach deadline passed before the caches at " + not_asked +
+                       " were asked for their config";
+  }
+  return scan;
 }
 
-Result<Discovery> Missing(std::string why, bool timed_out = false) {
+Result<Discovery> Missing(std::string why, StatusCode code = StatusCode::kNoDaemon) {
   Discovery d;
   d.missing_reason = std::move(why);
-  d.timed_out = timed_out;
+  d.missing_code = code;
   return d;
+}
+
+// A daemon whose load failed: absent for the fallback, its own failure code (an error code: the
+// decoder checked it) for on_missing=error.
+Result<Discovery> Failed(const std::string& who, const std::string& reason, StatusCode code) {
+  return Missing(who + " failed: " + reason, code);
 }
 
 }  // namespace
@@ -392,10 +490,17 @@ Result<ResolvedIdentity> ResolveIdentity(const AttachOptions& options,
     identity::InventoryOptions inventory;
     inventory.inventory_file = options.device_inventory;
     inventory.env = env;
-    WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<identity::DeviceInfo> visible,
-                                 identity::VisibleDevices(inventory));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(identity::DeviceInventory visible,
+                                 identity::LoadDeviceInventory(inventory));
+    if (options.tier == Tier::kGpu && visible.source != identity::InventorySource::kInventoryFile) {
+      // The gpu tier maps device memory through the driver, so without it the answer is the
+      // driver's own failure (dlerror, "the gpu tier needs the NVIDIA driver"), not an empty
+      // device list. An inventory file still resolves the identity; the load or map that
+      // follows then fails with the same message.
+      if (auto api = cuda::LoadDriver(); !api.ok()) return api.status();
+    }
     WEIGHTCACHE_ASSIGN_OR_RETURN(identity::DeviceInfo device,
-                                 identity::ResolveDevice(spec, visible));
+                                 identity::ResolveDevice(spec, visible.devices));
     id.device_key = device.uuid;
     id.device = std::move(device);
   }
@@ -412,83 +517,95 @@ Result<ResolvedIdentity> ResolveIdentity(const AttachOptions& options,
 
 Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& policy,
                            MismatchDetails* mismatch) {
+  const Deadlines deadlines(policy);
   const std::string& socket = id.paths.socket;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(
-      Probe probe, ProbeSocket(socket, id.paths.lock, id.config, policy, id.trusted_uids,
-                               Pipeline::kHelloThenAttach));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(Probe probe,
+                               ProbeSocket(socket, id.paths.lock, id.config, policy,
+                                           id.trusted_uids, deadlines, Pipeline::kHelloThenAttach));
+  if (probe.state == SocketState::kHung) return Missing(probe.why, StatusCode::kTimeout);
   if (probe.state != SocketState::kLive) {
     if (!id.paths.explicit_socket) {
-      if (auto sibling = FindClosestSibling(id, policy)) {
-        return Report(*std::move(sibling), mismatch);
-      }
+      SiblingScan scan = FindClosestSibling(id, policy, deadlines);
+      if (scan.closest) return Report(*std::move(scan.closest), mismatch);
+      return Missing(probe.why + scan.unanswered);
     }
     return Missing(probe.why);
   }
   const std::string who = "daemon at " + socket + " (pid " + std::to_string(probe.pid) + ")";
   if (probe.hello.state == protocol::CacheState::kFailed) {
-    return Missing(who + " failed: " + probe.hello.failure_reason);
+    return Failed(who, probe.hello.failure_reason, probe.hello.failure_code);
   }
   if (probe.hello.state == protocol::CacheState::kDraining) {
     return Missing(who + " is draining");
   }
-  if (!probe.hello.match) {
-    return Report(MakeMismatch(who, Differences(id.config, probe.hello), socket, probe.pid),
-                  mismatch);
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<identity::FieldDiff> diffs,
+                               CompareConfigs(id.config, probe.hello, who));
+  if (!diffs.empty() || !probe.hello.match) {
+    return Report(MakeMismatch(who, diffs, socket, probe.pid), mismatch);
   }
 
   // Ready now, or loading: the pipelined Attach's reply is next on the connection (failed,
   // draining and mismatch returned above, dropping the connection and that reply with it).
+  // Every read below ends at the deadline; a daemon silent until then is absent (kTimeout).
+  bool deadline_passed = false;
+  const auto silent = [&](const Status& status) {
+    return Missing(who + " did not answer " + deadlines.Describe() + ": " + status.message(),
+                   StatusCode::kTimeout);
+  };
   std::optional<protocol::Frame> attach_frame;
   if (probe.hello.state == protocol::CacheState::kLoading) {
     // The daemon answered the Attach after the Hello: usually "cache is loading"
     // (kUnavailable, connection usable), but the load may have finished in between.
     auto pending = ReadReply(probe.connection.get(), protocol::MessageType::kAttachReply,
-                             os::Deadline::After(policy.exchange_timeout), socket);
+                             deadlines.Answer(), socket, &deadline_passed);
     if (pending.ok()) {
       attach_frame = std::move(pending).value();
+    } else if (deadline_passed) {
+      return silent(pending.status());
     } else if (pending.status().code() != StatusCode::kUnavailable) {
       return pending.status();
     }
   }
   if (!attach_frame && probe.hello.state == protocol::CacheState::kLoading) {
-    auto wait_deadline = Clock::now() + policy.wait_timeout;
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> status_request,
                                  protocol::EncodeStatusRequest());
     uint64_t done = probe.hello.bytes_done, total = probe.hello.bytes_total;
     for (;;) {
-      if (Clock::now() >= wait_deadline) {
+      if (Clock::now() >= deadlines.wait) {
         return Missing(who + " still loading after " + std::to_string(policy.wait_timeout.count()) +
                            " ms (" + std::to_string(done) + " of " + std::to_string(total) +
                            " bytes)",
-                       /*timed_out=*/true);
+                       StatusCode::kTimeout);
       }
       std::this_thread::sleep_for(
-          std::min<Clock::duration>(kLoadingPollInterval, wait_deadline - Clock::now()));
-      WEIGHTCACHE_ASSIGN_OR_RETURN(
-          protocol::Frame frame,
+          std::min<Clock::duration>(kLoadingPollInterval, deadlines.wait - Clock::now()));
+      auto frame =
           Exchange(probe.connection.get(), status_request, protocol::MessageType::kStatusReply,
-                   os::Deadline::After(policy.exchange_timeout), socket));
+                   deadlines.Answer(), socket, &deadline_passed);
+      if (!frame.ok()) return deadline_passed ? silent(frame.status()) : frame.status();
       WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::StatusReply status,
-                                   protocol::DecodeStatusReply(frame.payload));
+                                   protocol::DecodeStatusReply(frame->payload));
       done = status.bytes_done;
       total = status.bytes_total;
       if (status.state == protocol::CacheState::kReady) break;
       if (status.state == protocol::CacheState::kFailed) {
-        return Missing(who + " failed: " + status.failure_reason);
+        return Failed(who, status.failure_reason, status.failure_code);
       }
       if (status.state == protocol::CacheState::kDraining) return Missing(who + " is draining");
     }
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> attach_request,
                                  protocol::EncodeAttachRequest());
-    WEIGHTCACHE_ASSIGN_OR_RETURN(
-        attach_frame,
+    auto frame =
         Exchange(probe.connection.get(), attach_request, protocol::MessageType::kAttachReply,
-                 os::Deadline::After(policy.exchange_timeout), socket));
+                 deadlines.Answer(), socket, &deadline_passed);
+    if (!frame.ok()) return deadline_passed ? silent(frame.status()) : frame.status();
+    attach_frame = std::move(frame).value();
   }
   if (!attach_frame) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(
-        attach_frame, ReadReply(probe.connection.get(), protocol::MessageType::kAttachReply,
-                                os::Deadline::After(policy.exchange_timeout), socket));
+    auto frame = ReadReply(probe.connection.get(), protocol::MessageType::kAttachReply,
+                           deadlines.Answer(), socket, &deadline_passed);
+    if (!frame.ok()) return deadline_passed ? silent(frame.status()) : frame.status();
+    attach_frame = std::move(frame).value();
   }
   // The manifest's records are checked by the caller, on the thread that builds the tensor
   // table (attachment.cc), so that on the gpu tier the check overlaps the VMM import.

@@ -6,11 +6,15 @@
 //   lstat: not a socket / owned by an untrusted uid → error (kIo / kPermissionDenied)
 //   peer credentials of an untrusted uid          → error (kPermissionDenied)
 //   (trusted: our euid, plus ResolvedIdentity::trusted_uids)
-//   Hello → failed / draining                     → missing, with the daemon's reason
-//   Hello → no match                              → kMismatch naming every field, both values
+//   no answer by the deadline (a hung daemon)     → missing (kTimeout), the reason naming it
+//   Hello → failed / draining                     → missing, with the daemon's reason (and
+//                                                   failed: its failure_code)
+//   Hello → config differs (our own comparison of → kMismatch naming every field, both values
+//           the daemon's config; its `match` flag
+//           is never trusted)
 //   Hello → loading                               → Status polls until ready, failed or the
-//                                                   wait timeout (→ missing, timed_out)
-//   Hello → ready + match                         → AttachReply (manifest memfd + fds); the
+//                                                   deadline (→ missing, kTimeout)
+//   Hello → ready, same config                    → AttachReply (manifest memfd + fds); the
 //                                                   Attach is sent with the Hello (pipelined)
 //   bad frame / unexpected reply                  → error (kProtocol)
 // When our exact socket is missing and it is a layout path (not an explicit --socket), every
@@ -73,13 +77,22 @@ struct DaemonSession {
 struct Discovery {
   std::optional<DaemonSession> session;  // set when a daemon is ready to be mapped
   std::string missing_reason;            // why not, when session is empty
-  bool timed_out = false;                // missing because it was still loading at the deadline
+  // The code an on_missing=error caller fails with: kNoDaemon (absent, stale, draining),
+  // kTimeout (still loading at the deadline, or no answer by it: a hung daemon), or the failed
+  // daemon's own failure code (its HelloReply/StatusReply failure_code).
+  StatusCode missing_code = StatusCode::kNoDaemon;
 };
 
+// One deadline for the whole discovery (docs/client.md "Deadlines"): connect, Hello, the wait
+// for a loading daemon, each Status poll, the Attach reply and the sibling scan over every
+// other daemon all end `wait_timeout` after `start`. There is no other timeout, with one
+// floor: a daemon's answers are awaited until at least `min_answer_wait` after `start`, so that
+// wait_timeout 0 (do not wait for a loading daemon) still reads a ready daemon's answers. A
+// daemon that has not answered by then is treated as absent (kTimeout), like one still loading.
 struct DiscoveryPolicy {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   std::chrono::milliseconds wait_timeout{std::chrono::seconds(60)};
-  // Bound on each connect / request / reply exchange with a live daemon.
-  std::chrono::milliseconds exchange_timeout{std::chrono::seconds(10)};
+  std::chrono::milliseconds min_answer_wait{std::chrono::seconds(1)};
   std::string client_name = "weightcache-client";
 };
 

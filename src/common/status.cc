@@ -4,41 +4,7 @@
 
 namespace weightcache {
 
-std::string_view StatusCodeName(StatusCode code) {
-  switch (code) {
-    case StatusCode::kOk:
-      return "ok";
-    case StatusCode::kInvalidArgument:
-      return "invalid argument";
-    case StatusCode::kNotFound:
-      return "not found";
-    case StatusCode::kPermissionDenied:
-      return "permission denied";
-    case StatusCode::kInvalidCheckpoint:
-      return "invalid checkpoint";
-    case StatusCode::kNoDaemon:
-      return "no daemon";
-    case StatusCode::kMismatch:
-      return "config mismatch";
-    case StatusCode::kTimeout:
-      return "timeout";
-    case StatusCode::kAlreadyServed:
-      return "already served";
-    case StatusCode::kProtocol:
-      return "protocol error";
-    case StatusCode::kIo:
-      return "i/o error";
-    case StatusCode::kCuda:
-      return "cuda error";
-    case StatusCode::kUnavailable:
-      return "unavailable";
-    case StatusCode::kOutOfMemory:
-      return "out of memory";
-    case StatusCode::kInternal:
-      return "internal error";
-  }
-  return "unknown";
-}
+std::string_view StatusCodeName(StatusCode code) { return InfoFor(code).name; }
 
 Status& Status::WithErrno(int err) {
   sys_errno_ = err;

@@ -23,7 +23,7 @@ Result<const DriverApi*> LoadOnce() {
     return Status(StatusCode::kUnavailable,
                   std::string("CUDA driver not available (dlopen libcuda.so.1: ") +
                       (err != nullptr ? err : "unknown error") +
-                      "); the gpu tier needs an NVIDIA driver, the host tier does not");
+                      "); the gpu tier needs the NVIDIA driver (the host tier does not)");
   }
   auto get_proc = reinterpret_cast<GetProcAddressFn>(::dlsym(lib, "cuGetProcAddress_v2"));
   if (get_proc == nullptr) {

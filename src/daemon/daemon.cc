@@ -659,7 +659,10 @@ protocol::StatusReply Daemon::MakeStatusReply() const {
   reply.state = state_;
   reply.bytes_done = bytes_done_.load();
   reply.bytes_total = bytes_total_.load();
-  if (!failure_.ok()) reply.failure_reason = failure_.ToString();
+  if (!failure_.ok()) {
+    reply.failure_reason = failure_.ToString();
+    if (state_ == CacheState::kFailed) reply.failure_code = failure_.code();
+  }
   reply.tier = options_.tier;
   reply.device_uuid = options_.device_key;
   reply.model_id = options_.config.model_id;
@@ -705,7 +708,10 @@ void Daemon::HandleFrame(Connection& conn, protocol::Frame frame) {
       reply.state = state_;
       reply.bytes_done = bytes_done_.load();
       reply.bytes_total = bytes_total_.load();
-      if (!failure_.ok()) reply.failure_reason = failure_.ToString();
+      if (!failure_.ok()) {
+        reply.failure_reason = failure_.ToString();
+        if (state_ == CacheState::kFailed) reply.failure_code = failure_.code();
+      }
       reply.daemon_config = options_.config.ToJson();
       for (auto& d : identity::Diff(options_.config, *theirs)) {
         reply.differences.push_back({d.field, d.ours, d.theirs});

@@ -89,6 +89,20 @@ class Fields {
     return state;
   }
 
+  // `failure_code`: an error code when `state` is failed, else 0.
+  Result<StatusCode> FailureCode(const char* key, CacheState state) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(uint32_t v, U32(key));
+    if (state == CacheState::kFailed) {
+      if (!IsErrorCodeValue(v)) {
+        return ProtocolError(message_ + ": field '" + key + "' must be an error code (1 … " +
+                             std::to_string(kStatusCodeCount - 1) + ") when the state is failed");
+      }
+    } else if (v != 0) {
+      return ProtocolError(message_ + ": field '" + key + "' must be 0 unless the state is failed");
+    }
+    return static_cast<StatusCode>(v);
+  }
+
   Status Finish() const {
     for (const auto& item : object_.items()) {
       if (!seen_.contains(item.key())) {
@@ -174,21 +188,37 @@ Result<Hello> DecodeHello(std::span<const uint8_t> payload) {
 
 // ---- HelloReply -------------------------------------------------------------------------------
 
+namespace {
+
+// What the decoders check of failure_code, so that a daemon cannot send what clients reject.
+Status CheckFailureCode(std::string_view message, CacheState state, StatusCode code) {
+  if ((state == CacheState::kFailed) != (code != StatusCode::kOk)) {
+    return InvalidArgument(std::string(message) +
+                           ": failure_code must be an error code exactly when failed");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::vector<uint8_t>> EncodeHelloReply(const HelloReply& msg) {
   if (!msg.daemon_config.is_object()) {
     return InvalidArgument("HelloReply: daemon config must be a JSON object");
   }
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckFailureCode("HelloReply", msg.state, msg.failure_code));
   json diffs = json::array();
   for (const ConfigDifference& d : msg.differences) {
     diffs.push_back({{"field", d.field}, {"daemon", d.daemon}, {"client", d.client}});
   }
-  return EncodeJson(MessageType::kHelloReply, json{{"state", CacheStateName(msg.state)},
-                                                   {"bytes_done", msg.bytes_done},
-                                                   {"bytes_total", msg.bytes_total},
-                                                   {"failure_reason", msg.failure_reason},
-                                                   {"match", msg.match},
-                                                   {"config", msg.daemon_config},
-                                                   {"differences", std::move(diffs)}});
+  return EncodeJson(MessageType::kHelloReply,
+                    json{{"state", CacheStateName(msg.state)},
+                         {"bytes_done", msg.bytes_done},
+                         {"bytes_total", msg.bytes_total},
+                         {"failure_reason", msg.failure_reason},
+                         {"failure_code", static_cast<uint32_t>(msg.failure_code)},
+                         {"match", msg.match},
+                         {"config", msg.daemon_config},
+                         {"differences", std::move(diffs)}});
 }
 
 Result<HelloReply> DecodeHelloReply(std::span<const uint8_t> payload) {
@@ -199,6 +229,7 @@ Result<HelloReply> DecodeHelloReply(std::span<const uint8_t> payload) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes_done, f.U64("bytes_done"));
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes_total, f.U64("bytes_total"));
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.failure_reason, f.String("failure_reason"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.failure_code, f.FailureCode("failure_code", msg.state));
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.match, f.Bool("match"));
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.daemon_config, f.Object("config"));
   WEIGHTCACHE_ASSIGN_OR_RETURN(const json* diffs, f.Array("differences"));
@@ -238,18 +269,21 @@ Status DecodeEmptyRequest(MessageType type, std::span<const uint8_t> payload) {
 // ---- StatusReply ------------------------------------------------------------------------------
 
 Result<std::vector<uint8_t>> EncodeStatusReply(const StatusReply& msg) {
-  return EncodeJson(MessageType::kStatusReply, json{{"state", CacheStateName(msg.state)},
-                                                    {"bytes_done", msg.bytes_done},
-                                                    {"bytes_total", msg.bytes_total},
-                                                    {"failure_reason", msg.failure_reason},
-                                                    {"tier", TierName(msg.tier)},
-                                                    {"device_uuid", msg.device_uuid},
-                                                    {"model_id", msg.model_id},
-                                                    {"tensor_count", msg.tensor_count},
-                                                    {"bytes", msg.bytes},
-                                                    {"clients", msg.clients},
-                                                    {"pid", msg.pid},
-                                                    {"config_digest", msg.config_digest}});
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckFailureCode("StatusReply", msg.state, msg.failure_code));
+  return EncodeJson(MessageType::kStatusReply,
+                    json{{"state", CacheStateName(msg.state)},
+                         {"bytes_done", msg.bytes_done},
+                         {"bytes_total", msg.bytes_total},
+                         {"failure_reason", msg.failure_reason},
+                         {"failure_code", static_cast<uint32_t>(msg.failure_code)},
+                         {"tier", TierName(msg.tier)},
+                         {"device_uuid", msg.device_uuid},
+                         {"model_id", msg.model_id},
+                         {"tensor_count", msg.tensor_count},
+                         {"bytes", msg.bytes},
+                         {"clients", msg.clients},
+                         {"pid", msg.pid},
+                         {"config_digest", msg.config_digest}});
 }
 
 Result<StatusReply> DecodeStatusReply(std::span<const uint8_t> payload) {
@@ -260,6 +294,7 @@ Result<StatusReply> DecodeStatusReply(std::span<const uint8_t> payload) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes_done, f.U64("bytes_done"));
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes_total, f.U64("bytes_total"));
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.failure_reason, f.String("failure_reason"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.failure_code, f.FailureCode("failure_code", msg.state));
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::string tier, f.String("tier"));
   Result<Tier> parsed_tier = ParseTier(tier);
   if (!parsed_tier.ok()) return ProtocolError("StatusReply: field 'tier' must be gpu or host");
@@ -355,7 +390,7 @@ Result<ErrorReply> DecodeError(std::span<const uint8_t> payload) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(uint32_t code, f.U32("code"));
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.message, f.String("message"));
   WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
-  if (code == 0 || code > static_cast<uint32_t>(StatusCode::kInternal)) {
+  if (!IsErrorCodeValue(code)) {
     return ProtocolError("Error: field 'code' " + std::to_string(code) + " is not an error code");
   }
   msg.code = static_cast<StatusCode>(code);

@@ -54,7 +54,12 @@ struct HelloReply {
   uint64_t bytes_done = 0;
   uint64_t bytes_total = 0;
   std::string failure_reason;  // set when state == kFailed
-  bool match = false;          // the client's config equals the daemon's
+  // The failed load's code (kOk unless state == kFailed, then an error code): a client acts on
+  // it (exit code, exception) without parsing failure_reason.
+  StatusCode failure_code = StatusCode::kOk;
+  // The daemon's own verdict, informational: a client compares daemon_config with its config
+  // itself and never acts on this flag (docs/client.md).
+  bool match = false;
   nlohmann::json daemon_config = nlohmann::json::object();
   std::vector<ConfigDifference> differences;  // empty when match
 };
@@ -65,6 +70,7 @@ struct StatusReply {
   uint64_t bytes_done = 0;
   uint64_t bytes_total = 0;
   std::string failure_reason;
+  StatusCode failure_code = StatusCode::kOk;  // as in HelloReply
   Tier tier = Tier::kHost;
   std::string device_uuid;  // "GPU-…", "MIG-…" or "host"
   std::string model_id;

@@ -11,7 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus", "frame_fuzzer")
 
 
-def frame(msg_type, payload=b"", fds=0, version=3):
+def frame(msg_type, payload=b"", fds=0, version=4):
     return b"WCPF" + struct.pack("<HHIIQ", version, msg_type, 0, fds, len(payload)) + payload
 
 
@@ -51,16 +51,16 @@ def main():
     m = manifest(1, [4096, 1024], [("embed.weight", "BF16", [16, 32], 0, 0, 1024, 7),
                                    ("lm_head", "F8_E4M3", [32, 32], 1, 0, 1024, 8)])
     seeds = {
-        "hello": frame(1, js({"protocol_version": 3, "config": {"model_id": "m", "tp_size": 2},
+        "hello": frame(1, js({"protocol_version": 4, "config": {"model_id": "m", "tp_size": 2},
                               "client_pid": 12, "client_name": "engine"})),
         "hello_reply": frame(2, js({"state": "loading", "bytes_done": 1, "bytes_total": 2,
-                                    "failure_reason": "", "match": False,
+                                    "failure_reason": "", "failure_code": 0, "match": False,
                                     "config": {"tp_rank": 1},
                                     "differences": [{"field": "tp_rank", "daemon": "1",
                                                      "client": "0"}]})),
         "status": frame(3),
         "status_reply": frame(4, js({"state": "ready", "bytes_done": 5, "bytes_total": 5,
-                                     "failure_reason": "", "tier": "gpu",
+                                     "failure_reason": "", "failure_code": 0, "tier": "gpu",
                                      "device_uuid": "GPU-00000000-0000-0000-0000-000000000000",
                                      "model_id": "m", "tensor_count": 2, "bytes": 5,
                                      "clients": 1, "pid": 9, "config_digest": "ab" * 32})),
@@ -72,7 +72,7 @@ def main():
         "stop": frame(7),
         "stop_reply": frame(8, js({"clients": 0})),
         "error": frame(9, js({"code": 6, "message": "config mismatch: tp_rank"})),
-        "two_frames": frame(3) + frame(1, js({"protocol_version": 3, "config": {},
+        "two_frames": frame(3) + frame(1, js({"protocol_version": 4, "config": {},
                                               "client_pid": 1, "client_name": ""})),
     }
     for name, data in seeds.items():

@@ -238,13 +238,13 @@ TEST_F(ServeTest, PlanOverTheMemoryBudgetReportsFailedWithTheReasonThenExitsNonZ
   conn = Status(StatusCode::kUnavailable, "closed");
 
   serve->Signal(SIGTERM);
-  EXPECT_EQ(serve->WaitExit(10s), 1) << serve->Log();
+  EXPECT_EQ(serve->WaitExit(10s), 8) << serve->Log();  // kOutOfMemory (SPEC §5)
   EXPECT_NE(serve->Log().find("out of memory"), std::string::npos) << serve->Log();
 }
 
 TEST_F(ServeTest, FailedDaemonExitsByItselfAfterTheLinger) {
   auto serve = Start({"--memory-budget", "1", "--failed-linger", "0.2"});
-  EXPECT_EQ(serve->WaitExit(20s), 1) << serve->Log();
+  EXPECT_EQ(serve->WaitExit(20s), 8) << serve->Log();  // kOutOfMemory (SPEC §5)
   EXPECT_TRUE(FindSockets(runtime_).empty());
 }
 

@@ -20,62 +20,13 @@
 #include "protocol/messages.h"
 #include "support/test_env.h"
 #include "unit/client/client_fixtures.h"
+#include "unit/client/scripted_daemon.h"
 #include "weightcache/client.h"
 
 namespace weightcache::testing {
 namespace {
 
 using namespace std::chrono_literals;
-
-// Answers each request frame with the bytes `reply` returns (empty = close the connection),
-// and the fds `FdScript` returns with them (borrowed: SCM_RIGHTS duplicates them).
-using Script = std::function<std::vector<uint8_t>(const protocol::Frame&)>;
-using FdScript = std::function<std::vector<int>(const protocol::Frame&)>;
-
-class ScriptedDaemon {
- public:
-  ScriptedDaemon(const identity::CachePaths& paths, Script script, FdScript fds = {})
-      : script_(std::move(script)), fds_(std::move(fds)) {
-    auto lock = os::LockFile::TryAcquire(paths.lock);
-    EXPECT_TRUE(lock.ok()) << lock.status().ToString();
-    lock_.emplace(std::move(lock).value());
-    auto listener = os::ListenUnix(paths.socket);
-    EXPECT_TRUE(listener.ok()) << listener.status().ToString();
-    listener_ = std::move(listener).value();
-    thread_ = std::thread([this] { Loop(); });
-  }
-  ~ScriptedDaemon() {
-    stop_ = true;
-    thread_.join();
-  }
-
- private:
-  void Loop() {
-    while (!stop_) {
-      pollfd p{listener_.get(), POLLIN, 0};
-      if (::poll(&p, 1, 20) <= 0) continue;
-      auto conn = os::AcceptConnection(listener_.get());
-      if (!conn.ok() || !conn->has_value()) continue;
-      UniqueFd fd = std::move(**conn);
-      while (!stop_) {
-        auto frame =
-            protocol::ReadFrame(fd.get(), protocol::Expect::kRequest, os::Deadline::After(5s));
-        if (!frame.ok()) break;
-        std::vector<uint8_t> out = script_(*frame);
-        if (out.empty()) break;
-        std::vector<int> fds = fds_ ? fds_(*frame) : std::vector<int>{};
-        if (!os::SendMessage(fd.get(), out, fds, os::Deadline::After(5s)).ok()) break;
-      }
-    }
-  }
-
-  Script script_;
-  FdScript fds_;
-  std::optional<os::LockFile> lock_;
-  UniqueFd listener_;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-};
 
 class ClientDiscoveryTest : public ::testing::Test {
  protected:
@@ -100,6 +51,7 @@ class ClientDiscoveryTest : public ::testing::Test {
     r.bytes_done = 10;
     r.bytes_total = 100;
     r.failure_reason = std::move(reason);
+    if (state == protocol::CacheState::kFailed) r.failure_code = StatusCode::kInvalidCheckpoint;
     r.match = true;
     r.daemon_config = id_.config.ToJson();
     return protocol::EncodeHelloReply(r).value();
@@ -157,14 +109,16 @@ TEST_F(ClientDiscoveryTest, LoadingPastTheWaitTimeoutIsTimeoutOrFallback) {
   EXPECT_EQ(CompareWithReference(*b, ref_), "");
 }
 
-TEST_F(ClientDiscoveryTest, FailedDaemonIsNoDaemonWithItsReason) {
+// A failed daemon is absent for the fallback; with on_missing=error the client fails with the
+// daemon's own failure code (HelloReply.failure_code), not "no daemon".
+TEST_F(ClientDiscoveryTest, FailedDaemonIsMissingWithItsReasonAndItsCode) {
   ScriptedDaemon daemon(id_.paths, [&](const protocol::Frame&) {
     return Hello(protocol::CacheState::kFailed, "shard 2 is truncated");
   });
   options_.on_missing = OnMissing::kError;
   auto a = Attachment::Attach(options_);
   ASSERT_FALSE(a.ok());
-  EXPECT_EQ(a.status().code(), StatusCode::kNoDaemon);
+  EXPECT_EQ(a.status().code(), StatusCode::kInvalidCheckpoint);
   EXPECT_NE(a.status().message().find("failed: shard 2 is truncated"), std::string::npos)
       << a.status().ToString();
 
@@ -267,7 +221,7 @@ TEST_F(ClientDiscoveryTest, OtherOutcomesCarryTheirCodeAndWhereButNoMismatch) {
   why.mismatch.emplace();  // stale content is reset by the call
   auto a = Attachment::Attach(options_, &why);
   ASSERT_FALSE(a.ok());
-  EXPECT_EQ(why.code, StatusCode::kNoDaemon);
+  EXPECT_EQ(why.code, StatusCode::kInvalidCheckpoint);
   EXPECT_EQ(why.socket_path, id_.paths.socket);
   EXPECT_EQ(why.device_key, "host");
   EXPECT_FALSE(why.mismatch.has_value());

@@ -79,12 +79,43 @@ TEST_F(MessagesTest, HelloReplyRoundTripsWithDifferences) {
 
   reply.state = CacheState::kFailed;
   reply.failure_reason = "shard 3: truncated file";
+  reply.failure_code = StatusCode::kInvalidCheckpoint;
   reply.differences.clear();
   Frame g = Transfer(EncodeHelloReply(reply), Expect::kReply);
   auto e = DecodeHelloReply(g.payload);
   ASSERT_TRUE(e.ok());
   EXPECT_EQ(e->state, CacheState::kFailed);
   EXPECT_EQ(e->failure_reason, "shard 3: truncated file");
+  EXPECT_EQ(e->failure_code, StatusCode::kInvalidCheckpoint);
+}
+
+// The failed load's code is data on the wire: an error code exactly when the state is failed.
+TEST_F(MessagesTest, FailureCodeIsAnErrorCodeExactlyWhenFailed) {
+  const auto hello_reply = [](const std::string& state, const std::string& code) {
+    return DecodeHelloReply(Bytes(R"({"state":")" + state +
+                                  R"(","bytes_done":0,"bytes_total":0,"failure_reason":"r",)"
+                                  R"("failure_code":)" +
+                                  code + R"(,"match":true,"config":{},"differences":[]})"))
+        .status();
+  };
+  EXPECT_TRUE(hello_reply("failed", "13").ok());
+  ExpectProtocolError(hello_reply("failed", "0"),
+                      "HelloReply: field 'failure_code' must be an error code (1 … 14) when the "
+                      "state is failed");
+  ExpectProtocolError(hello_reply("failed", "15"),
+                      "HelloReply: field 'failure_code' must be an error code (1 … 14)");
+  ExpectProtocolError(hello_reply("ready", "4"),
+                      "HelloReply: field 'failure_code' must be 0 unless the state is failed");
+
+  StatusReply s;
+  s.state = CacheState::kFailed;
+  s.failure_reason = "out of memory: over the memory budget";
+  s.failure_code = StatusCode::kOutOfMemory;
+  s.config_digest = std::string(64, 'a');
+  Frame f = Transfer(EncodeStatusReply(s), Expect::kReply);
+  auto d = DecodeStatusReply(f.payload);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->failure_code, StatusCode::kOutOfMemory);
 }
 
 TEST_F(MessagesTest, StatusReplyRoundTrips) {
@@ -244,10 +275,10 @@ TEST(MessageDecodeTest, StrictFieldChecking) {
                                         R"("client_name":"x","extra":true})"))
                           .status(),
                       "Hello: unknown field 'extra'");
-  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":4,"config":{},"client_pid":7,)"
+  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":5,"config":{},"client_pid":7,)"
                                         R"("client_name":"x"})"))
                           .status(),
-                      "Hello: client speaks protocol version 4, this build speaks 3");
+                      "Hello: client speaks protocol version 5, this build speaks 4");
   ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":-1})")).status(),
                       "StopReply: field 'clients' must be a non-negative integer");
   ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":4294967296})")).status(),
@@ -256,11 +287,12 @@ TEST(MessageDecodeTest, StrictFieldChecking) {
                       "Error: field 'code' 99 is not an error code");
   ExpectProtocolError(DecodeHelloReply(Bytes(R"({"state":"sleeping"})")).status(),
                       "HelloReply: field 'state' must be one of loading, ready, failed, draining");
-  ExpectProtocolError(DecodeHelloReply(Bytes(R"({"state":"ready","bytes_done":1,"bytes_total":1,)"
-                                             R"("failure_reason":"","match":false,"config":{},)"
-                                             R"("differences":[{"field":"tp","daemon":"1"}]})"))
-                          .status(),
-                      "HelloReply: differences[0]: field 'client' missing");
+  ExpectProtocolError(
+      DecodeHelloReply(Bytes(R"({"state":"ready","bytes_done":1,"bytes_total":1,)"
+                             R"("failure_reason":"","failure_code":0,"match":false,"config":{},)"
+                             R"("differences":[{"field":"tp","daemon":"1"}]})"))
+          .status(),
+      "HelloReply: differences[0]: field 'client' missing");
 }
 
 TEST(MessageDecodeTest, DeepNestingIsRejected) {
