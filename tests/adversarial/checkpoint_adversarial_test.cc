@@ -1,0 +1,205 @@
+// Issue 10, checkpoint area: what a hostile or unlucky user did to the checkpoint a daemon or
+// an engine reads. Real `weightcache` processes, real files written by the Python safetensors
+// library (tests/tools/make_checkpoint.py, or inline where the file is itself the attack).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "integration/daemon_process.h"
+#include "support/child_process.h"
+#include "support/test_env.h"
+
+namespace weightcache::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Runs the CLI with a bound on its run time: a command that hangs (the FIFO case before the
+// fix) fails the test instead of the whole suite's timeout. Output: stdout and stderr merged.
+CommandResult RunBounded(const std::vector<std::string>& args, const std::string& log_path,
+                         std::chrono::milliseconds limit = 60s) {
+  ChildSpec spec;
+  spec.argv = {CliPath()};
+  spec.argv.insert(spec.argv.end(), args.begin(), args.end());
+  spec.log_path = log_path;
+  ::unlink(log_path.c_str());
+  auto child = TestChild::Spawn(spec);
+  EXPECT_TRUE(child.ok()) << child.status().ToString();
+  CommandResult r;
+  if (!child.ok()) return r;
+  std::optional<int> code = child->WaitExit(limit);
+  if (!code) {
+    child->Kill();
+    ADD_FAILURE() << "weightcache " << args.at(0) << " still running after " << limit.count()
+                  << " ms (hung)";
+    r.exit_code = -1;
+  } else {
+    r.exit_code = *code;
+  }
+  r.err = child->Log();
+  return r;
+}
+
+// Writes `python_code` to a script and runs it with the configured Python (numpy, safetensors).
+void RunPython(const TempDir& dir, const std::string& python_code) {
+  const std::string script = dir.Join("write.py");
+  WriteFile(script, "import numpy as np\nfrom safetensors.numpy import save_file\n" + python_code);
+  const CommandResult r = RunCommand({PythonExe(), script});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+}
+
+class CheckpointAdversarialTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    runtime_ = dir_.Join("run");
+    ASSERT_EQ(::mkdir(runtime_.c_str(), 0700), 0);
+  }
+
+  // The three commands that open a checkpoint, each given `model`.
+  std::vector<std::pair<std::string, std::vector<std::string>>> Commands(const std::string& model) {
+    return {
+        {"inspect", {"inspect", model}},
+        {"serve", {"serve", "--model", model, "--model-id", "m", "--tier", "host",
+                   "--runtime-dir", runtime_}},
+        {"attach", {"attach", "--model", model, "--model-id", "m", "--tier", "host",
+                    "--runtime-dir", runtime_}},
+    };
+  }
+
+  // Every command exits 5 at once, naming `path` and `type`.
+  void ExpectRefused(const std::string& model, const std::string& path, const std::string& type) {
+    for (const auto& [name, args] : Commands(model)) {
+      SCOPED_TRACE(name + " " + model);
+      const CommandResult r = RunBounded(args, dir_.Join(name + ".log"));
+      EXPECT_EQ(r.exit_code, 5) << r.err;
+      EXPECT_NE(r.err.find(path + " is a " + type + ", not a regular file"), std::string::npos)
+          << r.err;
+    }
+    EXPECT_TRUE(FindSockets(runtime_).empty());
+  }
+
+  TempDir dir_;
+  std::string runtime_;
+};
+
+// ---- item 7: special files ------------------------------------------------------------------
+
+struct SpecialKind {
+  const char* name;
+  const char* type;  // as the message names it
+  // Creates the special file at `path`.
+  void (*make)(const std::string& path);
+};
+
+void MakeFifo(const std::string& path) { ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << path; }
+void MakeDir(const std::string& path) { ASSERT_EQ(::mkdir(path.c_str(), 0700), 0) << path; }
+void MakeNullLink(const std::string& path) { ASSERT_EQ(::symlink("/dev/null", path.c_str()), 0); }
+void MakeZeroLink(const std::string& path) { ASSERT_EQ(::symlink("/dev/zero", path.c_str()), 0); }
+
+const SpecialKind kKinds[] = {
+    {"fifo", "FIFO", MakeFifo},
+    {"directory", "directory", MakeDir},
+    {"char_device", "character device", MakeNullLink},
+    {"symlink_to_dev_zero", "character device", MakeZeroLink},
+};
+
+TEST_F(CheckpointAdversarialTest, SpecialFileAsTheShardOfAOneFileDirectoryExits5AtOnce) {
+  for (const SpecialKind& kind : kKinds) {
+    SCOPED_TRACE(kind.name);
+    const std::string model = dir_.Join(std::string("shard_") + kind.name);
+    MakeDir(model);
+    kind.make(model + "/model.safetensors");
+    ExpectRefused(model, model + "/model.safetensors", kind.type);
+  }
+}
+
+TEST_F(CheckpointAdversarialTest, SpecialFileAsAShardNamedByTheIndexExits5AtOnce) {
+  for (const SpecialKind& kind : kKinds) {
+    SCOPED_TRACE(kind.name);
+    const std::string model = dir_.Join(std::string("indexed_") + kind.name);
+    MakeCheckpoint(model, 6, 2);
+    const std::string shard = model + "/model-00002-of-00002.safetensors";
+    ASSERT_EQ(::unlink(shard.c_str()), 0);
+    kind.make(shard);
+    ExpectRefused(model, shard, kind.type);
+  }
+}
+
+TEST_F(CheckpointAdversarialTest, SpecialFileAsTheIndexExits5AtOnce) {
+  for (const SpecialKind& kind : kKinds) {
+    SCOPED_TRACE(kind.name);
+    const std::string model = dir_.Join(std::string("index_") + kind.name);
+    MakeCheckpoint(model, 6, 2);
+    const std::string index = model + "/model.safetensors.index.json";
+    ASSERT_EQ(::unlink(index.c_str()), 0);
+    kind.make(index);
+    ExpectRefused(model, index, kind.type);
+  }
+}
+
+TEST_F(CheckpointAdversarialTest, SpecialFileAsTheModelPathExits5AtOnce) {
+  for (const SpecialKind& kind : kKinds) {
+    if (std::string(kind.name) == "directory") continue;  // a directory is a valid --model
+    SCOPED_TRACE(kind.name);
+    const std::string model = dir_.Join(std::string("model_") + kind.name);
+    kind.make(model);
+    for (const auto& [name, args] : Commands(model)) {
+      SCOPED_TRACE(name);
+      const CommandResult r = RunBounded(args, dir_.Join(name + ".log"));
+      EXPECT_EQ(r.exit_code, 5) << r.err;
+      EXPECT_NE(r.err.find("checkpoint " + model + " is a " + kind.type +
+                           ", not a regular file or a directory"),
+                std::string::npos)
+          << r.err;
+    }
+  }
+}
+
+TEST_F(CheckpointAdversarialTest, SpecialFileAsTheQuantizationConfigIsRefusedAtOnce) {
+  const std::string model = MakeCheckpoint(dir_.Join("model"), 4);
+  const std::string fifo = dir_.Join("quant.json");
+  MakeFifo(fifo);
+  const CommandResult r = RunBounded({"attach", "--model", model, "--model-id", "m", "--tier",
+                                      "host", "--runtime-dir", runtime_, "--quantization", "fp8",
+                                      "--quantization-config", fifo},
+                                     dir_.Join("attach.log"));
+  EXPECT_EQ(r.exit_code, 2) << r.err;  // a bad option: kInvalidArgument
+  EXPECT_NE(r.err.find(fifo + " is a FIFO, not a regular file"), std::string::npos) << r.err;
+}
+
+// ---- item 8: one set of limits --------------------------------------------------------------
+
+TEST_F(CheckpointAdversarialTest, RankNineIsRefusedWhenTheCheckpointOpensWithExit5) {
+  const std::string model = dir_.Join("rank9");
+  MakeDir(model);
+  RunPython(dir_, "save_file({'r9': np.zeros((1,) * 9, np.float32), 'ok': np.zeros((2,), "
+                  "np.float32)}, '" + model + "/model.safetensors')\n");
+  for (const auto& [name, args] : Commands(model)) {
+    SCOPED_TRACE(name);
+    const CommandResult r = RunBounded(args, dir_.Join(name + ".log"));
+    EXPECT_EQ(r.exit_code, 5) << r.err;
+    EXPECT_NE(r.err.find("tensor 'r9': rank over the limit of 8 dimensions"), std::string::npos)
+        << r.err;
+  }
+  EXPECT_TRUE(FindSockets(runtime_).empty());
+}
+
+TEST_F(CheckpointAdversarialTest, TooManyTensorsAreRefusedByInspectStatingTheLimit) {
+  const std::string model = dir_.Join("many");
+  MakeDir(model);
+  RunPython(dir_, "z = np.zeros((0,), np.uint8)\nsave_file({f't{i}': z for i in "
+                  "range(1_000_001)}, '" + model + "/model.safetensors')\n");
+  const CommandResult r = RunBounded({"inspect", model}, dir_.Join("inspect.log"));
+  EXPECT_EQ(r.exit_code, 5) << r.err;
+  EXPECT_NE(r.err.find("over the limit of 1000000 tensors per checkpoint"), std::string::npos)
+      << r.err;
+}
+
+}  // namespace
+}  // namespace weightcache::testing
