@@ -36,6 +36,7 @@ identity::CacheConfig ObserverConfig() {
   identity::CacheConfig c;
   c.model_id = "weightcache-ls";
   c.checkpoint_fingerprint = std::string(64, '0');
+  c.checkpoint_files = std::string(64, '0');
   c.tier = "host";  // any valid tier: this config is never meant to match
   return c;
 }

@@ -6,7 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -14,6 +16,8 @@
 #include "integration/daemon_process.h"
 #include "support/child_process.h"
 #include "support/test_env.h"
+#include "common/unique_fd.h"
+#include "protocol/messages.h"
 
 namespace weightcache::testing {
 namespace {
@@ -199,6 +203,140 @@ TEST_F(CheckpointAdversarialTest, TooManyTensorsAreRefusedByInspectStatingTheLim
   EXPECT_EQ(r.exit_code, 5) << r.err;
   EXPECT_NE(r.err.find("over the limit of 1000000 tensors per checkpoint"), std::string::npos)
       << r.err;
+}
+
+// ---- items 1-3: the identity covers the files' content ---------------------------------------
+
+// Flips the last byte of `file` in place: same size, same header, different values.
+void RewriteLastByteInPlace(const std::string& file) {
+  const UniqueFd fd(::open(file.c_str(), O_RDWR | O_CLOEXEC));
+  ASSERT_TRUE(fd) << file;
+  struct stat st {};
+  ASSERT_EQ(::fstat(fd.get(), &st), 0);
+  char byte = 0;
+  ASSERT_EQ(::pread(fd.get(), &byte, 1, st.st_size - 1), 1);
+  byte = static_cast<char>(~byte);
+  ASSERT_EQ(::pwrite(fd.get(), &byte, 1, st.st_size - 1), 1);
+}
+
+class ContentIdentityTest : public CheckpointAdversarialTest {
+ protected:
+  void SetUp() override {
+    CheckpointAdversarialTest::SetUp();
+    for (const char* d : {"a", "b", "c"}) MakeDir(dir_.Join(d));
+    a_ = MakeCheckpoint(dir_.Join("a/final"), 6);
+    // b/final: a copy of a/final whose values differ and whose header does not.
+    b_ = dir_.Join("b/final");
+    MakeDir(b_);
+    WriteFile(b_ + "/model.safetensors", ReadFile(a_ + "/model.safetensors"));
+    RewriteLastByteInPlace(b_ + "/model.safetensors");
+    // c/final: a's very files through another path.
+    c_ = dir_.Join("c/final");
+    ASSERT_EQ(::symlink(a_.c_str(), c_.c_str()), 0);
+  }
+
+  std::unique_ptr<ServeProcess> ServeA() {
+    auto serve = ServeProcess::Start(
+        {"--model", a_, "--tier", "host", "--runtime-dir", runtime_}, dir_.Join("serve.log"));
+    if (serve) {
+      auto ready = WaitForState(*serve, runtime_, protocol::CacheState::kReady);
+      EXPECT_TRUE(ready.ok()) << ready.status().ToString();
+    }
+    return serve;
+  }
+
+  CommandResult Attach(const std::string& model, std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"attach", "--model", model, "--tier", "host",
+                                     "--runtime-dir", runtime_, "--verify"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return RunBounded(args, dir_.Join("attach.log"));
+  }
+
+  std::string a_, b_, c_;
+};
+
+TEST_F(ContentIdentityTest, EqualHeadersWithDifferentValuesAreAMismatchNamingCheckpointFiles) {
+  auto serve = ServeA();
+  ASSERT_TRUE(serve);
+  const CommandResult r = Attach(b_);
+  EXPECT_EQ(r.exit_code, 4) << r.err;
+  EXPECT_NE(r.err.find("checkpoint_files: ours="), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("the checkpoint files on this host are not the ones the daemon loaded"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("checkpoint_fingerprint"), std::string::npos) << r.err;  // headers equal
+  EXPECT_EQ(r.err.find("source:     daemon"), std::string::npos) << r.err;
+}
+
+TEST_F(ContentIdentityTest, TheSameFilesThroughAnotherPathStillMatch) {
+  auto serve = ServeA();
+  ASSERT_TRUE(serve);
+  const CommandResult r = Attach(c_);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("source:     daemon"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("verify:     ok"), std::string::npos) << r.err;
+}
+
+TEST_F(ContentIdentityTest, AFileRewrittenAfterReadyIsAMismatchOrAFallbackNeverTheOldWeights) {
+  auto serve = ServeA();
+  ASSERT_TRUE(serve);
+  RewriteLastByteInPlace(a_ + "/model.safetensors");
+
+  const CommandResult error = Attach(a_);
+  EXPECT_EQ(error.exit_code, 4) << error.err;
+  EXPECT_NE(error.err.find("checkpoint_files: ours="), std::string::npos) << error.err;
+
+  const CommandResult fallback = Attach(a_, {"--on-mismatch", "fallback"});
+  EXPECT_EQ(fallback.exit_code, 0) << fallback.err;
+  EXPECT_NE(fallback.err.find("source:     fallback (mismatch ignored"), std::string::npos)
+      << fallback.err;
+  EXPECT_NE(fallback.err.find("checkpoint_files"), std::string::npos) << fallback.err;
+  EXPECT_NE(fallback.err.find("verify:     ok"), std::string::npos) << fallback.err;
+}
+
+TEST_F(ContentIdentityTest, AFileRewrittenWhileTheDaemonLoadsItFailsTheLoadNamingTheShard) {
+  // The daemon's test seam holds its loader on this FIFO after the last byte is read and
+  // before the files are re-checked (daemon.cc, PauseAfterLoadForTest).
+  const std::string fifo = dir_.Join("loaded.fifo");
+  MakeFifo(fifo);
+  auto serve = SpawnServe({"--model", a_, "--tier", "host", "--runtime-dir", runtime_,
+                           "--failed-linger", "60"},
+                          {"WEIGHTCACHE_TEST_LOADED_FIFO=" + fifo}, dir_.Join("serve.log"));
+  ASSERT_TRUE(serve.ok()) << serve.status().ToString();
+  // Our write end opens once the loader holds the read end; until then ENXIO. A daemon that
+  // exits or gets ready without pausing (no seam) ends the wait.
+  UniqueFd writer;
+  const auto give_up = std::chrono::steady_clock::now() + 60s;
+  while (!writer) {
+    writer = UniqueFd(::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC));
+    if (writer) break;
+    ASSERT_EQ(errno, ENXIO);
+    ASSERT_FALSE(serve->WaitExit(10ms).has_value()) << serve->Log();
+    for (const std::string& socket : FindSockets(runtime_)) {
+      auto st = QueryStatus(socket);
+      ASSERT_FALSE(st.ok() && st->state == protocol::CacheState::kReady)
+          << "ready with the file still to be rewritten: the loader never paused";
+    }
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "the loader never paused";
+  }
+  RewriteLastByteInPlace(a_ + "/model.safetensors");
+  writer.Reset();  // the loader reads EOF and re-checks the files
+
+  auto failed = WaitForStatus(
+      *serve, {.sockets = [&] { return FindSockets(runtime_); },
+               .reached = [](const protocol::StatusReply& s) {
+                 return s.state != protocol::CacheState::kLoading;
+               },
+               .what = "the end of the load"});
+  ASSERT_TRUE(failed.ok()) << failed.status().ToString();
+  EXPECT_EQ(failed->status.state, protocol::CacheState::kFailed);
+  const std::string& reason = failed->status.failure_reason;
+  EXPECT_NE(reason.find("shard 'model.safetensors' (" + a_ + "/model.safetensors)"),
+            std::string::npos)
+      << reason;
+  EXPECT_NE(reason.find("was rewritten in place while it was read ("), std::string::npos)
+      << reason;
+  EXPECT_NE(reason.find("ctime "), std::string::npos) << reason;
 }
 
 }  // namespace
