@@ -339,5 +339,58 @@ TEST_F(ContentIdentityTest, AFileRewrittenWhileTheDaemonLoadsItFailsTheLoadNamin
   EXPECT_NE(reason.find("ctime "), std::string::npos) << reason;
 }
 
+// ---- item 11: the index parse -----------------------------------------------------------------
+
+TEST_F(CheckpointAdversarialTest, AnIndexOf90kTensorsOpens) {
+  const std::string model = dir_.Join("big");
+  MakeDir(model);
+  // Two shards of 45k zero-byte tensors each, and the index transformers would write.
+  RunPython(dir_, "import json\nz = np.zeros((0,), np.uint8)\nwm = {}\n"
+                  "for s in range(2):\n"
+                  "    f = f'model-0000{s + 1}-of-00002.safetensors'\n"
+                  "    names = [f'model.layers.{i // 768}.mlp.experts.{i % 256}.w{s}.{i}' "
+                  "for i in range(45000)]\n"
+                  "    save_file({n: z for n in names}, '" + model + "/' + f)\n"
+                  "    wm.update({n: f for n in names})\n"
+                  "json.dump({'metadata': {}, 'weight_map': wm}, open('" + model +
+                  "/model.safetensors.index.json', 'w'), indent=2)\n");
+  const CommandResult r = RunBounded({"inspect", "--json", model}, dir_.Join("inspect.log"));
+  ASSERT_EQ(r.exit_code, 0) << r.err.substr(0, 2000);
+  const CommandResult again = RunCommand({CliPath(), "inspect", "--json", model});
+  EXPECT_EQ(nlohmann::json::parse(again.out)["tensor_count"], 90000);
+}
+
+TEST_F(CheckpointAdversarialTest, ADeeplyNestedIndexIsRefusedWithExit5) {
+  const std::string model = MakeCheckpoint(dir_.Join("nested"), 4, 2);
+  const std::string index = model + "/model.safetensors.index.json";
+  nlohmann::json doc = nlohmann::json::parse(ReadFile(index));
+  const std::string depth(1'000'000, '[');
+  WriteFile(index, "{\"metadata\":" + depth + std::string(depth.size(), ']') +
+                       ",\"weight_map\":" + doc["weight_map"].dump() + "}");
+  const CommandResult r = RunBounded({"inspect", model}, dir_.Join("inspect.log"));
+  EXPECT_EQ(r.exit_code, 5) << r.err.substr(0, 2000);
+  EXPECT_NE(r.err.find(index + " nests JSON deeper than 64 levels"), std::string::npos)
+      << r.err.substr(0, 2000);
+}
+
+// ---- item 12: terminal escapes ----------------------------------------------------------------
+
+TEST_F(CheckpointAdversarialTest, InspectPrintsATensorNamesEscapeSequenceEscaped) {
+  const std::string model = dir_.Join("evil");
+  MakeDir(model);
+  RunPython(dir_, "save_file({'\\x1b[31mevil': np.zeros((2,), np.float32)}, '" + model +
+                      "/model.safetensors', metadata={'k\\x07': 'v\\x1b]0;title\\x07'})\n");
+  const CommandResult r = RunCommand({CliPath(), "inspect", model});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out.find('\x1b'), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find('\x07'), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\\x1b[31mevil"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("k\\x07 = v\\x1b]0;title\\x07"), std::string::npos) << r.out;
+  // JSON output keeps the real name (JSON-escaped by the encoder).
+  const CommandResult json = RunCommand({CliPath(), "inspect", "--json", model});
+  ASSERT_EQ(json.exit_code, 0) << json.err;
+  EXPECT_EQ(nlohmann::json::parse(json.out)["tensors"][0]["name"], "\x1b[31mevil");
+}
+
 }  // namespace
 }  // namespace weightcache::testing
