@@ -34,20 +34,26 @@ void WriteShard(const std::string& path, const std::vector<std::string>& names) 
   out << text;
 }
 
-// Opens `dir` in a child; prints {case, ok, seconds, peak_rss_mib, index_mib, rss_per_index_byte}.
-void Measure(const std::string& name, const std::string& dir, uint64_t index_bytes) {
+// `index_parse_bench --open DIR`: the measured child, a fresh exec (so its peak RSS holds
+// nothing of the generator's heap). Prints seconds, then the result.
+int OpenOnly(const std::string& dir) {
+  const auto t0 = Clock::now();
+  auto c = weightcache::checkpoint::Checkpoint::Open(dir);
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::printf("%f\n%s", s, c.ok() ? "ok" : c.status().ToString().substr(0, 160).c_str());
+  return 0;
+}
+
+// Opens `dir` in a child; prints {case, seconds, result, peak_rss_mib, index_mib, ...}.
+void Measure(const char* self, const std::string& name, const std::string& dir,
+             uint64_t index_bytes) {
   int pipefd[2];
   if (::pipe(pipefd) != 0) return;
   const pid_t pid = ::fork();
   if (pid == 0) {
-    ::close(pipefd[0]);
-    const auto t0 = Clock::now();
-    auto c = weightcache::checkpoint::Checkpoint::Open(dir);
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    const std::string msg = (c.ok() ? std::string("ok") : c.status().ToString().substr(0, 160));
-    const std::string line = std::to_string(s) + "\n" + msg;
-    (void)!::write(pipefd[1], line.data(), line.size());
-    ::_exit(0);
+    ::dup2(pipefd[1], 1);
+    ::execl(self, self, "--open", dir.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
   }
   ::close(pipefd[1]);
   std::string got;
@@ -59,14 +65,15 @@ void Measure(const std::string& name, const std::string& dir, uint64_t index_byt
   rusage ru{};
   ::wait4(pid, &status, 0, &ru);
   const size_t nl = got.find('\n');
+  if (nl == std::string::npos) return;
   const double rss_mib = static_cast<double>(ru.ru_maxrss) / 1024.0;
-  nlohmann::json out = {{"case", name},
-                        {"seconds", std::stod(got.substr(0, nl))},
-                        {"result", got.substr(nl + 1)},
-                        {"peak_rss_mib", rss_mib},
-                        {"index_mib", static_cast<double>(index_bytes) / (1 << 20)},
-                        {"peak_rss_per_index_byte",
-                         rss_mib * (1 << 20) / static_cast<double>(index_bytes)}};
+  nlohmann::json out = {
+      {"case", name},
+      {"seconds", std::stod(got.substr(0, nl))},
+      {"result", got.substr(nl + 1)},
+      {"peak_rss_mib", rss_mib},
+      {"index_mib", static_cast<double>(index_bytes) / (1 << 20)},
+      {"peak_rss_per_index_byte", rss_mib * (1 << 20) / static_cast<double>(index_bytes)}};
   std::printf("%s\n", out.dump().c_str());
   std::fflush(stdout);
 }
@@ -74,10 +81,12 @@ void Measure(const std::string& name, const std::string& dir, uint64_t index_byt
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--open") return OpenOnly(argv[2]);
   const std::string work = argc > 1 ? argv[1] : "/tmp/index_parse_bench";
   ::mkdir(work.c_str(), 0700);
 
-  // ~90k tensors, ~110-byte names: a ~10 MB index.
+  // 61 layers x 256 experts x 3 projections x (weight, weight_scale_inv): ~94k tensors, a
+  // ~10 MB index.
   const std::string big = work + "/big";
   ::mkdir(big.c_str(), 0700);
   constexpr int kShards = 163;
@@ -87,9 +96,10 @@ int main(int argc, char** argv) {
   const char* projs[] = {"gate_proj", "up_proj", "down_proj"};
   for (int l = 0; l < 61; ++l) {
     for (int e = 0; e < 256; ++e) {
-      for (const char* p : projs) {
+      for (int k = 0; k < 6; ++k) {
         const std::string name = "model.layers." + std::to_string(l) + ".mlp.experts." +
-                                 std::to_string(e) + "." + p + ".weight_scale_inv.padding_padding";
+                                 std::to_string(e) + "." + projs[k / 2] +
+                                 (k % 2 ? ".weight_scale_inv" : ".weight");
         const int shard = count++ % kShards;
         char file[64];
         std::snprintf(file, sizeof(file), "model-%05d-of-%05d.safetensors", shard + 1, kShards);
@@ -107,7 +117,18 @@ int main(int argc, char** argv) {
       nlohmann::json{{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}}.dump(2);
   std::ofstream(big + "/model.safetensors.index.json") << index_text;
   std::fprintf(stderr, "big index: %d tensors, %zu bytes\n", count, index_text.size());
-  Measure("index_90k_tensors", big, index_text.size());
+  Measure(argv[0], "index_94k_tensors", big, index_text.size());
+
+  // The old parse's quadratic case: 100k small objects in one member (1.4 MB).
+  const std::string objects = work + "/objects";
+  ::mkdir(objects.c_str(), 0700);
+  WriteShard(objects + "/model-00001-of-00001.safetensors", {"t"});
+  nlohmann::json many = {{"weight_map", {{"t", "model-00001-of-00001.safetensors"}}}};
+  for (int i = 0; i < 100'000; ++i)
+    many["metadata"]["k" + std::to_string(i)] = nlohmann::json::object();
+  const std::string many_text = many.dump();
+  std::ofstream(objects + "/model.safetensors.index.json") << many_text;
+  Measure(argv[0], "index_100k_small_objects", objects, many_text.size());
 
   // Hostile: 80 MB of nesting under "metadata".
   const std::string nested = work + "/nested";
@@ -117,6 +138,6 @@ int main(int argc, char** argv) {
   std::string hostile = "{\"metadata\":" + std::string(depth, '[') + std::string(depth, ']') +
                         ",\"weight_map\":{\"t\":\"model-00001-of-00001.safetensors\"}}";
   std::ofstream(nested + "/model.safetensors.index.json") << hostile;
-  Measure("index_nested_80mb", nested, hostile.size());
+  Measure(argv[0], "index_nested_80mb", nested, hostile.size());
   return 0;
 }

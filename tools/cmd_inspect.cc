@@ -79,8 +79,8 @@ void PrintHuman(const ckpt::Checkpoint& c) {
             << HumanBytes(c.total_bytes()) << ")\n";
   std::cout << "shards:      " << c.shards().size() << "\n";
   for (const auto& s : c.shards()) {
-    std::cout << "  " << EscapeForTerminal(s.file_name) << "  " << s.file_size
-              << " bytes, header " << s.header_len << " bytes\n";
+    std::cout << "  " << EscapeForTerminal(s.file_name) << "  " << s.file_size << " bytes, header "
+              << s.header_len << " bytes\n";
   }
   std::cout << "metadata:" << (c.metadata().empty() ? "    (none)" : "") << "\n";
   for (const auto& [k, v] : c.metadata()) {

@@ -72,7 +72,7 @@ struct ShardInfo {
   std::string path;       // as opened: the directory joined with file_name, or the given file
   std::string file_name;  // base name
   uint64_t file_size = 0;
-  FileIdentity identity;  // fstat of the fd at Open
+  FileIdentity identity;                        // fstat of the fd at Open
   uint64_t header_len = 0;                      // N of the 8-byte prefix
   uint64_t data_start = 0;                      // 8 + N
   std::map<std::string, std::string> metadata;  // this shard's "__metadata__"

@@ -138,8 +138,7 @@ class HeaderSax {
           }
           name_bytes_ += k.size();
           if (name_bytes_ > kMaxTensorNameBytesTotal) {
-            return Fail("tensor names total more than " +
-                        std::to_string(kMaxTensorNameBytesTotal) +
+            return Fail("tensor names total more than " + std::to_string(kMaxTensorNameBytesTotal) +
                         " bytes, over the limit for one checkpoint");
           }
         }

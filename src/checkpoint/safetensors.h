@@ -11,8 +11,9 @@
 // offsets that do not tile the data region exactly, shape/size mismatch, overflow, duplicate
 // names). Deliberately stricter than the reference in three places, each of which the
 // reference silently tolerates: duplicate keys (it keeps one), empty or over-long tensor
-// names, and the bounds of checkpoint/limits.h (rank, name length, tensor count, name bytes). Unknown fields inside a tensor entry are ignored, as the
-// reference does. All functions are thread-safe.
+// names, and the bounds of checkpoint/limits.h (rank, name length, tensor count, name bytes).
+// Unknown fields inside a tensor entry are ignored, as the reference does. All functions are
+// thread-safe.
 #pragma once
 
 #include <cstddef>

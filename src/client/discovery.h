@@ -45,8 +45,9 @@ struct ResolvedIdentity {
 };
 
 // The CacheConfig of `options` (fingerprint from options.checkpoint_fingerprint, else from the
-// model dir's headers; checkpoint_files from a stat of the model dir's shards), the device (CUDA_VISIBLE_DEVICES applied; see client.h for the
-// default) and the paths. kInvalidArgument for bad options, kInvalidCheckpoint for the model.
+// model dir's headers; checkpoint_files from a stat of the model dir's shards), the device
+// (CUDA_VISIBLE_DEVICES applied; see client.h for the default) and the paths. kInvalidArgument for
+// bad options, kInvalidCheckpoint for the model.
 Result<ResolvedIdentity> ResolveIdentity(const AttachOptions& options,
                                          const identity::EnvLookup& env = identity::ProcessEnv());
 

@@ -9,8 +9,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 
@@ -208,8 +208,10 @@ Result<std::unique_ptr<WeightStore>> Daemon::Load(std::string* memory) {
   if (checkpoint.files_digest() != options_.config.checkpoint_files) {
     return InvalidCheckpoint("checkpoint " + options_.model_path +
                              " changed while the daemon started: its files (checkpoint_files " +
-                             checkpoint.files_digest() + ") are not the ones the identity was "
-                             "computed from (" + options_.config.checkpoint_files + ")");
+                             checkpoint.files_digest() +
+                             ") are not the ones the identity was "
+                             "computed from (" +
+                             options_.config.checkpoint_files + ")");
   }
   bytes_total_.store(checkpoint.total_bytes());
 

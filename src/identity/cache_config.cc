@@ -129,8 +129,8 @@ Status CacheConfig::Validate() const {
                                                     checkpoint_fingerprint + "\")");
   }
   if (!IsSha256Hex(checkpoint_files)) {
-    return FieldError("checkpoint_files", "must be 64 lowercase hex characters (got \"" +
-                                              checkpoint_files + "\")");
+    return FieldError("checkpoint_files",
+                      "must be 64 lowercase hex characters (got \"" + checkpoint_files + "\")");
   }
   if (!IsTagChars(dtype)) return FieldError("dtype", "must match [A-Za-z0-9._-]+");
   if (!IsTagChars(quantization)) return FieldError("quantization", "must match [A-Za-z0-9._-]+");

@@ -3,7 +3,8 @@
 //
 // Canonical form (docs/identity.md): the JSON object of ToJson() — every field, keys sorted
 // bytewise, no whitespace, integers in decimal, strings JSON-escaped with non-ASCII as \uXXXX
-// — e.g. {"checkpoint_files":"…","checkpoint_fingerprint":"…","dp_size":1,…,"tier":"gpu","tp_rank":0,"tp_size":2}.
+// — e.g.
+// {"checkpoint_files":"…","checkpoint_fingerprint":"…","dp_size":1,…,"tier":"gpu","tp_rank":0,"tp_size":2}.
 // Digest() is the lowercase hex SHA-256 of exactly those bytes. Two configs match iff every
 // field is equal, iff their canonical forms are equal. The same JSON object is the wire form
 // (FromJson parses it back strictly), so the daemon and the client never disagree about what
@@ -33,9 +34,9 @@ inline constexpr uint32_t kCacheFormatVersion = 2;
 
 struct CacheConfig {
   uint32_t format_version = kCacheFormatVersion;
-  std::string model_id;                    // e.g. "Llama-3.1-8B-Instruct"; non-empty
-  std::string revision;                    // e.g. a commit hash or "main"; may be empty
-  std::string checkpoint_fingerprint;      // 64 lowercase hex (checkpoint::Checkpoint)
+  std::string model_id;                // e.g. "Llama-3.1-8B-Instruct"; non-empty
+  std::string revision;                // e.g. a commit hash or "main"; may be empty
+  std::string checkpoint_fingerprint;  // 64 lowercase hex (checkpoint::Checkpoint)
   // 64 lowercase hex: the shards' stat identity (Checkpoint::files_digest(): name, device,
   // inode, size, mtime, ctime), so two checkpoints with equal headers but different values,
   // or a file rewritten since the daemon loaded it, never share a config.

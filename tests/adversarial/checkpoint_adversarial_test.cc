@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
+#include "common/unique_fd.h"
 #include "integration/daemon_process.h"
+#include "protocol/messages.h"
 #include "support/child_process.h"
 #include "support/test_env.h"
-#include "common/unique_fd.h"
-#include "protocol/messages.h"
 
 namespace weightcache::testing {
 namespace {
@@ -69,10 +69,12 @@ class CheckpointAdversarialTest : public ::testing::Test {
   std::vector<std::pair<std::string, std::vector<std::string>>> Commands(const std::string& model) {
     return {
         {"inspect", {"inspect", model}},
-        {"serve", {"serve", "--model", model, "--model-id", "m", "--tier", "host",
-                   "--runtime-dir", runtime_}},
-        {"attach", {"attach", "--model", model, "--model-id", "m", "--tier", "host",
-                    "--runtime-dir", runtime_}},
+        {"serve",
+         {"serve", "--model", model, "--model-id", "m", "--tier", "host", "--runtime-dir",
+          runtime_}},
+        {"attach",
+         {"attach", "--model", model, "--model-id", "m", "--tier", "host", "--runtime-dir",
+          runtime_}},
     };
   }
 
@@ -169,10 +171,10 @@ TEST_F(CheckpointAdversarialTest, SpecialFileAsTheQuantizationConfigIsRefusedAtO
   const std::string model = MakeCheckpoint(dir_.Join("model"), 4);
   const std::string fifo = dir_.Join("quant.json");
   MakeFifo(fifo);
-  const CommandResult r = RunBounded({"attach", "--model", model, "--model-id", "m", "--tier",
-                                      "host", "--runtime-dir", runtime_, "--quantization", "fp8",
-                                      "--quantization-config", fifo},
-                                     dir_.Join("attach.log"));
+  const CommandResult r =
+      RunBounded({"attach", "--model", model, "--model-id", "m", "--tier", "host", "--runtime-dir",
+                  runtime_, "--quantization", "fp8", "--quantization-config", fifo},
+                 dir_.Join("attach.log"));
   EXPECT_EQ(r.exit_code, 2) << r.err;  // a bad option: kInvalidArgument
   EXPECT_NE(r.err.find(fifo + " is a FIFO, not a regular file"), std::string::npos) << r.err;
 }
@@ -182,8 +184,10 @@ TEST_F(CheckpointAdversarialTest, SpecialFileAsTheQuantizationConfigIsRefusedAtO
 TEST_F(CheckpointAdversarialTest, RankNineIsRefusedWhenTheCheckpointOpensWithExit5) {
   const std::string model = dir_.Join("rank9");
   MakeDir(model);
-  RunPython(dir_, "save_file({'r9': np.zeros((1,) * 9, np.float32), 'ok': np.zeros((2,), "
-                  "np.float32)}, '" + model + "/model.safetensors')\n");
+  RunPython(dir_,
+            "save_file({'r9': np.zeros((1,) * 9, np.float32), 'ok': np.zeros((2,), "
+            "np.float32)}, '" +
+                model + "/model.safetensors')\n");
   for (const auto& [name, args] : Commands(model)) {
     SCOPED_TRACE(name);
     const CommandResult r = RunBounded(args, dir_.Join(name + ".log"));
@@ -197,8 +201,10 @@ TEST_F(CheckpointAdversarialTest, RankNineIsRefusedWhenTheCheckpointOpensWithExi
 TEST_F(CheckpointAdversarialTest, TooManyTensorsAreRefusedByInspectStatingTheLimit) {
   const std::string model = dir_.Join("many");
   MakeDir(model);
-  RunPython(dir_, "z = np.zeros((0,), np.uint8)\nsave_file({f't{i}': z for i in "
-                  "range(1_000_001)}, '" + model + "/model.safetensors')\n");
+  RunPython(dir_,
+            "z = np.zeros((0,), np.uint8)\nsave_file({f't{i}': z for i in "
+            "range(1_000_001)}, '" +
+                model + "/model.safetensors')\n");
   const CommandResult r = RunBounded({"inspect", model}, dir_.Join("inspect.log"));
   EXPECT_EQ(r.exit_code, 5) << r.err;
   EXPECT_NE(r.err.find("over the limit of 1000000 tensors per checkpoint"), std::string::npos)
@@ -236,8 +242,8 @@ class ContentIdentityTest : public CheckpointAdversarialTest {
   }
 
   std::unique_ptr<ServeProcess> ServeA() {
-    auto serve = ServeProcess::Start(
-        {"--model", a_, "--tier", "host", "--runtime-dir", runtime_}, dir_.Join("serve.log"));
+    auto serve = ServeProcess::Start({"--model", a_, "--tier", "host", "--runtime-dir", runtime_},
+                                     dir_.Join("serve.log"));
     if (serve) {
       auto ready = WaitForState(*serve, runtime_, protocol::CacheState::kReady);
       EXPECT_TRUE(ready.ok()) << ready.status().ToString();
@@ -246,8 +252,8 @@ class ContentIdentityTest : public CheckpointAdversarialTest {
   }
 
   CommandResult Attach(const std::string& model, std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {"attach", "--model", model, "--tier", "host",
-                                     "--runtime-dir", runtime_, "--verify"};
+    std::vector<std::string> args = {"attach", "--model",       model,    "--tier",
+                                     "host",   "--runtime-dir", runtime_, "--verify"};
     args.insert(args.end(), extra.begin(), extra.end());
     return RunBounded(args, dir_.Join("attach.log"));
   }
@@ -299,9 +305,9 @@ TEST_F(ContentIdentityTest, AFileRewrittenWhileTheDaemonLoadsItFailsTheLoadNamin
   // before the files are re-checked (daemon.cc, PauseAfterLoadForTest).
   const std::string fifo = dir_.Join("loaded.fifo");
   MakeFifo(fifo);
-  auto serve = SpawnServe({"--model", a_, "--tier", "host", "--runtime-dir", runtime_,
-                           "--failed-linger", "60"},
-                          {"WEIGHTCACHE_TEST_LOADED_FIFO=" + fifo}, dir_.Join("serve.log"));
+  auto serve = SpawnServe(
+      {"--model", a_, "--tier", "host", "--runtime-dir", runtime_, "--failed-linger", "60"},
+      {"WEIGHTCACHE_TEST_LOADED_FIFO=" + fifo}, dir_.Join("serve.log"));
   ASSERT_TRUE(serve.ok()) << serve.status().ToString();
   // Our write end opens once the loader holds the read end; until then ENXIO. A daemon that
   // exits or gets ready without pausing (no seam) ends the wait.
@@ -322,20 +328,19 @@ TEST_F(ContentIdentityTest, AFileRewrittenWhileTheDaemonLoadsItFailsTheLoadNamin
   RewriteLastByteInPlace(a_ + "/model.safetensors");
   writer.Reset();  // the loader reads EOF and re-checks the files
 
-  auto failed = WaitForStatus(
-      *serve, {.sockets = [&] { return FindSockets(runtime_); },
-               .reached = [](const protocol::StatusReply& s) {
-                 return s.state != protocol::CacheState::kLoading;
-               },
-               .what = "the end of the load"});
+  auto failed = WaitForStatus(*serve, {.sockets = [&] { return FindSockets(runtime_); },
+                                       .reached =
+                                           [](const protocol::StatusReply& s) {
+                                             return s.state != protocol::CacheState::kLoading;
+                                           },
+                                       .what = "the end of the load"});
   ASSERT_TRUE(failed.ok()) << failed.status().ToString();
   EXPECT_EQ(failed->status.state, protocol::CacheState::kFailed);
   const std::string& reason = failed->status.failure_reason;
   EXPECT_NE(reason.find("shard 'model.safetensors' (" + a_ + "/model.safetensors)"),
             std::string::npos)
       << reason;
-  EXPECT_NE(reason.find("was rewritten in place while it was read ("), std::string::npos)
-      << reason;
+  EXPECT_NE(reason.find("was rewritten in place while it was read ("), std::string::npos) << reason;
   EXPECT_NE(reason.find("ctime "), std::string::npos) << reason;
 }
 
@@ -345,19 +350,35 @@ TEST_F(CheckpointAdversarialTest, AnIndexOf90kTensorsOpens) {
   const std::string model = dir_.Join("big");
   MakeDir(model);
   // Two shards of 45k zero-byte tensors each, and the index transformers would write.
-  RunPython(dir_, "import json\nz = np.zeros((0,), np.uint8)\nwm = {}\n"
-                  "for s in range(2):\n"
-                  "    f = f'model-0000{s + 1}-of-00002.safetensors'\n"
-                  "    names = [f'model.layers.{i // 768}.mlp.experts.{i % 256}.w{s}.{i}' "
-                  "for i in range(45000)]\n"
-                  "    save_file({n: z for n in names}, '" + model + "/' + f)\n"
-                  "    wm.update({n: f for n in names})\n"
-                  "json.dump({'metadata': {}, 'weight_map': wm}, open('" + model +
-                  "/model.safetensors.index.json', 'w'), indent=2)\n");
+  RunPython(dir_,
+            "import json\nz = np.zeros((0,), np.uint8)\nwm = {}\n"
+            "for s in range(2):\n"
+            "    f = f'model-0000{s + 1}-of-00002.safetensors'\n"
+            "    names = [f'model.layers.{i // 768}.mlp.experts.{i % 256}.w{s}.{i}' "
+            "for i in range(45000)]\n"
+            "    save_file({n: z for n in names}, '" +
+                model +
+                "/' + f)\n"
+                "    wm.update({n: f for n in names})\n"
+                "json.dump({'metadata': {}, 'weight_map': wm}, open('" +
+                model + "/model.safetensors.index.json', 'w'), indent=2)\n");
   const CommandResult r = RunBounded({"inspect", "--json", model}, dir_.Join("inspect.log"));
   ASSERT_EQ(r.exit_code, 0) << r.err.substr(0, 2000);
   const CommandResult again = RunCommand({CliPath(), "inspect", "--json", model});
   EXPECT_EQ(nlohmann::json::parse(again.out)["tensor_count"], 90000);
+}
+
+// The quadratic step of the old parse: nlohmann's callback (DOM) parser scans the enclosing
+// object for discarded values at the end of every object or array, so 100k small objects in
+// one member cost 100k x 100k steps (over 100 s for a 1.4 MB index). The SAX parse is linear.
+TEST_F(CheckpointAdversarialTest, AnIndexWithManySmallObjectsOpens) {
+  const std::string model = MakeCheckpoint(dir_.Join("objects"), 4, 2);
+  const std::string index = model + "/model.safetensors.index.json";
+  nlohmann::json doc = nlohmann::json::parse(ReadFile(index));
+  for (int i = 0; i < 100'000; ++i) doc["metadata"]["k" + std::to_string(i)] = {{"v", {i}}};
+  WriteFile(index, doc.dump());
+  const CommandResult r = RunBounded({"inspect", model}, dir_.Join("inspect.log"));
+  EXPECT_EQ(r.exit_code, 0) << r.err.substr(0, 2000);
 }
 
 TEST_F(CheckpointAdversarialTest, ADeeplyNestedIndexIsRefusedWithExit5) {

@@ -17,9 +17,11 @@ TEST(EscapeForTerminalTest, PrintableTextIsUnchangedAndBackslashesDouble) {
 }
 
 TEST(EscapeForTerminalTest, C1ControlsAndMalformedUtf8AreEscapedBytewise) {
-  EXPECT_EQ(EscapeForTerminal("\xc2\x9b" "31m"), "\\xc2\\x9b31m");  // U+009B, the 8-bit CSI
+  EXPECT_EQ(EscapeForTerminal("\xc2\x9b"
+                              "31m"),
+            "\\xc2\\x9b31m");  // U+009B, the 8-bit CSI
   EXPECT_EQ(EscapeForTerminal("\xff\xc3"), "\\xff\\xc3");
-  EXPECT_EQ(EscapeForTerminal("\xc0\xaf"), "\\xc0\\xaf");            // overlong '/'
+  EXPECT_EQ(EscapeForTerminal("\xc0\xaf"), "\\xc0\\xaf");           // overlong '/'
   EXPECT_EQ(EscapeForTerminal("\xed\xa0\x80"), "\\xed\\xa0\\x80");  // a surrogate
 }
 
