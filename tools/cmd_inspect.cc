@@ -6,9 +6,11 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "checkpoint/checkpoint.h"
 #include "cli_common.h"
+#include "common/terminal_text.h"
 
 namespace weightcache::cli {
 namespace {
@@ -69,26 +71,35 @@ nlohmann::json ToJson(const ckpt::Checkpoint& c) {
   return out;
 }
 
+// Names, metadata and paths come from the file: escaped (common/terminal_text.h).
 void PrintHuman(const ckpt::Checkpoint& c) {
-  std::cout << "checkpoint:  " << c.path() << "\n";
+  std::cout << "checkpoint:  " << EscapeForTerminal(c.path()) << "\n";
   std::cout << "fingerprint: " << c.fingerprint() << "\n";
   std::cout << "tensors:     " << c.tensors().size() << ", " << c.total_bytes() << " bytes ("
             << HumanBytes(c.total_bytes()) << ")\n";
   std::cout << "shards:      " << c.shards().size() << "\n";
   for (const auto& s : c.shards()) {
-    std::cout << "  " << s.file_name << "  " << s.file_size << " bytes, header " << s.header_len
-              << " bytes\n";
+    std::cout << "  " << EscapeForTerminal(s.file_name) << "  " << s.file_size << " bytes, header "
+              << s.header_len << " bytes\n";
   }
   std::cout << "metadata:" << (c.metadata().empty() ? "    (none)" : "") << "\n";
-  for (const auto& [k, v] : c.metadata()) std::cout << "  " << k << " = " << v << "\n";
+  for (const auto& [k, v] : c.metadata()) {
+    std::cout << "  " << EscapeForTerminal(k) << " = " << EscapeForTerminal(v) << "\n";
+  }
+  std::vector<std::string> names;
+  names.reserve(c.tensors().size());
   size_t name_width = 4;
-  for (const auto& t : c.tensors()) name_width = std::max(name_width, t.name.size());
+  for (const auto& t : c.tensors()) {
+    names.push_back(EscapeForTerminal(t.name));
+    name_width = std::max(name_width, names.back().size());
+  }
   std::cout << "\n";
   std::printf("%-*s  %-11s  %-20s  %14s  %s\n", static_cast<int>(name_width), "NAME", "DTYPE",
               "SHAPE", "BYTES", "SHARD");
   std::fflush(stdout);
-  for (const auto& t : c.tensors()) {
-    std::printf("%-*s  %-11s  %-20s  %14llu  %u\n", static_cast<int>(name_width), t.name.c_str(),
+  for (size_t i = 0; i < c.tensors().size(); ++i) {
+    const auto& t = c.tensors()[i];
+    std::printf("%-*s  %-11s  %-20s  %14llu  %u\n", static_cast<int>(name_width), names[i].c_str(),
                 std::string(ckpt::DTypeName(t.dtype)).c_str(), ShapeString(t.shape).c_str(),
                 static_cast<unsigned long long>(t.nbytes), t.shard);
   }

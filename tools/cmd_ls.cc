@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cli_common.h"
+#include "common/terminal_text.h"
 #include "daemon/byte_size.h"
 #include "identity/cache_config.h"
 #include "identity/paths.h"
@@ -36,6 +37,7 @@ identity::CacheConfig ObserverConfig() {
   identity::CacheConfig c;
   c.model_id = "weightcache-ls";
   c.checkpoint_fingerprint = std::string(64, '0');
+  c.checkpoint_files = std::string(64, '0');
   c.tier = "host";  // any valid tier: this config is never meant to match
   return c;
 }
@@ -113,7 +115,7 @@ int Run(const LsArgs& args) {
     return kExitOk;
   }
   if (rows.empty()) {
-    std::cout << "no caches under " << runtime->path
+    std::cout << "no caches under " << EscapeForTerminal(runtime->path)
               << (args.all_namespaces ? "" : " (namespace " + ns + ")") << std::endl;
     return kExitOk;
   }
@@ -126,12 +128,13 @@ int Run(const LsArgs& args) {
     auto str = [&](const char* key) {
       auto it = r.find(key);
       if (it == r.end()) return std::string("-");
-      return it->is_string() ? it->get<std::string>() : it->dump();
+      // Every cell comes from a daemon's reply: escaped (common/terminal_text.h).
+      return EscapeForTerminal(it->is_string() ? it->get<std::string>() : it->dump());
     };
     std::string model = str("model_id");
     const auto config = r.value("config", nlohmann::json());
     if (config.is_object() && !config.value("revision", std::string()).empty()) {
-      model += "@" + config.value("revision", std::string());
+      model += "@" + EscapeForTerminal(config.value("revision", std::string()));
     }
     std::string state = str("state");
     if (state == "loading" && r.value("bytes_total", uint64_t{0}) > 0) {

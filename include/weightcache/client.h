@@ -87,8 +87,9 @@ struct AttachOptions {
   std::string layout_tag;
   std::string source = "disk";  // "disk" or "published:<producer tag>"
   // The checkpoint fingerprint when the caller already knows it (skips reading the shard
-  // headers on the attach path); "" = computed from model_dir. A fallback load always opens
-  // model_dir.
+  // headers on the attach path); "" = computed from model_dir. model_dir is required either
+  // way: its shards are stat-ed for the config's checkpoint_files. A fallback load always
+  // opens model_dir.
   std::string checkpoint_fingerprint;
 
   // ---- where to look ----

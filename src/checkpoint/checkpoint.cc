@@ -17,8 +17,10 @@
 #include <unordered_map>
 #include <utility>
 
+#include "checkpoint/limits.h"
 #include "checkpoint/safetensors.h"
 #include "common/hash.h"
+#include "os/regular_file.h"
 
 namespace weightcache::checkpoint {
 namespace {
@@ -60,14 +62,10 @@ Status PreadExact(int fd, void* dest, uint64_t length, uint64_t offset, const st
   return Status::Ok();
 }
 
-Result<UniqueFd> OpenRegularFile(const std::string& path, uint64_t* size) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd) return IoError("open " + path, errno);
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return IoError("fstat " + path, errno);
-  if (!S_ISREG(st.st_mode)) return InvalidArgument(path + " is not a regular file");
-  *size = static_cast<uint64_t>(st.st_size);
-  return fd;
+// Every file the checkpoint module reads is opened here (os/regular_file.h: never blocks on
+// a FIFO, refuses anything but a regular file).
+Result<os::RegularFile> OpenCheckpointFile(const std::string& path) {
+  return os::OpenRegularFile(path, StatusCode::kInvalidCheckpoint);
 }
 
 struct OpenedShard {
@@ -78,7 +76,10 @@ struct OpenedShard {
 
 Result<OpenedShard> OpenShard(const std::string& path, const std::string& file_name) {
   OpenedShard shard;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(shard.fd, OpenRegularFile(path, &shard.info.file_size));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(os::RegularFile file, OpenCheckpointFile(path));
+  shard.fd = std::move(file.fd);
+  shard.info.identity = FileIdentityOf(file.st);
+  shard.info.file_size = shard.info.identity.size;
   std::vector<uint8_t> bytes(kHeaderPrefixBytes);
   const uint64_t prefix = std::min<uint64_t>(kHeaderPrefixBytes, shard.info.file_size);
   WEIGHTCACHE_RETURN_IF_ERROR(PreadExact(shard.fd.get(), bytes.data(), prefix, 0, path));
@@ -110,57 +111,137 @@ Status CheckShardFileName(const std::string& tensor, const std::string& file) {
   return Status::Ok();
 }
 
-// weight_map of the index: tensor name -> shard file name, duplicates refused.
+// The index's JSON, checked while nlohmann parses it (SAX: no DOM, so memory stays linear in
+// the file and a deep document cannot build a deep tree). It accepts an object whose
+// "weight_map" member is an object of strings; every other member is skipped, nested at most
+// kMaxIndexDepth deep. Duplicate weight_map keys are seen (a DOM would keep the last one).
+class IndexSax {
+ public:
+  using Json = nlohmann::json;
+  using number_integer_t = Json::number_integer_t;
+  using number_unsigned_t = Json::number_unsigned_t;
+  using number_float_t = Json::number_float_t;
+  using string_t = Json::string_t;
+  using binary_t = Json::binary_t;
+
+  bool null() { return Value(nullptr); }
+  bool boolean(bool) { return Value(nullptr); }
+  bool number_integer(number_integer_t) { return Value(nullptr); }
+  bool number_unsigned(number_unsigned_t) { return Value(nullptr); }
+  bool number_float(number_float_t, const string_t&) { return Value(nullptr); }
+  bool binary(binary_t&) { return Value(nullptr); }
+  bool string(string_t& v) { return Value(&v); }
+
+  bool start_object(std::size_t) { return Open(/*object=*/true); }
+  bool start_array(std::size_t) { return Open(/*object=*/false); }
+  bool end_object() { return Close(); }
+  bool end_array() { return Close(); }
+
+  bool key(string_t& k) {
+    if (depth_ == 1) {
+      in_weight_map_key_ = (k == "weight_map");
+      if (in_weight_map_key_ && saw_weight_map_) return Fail("lists \"weight_map\" twice");
+    } else if (depth_ == 2 && in_weight_map_) {
+      current_key_ = std::move(k);
+    }
+    return true;
+  }
+
+  bool parse_error(std::size_t, const std::string&, const Json::exception& ex) {
+    return Fail(std::string("is not valid JSON: ") + ex.what());
+  }
+
+  std::map<std::string, std::string>& weight_map() { return weight_map_; }
+  bool saw_weight_map() const { return saw_weight_map_; }
+  bool root_is_object() const { return root_is_object_; }
+  const std::string& error() const { return error_; }
+
+ private:
+  bool Open(bool object) {
+    if (depth_ == 0) root_is_object_ = object;
+    if (depth_ == 1 && in_weight_map_key_) {
+      if (!object) return Fail("has no \"weight_map\" object");
+      in_weight_map_ = true;
+      saw_weight_map_ = true;
+    } else if (depth_ == 2 && in_weight_map_) {
+      return NotAString();
+    }
+    if (++depth_ > kMaxIndexDepth) {
+      return Fail("nests JSON deeper than " + std::to_string(kMaxIndexDepth) + " levels");
+    }
+    return true;
+  }
+  bool Close() {
+    --depth_;
+    if (depth_ == 1) in_weight_map_ = false;
+    return true;
+  }
+  bool Value(string_t* v) {
+    if (depth_ == 1 && in_weight_map_key_) return Fail("has no \"weight_map\" object");
+    if (depth_ != 2 || !in_weight_map_) return true;
+    if (v == nullptr) return NotAString();
+    if (weight_map_.size() >= kMaxTensorCount) {
+      return Fail(": weight_map lists more than " + std::to_string(kMaxTensorCount) +
+                  " tensors, over the limit of " + std::to_string(kMaxTensorCount) +
+                  " tensors per checkpoint");
+    }
+    Status s = CheckShardFileName(current_key_, *v);
+    if (!s.ok()) return Fail(": " + s.message());
+    if (!weight_map_.try_emplace(current_key_, std::move(*v)).second) {
+      return Fail(": weight_map lists tensor " + Quote(current_key_) + " twice");
+    }
+    return true;
+  }
+  bool NotAString() {
+    return Fail(": weight_map entry for " + Quote(current_key_) + " is not a string");
+  }
+  bool Fail(std::string message) {
+    if (error_.empty()) error_ = std::move(message);
+    return false;
+  }
+
+  int depth_ = 0;
+  bool root_is_object_ = false;
+  bool in_weight_map_key_ = false;  // the current root member is "weight_map"
+  bool in_weight_map_ = false;      // inside its object
+  bool saw_weight_map_ = false;
+  std::string current_key_;
+  std::map<std::string, std::string> weight_map_;
+  std::string error_;
+};
+
+// weight_map of the index: tensor name -> shard file name, duplicates refused. Linear in the
+// file: one pass of a SAX parse into the map.
 Result<std::map<std::string, std::string>> ReadIndex(const std::string& index_path) {
-  uint64_t size = 0;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(UniqueFd fd, OpenRegularFile(index_path, &size));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(os::RegularFile file, OpenCheckpointFile(index_path));
+  const auto size = static_cast<uint64_t>(file.st.st_size);
   if (size > kMaxIndexBytes) {
     return InvalidCheckpoint(index_path + " is " + std::to_string(size) +
                              " bytes, over the limit of " + std::to_string(kMaxIndexBytes));
   }
   std::string text(size, '\0');
-  WEIGHTCACHE_RETURN_IF_ERROR(PreadExact(fd.get(), text.data(), size, 0, index_path));
+  WEIGHTCACHE_RETURN_IF_ERROR(PreadExact(file.fd.get(), text.data(), size, 0, index_path));
+  file.fd.Reset();
 
-  // nlohmann keeps the last of duplicate keys; the callback sees each one as it is parsed.
-  std::string root_key;
-  std::set<std::string> seen;
-  std::string duplicate;
-  auto callback = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    if (event == nlohmann::json::parse_event_t::key && parsed.is_string()) {
-      const auto& k = parsed.get_ref<const std::string&>();
-      if (depth == 1) root_key = k;
-      if (depth == 2 && root_key == "weight_map" && !seen.insert(k).second && duplicate.empty()) {
-        duplicate = k;
-      }
-    }
-    return true;
-  };
-  nlohmann::json doc;
+  IndexSax sax;
+  bool parsed = false;
   try {
-    doc = nlohmann::json::parse(text, callback, /*allow_exceptions=*/true);
-  } catch (const nlohmann::json::exception& e) {
+    parsed = nlohmann::json::sax_parse(text, &sax, nlohmann::json::input_format_t::json,
+                                       /*strict=*/true);
+  } catch (const std::exception& e) {
+    // nlohmann reports errors through parse_error; this only guards its allocation paths.
     return InvalidCheckpoint(index_path + " is not valid JSON: " + e.what());
   }
-  if (!duplicate.empty()) {
-    return InvalidCheckpoint(index_path + ": weight_map lists tensor " + Quote(duplicate) +
-                             " twice");
+  if (!parsed) {
+    const std::string& e = sax.error();
+    return InvalidCheckpoint(index_path + (e.starts_with(":") ? "" : " ") +
+                             (e.empty() ? "is not valid JSON" : e));
   }
-  if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
+  if (!sax.root_is_object() || !sax.saw_weight_map()) {
     return InvalidCheckpoint(index_path + " has no \"weight_map\" object");
   }
-  if (doc["weight_map"].empty()) return InvalidCheckpoint(index_path + ": weight_map is empty");
-  std::map<std::string, std::string> weight_map;
-  for (const auto& [tensor, file] : doc["weight_map"].items()) {
-    if (!file.is_string()) {
-      return InvalidCheckpoint(index_path + ": weight_map entry for " + Quote(tensor) +
-                               " is not a string");
-    }
-    const auto& name = file.get_ref<const std::string&>();
-    Status s = CheckShardFileName(tensor, name);
-    if (!s.ok()) return s.Context(index_path);
-    weight_map.emplace(tensor, name);
-  }
-  return weight_map;
+  if (sax.weight_map().empty()) return InvalidCheckpoint(index_path + ": weight_map is empty");
+  return std::move(sax.weight_map());
 }
 
 std::string JoinPath(const std::string& dir, const std::string& name) {
@@ -179,25 +260,28 @@ void AppendLe64(Sha256& sha, uint64_t v) {
   sha.Update(bytes, sizeof(bytes));
 }
 
-}  // namespace
+constexpr std::string_view kFilesDigestTag = "weightcache-checkpoint-files-v1";
 
-Result<Checkpoint> Checkpoint::Open(const std::string& path) {
+// The files a checkpoint path stands for, before any of them is opened.
+struct FileList {
+  std::vector<std::pair<std::string, std::string>> files;  // (path, file name)
+  std::map<std::string, std::string> weight_map;           // indexed directories only
+  bool indexed = false;
+};
+
+Result<FileList> ListFiles(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) return IoError("open checkpoint " + path, errno);
-
-  // The shards to open, (path, file name), and for an indexed directory the weight_map.
-  std::vector<std::pair<std::string, std::string>> files;
-  std::map<std::string, std::string> weight_map;
-  bool indexed = false;
+  FileList list;
   if (S_ISDIR(st.st_mode)) {
     const std::string index_path = JoinPath(path, std::string(kIndexFileName));
     struct stat index_st {};
-    if (::stat(index_path.c_str(), &index_st) == 0) {
-      indexed = true;
-      WEIGHTCACHE_ASSIGN_OR_RETURN(weight_map, ReadIndex(index_path));
+    if (::lstat(index_path.c_str(), &index_st) == 0) {
+      list.indexed = true;
+      WEIGHTCACHE_ASSIGN_OR_RETURN(list.weight_map, ReadIndex(index_path));
       std::set<std::string> names;
-      for (const auto& [tensor, file] : weight_map) names.insert(file);
-      for (const auto& name : names) files.emplace_back(JoinPath(path, name), name);
+      for (const auto& [tensor, file] : list.weight_map) names.insert(file);
+      for (const auto& name : names) list.files.emplace_back(JoinPath(path, name), name);
     } else {
       std::vector<std::string> found;
       std::error_code ec;
@@ -217,29 +301,140 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
                                  " .safetensors files (" + listed + ") but no " +
                                  std::string(kIndexFileName) + " saying which form the model");
       }
-      files.emplace_back(JoinPath(path, found[0]), found[0]);
+      list.files.emplace_back(JoinPath(path, found[0]), found[0]);
     }
   } else if (S_ISREG(st.st_mode)) {
-    files.emplace_back(path, BaseName(path));
+    list.files.emplace_back(path, BaseName(path));
   } else {
-    return InvalidArgument("checkpoint " + path + " is neither a file nor a directory");
+    return InvalidCheckpoint("checkpoint " + path + " is a " +
+                             std::string(os::FileTypeName(st.st_mode)) +
+                             ", not a regular file or a directory");
   }
+  return list;
+}
+
+Status MissingShard(const FileList& list, const std::string& path, const std::string& file_name,
+                    Status status) {
+  if (list.indexed && status.code() == StatusCode::kNotFound) {
+    return InvalidCheckpoint("shard " + Quote(file_name) + " named by " +
+                             std::string(kIndexFileName) + " in " + path + " does not exist");
+  }
+  return status;
+}
+
+void AppendIdentity(Sha256& sha, const std::string& file_name, const FileIdentity& id) {
+  AppendLe64(sha, file_name.size());
+  sha.Update(file_name);
+  AppendLe64(sha, id.dev);
+  AppendLe64(sha, id.ino);
+  AppendLe64(sha, id.size);
+  AppendLe64(sha, static_cast<uint64_t>(id.mtime_ns));
+  AppendLe64(sha, static_cast<uint64_t>(id.ctime_ns));
+}
+
+std::string TimeText(int64_t ns) {
+  constexpr int64_t kNsPerS = 1'000'000'000;
+  std::string frac = std::to_string(ns % kNsPerS);
+  return std::to_string(ns / kNsPerS) + "." + std::string(9 - frac.size(), '0') + frac;
+}
+
+}  // namespace
+
+FileIdentity FileIdentityOf(const struct stat& st) {
+  FileIdentity id;
+  id.dev = static_cast<uint64_t>(st.st_dev);
+  id.ino = static_cast<uint64_t>(st.st_ino);
+  id.size = static_cast<uint64_t>(st.st_size);
+  id.mtime_ns = int64_t{st.st_mtim.tv_sec} * 1'000'000'000 + st.st_mtim.tv_nsec;
+  id.ctime_ns = int64_t{st.st_ctim.tv_sec} * 1'000'000'000 + st.st_ctim.tv_nsec;
+  return id;
+}
+
+std::string DescribeIdentityChange(const FileIdentity& before, const FileIdentity& after) {
+  std::string out;
+  auto add = [&](const char* field, const std::string& a, const std::string& b) {
+    if (a == b) return;
+    out += (out.empty() ? "" : ", ") + std::string(field) + " " + a + " -> " + b;
+  };
+  add("device", std::to_string(before.dev), std::to_string(after.dev));
+  add("inode", std::to_string(before.ino), std::to_string(after.ino));
+  add("size", std::to_string(before.size), std::to_string(after.size));
+  add("mtime", TimeText(before.mtime_ns), TimeText(after.mtime_ns));
+  add("ctime", TimeText(before.ctime_ns), TimeText(after.ctime_ns));
+  return out;
+}
+
+Result<std::string> CheckpointFilesDigest(const std::string& path) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(FileList list, ListFiles(path));
+  Sha256 sha;
+  sha.Update(kFilesDigestTag);
+  for (const auto& [file_path, file_name] : list.files) {
+    Result<os::RegularFile> file = OpenCheckpointFile(file_path);
+    if (!file.ok()) return MissingShard(list, path, file_name, file.status());
+    AppendIdentity(sha, file_name, FileIdentityOf(file->st));
+  }
+  return sha.FinalHex();
+}
+
+Status Checkpoint::CheckUnchanged() const {
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const ShardInfo& shard = shards_[s];
+    const std::string what = "shard " + Quote(shard.file_name) + " (" + shard.path + ")";
+    struct stat st {};
+    if (::fstat(fds_[s].get(), &st) != 0) return IoError("fstat " + shard.path, errno);
+    std::string change = DescribeIdentityChange(shard.identity, FileIdentityOf(st));
+    if (!change.empty()) {
+      return InvalidCheckpoint(what + " was rewritten in place while it was read (" + change +
+                               "): its bytes may be a mix of old and new");
+    }
+    if (::stat(shard.path.c_str(), &st) != 0) {
+      if (errno == ENOENT) {
+        return InvalidCheckpoint(what + " was removed or renamed since it was opened");
+      }
+      return IoError("stat " + shard.path, errno);
+    }
+    change = DescribeIdentityChange(shard.identity, FileIdentityOf(st));
+    if (!change.empty()) {
+      return InvalidCheckpoint(what + " was replaced by another file since it was opened (" +
+                               change + ")");
+    }
+  }
+  return Status::Ok();
+}
+
+Result<Checkpoint> Checkpoint::Open(const std::string& path) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(FileList list, ListFiles(path));
+  const auto& files = list.files;
+  const auto& weight_map = list.weight_map;
+  const bool indexed = list.indexed;
 
   Checkpoint ckpt;
   ckpt.path_ = path;
   std::vector<ParsedHeader> headers;
   for (const auto& [file_path, file_name] : files) {
     Result<OpenedShard> shard = OpenShard(file_path, file_name);
-    if (!shard.ok()) {
-      if (indexed && shard.status().code() == StatusCode::kNotFound) {
-        return InvalidCheckpoint("shard " + Quote(file_name) + " named by " +
-                                 std::string(kIndexFileName) + " in " + path + " does not exist");
-      }
-      return shard.status();
-    }
+    if (!shard.ok()) return MissingShard(list, path, file_name, shard.status());
     ckpt.shards_.push_back(std::move(shard->info));
     ckpt.fds_.push_back(std::move(shard->fd));
     headers.push_back(std::move(shard->header));
+  }
+
+  // The limits hold for each header (checked while parsing); here for the shards together.
+  uint64_t tensor_count = 0;
+  uint64_t name_bytes = 0;
+  for (const ParsedHeader& h : headers) {
+    tensor_count += h.tensors.size();
+    for (const ParsedTensor& t : h.tensors) name_bytes += t.name.size();
+  }
+  if (tensor_count > kMaxTensorCount) {
+    return InvalidCheckpoint("checkpoint " + path + " has " + std::to_string(tensor_count) +
+                             " tensors, over the limit of " + std::to_string(kMaxTensorCount) +
+                             " tensors per checkpoint");
+  }
+  if (name_bytes > kMaxTensorNameBytesTotal) {
+    return InvalidCheckpoint("checkpoint " + path + ": tensor names total " +
+                             std::to_string(name_bytes) + " bytes, over the limit of " +
+                             std::to_string(kMaxTensorNameBytesTotal));
   }
 
   // Cross-check shards against each other and against the index.
@@ -300,6 +495,13 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
     sha.Update(headers[s].header_json);
   }
   ckpt.fingerprint_ = sha.FinalHex();
+
+  Sha256 files_sha;
+  files_sha.Update(kFilesDigestTag);
+  for (const ShardInfo& shard : ckpt.shards_) {
+    AppendIdentity(files_sha, shard.file_name, shard.identity);
+  }
+  ckpt.files_digest_ = files_sha.FinalHex();
   return ckpt;
 }
 

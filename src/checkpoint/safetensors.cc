@@ -131,6 +131,16 @@ class HeaderSax {
             return Fail("tensor name " + Quote(k) + " is " + std::to_string(k.size()) +
                         " bytes, over the " + std::to_string(kMaxTensorNameBytes) + "-byte limit");
           }
+          if (++tensor_count_ > kMaxTensorCount) {
+            return Fail("more than " + std::to_string(kMaxTensorCount) +
+                        " tensors, over the limit of " + std::to_string(kMaxTensorCount) +
+                        " tensors per checkpoint");
+          }
+          name_bytes_ += k.size();
+          if (name_bytes_ > kMaxTensorNameBytesTotal) {
+            return Fail("tensor names total more than " + std::to_string(kMaxTensorNameBytesTotal) +
+                        " bytes, over the limit for one checkpoint");
+          }
         }
         current_key_ = k;
         state_ = State::kRootValue;
@@ -273,9 +283,9 @@ class HeaderSax {
           return Fail("tensor " + Quote(current_.name) + ": negative dimension in 'shape'");
         }
         if (kind != ValueKind::kUnsigned) return FailField();
-        if (current_.shape.size() >= kMaxRank) {
+        if (current_.shape.size() >= kMaxTensorRank) {
           return Fail("tensor " + Quote(current_.name) + ": rank over the limit of " +
-                      std::to_string(kMaxRank));
+                      std::to_string(kMaxTensorRank) + " dimensions");
         }
         current_.shape.push_back(value);
         return true;
@@ -336,6 +346,8 @@ class HeaderSax {
   unsigned seen_fields_ = 0;
   int offsets_count_ = 0;
   int skip_depth_ = 0;
+  uint64_t tensor_count_ = 0;
+  uint64_t name_bytes_ = 0;
   string_t* pending_string_ = nullptr;
   std::string error_;
 };

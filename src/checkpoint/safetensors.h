@@ -11,8 +11,9 @@
 // offsets that do not tile the data region exactly, shape/size mismatch, overflow, duplicate
 // names). Deliberately stricter than the reference in three places, each of which the
 // reference silently tolerates: duplicate keys (it keeps one), empty or over-long tensor
-// names, and rank above kMaxRank. Unknown fields inside a tensor entry are ignored, as the
-// reference does. All functions are thread-safe.
+// names, and the bounds of checkpoint/limits.h (rank, name length, tensor count, name bytes).
+// Unknown fields inside a tensor entry are ignored, as the reference does. All functions are
+// thread-safe.
 #pragma once
 
 #include <cstddef>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "checkpoint/dtype.h"
+#include "checkpoint/limits.h"
 #include "weightcache/status.h"
 
 namespace weightcache::checkpoint {
@@ -31,9 +33,8 @@ namespace weightcache::checkpoint {
 inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 // Bytes of the length prefix.
 inline constexpr uint64_t kHeaderPrefixBytes = 8;
-// Our own bounds (the reference has none): no real checkpoint comes near them.
-inline constexpr size_t kMaxTensorNameBytes = 4096;
-inline constexpr size_t kMaxRank = 64;
+// Our own bounds (the reference has none) are in checkpoint/limits.h: name length, rank,
+// tensor count and total name bytes of one header are checked here, while it is parsed.
 
 struct ParsedTensor {
   std::string name;

@@ -435,7 +435,8 @@ Status MismatchStatus(const std::string& where, const MismatchDetails& details) 
 }
 
 Result<identity::CacheConfig> BuildCacheConfig(const AttachOptions& options,
-                                               const std::string& fingerprint) {
+                                               const std::string& fingerprint,
+                                               const std::string& files_digest) {
   identity::CacheConfig c;
   c.model_id = options.model_id.empty() ? BaseName(options.model_dir) : options.model_id;
   if (c.model_id.empty()) {
@@ -443,6 +444,7 @@ Result<identity::CacheConfig> BuildCacheConfig(const AttachOptions& options,
   }
   c.revision = options.revision;
   c.checkpoint_fingerprint = fingerprint;
+  c.checkpoint_files = files_digest;
   if (!options.dtype.empty()) c.dtype = options.dtype;
   if (!options.quantization.empty()) c.quantization = options.quantization;
   if (!options.quantization_config.empty()) {
@@ -469,17 +471,26 @@ Result<identity::CacheConfig> BuildCacheConfig(const AttachOptions& options,
 
 Result<ResolvedIdentity> ResolveIdentity(const AttachOptions& options,
                                          const identity::EnvLookup& env) {
+  if (options.model_dir.empty()) {
+    return InvalidArgument(
+        "model_dir is required (its files define the checkpoint fingerprint and identity)");
+  }
+  // The identity covers the files' content through their stat identity (checkpoint_files),
+  // never through the path this process sees them by; headers are read only when the
+  // fingerprint is not given.
   std::string fingerprint = options.checkpoint_fingerprint;
+  std::string files_digest;
   if (fingerprint.empty()) {
-    if (options.model_dir.empty()) {
-      return InvalidArgument("model_dir is required (it defines the checkpoint fingerprint)");
-    }
     WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint ckpt,
                                  checkpoint::Checkpoint::Open(options.model_dir));
     fingerprint = ckpt.fingerprint();
+    files_digest = ckpt.files_digest();
+  } else {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(files_digest,
+                                 checkpoint::CheckpointFilesDigest(options.model_dir));
   }
   ResolvedIdentity id;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(id.config, BuildCacheConfig(options, fingerprint));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(id.config, BuildCacheConfig(options, fingerprint, files_digest));
   WEIGHTCACHE_ASSIGN_OR_RETURN(id.trusted_uids, TrustedUids(options.trusted_uids, env));
 
   std::string spec = options.device;

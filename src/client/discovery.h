@@ -54,15 +54,17 @@ struct ResolvedIdentity {
 };
 
 // The CacheConfig of `options` (fingerprint from options.checkpoint_fingerprint, else from the
-// model dir's headers), the device (CUDA_VISIBLE_DEVICES applied; see client.h for the
-// default) and the paths. kInvalidArgument for bad options, kInvalidCheckpoint for the model.
+// model dir's headers; checkpoint_files from a stat of the model dir's shards), the device
+// (CUDA_VISIBLE_DEVICES applied; see client.h for the default) and the paths. kInvalidArgument for
+// bad options, kInvalidCheckpoint for the model.
 Result<ResolvedIdentity> ResolveIdentity(const AttachOptions& options,
                                          const identity::EnvLookup& env = identity::ProcessEnv());
 
-// The CacheConfig fields of `options` over a known fingerprint (no I/O but the quantization
-// config file).
+// The CacheConfig fields of `options` over a known fingerprint and files digest
+// (checkpoint::Checkpoint::files_digest) (no I/O but the quantization config file).
 Result<identity::CacheConfig> BuildCacheConfig(const AttachOptions& options,
-                                               const std::string& fingerprint);
+                                               const std::string& fingerprint,
+                                               const std::string& files_digest);
 
 // A live daemon that matched and sent its AttachReply. The connection stays open (the
 // DaemonWatcher learns of the daemon's death by EOF).

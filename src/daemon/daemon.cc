@@ -1,5 +1,6 @@
 #include "daemon/daemon.h"
 
+#include <fcntl.h>
 #include <linux/sockios.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 
@@ -67,6 +69,23 @@ int UnreadBytes(int fd) {
   int queued = 0;
   if (::ioctl(fd, SIOCOUTQ, &queued) != 0) return 0;
   return queued;
+}
+
+// Test seam (tests/adversarial/checkpoint_adversarial_test.cc): with WEIGHTCACHE_TEST_LOADED_FIFO
+// naming a FIFO, the loader, once every byte is read and before it re-checks the files, opens
+// that FIFO and reads it to its end. A test holds the loader there, rewrites a shard, then
+// closes its end: the race of a file rewritten during a load, made deterministic.
+void PauseAfterLoadForTest() {
+  const char* fifo = std::getenv("WEIGHTCACHE_TEST_LOADED_FIFO");
+  if (fifo == nullptr || *fifo == '\0') return;
+  const UniqueFd fd(::open(fifo, O_RDONLY | O_CLOEXEC));
+  if (!fd) return;
+  char buf[64];
+  while (true) {
+    const ssize_t n = ::read(fd.get(), buf, sizeof(buf));
+    if (n > 0 || (n < 0 && errno == EINTR)) continue;
+    return;
+  }
 }
 
 Status EpollCtl(int epoll, int op, int fd, uint32_t events) {
@@ -213,6 +232,14 @@ Result<std::unique_ptr<WeightStore>> Daemon::Load(std::string* memory) {
                              checkpoint.fingerprint() + ", identity computed from " +
                              options_.config.checkpoint_fingerprint);
   }
+  if (checkpoint.files_digest() != options_.config.checkpoint_files) {
+    return InvalidCheckpoint("checkpoint " + options_.model_path +
+                             " changed while the daemon started: its files (checkpoint_files " +
+                             checkpoint.files_digest() +
+                             ") are not the ones the identity was "
+                             "computed from (" +
+                             options_.config.checkpoint_files + ")");
+  }
   bytes_total_.store(checkpoint.total_bytes());
 
   // Throttle wakeups: about every 1 % or 250 ms, whichever comes first.
@@ -233,10 +260,21 @@ Result<std::unique_ptr<WeightStore>> Daemon::Load(std::string* memory) {
     }
   };
   LoadOptions load = options_.load;
-  if (options_.tier == protocol::Tier::kHost)
-    return LoadHostStore(checkpoint, load, control, memory);
-  load.device_uuid = options_.device_key;
-  return LoadGpuStore(checkpoint, load, control, memory);
+  Result<std::unique_ptr<WeightStore>> store = [&] {
+    if (options_.tier == protocol::Tier::kHost) {
+      return LoadHostStore(checkpoint, load, control, memory);
+    }
+    load.device_uuid = options_.device_key;
+    return LoadGpuStore(checkpoint, load, control, memory);
+  }();
+  if (!store.ok()) return store;
+  // The bytes are the checkpoint's only if no shard changed while they were read: a file
+  // rewritten in place (same size, same header) would otherwise be served as a mix of old
+  // and new bytes. Stat calls only (Checkpoint::CheckUnchanged).
+  PauseAfterLoadForTest();
+  Status unchanged = checkpoint.CheckUnchanged();
+  if (!unchanged.ok()) return unchanged.Context("after the load");
+  return store;
 }
 
 // ---- the event loop ---------------------------------------------------------------------------

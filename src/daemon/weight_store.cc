@@ -46,12 +46,6 @@ Result<ManifestFile> BuildManifest(protocol::Tier tier, const checkpoint::Checkp
   entries.reserve(order.size());
   for (size_t i = 0; i < order.size(); ++i) {
     const checkpoint::TensorInfo& t = checkpoint.tensors()[order[i]];
-    if (t.shape.size() > protocol::kMaxTensorDims) {
-      return InvalidArgument("tensor \"" + t.name + "\" has rank " +
-                             std::to_string(t.shape.size()) + ", above the " +
-                             std::to_string(protocol::kMaxTensorDims) +
-                             " dimensions the attach manifest can describe");
-    }
     protocol::TensorEntry e;
     e.name = t.name;
     e.dtype = checkpoint::DTypeName(t.dtype);

@@ -127,8 +127,8 @@ std::vector<size_t> FileOrder(const checkpoint::Checkpoint& checkpoint);
 
 // The attach manifest of `checkpoint` packed as `placements` (parallel to `order`), with one
 // checksum per entry of `order` (common/checksum.h), in its sealed memfd; the records are in
-// name order whatever `order` is (protocol/manifest.h). kInvalidArgument naming the tensor when it
-// cannot be described (rank above protocol::kMaxTensorDims).
+// name order whatever `order` is (protocol/manifest.h). A checkpoint that opened is within the
+// manifest's bounds (checkpoint/limits.h), so an encoding error here is an internal one.
 struct PlacedTensor {
   uint32_t allocation = 0;
   uint64_t offset = 0;

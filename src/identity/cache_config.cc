@@ -20,7 +20,8 @@ struct Field {
   uint32_t CacheConfig::*num = nullptr;
 };
 
-constexpr std::array<Field, 18> kFields = {{
+constexpr std::array<Field, 19> kFields = {{
+    {"checkpoint_files", &CacheConfig::checkpoint_files, nullptr},
     {"checkpoint_fingerprint", &CacheConfig::checkpoint_fingerprint, nullptr},
     {"dp_size", nullptr, &CacheConfig::dp_size},
     {"dtype", &CacheConfig::dtype, nullptr},
@@ -127,6 +128,10 @@ Status CacheConfig::Validate() const {
     return FieldError("checkpoint_fingerprint", "must be 64 lowercase hex characters (got \"" +
                                                     checkpoint_fingerprint + "\")");
   }
+  if (!IsSha256Hex(checkpoint_files)) {
+    return FieldError("checkpoint_files",
+                      "must be 64 lowercase hex characters (got \"" + checkpoint_files + "\")");
+  }
   if (!IsTagChars(dtype)) return FieldError("dtype", "must match [A-Za-z0-9._-]+");
   if (!IsTagChars(quantization)) return FieldError("quantization", "must match [A-Za-z0-9._-]+");
   if (!quantization_config_sha256.empty() && !IsSha256Hex(quantization_config_sha256)) {
@@ -220,11 +225,21 @@ std::vector<FieldDiff> Diff(const CacheConfig& ours, const CacheConfig& theirs) 
   return diffs;
 }
 
+std::string_view FieldNote(std::string_view field) {
+  if (field == "checkpoint_files") {
+    return "the checkpoint files on this host are not the ones the daemon loaded: rewritten, "
+           "replaced or another copy";
+  }
+  return "";
+}
+
 std::string FormatDiffOneLine(const std::vector<FieldDiff>& diffs) {
   std::string out;
   for (const FieldDiff& d : diffs) {
     if (!out.empty()) out += "; ";
     out += d.field + ": ours=" + d.ours + " theirs=" + d.theirs;
+    const std::string_view note = FieldNote(d.field);
+    if (!note.empty()) out += " (" + std::string(note) + ")";
   }
   return out;
 }
@@ -240,7 +255,10 @@ std::string FormatDiffMultiLine(const std::vector<FieldDiff>& diffs) {
   for (const FieldDiff& d : diffs) {
     out += "  " + d.field + std::string(field_width - d.field.size() + 2, ' ');
     out += "ours=" + d.ours + std::string(ours_width - d.ours.size() + 2, ' ');
-    out += "theirs=" + d.theirs + "\n";
+    out += "theirs=" + d.theirs;
+    const std::string_view note = FieldNote(d.field);
+    if (!note.empty()) out += "  (" + std::string(note) + ")";
+    out += "\n";
   }
   return out;
 }

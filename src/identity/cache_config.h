@@ -3,7 +3,8 @@
 //
 // Canonical form (docs/identity.md): the JSON object of ToJson() — every field, keys sorted
 // bytewise, no whitespace, integers in decimal, strings JSON-escaped with non-ASCII as \uXXXX
-// — e.g. {"checkpoint_fingerprint":"…","dp_size":1,…,"tier":"gpu","tp_rank":0,"tp_size":2}.
+// — e.g.
+// {"checkpoint_files":"…","checkpoint_fingerprint":"…","dp_size":1,…,"tier":"gpu","tp_rank":0,"tp_size":2}.
 // Digest() is the lowercase hex SHA-256 of exactly those bytes. Two configs match iff every
 // field is equal, iff their canonical forms are equal. The same JSON object is the wire form
 // (FromJson parses it back strictly), so the daemon and the client never disagree about what
@@ -28,13 +29,18 @@
 
 namespace weightcache::identity {
 
-inline constexpr uint32_t kCacheFormatVersion = 1;
+// 2: checkpoint_files added (the canonical form changed).
+inline constexpr uint32_t kCacheFormatVersion = 2;
 
 struct CacheConfig {
   uint32_t format_version = kCacheFormatVersion;
-  std::string model_id;                    // e.g. "Llama-3.1-8B-Instruct"; non-empty
-  std::string revision;                    // e.g. a commit hash or "main"; may be empty
-  std::string checkpoint_fingerprint;      // 64 lowercase hex (checkpoint::Checkpoint)
+  std::string model_id;                // e.g. "Llama-3.1-8B-Instruct"; non-empty
+  std::string revision;                // e.g. a commit hash or "main"; may be empty
+  std::string checkpoint_fingerprint;  // 64 lowercase hex (checkpoint::Checkpoint)
+  // 64 lowercase hex: the shards' stat identity (Checkpoint::files_digest(): name, device,
+  // inode, size, mtime, ctime), so two checkpoints with equal headers but different values,
+  // or a file rewritten since the daemon loaded it, never share a config.
+  std::string checkpoint_files;
   std::string dtype = "auto";              // "auto" = as stored in the checkpoint
   std::string quantization = "none";       // method name, "none" when unquantized
   std::string quantization_config_sha256;  // QuantizationConfigDigest(); "" when none
@@ -88,7 +94,12 @@ struct FieldDiff {
 // The differing fields, in canonical order; empty iff the configs are equal.
 std::vector<FieldDiff> Diff(const CacheConfig& ours, const CacheConfig& theirs);
 
-// "tp_rank: ours=0 theirs=1; revision: ours=\"a\" theirs=\"b\"" (empty for no diffs).
+// Why a difference in `field` matters, when the field name alone does not say it ("" else):
+// checkpoint_files explains that the files are not the ones the daemon loaded.
+std::string_view FieldNote(std::string_view field);
+
+// "tp_rank: ours=0 theirs=1; revision: ours=\"a\" theirs=\"b\"" (empty for no diffs), each
+// field followed by its FieldNote in parentheses when it has one.
 std::string FormatDiffOneLine(const std::vector<FieldDiff>& diffs);
 // One field per line, aligned: "  tp_rank   ours=0   theirs=1\n…".
 std::string FormatDiffMultiLine(const std::vector<FieldDiff>& diffs);

@@ -1,17 +1,25 @@
 #include "identity/read_file.h"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
 
 #include "common/unique_fd.h"
+#include "os/regular_file.h"
 
 namespace weightcache::identity {
 
 Result<std::string> ReadSmallFile(const std::string& path, size_t max_bytes) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd) return IoError("open " + path, errno);
+  // A FIFO would block forever and /dev/zero never ends: only regular files (os/regular_file.h).
+  WEIGHTCACHE_ASSIGN_OR_RETURN(os::RegularFile file,
+                               os::OpenRegularFile(path, StatusCode::kInvalidArgument));
+  const UniqueFd fd = std::move(file.fd);
+  // /proc files report size 0 and are read to EOF; the bound below holds either way.
+  if (static_cast<uint64_t>(file.st.st_size) > max_bytes) {
+    return InvalidArgument(path + ": " + std::to_string(file.st.st_size) +
+                           " bytes, larger than the " + std::to_string(max_bytes) +
+                           "-byte limit for this kind of file");
+  }
   std::string data;
   char buf[8192];
   while (true) {

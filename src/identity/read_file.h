@@ -11,7 +11,8 @@
 namespace weightcache::identity {
 
 // The file's bytes; kNotFound / kPermissionDenied / kIo naming the path, kInvalidArgument
-// when it holds more than max_bytes.
+// when it holds more than max_bytes or is not a regular file (a FIFO, a directory, a device:
+// "<path> is a FIFO, not a regular file"), refused at once without reading.
 Result<std::string> ReadSmallFile(const std::string& path, size_t max_bytes);
 
 }  // namespace weightcache::identity

@@ -131,7 +131,10 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
     if (allocation_sizes[a] == 0)
       return EncodeError("allocation " + std::to_string(a) + " is empty");
   }
-  if (tensors.size() > UINT32_MAX) return EncodeError("too many tensors");
+  if (tensors.size() > kMaxTensorCount) {
+    return EncodeError(std::to_string(tensors.size()) + " tensors exceed the limit of " +
+                       std::to_string(kMaxTensorCount));
+  }
   for (size_t i = 0; i < tensors.size(); ++i) {
     WEIGHTCACHE_RETURN_IF_ERROR(ValidateEntry(i, tensors[i], allocation_sizes));
   }
@@ -298,6 +301,10 @@ Status Manifest::ValidateHeader() {
   if (allocation_count > kMaxAllocations) {
     return ManifestError(std::to_string(allocation_count) + " allocations exceed the limit of " +
                          std::to_string(kMaxAllocations));
+  }
+  if (tensor_count > kMaxTensorCount) {
+    return ManifestError(std::to_string(tensor_count) + " tensors exceed the limit of " +
+                         std::to_string(kMaxTensorCount));
   }
   // 32-bit counts times small record sizes cannot overflow 64 bits.
   const uint64_t expected = kManifestHeaderSize +

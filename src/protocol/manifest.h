@@ -52,6 +52,7 @@
 #include <string_view>
 #include <vector>
 
+#include "checkpoint/limits.h"
 #include "common/unique_fd.h"
 #include "os/memfd.h"
 #include "weightcache/status.h"
@@ -62,17 +63,28 @@ enum class Tier : uint8_t { kGpu = 1, kHost = 2 };
 std::string_view TierName(Tier tier);  // "gpu", "host"
 Result<Tier> ParseTier(std::string_view name);
 
-inline constexpr uint32_t kMaxTensorDims = 8;
-inline constexpr uint32_t kMaxTensorNameLength = 4096;
+// The tensor bounds are the checkpoint's (checkpoint/limits.h): one set of limits, so a
+// checkpoint that opens always fits a manifest.
+inline constexpr uint32_t kMaxTensorDims = checkpoint::kMaxTensorRank;
+inline constexpr uint32_t kMaxTensorNameLength = checkpoint::kMaxTensorNameBytes;
+inline constexpr uint64_t kMaxTensorCount = checkpoint::kMaxTensorCount;
 inline constexpr uint32_t kMaxDTypeNameLength = 16;
+// Distinct dtype names a manifest's string table can hold (the safetensors dtypes are ~20).
+inline constexpr uint32_t kMaxDTypeNames = 64;
 inline constexpr size_t kManifestHeaderSize = 32;
 inline constexpr size_t kManifestAllocationSize = 8;
 inline constexpr size_t kManifestTensorSize = 48;
 inline constexpr size_t kManifestDimSize = 8;
 // One fd of an AttachReply is the manifest's memfd, the others are the allocations.
 inline constexpr uint32_t kMaxAllocations = 252;
-// The manifest memfd's size bound, checked before it is mapped.
-inline constexpr uint64_t kMaxManifestSize = uint64_t{64} * 1024 * 1024;
+// The manifest memfd's size bound, checked before it is mapped: the largest manifest the
+// checkpoint limits allow (every tensor at the maximal rank, shape + strides, its name's NUL,
+// all names at their total bound, every dtype name).
+inline constexpr uint64_t kMaxManifestSize =
+    kManifestHeaderSize + uint64_t{kMaxAllocations} * kManifestAllocationSize +
+    kMaxTensorCount * (kManifestTensorSize + 2 * uint64_t{kMaxTensorDims} * kManifestDimSize + 1) +
+    checkpoint::kMaxTensorNameBytesTotal + uint64_t{kMaxDTypeNames} * (kMaxDTypeNameLength + 1);
+static_assert(kMaxManifestSize <= UINT32_MAX, "manifest section sizes are u32 on the wire");
 
 // What the encoder takes (and what tensor(i) copies out, for tests and tools).
 struct TensorEntry {

@@ -278,9 +278,9 @@ TEST(SafetensorsHeaderTest, BadTensorNames) {
 
 TEST(SafetensorsHeaderTest, RankOverTheLimit) {
   std::string shape;
-  for (size_t i = 0; i <= kMaxRank; ++i) shape += (i ? ",1" : "1");
+  for (size_t i = 0; i <= kMaxTensorRank; ++i) shape += (i ? ",1" : "1");
   ExpectInvalid("{\"t\":{\"dtype\":\"U8\",\"shape\":[" + shape + "],\"data_offsets\":[0,1]}}", 1,
-                "tensor 't': rank over the limit of 64");
+                "tensor 't': rank over the limit of 8 dimensions");
 }
 
 TEST(SafetensorsHeaderTest, DeeplyNestedUnknownFieldIsBounded) {

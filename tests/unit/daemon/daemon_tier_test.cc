@@ -19,6 +19,7 @@ DaemonOptions OptionsFor(const std::string& runtime_dir, const std::string& conf
   DaemonOptions o;
   o.config.model_id = "tiny";
   o.config.checkpoint_fingerprint = std::string(64, 'a');
+  o.config.checkpoint_files = std::string(64, 'b');
   o.config.tier = config_tier;
   identity::PathOptions paths;
   paths.runtime_dir_flag = runtime_dir;

@@ -19,12 +19,14 @@ using ::testing::SizeIs;
 const std::string kFingerprint(64, 'a');
 const std::string kQuantSha(64, 'b');
 const std::string kShardSha(64, 'c');
+const std::string kFiles(64, '9');
 
 CacheConfig BaseConfig() {
   CacheConfig c;
   c.model_id = "Llama-3.1-8B";
   c.revision = "0e9e39f";
   c.checkpoint_fingerprint = kFingerprint;
+  c.checkpoint_files = kFiles;
   c.dtype = "bf16";
   c.quantization = "fp8";
   c.quantization_config_sha256 = kQuantSha;
@@ -46,7 +48,8 @@ CacheConfig BaseConfig() {
 // covers exactly CacheConfig::FieldNames(), so a new field cannot be forgotten here.
 const std::map<std::string, std::function<void(CacheConfig&)>>& Mutators() {
   static const std::map<std::string, std::function<void(CacheConfig&)>> m = {
-      {"format_version", [](CacheConfig& c) { c.format_version = 2; }},
+      {"format_version", [](CacheConfig& c) { c.format_version = 3; }},
+      {"checkpoint_files", [](CacheConfig& c) { c.checkpoint_files = std::string(64, 'f'); }},
       {"model_id", [](CacheConfig& c) { c.model_id = "Llama-3.1-70B"; }},
       {"revision", [](CacheConfig& c) { c.revision = "main"; }},
       {"checkpoint_fingerprint",
@@ -75,7 +78,7 @@ TEST(CacheConfigTest, FieldListCoversEverySpecFieldAndNoDpRank) {
   std::set<std::string> mutated;
   for (const auto& [name, fn] : Mutators()) mutated.insert(name);
   EXPECT_EQ(names, mutated);
-  EXPECT_EQ(names.size(), 18u);
+  EXPECT_EQ(names.size(), 19u);
   EXPECT_EQ(names.count("dp_rank"), 0u);
   std::set<std::string> json_keys;
   const nlohmann::json json = BaseConfig().ToJson();
@@ -101,8 +104,10 @@ TEST(CacheConfigTest, ConfigsDifferingInAnyOneFieldDoNotMatchAndTheReportNamesIt
     EXPECT_EQ(diffs[0].theirs, theirs.FieldText(field));
     EXPECT_NE(diffs[0].ours, diffs[0].theirs);
     const std::string line = FormatDiffOneLine(diffs);
-    EXPECT_EQ(line,
-              field + ": ours=" + ours.FieldText(field) + " theirs=" + theirs.FieldText(field));
+    const std::string note(FieldNote(field));
+    EXPECT_EQ(line, field + ": ours=" + ours.FieldText(field) + " theirs=" +
+                        theirs.FieldText(field) + (note.empty() ? "" : " (" + note + ")"));
+    EXPECT_EQ(note.empty(), field != "checkpoint_files");
     EXPECT_THAT(FormatDiffMultiLine(diffs), HasSubstr(field));
   }
 }
@@ -126,8 +131,8 @@ TEST(CacheConfigTest, DiffValuesAreRenderedReadably) {
 TEST(CacheConfigTest, CanonicalFormIsSortedCompactJsonAndDigestIsItsSha256) {
   const CacheConfig c = BaseConfig();
   const std::string expected =
-      "{\"checkpoint_fingerprint\":\"" + kFingerprint +
-      "\",\"dp_size\":2,\"dtype\":\"bf16\",\"ep_rank\":0,\"ep_size\":2,\"format_version\":1,"
+      "{\"checkpoint_files\":\"" + kFiles + "\",\"checkpoint_fingerprint\":\"" + kFingerprint +
+      "\",\"dp_size\":2,\"dtype\":\"bf16\",\"ep_rank\":0,\"ep_size\":2,\"format_version\":2,"
       "\"layout_tag\":\"default\",\"model_id\":\"Llama-3.1-8B\",\"pp_rank\":1,\"pp_size\":2,"
       "\"quantization\":\"fp8\",\"quantization_config_sha256\":\"" +
       kQuantSha + "\",\"revision\":\"0e9e39f\",\"shard_rules_digest\":\"" + kShardSha +

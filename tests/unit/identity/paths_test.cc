@@ -28,6 +28,7 @@ CacheConfig Config(uint32_t tp_rank = 0) {
   CacheConfig c;
   c.model_id = "m";
   c.checkpoint_fingerprint = std::string(64, 'a');
+  c.checkpoint_files = std::string(64, 'b');
   c.tp_size = 2;
   c.tp_rank = tp_rank;
   return c;

@@ -366,7 +366,8 @@ TEST_F(ManifestTest, ManifestMemfdMustBeSealedAndExactlyTheAnnouncedSize) {
                       "memfd holds " + std::to_string(bytes_.size()) + " bytes, the reply says " +
                           std::to_string(bytes_.size() - 1));
   ExpectProtocolError(MapManifestMemfd(fd.get(), kMaxManifestSize + 1).status(),
-                      "announced size of 67108865 bytes is outside 32-67108864");
+                      "announced size of " + std::to_string(kMaxManifestSize + 1) +
+                          " bytes is outside 32-" + std::to_string(kMaxManifestSize));
   ExpectProtocolError(MapManifestMemfd(fd.get(), 3).status(), "announced size of 3 bytes");
 
   // Sealed and sized right, but invalid content is still rejected (untrusted).

@@ -1,0 +1,20 @@
+// EscapeForTerminal — the one rule for printing untrusted text (tensor names, metadata, model
+// ids, paths, a daemon's failure reason) in human-readable CLI output: a name holding
+// "\x1b[31m" must print as those characters, never recolour or rewrite the user's terminal.
+// JSON output needs none of this (the JSON encoder escapes control characters).
+//
+// Rule: printable ASCII stays as is, except the backslash, which doubles ("\\"), so an escape
+// in the output is never ambiguous; every other ASCII byte (C0 controls, DEL) becomes \xNN;
+// a well-formed UTF-8 sequence of a code point >= U+00A0 stays as is (names in any script);
+// every byte of a C1 control (U+0080..U+009F, e.g. the 8-bit CSI) or of malformed UTF-8
+// becomes \xNN. Pure function, thread-safe.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace weightcache {
+
+std::string EscapeForTerminal(std::string_view text);
+
+}  // namespace weightcache
