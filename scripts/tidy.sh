@@ -41,6 +41,15 @@ if ((${#files[@]} == 0)); then
   echo "tidy: no sources under ${dirs[*]} in $build/compile_commands.json" >&2
   exit 1
 fi
+# Clang's thread-safety analysis (common/mutex.h annotations) runs as part of the lint:
+# --extra-arg below adds -Wthread-safety, so a guarded member touched without its mutex is a
+# finding. First prove the analysis is live: a known violation must fail to compile.
+if clang++ -std=c++20 -fsyntax-only -Wthread-safety -Werror -I"$root/src" \
+     "$root/tests/static/thread_safety_violation.cc" >/dev/null 2>&1; then
+  echo "tidy: tests/static/thread_safety_violation.cc compiled: the thread-safety analysis" \
+    "is not working" >&2
+  exit 1
+fi
 echo "tidy: $(clang-tidy --version | grep -o 'version [0-9.]*'), ${#files[@]} files, $jobs jobs"
 
 # One clang-tidy per file, its output printed in one piece when it has findings. .clang-tidy
@@ -48,7 +57,7 @@ echo "tidy: $(clang-tidy --version | grep -o 'version [0-9.]*'), ${#files[@]} fi
 # clang-tidy that ignores that setting cannot pass silently.
 lint_one() {
   local out rc=0
-  out=$(clang-tidy -p "$TIDY_BUILD" --quiet \
+  out=$(clang-tidy -p "$TIDY_BUILD" --quiet --extra-arg=-Wthread-safety \
           --header-filter="^$TIDY_ROOT/(src|tools|include/weightcache|python/src)/" "$1" 2>&1) ||
     rc=$?
   if ((rc != 0)) || grep -qE '(warning|error):' <<<"$out"; then

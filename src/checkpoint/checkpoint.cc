@@ -9,7 +9,6 @@
 #include <cerrno>
 #include <exception>
 #include <filesystem>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <system_error>
@@ -20,6 +19,7 @@
 #include "checkpoint/limits.h"
 #include "checkpoint/safetensors.h"
 #include "common/hash.h"
+#include "common/mutex.h"
 #include "os/regular_file.h"
 
 namespace weightcache::checkpoint {
@@ -548,7 +548,7 @@ Status ReadRanges(const Checkpoint& checkpoint, std::span<const ReadRequest> req
 
   std::atomic<uint64_t> next_chunk{0};
   std::atomic<bool> stop{false};
-  std::mutex mu;  // guards first_error and bytes_done, and serialises progress calls
+  Mutex mu;  // guards first_error and bytes_done, and serialises progress calls
   Status first_error;
   uint64_t bytes_done = 0;
 
@@ -563,7 +563,7 @@ Status ReadRanges(const Checkpoint& checkpoint, std::span<const ReadRequest> req
       const uint64_t length = std::min(options.chunk_bytes, r.length - within);
       Status s = PreadExact(checkpoint.shard_fd(r.shard), static_cast<uint8_t*>(r.dest) + within,
                             length, r.offset + within, checkpoint.shards()[r.shard].path);
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(mu);
       if (!s.ok()) {
         if (first_error.ok()) first_error = std::move(s);
         stop.store(true, std::memory_order_relaxed);

@@ -8,6 +8,7 @@
 #include <cerrno>
 
 #include "common/logging.h"
+#include "common/mutex.h"
 #include "os/fd_passing.h"
 
 namespace weightcache::client {
@@ -42,7 +43,7 @@ bool DaemonWatcher::alive() const {
 
 void DaemonWatcher::OnGone(std::function<void()> callback) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!gone_.load(std::memory_order_acquire)) {
       callbacks_.push_back(std::move(callback));
       if (!thread_started_) {
@@ -88,7 +89,7 @@ void DaemonWatcher::Run() {
     if (!closed) continue;
     std::vector<std::function<void()>> callbacks;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       gone_.store(true, std::memory_order_release);
       callbacks.swap(callbacks_);
     }

@@ -17,10 +17,10 @@
 #include <atomic>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/unique_fd.h"
 #include "weightcache/status.h"
 
@@ -45,9 +45,9 @@ class DaemonWatcher {
   UniqueFd connection_;
   UniqueFd wake_;  // eventfd: written by the destructor to stop the thread
   std::atomic<bool> gone_{false};
-  std::mutex mu_;
-  std::vector<std::function<void()>> callbacks_;  // guarded by mu_
-  bool thread_started_ = false;                   // guarded by mu_
+  Mutex mu_;
+  std::vector<std::function<void()>> callbacks_ WEIGHTCACHE_GUARDED_BY(mu_);
+  bool thread_started_ WEIGHTCACHE_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

@@ -3,13 +3,13 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
-#include <mutex>
 
 #include "checkpoint/dtype.h"
 #include "client/attachment_impl.h"
 #include "client/parallel.h"
 #include "common/checksum.h"
 #include "common/hash.h"
+#include "common/mutex.h"
 #include "cuda/checksum_gpu.h"
 
 namespace weightcache::client {
@@ -95,14 +95,14 @@ Result<VerifyReport> VerifyAgainstCheckpoint(const Attachment& attachment,
   const auto& tensors = attachment.tensors();
   const auto& infos = checkpoint.tensors();
   VerifyReport report;
-  std::mutex mu;
+  Mutex mu;
   Status first_error;
   std::vector<uint64_t> file_sums(infos.size());
   ParallelFor(infos.size(), threads, [&](size_t i) {
     thread_local std::vector<uint8_t> buffer;
     buffer.resize(kFileReadPiece);
     auto sum = FileChecksum(checkpoint, infos[i], buffer);
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(mu);
     if (!sum.ok()) {
       if (first_error.ok()) first_error = sum.status();
       return;

@@ -7,16 +7,15 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <limits>
-#include <mutex>
 #include <thread>
 
 #include "common/align.h"
 #include "common/checksum.h"
 #include "common/logging.h"
+#include "common/mutex.h"
 #include "common/unique_fd.h"
 
 namespace weightcache::cuda {
@@ -245,10 +244,10 @@ class UploadRun {
     for (size_t t = 0; t < num_readers; ++t) reader_threads.emplace_back([this] { Reader(); });
     for (std::thread& t : reader_threads) t.join();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       readers_done_ = true;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
     for (std::thread& t : hasher_threads) t.join();
   }
 
@@ -257,10 +256,10 @@ class UploadRun {
   Status Drain() {
     for (const CudaStream& s : r_.streams) {
       CUresult rc = r_.api->cuStreamSynchronize(s.get());
-      if (rc != CUDA_SUCCESS && first_error_.ok()) {
-        first_error_ = DriverError(r_.api, rc, "cuStreamSynchronize after the upload copies");
-      }
+      if (rc != CUDA_SUCCESS)
+        Fail(DriverError(r_.api, rc, "cuStreamSynchronize after the upload copies"));
     }
+    MutexLock lock(mu_);
     return first_error_;
   }
 
@@ -299,8 +298,8 @@ class UploadRun {
   bool WaitForSlot(size_t b, size_t slot) {
     const size_t n = r_.buffers.size();
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_.load() || slot_fills_[slot] == b / n; });
+      MutexLock lock(mu_);
+      while (!stop_.load() && slot_fills_[slot] != b / n) cv_.Wait(mu_);
       if (stop_.load()) return false;
     }
     if (b < n) return true;
@@ -375,10 +374,10 @@ class UploadRun {
   void HandOff(size_t b, size_t slot) {
     if (chunks_ == nullptr) return ReleaseSlot(slot);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       hash_queue_.push_back(b);
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
   }
 
   // Chunk hashes of each filled staging buffer, then the buffer's release.
@@ -386,8 +385,8 @@ class UploadRun {
     for (;;) {
       size_t b = 0;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_.load() || !hash_queue_.empty() || readers_done_; });
+        MutexLock lock(mu_);
+        while (!stop_.load() && hash_queue_.empty() && !readers_done_) cv_.Wait(mu_);
         if (stop_.load() || hash_queue_.empty()) return;
         b = hash_queue_.front();
         hash_queue_.pop_front();
@@ -403,25 +402,25 @@ class UploadRun {
 
   void Fail(Status s) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (first_error_.ok()) first_error_ = std::move(s);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
   }
 
   // A staging buffer's batch is done on the host: the next batch of that slot may wait on its
   // event and refill it.
   void ReleaseSlot(size_t slot) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       ++slot_fills_[slot];
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
   }
 
   void ReportProgress(uint64_t bytes) {
-    std::lock_guard<std::mutex> lock(progress_mu_);
+    MutexLock lock(progress_mu_);
     bytes_done_ += bytes;
     if (control_.progress) control_.progress(bytes_done_, total_);
   }
@@ -435,16 +434,18 @@ class UploadRun {
   const UploadControl& control_;
   const uint64_t total_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<size_t> slot_fills_;  // batches finished on the host, per slot (under mu_)
-  std::deque<size_t> hash_queue_;   // filled batches waiting for their checksums (under mu_)
-  bool readers_done_ = false;       // (under mu_)
-  Status first_error_;              // (under mu_ while threads run)
+  Mutex mu_;
+  CondVar cv_;
+  // Batches finished on the host, per slot.
+  std::vector<size_t> slot_fills_ WEIGHTCACHE_GUARDED_BY(mu_);
+  // Filled batches waiting for their checksums.
+  std::deque<size_t> hash_queue_ WEIGHTCACHE_GUARDED_BY(mu_);
+  bool readers_done_ WEIGHTCACHE_GUARDED_BY(mu_) = false;
+  Status first_error_ WEIGHTCACHE_GUARDED_BY(mu_);
   std::atomic<size_t> next_batch_{0};
   std::atomic<bool> stop_{false};
-  std::mutex progress_mu_;
-  uint64_t bytes_done_ = 0;  // (under progress_mu_)
+  Mutex progress_mu_;
+  uint64_t bytes_done_ WEIGHTCACHE_GUARDED_BY(progress_mu_) = 0;
 };
 
 }  // namespace

@@ -18,6 +18,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "common/logging.h"
+#include "common/mutex.h"
 #include "daemon/byte_size.h"
 #include "daemon/load_memory.h"
 #include "os/fd_passing.h"
@@ -214,7 +215,7 @@ void Daemon::LoaderMain() {
            << " tier: load memory: " << (memory.empty() ? "" : memory + "; ")
            << "released=" << DescribeProcessMemory(ReadProcessMemory());
   {
-    std::lock_guard<std::mutex> lock(result_mu_);
+    MutexLock lock(result_mu_);
     load_result_.emplace(std::move(result));
     load_finished_ = true;
   }
@@ -243,14 +244,14 @@ Result<std::unique_ptr<WeightStore>> Daemon::Load(std::string* memory) {
   bytes_total_.store(checkpoint.total_bytes());
 
   // Throttle wakeups: about every 1 % or 250 ms, whichever comes first.
-  std::mutex progress_mu;
+  Mutex progress_mu;
   uint64_t last_reported = 0;
   Clock::time_point last_time = Clock::now();
   LoadControl control;
   control.cancel = &cancel_;
   control.progress = [&](uint64_t done, uint64_t total) {
     bytes_done_.store(done);
-    std::lock_guard<std::mutex> lock(progress_mu);
+    MutexLock lock(progress_mu);
     const auto now = Clock::now();
     if (done - std::min(done, last_reported) >= total / 100 ||
         now - last_time >= std::chrono::milliseconds(250) || done == total) {
@@ -354,7 +355,7 @@ void Daemon::OnLoaderWakeup() {
   (void)n;  // EAGAIN: a spurious wakeup; the state below is what matters
   std::optional<Result<std::unique_ptr<WeightStore>>> result;
   {
-    std::lock_guard<std::mutex> lock(result_mu_);
+    MutexLock lock(result_mu_);
     if (load_finished_ && load_result_) {
       result = std::move(load_result_);
       load_result_.reset();

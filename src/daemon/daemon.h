@@ -43,12 +43,12 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/unique_fd.h"
 #include "daemon/weight_store.h"
 #include "identity/cache_config.h"
@@ -192,9 +192,10 @@ class Daemon {
   std::atomic<bool> cancel_{false};
   std::atomic<uint64_t> bytes_done_{0};
   std::atomic<uint64_t> bytes_total_{0};
-  std::mutex result_mu_;
-  bool load_finished_ = false;                                       // guarded by result_mu_
-  std::optional<Result<std::unique_ptr<WeightStore>>> load_result_;  // guarded by result_mu_
+  Mutex result_mu_;
+  bool load_finished_ WEIGHTCACHE_GUARDED_BY(result_mu_) = false;
+  std::optional<Result<std::unique_ptr<WeightStore>>> load_result_
+      WEIGHTCACHE_GUARDED_BY(result_mu_);
   std::thread loader_;
 };
 

@@ -19,7 +19,6 @@
 #include <cerrno>
 #include <chrono>
 #include <memory>
-#include <mutex>
 #include <numeric>
 #include <span>
 #include <string>
@@ -28,6 +27,7 @@
 #include "checkpoint/arena_plan.h"
 #include "common/checksum.h"
 #include "common/logging.h"
+#include "common/mutex.h"
 #include "daemon/load_memory.h"
 #include "daemon/weight_store.h"
 #include "os/memfd.h"
@@ -152,7 +152,7 @@ Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint&
   const auto read_start = std::chrono::steady_clock::now();
   std::atomic<size_t> next_item{0};
   std::atomic<bool> stop{false};
-  std::mutex mu;  // guards first_error and done, and serialises progress calls
+  Mutex mu;  // guards first_error and done, and serialises progress calls
   Status first_error;
   uint64_t done = 0;
 
@@ -195,7 +195,7 @@ Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint&
                                    : load_range(i, 0, sizes[i], bounce.get());
         }
       }
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(mu);
       if (!status.ok()) {
         if (first_error.ok()) first_error = std::move(status);
         stop.store(true, std::memory_order_relaxed);

@@ -24,9 +24,6 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 constexpr uint64_t kSignalTag = UINT64_MAX;
-// What a daemon exits with when another daemon holds its identity (SPEC §5).
-constexpr int kAlreadyServedExit = 7;
-constexpr int kInvalidCheckpointExit = 5;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -294,7 +291,7 @@ Status Launcher::FailureFor(size_t index) const {
   const pid_t pid = d.child ? d.child->pid() : -1;
   const std::string who = Describe(d.spec, pid);
   if (d.exit) {
-    if (d.exit->exited() && d.exit->exit_code == kAlreadyServedExit) {
+    if (d.exit->exited() && d.exit->exit_code == kExitAlreadyServed) {
       return Status(StatusCode::kAlreadyServed,
                     "daemon " + who +
                         " exited with code 7: its identity is already served by another daemon" +
@@ -303,7 +300,7 @@ Status Launcher::FailureFor(size_t index) const {
     }
     // A daemon that found its checkpoint invalid (serve's exit 5) makes the launch exit 5 too:
     // restarting or retrying elsewhere will not help, and scripts can tell it apart.
-    const StatusCode code = d.exit->exited() && d.exit->exit_code == kInvalidCheckpointExit
+    const StatusCode code = d.exit->exited() && d.exit->exit_code == kExitInvalidCheckpoint
                                 ? StatusCode::kInvalidCheckpoint
                                 : StatusCode::kUnavailable;
     return Status(code, "daemon " + who + " died before it was ready: " + d.exit->ToString() +

@@ -12,12 +12,13 @@
 //  * Liveness is each child's pidfd in one epoll set; signals arrive through a signalfd the
 //    caller (main) owns and passes to Run(). The library installs no signal handlers.
 //  * The daemon's state comes through StateProbe (the protocol's Status request on its
-//    socket) and lock ownership through LockProbe (flock-based IsLockHeld); both are seams so
-//    the lifecycle is testable with plain processes standing in for daemons.
+//    socket) and lock ownership through LockProbe (IsLockHeld, an F_OFD_GETLK probe that never
+//    takes the lock); both are seams so the lifecycle is testable with plain processes standing in
+//    for daemons.
 //  * A stale socket (one whose lock is not held) is removed before a daemon starts, when its
 //    path is known then, and after it stops; a socket with a held lock is never touched.
 //    Lock files are never unlinked (os/lock_file.h: that would race a new acquirer); only
-//    their flock state matters.
+//    their lock state matters.
 //  * Not thread-safe: Run() drives everything on the calling thread.
 #pragma once
 
@@ -49,7 +50,7 @@ struct ProbeReport {
 // Ask the daemon at `socket_path` for its state. Any error (no socket yet, connection
 // refused) means "not answering yet"; the launcher keeps polling until its deadline.
 using StateProbe = std::function<Result<ProbeReport>(const std::string& socket_path)>;
-// Whether some live process holds the flock on `lock_path` (false when the file is absent).
+// Whether some live process holds the OFD lock on `lock_path` (false when the file is absent).
 using LockProbe = std::function<Result<bool>(const std::string& lock_path)>;
 
 struct PublishedPaths {

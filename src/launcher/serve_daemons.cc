@@ -93,7 +93,7 @@ std::optional<PublishedPaths> LocatePublishedSocket(const std::string& runtime_d
   if (!sockets.ok()) return std::nullopt;
   for (const std::string& socket : *sockets) {
     const std::string lock = LockPathFor(socket);
-    // The recorded owner alone could be a previous holder's; the flock makes it current.
+    // The recorded owner alone could be a previous holder's; the held OFD lock makes it current.
     if (os::ReadLockOwner(lock) == pid && os::IsLockHeld(lock)) {
       return PublishedPaths{socket, lock};
     }

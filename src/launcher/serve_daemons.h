@@ -1,6 +1,6 @@
 // The launcher's view of real `weightcache serve` daemons: their command lines, their log
 // files, and the three seams of launcher.h implemented against the protocol (Status request),
-// flock (IsLockHeld) and the lock file's recorded owner pid.
+// OFD lock (IsLockHeld) and the lock file's recorded owner pid.
 //
 // Contract:
 //  * BuildDaemonSpecs is pure. Each daemon runs `<exe> serve` with every identity flag of the
