@@ -530,9 +530,9 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
                            MismatchDetails* mismatch) {
   const Deadlines deadlines(policy);
   const std::string& socket = id.paths.socket;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(Probe probe,
-                               ProbeSocket(socket, id.paths.lock, id.config, policy,
-                                           id.trusted_uids, deadlines, Pipeline::kHelloThenAttach));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      Probe probe, ProbeSocket(socket, id.paths.lock, id.config, policy, id.trusted_uids, deadlines,
+                               Pipeline::kHelloThenAttach));
   if (probe.state == SocketState::kHung) return Missing(probe.why, StatusCode::kTimeout);
   if (probe.state != SocketState::kLive) {
     if (!id.paths.explicit_socket) {
