@@ -285,10 +285,10 @@ int TensorTraverse(PyObject* self, visitproc visit, void* arg) {
   return 0;
 }
 
-PyType_Slot kAttachmentSlots[] = {{Py_tp_traverse, reinterpret_cast<void*>(AttachmentTraverse)},
+PyType_Slot attachment_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(AttachmentTraverse)},
                                   {Py_tp_clear, reinterpret_cast<void*>(AttachmentClear)},
                                   {0, nullptr}};
-PyType_Slot kTensorSlots[] = {{Py_tp_traverse, reinterpret_cast<void*>(TensorTraverse)},
+PyType_Slot tensor_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(TensorTraverse)},
                               {0, nullptr}};
 
 // ---- status codes -----------------------------------------------------------------------------
@@ -431,7 +431,7 @@ NB_MODULE(_weightcache, m) {
           "by then is treated as absent.")
       .def_rw("fallback_threads", &AttachOptions::fallback_threads);
 
-  nb::class_<PyTensor>(m, "Tensor", nb::type_slots(kTensorSlots),
+  nb::class_<PyTensor>(m, "Tensor", nb::type_slots(tensor_slots),
                        "One tensor of an Attachment: metadata plus zero-copy DLPack export. "
                        "Keeps its Attachment alive.")
       .def_prop_ro("name", [](const PyTensor& t) { return t.info->name; })
@@ -501,7 +501,7 @@ NB_MODULE(_weightcache, m) {
       });
 
   nb::class_<PyAttachment>(m, "Attachment", nb::is_weak_referenceable(),
-                           nb::type_slots(kAttachmentSlots),
+                           nb::type_slots(attachment_slots),
                            "Weights mapped from a daemon, or loaded from disk (fallback). The "
                            "memory lives as long as this object or any tensor exported from it.")
       .def_prop_ro("tier",
