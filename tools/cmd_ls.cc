@@ -38,7 +38,7 @@ identity::CacheConfig ObserverConfig() {
   c.model_id = "weightcache-ls";
   c.checkpoint_fingerprint = std::string(64, '0');
   c.checkpoint_files = std::string(64, '0');
-  c.tier = "host";  // any valid tier: this config is never meant to match
+  c.tier = Tier::kHost;  // any valid tier: this config is never meant to match
   return c;
 }
 
@@ -61,7 +61,7 @@ nlohmann::json Describe(const identity::SocketEntry& entry, std::chrono::millise
     WEIGHTCACHE_ASSIGN_OR_RETURN(auto st, conn.QueryStatus(os::Deadline::After(timeout)));
     row["state"] = std::string(protocol::CacheStateName(st.state));
     row["pid"] = st.pid;
-    row["tier"] = std::string(protocol::TierName(st.tier));
+    row["tier"] = std::string(TierName(st.tier));
     row["device"] = st.device_uuid;
     row["model_id"] = st.model_id;
     row["digest"] = st.config_digest;

@@ -47,7 +47,7 @@ int Run(PathsArgs& args) {
         {"runtime_dir", p.runtime_dir},
         {"runtime_dir_origin", p.runtime_dir_origin},
         {"namespace", p.namespace_name},
-        {"tier", id->config.tier},
+        {"tier", std::string(TierName(id->config.tier))},
         {"device_key", p.device_key},
         {"device", id->device ? DeviceJson(*id->device) : nlohmann::json(nullptr)},
         {"digest", p.digest},

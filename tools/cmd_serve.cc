@@ -134,7 +134,6 @@ int Run(ServeArgs& args) {
   options.config = id->config;
   options.paths = id->paths;
   options.model_path = args.identity.model_dir;
-  options.tier = args.identity.tier == Tier::kHost ? protocol::Tier::kHost : protocol::Tier::kGpu;
   options.device_key = id->device_key;
   options.load.threads = args.threads;
   options.load.cache_name = "weightcache:" + id->config.ShortDigest();
@@ -168,7 +167,7 @@ int Run(ServeArgs& args) {
              << options.config.tp_rank << "/" << options.config.tp_size << " pp "
              << options.config.pp_rank << "/" << options.config.pp_size << " ep "
              << options.config.ep_rank << "/" << options.config.ep_size << ", tier "
-             << protocol::TierName(options.tier) << ", device " << device << ", digest "
+             << TierName(options.config.tier) << ", device " << device << ", digest "
              << options.config.ShortDigest() << ", socket " << options.paths.socket << ", pid "
              << ::getpid();
   }

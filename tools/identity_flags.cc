@@ -79,12 +79,9 @@ CLI::Option* Register(CLI::App* sub, const IdentityFlag& f, const std::string& n
       // By name only: a transformer onto the enum would also accept its integer values ("1").
       return sub
           ->add_option_function<std::string>(
-              names,
-              [o = o, m](const std::string& tier) {
-                o->*m = tier == "host" ? Tier::kHost : Tier::kGpu;
-              },
-              help)
-          ->check(CLI::IsMember({"gpu", "host"}));
+              names, [o = o, m](const std::string& tier) { o->*m = ParseTier(tier).value(); }, help)
+          ->check(CLI::IsMember(
+              {std::string(TierName(Tier::kGpu)), std::string(TierName(Tier::kHost))}));
     }
   };
   CLI::Option* opt = std::visit(Visitor{sub, names, f.help, o}, f.field);

@@ -53,16 +53,13 @@
 #include <vector>
 
 #include "weightcache/status.h"
+#include "weightcache/tier.h"  // Tier, TierName, ParseTier
 
 namespace weightcache {
 
 namespace client {
 struct AttachmentAccess;  // the library's internal constructor (src/client)
 }  // namespace client
-
-// Where the weights live: device memory of one GPU, or shared host memory (memfd).
-enum class Tier { kGpu, kHost };
-std::string_view TierName(Tier tier);  // "gpu" | "host"
 
 // What to do when no daemon serves this identity (absent, stale, failed, still loading).
 enum class OnMissing { kFallback, kError };

@@ -306,9 +306,8 @@ std::vector<std::tuple<int, std::string, std::string, int, std::string>> StatusC
 
 // ---- options ----------------------------------------------------------------------------------
 
-Tier ParseTier(const std::string& s) {
-  if (s == "gpu") return Tier::kGpu;
-  if (s == "host") return Tier::kHost;
+Tier TierFromPython(const std::string& s) {
+  if (const std::optional<Tier> tier = ParseTier(s)) return *tier;
   throw nb::value_error(("tier must be \"gpu\" or \"host\", not \"" + s + "\"").c_str());
 }
 
@@ -402,7 +401,7 @@ NB_MODULE(_weightcache, m) {
       .def_rw("checkpoint_fingerprint", &AttachOptions::checkpoint_fingerprint)
       .def_prop_rw(
           "tier", [](const AttachOptions& o) { return std::string(TierName(o.tier)); },
-          [](AttachOptions& o, const std::string& s) { o.tier = ParseTier(s); })
+          [](AttachOptions& o, const std::string& s) { o.tier = TierFromPython(s); })
       .def_rw("device", &AttachOptions::device)
       .def_rw("namespace", &AttachOptions::namespace_name)
       .def_rw("runtime_dir", &AttachOptions::runtime_dir)

@@ -14,8 +14,6 @@
 
 namespace weightcache {
 
-std::string_view TierName(Tier tier) { return tier == Tier::kGpu ? "gpu" : "host"; }
-
 std::string_view AttachSourceName(AttachSource source) {
   return source == AttachSource::kDaemon ? "daemon" : "fallback";
 }
@@ -28,15 +26,15 @@ namespace {
 // reported as the mismatch of that field, like any other.
 Status CheckTier(const protocol::AttachReply& reply, Tier want, const std::string& who,
                  const std::string& socket, int64_t pid, MismatchDetails* mismatch) {
-  const protocol::Tier theirs = reply.manifest.tier();
-  if (theirs == (want == Tier::kGpu ? protocol::Tier::kGpu : protocol::Tier::kHost)) {
+  const Tier theirs = reply.manifest.tier();
+  if (theirs == want) {
     return Status::Ok();
   }
   // Spelt as CacheConfig::FieldText spells the tier field (a JSON string).
   const auto quoted = [](std::string_view name) { return "\"" + std::string(name) + "\""; };
   MismatchDetails details;
   details.fields.push_back(ToConfigFieldDiff(
-      identity::FieldDiff{"tier", quoted(TierName(want)), quoted(protocol::TierName(theirs))}));
+      identity::FieldDiff{"tier", quoted(TierName(want)), quoted(TierName(theirs))}));
   details.daemon_socket = socket;
   details.daemon_pid = static_cast<int>(pid);
   Status status = MismatchStatus(who, details);

@@ -37,6 +37,15 @@ wc_status_code Report(const Status& status, wc_error* err) {
 
 std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
 
+// wc_tier <-> weightcache::Tier: the C ABI's one mapping (a value other than WC_TIER_HOST
+// selects the gpu tier, the C default).
+weightcache::Tier TierFromC(wc_tier tier) {
+  return tier == WC_TIER_HOST ? weightcache::Tier::kHost : weightcache::Tier::kGpu;
+}
+wc_tier TierToC(weightcache::Tier tier) {
+  return tier == weightcache::Tier::kHost ? WC_TIER_HOST : WC_TIER_GPU;
+}
+
 // Tensor::name and ::dtype are NUL-terminated views (client.h), so they pass as C strings.
 void Fill(const weightcache::Tensor& t, wc_tensor* out) {
   out->name = t.name.data();
@@ -61,7 +70,7 @@ void wc_attach_options_init(wc_attach_options* options) {
   options->pp_size = defaults.pp_size;
   options->ep_size = defaults.ep_size;
   options->dp_size = defaults.dp_size;
-  options->tier = WC_TIER_GPU;
+  options->tier = TierToC(defaults.tier);
   options->on_missing = WC_ON_MISSING_FALLBACK;
   options->on_mismatch = WC_ON_MISMATCH_ERROR;
   options->wait_timeout_ms = defaults.wait_timeout.count();
@@ -89,7 +98,7 @@ wc_status_code wc_attach(const wc_attach_options* options, wc_attachment** out, 
   o.dp_size = options->dp_size;
   o.layout_tag = Str(options->layout_tag);
   if (options->source != nullptr) o.source = options->source;
-  o.tier = options->tier == WC_TIER_HOST ? weightcache::Tier::kHost : weightcache::Tier::kGpu;
+  o.tier = TierFromC(options->tier);
   o.device = Str(options->device);
   o.namespace_name = Str(options->namespace_name);
   o.runtime_dir = Str(options->runtime_dir);
@@ -148,9 +157,7 @@ wc_source wc_attachment_source(const wc_attachment* a) {
   return a->attachment.source() == weightcache::AttachSource::kDaemon ? WC_SOURCE_DAEMON
                                                                       : WC_SOURCE_FALLBACK;
 }
-wc_tier wc_attachment_tier(const wc_attachment* a) {
-  return a->attachment.tier() == weightcache::Tier::kHost ? WC_TIER_HOST : WC_TIER_GPU;
-}
+wc_tier wc_attachment_tier(const wc_attachment* a) { return TierToC(a->attachment.tier()); }
 uint64_t wc_attachment_total_bytes(const wc_attachment* a) { return a->attachment.total_bytes(); }
 const char* wc_attachment_source_reason(const wc_attachment* a) {
   return a->attachment.source_reason().c_str();

@@ -464,7 +464,7 @@ Result<identity::CacheConfig> BuildCacheConfig(const AttachOptions& options,
   WEIGHTCACHE_ASSIGN_OR_RETURN(c.dp_size, Rank("dp_size", options.dp_size));
   if (!options.layout_tag.empty()) c.layout_tag = options.layout_tag;
   if (!options.source.empty()) c.source = options.source;
-  c.tier = std::string(TierName(options.tier));
+  c.tier = options.tier;
   WEIGHTCACHE_RETURN_IF_ERROR(c.Validate());
   return c;
 }

@@ -134,14 +134,6 @@ void Daemon::PublishedSocket::Withdraw() {
 // ---- construction -----------------------------------------------------------------------------
 
 Result<std::unique_ptr<Daemon>> Daemon::Create(DaemonOptions options) {
-  // The tier is part of the identity (config.tier, hence the socket path and the Hello match)
-  // and also picks the store the loader fills: a daemon whose two disagree would publish a
-  // cache of one tier under the other's name, so it never starts.
-  if (options.config.tier != protocol::TierName(options.tier)) {
-    return InvalidArgument("daemon: the config names the " + options.config.tier +
-                           " tier but the daemon would load the " +
-                           std::string(protocol::TierName(options.tier)) + " tier");
-  }
   const identity::CachePaths& paths = options.paths;
   // A daemon that serves other uids opens its directories and socket to them (0755, 0666):
   // who may talk to it is then decided by SO_PEERCRED against the allow lists (PeerAllowed).
@@ -211,7 +203,7 @@ void Daemon::LoaderMain() {
   // included, and a failed load's allocations too (a failed daemon lingers): give the pages
   // back here, on the loader thread, once (load_memory.h).
   ReleaseLoadMemory();
-  LOG_INFO << protocol::TierName(options_.tier)
+  LOG_INFO << TierName(options_.config.tier)
            << " tier: load memory: " << (memory.empty() ? "" : memory + "; ")
            << "released=" << DescribeProcessMemory(ReadProcessMemory());
   {
@@ -262,7 +254,7 @@ Result<std::unique_ptr<WeightStore>> Daemon::Load(std::string* memory) {
   };
   LoadOptions load = options_.load;
   Result<std::unique_ptr<WeightStore>> store = [&] {
-    if (options_.tier == protocol::Tier::kHost) {
+    if (options_.config.tier == Tier::kHost) {
       return LoadHostStore(checkpoint, load, control, memory);
     }
     load.device_uuid = options_.device_key;
@@ -702,7 +694,7 @@ protocol::StatusReply Daemon::MakeStatusReply() const {
     reply.failure_reason = failure_.ToString();
     if (state_ == CacheState::kFailed) reply.failure_code = failure_.code();
   }
-  reply.tier = options_.tier;
+  reply.tier = options_.config.tier;
   reply.device_uuid = options_.device_key;
   reply.model_id = options_.config.model_id;
   if (store_) {

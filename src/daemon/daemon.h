@@ -61,10 +61,9 @@
 namespace weightcache::daemon {
 
 struct DaemonOptions {
-  identity::CacheConfig config;
+  identity::CacheConfig config;  // config.tier picks the store the loader fills
   identity::CachePaths paths;
   std::string model_path;  // the checkpoint (file or directory) behind config's fingerprint
-  protocol::Tier tier = protocol::Tier::kHost;
   std::string device_key = "host";  // the device UUID, or "host"
   LoadOptions load;                 // threads, memory budget, device
   // Peers allowed besides our own uid (SO_PEERCRED). Stop is only ever accepted from our uid.

@@ -65,7 +65,7 @@ Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& 
   for (size_t idx : order) sizes.push_back(tensors[idx].nbytes);
   const checkpoint::ArenaPlan plan = checkpoint::PlanArena(sizes, granularity);
   WEIGHTCACHE_RETURN_IF_ERROR(CheckMemoryBudget(
-      protocol::Tier::kGpu, plan.total_bytes, plan.allocation_bytes.size(), options.memory_budget));
+      Tier::kGpu, plan.total_bytes, plan.allocation_bytes.size(), options.memory_budget));
   if (plan.allocation_bytes.empty()) {
     return InvalidArgument("gpu tier: checkpoint " + checkpoint.path() +
                            " holds no bytes to place on the device");
@@ -144,9 +144,9 @@ Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& 
   placements.reserve(order.size());
   for (const auto& p : plan.placements) placements.push_back({p.allocation, p.offset});
   StoreSummary summary;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(summary.manifest,
-                               BuildManifest(protocol::Tier::kGpu, checkpoint, order, placements,
-                                             checksums, allocation_sizes));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      summary.manifest,
+      BuildManifest(Tier::kGpu, checkpoint, order, placements, checksums, allocation_sizes));
   summary.tensor_count = order.size();
   summary.tensor_bytes = checkpoint.total_bytes();
   summary.resident_bytes = arena->total_bytes();
@@ -155,8 +155,8 @@ Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& 
   // memory and driver host memory a context costs — for the life of the cache.
   // The fds alone serve: no mapping, no handle, no CUDA context. The device memory lives
   // while any fd does — ours, or the duplicates attached clients received.
-  return std::unique_ptr<WeightStore>(new FdStore(
-      protocol::Tier::kGpu, std::move(arena).value().ReleaseToFds(), std::move(summary)));
+  return std::unique_ptr<WeightStore>(
+      new FdStore(Tier::kGpu, std::move(arena).value().ReleaseToFds(), std::move(summary)));
 }
 
 }  // namespace weightcache::daemon

@@ -122,9 +122,8 @@ Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint&
   // Page granularity: a memfd is sized in pages anyway, and mmap needs page-aligned lengths.
   const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   const checkpoint::ArenaPlan plan = checkpoint::PlanArena(sizes, page);
-  WEIGHTCACHE_RETURN_IF_ERROR(CheckMemoryBudget(protocol::Tier::kHost, plan.total_bytes,
-                                                plan.allocation_bytes.size(),
-                                                options.memory_budget));
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckMemoryBudget(
+      Tier::kHost, plan.total_bytes, plan.allocation_bytes.size(), options.memory_budget));
 
   std::vector<UniqueFd> memfds;
   for (size_t a = 0; a < plan.allocation_bytes.size(); ++a) {
@@ -248,7 +247,7 @@ Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint&
   }
   StoreSummary summary;
   WEIGHTCACHE_ASSIGN_OR_RETURN(summary.manifest,
-                               BuildManifest(protocol::Tier::kHost, checkpoint, by_name, placements,
+                               BuildManifest(Tier::kHost, checkpoint, by_name, placements,
                                              checksums_by_name, plan.allocation_bytes));
   summary.tensor_count = order.size();
   summary.tensor_bytes = total;
@@ -260,7 +259,7 @@ Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint&
            << MsSince(start) << " ms";
   *memory = "loaded=" + DescribeProcessMemory(ReadProcessMemory());
   return std::unique_ptr<WeightStore>(
-      new FdStore(protocol::Tier::kHost, std::move(memfds), std::move(summary)));
+      new FdStore(Tier::kHost, std::move(memfds), std::move(summary)));
 }
 
 }  // namespace weightcache::daemon

@@ -9,15 +9,13 @@
 
 namespace weightcache::daemon {
 
-Status CheckMemoryBudget(protocol::Tier tier, uint64_t plan_bytes, size_t allocations,
-                         uint64_t budget) {
+Status CheckMemoryBudget(Tier tier, uint64_t plan_bytes, size_t allocations, uint64_t budget) {
   if (budget == 0 || plan_bytes <= budget) return Status::Ok();
   return Status(StatusCode::kOutOfMemory,
-                std::string(protocol::TierName(tier)) + " tier plan needs " +
-                    std::to_string(plan_bytes) + " bytes (" + FormatBytes(plan_bytes) + " in " +
-                    std::to_string(allocations) + " allocation(s)), over the memory budget of " +
-                    std::to_string(budget) + " bytes (" + FormatBytes(budget) +
-                    ", --memory-budget)");
+                std::string(TierName(tier)) + " tier plan needs " + std::to_string(plan_bytes) +
+                    " bytes (" + FormatBytes(plan_bytes) + " in " + std::to_string(allocations) +
+                    " allocation(s)), over the memory budget of " + std::to_string(budget) +
+                    " bytes (" + FormatBytes(budget) + ", --memory-budget)");
 }
 
 std::vector<size_t> FileOrder(const checkpoint::Checkpoint& checkpoint) {
@@ -32,7 +30,7 @@ std::vector<size_t> FileOrder(const checkpoint::Checkpoint& checkpoint) {
   return order;
 }
 
-Result<ManifestFile> BuildManifest(protocol::Tier tier, const checkpoint::Checkpoint& checkpoint,
+Result<ManifestFile> BuildManifest(Tier tier, const checkpoint::Checkpoint& checkpoint,
                                    const std::vector<size_t>& order,
                                    const std::vector<PlacedTensor>& placements,
                                    const std::vector<uint64_t>& checksums,

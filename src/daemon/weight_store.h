@@ -59,7 +59,7 @@ class WeightStore {
   WeightStore(const WeightStore&) = delete;
   WeightStore& operator=(const WeightStore&) = delete;
 
-  virtual protocol::Tier tier() const = 0;
+  virtual Tier tier() const = 0;
   // Borrowed, one per allocation, in manifest order.
   virtual std::vector<int> fds() const = 0;
 
@@ -100,10 +100,10 @@ Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& 
 // VMM fds with no mapping or context left in the daemon) — the fds alone keep the memory.
 class FdStore final : public WeightStore {
  public:
-  FdStore(protocol::Tier tier, std::vector<UniqueFd> fds, StoreSummary summary)
+  FdStore(Tier tier, std::vector<UniqueFd> fds, StoreSummary summary)
       : WeightStore(std::move(summary)), tier_(tier), fds_(std::move(fds)) {}
 
-  protocol::Tier tier() const override { return tier_; }
+  Tier tier() const override { return tier_; }
   std::vector<int> fds() const override {
     std::vector<int> fds;
     fds.reserve(fds_.size());
@@ -112,14 +112,13 @@ class FdStore final : public WeightStore {
   }
 
  private:
-  protocol::Tier tier_;
+  Tier tier_;
   std::vector<UniqueFd> fds_;
 };
 
 // Budget check shared by both tiers: kOutOfMemory "<tier> plan needs X (N allocations), over
 // the memory budget of Y (--memory-budget)".
-Status CheckMemoryBudget(protocol::Tier tier, uint64_t plan_bytes, size_t allocations,
-                         uint64_t budget);
+Status CheckMemoryBudget(Tier tier, uint64_t plan_bytes, size_t allocations, uint64_t budget);
 
 // The order tensors are packed in: by (shard, offset), i.e. file order, so reads and writes
 // both stream. Indices into checkpoint.tensors().
@@ -133,7 +132,7 @@ struct PlacedTensor {
   uint32_t allocation = 0;
   uint64_t offset = 0;
 };
-Result<ManifestFile> BuildManifest(protocol::Tier tier, const checkpoint::Checkpoint& checkpoint,
+Result<ManifestFile> BuildManifest(Tier tier, const checkpoint::Checkpoint& checkpoint,
                                    const std::vector<size_t>& order,
                                    const std::vector<PlacedTensor>& placements,
                                    const std::vector<uint64_t>& checksums,

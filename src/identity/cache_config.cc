@@ -4,6 +4,7 @@
 #include <array>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
 #include "common/hash.h"
@@ -14,10 +15,12 @@ namespace {
 // One row per field, in canonical (sorted) order. ToJson, FromJson, Diff and FieldText all
 // walk this table, so a field added to the struct but not here is caught by the unit test
 // that compares FieldNames() with the JSON keys.
+// Exactly one of str, num and tier is set; the tier is spelt TierName() in JSON.
 struct Field {
   std::string_view name;
   std::string CacheConfig::*str = nullptr;
   uint32_t CacheConfig::*num = nullptr;
+  Tier CacheConfig::*tier = nullptr;
 };
 
 constexpr std::array<Field, 19> kFields = {{
@@ -37,7 +40,7 @@ constexpr std::array<Field, 19> kFields = {{
     {"revision", &CacheConfig::revision, nullptr},
     {"shard_rules_digest", &CacheConfig::shard_rules_digest, nullptr},
     {"source", &CacheConfig::source, nullptr},
-    {"tier", &CacheConfig::tier, nullptr},
+    {"tier", nullptr, nullptr, &CacheConfig::tier},
     {"tp_rank", nullptr, &CacheConfig::tp_rank},
     {"tp_size", nullptr, &CacheConfig::tp_size},
 }};
@@ -91,6 +94,8 @@ nlohmann::json CacheConfig::ToJson() const {
   for (const Field& f : kFields) {
     if (f.str != nullptr) {
       j[std::string(f.name)] = this->*f.str;
+    } else if (f.tier != nullptr) {
+      j[std::string(f.name)] = std::string(TierName(this->*f.tier));
     } else {
       j[std::string(f.name)] = this->*f.num;
     }
@@ -108,6 +113,7 @@ std::string CacheConfig::FieldText(std::string_view field) const {
   for (const Field& f : kFields) {
     if (f.name != field) continue;
     if (f.str != nullptr) return JsonDump(nlohmann::json(this->*f.str));
+    if (f.tier != nullptr) return JsonDump(nlohmann::json(std::string(TierName(this->*f.tier))));
     return std::to_string(this->*f.num);
   }
   return "";
@@ -149,8 +155,9 @@ Status CacheConfig::Validate() const {
                       "must be \"disk\" or \"published:<producer tag>\" (got \"" + source + "\")");
   }
   if (!IsTagChars(layout_tag)) return FieldError("layout_tag", "must match [A-Za-z0-9._-]+");
-  if (tier != "gpu" && tier != "host") {
-    return FieldError("tier", "must be \"gpu\" or \"host\" (got \"" + tier + "\")");
+  if (!ParseTier(TierName(tier))) {  // a value cast from outside the enum
+    return FieldError("tier", "must be \"gpu\" or \"host\" (got code " +
+                                  std::to_string(static_cast<int>(tier)) + ")");
   }
   struct Pair {
     std::string_view size_name;
@@ -195,6 +202,17 @@ Result<CacheConfig> CacheConfig::FromJson(const nlohmann::json& json) {
     if (f.str != nullptr) {
       if (!it->is_string()) return ProtocolError("config: field \"" + key + "\" must be a string");
       c.*f.str = it->get<std::string>();
+    } else if (f.tier != nullptr) {
+      if (!it->is_string()) return ProtocolError("config: field \"" + key + "\" must be a string");
+      const std::string text = it->get<std::string>();
+      const std::optional<Tier> tier = ParseTier(text);
+      if (!tier) {  // quoted like Validate's messages, and bounded: the text is untrusted
+        const std::string got = JsonDump(nlohmann::json(text.substr(0, 64)));
+        return ProtocolError(
+            "config: " +
+            FieldError(key, "must be \"gpu\" or \"host\" (got " + got + ")").message());
+      }
+      c.*f.tier = *tier;
     } else {
       // Parsed text yields number_unsigned for non-negative integers; a json built in code
       // from an int literal is number_integer. Both are fine if the value fits.
@@ -216,8 +234,9 @@ Result<CacheConfig> CacheConfig::FromJson(const nlohmann::json& json) {
 std::vector<FieldDiff> Diff(const CacheConfig& ours, const CacheConfig& theirs) {
   std::vector<FieldDiff> diffs;
   for (const Field& f : kFields) {
-    const bool differ =
-        f.str != nullptr ? ours.*f.str != theirs.*f.str : ours.*f.num != theirs.*f.num;
+    const bool differ = f.str != nullptr    ? ours.*f.str != theirs.*f.str
+                        : f.tier != nullptr ? ours.*f.tier != theirs.*f.tier
+                                            : ours.*f.num != theirs.*f.num;
     if (differ) {
       diffs.push_back({std::string(f.name), ours.FieldText(f.name), theirs.FieldText(f.name)});
     }

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "weightcache/status.h"
+#include "weightcache/tier.h"
 
 namespace weightcache::identity {
 
@@ -54,11 +55,12 @@ struct CacheConfig {
   std::string shard_rules_digest;      // 64 lowercase hex of the sharding rules; "" = unsharded
   std::string source = "disk";         // "disk" or "published:<producer tag>"
   std::string layout_tag = "default";  // the arena layout / packing variant
-  // "gpu" (VMM arena) or "host" (sealed memfds). Part of the identity because a host-tier
+  // Tier::kGpu (VMM arena) or Tier::kHost (sealed memfds), spelt "gpu"/"host" in the canonical
+  // form (TierName). Part of the identity because a host-tier
   // cache with a GPU affinity and a gpu-tier cache of the same weights share a device key:
   // without the tier they would resolve to one socket, and the second daemon would be
   // refused (or a client would map memory of the wrong kind).
-  std::string tier = "gpu";
+  Tier tier = Tier::kGpu;
 
   // Every field name, in canonical (sorted) order.
   static const std::vector<std::string_view>& FieldNames();

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <string>
 
 #include "protocol/frame.h"
@@ -101,27 +102,33 @@ Status EncodeError(const std::string& message) {
   return InvalidArgument("cannot encode attach manifest: " + message);
 }
 
-}  // namespace
+// The tier's manifest byte: the one place the wire value of a Tier is spelt. 0 and any other
+// byte are no tier.
+constexpr uint8_t kTierByteGpu = 1;
+constexpr uint8_t kTierByteHost = 2;
 
-std::string_view TierName(Tier tier) {
+std::optional<uint8_t> TierToByte(Tier tier) {
   switch (tier) {
     case Tier::kGpu:
-      return "gpu";
+      return kTierByteGpu;
     case Tier::kHost:
-      return "host";
+      return kTierByteHost;
   }
-  return "unknown";
+  return std::nullopt;
 }
 
-Result<Tier> ParseTier(std::string_view name) {
-  if (name == "gpu") return Tier::kGpu;
-  if (name == "host") return Tier::kHost;
-  return ProtocolError("unknown tier \"" + std::string(name.substr(0, 32)) + "\"");
+std::optional<Tier> TierFromByte(uint8_t byte) {
+  if (byte == kTierByteGpu) return Tier::kGpu;
+  if (byte == kTierByteHost) return Tier::kHost;
+  return std::nullopt;
 }
+
+}  // namespace
 
 Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t> allocation_sizes,
                                             std::span<const TensorEntry> tensors) {
-  if (tier != Tier::kGpu && tier != Tier::kHost) return EncodeError("unknown tier");
+  const std::optional<uint8_t> tier_byte = TierToByte(tier);
+  if (!tier_byte) return EncodeError("unknown tier");
   if (allocation_sizes.size() > kMaxAllocations) {
     return EncodeError(std::to_string(allocation_sizes.size()) + " allocations exceed the " +
                        std::to_string(kMaxAllocations) +
@@ -186,7 +193,7 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
   std::vector<uint8_t> out;
   out.reserve(total);
   out.insert(out.end(), std::begin(kManifestMagic), std::end(kManifestMagic));
-  wire::PutU8(out, static_cast<uint8_t>(tier));
+  wire::PutU8(out, *tier_byte);
   for (int r = 0; r < 3; ++r) wire::PutU8(out, 0);
   wire::PutU32(out, static_cast<uint32_t>(allocation_sizes.size()));
   wire::PutU32(out, static_cast<uint32_t>(tensors.size()));
@@ -287,10 +294,8 @@ Status Manifest::ValidateHeader() {
   if (std::memcmp(p, kManifestMagic, sizeof(kManifestMagic)) != 0) {
     return ManifestError("bad magic (expected \"WCMF\")");
   }
-  uint8_t tier = p[4];
-  if (tier != static_cast<uint8_t>(Tier::kGpu) && tier != static_cast<uint8_t>(Tier::kHost)) {
-    return ManifestError("unknown tier code " + std::to_string(tier));
-  }
+  const std::optional<Tier> tier = TierFromByte(p[4]);
+  if (!tier) return ManifestError("unknown tier code " + std::to_string(p[4]));
   if (p[5] != 0 || p[6] != 0 || p[7] != 0 || wire::GetU64(p + 24) != 0) {
     return ManifestError("reserved header bytes are not 0");
   }
@@ -318,7 +323,7 @@ Status Manifest::ValidateHeader() {
         " tensors, " + std::to_string(dim_count) + " dims, " + std::to_string(table_size) +
         "-byte string table) but the manifest has " + std::to_string(payload.size()));
   }
-  tier_ = static_cast<Tier>(tier);
+  tier_ = *tier;
   const uint8_t* alloc_p = p + kManifestHeaderSize;
   allocation_sizes_.resize(allocation_count);
   for (uint32_t a = 0; a < allocation_count; ++a) {

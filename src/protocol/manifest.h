@@ -56,12 +56,12 @@
 #include "common/unique_fd.h"
 #include "os/memfd.h"
 #include "weightcache/status.h"
+#include "weightcache/tier.h"
 
 namespace weightcache::protocol {
 
-enum class Tier : uint8_t { kGpu = 1, kHost = 2 };
-std::string_view TierName(Tier tier);  // "gpu", "host"
-Result<Tier> ParseTier(std::string_view name);
+// The tier is weightcache::Tier (weightcache/tier.h); its manifest byte (1 = gpu, 2 = host)
+// is mapped in manifest.cc only.
 
 // The tensor bounds are the checkpoint's (checkpoint/limits.h): one set of limits, so a
 // checkpoint that opens always fits a manifest.

@@ -296,8 +296,8 @@ Result<StatusReply> DecodeStatusReply(std::span<const uint8_t> payload) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.failure_reason, f.String("failure_reason"));
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.failure_code, f.FailureCode("failure_code", msg.state));
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::string tier, f.String("tier"));
-  Result<Tier> parsed_tier = ParseTier(tier);
-  if (!parsed_tier.ok()) return ProtocolError("StatusReply: field 'tier' must be gpu or host");
+  const std::optional<Tier> parsed_tier = ParseTier(tier);
+  if (!parsed_tier) return ProtocolError("StatusReply: field 'tier' must be gpu or host");
   msg.tier = *parsed_tier;
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.device_uuid, f.String("device_uuid"));
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.model_id, f.String("model_id"));

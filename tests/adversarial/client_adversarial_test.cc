@@ -128,7 +128,7 @@ struct ServedMemory {
     t.shape = {1};
     t.nbytes = 4;
     const std::vector<uint64_t> allocations = {4096};
-    auto bytes = protocol::EncodeManifest(protocol::Tier::kHost, allocations, {&t, 1});
+    auto bytes = protocol::EncodeManifest(Tier::kHost, allocations, {&t, 1});
     EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
     size = bytes->size();
     auto m = protocol::CreateManifestMemfd(*bytes, "lying-manifest");

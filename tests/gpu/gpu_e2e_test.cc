@@ -137,7 +137,7 @@ TEST_F(GpuE2eTest, TwoClientsOnOneGpuReadIdenticalCorrectBytesAndVerifyPasses) {
   ASSERT_NE(daemon, nullptr);
   protocol::StatusReply status;
   ASSERT_OK_AND_MOVE(socket, daemon->WaitReady(runtime(), kNamespace, uuids_[0], &status));
-  EXPECT_EQ(status.tier, protocol::Tier::kGpu);
+  EXPECT_EQ(status.tier, Tier::kGpu);
   EXPECT_EQ(status.device_uuid, uuids_[0]);
   EXPECT_EQ(status.tensor_count, model_->tensor_count);
   EXPECT_GE(status.bytes, model_->total_bytes) << "resident bytes cover every tensor";

@@ -67,7 +67,7 @@ TEST(GpuLaunchTest, Tp2PlacesADaemonPerGpuClientsReachTheirOwnAndSigtermStopsBot
     auto st = StatusOf(found[0]);
     ASSERT_TRUE(st.ok()) << st.status().ToString();
     EXPECT_EQ(st->state, protocol::CacheState::kReady);
-    EXPECT_EQ(st->tier, protocol::Tier::kGpu);
+    EXPECT_EQ(st->tier, Tier::kGpu);
     EXPECT_EQ(st->device_uuid, gpus.uuids[rank]);
     EXPECT_EQ(st->model_id, kModelId);
     EXPECT_EQ(st->tensor_count, model->tensor_count);

@@ -67,7 +67,7 @@ TEST_F(ServeTest, ReachesReadyAndAttachMapsSealedBytesEqualToTheCheckpoint) {
   EXPECT_GE(status->bytes, checkpoint->total_bytes());
   EXPECT_EQ(status->bytes_done, checkpoint->total_bytes());
   EXPECT_EQ(status->bytes_total, checkpoint->total_bytes());
-  EXPECT_EQ(status->tier, protocol::Tier::kHost);
+  EXPECT_EQ(status->tier, Tier::kHost);
   EXPECT_EQ(status->device_uuid, "host");
   EXPECT_EQ(status->model_id, "tiny");
   EXPECT_EQ(status->pid, serve->pid());
@@ -86,7 +86,7 @@ TEST_F(ServeTest, ReachesReadyAndAttachMapsSealedBytesEqualToTheCheckpoint) {
   auto reply = conn->Attach(os::Deadline::After(5s));
   ASSERT_TRUE(reply.ok()) << reply.status().ToString();
   const auto& manifest = reply->manifest;
-  ASSERT_EQ(manifest.tier(), protocol::Tier::kHost);
+  ASSERT_EQ(manifest.tier(), Tier::kHost);
   ASSERT_EQ(reply->fds.size(), manifest.allocation_sizes().size());
   ASSERT_EQ(manifest.tensor_count(), checkpoint->tensors().size());
 

@@ -252,7 +252,7 @@ class HostileManifestTest : public ClientDiscoveryTest {
  protected:
   // `corrupt` edits the encoded manifest of one 4-byte F32 tensor "w" (shape {1}, strides {1}).
   Status AttachWith(const std::function<void(std::vector<uint8_t>&)>& corrupt,
-                    std::string dtype = "F32", protocol::Tier tier = protocol::Tier::kHost,
+                    std::string dtype = "F32", Tier tier = Tier::kHost,
                     AttachDiagnostics* why = nullptr) {
     protocol::TensorEntry t;
     t.name = "w";
@@ -324,7 +324,7 @@ TEST_F(HostileManifestTest, DtypeSemanticsAreTheClientsToCheck) {
 // tier behind one is still caught, before anything is mapped, as the mismatch of `tier`.
 TEST_F(HostileManifestTest, AManifestOfTheOtherTierIsAMismatchOfTheTierField) {
   AttachDiagnostics why;
-  Status s = AttachWith([](std::vector<uint8_t>&) {}, "F32", protocol::Tier::kGpu, &why);
+  Status s = AttachWith([](std::vector<uint8_t>&) {}, "F32", Tier::kGpu, &why);
   EXPECT_EQ(s.code(), StatusCode::kMismatch) << s.ToString();
   EXPECT_NE(s.message().find(R"(holds a different config (tier): tier: ours="host" theirs="gpu")"),
             std::string::npos)

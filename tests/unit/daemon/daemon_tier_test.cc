@@ -1,5 +1,5 @@
-// The daemon's tier and its identity's tier must agree: Daemon::Create refuses a mismatch
-// before it creates a directory, takes a lock or publishes a socket.
+// The daemon's tier is its config's (DaemonOptions has no second tier field to disagree with
+// it): a host-tier config creates a daemon that publishes its socket at once.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -11,44 +11,25 @@
 namespace weightcache::daemon {
 namespace {
 
-using ::testing::HasSubstr;
 using ::weightcache::testing::TempDir;
 
-DaemonOptions OptionsFor(const std::string& runtime_dir, const std::string& config_tier,
-                         protocol::Tier tier) {
+DaemonOptions OptionsFor(const std::string& runtime_dir, Tier tier) {
   DaemonOptions o;
   o.config.model_id = "tiny";
   o.config.checkpoint_fingerprint = std::string(64, 'a');
   o.config.checkpoint_files = std::string(64, 'b');
-  o.config.tier = config_tier;
+  o.config.tier = tier;
   identity::PathOptions paths;
   paths.runtime_dir_flag = runtime_dir;
   paths.env = identity::MapEnv({});
   o.paths = identity::ResolveCachePaths(o.config, "host", paths).value();
   o.model_path = "/nonexistent/model";
-  o.tier = tier;
   return o;
 }
 
-TEST(DaemonTierTest, ConfigTierOtherThanTheLoadedTierIsRefusedBeforeAnythingIsCreated) {
+TEST(DaemonTierTest, HostConfigPublishesTheSocket) {
   TempDir dir;
-  const std::string runtime = dir.Join("rt");
-  auto d = Daemon::Create(OptionsFor(runtime, "gpu", protocol::Tier::kHost));
-  ASSERT_FALSE(d.ok());
-  EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(d.status().message(),
-              HasSubstr("the config names the gpu tier but the daemon would load the host tier"));
-  EXPECT_FALSE(std::filesystem::exists(runtime));
-
-  auto e = Daemon::Create(OptionsFor(runtime, "host", protocol::Tier::kGpu));
-  ASSERT_FALSE(e.ok());
-  EXPECT_THAT(e.status().message(), HasSubstr("config names the host tier"));
-  EXPECT_FALSE(std::filesystem::exists(runtime));
-}
-
-TEST(DaemonTierTest, MatchingTierPublishesTheSocket) {
-  TempDir dir;
-  const DaemonOptions options = OptionsFor(dir.Join("rt"), "host", protocol::Tier::kHost);
+  const DaemonOptions options = OptionsFor(dir.Join("rt"), Tier::kHost);
   auto d = Daemon::Create(options);
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   EXPECT_TRUE(std::filesystem::is_socket(options.paths.socket));

@@ -40,7 +40,7 @@ CacheConfig BaseConfig() {
   c.shard_rules_digest = kShardSha;
   c.source = "disk";
   c.layout_tag = "default";
-  c.tier = "gpu";
+  c.tier = Tier::kGpu;
   return c;
 }
 
@@ -68,7 +68,7 @@ const std::map<std::string, std::function<void(CacheConfig&)>>& Mutators() {
       {"shard_rules_digest", [](CacheConfig& c) { c.shard_rules_digest = ""; }},
       {"source", [](CacheConfig& c) { c.source = "published:sglang-0.4"; }},
       {"layout_tag", [](CacheConfig& c) { c.layout_tag = "packed-v2"; }},
-      {"tier", [](CacheConfig& c) { c.tier = "host"; }},
+      {"tier", [](CacheConfig& c) { c.tier = Tier::kHost; }},
   };
   return m;
 }
@@ -211,9 +211,8 @@ TEST(CacheConfigTest, ValidateNamesTheOffendingField) {
                 "shard_rules_digest must be empty or 64 lowercase hex");
   ExpectInvalid([](CacheConfig& c) { c.layout_tag = "a b"; }, "layout_tag must match");
   ExpectInvalid([](CacheConfig& c) { c.format_version = 0; }, "format_version must be >= 1");
-  ExpectInvalid([](CacheConfig& c) { c.tier = "cpu"; },
-                "tier must be \"gpu\" or \"host\" (got \"cpu\")");
-  ExpectInvalid([](CacheConfig& c) { c.tier = ""; }, "tier must be \"gpu\" or \"host\"");
+  ExpectInvalid([](CacheConfig& c) { c.tier = static_cast<Tier>(7); },
+                "tier must be \"gpu\" or \"host\" (got code 7)");
 }
 
 // The bug the tier field fixes: a host-tier cache with a GPU affinity and a gpu-tier cache of
@@ -221,13 +220,19 @@ TEST(CacheConfigTest, ValidateNamesTheOffendingField) {
 TEST(CacheConfigTest, TierSeparatesHostAndGpuCachesOfTheSameWeights) {
   CacheConfig gpu = BaseConfig();
   CacheConfig host = BaseConfig();
-  host.tier = "host";
+  host.tier = Tier::kHost;
   EXPECT_NE(gpu.ShortDigest(), host.ShortDigest());
   EXPECT_EQ(FormatDiffOneLine(Diff(gpu, host)), "tier: ours=\"gpu\" theirs=\"host\"");
   nlohmann::json wire = host.ToJson();
   EXPECT_EQ(wire["tier"], "host");
   wire["tier"] = "disk";
-  ExpectFromJsonError(wire, "tier must be \"gpu\" or \"host\"");
+  ExpectFromJsonError(wire, "tier must be \"gpu\" or \"host\" (got \"disk\")");
+  wire["tier"] = "cpu";
+  ExpectFromJsonError(wire, "tier must be \"gpu\" or \"host\" (got \"cpu\")");
+  wire["tier"] = "";
+  ExpectFromJsonError(wire, "tier must be \"gpu\" or \"host\" (got \"\")");
+  wire["tier"] = 1;
+  ExpectFromJsonError(wire, "field \"tier\" must be a string");
   wire.erase("tier");
   ExpectFromJsonError(wire, "missing field \"tier\"");
 }
