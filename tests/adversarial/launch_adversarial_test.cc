@@ -27,18 +27,13 @@
 #include "os/lock_file.h"
 #include "support/child_process.h"
 #include "support/test_env.h"
+#include "unit/identity/test_devices.h"
 
 namespace weightcache::testing {
 namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-
-std::string Uuid(int i) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "GPU-%08x-0000-4000-8000-%012x", 0xad0000 + i, i);
-  return buf;
-}
 
 std::vector<std::string> CmdLine(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline", std::ios::binary);
@@ -91,14 +86,7 @@ bool Gone(pid_t pid) {
 class LaunchAdversarialTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    nlohmann::json inv = nlohmann::json::array();
-    for (int i = 0; i < 8; ++i) {
-      inv.push_back({{"index", i},
-                     {"uuid", Uuid(i)},
-                     {"name", "Fake H200"},
-                     {"memory_bytes", 150'000'000'000ULL}});
-    }
-    WriteFile(dir_.Join("inventory.json"), inv.dump());
+    WriteFile(dir_.Join("inventory.json"), identity::testing::InventoryJson(8));
     CommandResult r =
         RunCommand({PythonExe(), SourceDir() + "/tests/tools/make_checkpoint.py", "--out", model_,
                     "--tensors", "48", "--shards", "4", "--seed", "3"});
