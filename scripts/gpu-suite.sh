@@ -37,12 +37,14 @@ start=$(date +%s)
 export PATH="$PATH:/usr/local/cuda/bin"
 say() { echo "$*" | tee -a "$summary"; }
 
-# The commit under test: a `git archive` snapshot (how a clean HEAD travels to the device
-# machine) has it stamped in scripts/archive-commit (.gitattributes export-subst); a checkout
-# asks git.
-commit=$(cat scripts/archive-commit 2>/dev/null)
+# The commit under test. The device machine gets a copy of the working tree whose .git (if
+# any) is not this checkout's, so `git rev-parse` there can name an old commit. The caller
+# passes it: WEIGHTCACHE_COMMIT=$(git rev-parse --short HEAD) (plus "+dirty" for uncommitted
+# changes); a `git archive` snapshot has it stamped in scripts/archive-commit
+# (.gitattributes export-subst). Otherwise "unknown", never a guess.
+commit=${WEIGHTCACHE_COMMIT:-$(cat scripts/archive-commit 2>/dev/null)}
 if [[ -z $commit || $commit == *Format* ]]; then
-  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  commit=unknown
 fi
 say "== weightcache gpu suite, $(date -u +%FT%TZ), commit $commit"
 if command -v nvidia-smi >/dev/null; then
