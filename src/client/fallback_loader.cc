@@ -10,6 +10,7 @@
 #include "client/tensor_table.h"
 #include "common/checksum.h"
 #include "common/logging.h"
+#include "cuda/pinned_host_buffer.h"
 
 namespace weightcache::client {
 namespace {
@@ -36,7 +37,7 @@ Result<TensorTable> MakeTable(const std::vector<checkpoint::TensorInfo>& infos, 
 
 }  // namespace
 
-// ---- HostBuffer ---------------------------------------------------------------------------
+// ---- HostBuffer, DeviceBuffer ---------------------------------------------------------------
 
 Result<HostBuffer> HostBuffer::Allocate(uint64_t bytes) {
   // aligned_alloc wants a size that is a multiple of the alignment, and never zero.
@@ -47,24 +48,8 @@ Result<HostBuffer> HostBuffer::Allocate(uint64_t bytes) {
                                                 " bytes of host memory for the "
                                                 "fallback load");
   }
-  return HostBuffer(static_cast<uint8_t*>(p), bytes);
+  return HostBuffer({static_cast<uint8_t*>(p), bytes});
 }
-
-HostBuffer::HostBuffer(HostBuffer&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-
-HostBuffer& HostBuffer::operator=(HostBuffer&& other) noexcept {
-  if (this != &other) {
-    std::free(data_);
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-  }
-  return *this;
-}
-
-HostBuffer::~HostBuffer() { std::free(data_); }
-
-// ---- DeviceBuffer ---------------------------------------------------------------------------
 
 Result<DeviceBuffer> DeviceBuffer::Allocate(const cuda::DriverApi* api, uint64_t bytes) {
   CUcontext context = nullptr;
@@ -73,79 +58,14 @@ Result<DeviceBuffer> DeviceBuffer::Allocate(const cuda::DriverApi* api, uint64_t
   WEIGHTCACHE_CU_RETURN_IF_ERROR(
       api, cuMemAlloc(&ptr, std::max<uint64_t>(bytes, 1)),
       "cuMemAlloc of " + std::to_string(bytes) + " bytes for the fallback load");
-  return DeviceBuffer(api, context, ptr, bytes);
+  return DeviceBuffer(api, {context, ptr, bytes});
 }
 
-DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
-    : api_(std::exchange(other.api_, nullptr)),
-      context_(std::exchange(other.context_, nullptr)),
-      ptr_(std::exchange(other.ptr_, 0)),
-      size_(std::exchange(other.size_, 0)) {}
-
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
-  if (this != &other) {
-    Reset();
-    api_ = std::exchange(other.api_, nullptr);
-    context_ = std::exchange(other.context_, nullptr);
-    ptr_ = std::exchange(other.ptr_, 0);
-    size_ = std::exchange(other.size_, 0);
+void DeviceBufferTraits::Close(const cuda::DriverApi* api, const Handle& h) noexcept {
+  const cuda::ScopedCurrentContext in_context(api, h.context);
+  if (CUresult rc = api->cuMemFree(h.ptr); rc != CUDA_SUCCESS) {
+    cuda::LogReleaseFailure(api, rc, "cuMemFree of the fallback buffer");
   }
-  return *this;
-}
-
-DeviceBuffer::~DeviceBuffer() { Reset(); }
-
-void DeviceBuffer::Reset() {
-  if (api_ != nullptr) {
-    // cuMemFree needs the allocation's context current; the destroying thread may have none.
-    const cuda::ScopedCurrentContext in_context(api_, context_);
-    CUresult rc = api_->cuMemFree(ptr_);
-    if (rc != CUDA_SUCCESS) {
-      LOG_WARN << cuda::DriverError(api_, rc, "cuMemFree of the fallback buffer").ToString();
-    }
-  }
-  api_ = nullptr;
-  context_ = nullptr;
-  ptr_ = 0;
-  size_ = 0;
-}
-
-// ---- PinnedBuffer ---------------------------------------------------------------------------
-
-Result<PinnedBuffer> PinnedBuffer::Allocate(const cuda::DriverApi* api, uint64_t bytes) {
-  void* p = nullptr;
-  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuMemHostAlloc(&p, bytes, 0),
-                                 "cuMemHostAlloc of " + std::to_string(bytes) + " staging bytes");
-  return PinnedBuffer(api, static_cast<uint8_t*>(p), bytes);
-}
-
-PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept
-    : api_(std::exchange(other.api_, nullptr)),
-      data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)) {}
-
-PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
-  if (this != &other) {
-    Reset();
-    api_ = std::exchange(other.api_, nullptr);
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-  }
-  return *this;
-}
-
-PinnedBuffer::~PinnedBuffer() { Reset(); }
-
-void PinnedBuffer::Reset() {
-  if (api_ != nullptr) {
-    CUresult rc = api_->cuMemFreeHost(data_);
-    if (rc != CUDA_SUCCESS) {
-      LOG_WARN << cuda::DriverError(api_, rc, "cuMemFreeHost of the staging buffer").ToString();
-    }
-  }
-  api_ = nullptr;
-  data_ = nullptr;
-  size_ = 0;
 }
 
 // ---- loaders ------------------------------------------------------------------------------
@@ -200,7 +120,9 @@ Result<GpuFallback> LoadGpuFallback(const cuda::DriverApi* api, CUdevice device,
   WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::PrimaryContext context,
                                cuda::PrimaryContext::Retain(api, device));
   WEIGHTCACHE_ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::Allocate(api, offsets.back()));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(PinnedBuffer staging, PinnedBuffer::Allocate(api, staging_bytes));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::PinnedHostBuffer staging,
+                               cuda::PinnedHostBuffer::Create(api, staging_bytes));
+  auto* const staging_data = reinterpret_cast<uint8_t*>(staging.data());
 
   // Pieces of at most one staging buffer each, batched until the staging buffer is full.
   // A tensor's pieces are consumed in order, so its ChecksumBuilder sees its bytes in order.
@@ -223,15 +145,15 @@ Result<GpuFallback> LoadGpuFallback(const cuda::DriverApi* api, CUdevice device,
     for (const Piece& p : batch) {
       const auto& info = infos[p.tensor];
       requests.push_back(
-          {info.shard, info.offset + p.begin, p.length, staging.data() + p.staging_offset});
+          {info.shard, info.offset + p.begin, p.length, staging_data + p.staging_offset});
     }
     Status read = checkpoint::ReadRanges(checkpoint, requests, read_options);
     if (!read.ok()) return read.Context("fallback load of " + checkpoint.path());
     for (const Piece& p : batch) {
-      builders[p.tensor].Update(staging.data() + p.staging_offset, p.length);
+      builders[p.tensor].Update(staging_data + p.staging_offset, p.length);
       WEIGHTCACHE_CU_RETURN_IF_ERROR(api,
                                      cuMemcpyHtoD(buffer.ptr() + offsets[p.tensor] + p.begin,
-                                                  staging.data() + p.staging_offset, p.length),
+                                                  staging_data + p.staging_offset, p.length),
                                      "cuMemcpyHtoD of tensor " + infos[p.tensor].name);
     }
     batch.clear();

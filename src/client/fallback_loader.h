@@ -6,8 +6,8 @@
 //    checkpoint::ReadRanges, then checksummed in parallel (the same content checksum the
 //    daemon records, so `attach --verify` means the same thing for both sources).
 //  * gpu tier: one cuMemAlloc buffer in the device's primary context; tensors go through a
-//    pinned staging buffer (parallel reads, then a synchronous H2D copy), checksummed from the
-//    staging buffer as they pass.
+//    pinned staging buffer (cuda::PinnedHostBuffer, the upload pipeline's kind: parallel reads,
+//    then a synchronous H2D copy), checksummed from the staging buffer as they pass.
 //
 // Ownership: each result owns its memory (HostBuffer / DeviceBuffer); tensor addresses point
 // into it and live as long as the result. Move-only. Thread-safety: the loaders may run
@@ -17,10 +17,12 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
 #include "client/tensor_table.h"
+#include "common/unique_handle.h"
 #include "cuda/driver_api.h"
 #include "cuda/vmm.h"
 #include "weightcache/client.h"
@@ -28,72 +30,59 @@
 
 namespace weightcache::client {
 
-// malloc'ed host memory, aligned to checkpoint::kTensorAlignment.
+// The release rules of the fallback's own buffers, for UniqueHandle. The size travels in the
+// handle so that a moved-from buffer reports 0 bytes.
+struct HostBufferTraits {
+  struct Handle {
+    uint8_t* data = nullptr;
+    uint64_t size = 0;
+    friend bool operator==(const Handle&, const Handle&) = default;
+  };
+  using Context = NoContext;
+  static constexpr Handle Null() { return {}; }
+  static void Close(NoContext /*unused*/, const Handle& h) noexcept { std::free(h.data); }
+};
+struct DeviceBufferTraits {
+  struct Handle {
+    CUcontext context = nullptr;  // the context the memory was allocated in
+    CUdeviceptr ptr = 0;
+    uint64_t size = 0;
+    friend bool operator==(const Handle&, const Handle&) = default;
+  };
+  using Context = const cuda::DriverApi*;
+  static constexpr Handle Null() { return {}; }
+  // cuMemFree with the allocation's context current (the destroying thread may have none).
+  static void Close(const cuda::DriverApi* api, const Handle& h) noexcept;
+};
+
+// malloc'ed host memory, aligned to checkpoint::kTensorAlignment. Move-only.
 class HostBuffer {
  public:
   static Result<HostBuffer> Allocate(uint64_t bytes);
   HostBuffer() = default;
-  HostBuffer(HostBuffer&& other) noexcept;
-  HostBuffer& operator=(HostBuffer&& other) noexcept;
-  HostBuffer(const HostBuffer&) = delete;
-  HostBuffer& operator=(const HostBuffer&) = delete;
-  ~HostBuffer();
 
-  uint8_t* data() const { return data_; }
-  uint64_t size() const { return size_; }
+  uint8_t* data() const { return owned_.get().data; }
+  uint64_t size() const { return owned_.get().size; }
 
  private:
-  HostBuffer(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
-  uint8_t* data_ = nullptr;
-  uint64_t size_ = 0;
+  explicit HostBuffer(HostBufferTraits::Handle h) : owned_(h) {}
+  UniqueHandle<HostBufferTraits> owned_;
 };
 
 // cuMemAlloc / cuMemFree. The allocation belongs to the context current at Allocate, which
-// must stay alive (retained) longer than the buffer.
+// must stay alive (retained) longer than the buffer. Move-only.
 class DeviceBuffer {
  public:
   // Allocates in the calling thread's current context; freed in that same context from
   // whichever thread destroys the buffer.
   static Result<DeviceBuffer> Allocate(const cuda::DriverApi* api, uint64_t bytes);
-  DeviceBuffer(DeviceBuffer&& other) noexcept;
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer();
 
-  CUdeviceptr ptr() const { return ptr_; }
-  uint64_t size() const { return size_; }
+  CUdeviceptr ptr() const { return owned_.get().ptr; }
+  uint64_t size() const { return owned_.get().size; }
 
  private:
-  DeviceBuffer(const cuda::DriverApi* api, CUcontext context, CUdeviceptr ptr, uint64_t size)
-      : api_(api), context_(context), ptr_(ptr), size_(size) {}
-  void Reset();
-  const cuda::DriverApi* api_ = nullptr;  // null when empty
-  CUcontext context_ = nullptr;           // the context the memory was allocated in
-  CUdeviceptr ptr_ = 0;
-  uint64_t size_ = 0;
-};
-
-// cuMemHostAlloc / cuMemFreeHost (the staging buffer of the gpu fallback).
-class PinnedBuffer {
- public:
-  static Result<PinnedBuffer> Allocate(const cuda::DriverApi* api, uint64_t bytes);
-  PinnedBuffer(PinnedBuffer&& other) noexcept;
-  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer();
-
-  uint8_t* data() const { return data_; }
-  uint64_t size() const { return size_; }
-
- private:
-  PinnedBuffer(const cuda::DriverApi* api, uint8_t* data, uint64_t size)
-      : api_(api), data_(data), size_(size) {}
-  void Reset();
-  const cuda::DriverApi* api_ = nullptr;
-  uint8_t* data_ = nullptr;
-  uint64_t size_ = 0;
+  DeviceBuffer(const cuda::DriverApi* api, DeviceBufferTraits::Handle h) : owned_(api, h) {}
+  UniqueHandle<DeviceBufferTraits> owned_;
 };
 
 struct HostFallback {

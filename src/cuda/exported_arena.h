@@ -50,8 +50,10 @@ class ExportedArena {
                                       std::span<const uint64_t> requested_sizes);
 
   ExportedArena(ExportedArena&&) noexcept = default;
-  // Releases the old arena in destruction order first (a defaulted member-wise assignment
-  // would release the old context before unmapping the old mappings).
+  // Hand-written, not a UniqueHandle: the arena owns several resources (context, handles, VA,
+  // mappings, fds) whose release order matters. It releases the old arena in destruction order
+  // first (a defaulted member-wise assignment would release the old context before unmapping
+  // the old mappings).
   ExportedArena& operator=(ExportedArena&& other) noexcept;
   ExportedArena(const ExportedArena&) = delete;
   ExportedArena& operator=(const ExportedArena&) = delete;

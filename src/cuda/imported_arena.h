@@ -70,7 +70,10 @@ class ImportedArena {
   bool mapped() const { return !mappings_.empty(); }
 
   ImportedArena(ImportedArena&&) noexcept = default;
-  // Releases the old arena in destruction order first.
+  // Hand-written, not a UniqueHandle: the arena owns several resources (context, VA,
+  // mappings) whose release order matters. It releases the old arena in destruction order
+  // first (a defaulted member-wise assignment would release the old context before unmapping
+  // the old mappings).
   ImportedArena& operator=(ImportedArena&& other) noexcept;
   ImportedArena(const ImportedArena&) = delete;
   ImportedArena& operator=(const ImportedArena&) = delete;

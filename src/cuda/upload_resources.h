@@ -1,12 +1,8 @@
-// RAII owners of the driver resources the upload pipeline holds: pinned host buffers, streams
-// and events. One class per resource; each is move-only, created through Create() (nothing
-// half-built escapes), owns its handle through a UniqueHandle (common/unique_handle.h) and
-// releases it through the same DriverApi table it was created with; a failed release is logged.
-//
-// Pinned host memory has one rule in the project: it is allocated by cuMemHostAlloc
-// (PORTABLE, so every context sees it pinned) and freed by cuMemFreeHost, the only call that
-// frees cuMemHostAlloc'ed memory (cuMemHostUnregister is for cuMemHostRegister'ed memory the
-// caller allocated, which the project does not use). PinnedHostBuffer is that rule.
+// RAII owners of the driver resources the upload pipeline holds: pinned host buffers
+// (cuda/pinned_host_buffer.h, shared with the client's fallback loader), streams and events.
+// One class per resource; each is move-only, created through Create() (nothing half-built
+// escapes), owns its handle through a UniqueHandle (common/unique_handle.h) and releases it
+// through the same DriverApi table it was created with; a failed release is logged.
 //
 // Thread-safety: none of these synchronize; the pipeline coordinates their use. Destruction
 // must happen with a CUDA context current (the driver needs it to free) and with no GPU work
@@ -15,25 +11,14 @@
 
 #include <cuda.h>
 
-#include <cstddef>
 #include <string>
 
 #include "common/unique_handle.h"
 #include "cuda/driver_api.h"
+#include "cuda/pinned_host_buffer.h"
 #include "weightcache/status.h"
 
 namespace weightcache::cuda {
-
-struct PinnedHostTraits {
-  using Handle = void*;
-  using Context = const DriverApi*;
-  static constexpr Handle Null() { return nullptr; }
-  static void Close(const DriverApi* api, void* p) noexcept {
-    if (CUresult rc = api->cuMemFreeHost(p); rc != CUDA_SUCCESS) {
-      LogReleaseFailure(api, rc, "cuMemFreeHost of a pinned host buffer");
-    }
-  }
-};
 
 struct StreamTraits {
   using Handle = CUstream;
@@ -55,26 +40,6 @@ struct EventTraits {
       LogReleaseFailure(api, rc, "cuEventDestroy");
     }
   }
-};
-
-class PinnedHostBuffer {
- public:
-  // cuMemHostAlloc(PORTABLE): page-aligned, page-locked, usable by every context.
-  static Result<PinnedHostBuffer> Create(const DriverApi* api, size_t bytes) {
-    void* p = nullptr;
-    WEIGHTCACHE_CU_RETURN_IF_ERROR(
-        api, cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE),
-        "cuMemHostAlloc of a " + std::to_string(bytes) + "-byte pinned staging buffer");
-    return PinnedHostBuffer(api, p, bytes);
-  }
-  std::byte* data() const { return static_cast<std::byte*>(memory_.get()); }
-  size_t size() const { return size_; }
-
- private:
-  PinnedHostBuffer(const DriverApi* api, void* data, size_t size)
-      : memory_(api, data), size_(size) {}
-  UniqueHandle<PinnedHostTraits> memory_;
-  size_t size_;
 };
 
 class CudaStream {

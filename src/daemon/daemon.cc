@@ -114,21 +114,10 @@ double SecondsSince(Clock::time_point start) {
 
 // ---- PublishedSocket --------------------------------------------------------------------------
 
-Daemon::PublishedSocket& Daemon::PublishedSocket::operator=(PublishedSocket&& other) noexcept {
-  if (this != &other) {
-    Withdraw();
-    fd_ = std::move(other.fd_);
-    path_ = std::move(other.path_);
+void Daemon::SocketPathTraits::Close(NoContext /*unused*/, const std::string& path) noexcept {
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    LOG_WARN << "could not remove socket " << path << ": " << std::strerror(errno);
   }
-  return *this;
-}
-
-void Daemon::PublishedSocket::Withdraw() {
-  if (!path_.empty() && ::unlink(path_.c_str()) != 0 && errno != ENOENT) {
-    LOG_WARN << "could not remove socket " << path_ << ": " << std::strerror(errno);
-  }
-  path_.clear();
-  fd_.Reset();
 }
 
 // ---- construction -----------------------------------------------------------------------------
@@ -198,7 +187,7 @@ void Daemon::StopLoader() {
 
 void Daemon::LoaderMain() {
   std::string memory;  // the loader's memory at its steps, for the log line below
-  Result<std::unique_ptr<WeightStore>> result = Load(&memory);
+  Result<WeightStore> result = Load(&memory);
   // Everything the load allocated is gone now — the checkpoint with its parsed headers
   // included, and a failed load's allocations too (a failed daemon lingers): give the pages
   // back here, on the loader thread, once (load_memory.h).
@@ -214,7 +203,7 @@ void Daemon::LoaderMain() {
   Wake(wakeup_.get());
 }
 
-Result<std::unique_ptr<WeightStore>> Daemon::Load(std::string* memory) {
+Result<WeightStore> Daemon::Load(std::string* memory) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint checkpoint,
                                checkpoint::Checkpoint::Open(options_.model_path));
   // The identity (and so the socket path) was computed from the checkpoint's headers before
@@ -253,7 +242,7 @@ Result<std::unique_ptr<WeightStore>> Daemon::Load(std::string* memory) {
     }
   };
   LoadOptions load = options_.load;
-  Result<std::unique_ptr<WeightStore>> store = [&] {
+  Result<WeightStore> store = [&] {
     if (options_.config.tier == Tier::kHost) {
       return LoadHostStore(checkpoint, load, control, memory);
     }
@@ -345,7 +334,7 @@ void Daemon::OnLoaderWakeup() {
   uint64_t counter = 0;
   ssize_t n = ::read(wakeup_.get(), &counter, sizeof(counter));
   (void)n;  // EAGAIN: a spurious wakeup; the state below is what matters
-  std::optional<Result<std::unique_ptr<WeightStore>>> result;
+  std::optional<Result<WeightStore>> result;
   {
     MutexLock lock(result_mu_);
     if (load_finished_ && load_result_) {
@@ -363,17 +352,17 @@ void Daemon::OnLoaderWakeup() {
   const double seconds = SecondsSince(load_start_);
   if (state_ == CacheState::kDraining) return;  // cancelled or irrelevant now
   if (!result->ok()) return Fail(result->status());
-  std::unique_ptr<WeightStore> store = std::move(*result).value();
+  WeightStore store = std::move(*result).value();
   // Every attach sends these few bytes plus the manifest memfd built at load: nothing is
   // encoded or copied per attach, whatever the tensor count.
-  auto frame = protocol::EncodeAttachReply(store->summary().manifest.size,
-                                           static_cast<uint32_t>(store->fds().size()));
+  auto frame = protocol::EncodeAttachReply(store.summary().manifest.size,
+                                           static_cast<uint32_t>(store.fds().size()));
   if (!frame.ok()) {
     Status status = frame.status();
     return Fail(status.Context("encoding the attach reply"));
   }
   attach_frame_ = std::move(frame).value();
-  store_ = std::move(store);
+  store_.emplace(std::move(store));
   bytes_done_.store(bytes_total_.load());
   state_ = CacheState::kReady;
   if (events_.on_progress) {
@@ -607,14 +596,13 @@ void Daemon::OnConnectionEvent(int fd, uint32_t events) {
         CloseConnection(fd);
         return;
       }
-      LOG_WARN << "closing connection of " << conn.Describe() << ": " << status.ToString();
-      QueueError(conn, status);
-      conn.close_after_flush = true;
+      CloseWithError(conn, status,
+                     "closing connection of " + conn.Describe() + ": " + status.ToString());
       break;
     }
     if (!frame->has_value()) break;  // need more bytes
     conn.last_request = Clock::now();
-    HandleFrame(conn, std::move(**frame));
+    HandleFrame(conn, **frame);
     if (!conn.outbox.empty()) FlushAndRearm(conn);
     if (connections_.count(fd) == 0) return;
   }
@@ -685,8 +673,16 @@ void Daemon::CloseConnection(int fd) {
   connections_.erase(it);  // closes the fd
 }
 
-protocol::StatusReply Daemon::MakeStatusReply() const {
-  protocol::StatusReply reply;
+// ---- requests ---------------------------------------------------------------------------------
+
+void Daemon::CloseWithError(Connection& conn, const Status& status, std::string_view log_line) {
+  LOG_WARN << log_line;
+  QueueError(conn, status);
+  conn.close_after_flush = true;
+}
+
+template <typename Reply>
+void Daemon::FillLoadState(Reply& reply) const {
   reply.state = state_;
   reply.bytes_done = bytes_done_.load();
   reply.bytes_total = bytes_total_.load();
@@ -694,6 +690,11 @@ protocol::StatusReply Daemon::MakeStatusReply() const {
     reply.failure_reason = failure_.ToString();
     if (state_ == CacheState::kFailed) reply.failure_code = failure_.code();
   }
+}
+
+protocol::StatusReply Daemon::MakeStatusReply() const {
+  protocol::StatusReply reply;
+  FillLoadState(reply);
   reply.tier = options_.config.tier;
   reply.device_uuid = options_.device_key;
   reply.model_id = options_.config.model_id;
@@ -707,128 +708,123 @@ protocol::StatusReply Daemon::MakeStatusReply() const {
   return reply;
 }
 
-void Daemon::HandleFrame(Connection& conn, protocol::Frame frame) {
+void Daemon::HandleFrame(Connection& conn, const protocol::Frame& frame) {
   switch (frame.type) {
-    case MessageType::kHello: {
-      auto hello = protocol::DecodeHello(frame.payload);
-      if (!hello.ok()) {
-        LOG_WARN << "bad Hello from " << conn.Describe() << ": " << hello.status().ToString();
-        QueueError(conn, hello.status());
-        conn.close_after_flush = true;
-        return;
-      }
-      if (hello->protocol_version != protocol::kProtocolVersion) {
-        Status status = ProtocolError(
-            "Hello for protocol version " + std::to_string(hello->protocol_version) +
-            "; this daemon speaks version " + std::to_string(protocol::kProtocolVersion));
-        LOG_WARN << conn.Describe() << ": " << status.message();
-        QueueError(conn, status);
-        conn.close_after_flush = true;
-        return;
-      }
-      auto theirs = identity::CacheConfig::FromJson(hello->config);
-      if (!theirs.ok()) {
-        Status status = theirs.status();
-        status.Context("Hello config");
-        LOG_WARN << "bad Hello from " << conn.Describe() << ": " << status.ToString();
-        QueueError(conn, status);
-        conn.close_after_flush = true;
-        return;
-      }
-      protocol::HelloReply reply;
-      reply.state = state_;
-      reply.bytes_done = bytes_done_.load();
-      reply.bytes_total = bytes_total_.load();
-      if (!failure_.ok()) {
-        reply.failure_reason = failure_.ToString();
-        if (state_ == CacheState::kFailed) reply.failure_code = failure_.code();
-      }
-      reply.daemon_config = options_.config.ToJson();
-      for (auto& d : identity::Diff(options_.config, *theirs)) {
-        reply.differences.push_back({d.field, d.ours, d.theirs});
-      }
-      reply.match = reply.differences.empty();
-      conn.hello_seen = true;
-      conn.hello_matched = reply.match;
-      LOG_DEBUG << "Hello from " << conn.Describe() << " (" << hello->client_name << "): "
-                << (reply.match ? "match"
-                                : std::to_string(reply.differences.size()) + " differing field(s)");
-      QueueFrame(conn, protocol::EncodeHelloReply(reply));
+    case MessageType::kHello:
+      HandleHello(conn, frame.payload);
       return;
-    }
     case MessageType::kStatus:
+      if (DecodeEmptyRequest(conn, frame)) HandleStatus(conn);
+      return;
     case MessageType::kAttach:
-    case MessageType::kStop: {
-      Status empty = protocol::DecodeEmptyRequest(frame.type, frame.payload);
-      if (!empty.ok()) {
-        LOG_WARN << "bad " << protocol::MessageTypeName(frame.type) << " from " << conn.Describe()
-                 << ": " << empty.ToString();
-        QueueError(conn, empty);
-        conn.close_after_flush = true;
-        return;
-      }
-      break;
-    }
+      if (DecodeEmptyRequest(conn, frame)) HandleAttach(conn);
+      return;
+    case MessageType::kStop:
+      if (DecodeEmptyRequest(conn, frame)) HandleStop(conn);
+      return;
     default: {
       // FrameReader(kRequest) already refuses reply types; anything else is a bug here.
       Status status = ProtocolError("unexpected " + protocol::MessageTypeName(frame.type) +
                                     " frame from a client");
-      LOG_WARN << conn.Describe() << ": " << status.message();
-      QueueError(conn, status);
-      conn.close_after_flush = true;
+      CloseWithError(conn, status, conn.Describe() + ": " + status.message());
       return;
     }
   }
+}
 
-  if (frame.type == MessageType::kStatus) {
-    QueueFrame(conn, protocol::EncodeStatusReply(MakeStatusReply()));
+bool Daemon::DecodeEmptyRequest(Connection& conn, const protocol::Frame& frame) {
+  Status empty = protocol::DecodeEmptyRequest(frame.type, frame.payload);
+  if (empty.ok()) return true;
+  CloseWithError(conn, empty,
+                 "bad " + protocol::MessageTypeName(frame.type) + " from " + conn.Describe() +
+                     ": " + empty.ToString());
+  return false;
+}
+
+void Daemon::HandleHello(Connection& conn, std::span<const uint8_t> payload) {
+  auto hello = protocol::DecodeHello(payload);
+  if (!hello.ok()) {
+    CloseWithError(conn, hello.status(),
+                   "bad Hello from " + conn.Describe() + ": " + hello.status().ToString());
     return;
   }
-  if (frame.type == MessageType::kAttach) {
-    if (!conn.hello_seen) {
-      // Out of sequence: the protocol requires a Hello first, so this client is either broken
-      // or probing; end the conversation.
-      Status status =
-          ProtocolError("Attach before a Hello (cache " + options_.config.ShortDigest() + ")");
-      LOG_WARN << conn.Describe() << ": " << status.message();
-      QueueError(conn, status);
-      conn.close_after_flush = true;
-      return;
-    }
-    if (!conn.hello_matched) {
-      // A client may send Attach right behind its Hello (docs/protocol.md §1, pipelining):
-      // after a Hello that did not match, the Attach is refused as an application error; the
-      // client has the HelloReply with the differences and reports those.
-      LOG_DEBUG << conn.Describe() << ": Attach after a non-matching Hello refused";
-      QueueError(conn, Status(StatusCode::kMismatch,
-                              "Attach refused: the Hello's config does not match this cache (" +
-                                  options_.config.ShortDigest() + ")"));
-      return;
-    }
-    if (state_ != CacheState::kReady) {
-      std::string why = "cache is " + std::string(protocol::CacheStateName(state_));
-      if (state_ == CacheState::kLoading) {
-        why += " (" + std::to_string(bytes_done_.load()) + "/" +
-               std::to_string(bytes_total_.load()) + " bytes)";
-      } else if (state_ == CacheState::kFailed) {
-        why += ": " + failure_.ToString();
-      }
-      QueueError(conn, Status(StatusCode::kUnavailable, why));
-      return;
-    }
-    // The manifest memfd first, then one fd per allocation (docs/protocol.md §4).
-    std::vector<int> fds = store_->fds();
-    fds.insert(fds.begin(), store_->summary().manifest.fd.get());
-    QueueFrame(conn, attach_frame_, std::move(fds));
-    conn.fds_sent = true;
-    if (!conn.attached) {
-      conn.attached = true;
-      ++clients_;
-      LOG_INFO << "attached: " << conn.Describe() << " (" << clients_ << " client(s))";
-    }
+  if (hello->protocol_version != protocol::kProtocolVersion) {
+    Status status =
+        ProtocolError("Hello for protocol version " + std::to_string(hello->protocol_version) +
+                      "; this daemon speaks version " + std::to_string(protocol::kProtocolVersion));
+    CloseWithError(conn, status, conn.Describe() + ": " + status.message());
     return;
   }
-  // Stop: only the daemon's own uid, even when --allow-uid lets other users attach.
+  auto theirs = identity::CacheConfig::FromJson(hello->config);
+  if (!theirs.ok()) {
+    Status status = theirs.status();
+    status.Context("Hello config");
+    CloseWithError(conn, status, "bad Hello from " + conn.Describe() + ": " + status.ToString());
+    return;
+  }
+  protocol::HelloReply reply;
+  FillLoadState(reply);
+  reply.daemon_config = options_.config.ToJson();
+  for (auto& d : identity::Diff(options_.config, *theirs)) {
+    reply.differences.push_back({d.field, d.ours, d.theirs});
+  }
+  reply.match = reply.differences.empty();
+  conn.hello_seen = true;
+  conn.hello_matched = reply.match;
+  LOG_DEBUG << "Hello from " << conn.Describe() << " (" << hello->client_name << "): "
+            << (reply.match ? "match"
+                            : std::to_string(reply.differences.size()) + " differing field(s)");
+  QueueFrame(conn, protocol::EncodeHelloReply(reply));
+}
+
+void Daemon::HandleStatus(Connection& conn) {
+  QueueFrame(conn, protocol::EncodeStatusReply(MakeStatusReply()));
+}
+
+void Daemon::HandleAttach(Connection& conn) {
+  if (!conn.hello_seen) {
+    // Out of sequence: the protocol requires a Hello first, so this client is either broken
+    // or probing; end the conversation.
+    Status status =
+        ProtocolError("Attach before a Hello (cache " + options_.config.ShortDigest() + ")");
+    CloseWithError(conn, status, conn.Describe() + ": " + status.message());
+    return;
+  }
+  if (!conn.hello_matched) {
+    // A client may send Attach right behind its Hello (docs/protocol.md §1, pipelining):
+    // after a Hello that did not match, the Attach is refused as an application error; the
+    // client has the HelloReply with the differences and reports those.
+    LOG_DEBUG << conn.Describe() << ": Attach after a non-matching Hello refused";
+    QueueError(conn, Status(StatusCode::kMismatch,
+                            "Attach refused: the Hello's config does not match this cache (" +
+                                options_.config.ShortDigest() + ")"));
+    return;
+  }
+  if (state_ != CacheState::kReady) {
+    std::string why = "cache is " + std::string(protocol::CacheStateName(state_));
+    if (state_ == CacheState::kLoading) {
+      why += " (" + std::to_string(bytes_done_.load()) + "/" + std::to_string(bytes_total_.load()) +
+             " bytes)";
+    } else if (state_ == CacheState::kFailed) {
+      why += ": " + failure_.ToString();
+    }
+    QueueError(conn, Status(StatusCode::kUnavailable, why));
+    return;
+  }
+  // The manifest memfd first, then one fd per allocation (docs/protocol.md §4).
+  std::vector<int> fds = store_->fds();
+  fds.insert(fds.begin(), store_->summary().manifest.fd.get());
+  QueueFrame(conn, attach_frame_, std::move(fds));
+  conn.fds_sent = true;
+  if (!conn.attached) {
+    conn.attached = true;
+    ++clients_;
+    LOG_INFO << "attached: " << conn.Describe() << " (" << clients_ << " client(s))";
+  }
+}
+
+void Daemon::HandleStop(Connection& conn) {
+  // Only the daemon's own uid, even when --allow-uid lets other users attach.
   if (conn.peer.uid != ::geteuid()) {
     LOG_WARN << "refused Stop from " << conn.Describe();
     QueueError(conn,

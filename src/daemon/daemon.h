@@ -44,12 +44,14 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/mutex.h"
 #include "common/unique_fd.h"
+#include "common/unique_handle.h"
 #include "daemon/weight_store.h"
 #include "identity/cache_config.h"
 #include "identity/paths.h"
@@ -109,21 +111,33 @@ class Daemon {
   const DaemonOptions& options() const { return options_; }
 
  private:
-  // The published socket: the listening fd and the path it is bound to. Destroying it closes
-  // the fd and unlinks the path (we hold the lock, so the path is ours).
+  // The release rule of the published path, for UniqueHandle: unlink it (we hold the lock, so
+  // the path is ours; already gone is fine).
+  struct SocketPathTraits {
+    using Handle = std::string;
+    using Context = NoContext;
+    static Handle Null() { return {}; }
+    static void Close(NoContext /*unused*/, const std::string& path) noexcept;
+  };
+  // The published socket: the listening fd and the path it is bound to. Destroying it unlinks
+  // the path, then closes the fd (members in that reverse order), so a client never finds the
+  // path with nobody listening behind it. Movable, not move-assignable: a member-wise
+  // assignment would close the old fd before unlinking the old path.
   class PublishedSocket {
    public:
     PublishedSocket() = default;
     PublishedSocket(UniqueFd fd, std::string path) : fd_(std::move(fd)), path_(std::move(path)) {}
     PublishedSocket(PublishedSocket&& other) noexcept = default;
-    PublishedSocket& operator=(PublishedSocket&& other) noexcept;
-    ~PublishedSocket() { Withdraw(); }
+    PublishedSocket& operator=(PublishedSocket&& other) = delete;
     int fd() const { return fd_.get(); }
-    void Withdraw();
+    void Withdraw() {
+      path_.Reset();
+      fd_.Reset();
+    }
 
    private:
     UniqueFd fd_;
-    std::string path_;
+    UniqueHandle<SocketPathTraits> path_;
   };
 
   struct Connection;
@@ -134,12 +148,26 @@ class Daemon {
   void LoaderMain();
   // The load proper (checkpoint open, fingerprint check, the tier's loader); `memory` gets the
   // loader's memory at its steps for the log line.
-  Result<std::unique_ptr<WeightStore>> Load(std::string* memory);
+  Result<WeightStore> Load(std::string* memory);
   void OnLoaderWakeup();
   void OnSignal(int signal_fd);
   void AcceptAll();
   void OnConnectionEvent(int fd, uint32_t events);
-  void HandleFrame(Connection& conn, protocol::Frame frame);
+  // One complete request: the dispatcher, then one handler per request type.
+  void HandleFrame(Connection& conn, const protocol::Frame& frame);
+  void HandleHello(Connection& conn, std::span<const uint8_t> payload);
+  void HandleStatus(Connection& conn);
+  void HandleAttach(Connection& conn);
+  void HandleStop(Connection& conn);
+  // Status, Attach and Stop carry no payload: true if `frame`'s is empty, else the connection
+  // is closed with the decoder's error.
+  bool DecodeEmptyRequest(Connection& conn, const protocol::Frame& frame);
+  // Logs `log_line`, queues `status` as the connection's last reply and closes the connection
+  // once it is flushed: how every malformed or out-of-sequence request ends.
+  void CloseWithError(Connection& conn, const Status& status, std::string_view log_line);
+  // The load state every Hello and Status reply carries: state, bytes, the failure.
+  template <typename Reply>
+  void FillLoadState(Reply& reply) const;
   void QueueFrame(Connection& conn, Result<std::vector<uint8_t>> frame, std::vector<int> fds = {});
   void QueueError(Connection& conn, const Status& status);
   // Flushes what it can, then re-arms epoll (or closes a finished connection).
@@ -172,7 +200,7 @@ class Daemon {
   DaemonEvents events_;  // set by Run
   protocol::CacheState state_ = protocol::CacheState::kLoading;
   Status failure_;  // the load failure, once state_ is kFailed (kept while draining)
-  std::unique_ptr<WeightStore> store_;
+  std::optional<WeightStore> store_;   // once ready
   std::vector<uint8_t> attach_frame_;  // encoded once the store is ready
   uint32_t clients_ = 0;               // attached connections still open
   std::chrono::steady_clock::time_point load_start_;
@@ -193,8 +221,7 @@ class Daemon {
   std::atomic<uint64_t> bytes_total_{0};
   Mutex result_mu_;
   bool load_finished_ WEIGHTCACHE_GUARDED_BY(result_mu_) = false;
-  std::optional<Result<std::unique_ptr<WeightStore>>> load_result_
-      WEIGHTCACHE_GUARDED_BY(result_mu_);
+  std::optional<Result<WeightStore>> load_result_ WEIGHTCACHE_GUARDED_BY(result_mu_);
   std::thread loader_;
 };
 

@@ -48,9 +48,9 @@ Result<CUdevice> DeviceByUuid(const cuda::DriverApi* api, const std::string& uui
 // Every allocation the load makes for the load only (the pipeline and its pinned staging
 // ring, the items, the plan, the checksum vectors) is a local that dies on return; what it
 // reports in `memory` are the two points inside it worth a log line.
-Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
-                                                  const LoadOptions& options,
-                                                  const LoadControl& control, std::string* memory) {
+Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
+                                 const LoadOptions& options, const LoadControl& control,
+                                 std::string* memory) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
   WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, DeviceByUuid(api, options.device_uuid));
   WEIGHTCACHE_RETURN_IF_ERROR(cuda::CheckVmmSupport(api, device));
@@ -155,8 +155,7 @@ Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& 
   // memory and driver host memory a context costs — for the life of the cache.
   // The fds alone serve: no mapping, no handle, no CUDA context. The device memory lives
   // while any fd does — ours, or the duplicates attached clients received.
-  return std::unique_ptr<WeightStore>(
-      new FdStore(Tier::kGpu, std::move(arena).value().ReleaseToFds(), std::move(summary)));
+  return WeightStore(Tier::kGpu, std::move(arena).value().ReleaseToFds(), std::move(summary));
 }
 
 }  // namespace weightcache::daemon

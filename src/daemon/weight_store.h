@@ -27,7 +27,6 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -53,22 +52,31 @@ struct StoreSummary {
   uint64_t resident_bytes = 0;  // sum of the allocations (what the cache occupies)
 };
 
+// The loaded weights, whatever the tier: one fd per allocation (sealed memfds, or exported VMM
+// fds with no mapping or context left in the daemon) — the fds alone keep the memory — and
+// the summary. One concrete class: both tiers serve the same way once loaded. Move-only.
 class WeightStore {
  public:
-  virtual ~WeightStore() = default;
+  WeightStore(Tier tier, std::vector<UniqueFd> fds, StoreSummary summary)
+      : tier_(tier), fds_(std::move(fds)), summary_(std::move(summary)) {}
+  WeightStore(WeightStore&&) noexcept = default;
+  WeightStore& operator=(WeightStore&&) noexcept = default;
   WeightStore(const WeightStore&) = delete;
   WeightStore& operator=(const WeightStore&) = delete;
 
-  virtual Tier tier() const = 0;
+  Tier tier() const { return tier_; }
   // Borrowed, one per allocation, in manifest order.
-  virtual std::vector<int> fds() const = 0;
-
+  std::vector<int> fds() const {
+    std::vector<int> fds;
+    fds.reserve(fds_.size());
+    for (const auto& fd : fds_) fds.push_back(fd.get());
+    return fds;
+  }
   const StoreSummary& summary() const { return summary_; }
 
- protected:
-  explicit WeightStore(StoreSummary summary) : summary_(std::move(summary)) {}
-
  private:
+  Tier tier_;
+  std::vector<UniqueFd> fds_;
   StoreSummary summary_;
 };
 
@@ -88,33 +96,13 @@ struct LoadControl {
 
 // The loaders. `memory` receives the process's memory at the load's steps worth a log line
 // (load_memory.h); the caller trims the heap and logs once the checkpoint is gone too.
-Result<std::unique_ptr<WeightStore>> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
-                                                   const LoadOptions& options,
-                                                   const LoadControl& control, std::string* memory);
+Result<WeightStore> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
+                                  const LoadOptions& options, const LoadControl& control,
+                                  std::string* memory);
 
-Result<std::unique_ptr<WeightStore>> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
-                                                  const LoadOptions& options,
-                                                  const LoadControl& control, std::string* memory);
-
-// What both tiers serve from once loaded: one fd per allocation (sealed memfds, or exported
-// VMM fds with no mapping or context left in the daemon) — the fds alone keep the memory.
-class FdStore final : public WeightStore {
- public:
-  FdStore(Tier tier, std::vector<UniqueFd> fds, StoreSummary summary)
-      : WeightStore(std::move(summary)), tier_(tier), fds_(std::move(fds)) {}
-
-  Tier tier() const override { return tier_; }
-  std::vector<int> fds() const override {
-    std::vector<int> fds;
-    fds.reserve(fds_.size());
-    for (const auto& fd : fds_) fds.push_back(fd.get());
-    return fds;
-  }
-
- private:
-  Tier tier_;
-  std::vector<UniqueFd> fds_;
-};
+Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
+                                 const LoadOptions& options, const LoadControl& control,
+                                 std::string* memory);
 
 // Budget check shared by both tiers: kOutOfMemory "<tier> plan needs X (N allocations), over
 // the memory budget of Y (--memory-budget)".

@@ -161,36 +161,19 @@ Result<ChildProcess> ChildProcess::Spawn(const SpawnOptions& options) {
     }
     return IoError("pidfd_open for child " + std::to_string(pid), err);
   }
-  return ChildProcess(pid, std::move(pidfd), std::move(pipes));
+  return ChildProcess(pid, pidfd.Release(), std::move(pipes));
 }
 
-ChildProcess::ChildProcess(ChildProcess&& other) noexcept
-    : pid_(std::exchange(other.pid_, -1)),
-      pidfd_(std::move(other.pidfd_)),
-      pipes_(std::move(other.pipes_)),
-      exit_(std::exchange(other.exit_, std::nullopt)) {}
-
-ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
-  if (this != &other) {
-    KillAndReap();
-    pid_ = std::exchange(other.pid_, -1);
-    pidfd_ = std::move(other.pidfd_);
-    pipes_ = std::move(other.pipes_);
-    exit_ = std::exchange(other.exit_, std::nullopt);
+void ChildTraits::Close(NoContext /*unused*/, const Handle& h) noexcept {
+  PidfdSendSignal(h.pidfd, SIGKILL);
+  while (::waitpid(h.pid, nullptr, 0) < 0 && errno == EINTR) {
   }
-  return *this;
+  ::close(h.pidfd);
 }
 
-ChildProcess::~ChildProcess() { KillAndReap(); }
-
-void ChildProcess::KillAndReap() {
-  if (pid_ < 0 || exit_.has_value()) return;
-  if (pidfd_) PidfdSendSignal(pidfd_.get(), SIGKILL);
-  int status = 0;
-  while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
-  }
-  exit_ = DecodeWaitStatus(status);
-  pidfd_.Reset();
+void ChildProcess::Reaped(int wait_status) {
+  exit_ = DecodeWaitStatus(wait_status);
+  ::close(child_.Release().pidfd);
 }
 
 Status ChildProcess::Signal(int sig) {
@@ -198,10 +181,8 @@ Status ChildProcess::Signal(int sig) {
     return InternalError("signal " + std::to_string(sig) + " to child " + std::to_string(pid_) +
                          ", which is reaped (" + exit_->ToString() + ")");
   }
-  if (pid_ < 0 || !pidfd_) {
-    return InternalError("signal " + std::to_string(sig) + " to a detached child");
-  }
-  if (PidfdSendSignal(pidfd_.get(), sig) != 0) {
+  if (!child_) return InternalError("signal " + std::to_string(sig) + " to a detached child");
+  if (PidfdSendSignal(child_.get().pidfd, sig) != 0) {
     // ESRCH: it has exited and waits to be reaped; the pidfd will report it.
     if (errno == ESRCH) return Status::Ok();
     return IoError("pidfd_send_signal to child " + std::to_string(pid_), errno);
@@ -211,24 +192,23 @@ Status ChildProcess::Signal(int sig) {
 
 Result<std::optional<ExitInfo>> ChildProcess::TryReap() {
   if (exit_.has_value()) return exit_;
-  if (pid_ < 0) return InternalError("reap of a detached child");
+  if (!child_) return InternalError("reap of a detached child");
   int status = 0;
   pid_t r;
   while ((r = ::waitpid(pid_, &status, WNOHANG)) < 0 && errno == EINTR) {
   }
   if (r < 0) return IoError("waitpid for child " + std::to_string(pid_), errno);
   if (r == 0) return std::optional<ExitInfo>();
-  exit_ = DecodeWaitStatus(status);
-  pidfd_.Reset();
+  Reaped(status);
   return exit_;
 }
 
 Result<std::optional<ExitInfo>> ChildProcess::WaitFor(std::chrono::milliseconds timeout) {
   if (exit_.has_value()) return exit_;
-  if (pid_ < 0 || !pidfd_) return InternalError("wait for a detached child");
+  if (!child_) return InternalError("wait for a detached child");
   const auto deadline = Clock::now() + timeout;
   for (;;) {
-    pollfd p{pidfd_.get(), POLLIN, 0};
+    pollfd p{child_.get().pidfd, POLLIN, 0};
     const int n = ::poll(&p, 1, PollTimeout(deadline));
     if (n > 0) {
       // Exited: the waitpid in Wait() returns at once.
@@ -244,20 +224,19 @@ Result<std::optional<ExitInfo>> ChildProcess::WaitFor(std::chrono::milliseconds 
 
 Result<ExitInfo> ChildProcess::Wait() {
   if (exit_.has_value()) return *exit_;
-  if (pid_ < 0) return InternalError("wait for a detached child");
+  if (!child_) return InternalError("wait for a detached child");
   int status = 0;
   pid_t r;
   while ((r = ::waitpid(pid_, &status, 0)) < 0 && errno == EINTR) {
   }
   if (r < 0) return IoError("waitpid for child " + std::to_string(pid_), errno);
-  exit_ = DecodeWaitStatus(status);
-  pidfd_.Reset();
+  Reaped(status);
   return *exit_;
 }
 
 void ChildProcess::Detach() {
   pid_ = -1;
-  pidfd_.Reset();
+  if (child_) ::close(child_.Release().pidfd);
 }
 
 std::vector<std::string> TailLines(const std::string& path, size_t max_lines, size_t max_bytes) {

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "common/unique_fd.h"
+#include "common/unique_handle.h"
 #include "weightcache/status.h"
 
 namespace weightcache::launcher {
@@ -75,6 +76,19 @@ struct StdioPipes {
   UniqueFd err;  // read end of the child's stderr
 };
 
+// The release rule of a spawned, unreaped child, for UniqueHandle: SIGKILL through its pidfd,
+// reap it, close the pidfd.
+struct ChildTraits {
+  struct Handle {
+    pid_t pid = -1;
+    int pidfd = -1;
+    friend bool operator==(const Handle&, const Handle&) = default;
+  };
+  using Context = NoContext;
+  static constexpr Handle Null() { return {}; }
+  static void Close(NoContext /*unused*/, const Handle& h) noexcept;
+};
+
 class ChildProcess {
  public:
   // kInvalidArgument for an argv[0] that is not an absolute path, or a kLog stream without a
@@ -82,15 +96,9 @@ class ChildProcess {
   // log or /dev/null, a pipe, the spawn or the pidfd fails (no child is left running then).
   static Result<ChildProcess> Spawn(const SpawnOptions& options);
 
-  ChildProcess(ChildProcess&& other) noexcept;
-  ChildProcess& operator=(ChildProcess&& other) noexcept;
-  ChildProcess(const ChildProcess&) = delete;
-  ChildProcess& operator=(const ChildProcess&) = delete;
-  ~ChildProcess();
-
   pid_t pid() const { return pid_; }
   // Readable (POLLIN) once the child has exited; valid until Reap/Detach/destruction.
-  int pidfd() const { return pidfd_.get(); }
+  int pidfd() const { return child_.get().pidfd; }
   bool reaped() const { return exit_.has_value(); }
   const std::optional<ExitInfo>& exit_info() const { return exit_; }
 
@@ -118,13 +126,16 @@ class ChildProcess {
   void Detach();
 
  private:
-  ChildProcess(pid_t pid, UniqueFd pidfd, StdioPipes pipes)
-      : pid_(pid), pidfd_(std::move(pidfd)), pipes_(std::move(pipes)) {}
-  void KillAndReap();
+  ChildProcess(pid_t pid, int pidfd, StdioPipes pipes)
+      : pid_(pid), pipes_(std::move(pipes)), child_(ChildTraits::Handle{pid, pidfd}) {}
+  // Records how the child ended and gives up the handle (closing its pidfd): the child is
+  // reaped, nothing is left to kill.
+  void Reaped(int wait_status);
 
-  pid_t pid_ = -1;
-  UniqueFd pidfd_;
+  pid_t pid_ = -1;  // kept once reaped (for messages); -1 once detached
   StdioPipes pipes_;
+  // Declared after pipes_: destruction kills and reaps the child before its pipes close.
+  UniqueHandle<ChildTraits> child_;  // empty once reaped or detached
   std::optional<ExitInfo> exit_;
 };
 

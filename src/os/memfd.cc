@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <utility>
 
 namespace weightcache::os {
 namespace {
@@ -56,24 +55,8 @@ Result<uint64_t> FileSize(int fd) {
   return static_cast<uint64_t>(st.st_size);
 }
 
-MappedRegion::MappedRegion(MappedRegion&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-
-MappedRegion& MappedRegion::operator=(MappedRegion&& other) noexcept {
-  if (this != &other) {
-    Unmap();
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-  }
-  return *this;
-}
-
-MappedRegion::~MappedRegion() { Unmap(); }
-
-void MappedRegion::Unmap() {
-  if (data_ != nullptr) ::munmap(data_, size_);
-  data_ = nullptr;
-  size_ = 0;
+void MappingTraits::Close(NoContext /*unused*/, const Handle& h) noexcept {
+  ::munmap(h.data, h.size);
 }
 
 namespace {

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "common/unique_fd.h"
+#include "common/unique_handle.h"
 #include "weightcache/status.h"
 
 namespace weightcache::os {
@@ -35,26 +36,31 @@ Status CheckSealedReadOnly(int fd);
 // fstat size of an fd.
 Result<uint64_t> FileSize(int fd);
 
+// The release rule of a mapping, for UniqueHandle: munmap of the whole region.
+struct MappingTraits {
+  struct Handle {
+    void* data = nullptr;
+    size_t size = 0;
+    friend bool operator==(const Handle&, const Handle&) = default;
+  };
+  using Context = NoContext;
+  static constexpr Handle Null() { return {}; }
+  static void Close(NoContext /*unused*/, const Handle& h) noexcept;
+};
+
 class MappedRegion {
  public:
   MappedRegion() = default;
-  MappedRegion(const MappedRegion&) = delete;
-  MappedRegion& operator=(const MappedRegion&) = delete;
-  MappedRegion(MappedRegion&& other) noexcept;
-  MappedRegion& operator=(MappedRegion&& other) noexcept;
-  ~MappedRegion();
 
-  void* data() const { return data_; }
-  size_t size() const { return size_; }
+  void* data() const { return owned_.get().data; }
+  size_t size() const { return owned_.get().size; }
 
  private:
   friend Result<MappedRegion> MapReadOnly(int fd, size_t size);
   friend Result<MappedRegion> MapReadWrite(int fd, size_t size);
-  MappedRegion(void* data, size_t size) : data_(data), size_(size) {}
-  void Unmap();
+  MappedRegion(void* data, size_t size) : owned_(MappingTraits::Handle{data, size}) {}
 
-  void* data_ = nullptr;
-  size_t size_ = 0;
+  UniqueHandle<MappingTraits> owned_;
 };
 
 // PROT_READ, MAP_SHARED, from offset 0. kInvalidArgument if `size` exceeds the file's size.

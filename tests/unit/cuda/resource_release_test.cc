@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint/arena_plan.h"
+#include "client/fallback_loader.h"
 #include "common/unique_fd.h"
 #include "common/unique_handle.h"
 #include "cuda/checksum_gpu.h"
@@ -206,6 +208,39 @@ TEST_F(ResourceReleaseTest, MappingIsUnmappedWithCuMemUnmapBeforeItsRangeIsFreed
   }
   EXPECT_EQ(fake_.live_mappings(), 0);
   ExpectReleasedBy("cuMemUnmap");
+}
+
+// The client's fallback buffers (client/fallback_loader.h). Device memory is freed by
+// cuMemFree in the context it was allocated in, whichever context the destroying thread has
+// (none here), which is restored afterwards.
+TEST_F(ResourceReleaseTest, FallbackDeviceBufferIsFreedWithCuMemFreeInItsOwnContext) {
+  {
+    auto buffer = client::DeviceBuffer::Allocate(fake_.api(), 1000);
+    ASSERT_TRUE(buffer.ok()) << buffer.status().ToString();
+    client::DeviceBuffer moved = std::move(*buffer);
+    EXPECT_EQ(buffer->size(), 0u);  // NOLINT(bugprone-use-after-move): empty, by contract
+    EXPECT_EQ(moved.size(), 1000u);
+    EXPECT_EQ(fake_.live_device_allocs(), 1);
+    fake_.set_current_context(nullptr);
+    fake_.ClearCalls();
+  }
+  EXPECT_EQ(fake_.live_device_allocs(), 0);
+  EXPECT_THAT(fake_.calls(), ::testing::ElementsAre("cuCtxGetCurrent", "cuCtxSetCurrent",
+                                                    "cuMemFree", "cuCtxSetCurrent"));
+  EXPECT_EQ(fake_.current_context(), nullptr);
+  ExpectReleasedBy("cuMemFree");
+}
+
+TEST_F(ResourceReleaseTest, FallbackHostBufferMovesOwnership) {
+  auto buffer = client::HostBuffer::Allocate(1000);
+  ASSERT_TRUE(buffer.ok());
+  uint8_t* const data = buffer->data();
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(data) % checkpoint::kTensorAlignment, 0u);
+  client::HostBuffer moved = std::move(*buffer);
+  EXPECT_EQ(buffer->data(), nullptr);  // NOLINT(bugprone-use-after-move): empty, by contract
+  EXPECT_EQ(buffer->size(), 0u);       // NOLINT(bugprone-use-after-move)
+  EXPECT_EQ(moved.data(), data);
+  EXPECT_EQ(moved.size(), 1000u);
 }
 
 // Destructors cannot report: a failed release is logged, and the owner is empty afterwards.

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -146,6 +147,53 @@ TEST(ChildProcessTest, DestroyingARunningChildKillsAndReapsIt) {
     EXPECT_FALSE(PidGone(pid));
   }
   EXPECT_TRUE(PidGone(pid));
+}
+
+// A move-assignment kills and reaps the child it overwrites (as its destruction would) and
+// takes over the other; the moved-from owner owns nothing, so its destruction kills nothing.
+TEST(ChildProcessTest, MoveAssignmentKillsTheOverwrittenChildAndKeepsTheOther) {
+  TempDir dir;
+  auto first = ChildProcess::Spawn(Shell(dir, "exec sleep 30"));
+  auto second = ChildProcess::Spawn(Shell(dir, "exec sleep 30"));
+  ASSERT_TRUE(first.ok() && second.ok());
+  const pid_t overwritten = first->pid();
+  const pid_t kept = second->pid();
+  {
+    ChildProcess moved_from = std::move(*second);
+    *first = std::move(moved_from);
+    EXPECT_EQ(moved_from.pidfd(), -1);  // NOLINT(bugprone-use-after-move): empty, by contract
+  }
+  EXPECT_TRUE(PidGone(overwritten));
+  EXPECT_FALSE(PidGone(kept));
+  EXPECT_EQ(first->pid(), kept);
+  ASSERT_TRUE(first->Signal(SIGKILL).ok());
+  auto exit = first->Wait();
+  ASSERT_TRUE(exit.ok());
+  EXPECT_EQ(exit->signal, SIGKILL);
+  EXPECT_EQ(first->pidfd(), -1);  // reaped: the pidfd is closed
+  EXPECT_TRUE(PidGone(kept));
+}
+
+// Detach gives the child up: destroying the owner neither kills nor reaps it, and the owner
+// refuses to signal it.
+TEST(ChildProcessTest, DetachedChildOutlivesItsOwner) {
+  TempDir dir;
+  pid_t pid;
+  {
+    auto child = ChildProcess::Spawn(Shell(dir, "exec sleep 30"));
+    ASSERT_TRUE(child.ok());
+    pid = child->pid();
+    child->Detach();
+    EXPECT_EQ(child->pidfd(), -1);
+    const Status refused = child->Signal(SIGTERM);
+    EXPECT_EQ(refused.code(), StatusCode::kInternal);
+    EXPECT_EQ(refused.message(), "signal 15 to a detached child");
+  }
+  EXPECT_FALSE(PidGone(pid));
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);  // still our unreaped child: its pid is exact
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFSIGNALED(status));
 }
 
 TEST(ChildProcessTest, SpawnErrorsNameTheProgramOrLog) {

@@ -2,10 +2,13 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <string>
+#include <utility>
 
 namespace weightcache::os {
 namespace {
@@ -72,6 +75,28 @@ TEST(MemfdTest, RegionMovesAndZeroSizeIsEmpty) {
   ASSERT_TRUE(empty.ok());
   EXPECT_EQ(empty->data(), nullptr);
   EXPECT_EQ(empty->size(), 0u);
+}
+
+// A region unmaps exactly once: when its last owner goes, not when a moved-from one does.
+TEST(MemfdTest, RegionIsUnmappedWhenItsOwnerIsDestroyed) {
+  auto fd = CreateMemfd("m", 8192);
+  ASSERT_TRUE(fd.ok());
+  void* data = nullptr;
+  {
+    auto r = MapReadOnly(fd->get(), 8192);
+    ASSERT_TRUE(r.ok());
+    data = r->data();
+    {
+      MappedRegion moved = std::move(r).value();
+      MappedRegion target;
+      target = std::move(moved);
+      EXPECT_EQ(moved.data(), nullptr);  // NOLINT(bugprone-use-after-move): empty, by contract
+      EXPECT_EQ(moved.size(), 0u);
+      EXPECT_EQ(::msync(data, 8192, MS_ASYNC), 0);  // still mapped
+    }
+  }
+  EXPECT_EQ(::msync(data, 8192, MS_ASYNC), -1);
+  EXPECT_EQ(errno, ENOMEM);  // nothing mapped there any more
 }
 
 }  // namespace

@@ -1,0 +1,227 @@
+// The host-tier loader's steps on their own (daemon/host_store.h) and composed by
+// LoadHostStore, on real checkpoints written by the `safetensors` library and real memfds:
+// the work items cover every byte once, the layout is file order at page granularity, memfds
+// are sized to the plan and sealed, a cancelled load stops with kUnavailable, and a finished
+// store holds exactly the checkpoint's bytes with the checksums its manifest records.
+#include "daemon/host_store.h"
+
+#include <fcntl.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "checkpoint/checkpoint.h"
+#include "common/checksum.h"
+#include "os/memfd.h"
+#include "protocol/manifest.h"
+#include "unit/checkpoint/checkpoint_fixture.h"
+
+namespace weightcache::daemon {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+// Every byte of every tensor, in order, exactly once: the items of MakeHostItems walk the
+// sizes without gap or overlap.
+void ExpectItemsCoverEveryByte(const std::vector<uint64_t>& sizes,
+                               const std::vector<HostItem>& items) {
+  size_t tensor = 0;
+  uint64_t at = 0;  // within `tensor`
+  for (const HostItem& item : items) {
+    if (item.count == 1 && sizes[item.first] >= kHostItemBytes) {
+      EXPECT_EQ(item.first, tensor);
+      EXPECT_EQ(item.from, at);
+      EXPECT_LE(item.length, kHostItemBytes);
+      at += item.length;
+      if (at == sizes[tensor]) {
+        ++tensor;
+        at = 0;
+      }
+      continue;
+    }
+    EXPECT_EQ(at, 0u);
+    EXPECT_EQ(item.first, tensor);
+    uint64_t bytes = 0;
+    for (size_t i = item.first; i < item.first + item.count; ++i) bytes += sizes[i];
+    EXPECT_EQ(item.length, bytes);
+    EXPECT_LE(item.length, kHostItemBytes);
+    tensor += item.count;
+  }
+  EXPECT_EQ(tensor, sizes.size());
+}
+
+TEST(HostItemsTest, SmallTensorsAreGroupedUpToAnItem) {
+  const std::vector<uint64_t> sizes = {3 * kMiB, 3 * kMiB, 3 * kMiB, 0, 1, 5 * kMiB};
+  const std::vector<HostItem> items = MakeHostItems(sizes);
+  ASSERT_EQ(items.size(), 3u);
+  EXPECT_EQ(items[0].first, 0u);
+  EXPECT_EQ(items[0].count, 2u);  // a third 3 MiB would pass 8 MiB
+  EXPECT_EQ(items[1].first, 2u);
+  EXPECT_EQ(items[1].count, 3u);  // 3 MiB, the empty tensor and one byte
+  EXPECT_EQ(items[1].length, 3 * kMiB + 1);
+  EXPECT_EQ(items[2].first, 5u);
+  EXPECT_EQ(items[2].count, 1u);
+  ExpectItemsCoverEveryByte(sizes, items);
+}
+
+TEST(HostItemsTest, ALargeTensorIsSplitIntoItemSizedRanges) {
+  const std::vector<uint64_t> sizes = {1 * kMiB, 2 * kHostItemBytes + 12345, 2 * kMiB};
+  const std::vector<HostItem> items = MakeHostItems(sizes);
+  ASSERT_EQ(items.size(), 5u);
+  EXPECT_EQ(items[1].first, 1u);
+  EXPECT_EQ(items[1].from, 0u);
+  EXPECT_EQ(items[1].length, kHostItemBytes);
+  EXPECT_EQ(items[3].from, 2 * kHostItemBytes);
+  EXPECT_EQ(items[3].length, 12345u);
+  // Every range of a split tensor starts on a checksum chunk boundary, so its pieces hash
+  // independently.
+  for (const HostItem& item : items) EXPECT_EQ(item.from % kChecksumChunkBytes, 0u);
+  ExpectItemsCoverEveryByte(sizes, items);
+}
+
+TEST(HostItemsTest, NoTensorsNoItems) { EXPECT_TRUE(MakeHostItems({}).empty()); }
+
+class HostStoreTest : public checkpoint::testing::CheckpointFixture {
+ protected:
+  checkpoint::Checkpoint Open(const std::string& dir) {
+    auto c = checkpoint::Checkpoint::Open(dir);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return std::move(c).value();
+  }
+  static uint64_t PageSize() { return static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)); }
+};
+
+TEST_F(HostStoreTest, LayoutIsFileOrderAtPageGranularity) {
+  const checkpoint::Checkpoint ckpt =
+      Open(Make("layout", {"--tensors", "30", "--dtypes", "all", "--shards", "3", "--seed", "5"}));
+  const HostLayout layout = PlanHostLayout(ckpt, PageSize());
+  const auto& tensors = ckpt.tensors();
+  ASSERT_EQ(layout.order.size(), tensors.size());
+  ASSERT_EQ(layout.sizes.size(), tensors.size());
+  ASSERT_EQ(layout.plan.placements.size(), tensors.size());
+  for (size_t i = 0; i < layout.order.size(); ++i) {
+    const auto& t = tensors[layout.order[i]];
+    EXPECT_EQ(layout.sizes[i], t.nbytes);
+    EXPECT_EQ(layout.chunk_begin[i + 1] - layout.chunk_begin[i], ChecksumChunkCount(t.nbytes));
+    if (i > 0) {
+      const auto& prev = tensors[layout.order[i - 1]];
+      EXPECT_TRUE(prev.shard < t.shard || (prev.shard == t.shard && prev.offset <= t.offset))
+          << prev.name << " before " << t.name;
+    }
+  }
+  ASSERT_FALSE(layout.plan.allocation_bytes.empty());
+  for (uint64_t bytes : layout.plan.allocation_bytes) EXPECT_EQ(bytes % PageSize(), 0u);
+}
+
+TEST_F(HostStoreTest, MemfdsAreSizedToThePlanAndSealed) {
+  const checkpoint::Checkpoint ckpt = Open(Make("memfds", {"--tensors", "6", "--seed", "2"}));
+  const HostLayout layout = PlanHostLayout(ckpt, PageSize());
+  auto memfds = CreateHostMemfds("weightcache:test", layout.plan);
+  ASSERT_TRUE(memfds.ok()) << memfds.status().ToString();
+  ASSERT_EQ(memfds->size(), layout.plan.allocation_bytes.size());
+  for (size_t a = 0; a < memfds->size(); ++a) {
+    auto size = os::FileSize((*memfds)[a].get());
+    ASSERT_TRUE(size.ok());
+    EXPECT_EQ(*size, layout.plan.allocation_bytes[a]);
+    EXPECT_EQ(os::CheckSealedReadOnly((*memfds)[a].get()).code(), StatusCode::kPermissionDenied);
+  }
+  ASSERT_TRUE(SealHostMemfds(*memfds).ok());
+  for (const UniqueFd& fd : *memfds) {
+    EXPECT_TRUE(os::CheckSealedReadOnly(fd.get()).ok());
+    const uint8_t byte = 1;
+    EXPECT_EQ(::pwrite(fd.get(), &byte, 1, 0), -1);
+    EXPECT_EQ(errno, EPERM);
+  }
+}
+
+TEST_F(HostStoreTest, ACancelledLoadStopsBeforeReading) {
+  const checkpoint::Checkpoint ckpt = Open(Make("cancel", {"--tensors", "8", "--seed", "3"}));
+  const HostLayout layout = PlanHostLayout(ckpt, PageSize());
+  auto memfds = CreateHostMemfds("weightcache:test", layout.plan);
+  ASSERT_TRUE(memfds.ok());
+  const std::vector<HostItem> items = MakeHostItems(layout.sizes);
+  std::vector<uint64_t> chunk_hashes(layout.chunk_begin.back());
+  const std::atomic<bool> cancel{true};
+  std::vector<uint64_t> progress;
+  LoadControl control;
+  control.cancel = &cancel;
+  control.progress = [&](uint64_t done, uint64_t /*total*/) { progress.push_back(done); };
+  const Status status =
+      RunHostItems(ckpt, layout, items, *memfds, /*threads=*/2, control, &chunk_hashes);
+  EXPECT_EQ(status.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(status.message(), "load cancelled");
+  EXPECT_EQ(progress, std::vector<uint64_t>{0});
+}
+
+TEST_F(HostStoreTest, LoadedStoreHoldsTheCheckpointBytesAndTheirChecksums) {
+  // Three f32 tensors larger than a work item (each split into ranges the threads share)
+  // among bf16 ones of half that size, in 2 shards.
+  const checkpoint::Checkpoint ckpt =
+      Open(Make("load", {"--tensors", "5", "--dtypes", "f32,bf16", "--shards", "2", "--seed", "9",
+                         "--min-elems", "2200000", "--max-elems", "2500000"}));
+  const HostLayout layout = PlanHostLayout(ckpt, PageSize());
+  EXPECT_GT(MakeHostItems(layout.sizes).size(), ckpt.tensors().size());
+  LoadOptions options;
+  options.threads = 3;
+  options.cache_name = "weightcache:test";
+  std::string memory;
+  Result<WeightStore> store = LoadHostStore(ckpt, options, LoadControl{}, &memory);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  EXPECT_THAT(memory, HasSubstr("loaded=rss "));
+  EXPECT_EQ(store->tier(), Tier::kHost);
+  const StoreSummary& summary = store->summary();
+  EXPECT_EQ(summary.tensor_count, ckpt.tensors().size());
+  EXPECT_EQ(summary.tensor_bytes, ckpt.total_bytes());
+
+  auto region = os::MapReadOnly(summary.manifest.fd.get(), summary.manifest.size);
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  auto manifest = protocol::Manifest::DecodeMapped(std::move(region).value());
+  ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+  EXPECT_EQ(manifest->tier(), Tier::kHost);
+  const std::vector<int> fds = store->fds();
+  ASSERT_EQ(fds.size(), manifest->allocation_sizes().size());
+  uint64_t resident = 0;
+  for (size_t a = 0; a < fds.size(); ++a) {
+    EXPECT_TRUE(os::CheckSealedReadOnly(fds[a]).ok());
+    resident += manifest->allocation_sizes()[a];
+  }
+  EXPECT_EQ(summary.resident_bytes, resident);
+
+  ASSERT_EQ(manifest->tensor_count(), ckpt.tensors().size());
+  for (size_t i = 0; i < manifest->tensor_count(); ++i) {
+    const protocol::TensorEntry entry = manifest->tensor(i);
+    const checkpoint::TensorInfo& t = ckpt.tensors()[i];  // both in name order
+    ASSERT_EQ(entry.name, t.name);
+    std::vector<uint8_t> expected(t.nbytes), held(t.nbytes);
+    const checkpoint::ReadRequest request{t.shard, t.offset, t.nbytes, expected.data()};
+    ASSERT_TRUE(checkpoint::ReadRanges(ckpt, std::span(&request, 1), {}).ok());
+    ASSERT_EQ(
+        ::pread(fds[entry.allocation], held.data(), t.nbytes, static_cast<off_t>(entry.offset)),
+        static_cast<ssize_t>(t.nbytes));
+    EXPECT_EQ(held, expected) << t.name;
+    EXPECT_EQ(entry.checksum, TensorChecksum(expected.data(), expected.size())) << t.name;
+  }
+}
+
+TEST_F(HostStoreTest, APlanOverTheBudgetAllocatesNothing) {
+  const checkpoint::Checkpoint ckpt = Open(Make("budget", {"--tensors", "4", "--seed", "4"}));
+  LoadOptions options;
+  options.memory_budget = 1;
+  std::string memory;
+  Result<WeightStore> store = LoadHostStore(ckpt, options, LoadControl{}, &memory);
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), StatusCode::kOutOfMemory);
+  EXPECT_THAT(store.status().message(), HasSubstr("over the memory budget of 1 bytes"));
+  EXPECT_TRUE(memory.empty());
+}
+
+}  // namespace
+}  // namespace weightcache::daemon
