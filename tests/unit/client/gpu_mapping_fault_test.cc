@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <memory>
+#include <set>
 #include <string>
 
 #include "client/attachment_impl.h"
@@ -126,6 +127,9 @@ TEST_F(GpuMappingFaultTest, MapsTheDaemonsAllocationsIntoTheResolvedDevice) {
 TEST_F(GpuMappingFaultTest, EveryStepThatFailsGivesItsCudaErrorAndLeavesNothingBehind) {
   Books before = BooksNow();
   int total = 0;
+  // Each attach starts on a thread with no current context (a mapping leaves the primary one
+  // current when the caller had none), so every run makes the same calls.
+  fake_->set_current_context(nullptr);
   {
     const int start = fake_->steps();
     auto a = client::Attach(options_, env_);
@@ -133,9 +137,12 @@ TEST_F(GpuMappingFaultTest, EveryStepThatFailsGivesItsCudaErrorAndLeavesNothingB
     total = fake_->steps() - start;
   }
   ASSERT_EQ(Describe(BooksNow()), Describe(before));
+  EXPECT_GT(total, 10);
   int failures = 0;
+  std::set<std::string> failed_calls;  // the calls whose failure failed the attach
   for (int step = 1; step <= total; ++step) {
     SCOPED_TRACE("failing step " + std::to_string(step) + " of " + std::to_string(total));
+    fake_->set_current_context(nullptr);
     const int start = fake_->steps();
     fake_->FailStep(start + step, CUDA_ERROR_UNKNOWN);
     std::string failed;
@@ -150,6 +157,7 @@ TEST_F(GpuMappingFaultTest, EveryStepThatFailsGivesItsCudaErrorAndLeavesNothingB
       SCOPED_TRACE("the failed call: " + failed);
       if (!a.ok()) {
         ++failures;
+        failed_calls.insert(failed);
         EXPECT_EQ(a.status().code(), StatusCode::kCuda) << a.status().ToString();
         EXPECT_NE(a.status().message().find("CUDA_ERROR_UNKNOWN"), std::string::npos)
             << a.status().ToString();
@@ -168,6 +176,11 @@ TEST_F(GpuMappingFaultTest, EveryStepThatFailsGivesItsCudaErrorAndLeavesNothingB
     EXPECT_EQ(Describe(BooksNow()), Describe(before));
   }
   EXPECT_GT(failures, 0);
+  // The sweep went through the device lookup and every step of the mapping.
+  for (const char* call : {"cuDeviceGet", "cuDeviceGetUuid", "cuMemImportFromShareableHandle",
+                           "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"}) {
+    EXPECT_EQ(failed_calls.count(call), 1u) << call;
+  }
   // The daemon kept serving.
   auto again = client::Attach(options_, env_);
   ASSERT_TRUE(again.ok()) << again.status().ToString();

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -131,6 +132,7 @@ TEST_F(GpuStoreFaultTest, EveryStepThatFailsGivesItsCudaErrorAndReleasesEverythi
   ASSERT_TRUE(Load(0, &total, &live, &failed).ok());
   const Live clean{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, fds_before};
   int failures = 0;
+  std::set<std::string> failed_calls;  // the calls whose failure failed the load
   for (int step = 1; step <= total; ++step) {
     SCOPED_TRACE("failing step " + std::to_string(step) + " of " + std::to_string(total));
     int steps = 0;
@@ -140,6 +142,7 @@ TEST_F(GpuStoreFaultTest, EveryStepThatFailsGivesItsCudaErrorAndReleasesEverythi
     if (IsRelease(failed)) continue;  // a refused release: nothing else to check here
     if (!status.ok()) {
       ++failures;
+      failed_calls.insert(failed);
       EXPECT_EQ(status.code(), StatusCode::kCuda) << status.ToString();
       EXPECT_NE(status.message().find("CUDA_ERROR_UNKNOWN"), std::string::npos)
           << status.ToString();
@@ -147,6 +150,11 @@ TEST_F(GpuStoreFaultTest, EveryStepThatFailsGivesItsCudaErrorAndReleasesEverythi
     EXPECT_EQ(Describe(live), Describe(clean));
   }
   EXPECT_GT(failures, 0);
+  // The sweep went through the device, the arena and the pipeline.
+  for (const char* call : {"cuDeviceGet", "cuDeviceGetUuid", "cuMemCreate",
+                           "cuMemExportToShareableHandle", "cuMemHostAlloc", "cuStreamCreate"}) {
+    EXPECT_EQ(failed_calls.count(call), 1u) << call;
+  }
 }
 
 TEST_F(GpuStoreFaultTest, ADeviceTheDriverDoesNotShowIsNotFoundNamingIt) {
