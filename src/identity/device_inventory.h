@@ -11,9 +11,9 @@
 //     with indices exactly 0..n-1 in physical order, unique UUIDs. It stands in for
 //     enumeration on driverless hosts and in tests (an 8-GPU host on a laptop).
 //     CUDA_VISIBLE_DEVICES is applied to it by SelectVisibleDevices.
-//  2. the CUDA driver (cuda::LoadDriver, or InventoryOptions::load_driver in tests). The
-//     driver applies CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER itself, so what it reports is
-//     already the visible list in local-index order.
+//  2. the CUDA driver (InventoryOptions::load_driver, else Env::Default()'s; tests inject a
+//     fake). The driver applies CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER itself, so what it
+//     reports is already the visible list in local-index order.
 //  3. /proc/driver/nvidia/gpus/*/information, when the driver cannot be loaded or initialised.
 //     Ordered by PCI bus id, then CUDA_VISIBLE_DEVICES is applied. Caveat: CUDA's default
 //     order is CUDA_DEVICE_ORDER=FASTEST_FIRST, which equals PCI order only on hosts whose
