@@ -58,6 +58,7 @@
 #include "client/verify.h"
 #include "cuda/driver_api.h"
 #include "cuda/vmm.h"
+#include "identity/device_inventory.h"
 #include "proc_memory.h"
 #include "protocol/connection.h"
 #include "weightcache/client.h"
@@ -226,10 +227,19 @@ nlohmann::json NvidiaSmiMib(pid_t pid) {
 
 // ---- the child modes -------------------------------------------------------------------------
 
+// The CUdevice of `uuid`, through the identity layer's one lookup and its ordinal → CUdevice
+// step, as the client resolves it.
+Result<CUdevice> DeviceOf(const cuda::DriverApi* api, const std::string& uuid) {
+  identity::DeviceInfo device;
+  device.uuid = uuid;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(device.cuda_ordinal, identity::FindCudaOrdinal(api, uuid));
+  return identity::CudaDevice(api, device);
+}
+
 int ProbeMemMain(const std::string& uuid) {
   auto api = cuda::LoadDriver();
   if (!api.ok()) return 1;
-  auto dev = client::FindCudaDevice(*api, uuid);
+  auto dev = DeviceOf(*api, uuid);
   if (!dev.ok()) return 1;
   auto ctx = cuda::PrimaryContext::Retain(*api, *dev);
   if (!ctx.ok()) return 1;
@@ -251,7 +261,7 @@ int ClientMain(const std::string& model, const std::string& runtime, const std::
   auto api = cuda::LoadDriver();  // dlopen + cuGetProcAddress + cuInit
   out["cuinit_ms"] = Ms(Clock::now() - t0);
   if (!api.ok()) return fail(api.status().ToString());
-  auto dev = client::FindCudaDevice(*api, uuid);
+  auto dev = DeviceOf(*api, uuid);
   if (!dev.ok()) return fail(dev.status().ToString());
   // The engine's own context (torch creates it before it loads weights); held for the whole
   // run so that no attach pays for it.
@@ -261,14 +271,14 @@ int ClientMain(const std::string& model, const std::string& runtime, const std::
   if (!ctx.ok()) return fail(ctx.status().ToString());
 
   AttachOptions o;
-  o.model_dir = model;
-  o.model_id = kModelId;
-  o.runtime_dir = runtime;
-  o.device = uuid;
-  o.tier = Tier::kGpu;
+  o.identity.model_dir = model;
+  o.identity.model_id = kModelId;
+  o.identity.runtime_dir = runtime;
+  o.identity.device = uuid;
+  o.identity.tier = Tier::kGpu;
   o.on_missing = OnMissing::kError;
   AttachOptions given = o;
-  given.checkpoint_fingerprint = fingerprint;
+  given.identity.checkpoint_fingerprint = fingerprint;
 
   auto attach = [&](const AttachOptions& options, double* ms) -> Result<Attachment> {
     auto start = Clock::now();
@@ -444,13 +454,13 @@ int ParentMain(const ParentArgs& args, const std::string& self) {
     rec["bytes"] = ckpt->total_bytes();
 
     AttachOptions o;
-    o.model_dir = model;
-    o.model_id = kModelId;
-    o.runtime_dir = runtime;
-    o.device = std::to_string(args.device);
-    o.tier = Tier::kGpu;
-    o.checkpoint_fingerprint = ckpt->fingerprint();
-    auto id = client::ResolveIdentity(o);
+    o.identity.model_dir = model;
+    o.identity.model_id = kModelId;
+    o.identity.runtime_dir = runtime;
+    o.identity.device = std::to_string(args.device);
+    o.identity.tier = Tier::kGpu;
+    o.identity.checkpoint_fingerprint = ckpt->fingerprint();
+    auto id = identity::ResolveIdentity(o.identity);
     if (!id.ok()) {
       fs::remove_all(model);
       error(id.status().ToString());

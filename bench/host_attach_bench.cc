@@ -66,10 +66,10 @@ void Die(const std::string& what) {
 // error rather than a fallback when the daemon is missing).
 AttachOptions BenchOptions(const std::string& model, const std::string& runtime) {
   AttachOptions o;
-  o.model_dir = model;
-  o.model_id = "bench";
-  o.runtime_dir = runtime;
-  o.tier = weightcache::Tier::kHost;
+  o.identity.model_dir = model;
+  o.identity.model_id = "bench";
+  o.identity.runtime_dir = runtime;
+  o.identity.tier = weightcache::Tier::kHost;
   o.on_missing = weightcache::OnMissing::kError;
   return o;
 }
@@ -246,7 +246,7 @@ int main(int argc, char** argv) {
     // The library's phases (weightcache::AttachTimings) of the fingerprint-given attaches.
     std::vector<double> discover, map, table;
     AttachOptions fast = o;
-    fast.checkpoint_fingerprint = ckpt->fingerprint();
+    fast.identity.checkpoint_fingerprint = ckpt->fingerprint();
     for (int i = 0; i < iters; ++i) {
       auto t0 = Clock::now();
       auto a = Attachment::Attach(fast);
@@ -294,7 +294,7 @@ int main(int argc, char** argv) {
     const std::string runtime = work + "/run-load-" + std::to_string(round);
     Run({"rm", "-rf", runtime, runtime + ".log"});
     AttachOptions o = BenchOptions(model, runtime);
-    o.checkpoint_fingerprint = ckpt->fingerprint();
+    o.identity.checkpoint_fingerprint = ckpt->fingerprint();
     o.wait_timeout = std::chrono::milliseconds(0);
     Daemon d = StartAndWait(model, runtime, threads, o, runtime + ".log");
     e2e_gbps.push_back(bytes / (d.ready_ms / 1000) / 1e9);
@@ -339,7 +339,7 @@ int main(int argc, char** argv) {
     const std::string runtime = work + "/run-memory";
     Run({"rm", "-rf", runtime, runtime + ".log"});
     AttachOptions o = BenchOptions(model, runtime);
-    o.checkpoint_fingerprint = ckpt->fingerprint();
+    o.identity.checkpoint_fingerprint = ckpt->fingerprint();
     o.wait_timeout = std::chrono::milliseconds(0);
     auto shmem = [] {
       return weightcache::bench::ProcKeyValues("/proc/meminfo", {"Shmem"}).value("Shmem", 0ull);

@@ -134,7 +134,7 @@ void RegisterAttachCommand(CLI::App& root) {
   auto args = std::make_shared<AttachArgs>();
   CLI::App* sub = root.add_subcommand(
       "attach", "Attach to the daemon of an identity as an engine would, and print a summary");
-  AddIdentityFlags(sub, &args->options, IdentityScope::kOneCache);
+  AddIdentityFlags(sub, &args->options.identity, IdentityScope::kOneCache);
   sub->add_option(
          "--on-missing", args->on_missing,
          "no daemon for this identity: load from disk (fallback, logged) or exit 3 (error)")
@@ -154,7 +154,7 @@ void RegisterAttachCommand(CLI::App& root) {
                 "stay attached until stdin closes; each stdin line re-verifies");
   sub->add_option("--threads", args->threads, "threads for verify and fallback reads")
       ->check(CLI::Range(1, 256));
-  sub->add_option("--trust-uid", args->options.trusted_uids,
+  sub->add_option("--trust-uid", args->options.identity.trusted_uids,
                   "also use a daemon run by this uid, e.g. a service user's (repeatable; "
                   "default: WEIGHTCACHE_TRUSTED_UIDS, else our uid only)");
   SetAction(sub, [args] { return Run(*args); });

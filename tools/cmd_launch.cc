@@ -117,7 +117,7 @@ int RunLaunch(const LaunchArgs& args) {
 
   launcher::ServeFlags serve = args.serve;
   serve.identity_args = ServeArgsFor;
-  AttachOptions& id = serve.identity;
+  IdentityOptions& id = serve.identity;
   if (id.namespace_name.empty()) id.namespace_name = std::string(identity::kDefaultNamespace);
   if (Status s = identity::ValidateNamespace(id.namespace_name); !s.ok()) return Fail(kCmd, s);
   auto runtime = identity::ResolveRuntimeDir(id.runtime_dir, identity::ProcessEnv());

@@ -3,7 +3,7 @@
 // names, the config digest, the socket and lock paths, and the canonical CacheConfig.
 //
 // It takes exactly the identity flags of `serve` and `attach` (AddIdentityFlags) and
-// resolves them with the same call (client::ResolveIdentity), so what it prints is the
+// resolves them with the same call (identity::ResolveIdentity), so what it prints is the
 // socket those commands would use. Like `serve`, the gpu tier needs an explicit --device:
 // this command answers "where would a daemon for GPU X live", never "for some GPU".
 #include <iostream>
@@ -11,8 +11,8 @@
 #include <string>
 
 #include "cli_common.h"
-#include "client/discovery.h"
 #include "identity/device_inventory.h"
+#include "identity/resolve.h"
 #include "identity_flags.h"
 #include "weightcache/client.h"
 
@@ -20,7 +20,7 @@ namespace weightcache::cli {
 namespace {
 
 struct PathsArgs {
-  AttachOptions identity;
+  IdentityOptions identity;
   bool json = false;
 };
 
@@ -38,7 +38,7 @@ int Run(PathsArgs& args) {
     return Fail(kCmd, InvalidArgument("--tier gpu needs --device N|UUID (there is no implicit "
                                       "GPU 0); use --tier host for the host key"));
   }
-  auto id = client::ResolveIdentity(args.identity);
+  auto id = identity::ResolveIdentity(args.identity);
   if (!id.ok()) return Fail(kCmd, id.status());
   const identity::CachePaths& p = id->paths;
 

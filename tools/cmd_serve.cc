@@ -1,6 +1,6 @@
 // `weightcache serve`: run one daemon in the foreground (SPEC §5, docs/daemon.md).
 //
-// The identity flags are the client's own (AddIdentityFlags + client::ResolveIdentity), so
+// The identity flags are the attach's own (AddIdentityFlags + identity::ResolveIdentity), so
 // a daemon and an engine given the same flags compute the same CacheConfig, device key and
 // socket path by construction. This file owns the process-level concerns the library must
 // not touch: signals (blocked in every thread, read through a signalfd by the event loop),
@@ -21,11 +21,11 @@
 #include <vector>
 
 #include "cli_common.h"
-#include "client/discovery.h"
 #include "common/logging.h"
 #include "common/unique_fd.h"
 #include "daemon/byte_size.h"
 #include "daemon/daemon.h"
+#include "identity/resolve.h"
 #include "identity_flags.h"
 #include "os/syscalls.h"
 
@@ -33,7 +33,7 @@ namespace weightcache::cli {
 namespace {
 
 struct ServeArgs {
-  AttachOptions identity;
+  IdentityOptions identity;
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;
   std::string memory_budget;
@@ -128,13 +128,14 @@ int Run(ServeArgs& args) {
   auto signals = TakeSignals();
   if (!signals.ok()) return Fail(kCmd, signals.status());
 
-  auto id = client::ResolveIdentity(args.identity);
+  auto id = identity::ResolveIdentity(args.identity);
   if (!id.ok()) return Fail(kCmd, id.status());
 
   options.config = id->config;
   options.paths = id->paths;
   options.model_path = args.identity.model_dir;
   options.device_key = id->device_key;
+  options.device = id->device;
   options.load.threads = args.threads;
   options.load.cache_name = "weightcache:" + id->config.ShortDigest();
   options.allow_uids.assign(args.allow_uids.begin(), args.allow_uids.end());

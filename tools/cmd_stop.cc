@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "cli_common.h"
-#include "client/discovery.h"
 #include "identity/paths.h"
+#include "identity/resolve.h"
 #include "identity_flags.h"
 #include "os/lock_file.h"
 #include "protocol/connection.h"
@@ -27,7 +27,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct StopArgs {
-  AttachOptions identity;
+  IdentityOptions identity;
   bool all = false;
   bool all_namespaces = false;
   double timeout_s = 30;
@@ -96,7 +96,7 @@ int Run(StopArgs& args) {
     }
     targets.push_back({socket, LockPathFor(socket)});
   } else {
-    auto id = client::ResolveIdentity(args.identity);
+    auto id = identity::ResolveIdentity(args.identity);
     if (!id.ok()) return Fail(kCmd, id.status());
     targets.push_back({id->paths.socket, id->paths.lock});
   }

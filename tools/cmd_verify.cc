@@ -31,7 +31,7 @@ int Run(VerifyArgs& args) {
       std::chrono::milliseconds(static_cast<int64_t>(args.wait_seconds * 1000));
   auto attached = Attachment::Attach(args.options);
   if (!attached.ok()) return Fail("verify", attached.status());
-  auto ckpt = checkpoint::Checkpoint::Open(args.options.model_dir);
+  auto ckpt = checkpoint::Checkpoint::Open(args.options.identity.model_dir);
   if (!ckpt.ok()) return Fail("verify", ckpt.status());
   auto report = client::VerifyAgainstCheckpoint(*attached, *ckpt, args.threads);
   if (!report.ok()) return Fail("verify", report.status());
@@ -55,7 +55,8 @@ int Run(VerifyArgs& args) {
     std::printf("%s: %zu tensors, %llu bytes of daemon pid %d at %s vs %s (%.3f s)\n",
                 report->ok() ? "ok" : "FAILED", report->tensors_checked,
                 static_cast<unsigned long long>(report->bytes_checked), attached->daemon_pid(),
-                attached->socket_path().c_str(), args.options.model_dir.c_str(), report->seconds);
+                attached->socket_path().c_str(), args.options.identity.model_dir.c_str(),
+                report->seconds);
   }
   for (const auto& p : report->problems) {
     std::cerr << "weightcache verify: " << p.name << ": " << p.what << "\n";
@@ -69,7 +70,7 @@ void RegisterVerifyCommand(CLI::App& root) {
   auto args = std::make_shared<VerifyArgs>();
   CLI::App* sub =
       root.add_subcommand("verify", "Compare a daemon's memory with the checkpoint files on disk");
-  AddIdentityFlags(sub, &args->options, IdentityScope::kOneCache);
+  AddIdentityFlags(sub, &args->options.identity, IdentityScope::kOneCache);
   sub->add_option("--wait", args->wait_seconds, "seconds to wait for a loading daemon")
       ->check(CLI::NonNegativeNumber);
   sub->add_flag("--json", args->json, "print one JSON object");

@@ -13,69 +13,72 @@ struct IdentityFlag {
   const char* name;       // the kOneCache spelling, which ServeArgsFor writes
   const char* job_names;  // the kJob spelling when it differs ("--tp,--tp-size"), else nullptr
   bool per_daemon;        // kOneCache only: launch sets it per daemon, never from the job
-  std::variant<std::string AttachOptions::*, int AttachOptions::*, Tier AttachOptions::*> field;
+  std::variant<std::string IdentityOptions::*, int IdentityOptions::*, Tier IdentityOptions::*>
+      field;
   Check check;
   const char* help;
 };
 
 // Every identity flag, once. Order = registration order = forwarding order.
 const IdentityFlag kIdentityFlags[] = {
-    {"--model", nullptr, false, &AttachOptions::model_dir, Check::kRequired,
+    {"--model", nullptr, false, &IdentityOptions::model_dir, Check::kRequired,
      "checkpoint dir or .safetensors file"},
-    {"--model-id", nullptr, false, &AttachOptions::model_id, Check::kNone,
+    {"--model-id", nullptr, false, &IdentityOptions::model_id, Check::kNone,
      "model id (default: the model dir's basename)"},
-    {"--revision", nullptr, false, &AttachOptions::revision, Check::kNone, "model revision"},
-    {"--dtype", nullptr, false, &AttachOptions::dtype, Check::kNone, "dtype (default: as stored)"},
-    {"--quantization", nullptr, false, &AttachOptions::quantization, Check::kNone,
+    {"--revision", nullptr, false, &IdentityOptions::revision, Check::kNone, "model revision"},
+    {"--dtype", nullptr, false, &IdentityOptions::dtype, Check::kNone,
+     "dtype (default: as stored)"},
+    {"--quantization", nullptr, false, &IdentityOptions::quantization, Check::kNone,
      "quantization method"},
-    {"--quantization-config", nullptr, false, &AttachOptions::quantization_config, Check::kNone,
+    {"--quantization-config", nullptr, false, &IdentityOptions::quantization_config, Check::kNone,
      "JSON file of the quantization method"},
-    {"--tp-size", "--tp,--tp-size", false, &AttachOptions::tp_size, Check::kPositive,
+    {"--tp-size", "--tp,--tp-size", false, &IdentityOptions::tp_size, Check::kPositive,
      "tensor-parallel size"},
-    {"--pp-size", "--pp,--pp-size", false, &AttachOptions::pp_size, Check::kPositive,
+    {"--pp-size", "--pp,--pp-size", false, &IdentityOptions::pp_size, Check::kPositive,
      "pipeline-parallel size"},
-    {"--ep-size", nullptr, false, &AttachOptions::ep_size, Check::kPositive,
+    {"--ep-size", nullptr, false, &IdentityOptions::ep_size, Check::kPositive,
      "expert-parallel size"},
-    {"--dp-size", nullptr, false, &AttachOptions::dp_size, Check::kPositive,
+    {"--dp-size", nullptr, false, &IdentityOptions::dp_size, Check::kPositive,
      "data-parallel size (no rank: replicas share weights)"},
-    {"--tp-rank", nullptr, true, &AttachOptions::tp_rank, Check::kNonNegative,
+    {"--tp-rank", nullptr, true, &IdentityOptions::tp_rank, Check::kNonNegative,
      "this process's tensor-parallel rank"},
-    {"--pp-rank", nullptr, true, &AttachOptions::pp_rank, Check::kNonNegative,
+    {"--pp-rank", nullptr, true, &IdentityOptions::pp_rank, Check::kNonNegative,
      "this process's pipeline-parallel rank"},
-    {"--ep-rank", nullptr, true, &AttachOptions::ep_rank, Check::kNonNegative,
+    {"--ep-rank", nullptr, true, &IdentityOptions::ep_rank, Check::kNonNegative,
      "this process's expert-parallel rank"},
-    {"--layout-tag", nullptr, false, &AttachOptions::layout_tag, Check::kNone, "arena layout tag"},
-    {"--source", nullptr, false, &AttachOptions::source, Check::kNone,
+    {"--layout-tag", nullptr, false, &IdentityOptions::layout_tag, Check::kNone,
+     "arena layout tag"},
+    {"--source", nullptr, false, &IdentityOptions::source, Check::kNone,
      "disk or published:<producer tag>"},
-    {"--tier", nullptr, false, &AttachOptions::tier, Check::kNone,
+    {"--tier", nullptr, false, &IdentityOptions::tier, Check::kNone,
      "gpu (VMM arena on a GPU) or host (sealed memfds); default gpu"},
-    {"--device", nullptr, true, &AttachOptions::device, Check::kNone,
+    {"--device", nullptr, true, &IdentityOptions::device, Check::kNone,
      "local index into the visible devices, or a GPU UUID (prefix)"},
-    {"--namespace", nullptr, false, &AttachOptions::namespace_name, Check::kNone,
+    {"--namespace", nullptr, false, &IdentityOptions::namespace_name, Check::kNone,
      "cache namespace (default: default)"},
-    {"--runtime-dir", nullptr, false, &AttachOptions::runtime_dir, Check::kNone,
+    {"--runtime-dir", nullptr, false, &IdentityOptions::runtime_dir, Check::kNone,
      "runtime dir (default: $WEIGHTCACHE_RUNTIME_DIR, $XDG_RUNTIME_DIR/weightcache, "
      "/tmp/weightcache-<uid>)"},
-    {"--socket", nullptr, true, &AttachOptions::socket, Check::kNone,
+    {"--socket", nullptr, true, &IdentityOptions::socket, Check::kNone,
      "explicit socket path or template"},
-    {"--device-inventory", nullptr, false, &AttachOptions::device_inventory, Check::kNone,
+    {"--device-inventory", nullptr, false, &IdentityOptions::device_inventory, Check::kNone,
      "JSON device inventory standing in for CUDA enumeration"},
 };
 
 CLI::Option* Register(CLI::App* sub, const IdentityFlag& f, const std::string& names,
-                      AttachOptions* o) {
+                      IdentityOptions* o) {
   struct Visitor {
     CLI::App* sub;
     const std::string& names;
     const char* help;
-    AttachOptions* o;
-    CLI::Option* operator()(std::string AttachOptions::*m) const {
+    IdentityOptions* o;
+    CLI::Option* operator()(std::string IdentityOptions::*m) const {
       return sub->add_option(names, o->*m, help);
     }
-    CLI::Option* operator()(int AttachOptions::*m) const {
+    CLI::Option* operator()(int IdentityOptions::*m) const {
       return sub->add_option(names, o->*m, help);
     }
-    CLI::Option* operator()(Tier AttachOptions::*m) const {
+    CLI::Option* operator()(Tier IdentityOptions::*m) const {
       // By name only: a transformer onto the enum would also accept its integer values ("1").
       return sub
           ->add_option_function<std::string>(
@@ -103,7 +106,7 @@ CLI::Option* Register(CLI::App* sub, const IdentityFlag& f, const std::string& n
 
 }  // namespace
 
-void AddIdentityFlags(CLI::App* sub, AttachOptions* o, IdentityScope scope) {
+void AddIdentityFlags(CLI::App* sub, IdentityOptions* o, IdentityScope scope) {
   const bool job = scope == IdentityScope::kJob;
   for (const IdentityFlag& f : kIdentityFlags) {
     if (job && f.per_daemon) continue;
@@ -111,12 +114,12 @@ void AddIdentityFlags(CLI::App* sub, AttachOptions* o, IdentityScope scope) {
   }
 }
 
-std::vector<std::string> ServeArgsFor(const AttachOptions& options) {
-  static const AttachOptions kDefaults;
+std::vector<std::string> ServeArgsFor(const IdentityOptions& options) {
+  static const IdentityOptions kDefaults;
   std::vector<std::string> args;
   for (const IdentityFlag& f : kIdentityFlags) {
     std::visit(
-        [&](auto AttachOptions::*m) {
+        [&](auto IdentityOptions::*m) {
           using T = std::remove_cvref_t<decltype(options.*m)>;
           if constexpr (std::is_same_v<T, std::string>) {
             if (options.*m == kDefaults.*m) return;

@@ -52,6 +52,7 @@
 #include <string_view>
 #include <vector>
 
+#include "weightcache/identity_options.h"
 #include "weightcache/status.h"
 #include "weightcache/tier.h"  // Tier, TierName, ParseTier
 
@@ -70,40 +71,9 @@ enum class AttachSource { kDaemon, kFallback };
 std::string_view AttachSourceName(AttachSource source);  // "daemon" | "fallback"
 
 struct AttachOptions {
-  // ---- the CacheConfig (SPEC §2); every field must equal the daemon's ----
-  std::string model_dir;  // checkpoint dir or .safetensors file: fingerprint + fallback source
-  std::string model_id;   // default: the model dir's basename
-  std::string revision;
-  std::string dtype;                // "" = as stored in the checkpoint
-  std::string quantization;         // method name, "" = none
-  std::string quantization_config;  // path of the method's JSON config ("" = none)
-  int tp_size = 1, tp_rank = 0;
-  int pp_size = 1, pp_rank = 0;
-  int ep_size = 1, ep_rank = 0;
-  int dp_size = 1;  // never a dp rank: replicas share weights
-  std::string layout_tag;
-  std::string source = "disk";  // "disk" or "published:<producer tag>"
-  // The checkpoint fingerprint when the caller already knows it (skips reading the shard
-  // headers on the attach path); "" = computed from model_dir. model_dir is required either
-  // way: its shards are stat-ed for the config's checkpoint_files. A fallback load always
-  // opens model_dir.
-  std::string checkpoint_fingerprint;
-
-  // ---- where to look ----
-  Tier tier = Tier::kGpu;
-  // A local index ("0") into the devices this process can see, or a (prefix of a) UUID.
-  // Empty: gpu tier → the calling thread's current CUDA device, else visible index 0; host
-  // tier → no GPU affinity (device key "host"). Always resolved to the physical UUID.
-  std::string device;
-  std::string namespace_name;    // "" = "default"
-  std::string runtime_dir;       // "" = WEIGHTCACHE_RUNTIME_DIR > XDG_RUNTIME_DIR/… > /tmp/…
-  std::string socket;            // "" = WEIGHTCACHE_SOCKET, else the digest-keyed path
-  std::string device_inventory;  // "" = WEIGHTCACHE_DEVICE_INVENTORY, else the CUDA driver
-  // The uids a daemon may run as (its socket's owner and its SO_PEERCRED uid) for this client
-  // to use it, besides our own euid, which is always trusted. Empty: WEIGHTCACHE_TRUSTED_UIDS
-  // (comma-separated uids), else our uid only. For a daemon run by a service user
-  // (`serve --allow-uid <ours>`), list that user's uid here.
-  std::vector<uint32_t> trusted_uids;
+  // What names the cache: the CacheConfig fields, the device and where to look
+  // (weightcache/identity_options.h).
+  IdentityOptions identity;
 
   // ---- policy ----
   OnMissing on_missing = OnMissing::kFallback;
@@ -145,7 +115,7 @@ struct Tensor {
 // and for benchmarks; the phases are those of docs/client.md.
 struct AttachTimings {
   // Resolving the identity: options, visible devices, the checkpoint fingerprint (reads the
-  // shard headers unless AttachOptions::checkpoint_fingerprint is given).
+  // shard headers unless IdentityOptions::checkpoint_fingerprint is given).
   double resolve_ms = 0;
   // Finding the daemon: connect, Hello + Attach, the reply with its fds, mapping and
   // validating the manifest (or deciding there is no daemon).

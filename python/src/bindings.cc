@@ -120,7 +120,8 @@ struct TensorInfo {
 
 class PyAttachment {
  public:
-  explicit PyAttachment(Attachment attachment) : attachment_(std::move(attachment)) {
+  explicit PyAttachment(Attachment attachment)
+      : cuda_device_(attachment.cuda_device()), attachment_(std::move(attachment)) {
     for (const auto& t : attachment_->tensors()) {
       TensorInfo info;
       info.name = std::string(t.name);
@@ -144,8 +145,8 @@ class PyAttachment {
 
   const Attachment& get() const { return *attachment_; }
   const std::vector<TensorInfo>& infos() const { return infos_; }
+  // The ordinal the attach resolved (Attachment::cuda_device), -1 on the host tier.
   int cuda_device() const { return cuda_device_; }
-  void set_cuda_device(int ordinal) { cuda_device_ = ordinal; }
 
   const TensorInfo* Find(std::string_view name) const {
     for (const TensorInfo& t : infos_) {
@@ -191,10 +192,10 @@ class PyAttachment {
   }
 
  private:
+  int cuda_device_ = -1;               // read from the Attachment before it is moved in
   std::vector<nb::object> callbacks_;  // destroyed after attachment_ (declared before it)
   std::optional<Attachment> attachment_;
   std::vector<TensorInfo> infos_;
-  int cuda_device_ = -1;
 };
 
 // A view of one tensor. `owner` is the Python Attachment object: every export passes it to
@@ -325,6 +326,18 @@ OnMismatch ParseOnMismatch(const std::string& s) {
       ("on_mismatch must be \"error\" or \"fallback\", not \"" + s + "\"").c_str());
 }
 
+// AttachOptions::identity's fields as flat attributes of AttachOptions (the Python API names
+// them without the `identity.` level, as weightcache.attach()'s keyword arguments do).
+template <auto Field>
+auto IdentityGet(const AttachOptions& o) {
+  return o.identity.*Field;
+}
+template <auto Field>
+void IdentitySet(AttachOptions& o,
+                 std::remove_cvref_t<decltype(std::declval<IdentityOptions>().*Field)> value) {
+  o.identity.*Field = std::move(value);
+}
+
 // Raises the Python exception for a failed attach, from the client's diagnostics of it.
 [[noreturn]] void RaiseAttachError(const Status& status, const AttachDiagnostics& diagnostics) {
   const auto or_none = [](const std::string& s) -> nb::object {
@@ -358,10 +371,7 @@ PyAttachment* Attach(const AttachOptions& options) {
     result.emplace(Attachment::Attach(options, &diagnostics));
   }
   if (!result->ok()) RaiseAttachError(result->status(), diagnostics);
-  const int ordinal = (*result)->cuda_device();
-  auto* attachment = new PyAttachment(std::move(*result).value());
-  attachment->set_cuda_device(ordinal);
-  return attachment;
+  return new PyAttachment(std::move(*result).value());
 }
 
 std::vector<std::string> DTypeNames() {
@@ -383,30 +393,51 @@ NB_MODULE(_weightcache, m) {
                             "Every field of weightcache::AttachOptions (include/weightcache/"
                             "client.h); weightcache.attach() fills it from keyword arguments.")
       .def(nb::init<>())
-      .def_rw("model_dir", &AttachOptions::model_dir)
-      .def_rw("model_id", &AttachOptions::model_id)
-      .def_rw("revision", &AttachOptions::revision)
-      .def_rw("dtype", &AttachOptions::dtype)
-      .def_rw("quantization", &AttachOptions::quantization)
-      .def_rw("quantization_config", &AttachOptions::quantization_config)
-      .def_rw("tp_size", &AttachOptions::tp_size)
-      .def_rw("tp_rank", &AttachOptions::tp_rank)
-      .def_rw("pp_size", &AttachOptions::pp_size)
-      .def_rw("pp_rank", &AttachOptions::pp_rank)
-      .def_rw("ep_size", &AttachOptions::ep_size)
-      .def_rw("ep_rank", &AttachOptions::ep_rank)
-      .def_rw("dp_size", &AttachOptions::dp_size)
-      .def_rw("layout_tag", &AttachOptions::layout_tag)
-      .def_rw("source", &AttachOptions::source)
-      .def_rw("checkpoint_fingerprint", &AttachOptions::checkpoint_fingerprint)
+      .def_prop_rw("model_dir", IdentityGet<&IdentityOptions::model_dir>,
+                   IdentitySet<&IdentityOptions::model_dir>)
+      .def_prop_rw("model_id", IdentityGet<&IdentityOptions::model_id>,
+                   IdentitySet<&IdentityOptions::model_id>)
+      .def_prop_rw("revision", IdentityGet<&IdentityOptions::revision>,
+                   IdentitySet<&IdentityOptions::revision>)
+      .def_prop_rw("dtype", IdentityGet<&IdentityOptions::dtype>,
+                   IdentitySet<&IdentityOptions::dtype>)
+      .def_prop_rw("quantization", IdentityGet<&IdentityOptions::quantization>,
+                   IdentitySet<&IdentityOptions::quantization>)
+      .def_prop_rw("quantization_config", IdentityGet<&IdentityOptions::quantization_config>,
+                   IdentitySet<&IdentityOptions::quantization_config>)
+      .def_prop_rw("tp_size", IdentityGet<&IdentityOptions::tp_size>,
+                   IdentitySet<&IdentityOptions::tp_size>)
+      .def_prop_rw("tp_rank", IdentityGet<&IdentityOptions::tp_rank>,
+                   IdentitySet<&IdentityOptions::tp_rank>)
+      .def_prop_rw("pp_size", IdentityGet<&IdentityOptions::pp_size>,
+                   IdentitySet<&IdentityOptions::pp_size>)
+      .def_prop_rw("pp_rank", IdentityGet<&IdentityOptions::pp_rank>,
+                   IdentitySet<&IdentityOptions::pp_rank>)
+      .def_prop_rw("ep_size", IdentityGet<&IdentityOptions::ep_size>,
+                   IdentitySet<&IdentityOptions::ep_size>)
+      .def_prop_rw("ep_rank", IdentityGet<&IdentityOptions::ep_rank>,
+                   IdentitySet<&IdentityOptions::ep_rank>)
+      .def_prop_rw("dp_size", IdentityGet<&IdentityOptions::dp_size>,
+                   IdentitySet<&IdentityOptions::dp_size>)
+      .def_prop_rw("layout_tag", IdentityGet<&IdentityOptions::layout_tag>,
+                   IdentitySet<&IdentityOptions::layout_tag>)
+      .def_prop_rw("source", IdentityGet<&IdentityOptions::source>,
+                   IdentitySet<&IdentityOptions::source>)
+      .def_prop_rw("checkpoint_fingerprint", IdentityGet<&IdentityOptions::checkpoint_fingerprint>,
+                   IdentitySet<&IdentityOptions::checkpoint_fingerprint>)
       .def_prop_rw(
-          "tier", [](const AttachOptions& o) { return std::string(TierName(o.tier)); },
-          [](AttachOptions& o, const std::string& s) { o.tier = TierFromPython(s); })
-      .def_rw("device", &AttachOptions::device)
-      .def_rw("namespace", &AttachOptions::namespace_name)
-      .def_rw("runtime_dir", &AttachOptions::runtime_dir)
-      .def_rw("socket", &AttachOptions::socket)
-      .def_rw("device_inventory", &AttachOptions::device_inventory)
+          "tier", [](const AttachOptions& o) { return std::string(TierName(o.identity.tier)); },
+          [](AttachOptions& o, const std::string& s) { o.identity.tier = TierFromPython(s); })
+      .def_prop_rw("device", IdentityGet<&IdentityOptions::device>,
+                   IdentitySet<&IdentityOptions::device>)
+      .def_prop_rw("namespace", IdentityGet<&IdentityOptions::namespace_name>,
+                   IdentitySet<&IdentityOptions::namespace_name>)
+      .def_prop_rw("runtime_dir", IdentityGet<&IdentityOptions::runtime_dir>,
+                   IdentitySet<&IdentityOptions::runtime_dir>)
+      .def_prop_rw("socket", IdentityGet<&IdentityOptions::socket>,
+                   IdentitySet<&IdentityOptions::socket>)
+      .def_prop_rw("device_inventory", IdentityGet<&IdentityOptions::device_inventory>,
+                   IdentitySet<&IdentityOptions::device_inventory>)
       .def_prop_rw(
           "on_missing",
           [](const AttachOptions& o) {

@@ -11,6 +11,7 @@
 #include "client/tensor_table.h"
 #include "common/logging.h"
 #include "identity/device_inventory.h"
+#include "identity/resolve.h"
 
 namespace weightcache {
 
@@ -182,62 +183,58 @@ Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::Attach
   return Status::Ok();
 }
 
-Result<CUdevice> FindCudaDevice(const cuda::DriverApi* api, const std::string& uuid, int* ordinal) {
-  int count = 0;
-  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetCount(&count), "cuDeviceGetCount");
-  for (int i = 0; i < count; ++i) {
-    CUdevice dev = 0;
-    WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGet(&dev, i), "cuDeviceGet");
-    CUuuid raw;
-    WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetUuid(&raw, dev), "cuDeviceGetUuid");
-    if (identity::FormatGpuUuid(raw) == uuid) {
-      if (ordinal != nullptr) *ordinal = i;
-      return dev;
-    }
-  }
-  return NotFound("device " + uuid + " is not among the " + std::to_string(count) +
-                  " devices the CUDA driver shows this process");
-}
-
 namespace {
 
+// The driver and the CUdevice of a gpu-tier attach, from the Env and the resolved device; kept
+// in `impl` (verify uses them, never a second lookup).
+Status OpenGpuDevice(const identity::Env& env, const ResolvedIdentity& id, Attachment::Impl& impl) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(impl.driver, env.load_driver());
+  if (!id.device.has_value()) return InternalError("gpu tier attach without a resolved device");
+  WEIGHTCACHE_ASSIGN_OR_RETURN(impl.cu_device, identity::CudaDevice(impl.driver, *id.device));
+  impl.cuda_device = id.device->cuda_ordinal;
+  return Status::Ok();
+}
+
 Status LoadFallback(const AttachOptions& options, const ResolvedIdentity& id,
-                    Attachment::Impl& impl) {
-  if (options.model_dir.empty()) {
+                    const identity::Env& env, Attachment::Impl& impl) {
+  const IdentityOptions& identity = options.identity;
+  if (identity.model_dir.empty()) {
     return InvalidArgument("fallback load needs model_dir (" + impl.source_reason + ")");
   }
   WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint ckpt,
-                               checkpoint::Checkpoint::Open(options.model_dir));
+                               checkpoint::Checkpoint::Open(identity.model_dir));
   if (ckpt.fingerprint() != id.config.checkpoint_fingerprint) {
     return InvalidArgument("checkpoint_fingerprint " + id.config.checkpoint_fingerprint +
-                           " does not match " + options.model_dir + " (" + ckpt.fingerprint() +
+                           " does not match " + identity.model_dir + " (" + ckpt.fingerprint() +
                            ")");
   }
-  if (options.tier == Tier::kHost) {
+  if (identity.tier == Tier::kHost) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(HostFallback loaded,
                                  LoadHostFallback(ckpt, options.fallback_threads));
     impl.tensors = std::move(loaded.tensors);
     impl.host_fallback.emplace(std::move(loaded));
     return Status::Ok();
   }
-  WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
-  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice dev, FindCudaDevice(api, id.device_key, &impl.cuda_device));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(GpuFallback loaded,
-                               LoadGpuFallback(api, dev, ckpt, options.fallback_threads));
+  WEIGHTCACHE_RETURN_IF_ERROR(OpenGpuDevice(env, id, impl));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(GpuFallback loaded, LoadGpuFallback(impl.driver, impl.cu_device,
+                                                                   ckpt, options.fallback_threads));
   impl.tensors = std::move(loaded.tensors);
   impl.gpu_fallback.emplace(std::move(loaded));
   return Status::Ok();
 }
 
 // Attachment::Attach; `diagnostics` is filled as the attach goes (its code by the caller).
-Result<Attachment> AttachAndDiagnose(const AttachOptions& options, AttachDiagnostics& diagnostics) {
+Result<Attachment> AttachAndDiagnose(const AttachOptions& options, const identity::Env& env,
+                                     AttachDiagnostics& diagnostics) {
   const auto start = Clock::now();
-  WEIGHTCACHE_ASSIGN_OR_RETURN(ResolvedIdentity id, ResolveIdentity(options));
+  const Tier tier = options.identity.tier;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(ResolvedIdentity id,
+                               identity::ResolveIdentity(options.identity, env));
   diagnostics.socket_path = id.paths.socket;
   diagnostics.device_key = id.device_key;
   auto impl = std::make_unique<Attachment::Impl>();
   impl->timings.resolve_ms = MsSince(start);
-  impl->tier = options.tier;
+  impl->tier = tier;
   impl->socket_path = id.paths.socket;
   impl->device_key = id.device_key;
   impl->config_digest = id.config.Digest();
@@ -251,7 +248,7 @@ Result<Attachment> AttachAndDiagnose(const AttachOptions& options, AttachDiagnos
   // names no field, and then this says at least which daemon refused.
   MismatchDetails mismatch;
   mismatch.daemon_socket = id.paths.socket;
-  auto found = Discover(id, policy, &mismatch);
+  auto found = Discover(id, policy, &mismatch, env);
   impl->timings.discover_ms = MsSince(discover_start);
   if (!found.ok()) {
     if (found.status().code() == StatusCode::kMismatch) {
@@ -267,19 +264,18 @@ Result<Attachment> AttachAndDiagnose(const AttachOptions& options, AttachDiagnos
     DaemonSession& session = *found->session;
     const std::string who =
         "daemon at " + id.paths.socket + " (pid " + std::to_string(session.pid) + ")";
-    if (Status tier =
-            CheckTier(session.reply, options.tier, who, id.paths.socket, session.pid, &mismatch);
+    if (Status tier = CheckTier(session.reply, options.identity.tier, who, id.paths.socket,
+                                session.pid, &mismatch);
         !tier.ok()) {
       diagnostics.mismatch = std::move(mismatch);
       return tier;
     }
-    if (options.tier == Tier::kHost) {
+    if (tier == Tier::kHost) {
       WEIGHTCACHE_RETURN_IF_ERROR(MapHostReply(session.reply, who, *impl));
     } else {
-      WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
-      WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice dev,
-                                   FindCudaDevice(api, id.device_key, &impl->cuda_device));
-      WEIGHTCACHE_RETURN_IF_ERROR(MapGpuReply(api, dev, session.reply, who, *impl));
+      WEIGHTCACHE_RETURN_IF_ERROR(OpenGpuDevice(env, id, *impl));
+      WEIGHTCACHE_RETURN_IF_ERROR(
+          MapGpuReply(impl->driver, impl->cu_device, session.reply, who, *impl));
     }
     WEIGHTCACHE_ASSIGN_OR_RETURN(impl->watcher,
                                  DaemonWatcher::Create(std::move(session.connection)));
@@ -291,11 +287,11 @@ Result<Attachment> AttachAndDiagnose(const AttachOptions& options, AttachDiagnos
       return Status(found->missing_code, found->missing_reason + " (on_missing=error)");
     }
     impl->source_reason = found->missing_reason;
-    LOG_INFO << found->missing_reason << "; loading " << options.model_dir << " from disk";
+    LOG_INFO << found->missing_reason << "; loading " << options.identity.model_dir << " from disk";
   }
   if (impl->source == AttachSource::kFallback) {
     const auto fallback_start = Clock::now();
-    WEIGHTCACHE_RETURN_IF_ERROR(LoadFallback(options, id, *impl));
+    WEIGHTCACHE_RETURN_IF_ERROR(LoadFallback(options, id, env, *impl));
     impl->timings.fallback_ms = MsSince(fallback_start);
   }
   for (const Tensor& t : impl->tensors.tensors()) impl->total_bytes += t.nbytes;
@@ -304,6 +300,17 @@ Result<Attachment> AttachAndDiagnose(const AttachOptions& options, AttachDiagnos
 }
 
 }  // namespace
+
+Result<Attachment> Attach(const AttachOptions& options, const identity::Env& env,
+                          AttachDiagnostics* diagnostics) {
+  AttachDiagnostics unused;
+  AttachDiagnostics& d = diagnostics != nullptr ? *diagnostics : unused;
+  d = AttachDiagnostics{};
+  Result<Attachment> result = AttachAndDiagnose(options, env, d);
+  d.code = result.ok() ? StatusCode::kOk : result.status().code();
+  return result;
+}
+
 }  // namespace client
 
 Result<Attachment> Attachment::Attach(const AttachOptions& options) {
@@ -312,12 +319,7 @@ Result<Attachment> Attachment::Attach(const AttachOptions& options) {
 
 Result<Attachment> Attachment::Attach(const AttachOptions& options,
                                       AttachDiagnostics* diagnostics) {
-  AttachDiagnostics unused;
-  AttachDiagnostics& d = diagnostics != nullptr ? *diagnostics : unused;
-  d = AttachDiagnostics{};
-  Result<Attachment> result = client::AttachAndDiagnose(options, d);
-  d.code = result.ok() ? StatusCode::kOk : result.status().code();
-  return result;
+  return client::Attach(options, identity::Env::Default(), diagnostics);
 }
 
 Attachment::Attachment(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -13,6 +13,7 @@
 #include "client/tensor_table.h"
 #include "cuda/driver_api.h"
 #include "cuda/imported_arena.h"
+#include "identity/env.h"
 #include "os/memfd.h"
 #include "protocol/manifest.h"
 #include "weightcache/client.h"
@@ -25,7 +26,10 @@ struct Attachment::Impl {
   std::string source_reason;
   std::string socket_path;
   std::string device_key;
-  int cuda_device = -1;  // gpu tier: the ordinal FindCudaDevice found
+  int cuda_device = -1;  // gpu tier: the resolved device's CUDA ordinal
+  // Gpu tier: the driver of the attach's Env and the device it mapped into (verify uses them).
+  const cuda::DriverApi* driver = nullptr;
+  CUdevice cu_device = 0;
   std::string config_digest;
   int daemon_pid = 0;
   double attach_ms = 0;
@@ -53,7 +57,14 @@ struct AttachmentAccess {
   static Attachment Make(std::unique_ptr<Attachment::Impl> impl) {
     return Attachment(std::move(impl));
   }
+  static const Attachment::Impl& Of(const Attachment& attachment) { return *attachment.impl_; }
 };
+
+// Attachment::Attach with every machine input from `env` (the driver, the socket syscalls,
+// the environment variables): the public Attach passes identity::Env::Default(); tests pass a
+// fake driver or faulty syscalls and run the whole attach in process.
+Result<Attachment> Attach(const AttachOptions& options, const identity::Env& env,
+                          AttachDiagnostics* diagnostics = nullptr);
 
 // Both expect a reply whose manifest tier the caller has checked against its own (Attach does,
 // and reports a different one as the kMismatch of the field `tier`).
@@ -71,11 +82,6 @@ Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attach
 inline constexpr size_t kConcurrentTableMinTensors = 2048;
 Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::AttachReply& reply,
                    const std::string& who, Attachment::Impl& impl);
-
-// The CUdevice whose UUID is `uuid` (the driver applies CUDA_VISIBLE_DEVICES itself).
-// Its ordinal (the index cuDeviceGet took) goes to *ordinal when given.
-Result<CUdevice> FindCudaDevice(const cuda::DriverApi* api, const std::string& uuid,
-                                int* ordinal = nullptr);
 
 }  // namespace client
 }  // namespace weightcache

@@ -5,17 +5,13 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <charconv>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "checkpoint/checkpoint.h"
 #include "common/logging.h"
-#include "cuda/driver_api.h"
-#include "identity/read_file.h"
 #include "os/fd_passing.h"
 #include "os/lock_file.h"
 #include "os/unix_socket.h"
@@ -25,36 +21,7 @@ namespace weightcache::client {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr size_t kMaxQuantizationConfigBytes = 1 << 20;
 constexpr std::chrono::milliseconds kLoadingPollInterval{50};
-
-Result<uint32_t> Rank(std::string_view field, int value) {
-  if (value < 0) {
-    return InvalidArgument(std::string(field) + " must not be negative (got " +
-                           std::to_string(value) + ")");
-  }
-  return static_cast<uint32_t>(value);
-}
-
-std::string BaseName(std::string path) {
-  while (path.size() > 1 && path.back() == '/') path.pop_back();
-  size_t slash = path.rfind('/');
-  return slash == std::string::npos ? path : path.substr(slash + 1);
-}
-
-// The device an unqualified gpu-tier attach means: the calling thread's current CUDA device
-// (what torch.cuda.set_device / cudaSetDevice selected), else visible index 0. Never a rank.
-std::string DefaultGpuSpec() {
-  auto api = cuda::LoadDriver();
-  if (!api.ok()) return "0";
-  CUcontext ctx = nullptr;
-  CUdevice dev = 0;
-  if ((*api)->cuCtxGetCurrent(&ctx) == CUDA_SUCCESS && ctx != nullptr &&
-      (*api)->cuCtxGetDevice(&dev) == CUDA_SUCCESS) {
-    return std::to_string(dev);
-  }
-  return "0";
-}
 
 Status ErrorFromDaemon(const protocol::Frame& frame, const std::string& socket) {
   auto err = protocol::DecodeError(frame.payload);
@@ -100,8 +67,9 @@ struct Deadlines {
 // The next reply, of `expected` type (an Error frame becomes its Status). *deadline_passed is
 // set when no reply arrived by `deadline` (our timeout, as opposed to an Error the daemon sent).
 Result<protocol::Frame> ReadReply(int fd, protocol::MessageType expected, os::Deadline deadline,
-                                  const std::string& socket, bool* deadline_passed) {
-  auto frame = protocol::ReadFrame(fd, protocol::Expect::kReply, deadline);
+                                  const std::string& socket, bool* deadline_passed,
+                                  os::SysCalls& sys) {
+  auto frame = protocol::ReadFrame(fd, protocol::Expect::kReply, deadline, sys);
   if (!frame.ok()) {
     *deadline_passed = frame.status().code() == StatusCode::kTimeout;
     return frame.status().Context("reading the reply of daemon at " + socket);
@@ -118,13 +86,14 @@ Result<protocol::Frame> ReadReply(int fd, protocol::MessageType expected, os::De
 // One request, one reply of `expected` type.
 Result<protocol::Frame> Exchange(int fd, const std::vector<uint8_t>& request,
                                  protocol::MessageType expected, os::Deadline deadline,
-                                 const std::string& socket, bool* deadline_passed) {
-  Status sent = protocol::WriteFrame(fd, request, {}, deadline);
+                                 const std::string& socket, bool* deadline_passed,
+                                 os::SysCalls& sys) {
+  Status sent = protocol::WriteFrame(fd, request, {}, deadline, sys);
   if (!sent.ok()) {
     *deadline_passed = sent.code() == StatusCode::kTimeout;
     return sent.Context("sending to daemon at " + socket);
   }
-  return ReadReply(fd, expected, deadline, socket, deadline_passed);
+  return ReadReply(fd, expected, deadline, socket, deadline_passed, sys);
 }
 
 // Whether the probe sends Attach right behind Hello, in the same sendmsg (docs/protocol.md
@@ -147,34 +116,6 @@ struct Probe {
   bool attach_pending = false;  // an Attach was sent behind the Hello; its reply is unread
 };
 
-constexpr std::string_view kTrustedUidsEnv = "WEIGHTCACHE_TRUSTED_UIDS";
-
-// Our euid, then `configured`, else the uids of WEIGHTCACHE_TRUSTED_UIDS ("1001,1002").
-Result<std::vector<uid_t>> TrustedUids(const std::vector<uint32_t>& configured,
-                                       const identity::EnvLookup& env) {
-  std::vector<uid_t> uids{::geteuid()};
-  if (!configured.empty()) {
-    uids.insert(uids.end(), configured.begin(), configured.end());
-    return uids;
-  }
-  const std::string list = env(std::string(kTrustedUidsEnv)).value_or("");
-  size_t start = 0;
-  while (start < list.size()) {
-    size_t comma = list.find(',', start);
-    if (comma == std::string::npos) comma = list.size();
-    const std::string item = list.substr(start, comma - start);
-    uint32_t uid = 0;
-    auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), uid);
-    if (item.empty() || ec != std::errc() || end != item.data() + item.size()) {
-      return InvalidArgument(std::string(kTrustedUidsEnv) + "=\"" + list +
-                             "\": expected comma-separated numeric uids");
-    }
-    uids.push_back(uid);
-    start = comma + 1;
-  }
-  return uids;
-}
-
 std::string DescribeUids(const std::vector<uid_t>& uids) {
   std::string out;
   for (uid_t uid : uids) out += (out.empty() ? "" : ", ") + std::to_string(uid);
@@ -190,7 +131,7 @@ Status CheckTrusted(std::string_view what, uid_t uid, const std::vector<uid_t>& 
       ", which this client does not trust (trusted uids: " + DescribeUids(trusted) +
       "; a daemon of a service user needs AttachOptions::trusted_uids, "
       "--trust-uid or " +
-      std::string(kTrustedUidsEnv) + ")");
+      std::string(identity::kTrustedUidsEnv) + ")");
 }
 
 Probe Hung(Probe probe, const std::string& who, const Deadlines& deadlines, const Status& status) {
@@ -204,7 +145,7 @@ Probe Hung(Probe probe, const std::string& who, const Deadlines& deadlines, cons
 Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
                           const identity::CacheConfig& config, const DiscoveryPolicy& policy,
                           const std::vector<uid_t>& trusted, const Deadlines& deadlines,
-                          Pipeline pipeline) {
+                          Pipeline pipeline, os::SysCalls& sys) {
   Probe probe;
   struct stat st;
   if (::lstat(socket.c_str(), &st) != 0) {
@@ -261,12 +202,13 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
   }
   const std::string who = "daemon at " + socket + " (pid " + std::to_string(cred.pid) + ")";
   // Both frames in one sendmsg (neither carries fds).
-  Status sent = os::SendMessage(conn->get(), request, {}, deadlines.Answer());
+  Status sent = os::SendMessage(conn->get(), request, {}, deadlines.Answer(), sys);
   if (!sent.ok()) {
     if (sent.code() == StatusCode::kTimeout) return Hung(std::move(probe), who, deadlines, sent);
     // A daemon that refuses a connection (too many connections, a uid it does not allow)
     // sends an Error and closes at once, perhaps before our send: report its Error, not EPIPE.
-    auto refusal = protocol::ReadFrame(conn->get(), protocol::Expect::kReply, deadlines.Answer());
+    auto refusal =
+        protocol::ReadFrame(conn->get(), protocol::Expect::kReply, deadlines.Answer(), sys);
     if (refusal.ok() && refusal->type == protocol::MessageType::kError) {
       return ErrorFromDaemon(*refusal, socket);
     }
@@ -274,7 +216,7 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
   }
   bool deadline_passed = false;
   auto frame = ReadReply(conn->get(), protocol::MessageType::kHelloReply, deadlines.Answer(),
-                         socket, &deadline_passed);
+                         socket, &deadline_passed, sys);
   if (!frame.ok()) {
     if (deadline_passed) return Hung(std::move(probe), who, deadlines, frame.status());
     return frame.status();
@@ -342,7 +284,7 @@ struct SiblingScan {
 // explicit mismatch although different configs have different paths). Bounded by the same
 // deadlines as the rest of the discovery: a hung sibling costs what is left of them, no more.
 SiblingScan FindClosestSibling(const ResolvedIdentity& id, const DiscoveryPolicy& policy,
-                               const Deadlines& deadlines) {
+                               const Deadlines& deadlines, os::SysCalls& sys) {
   SiblingScan scan;
   auto sockets = identity::ListCacheSockets(id.paths.device_dir);
   if (!sockets.ok()) {
@@ -358,7 +300,7 @@ SiblingScan FindClosestSibling(const ResolvedIdentity& id, const DiscoveryPolicy
       continue;
     }
     auto probe = ProbeSocket(socket, identity::LockPathFor(socket), id.config, policy,
-                             id.trusted_uids, deadlines, Pipeline::kHelloOnly);
+                             id.trusted_uids, deadlines, Pipeline::kHelloOnly, sys);
     if (!probe.ok()) {
       LOG_DEBUG << "skipping " << socket << ": " << probe.status().ToString();
       continue;
@@ -434,109 +376,18 @@ Status MismatchStatus(const std::string& where, const MismatchDetails& details) 
                                            "): " + identity::FormatDiffOneLine(diffs));
 }
 
-Result<identity::CacheConfig> BuildCacheConfig(const AttachOptions& options,
-                                               const std::string& fingerprint,
-                                               const std::string& files_digest) {
-  identity::CacheConfig c;
-  c.model_id = options.model_id.empty() ? BaseName(options.model_dir) : options.model_id;
-  if (c.model_id.empty()) {
-    return InvalidArgument("no model id: set model_id or model_dir");
-  }
-  c.revision = options.revision;
-  c.checkpoint_fingerprint = fingerprint;
-  c.checkpoint_files = files_digest;
-  if (!options.dtype.empty()) c.dtype = options.dtype;
-  if (!options.quantization.empty()) c.quantization = options.quantization;
-  if (!options.quantization_config.empty()) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(
-        std::string text,
-        identity::ReadSmallFile(options.quantization_config, kMaxQuantizationConfigBytes));
-    auto digest = identity::QuantizationConfigDigest(text);
-    if (!digest.ok()) return digest.status().Context(options.quantization_config);
-    c.quantization_config_sha256 = *digest;
-  }
-  WEIGHTCACHE_ASSIGN_OR_RETURN(c.tp_size, Rank("tp_size", options.tp_size));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(c.tp_rank, Rank("tp_rank", options.tp_rank));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(c.pp_size, Rank("pp_size", options.pp_size));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(c.pp_rank, Rank("pp_rank", options.pp_rank));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(c.ep_size, Rank("ep_size", options.ep_size));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(c.ep_rank, Rank("ep_rank", options.ep_rank));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(c.dp_size, Rank("dp_size", options.dp_size));
-  if (!options.layout_tag.empty()) c.layout_tag = options.layout_tag;
-  if (!options.source.empty()) c.source = options.source;
-  c.tier = options.tier;
-  WEIGHTCACHE_RETURN_IF_ERROR(c.Validate());
-  return c;
-}
-
-Result<ResolvedIdentity> ResolveIdentity(const AttachOptions& options,
-                                         const identity::EnvLookup& env) {
-  if (options.model_dir.empty()) {
-    return InvalidArgument(
-        "model_dir is required (its files define the checkpoint fingerprint and identity)");
-  }
-  // The identity covers the files' content through their stat identity (checkpoint_files),
-  // never through the path this process sees them by; headers are read only when the
-  // fingerprint is not given.
-  std::string fingerprint = options.checkpoint_fingerprint;
-  std::string files_digest;
-  if (fingerprint.empty()) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint ckpt,
-                                 checkpoint::Checkpoint::Open(options.model_dir));
-    fingerprint = ckpt.fingerprint();
-    files_digest = ckpt.files_digest();
-  } else {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(files_digest,
-                                 checkpoint::CheckpointFilesDigest(options.model_dir));
-  }
-  ResolvedIdentity id;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(id.config, BuildCacheConfig(options, fingerprint, files_digest));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(id.trusted_uids, TrustedUids(options.trusted_uids, env));
-
-  std::string spec = options.device;
-  if (spec.empty() && options.tier == Tier::kGpu) spec = DefaultGpuSpec();
-  if (spec.empty()) {
-    id.device_key = std::string(identity::kHostDeviceKey);
-  } else {
-    identity::InventoryOptions inventory;
-    inventory.inventory_file = options.device_inventory;
-    inventory.env = env;
-    WEIGHTCACHE_ASSIGN_OR_RETURN(identity::DeviceInventory visible,
-                                 identity::LoadDeviceInventory(inventory));
-    if (options.tier == Tier::kGpu && visible.source != identity::InventorySource::kInventoryFile) {
-      // The gpu tier maps device memory through the driver, so without it the answer is the
-      // driver's own failure (dlerror, "the gpu tier needs the NVIDIA driver"), not an empty
-      // device list. An inventory file still resolves the identity; the load or map that
-      // follows then fails with the same message.
-      if (auto api = cuda::LoadDriver(); !api.ok()) return api.status();
-    }
-    WEIGHTCACHE_ASSIGN_OR_RETURN(identity::DeviceInfo device,
-                                 identity::ResolveDevice(spec, visible.devices));
-    id.device_key = device.uuid;
-    id.device = std::move(device);
-  }
-
-  identity::PathOptions paths;
-  paths.runtime_dir_flag = options.runtime_dir;
-  if (!options.namespace_name.empty()) paths.namespace_name = options.namespace_name;
-  paths.socket_flag = options.socket;
-  paths.env = env;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(id.paths,
-                               identity::ResolveCachePaths(id.config, id.device_key, paths));
-  return id;
-}
-
 Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& policy,
-                           MismatchDetails* mismatch) {
+                           MismatchDetails* mismatch, const identity::Env& env) {
+  os::SysCalls& sys = *env.syscalls;
   const Deadlines deadlines(policy);
   const std::string& socket = id.paths.socket;
   WEIGHTCACHE_ASSIGN_OR_RETURN(
       Probe probe, ProbeSocket(socket, id.paths.lock, id.config, policy, id.trusted_uids, deadlines,
-                               Pipeline::kHelloThenAttach));
+                               Pipeline::kHelloThenAttach, sys));
   if (probe.state == SocketState::kHung) return Missing(probe.why, StatusCode::kTimeout);
   if (probe.state != SocketState::kLive) {
     if (!id.paths.explicit_socket) {
-      SiblingScan scan = FindClosestSibling(id, policy, deadlines);
+      SiblingScan scan = FindClosestSibling(id, policy, deadlines, sys);
       if (scan.closest) return Report(*std::move(scan.closest), mismatch);
       return Missing(probe.why + scan.unanswered);
     }
@@ -568,7 +419,7 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
     // The daemon answered the Attach after the Hello: usually "cache is loading"
     // (kUnavailable, connection usable), but the load may have finished in between.
     auto pending = ReadReply(probe.connection.get(), protocol::MessageType::kAttachReply,
-                             deadlines.Answer(), socket, &deadline_passed);
+                             deadlines.Answer(), socket, &deadline_passed, sys);
     if (pending.ok()) {
       attach_frame = std::move(pending).value();
     } else if (deadline_passed) {
@@ -592,7 +443,7 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
           std::min<Clock::duration>(kLoadingPollInterval, deadlines.wait - Clock::now()));
       auto frame =
           Exchange(probe.connection.get(), status_request, protocol::MessageType::kStatusReply,
-                   deadlines.Answer(), socket, &deadline_passed);
+                   deadlines.Answer(), socket, &deadline_passed, sys);
       if (!frame.ok()) return deadline_passed ? silent(frame.status()) : frame.status();
       WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::StatusReply status,
                                    protocol::DecodeStatusReply(frame->payload));
@@ -608,13 +459,13 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
                                  protocol::EncodeAttachRequest());
     auto frame =
         Exchange(probe.connection.get(), attach_request, protocol::MessageType::kAttachReply,
-                 deadlines.Answer(), socket, &deadline_passed);
+                 deadlines.Answer(), socket, &deadline_passed, sys);
     if (!frame.ok()) return deadline_passed ? silent(frame.status()) : frame.status();
     attach_frame = std::move(frame).value();
   }
   if (!attach_frame) {
     auto frame = ReadReply(probe.connection.get(), protocol::MessageType::kAttachReply,
-                           deadlines.Answer(), socket, &deadline_passed);
+                           deadlines.Answer(), socket, &deadline_passed, sys);
     if (!frame.ok()) return deadline_passed ? silent(frame.status()) : frame.status();
     attach_frame = std::move(frame).value();
   }

@@ -1,11 +1,11 @@
-// Discovery (SPEC §2, §4): from AttachOptions to a CacheConfig, a device key and a socket path,
-// and from there to a live, matching, ready daemon — or to a reason why there is none.
+// Discovery (SPEC §4): from a resolved identity (identity/resolve.h: CacheConfig, device key,
+// socket path) to a live, matching, ready daemon — or to a reason why there is none.
 //
 // The SPEC §4 table, as implemented here (docs/client.md has the long form):
 //   socket absent, or stale (its .lock not held)  → missing (then the sibling scan below)
 //   lstat: not a socket / owned by an untrusted uid → error (kIo / kPermissionDenied)
 //   peer credentials of an untrusted uid          → error (kPermissionDenied)
-//   (trusted: our euid, plus ResolvedIdentity::trusted_uids)
+//   (trusted: ResolvedIdentity::trusted_uids, the rule of identity::TrustedUids)
 //   no answer by the deadline (a hung daemon)     → missing (kTimeout), the reason naming it
 //   Hello → failed / draining                     → missing, with the daemon's reason (and
 //                                                   failed: its failure_code)
@@ -37,34 +37,15 @@
 #include "identity/device_inventory.h"
 #include "identity/env.h"
 #include "identity/paths.h"
+#include "identity/resolve.h"
 #include "protocol/messages.h"
 #include "weightcache/client.h"
 #include "weightcache/status.h"
 
 namespace weightcache::client {
 
-struct ResolvedIdentity {
-  identity::CacheConfig config;
-  std::string device_key;                      // the GPU UUID, or "host"
-  std::optional<identity::DeviceInfo> device;  // the GPU: gpu tier, or host tier with affinity
-  identity::CachePaths paths;
-  // The uids a daemon may run as for us to use it: our euid first, then
-  // AttachOptions::trusted_uids, else WEIGHTCACHE_TRUSTED_UIDS.
-  std::vector<uid_t> trusted_uids;
-};
-
-// The CacheConfig of `options` (fingerprint from options.checkpoint_fingerprint, else from the
-// model dir's headers; checkpoint_files from a stat of the model dir's shards), the device
-// (CUDA_VISIBLE_DEVICES applied; see client.h for the default) and the paths. kInvalidArgument for
-// bad options, kInvalidCheckpoint for the model.
-Result<ResolvedIdentity> ResolveIdentity(const AttachOptions& options,
-                                         const identity::EnvLookup& env = identity::ProcessEnv());
-
-// The CacheConfig fields of `options` over a known fingerprint and files digest
-// (checkpoint::Checkpoint::files_digest) (no I/O but the quantization config file).
-Result<identity::CacheConfig> BuildCacheConfig(const AttachOptions& options,
-                                               const std::string& fingerprint,
-                                               const std::string& files_digest);
+// The identity discovery looks for: resolved by identity::ResolveIdentity (identity/resolve.h).
+using identity::ResolvedIdentity;
 
 // A live daemon that matched and sent its AttachReply. The connection stays open (the
 // DaemonWatcher learns of the daemon's death by EOF).
@@ -101,9 +82,11 @@ struct DiscoveryPolicy {
 // Errors are returned as statuses (kMismatch, kPermissionDenied, kProtocol, kIo, …); "no
 // daemon" is not an error here (Discovery::missing_reason) — the caller applies on_missing.
 // On kMismatch, *mismatch (when not null) receives the differing fields and the daemon that
-// holds the other config; it is left alone otherwise.
+// holds the other config; it is left alone otherwise. Every socket syscall goes through
+// env.syscalls.
 Result<Discovery> Discover(const ResolvedIdentity& identity, const DiscoveryPolicy& policy,
-                           MismatchDetails* mismatch = nullptr);
+                           MismatchDetails* mismatch = nullptr,
+                           const identity::Env& env = identity::Env::Default());
 
 // A kMismatch status naming `where` and every field of `details` ("<where> holds a different
 // config (f1, f2): f1: ours=<client_text> theirs=<daemon_text>; …"), the message the

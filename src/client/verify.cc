@@ -23,8 +23,14 @@ double SecondsSince(Clock::time_point start) {
 }
 
 Result<std::vector<uint64_t>> GpuChecksums(const Attachment& attachment) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
-  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice dev, FindCudaDevice(api, attachment.device_key()));
+  // The driver and device the attach mapped with (its Env's), never a second lookup.
+  const Attachment::Impl& impl = AttachmentAccess::Of(attachment);
+  if (impl.driver == nullptr) {
+    return InternalError("gpu tier attachment of " + attachment.device_key() +
+                         " holds no CUDA driver");
+  }
+  const cuda::DriverApi* api = impl.driver;
+  const CUdevice dev = impl.cu_device;
   // The memory lives in the primary context (client.h); make it current on this thread, and
   // give the caller's thread back its own context afterwards.
   const cuda::CallerContextGuard caller_context(api);

@@ -31,8 +31,11 @@ using protocol::CacheState;
 using protocol::MessageType;
 
 struct Daemon::Connection {
-  Connection(UniqueFd socket, os::PeerCred cred, Clock::time_point now)
-      : fd(std::move(socket)), peer(cred), reader(protocol::Expect::kRequest), last_request(now) {}
+  Connection(UniqueFd socket, os::PeerCred cred, Clock::time_point now, os::SysCalls& sys)
+      : fd(std::move(socket)),
+        peer(cred),
+        reader(protocol::Expect::kRequest, sys),
+        last_request(now) {}
 
   UniqueFd fd;
   os::PeerCred peer;
@@ -246,7 +249,14 @@ Result<WeightStore> Daemon::Load(std::string* memory) {
     if (options_.config.tier == Tier::kHost) {
       return LoadHostStore(checkpoint, load, control, memory);
     }
-    load.device_uuid = options_.device_key;
+    if (!options_.device.has_value()) {
+      return Result<WeightStore>(
+          InternalError("gpu tier: no device resolved for " + options_.device_key));
+    }
+    load.device = *options_.device;
+    auto driver = options_.env.load_driver();
+    if (!driver.ok()) return Result<WeightStore>(driver.status());
+    load.driver = *driver;
     return LoadGpuStore(checkpoint, load, control, memory);
   }();
   if (!store.ok()) return store;
@@ -429,7 +439,8 @@ bool Daemon::PeerAllowed(const os::PeerCred& peer) const {
 
 void Daemon::AcceptAll() {
   while (true) {
-    auto accepted = os::AcceptConnection(socket_.fd(), os::Blocking::kNonBlocking);
+    auto accepted =
+        os::AcceptConnection(socket_.fd(), os::Blocking::kNonBlocking, *options_.env.syscalls);
     if (!accepted.ok()) {
       // EMFILE and friends. The listener stays readable (the connection waits in the
       // backlog), so retrying at once would spin: pause it instead.
@@ -453,7 +464,7 @@ void Daemon::AcceptAll() {
     auto refuse = [&](const Status& why) {
       // Best effort, one non-blocking send: a fresh socket's buffer takes a small frame.
       auto frame = protocol::EncodeError(why);
-      if (frame.ok()) (void)os::SendSome(fd.get(), *frame, {});
+      if (frame.ok()) (void)os::SendSome(fd.get(), *frame, {}, *options_.env.syscalls);
     };
     if (!PeerAllowed(*cred)) {
       LOG_WARN << "refused connection from pid " << cred->pid << " uid " << cred->uid << " gid "
@@ -478,7 +489,8 @@ void Daemon::AcceptAll() {
       continue;
     }
     LOG_DEBUG << "connection from pid " << cred->pid << " uid " << cred->uid;
-    auto conn = std::make_unique<Connection>(std::move(fd), *cred, Clock::now());
+    auto conn =
+        std::make_unique<Connection>(std::move(fd), *cred, Clock::now(), *options_.env.syscalls);
     conn->armed = EPOLLIN | EPOLLRDHUP;
     connections_.emplace(raw, std::move(conn));
     ScheduleSweep();  // its handshake deadline
@@ -624,10 +636,10 @@ void Daemon::QueueFrame(Connection& conn, Result<std::vector<uint8_t>> frame,
       conn.close_after_flush = true;
       return;
     }
-    conn.outbox.emplace_back(std::move(error).value(), std::vector<int>{});
+    conn.outbox.emplace_back(std::move(error).value(), std::vector<int>{}, *options_.env.syscalls);
     return;
   }
-  conn.outbox.emplace_back(std::move(frame).value(), std::move(fds));
+  conn.outbox.emplace_back(std::move(frame).value(), std::move(fds), *options_.env.syscalls);
 }
 
 void Daemon::QueueError(Connection& conn, const Status& status) {

@@ -54,6 +54,8 @@
 #include "common/unique_handle.h"
 #include "daemon/weight_store.h"
 #include "identity/cache_config.h"
+#include "identity/device_inventory.h"
+#include "identity/env.h"
 #include "identity/paths.h"
 #include "os/lock_file.h"
 #include "os/unix_socket.h"
@@ -67,7 +69,15 @@ struct DaemonOptions {
   identity::CachePaths paths;
   std::string model_path;  // the checkpoint (file or directory) behind config's fingerprint
   std::string device_key = "host";  // the device UUID, or "host"
-  LoadOptions load;                 // threads, memory budget, device
+  // Gpu tier: the device resolved by identity::ResolveIdentity (its UUID is device_key; its
+  // cuda_ordinal is what the load opens). The loader gets it, and the driver, in its
+  // LoadOptions.
+  std::optional<identity::DeviceInfo> device;
+  LoadOptions load;  // threads, memory budget (device and driver are set by the loader)
+  // Every machine input: the CUDA driver (gpu tier load), the socket syscalls of the event
+  // loop (accept, recvmsg, sendmsg). Tests run a Daemon in process over a fake driver or
+  // faulty syscalls (tests/unit/daemon/in_process_daemon.h).
+  identity::Env env = identity::Env::Default();
   // Peers allowed besides our own uid (SO_PEERCRED). Stop is only ever accepted from our uid.
   std::vector<uid_t> allow_uids;
   std::vector<gid_t> allow_gids;

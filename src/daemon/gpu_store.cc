@@ -17,42 +17,18 @@
 #include "identity/device_inventory.h"
 
 namespace weightcache::daemon {
-namespace {
-
-// The CUdevice whose cuDeviceGetUuid matches `uuid`. The identity layer resolved --device to
-// a UUID among the devices this process sees; the driver sees the same set (it applies
-// CUDA_VISIBLE_DEVICES itself), so matching by UUID is exact where an index could drift.
-Result<CUdevice> DeviceByUuid(const cuda::DriverApi* api, const std::string& uuid) {
-  int count = 0;
-  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetCount(&count), "cuDeviceGetCount");
-  std::string seen;
-  for (int i = 0; i < count; ++i) {
-    CUdevice dev = 0;
-    WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGet(&dev, i),
-                                   "cuDeviceGet(" + std::to_string(i) + ")");
-    CUuuid raw{};
-    WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetUuid(&raw, dev),
-                                   "cuDeviceGetUuid(" + std::to_string(i) + ")");
-    const std::string formatted = identity::FormatGpuUuid(raw);
-    if (formatted == uuid) return dev;
-    seen += (seen.empty() ? "" : ", ") + formatted;
-  }
-  return NotFound("gpu tier: device " + uuid + " is not among the " + std::to_string(count) +
-                  " device(s) the CUDA driver shows this process" +
-                  (seen.empty() ? std::string() : " (" + seen + ")") +
-                  "; check CUDA_VISIBLE_DEVICES and --device-inventory");
-}
-
-}  // namespace
-
 // Every allocation the load makes for the load only (the pipeline and its pinned staging
 // ring, the items, the plan, the checksum vectors) is a local that dies on return; what it
 // reports in `memory` are the two points inside it worth a log line.
 Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
                                  const LoadOptions& options, const LoadControl& control,
                                  std::string* memory) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
-  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, DeviceByUuid(api, options.device_uuid));
+  const cuda::DriverApi* api = options.driver;
+  if (api == nullptr) return InternalError("gpu tier: no CUDA driver given to the load");
+  // The device was resolved once (identity::ResolveIdentity): its ordinal, checked by UUID.
+  auto device_or = identity::CudaDevice(api, options.device);
+  if (!device_or.ok()) return device_or.status().Context("gpu tier");
+  const CUdevice device = *device_or;
   WEIGHTCACHE_RETURN_IF_ERROR(cuda::CheckVmmSupport(api, device));
   WEIGHTCACHE_ASSIGN_OR_RETURN(
       uint64_t granularity,
@@ -77,7 +53,7 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   if (!arena.ok()) {
     Status status = arena.status();
     return status.Context("gpu tier: allocating " + std::to_string(plan.total_bytes) +
-                          " bytes on " + options.device_uuid);
+                          " bytes on " + options.device.uuid);
   }
   const auto allocations = arena->allocations();
   std::vector<uint64_t> allocation_sizes;
@@ -128,7 +104,7 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   if (!report.ok()) {
     Status status = report.status();
     return status.Context("gpu tier: uploading " + checkpoint.path() + " to " +
-                          options.device_uuid);
+                          options.device.uuid);
   }
   LOG_DEBUG << "gpu tier: uploaded " << report->bytes << " bytes in " << report->seconds << " s ("
             << report->gb_per_s << " GB/s), " << report->direct_sources

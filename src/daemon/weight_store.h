@@ -33,6 +33,8 @@
 
 #include "checkpoint/checkpoint.h"
 #include "common/unique_fd.h"
+#include "cuda/driver_api.h"
+#include "identity/device_inventory.h"
 #include "protocol/manifest.h"
 #include "weightcache/status.h"
 
@@ -83,8 +85,11 @@ class WeightStore {
 struct LoadOptions {
   int threads = 8;             // reader threads (host tier: pread; gpu tier: pipeline readers)
   uint64_t memory_budget = 0;  // bytes the plan may occupy; 0 = unlimited
-  std::string device_uuid;     // gpu tier: the device to load onto (already resolved)
-  std::string cache_name;      // names the memfds ("weightcache:<digest16>") for /proc readers
+  // Gpu tier: the device to load onto (resolved, with its CUDA ordinal) and the driver table
+  // (the daemon's Env).
+  identity::DeviceInfo device;
+  const cuda::DriverApi* driver = nullptr;
+  std::string cache_name;  // names the memfds ("weightcache:<digest16>") for /proc readers
 };
 
 struct LoadControl {

@@ -90,6 +90,7 @@ Result<std::vector<DeviceInfo>> FromDriver(const cuda::DriverApi* api) {
                                    what + "cuDeviceGetPCIBusId");
     DeviceInfo d;
     d.index = i;
+    d.cuda_ordinal = i;
     d.uuid = FormatGpuUuid(uuid);
     d.name = name;
     d.memory_bytes = memory;
@@ -274,7 +275,7 @@ Result<DeviceInventory> LoadDeviceInventory(const InventoryOptions& options) {
   }
 
   Result<const cuda::DriverApi*> driver =
-      options.load_driver ? options.load_driver() : cuda::LoadDriver();
+      options.load_driver ? options.load_driver() : Env::Default().load_driver();
   if (driver.ok()) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(inv.devices, FromDriver(*driver));
     inv.source = InventorySource::kCudaDriver;
@@ -342,6 +343,39 @@ Result<DeviceInfo> ResolveDevice(std::string_view spec, const std::vector<Device
     return InvalidArgument(quoted + " is an ambiguous UUID prefix: it matches " + which);
   }
   return *matches.front();
+}
+
+Result<int> FindCudaOrdinal(const cuda::DriverApi* api, std::string_view uuid) {
+  int count = 0;
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetCount(&count), "cuDeviceGetCount");
+  for (int i = 0; i < count; ++i) {
+    CUdevice dev = 0;
+    WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGet(&dev, i),
+                                   "cuDeviceGet(" + std::to_string(i) + ")");
+    CUuuid raw{};
+    WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetUuid(&raw, dev),
+                                   "cuDeviceGetUuid(" + std::to_string(i) + ")");
+    if (FormatGpuUuid(raw) == uuid) return i;
+  }
+  return -1;
+}
+
+Result<CUdevice> CudaDevice(const cuda::DriverApi* api, const DeviceInfo& device) {
+  if (device.cuda_ordinal < 0) {
+    return NotFound("device " + device.uuid +
+                    " is not among the devices the CUDA driver shows this process; check "
+                    "CUDA_VISIBLE_DEVICES and --device-inventory");
+  }
+  const std::string what =
+      "device " + device.uuid + " (CUDA ordinal " + std::to_string(device.cuda_ordinal) + "): ";
+  CUdevice dev = 0;
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGet(&dev, device.cuda_ordinal), what + "cuDeviceGet");
+  CUuuid raw{};
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGetUuid(&raw, dev), what + "cuDeviceGetUuid");
+  if (const std::string seen = FormatGpuUuid(raw); seen != device.uuid) {
+    return NotFound(what + "the driver now shows " + seen + " at that ordinal");
+  }
+  return dev;
 }
 
 }  // namespace weightcache::identity

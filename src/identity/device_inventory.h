@@ -11,9 +11,9 @@
 //     with indices exactly 0..n-1 in physical order, unique UUIDs. It stands in for
 //     enumeration on driverless hosts and in tests (an 8-GPU host on a laptop).
 //     CUDA_VISIBLE_DEVICES is applied to it by SelectVisibleDevices.
-//  2. the CUDA driver (cuda::LoadDriver, or InventoryOptions::load_driver in tests). The
-//     driver applies CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER itself, so what it reports is
-//     already the visible list in local-index order.
+//  2. the CUDA driver (InventoryOptions::load_driver, else Env::Default()'s; tests inject a
+//     fake). The driver applies CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER itself, so what it
+//     reports is already the visible list in local-index order.
 //  3. /proc/driver/nvidia/gpus/*/information, when the driver cannot be loaded or initialised.
 //     Ordered by PCI bus id, then CUDA_VISIBLE_DEVICES is applied. Caveat: CUDA's default
 //     order is CUDA_DEVICE_ORDER=FASTEST_FIRST, which equals PCI order only on hosts whose
@@ -48,6 +48,11 @@ struct DeviceInfo {
   std::string name;           // "NVIDIA H200"
   uint64_t memory_bytes = 0;  // total device memory; 0 = unknown
   std::string pci_bus_id;     // "0000:3b:00.0" (lowercase); empty when unknown
+  // The CUDA ordinal of this device in this process (cuDeviceGet's argument), found once when
+  // the device is resolved: the driver's own index, or for an inventory file / procfs entry the
+  // position of its UUID among the devices the driver shows. -1: unknown (no driver, or the
+  // driver does not show this UUID). CudaDevice() is the one step from it to a CUdevice.
+  int cuda_ordinal = -1;
 };
 
 enum class InventorySource { kInventoryFile, kCudaDriver, kProcFs, kNone };
@@ -57,8 +62,8 @@ struct InventoryOptions {
   std::string inventory_file;  // --device-inventory; wins over WEIGHTCACHE_DEVICE_INVENTORY
   EnvLookup env = ProcessEnv();
   std::string proc_root = "/proc";  // tests point this at a fake tree
-  // The driver seam. Empty = cuda::LoadDriver(). Tests inject a fake table, or a function
-  // returning kUnavailable to model a driverless host.
+  // The driver seam. Empty = Env::Default()'s (identity/env.h). Tests inject a fake table, or
+  // a function returning kUnavailable to model a driverless host.
   std::function<Result<const cuda::DriverApi*>()> load_driver;
 };
 
@@ -81,6 +86,16 @@ Result<std::vector<DeviceInfo>> VisibleDevices(const InventoryOptions& options);
 // list the visible devices: kNotFound when nothing matches, kInvalidArgument when the spec is
 // empty or an ambiguous prefix.
 Result<DeviceInfo> ResolveDevice(std::string_view spec, const std::vector<DeviceInfo>& visible);
+
+// The CUDA ordinal of `uuid` among the devices the driver shows this process (the driver
+// applies CUDA_VISIBLE_DEVICES itself), or -1 when it shows no such device. Driver errors are
+// returned as they are.
+Result<int> FindCudaOrdinal(const cuda::DriverApi* api, std::string_view uuid);
+
+// The one step from a resolved device to the CUdevice of this process: cuDeviceGet of its
+// cuda_ordinal, checked against its UUID. kNotFound naming the UUID when the ordinal is unknown
+// (the driver does not show the device) or now names another device.
+Result<CUdevice> CudaDevice(const cuda::DriverApi* api, const DeviceInfo& device);
 
 // Parse and strictly validate an inventory file's text: the PHYSICAL list, sorted by index.
 // `origin` (the file name) prefixes every error. Errors are kInvalidArgument.

@@ -21,4 +21,11 @@ EnvLookup MapEnv(std::map<std::string, std::string, std::less<>> vars) {
   };
 }
 
+const Env& Env::Default() {
+  static const Env env{.load_driver = [] { return cuda::LoadDriver(); },
+                       .syscalls = &os::SysCalls::Default(),
+                       .lookup = ProcessEnv()};
+  return env;
+}
+
 }  // namespace weightcache::identity

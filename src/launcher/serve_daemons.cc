@@ -18,7 +18,7 @@ std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& pla
     DaemonSpec s;
     s.placement = p;
     s.name = "tp" + std::to_string(p.tp_rank) + "-pp" + std::to_string(p.pp_rank);
-    AttachOptions daemon = flags.identity;
+    IdentityOptions daemon = flags.identity;
     daemon.tp_rank = p.tp_rank;
     daemon.pp_rank = p.pp_rank;
     daemon.ep_rank = p.ep_rank;

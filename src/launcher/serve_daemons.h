@@ -36,11 +36,11 @@ struct ServeFlags {
   // device_inventory made absolute and runtime_dir resolved by the caller (every daemon uses
   // exactly that one). Each daemon gets a copy with its ranks and device (the UUID) from its
   // placement and no socket (the launcher finds sockets in the layout).
-  AttachOptions identity;
-  // Writes one daemon's AttachOptions as `serve` arguments: tools/identity_flags.h
+  IdentityOptions identity;
+  // Writes one daemon's IdentityOptions as `serve` arguments: tools/identity_flags.h
   // ServeArgsFor, generated from the table that registers the flags, so that every identity
   // flag is forwarded and none is spelled here. Required.
-  std::function<std::vector<std::string>(const AttachOptions&)> identity_args;
+  std::function<std::vector<std::string>(const IdentityOptions&)> identity_args;
   // Load flags of serve: "" / 0 = serve's default.
   std::string memory_budget;
   int threads = 0;

@@ -51,15 +51,15 @@ class ClientAdversarialTest : public ::testing::Test {
 
   AttachOptions Options() const {
     AttachOptions o;
-    o.model_dir = ref_.dir;
-    o.model_id = "adv";
-    o.runtime_dir = runtime_;
-    o.tier = Tier::kHost;
+    o.identity.model_dir = ref_.dir;
+    o.identity.model_id = "adv";
+    o.identity.runtime_dir = runtime_;
+    o.identity.tier = Tier::kHost;
     o.wait_timeout = 1s;
     return o;
   }
   client::ResolvedIdentity Resolve(const AttachOptions& o) const {
-    auto id = client::ResolveIdentity(o);
+    auto id = identity::ResolveIdentity(o.identity);
     EXPECT_TRUE(id.ok()) << id.status().ToString();
     EXPECT_TRUE(identity::EnsureCacheDirs(id->paths).ok());
     return *id;
@@ -213,7 +213,7 @@ TEST_F(ClientAdversarialTest, ADaemonWhoseConfigCannotBeCheckedButClaimsAMatchIs
 TEST_F(ClientAdversarialTest, ASiblingClaimingAMatchIsStillReportedAsTheMismatchItIs) {
   const AttachOptions ours = Options();
   AttachOptions other = ours;
-  other.revision = "r2";
+  other.identity.revision = "r2";
   const client::ResolvedIdentity sibling = Resolve(other);
   ScriptedDaemon liar(sibling.paths, [&](const protocol::Frame& f) {
     if (f.type != protocol::MessageType::kHello) return std::vector<uint8_t>{};
@@ -458,8 +458,8 @@ TEST_F(DriverlessTest, ServeAndAttachOnTheGpuTierSayTheDriverIsMissing) {
   ExpectDriverMessage(attach, "attach");
 
   AttachOptions o = Options();
-  o.tier = Tier::kGpu;
-  o.device = "0";
+  o.identity.tier = Tier::kGpu;
+  o.identity.device = "0";
   auto a = Attachment::Attach(o);
   ASSERT_FALSE(a.ok());
   EXPECT_EQ(a.status().code(), StatusCode::kUnavailable) << a.status().ToString();

@@ -66,7 +66,7 @@ struct Args {
 
 Args Parse(int argc, char** argv) {
   Args a;
-  a.options.tier = Tier::kGpu;
+  a.options.identity.tier = Tier::kGpu;
   a.options.on_missing = OnMissing::kFallback;
   a.options.wait_timeout = std::chrono::seconds(60);
   for (int i = 1; i < argc; ++i) {
@@ -78,25 +78,25 @@ Args Parse(int argc, char** argv) {
     if (i + 1 >= argc) FailWith(InvalidArgument("flag " + k + " needs a value"));
     const std::string v = argv[++i];
     if (k == "--model") {
-      a.options.model_dir = v;
+      a.options.identity.model_dir = v;
     } else if (k == "--model-id") {
-      a.options.model_id = v;
+      a.options.identity.model_id = v;
     } else if (k == "--device") {
-      a.options.device = v;
+      a.options.identity.device = v;
     } else if (k == "--runtime-dir") {
-      a.options.runtime_dir = v;
+      a.options.identity.runtime_dir = v;
     } else if (k == "--namespace") {
-      a.options.namespace_name = v;
+      a.options.identity.namespace_name = v;
     } else if (k == "--tp-size") {
-      a.options.tp_size = std::stoi(v);
+      a.options.identity.tp_size = std::stoi(v);
     } else if (k == "--tp-rank") {
-      a.options.tp_rank = std::stoi(v);
+      a.options.identity.tp_rank = std::stoi(v);
     } else if (k == "--revision") {
-      a.options.revision = v;
+      a.options.identity.revision = v;
     } else if (k == "--manifest") {
       a.manifest = v;
     } else if (k == "--tier") {
-      a.options.tier = v == "host" ? Tier::kHost : Tier::kGpu;
+      a.options.identity.tier = v == "host" ? Tier::kHost : Tier::kGpu;
     } else if (k == "--on-missing") {
       a.options.on_missing = v == "error" ? OnMissing::kError : OnMissing::kFallback;
     } else {
@@ -201,9 +201,10 @@ int Main(int argc, char** argv) {
     Result<const cuda::DriverApi*> loaded = cuda::LoadDriver();
     if (!loaded.ok()) FailWith(loaded.status());
     api = *loaded;
-    Result<CUdevice> found = client::FindCudaDevice(api, a.device_key());
-    if (!found.ok()) FailWith(found.status());
-    device = *found;
+    // The ordinal the attach resolved (Attachment::cuda_device, the public API).
+    if (CUresult rc = api->cuDeviceGet(&device, a.cuda_device()); rc != CUDA_SUCCESS) {
+      FailWith(InternalError("cuDeviceGet(" + std::to_string(a.cuda_device()) + ") failed"));
+    }
     // The tensors live in the primary context (client.h); hold it current on this thread.
     Result<cuda::PrimaryContext> retained = cuda::PrimaryContext::Retain(api, device);
     if (!retained.ok()) FailWith(retained.status());

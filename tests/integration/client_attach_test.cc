@@ -144,10 +144,10 @@ class ClientAttachTest : public ::testing::Test {
   }
   AttachOptions Options() const {
     AttachOptions o;
-    o.model_dir = ref_.dir;
-    o.model_id = "tiny";
-    o.runtime_dir = runtime_;
-    o.tier = Tier::kHost;
+    o.identity.model_dir = ref_.dir;
+    o.identity.model_id = "tiny";
+    o.identity.runtime_dir = runtime_;
+    o.identity.tier = Tier::kHost;
     o.wait_timeout = 30s;
     return o;
   }
@@ -350,14 +350,14 @@ TEST_F(ClientAttachTest, AMismatchInEachConfigFieldExits4NamingThatField) {
 
   // The C++ API reports the same as a kMismatch status.
   AttachOptions o = Options();
-  o.tp_size = 2;
-  o.pp_size = 2;
-  o.ep_size = 2;
-  o.dp_size = 2;
-  o.revision = "r1";
-  o.quantization = "fp8";
-  o.quantization_config = dir_.Join("quant-a.json");
-  o.tp_rank = 1;
+  o.identity.tp_size = 2;
+  o.identity.pp_size = 2;
+  o.identity.ep_size = 2;
+  o.identity.dp_size = 2;
+  o.identity.revision = "r1";
+  o.identity.quantization = "fp8";
+  o.identity.quantization_config = dir_.Join("quant-a.json");
+  o.identity.tp_rank = 1;
   auto a = Attachment::Attach(o);
   ASSERT_FALSE(a.ok());
   EXPECT_EQ(a.status().code(), StatusCode::kMismatch);
@@ -376,16 +376,16 @@ TEST_F(ClientAttachTest, AMismatchComesAsDataWithTheDaemonsSocketAndPid) {
   ASSERT_TRUE(socket.ok()) << socket.status().ToString();
 
   AttachOptions o = Options();
-  o.tp_size = 2;
-  o.tp_rank = 0;
-  o.revision = R"(r2, x="y" theirs=z)";
-  auto ours = client::ResolveIdentity(o);
+  o.identity.tp_size = 2;
+  o.identity.tp_rank = 0;
+  o.identity.revision = R"(r2, x="y" theirs=z)";
+  auto ours = identity::ResolveIdentity(o.identity);
   ASSERT_TRUE(ours.ok()) << ours.status().ToString();
   ASSERT_NE(ours->paths.socket, *socket);
   const std::vector<ConfigFieldDiff> expected = {{.field = "revision",
                                                   .client_text = R"j("r2, x=\"y\" theirs=z")j",
                                                   .daemon_text = R"j("r1 \"beta\", a=b; (c)")j",
-                                                  .client_value = o.revision,
+                                                  .client_value = o.identity.revision,
                                                   .daemon_value = daemon_revision},
                                                  {.field = "tp_rank",
                                                   .client_text = "0",
@@ -415,7 +415,7 @@ TEST_F(ClientAttachTest, AMismatchComesAsDataWithTheDaemonsSocketAndPid) {
 
   // At the daemon's own socket (explicit: no scan), the daemon itself.
   AttachOptions at = o;
-  at.socket = *socket;
+  at.identity.socket = *socket;
   auto b = Attachment::Attach(at, &why);
   ASSERT_FALSE(b.ok());
   EXPECT_EQ(why.code, StatusCode::kMismatch);
@@ -438,8 +438,8 @@ TEST_F(ClientAttachTest, AMismatchComesAsDataWithTheDaemonsSocketAndPid) {
   EXPECT_EQ(why.mismatch->daemon_pid, serve->pid());
 
   // The daemon's own config attaches; the diagnostics say so and hold no stale mismatch.
-  o.revision = daemon_revision;
-  o.tp_rank = 1;
+  o.identity.revision = daemon_revision;
+  o.identity.tp_rank = 1;
   auto d = Attachment::Attach(o, &why);
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   EXPECT_EQ(d->source(), AttachSource::kDaemon) << d->source_reason();
@@ -549,10 +549,10 @@ TEST_F(ClientAttachTest, TwoGpusSameRankEachClientReachesOnlyItsOwnGpusDaemon) {
   // Each daemon's socket, as discovery resolves it for each GPU.
   auto socket_for = [&](const std::string& uuid) {
     AttachOptions o = Options();
-    o.tp_size = 2;
-    o.device = uuid;
-    o.device_inventory = inventory;
-    auto id = client::ResolveIdentity(o);
+    o.identity.tp_size = 2;
+    o.identity.device = uuid;
+    o.identity.device_inventory = inventory;
+    auto id = identity::ResolveIdentity(o.identity);
     EXPECT_TRUE(id.ok()) << id.status().ToString();
     return id->paths.socket;
   };
@@ -600,9 +600,9 @@ TEST_F(ClientAttachTest, HostAndGpuTierCachesOnOneGpuAreDistinctAndAMismatchName
   const std::vector<std::string> on_gpu0 = {"--device", gpu0, "--device-inventory", inventory};
   auto host = Serve(on_gpu0, "serve-host.log");
   AttachOptions o = Options();
-  o.device = gpu0;
-  o.device_inventory = inventory;
-  auto host_id = client::ResolveIdentity(o);
+  o.identity.device = gpu0;
+  o.identity.device_inventory = inventory;
+  auto host_id = identity::ResolveIdentity(o.identity);
   ASSERT_TRUE(host_id.ok()) << host_id.status().ToString();
   WaitReady(*host, host_id->paths.socket);
 
@@ -625,8 +625,8 @@ TEST_F(ClientAttachTest, HostAndGpuTierCachesOnOneGpuAreDistinctAndAMismatchName
   ASSERT_TRUE(code.has_value()) << gpu->Log();
   EXPECT_NE(*code, 7) << gpu->Log();
   EXPECT_EQ(gpu->Log().find("already served"), std::string::npos) << gpu->Log();
-  o.tier = Tier::kGpu;
-  auto gpu_id = client::ResolveIdentity(o);
+  o.identity.tier = Tier::kGpu;
+  auto gpu_id = identity::ResolveIdentity(o.identity);
   ASSERT_TRUE(gpu_id.ok()) << gpu_id.status().ToString();
   EXPECT_NE(gpu_id->paths.socket, host_id->paths.socket);
   EXPECT_NE(gpu->Log().find(", tier gpu, device " + gpu0), std::string::npos) << gpu->Log();

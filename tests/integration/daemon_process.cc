@@ -47,10 +47,10 @@ std::string MakeCheckpoint(const std::string& dir, int tensors, int shards, int 
 
 identity::CacheConfig ConfigFor(const std::string& model_dir, const std::string& model_id) {
   AttachOptions options;
-  options.model_dir = model_dir;
-  options.model_id = model_id;
-  options.tier = Tier::kHost;
-  auto id = client::ResolveIdentity(options);
+  options.identity.model_dir = model_dir;
+  options.identity.model_id = model_id;
+  options.identity.tier = Tier::kHost;
+  auto id = identity::ResolveIdentity(options.identity);
   if (!id.ok()) {
     ADD_FAILURE() << id.status().ToString();
     return {};

@@ -35,12 +35,12 @@ class ClientDiscoveryTest : public ::testing::Test {
     if (!MakeReferenceCheckpoint(dir_.Join("model"), 4, 1, 9, "f32", 256, &ref_, &why)) {
       GTEST_SKIP() << why;
     }
-    options_.model_dir = ref_.dir;
-    options_.model_id = "scripted";
-    options_.runtime_dir = dir_.Join("run");
-    options_.tier = Tier::kHost;
+    options_.identity.model_dir = ref_.dir;
+    options_.identity.model_id = "scripted";
+    options_.identity.runtime_dir = dir_.Join("run");
+    options_.identity.tier = Tier::kHost;
     options_.wait_timeout = 200ms;
-    auto id = client::ResolveIdentity(options_);
+    auto id = identity::ResolveIdentity(options_.identity);
     ASSERT_TRUE(id.ok()) << id.status().ToString();
     id_ = *id;
     ASSERT_TRUE(identity::EnsureCacheDirs(id_.paths).ok());
@@ -234,8 +234,8 @@ TEST_F(ClientDiscoveryTest, OtherOutcomesCarryTheirCodeAndWhereButNoMismatch) {
   EXPECT_FALSE(why.mismatch.has_value());
 
   // An identity that does not resolve: the code, and no socket or device.
-  options_.tp_rank = 3;
-  options_.tp_size = 2;
+  options_.identity.tp_rank = 3;
+  options_.identity.tp_size = 2;
   auto c = Attachment::Attach(options_, &why);
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(why.code, StatusCode::kInvalidArgument) << c.status().ToString();

@@ -38,14 +38,14 @@ class ClientNoDaemonTest : public ::testing::Test {
                                  &ref_, &why)) {
       GTEST_SKIP() << why;
     }
-    options_.model_dir = ref_.dir;
-    options_.model_id = "unit";
-    options_.runtime_dir = dir_.Join("run");
-    options_.tier = Tier::kHost;
+    options_.identity.model_dir = ref_.dir;
+    options_.identity.model_id = "unit";
+    options_.identity.runtime_dir = dir_.Join("run");
+    options_.identity.tier = Tier::kHost;
   }
   // The socket path discovery resolves for options_.
   std::string SocketPath() {
-    auto id = client::ResolveIdentity(options_);
+    auto id = identity::ResolveIdentity(options_.identity);
     EXPECT_TRUE(id.ok()) << id.status().ToString();
     EXPECT_TRUE(identity::EnsureCacheDirs(id->paths).ok());
     return id->paths.socket;
@@ -112,14 +112,14 @@ TEST_F(ClientNoDaemonTest, SomethingThatIsNotASocketIsAnErrorNotAFallback) {
 }
 
 TEST_F(ClientNoDaemonTest, BadOptionsAreInvalidArgument) {
-  options_.tp_size = 2;
-  options_.tp_rank = 2;
+  options_.identity.tp_size = 2;
+  options_.identity.tp_rank = 2;
   auto a = Attachment::Attach(options_);
   ASSERT_FALSE(a.ok());
   EXPECT_EQ(a.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(a.status().message().find("tp_rank"), std::string::npos) << a.status().ToString();
 
-  options_.tp_rank = -1;
+  options_.identity.tp_rank = -1;
   auto b = Attachment::Attach(options_);
   ASSERT_FALSE(b.ok());
   EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument);
@@ -128,11 +128,13 @@ TEST_F(ClientNoDaemonTest, BadOptionsAreInvalidArgument) {
 
 TEST_F(ClientNoDaemonTest, CAbiFromPlainC) {
   char msg[512] = {};
-  int rc = wc_c_smoke_fallback(ref_.dir.c_str(), options_.runtime_dir.c_str(), msg, sizeof(msg));
+  int rc = wc_c_smoke_fallback(ref_.dir.c_str(), options_.identity.runtime_dir.c_str(), msg,
+                               sizeof(msg));
   EXPECT_EQ(rc, 0) << msg;
   EXPECT_NE(std::string(msg).find("12 tensors"), std::string::npos) << msg;
 
-  rc = wc_c_on_missing_error(ref_.dir.c_str(), options_.runtime_dir.c_str(), msg, sizeof(msg));
+  rc = wc_c_on_missing_error(ref_.dir.c_str(), options_.identity.runtime_dir.c_str(), msg,
+                             sizeof(msg));
   EXPECT_EQ(rc, WC_NO_DAEMON) << msg;
   EXPECT_NE(std::string(msg).find("no daemon at"), std::string::npos) << msg;
   EXPECT_STREQ(wc_status_code_name(WC_MISMATCH), "mismatch");

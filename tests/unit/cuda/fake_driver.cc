@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -71,6 +72,13 @@ CUcontext FakeDriver::ContextOf(CUdevice device) {
   return reinterpret_cast<CUcontext>(static_cast<uintptr_t>(0xc0de0000 + device));
 }
 
+CUuuid FakeDriver::UuidOf(CUdevice device) {
+  CUuuid uuid{};
+  for (size_t i = 0; i < sizeof(uuid.bytes); ++i) uuid.bytes[i] = static_cast<char>(0x10 + i);
+  uuid.bytes[15] = static_cast<char>(device);
+  return uuid;
+}
+
 FakeDriver::FakeDriver(uint64_t granularity, int device_count)
     : granularity_(granularity), device_count_(device_count) {
   assert(g_fake == nullptr && "one FakeDriver at a time");
@@ -100,6 +108,45 @@ FakeDriver::FakeDriver(uint64_t granularity, int device_count)
   api_.cuCtxGetCurrent = [](CUcontext* ctx) -> CUresult {
     WC_HOOK("cuCtxGetCurrent");
     return g_fake->CtxGetCurrent(ctx);
+  };
+  api_.cuCtxGetDevice = [](CUdevice* dev) -> CUresult {
+    WC_HOOK("cuCtxGetDevice");
+    return g_fake->CtxGetDevice(dev);
+  };
+  api_.cuDeviceGetCount = [](int* count) -> CUresult {
+    WC_HOOK("cuDeviceGetCount");
+    *count = g_fake->device_count_;
+    return CUDA_SUCCESS;
+  };
+  api_.cuDeviceGet = [](CUdevice* dev, int ordinal) -> CUresult {
+    WC_HOOK("cuDeviceGet");
+    if (ordinal < 0 || ordinal >= g_fake->device_count_) return CUDA_ERROR_INVALID_DEVICE;
+    *dev = ordinal;
+    return CUDA_SUCCESS;
+  };
+  api_.cuDeviceGetUuid = [](CUuuid* uuid, CUdevice dev) -> CUresult {
+    WC_HOOK("cuDeviceGetUuid");
+    if (dev < 0 || dev >= g_fake->device_count_) return CUDA_ERROR_INVALID_DEVICE;
+    *uuid = UuidOf(dev);
+    return CUDA_SUCCESS;
+  };
+  api_.cuDeviceGetName = [](char* name, int length, CUdevice dev) -> CUresult {
+    WC_HOOK("cuDeviceGetName");
+    if (dev < 0 || dev >= g_fake->device_count_) return CUDA_ERROR_INVALID_DEVICE;
+    std::snprintf(name, static_cast<size_t>(length), "Fake GPU %d", dev);
+    return CUDA_SUCCESS;
+  };
+  api_.cuDeviceTotalMem = [](size_t* bytes, CUdevice dev) -> CUresult {
+    WC_HOOK("cuDeviceTotalMem");
+    if (dev < 0 || dev >= g_fake->device_count_) return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = size_t{80} << 30;
+    return CUDA_SUCCESS;
+  };
+  api_.cuDeviceGetPCIBusId = [](char* bus, int length, CUdevice dev) -> CUresult {
+    WC_HOOK("cuDeviceGetPCIBusId");
+    if (dev < 0 || dev >= g_fake->device_count_) return CUDA_ERROR_INVALID_DEVICE;
+    std::snprintf(bus, static_cast<size_t>(length), "0000:%02x:00.0", 0x10 + dev);
+    return CUDA_SUCCESS;
   };
   api_.cuDeviceGetAttribute = [](int* value, CUdevice_attribute attribute,
                                  CUdevice dev) -> CUresult {
@@ -252,6 +299,17 @@ void FakeDriver::FailCall(const std::string& function, int nth, CUresult rc) {
   failures_.push_back(Failure{function, nth, rc});
 }
 
+void FakeDriver::FailStep(int step, CUresult rc) {
+  std::lock_guard<std::mutex> lock(mu_);
+  fail_step_ = step;
+  fail_step_rc_ = rc;
+}
+
+int FakeDriver::steps() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return steps_;
+}
+
 void FakeDriver::SetAttribute(CUdevice_attribute attribute, int value) {
   std::lock_guard<std::mutex> lock(mu_);
   attributes_[attribute] = value;
@@ -265,6 +323,7 @@ void FakeDriver::SetMaxQueued(size_t n) {
 CUresult FakeDriver::Hook(const char* function) {
   std::lock_guard<std::mutex> lock(mu_);
   calls_.emplace_back(function);
+  if (++steps_ == fail_step_) return fail_step_rc_;
   const int n = ++call_counts_[function];
   for (const Failure& f : failures_) {
     if (f.function == function && f.nth == n) return f.rc;
@@ -401,6 +460,13 @@ CUresult FakeDriver::CtxSetCurrent(CUcontext ctx) {
 CUresult FakeDriver::CtxGetCurrent(CUcontext* ctx) {
   std::lock_guard<std::mutex> lock(mu_);
   *ctx = current_context_;
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::CtxGetDevice(CUdevice* dev) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (current_context_ == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
+  *dev = static_cast<CUdevice>(reinterpret_cast<uintptr_t>(current_context_) - 0xc0de0000);
   return CUDA_SUCCESS;
 }
 
@@ -699,6 +765,31 @@ CUresult FakeDriver::MemcpyAsync(void* dst, const void* src, size_t bytes, CUstr
   auto st = streams_.find(s);
   if (st == streams_.end()) return CUDA_ERROR_INVALID_HANDLE;
   Stream& stream = st->second;
+  // VMM addresses are not backed: a copy into a reservation must land in mapped memory, and is
+  // then checked and dropped (a copy out of one reads zeros).
+  const auto in_reservation = [&](const void* p) {
+    const auto ptr = reinterpret_cast<CUdeviceptr>(p);
+    auto r = reservations_.upper_bound(ptr);
+    if (r == reservations_.begin()) return false;
+    --r;
+    return ptr < r->first + r->second;
+  };
+  const auto mapped = [&](const void* p) {
+    const auto ptr = reinterpret_cast<CUdeviceptr>(p);
+    auto m = mappings_.upper_bound(ptr);
+    if (m == mappings_.begin()) return false;
+    --m;
+    return ptr + bytes <= m->first + m->second.size;
+  };
+  if (in_reservation(dst)) {
+    if (!mapped(dst)) return Violation("copy into unmapped VMM memory");
+    return CUDA_SUCCESS;
+  }
+  if (in_reservation(src)) {
+    if (!mapped(src)) return Violation("copy from unmapped VMM memory");
+    std::memset(dst, 0, bytes);
+    return CUDA_SUCCESS;
+  }
   stream.queue.push_back({dst, src, bytes, stream.next_seq++});
   if (stream.queue.size() > max_queued_) RunUntil(stream, stream.queue.front().seq);
   return CUDA_SUCCESS;

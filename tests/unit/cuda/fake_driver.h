@@ -25,6 +25,13 @@
 //  * Kernels: cuLaunchKernel runs the checksum kernel's algorithm (the same xxh64_core.h) on
 //    the host for the function cuModuleGetFunction handed out.
 //
+//  * Devices: `device_count` devices, ordinals 0..n-1, each with a fixed UUID (UuidOf), a
+//    name, 80 GiB and a PCI bus id, so the identity layer enumerates them as it does the real
+//    driver's; cuCtxGetDevice names the device of the current (primary) context.
+//
+// Failure injection: FailCall fails the nth call of one function; FailStep fails the nth call
+// of any function (the "fail at step N" sweep: run once to count the steps, then fail each).
+//
 // Driver entry points are plain C function pointers, so the fake installs itself as the
 // process-wide "current fake" for its lifetime: one FakeDriver at a time. Its entry points and
 // counters are thread-safe (the upload pipeline calls them from its threads); the accessors
@@ -58,10 +65,16 @@ class FakeDriver {
 
   // The primary context the fake hands out for `device`.
   static CUcontext ContextOf(CUdevice device);
+  // The UUID cuDeviceGetUuid reports for `device` (bytes 10 11 … 1e, then the ordinal).
+  static CUuuid UuidOf(CUdevice device);
 
   // Make the `nth` (1-based) call of `function` (e.g. "cuMemMap") return `rc` without
   // changing any state. Several failures may be armed at once.
   void FailCall(const std::string& function, int nth, CUresult rc);
+  // Make the `step`-th (1-based) driver call, whatever its function, return `rc` without
+  // changing any state (0: none). Calls are counted from construction (steps()).
+  void FailStep(int step, CUresult rc);
+  int steps() const;  // driver calls so far, cuGetErrorName/String excluded
   // Report `value` for a device attribute (default 1 for every attribute).
   void SetAttribute(CUdevice_attribute attribute, int value);
   // Queued copies per stream beyond which the oldest one runs (models a bounded queue).
@@ -107,6 +120,7 @@ class FakeDriver {
   CUresult PrimaryCtxRelease(CUdevice dev);
   CUresult CtxSetCurrent(CUcontext ctx);
   CUresult CtxGetCurrent(CUcontext* ctx);
+  CUresult CtxGetDevice(CUdevice* dev);
   CUresult DeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice dev);
   CUresult GetGranularity(size_t* granularity, const CUmemAllocationProp* prop);
   CUresult Create(CUmemGenericAllocationHandle* handle, size_t size,
@@ -181,6 +195,9 @@ class FakeDriver {
   int device_count_;
   mutable std::mutex mu_;
   std::vector<Failure> failures_;
+  int steps_ = 0;
+  int fail_step_ = 0;
+  CUresult fail_step_rc_ = CUDA_SUCCESS;
   std::map<std::string, int> call_counts_;
   std::vector<std::string> calls_;
   std::map<CUdevice_attribute, int> attributes_;

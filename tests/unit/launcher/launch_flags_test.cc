@@ -34,7 +34,7 @@ void Parse(CLI::App& app, const std::vector<std::string>& args) {
 }
 
 // The identity options of a subcommand (all but --help).
-std::vector<CLI::Option*> IdentityOptions(CLI::App* sub) {
+std::vector<CLI::Option*> RegisteredIdentityFlags(CLI::App* sub) {
   std::vector<CLI::Option*> out;
   for (CLI::Option* opt : sub->get_options()) {
     if (opt->get_name() != "--help") out.push_back(opt);
@@ -90,11 +90,11 @@ const std::vector<std::string> kJobArgs = {"launch",
 
 TEST(LaunchFlagsTest, EveryJobFlagReachesEveryDaemonAsServeParsesIt) {
   CLI::App launch_app;
-  AttachOptions job;
+  IdentityOptions job;
   CLI::App* launch = launch_app.add_subcommand("launch");
   AddIdentityFlags(launch, &job, IdentityScope::kJob);
   Parse(launch_app, kJobArgs);
-  for (CLI::Option* opt : IdentityOptions(launch)) {
+  for (CLI::Option* opt : RegisteredIdentityFlags(launch)) {
     EXPECT_EQ(opt->count(), 1u) << opt->get_name() << " is registered for launch but not set "
                                 << "by this test's command line: add it to kJobArgs";
   }
@@ -116,14 +116,14 @@ TEST(LaunchFlagsTest, EveryJobFlagReachesEveryDaemonAsServeParsesIt) {
     ASSERT_GE(argv.size(), 2u);
     EXPECT_EQ(argv[0], "/bin/wc");
     CLI::App serve_app;
-    AttachOptions got;
+    IdentityOptions got;
     CLI::App* serve = serve_app.add_subcommand("serve");
     AddIdentityFlags(serve, &got, IdentityScope::kOneCache);
     serve->allow_extras();  // the load flags are serve's own, registered by cmd_serve.cc
     Parse(serve_app, std::vector<std::string>(argv.begin() + 1, argv.end()));
     EXPECT_THAT(serve->remaining(), ElementsAre("--memory-budget", "20G", "--threads", "4"));
 
-    for (CLI::Option* opt : IdentityOptions(launch)) {
+    for (CLI::Option* opt : RegisteredIdentityFlags(launch)) {
       CLI::Option* served = Counterpart(serve, opt);
       ASSERT_NE(served, nullptr) << opt->get_name() << " has no serve counterpart";
       EXPECT_EQ(served->results(), opt->results())
@@ -161,31 +161,31 @@ TEST(LaunchFlagsTest, ServeArgsForRoundTripsEveryOneCacheFlag) {
   args.insert(args.end(), {"--tp-rank", "1", "--pp-rank", "2", "--ep-rank", "3", "--device",
                            "GPU-5e6f", "--socket", "/s/{device_uuid}.sock"});
   CLI::App first_app;
-  AttachOptions first;
+  IdentityOptions first;
   CLI::App* first_sub = first_app.add_subcommand("serve");
   AddIdentityFlags(first_sub, &first, IdentityScope::kOneCache);
   Parse(first_app, args);
-  for (CLI::Option* opt : IdentityOptions(first_sub)) {
+  for (CLI::Option* opt : RegisteredIdentityFlags(first_sub)) {
     EXPECT_EQ(opt->count(), 1u) << opt->get_name() << " is not set by this test's command line";
   }
 
   std::vector<std::string> again = {"serve"};
   for (const std::string& a : ServeArgsFor(first)) again.push_back(a);
   CLI::App second_app;
-  AttachOptions second;
+  IdentityOptions second;
   CLI::App* second_sub = second_app.add_subcommand("serve");
   AddIdentityFlags(second_sub, &second, IdentityScope::kOneCache);
   Parse(second_app, again);
-  for (CLI::Option* opt : IdentityOptions(first_sub)) {
+  for (CLI::Option* opt : RegisteredIdentityFlags(first_sub)) {
     CLI::Option* other = second_sub->get_option(opt->get_name());
     EXPECT_EQ(other->results(), opt->results()) << opt->get_name() << " was not written back";
   }
 }
 
-// Defaults stay defaults: a string flag left at AttachOptions' default is not written, so the
+// Defaults stay defaults: a string flag left at IdentityOptions' default is not written, so the
 // daemon's value is serve's own default; numbers and the tier are always written.
 TEST(LaunchFlagsTest, DefaultStringsAreLeftToServe) {
-  AttachOptions o;
+  IdentityOptions o;
   o.model_dir = "/m";
   EXPECT_THAT(ServeArgsFor(o), ElementsAre("--model", "/m", "--tp-size", "1", "--pp-size", "1",
                                            "--ep-size", "1", "--dp-size", "1", "--tp-rank", "0",

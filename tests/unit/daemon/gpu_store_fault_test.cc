@@ -1,0 +1,179 @@
+// The gpu store load (LoadGpuStore) over the one fake CUDA driver, failing at every step: each
+// driver call of a successful load, in turn, fails (FakeDriver::FailStep). Every failure is a
+// CUDA error naming the injected result, and releases everything the load took: VMM handles,
+// reservations, mappings, context references, pinned buffers, streams, events, fds. The device
+// comes resolved (identity::ResolveIdentity over the fake driver), as `serve` hands it over.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "checkpoint/checkpoint.h"
+#include "daemon/weight_store.h"
+#include "identity/resolve.h"
+#include "support/test_env.h"
+#include "unit/client/client_fixtures.h"
+#include "unit/cuda/fake_driver.h"
+
+namespace weightcache::testing {
+namespace {
+
+using cuda::testing::CountOpenFds;
+using cuda::testing::FakeDriver;
+
+// What a load may leave behind in the fake driver and in the process.
+struct Live {
+  int handles, reservations, mappings, context_refs, host_buffers, host_registrations, streams,
+      events, device_allocs, modules, violations, fds;
+  bool operator==(const Live&) const = default;
+};
+
+Live LiveOf(const FakeDriver& fake) {
+  return Live{fake.live_handles(),       fake.live_reservations(), fake.live_mappings(),
+              fake.total_context_refs(), fake.live_host_buffers(), fake.live_host_registrations(),
+              fake.live_streams(),       fake.live_events(),       fake.live_device_allocs(),
+              fake.loaded_modules(),     fake.violations(),        CountOpenFds()};
+}
+
+std::string Describe(const Live& l) {
+  return "handles=" + std::to_string(l.handles) +
+         " reservations=" + std::to_string(l.reservations) +
+         " mappings=" + std::to_string(l.mappings) +
+         " context_refs=" + std::to_string(l.context_refs) +
+         " host_buffers=" + std::to_string(l.host_buffers) +
+         " host_registrations=" + std::to_string(l.host_registrations) +
+         " streams=" + std::to_string(l.streams) + " events=" + std::to_string(l.events) +
+         " device_allocs=" + std::to_string(l.device_allocs) +
+         " modules=" + std::to_string(l.modules) + " violations=" + std::to_string(l.violations) +
+         " fds=" + std::to_string(l.fds);
+}
+
+// A release call that fails leaves its resource in the fake's books by design (the driver
+// refused to release it); such steps are checked for a clean status, not for the books.
+bool IsRelease(const std::string& function) {
+  for (const char* word : {"Release", "Free", "Unmap", "Destroy", "Unload", "Unregister"}) {
+    if (function.find(word) != std::string::npos) return true;
+  }
+  return false;
+}
+
+class GpuStoreFaultTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!MakeReferenceCheckpoint(dir_.Join("model"), 5, 2, 7, "f32,bf16", 4096, &ref_, &why)) {
+      GTEST_SKIP() << why;
+    }
+    auto opened = checkpoint::Checkpoint::Open(ref_.dir);
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    checkpoint_.emplace(std::move(opened).value());
+  }
+
+  // One load over a fresh fake whose `fail_step`-th call (0: none) fails; the store is
+  // destroyed before the books are read. *failed gets the function that failed.
+  Status Load(int fail_step, int* steps, Live* live, std::string* failed) {
+    FakeDriver fake;
+    identity::Env env = identity::Env::Default();
+    env.load_driver = [&fake]() -> Result<const cuda::DriverApi*> { return fake.api(); };
+    env.lookup = identity::MapEnv({});
+    IdentityOptions identity;
+    identity.model_dir = ref_.dir;
+    identity.tier = Tier::kGpu;
+    identity.device = "1";
+    identity.runtime_dir = dir_.Join("run");
+    auto id = identity::ResolveIdentity(identity, env);
+    if (!id.ok()) return id.status().Context("resolving (no failure armed yet)");
+    const int before = fake.steps();
+    if (fail_step > 0) fake.FailStep(before + fail_step, CUDA_ERROR_UNKNOWN);
+    daemon::LoadOptions options;
+    options.threads = 2;
+    options.device = *id->device;
+    options.driver = fake.api();
+    options.cache_name = "weightcache:test";
+    daemon::LoadControl control;
+    control.progress = [](uint64_t, uint64_t) {};
+    std::string memory;
+    Status status;
+    {
+      auto store = daemon::LoadGpuStore(*checkpoint_, options, control, &memory);
+      status = store.ok() ? Status::Ok() : store.status();
+    }
+    *steps = fake.steps() - before;
+    if (fail_step > 0 && static_cast<size_t>(before + fail_step) <= fake.calls().size()) {
+      *failed = fake.calls()[static_cast<size_t>(before + fail_step - 1)];
+    }
+    *live = LiveOf(fake);
+    return status;
+  }
+
+  TempDir dir_;
+  ReferenceCheckpoint ref_;
+  std::optional<checkpoint::Checkpoint> checkpoint_;
+};
+
+TEST_F(GpuStoreFaultTest, LoadsOntoTheResolvedOrdinalAndReleasesEverythingWithTheStore) {
+  const int fds_before = CountOpenFds();
+  int steps = 0;
+  Live live{};
+  std::string failed;
+  Status status = Load(0, &steps, &live, &failed);
+  ASSERT_TRUE(status.ok()) << status.ToString();
+  EXPECT_GT(steps, 10);
+  EXPECT_EQ(Describe(live), Describe(Live{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, fds_before}));
+}
+
+TEST_F(GpuStoreFaultTest, EveryStepThatFailsGivesItsCudaErrorAndReleasesEverything) {
+  const int fds_before = CountOpenFds();
+  int total = 0;
+  Live live{};
+  std::string failed;
+  ASSERT_TRUE(Load(0, &total, &live, &failed).ok());
+  const Live clean{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, fds_before};
+  int failures = 0;
+  std::set<std::string> failed_calls;  // the calls whose failure failed the load
+  for (int step = 1; step <= total; ++step) {
+    SCOPED_TRACE("failing step " + std::to_string(step) + " of " + std::to_string(total));
+    int steps = 0;
+    failed.clear();
+    Status status = Load(step, &steps, &live, &failed);
+    SCOPED_TRACE("the failed call: " + failed);
+    if (IsRelease(failed)) continue;  // a refused release: nothing else to check here
+    if (!status.ok()) {
+      ++failures;
+      failed_calls.insert(failed);
+      EXPECT_EQ(status.code(), StatusCode::kCuda) << status.ToString();
+      EXPECT_NE(status.message().find("CUDA_ERROR_UNKNOWN"), std::string::npos)
+          << status.ToString();
+    }
+    EXPECT_EQ(Describe(live), Describe(clean));
+  }
+  EXPECT_GT(failures, 0);
+  // The sweep went through the device, the arena and the pipeline.
+  for (const char* call : {"cuDeviceGet", "cuDeviceGetUuid", "cuMemCreate",
+                           "cuMemExportToShareableHandle", "cuMemHostAlloc", "cuStreamCreate"}) {
+    EXPECT_EQ(failed_calls.count(call), 1u) << call;
+  }
+}
+
+TEST_F(GpuStoreFaultTest, ADeviceTheDriverDoesNotShowIsNotFoundNamingIt) {
+  FakeDriver fake;
+  daemon::LoadOptions options;
+  options.device.uuid = "GPU-00000000-0000-0000-0000-000000000000";
+  options.device.cuda_ordinal = 0;  // the ordinal now names another device
+  options.driver = fake.api();
+  daemon::LoadControl control;
+  control.progress = [](uint64_t, uint64_t) {};
+  std::string memory;
+  auto store = daemon::LoadGpuStore(*checkpoint_, options, control, &memory);
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(store.status().message().find("gpu tier: device " + options.device.uuid),
+            std::string::npos)
+      << store.status().ToString();
+  EXPECT_EQ(fake.total_context_refs(), 0);
+}
+
+}  // namespace
+}  // namespace weightcache::testing
