@@ -21,7 +21,7 @@ namespace weightcache::cli {
 namespace {
 
 namespace sh = weightcache::sharding;
-using ojson = nlohmann::ordered_json;
+using OrderedJson = nlohmann::ordered_json;
 
 struct ShardPlanArgs {
   std::string model;
@@ -42,9 +42,9 @@ std::string_view SourceName(sh::RuleSource source) {
   return source == sh::RuleSource::kBuiltin ? "builtin" : "file";
 }
 
-ojson ToJson(const sh::ShardPlan& plan, const sh::RuleSet& rules, const sh::ModelConfig& config,
-             const sh::Ranks& r) {
-  ojson out;
+OrderedJson ToJson(const sh::ShardPlan& plan, const sh::RuleSet& rules,
+                   const sh::ModelConfig& config, const sh::Ranks& r) {
+  OrderedJson out;
   out["model_type"] = config.model_type;
   out["rules"] = {{"name", rules.name},
                   {"source", std::string(SourceName(rules.source))},
@@ -55,9 +55,9 @@ ojson ToJson(const sh::ShardPlan& plan, const sh::RuleSet& rules, const sh::Mode
   out["pp_rank"] = r.pp_rank;
   out["ep_size"] = r.ep_size;
   out["ep_rank"] = r.ep_rank;
-  ojson tensors = ojson::array();
+  OrderedJson tensors = OrderedJson::array();
   for (const sh::PlannedTensor& p : plan.tensors) {
-    ojson t;
+    OrderedJson t;
     t["name"] = p.tensor->name;
     t["dtype"] = std::string(checkpoint::DTypeName(p.tensor->dtype));
     t["full_shape"] = p.tensor->shape;

@@ -105,8 +105,8 @@ std::vector<BuiltinRuleSetEntry> Build() {
 }  // namespace
 
 std::span<const BuiltinRuleSetEntry> BuiltinRuleSets() {
-  static const std::vector<BuiltinRuleSetEntry> sets = Build();
-  return sets;
+  static const std::vector<BuiltinRuleSetEntry> kSets = Build();
+  return kSets;
 }
 
 }  // namespace weightcache::sharding
