@@ -60,6 +60,10 @@ class Planner {
 
   Result<Matched> Match(const TensorInfo& t) {
     for (const Rule& rule : rules_.rules) {
+      if (rule.mode == Mode::kSkip && rule.stage == Stage::kLayer && num_layers_ &&
+          rule.group1_follows_prefix && !SkipCanApply(rule, t.name)) {
+        continue;
+      }
       if (!rule.Matches(t.name, groups_)) continue;
       Matched m;
       m.rule = &rule;
@@ -93,6 +97,35 @@ class Planner {
     }
     return InvalidCheckpoint("tensor " + t.name + " matches no rule of shard rule set \"" +
                              rules_.name + "\"");
+  }
+
+  // Matches every tensor first, so that a block scale finds its weight's match.
+  Status MatchAll(const std::vector<const TensorInfo*>& order) {
+    matches_.resize(checkpoint_.tensors().size());
+    for (const TensorInfo* t : order) {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(matches_[IndexOf(*t)], Match(*t));
+    }
+    return Status::Ok();
+  }
+  const Matched& MatchOf(const TensorInfo& t) const { return matches_[IndexOf(t)]; }
+
+  // Two tensors may not claim one expert slot: the same name but for how the expert index is
+  // written ("01" and "1"). Names are unique, so a clash needs an index with a leading zero:
+  // only those are looked at (the canonical spelling is found with Find, other zero-led
+  // spellings in `seen`).
+  Status CheckExpertSlot(const TensorInfo& t, const Matched& m,
+                         std::unordered_set<std::string>& seen) const {
+    if (m.expert_len < 2 || t.name[m.expert_pos] != '0') return Status::Ok();
+    std::string canonical = t.name.substr(0, m.expert_pos) + std::to_string(*m.expert) +
+                            t.name.substr(m.expert_pos + m.expert_len);
+    const TensorInfo* other = checkpoint_.Find(canonical);
+    if ((other != nullptr && MatchOf(*other).rule == m.rule) ||
+        !seen.insert(std::to_string(m.rule->index) + ":" + canonical).second) {
+      return Error(t, *m.rule,
+                   "another tensor already claims expert " + std::to_string(*m.expert) +
+                       " at this position (" + canonical + ")");
+    }
+    return Status::Ok();
   }
 
   // The part of `t` this rank's tp (and, for experts, ep) position selects, whether or not
@@ -240,6 +273,36 @@ class Planner {
   }
 
  private:
+  size_t IndexOf(const TensorInfo& t) const {
+    return static_cast<size_t>(&t - checkpoint_.tensors().data());
+  }
+
+  // A skip-by-layer rule applies past num_hidden_layers only; when its group 1 is the digit
+  // run after a literal prefix, that is decided here without the regex.
+  bool SkipCanApply(const Rule& rule, const std::string& name) const {
+    if (!name.starts_with(rule.literal_prefix)) return false;
+    uint64_t layer = 0;
+    size_t i = rule.literal_prefix.size();
+    const size_t start = i;
+    for (; i < name.size() && name[i] >= '0' && name[i] <= '9' && i - start < 18; ++i) {
+      layer = layer * 10 + static_cast<uint64_t>(name[i] - '0');
+    }
+    if (i == start) return false;      // no digits: the regex cannot match
+    if (i - start >= 18) return true;  // let the regex and ParseIndex decide
+    return layer >= *num_layers_;
+  }
+
+  // `name`, a prefix of t's name: tensors() is sorted by name, so it is usually just before
+  // t; a few steps back are tried before a search.
+  const TensorInfo* FindNear(const TensorInfo& t, std::string_view name) const {
+    const size_t i = IndexOf(t);
+    for (size_t back = 1; back <= 4 && back <= i; ++back) {
+      const TensorInfo& candidate = checkpoint_.tensors()[i - back];
+      if (candidate.name == name) return &candidate;
+    }
+    return checkpoint_.Find(name);
+  }
+
   uint64_t MoeTp() const {
     return ranks_.ep_size <= ranks_.tp_size ? ranks_.tp_size / ranks_.ep_size : 1;
   }
@@ -277,15 +340,16 @@ class Planner {
     if (!t.name.ends_with(kScaleSuffix)) {
       return Error(t, r, "a rule with \"block\" matched a name without the _scale_inv suffix");
     }
-    const std::string weight_name = t.name.substr(0, t.name.size() - kScaleSuffix.size());
-    const TensorInfo* weight = checkpoint_.Find(weight_name);
+    const std::string_view weight_name =
+        std::string_view(t.name).substr(0, t.name.size() - kScaleSuffix.size());
+    const TensorInfo* weight = FindNear(t, weight_name);
     if (weight == nullptr) {
-      return Error(t, r, "its weight " + weight_name + " is not in the checkpoint");
+      return Error(t, r, "its weight " + std::string(weight_name) + " is not in the checkpoint");
     }
-    WEIGHTCACHE_ASSIGN_OR_RETURN(const Matched wm, Match(*weight));
+    const Matched& wm = MatchOf(*weight);
     if (wm.rule->block != 0) {
       return Error(t, r,
-                   "its weight " + weight_name + " matches " + wm.rule->Describe() +
+                   "its weight " + std::string(weight_name) + " matches " + wm.rule->Describe() +
                        ", another block-scale rule");
     }
     WEIGHTCACHE_ASSIGN_OR_RETURN(const std::optional<Slice> ws, SliceOf(*weight, wm));
@@ -319,7 +383,8 @@ class Planner {
   std::optional<uint64_t> num_layers_;
   LayerRange layers_;
   bool last_stage_holds_embedding_ = false;
-  std::smatch groups_;  // reused: no allocation per tensor once grown
+  std::smatch groups_;            // reused: no allocation per tensor once grown
+  std::vector<Matched> matches_;  // by index in checkpoint_.tensors()
 };
 
 Result<CopyGeometry> Geometry(const TensorInfo& t, const std::optional<Slice>& slice,
@@ -441,22 +506,16 @@ Result<ShardPlan> PlanShard(const checkpoint::Checkpoint& checkpoint, const Rule
 
   Planner planner(checkpoint, rules, config, ranks);
   std::vector<bool> used(rules.rules.size(), false);
-  std::unordered_set<std::string> expert_slots;
+  std::unordered_set<std::string> expert_slots;  // only names with a zero-led expert index
   ShardPlan plan;
   plan.full_bytes = checkpoint.total_bytes();
+  WEIGHTCACHE_RETURN_IF_ERROR(planner.MatchAll(order));
   for (const TensorInfo* t : order) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(const Matched m, planner.Match(*t));
+    const Matched& m = planner.MatchOf(*t);
     const Rule& rule = *m.rule;
     used[rule.index] = true;
     if (rule.mode == Mode::kExpert) {
-      // The slot: the name with the expert index in canonical decimal ("07" and "7" collide).
-      std::string slot = std::to_string(rule.index) + ":" + t->name.substr(0, m.expert_pos) +
-                         std::to_string(*m.expert) + t->name.substr(m.expert_pos + m.expert_len);
-      if (!expert_slots.insert(std::move(slot)).second) {
-        return Planner::Error(*t, rule,
-                              "another tensor already claims expert " + std::to_string(*m.expert) +
-                                  " at this position");
-      }
+      WEIGHTCACHE_RETURN_IF_ERROR(planner.CheckExpertSlot(*t, m, expert_slots));
     }
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<Slice> slice, planner.SliceOf(*t, m));
     WEIGHTCACHE_ASSIGN_OR_RETURN(const bool held, planner.Holds(*t, m));

@@ -39,15 +39,21 @@ Result<Stage> ParseStage(std::string_view s) {
                          "\" (layer, first, last, embed, all)");
 }
 
-// The literal runs of `pattern` that every full match must contain: characters outside any
-// group, class or quantifier, split where anything else appears. None when the pattern has
-// an alternation at the top level (then no piece is required). A conservative subset is
-// fine: this only decides whether the regex is worth running.
-std::vector<std::string> RequiredLiterals(std::string_view p) {
+// What every full match of `p` must hold (Rule::required_literals and the fields after it):
+// the literal runs outside any group, class or quantifier, split where anything else
+// appears; the run the pattern starts with and the one it ends with. Nothing when the
+// pattern has an alternation at the top level. A conservative subset is fine: this only
+// decides whether the regex is worth running.
+void FindLiterals(std::string_view p, Rule& rule) {
   std::vector<std::string> out;
+  std::string prefix;
   std::string run;
   int depth = 0;
+  bool at_start = true;  // nothing but literal characters so far
+  bool group1 = false;
   auto flush = [&] {
+    if (at_start) prefix = run;
+    at_start = false;
     if (run.size() >= 2) out.push_back(run);
     run.clear();
   };
@@ -55,10 +61,13 @@ std::vector<std::string> RequiredLiterals(std::string_view p) {
     return next < p.size() &&
            (p[next] == '?' || p[next] == '*' || p[next] == '+' || p[next] == '{');
   };
+  auto plain = [](char c) {
+    return std::string_view("\\^$.|?*+()[]{}").find(c) == std::string_view::npos;
+  };
   for (size_t i = 0; i < p.size(); ++i) {
     const char c = p[i];
     if (c == '\\') {
-      if (i + 1 >= p.size()) return {};
+      if (i + 1 >= p.size()) return;
       const char n = p[++i];
       const bool literal = std::isalnum(static_cast<unsigned char>(n)) == 0;
       if (depth == 0 && literal && !quantified(i + 1)) {
@@ -80,16 +89,26 @@ std::vector<std::string> RequiredLiterals(std::string_view p) {
       continue;
     }
     if (c == '(') {
+      if (depth == 0 && at_start && p.substr(i, 5) == "(\\d+)") {
+        // The digit run is all of group 1 when a literal non-digit follows it.
+        const size_t j = i + 5;
+        if (j + 1 < p.size() && p[j] == '\\') {
+          group1 = std::isalnum(static_cast<unsigned char>(p[j + 1])) == 0 && !quantified(j + 2);
+        } else if (j < p.size()) {
+          group1 = plain(p[j]) && std::isdigit(static_cast<unsigned char>(p[j])) == 0 &&
+                   !quantified(j + 1);
+        }
+      }
       if (depth == 0) flush();
       ++depth;
       continue;
     }
     if (c == ')') {
-      if (--depth < 0) return {};
+      if (--depth < 0) return;
       continue;
     }
     if (c == '|') {
-      if (depth == 0) return {};
+      if (depth == 0) return;
       continue;
     }
     if (depth > 0) continue;
@@ -98,7 +117,7 @@ std::vector<std::string> RequiredLiterals(std::string_view p) {
       while (i < p.size() && p[i] != '}') ++i;
       continue;
     }
-    if (c == '.' || c == '^' || c == '$' || c == '?' || c == '*' || c == '+') {
+    if (!plain(c)) {  // . ^ $ ? * +
       flush();
       continue;
     }
@@ -108,8 +127,15 @@ std::vector<std::string> RequiredLiterals(std::string_view p) {
       run += c;
     }
   }
+  if (depth != 0) return;
+  // The run still open ends the pattern: every match ends with it.
+  std::string suffix = run;
+  const bool whole = at_start;  // the pattern is one literal
   flush();
-  return out;
+  rule.required_literals = std::move(out);
+  rule.literal_prefix = std::move(prefix);
+  rule.literal_suffix = whole ? std::string() : std::move(suffix);
+  rule.group1_follows_prefix = group1;
 }
 
 Status CheckKeys(const json& obj, std::initializer_list<std::string_view> known,
@@ -147,7 +173,7 @@ Result<Rule> ParseRule(const json& j, size_t index) {
   } catch (const std::regex_error& e) {
     return bad(std::string("\"match\" is not a valid regular expression: ") + e.what());
   }
-  rule.required_literals = RequiredLiterals(rule.match);
+  FindLiterals(rule.match, rule);
 
   const auto mode = j.find("mode");
   if (mode == j.end()) return bad("no \"mode\"");
@@ -264,6 +290,7 @@ std::string_view StageName(Stage stage) {
 std::string Rule::Describe() const { return "rule " + std::to_string(index) + " (" + match + ")"; }
 
 bool Rule::Matches(const std::string& name, std::smatch& groups) const {
+  if (!name.starts_with(literal_prefix) || !name.ends_with(literal_suffix)) return false;
   for (const std::string& literal : required_literals) {
     if (name.find(literal) == std::string::npos) return false;
   }

@@ -48,9 +48,15 @@ struct Rule {
   Stage stage = Stage::kAll;
   bool optional = false;
   std::regex regex;
-  // Literal pieces every matching name contains (found in `match` at parse): a cheap
-  // substring test before the regex. Empty when the pattern has a top-level alternation.
+  // What every matching name must hold, found in `match` at parse, so that most names are
+  // refused without running the regex: literal pieces it contains, the literal it starts
+  // with and the one it ends with. All empty when the pattern has a top-level alternation.
   std::vector<std::string> required_literals;
+  std::string literal_prefix;
+  std::string literal_suffix;
+  // The pattern is literal_prefix, then (\d+), then a literal non-digit: capture group 1 is
+  // the whole digit run after the prefix, readable without the regex.
+  bool group1_follows_prefix = false;
 
   // "rule 3 (model\.norm\.weight)": how errors name a rule.
   std::string Describe() const;

@@ -379,7 +379,7 @@ TEST_F(PlanTest, ExpertsUnderTpAndEp) {
   // Two tensors claiming one expert slot ("01" and "1").
   const std::string dup = Make("dup", Moe(4, {"01"}), MoeConfig(4));
   EXPECT_THAT(Plan(dup, Tp(1, 0)), StatusIs(StatusCode::kInvalidCheckpoint,
-                                            AllOf(HasSubstr("tensor " + w1 + "1.w1.weight"),
+                                            AllOf(HasSubstr("tensor " + w1 + "01.w1.weight"),
                                                   HasSubstr("already claims expert 1"))));
   // No expert count in config.json.
   nlohmann::json no_count = MoeConfig(4);
