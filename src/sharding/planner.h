@@ -9,7 +9,8 @@
 //    ep > tp: tp divides ep and ep_rank % tp == tp_rank). kInvalidArgument (exit 2).
 //  * PlanShard matches every tensor (first matching rule wins) and checks every rule of the
 //    contract whether or not this rank holds the tensor, so every rank of a job accepts or
-//    refuses the same checkpoint. A rules problem (a non-optional rule that matches nothing)
+//    refuses the same checkpoint (except a block scale's alignment, which the contract checks
+//    at this rank's own offset). A rules problem (a non-optional rule that matches nothing)
 //    is kInvalidArgument (exit 2); a checkpoint that the rules cannot shard (an unmatched
 //    tensor, a dim not divisible, heads not divisible...) is kInvalidCheckpoint (exit 5).
 //    Both name the tensor (when there is one) and the rule by index and pattern.

@@ -186,7 +186,12 @@ TEST(RulesTest, LiteralPrefilterAgreesWithTheRegex) {
       R"(a(bc)?de)",
       R"(a\d+bc)",
       R"(a\\b\.c)",
-      R"(a[]]bc)"};
+      R"(a[]]bc)",
+      R"(model\.layers\.(\d+)\..*)",
+      R"(ab(\d+)\d)",
+      R"(a(\d+)c)",
+      R"(ab+)",
+      R"((ab)*cd)"};
   const std::vector<std::string> names = {"model.layers.3.self_attn.q_proj.weight",
                                           "model.layers.x.self_attn.q_proj.bias",
                                           "ac.d",
@@ -204,7 +209,17 @@ TEST(RulesTest, LiteralPrefilterAgreesWithTheRegex) {
                                           "a12bc",
                                           "a\\b.c",
                                           "a]bc",
-                                          "abc"};
+                                          "abc",
+                                          "model.layers.12.x",
+                                          "model.layers..x",
+                                          "model.layers.7",
+                                          "ab12",
+                                          "ab1",
+                                          "a5c",
+                                          "ac",
+                                          "abbb",
+                                          "ababcd",
+                                          "cd"};
   for (size_t i = 0; i < patterns.size(); ++i) {
     nlohmann::json doc = {{"format", 1},
                           {"rules", {{{"match", patterns[i]}, {"mode", "replicate"}}}}};
@@ -217,6 +232,25 @@ TEST(RulesTest, LiteralPrefilterAgreesWithTheRegex) {
           << patterns[i] << " on " << name;
     }
   }
+}
+
+TEST(RulesTest, LiteralFactsOfAPattern) {
+  Result<RuleSet> set = Parse(Doc(
+      R"json({"match": "model\\.layers\\.(\\d+)\\.mlp\\.experts\\.(\\d+)\\.w[13]\\.weight", "mode": "expert"})json"));
+  ASSERT_TRUE(set.ok()) << set.status().ToString();
+  const Rule& r = set->rules[0];
+  EXPECT_EQ(r.literal_prefix, "model.layers.");
+  EXPECT_EQ(r.literal_suffix, ".weight");
+  EXPECT_TRUE(r.group1_follows_prefix);
+  EXPECT_THAT(r.required_literals, ElementsAre("model.layers.", ".mlp.experts.", ".w", ".weight"));
+  // (\d+) followed by a digit class: group 1 is not simply the digit run.
+  EXPECT_FALSE(Parse(Doc(R"json({"match": "a(\\d+)\\d", "mode": "skip"})json"))
+                   ->rules[0]
+                   .group1_follows_prefix);
+  // A top-level alternation: nothing is required.
+  const Rule& alt = Parse(Doc(R"({"match": "ab|cd", "mode": "skip"})"))->rules[0];
+  EXPECT_EQ(alt.literal_prefix, "");
+  EXPECT_TRUE(alt.required_literals.empty());
 }
 
 TEST(ModelConfigTest, ReadsTheFieldsAndRefusesBadTypes) {
