@@ -2,7 +2,8 @@
 # The include graph between modules (issue 11 §6): every `#include "<area>/..."` in src/,
 # tools/ and python/src must point down (or within its own area) in this order:
 #
-#   common → os → cuda → checkpoint → identity → protocol → daemon | client → launcher
+#   common → os → cuda → checkpoint → sharding → identity → protocol → daemon | client
+#          → launcher
 #          → tools | python
 #
 # daemon and client are siblings (neither includes the other), and so are tools and python.
@@ -14,8 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-declare -A rank=([common]=0 [os]=1 [cuda]=2 [checkpoint]=3 [identity]=4 [protocol]=5
-                 [daemon]=6 [client]=6 [launcher]=7 [tools]=8 [python]=8)
+declare -A rank=([common]=0 [os]=1 [cuda]=2 [checkpoint]=3 [sharding]=4 [identity]=5
+                 [protocol]=6 [daemon]=7 [client]=7 [launcher]=8 [tools]=9 [python]=9)
 
 area_of() {  # the module a source file belongs to
   case $1 in
@@ -53,7 +54,7 @@ done < <(grep -rnE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"[A-Za-z0-9_]+/
 
 if (( bad )); then
   echo "check-includes: the include graph has upward edges (order: common → os → cuda →" \
-       "checkpoint → identity → protocol → daemon|client → launcher → tools|python)" >&2
+       "checkpoint → sharding → identity → protocol → daemon|client → launcher → tools|python)" >&2
   exit 1
 fi
 echo "check-includes: ok"

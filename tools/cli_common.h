@@ -33,5 +33,6 @@ void RegisterLsCommand(CLI::App& root);
 void RegisterStopCommand(CLI::App& root);
 void RegisterPathsCommand(CLI::App& root);
 void RegisterDevicesCommand(CLI::App& root);
+void RegisterShardPlanCommand(CLI::App& root);
 
 }  // namespace weightcache::cli

@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   cli::RegisterAttachCommand(root);
   cli::RegisterVerifyCommand(root);
   cli::RegisterInspectCommand(root);
+  cli::RegisterShardPlanCommand(root);
   cli::RegisterLsCommand(root);
   cli::RegisterStopCommand(root);
   cli::RegisterPathsCommand(root);

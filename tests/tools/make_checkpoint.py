@@ -6,6 +6,10 @@ Used by every test tier (unit, integration, gpu, python). Content is determinist
 
   make_checkpoint.py --out DIR --tensors 8 --dtypes bf16,f32 --seed 1
   make_checkpoint.py --out DIR --tensors 40 --dtypes all --shards 3 --manifest m.json
+  make_checkpoint.py --out DIR --spec tensors.json --shards 2
+
+--spec FILE names the tensors instead: a JSON list of {"name", "shape", "dtype"} (dtype as
+for --dtypes, e.g. "bf16"), written in that order (split into --shards shards in order).
 
 One shard writes DIR/model.safetensors. K > 1 shards write model-0000i-of-0000K.safetensors
 plus model.safetensors.index.json, the layout transformers' save_pretrained produces.
@@ -160,12 +164,23 @@ def main():
     p.add_argument("--metadata", action="append", default=[], metavar="K=V",
                    help="__metadata__ entry (repeatable); default format=pt")
     p.add_argument("--manifest", help="write per-tensor sha256 JSON here")
+    p.add_argument("--spec", help="JSON file: a list of {name, shape, dtype} to write")
     a = p.parse_args()
 
     dtypes = list(DTYPES) if a.dtypes == "all" else [d.strip().lower() for d in a.dtypes.split(",")]
     for d in dtypes:
         if d not in DTYPES:
             p.error(f"unknown dtype {d!r}; known: {','.join(DTYPES)}")
+    spec = None
+    if a.spec:
+        with open(a.spec) as f:
+            spec = json.load(f)
+        if not isinstance(spec, list) or not spec:
+            p.error("--spec wants a non-empty JSON list of {name, shape, dtype}")
+        for t in spec:
+            if set(t) != {"name", "shape", "dtype"} or t["dtype"].lower() not in DTYPES:
+                p.error(f"--spec entry {t!r}: want exactly name, shape, dtype (one of {','.join(DTYPES)})")
+        a.tensors = len(spec)
     if a.tensors < 1 or a.shards < 1 or a.shards > a.tensors:
         p.error("need 1 <= --shards <= --tensors")
     if a.min_elems < 0 or a.max_elems < a.min_elems:
@@ -181,7 +196,16 @@ def main():
 
     rng = np.random.Generator(np.random.PCG64(a.seed))
     tensors = []
-    for i in range(a.tensors):
+    for t in spec or []:
+        cli = t["dtype"].lower()
+        header_dtype, bits, _ = DTYPES[cli]
+        n = int(np.prod(t["shape"], dtype=np.int64)) if t["shape"] else 1
+        if n * bits % 8:
+            p.error(f"--spec tensor {t['name']}: {n} elements of {cli} are not whole bytes")
+        tensors.append({"name": t["name"], "cli": cli, "dtype": header_dtype,
+                        "shape": [int(d) for d in t["shape"]],
+                        "data": tensor_bytes(rng, header_dtype, n)})
+    for i in range(0 if spec else a.tensors):
         cli = dtypes[i % len(dtypes)]
         header_dtype, bits, _ = DTYPES[cli]
         n = int(rng.integers(a.min_elems, a.max_elems + 1))
