@@ -77,14 +77,15 @@ CONFIGS = {
     # MLA (q_lora/kv_lora ranks, nope/rope/v head dims in DeepSeek-V3's 128/64/128 ratio),
     # fp8 weights with 128x128 float32 block scales, 1 dense layer then MoE layers with a
     # shared expert, 4 routed experts, and one MTP layer (index 3 = num_hidden_layers) that
-    # vLLM's main model does not load. q_b_proj rows per rank (8 heads * 192 / tp) are whole
-    # blocks up to tp 4; the routed experts' 256 rows up to moe_tp 2; the dense MLP's 512 up
-    # to tp 4: other TP sizes are refused on block alignment.
+    # vLLM's main model does not load. Per-rank parts are whole 128-blocks for q_b_proj
+    # (8 heads * 192 rows) up to tp 4, for the dense MLP and the shared experts (512 =
+    # 2 * 256) up to tp 4, for the routed experts (256) up to moe_tp 2: tp 8, and tp 4 with
+    # ep 1, are refused on block alignment.
     "deepseek_v3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
                         hidden_size=128, num_attention_heads=8, num_key_value_heads=8,
                         q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=128,
                         qk_rope_head_dim=64, v_head_dim=128, intermediate_size=512,
-                        moe_intermediate_size=256, n_routed_experts=4, n_shared_experts=1,
+                        moe_intermediate_size=256, n_routed_experts=4, n_shared_experts=2,
                         num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1,
                         num_hidden_layers=3, num_nextn_predict_layers=1, vocab_size=1000,
                         tie_word_embeddings=False, rms_norm_eps=1e-6,
