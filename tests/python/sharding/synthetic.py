@@ -152,9 +152,10 @@ def _with_fp8_scales(tensors: list) -> list:
     return out
 
 
-def tensor_specs(model_type: str) -> list:
-    """[(name, header dtype, shape)] of the synthetic checkpoint of `model_type`."""
-    c = CONFIGS[model_type]
+def tensor_specs(model_type: str, config: dict | None = None) -> list:
+    """[(name, header dtype, shape)] of the synthetic checkpoint of `model_type`, its shapes
+    from `config` (default: CONFIGS[model_type])."""
+    c = config or CONFIGS[model_type]
     L, h = c["num_hidden_layers"], c["hidden_size"]
     t: list = []
     if model_type in ("llama", "mistral", "qwen2", "qwen3"):
