@@ -475,6 +475,21 @@ class _Cutter:
         return Slice(dim, lo, hi - lo)
 
 
+@functools.lru_cache(maxsize=256)
+def _job_errors(ckpt: Checkpoint, tp: int, ep: int) -> list:
+    """Every tensor the job (tp, ep) cannot cut, checked by cutting for each of its TP/EP
+    ranks (PP stages do not change a cut), in checkpoint order."""
+    errors: dict = {}
+    for other in job_ranks(tp, 1, ep):
+        cutter = _Cutter(ckpt, other, "vllm")
+        for t in ckpt.tensors:
+            cutter.cut(t)
+        for name, why in cutter.errors:
+            errors.setdefault(name, why)
+    order = {t.name: i for i, t in enumerate(ckpt.tensors)}
+    return sorted(errors.items(), key=lambda kv: order[kv[0]])
+
+
 def plan_rank(model_dir, r: Ranks, partition: str = "vllm") -> list:
     """[(TensorInfo, Slice | None)] the rank holds, in checkpoint order (None: the whole
     tensor; a vocab rank past the vocabulary holds a 0-row Slice). Raises RankError or
@@ -484,19 +499,9 @@ def plan_rank(model_dir, r: Ranks, partition: str = "vllm") -> list:
     if any(placement(ckpt, t.name) is not None and placement(ckpt, t.name).mode == "expert"
            for t in ckpt.tensors):
         moe_layout(r)
-    # Job-wide checks: cut for every rank of the job, collect every error once.
-    errors: dict = {}
-    for other in job_ranks(r.tp_size, r.pp_size, r.ep_size):
-        if other.pp_rank:
-            continue
-        cutter = _Cutter(ckpt, Ranks(other.tp_size, other.tp_rank, 1, 0, other.ep_size,
-                                     other.ep_rank), partition)
-        for t in ckpt.tensors:
-            cutter.cut(t)
-        for name, why in cutter.errors:
-            errors.setdefault(name, why)
+    errors = _job_errors(ckpt, r.tp_size, r.ep_size)
     if errors:
-        raise PlanError(sorted(errors.items(), key=lambda kv: list(ckpt.by_name).index(kv[0])))
+        raise PlanError(errors)
     cutter = _Cutter(ckpt, r, partition)
     held = []
     for t in ckpt.tensors:

@@ -146,6 +146,8 @@ def check_rank(ckpt: ref.Checkpoint, rules: dict, ranks: ref.Ranks, got: dict,
         if s is None:
             assert entry["slice"] is None, f"{where}: {entry['slice']}"
             shape = info.shape
+        elif s.length == 0:  # past the vocabulary: the offset of an empty range is moot
+            assert entry["slice"]["dim"] == s.dim and entry["slice"]["length"] == 0, where
         else:
             assert entry["slice"] == {"dim": s.dim, "offset": s.offset, "length": s.length}, \
                 f"{where}: {entry['slice']} != {s}"
@@ -202,7 +204,7 @@ def test_list_rules():
         assert re.search(rf"(?<![\w]){m}(?![\w])", p.stdout), f"{m} not listed: {p.stdout}"
 
 
-@pytest.mark.parametrize("model, tp, pp, ep", job_params())
+@pytest.mark.parametrize("model, tp, pp, ep", list(job_params()))
 def test_plan_matches_reference(models, builtin_rules, model, tp, pp, ep):
     model_dir = models[model]
     ckpt = ref.read_checkpoint(model_dir)
@@ -265,6 +267,22 @@ def test_sglang_partition(models, builtin_rules, tmp_path):
     last = per_rank[ref.Ranks(2, 0, 2, 1)]
     assert "model.layers.2.input_layernorm.weight" in last
     check_reconstruction(ckpt, per_rank)
+
+
+def test_user_rules_replicate_everything(models, tmp_path):
+    """A one-rule file: every rank holds every tensor whole, the rule index 0, mode replicate,
+    whatever the TP/PP ranks."""
+    ckpt = ref.read_checkpoint(models["qwen3"])
+    rules = {"format": 1, "name": "all", "rules": [{"match": ".*", "mode": "replicate"}]}
+    for ranks in (ref.Ranks(), ref.Ranks(tp_size=4, tp_rank=3, pp_size=2, pp_rank=1)):
+        p = run_rules(tmp_path, models["qwen3"], rules, ranks)
+        assert p.returncode == 0, p.stderr
+        got = json.loads(p.stdout)
+        assert [t["name"] for t in got["tensors"]] == [t.name for t in ckpt.tensors]
+        assert all(t["slice"] is None and t["rule"] == 0 and t["mode"] == "replicate"
+                   and t["shape"] == t["full_shape"] for t in got["tensors"])
+        assert got["bytes"] == got["full_bytes"] == ckpt.full_bytes
+        assert got["rules"]["digest"] == ref.canonical_digest(rules)
 
 
 # ---- bad rules: exit 2, the message names the rule ----------------------------------------
