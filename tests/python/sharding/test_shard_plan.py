@@ -146,11 +146,12 @@ def check_rank(ckpt: ref.Checkpoint, rules: dict, ranks: ref.Ranks, got: dict,
         if s is None:
             assert entry["slice"] is None, f"{where}: {entry['slice']}"
             shape = info.shape
-        elif s.length == 0:  # past the vocabulary: the offset of an empty range is moot
-            assert entry["slice"]["dim"] == s.dim and entry["slice"]["length"] == 0, where
         else:
-            assert entry["slice"] == {"dim": s.dim, "offset": s.offset, "length": s.length}, \
-                f"{where}: {entry['slice']} != {s}"
+            if s.length == 0:  # past the vocabulary: the offset of an empty range is moot
+                assert entry["slice"]["dim"] == s.dim and entry["slice"]["length"] == 0, where
+            else:
+                assert entry["slice"] == {"dim": s.dim, "offset": s.offset,
+                                          "length": s.length}, f"{where}: {entry['slice']} != {s}"
             shape = info.shape[:s.dim] + (s.length,) + info.shape[s.dim + 1:]
         assert tuple(entry["shape"]) == shape, where
         index, rule = rule_of(rules, info.name)
