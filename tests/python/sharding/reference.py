@@ -29,7 +29,10 @@ engines' semantics:
   llama.py); a tied embedding without lm_head on both.
 - fp8 block scales (vllm/model_executor/layers/quantization/fp8.py, block-wise
   `weight_scale_inv` of shape ceil(rows/128) x ceil(cols/128)): the scale follows its weight in
-  block units, rows [o/128, ceil((o+l)/128)).
+  block units, rows [o/128, ceil((o+l)/128)). The per-rank size must be whole blocks on every
+  rank: vLLM's `validate_fp8_block_shape` (quantization/utils/fp8_utils.py) raises when
+  input_size_per_partition % block_k or an output partition size % block_n != 0, a size that
+  is the same on every rank, so rank 0 (offset 0) refuses too.
 - DeepSeek-V3 MTP layers (index >= num_hidden_layers) are skipped by vLLM's main model
   (models/deepseek_v2.py `load_weights` / `get_spec_layer_idx_from_weight_name`).
 
@@ -447,8 +450,8 @@ class _Cutter:
             got = self.weight_range(t, p, t.shape)
             if got in ("fail", "none") or not held_stage:
                 return "none"
-            if got is None:
-                return None
+            if got is None or got[2] == t.shape[got[0]]:
+                return None  # the whole tensor (e.g. tp 1) is held whole, not as a slice
             # A weight with a block-scale partner is cut on whole blocks: every rank's offset
             # (multiples of the per-rank size) a multiple of the block.
             if t.name + "_scale_inv" in self.ckpt.by_name and got[2] < t.shape[got[0]]:
@@ -468,7 +471,7 @@ class _Cutter:
         del self.errors[errors_before:]  # reported on the weight itself
         if got in ("fail", "none") or not self.holds_stage(p):
             return "none"
-        if got is None:
+        if got is None or got[2] == w.shape[got[0]]:
             return None
         dim, o, length = got
         lo, hi = o // p.block, -(-(o + length) // p.block)
@@ -492,7 +495,8 @@ def _job_errors(ckpt: Checkpoint, tp: int, ep: int) -> list:
 
 def plan_rank(model_dir, r: Ranks, partition: str = "vllm") -> list:
     """[(TensorInfo, Slice | None)] the rank holds, in checkpoint order (None: the whole
-    tensor; a vocab rank past the vocabulary holds a 0-row Slice). Raises RankError or
+    tensor, also when a split leaves one rank the whole dim; a vocab rank past the vocabulary
+    holds a 0-row Slice). Raises RankError or
     PlanError (every offending tensor, checked for all ranks of the job)."""
     check_ranks(r)
     ckpt = read_checkpoint(model_dir)

@@ -98,6 +98,17 @@ def rule_of(rules: dict, name: str) -> tuple:
     raise AssertionError(f"no rule of {rules['name']} matches {name}")
 
 
+def run_rules(tmp_path, model_dir, rules, ranks=ref.Ranks(tp_size=2)):
+    """shard-plan --json with `rules` (a dict, or raw text) written to a file."""
+    path = tmp_path / "rules.json"
+    path.write_text(rules if isinstance(rules, str) else json.dumps(rules))
+    return shard_plan("--model", model_dir, *ranks.cli_args(), "--json", "--shard-rules", path)
+
+
+def _rule_index(rules: dict, tensor: str) -> int:
+    return rule_of(rules, tensor)[0]
+
+
 def assert_names_rule(message: str, index: int, match: str) -> None:
     """The message names the rule: its match string, or its index as 'rule N' / 'rules[N]'."""
     if match in message or json.dumps(match)[1:-1] in message:
@@ -289,16 +300,6 @@ def test_user_rules_replicate_everything(models, tmp_path):
 # ---- bad rules: exit 2, the message names the rule ----------------------------------------
 
 
-def run_rules(tmp_path, model_dir, rules, ranks=ref.Ranks(tp_size=2)) -> subprocess.CompletedProcess:
-    path = tmp_path / "rules.json"
-    path.write_text(rules if isinstance(rules, str) else json.dumps(rules))
-    return shard_plan("--model", model_dir, *ranks.cli_args(), "--json", "--shard-rules", path)
-
-
-def _rule_index(rules: dict, tensor: str) -> int:
-    return rule_of(rules, tensor)[0]
-
-
 @pytest.mark.parametrize("case", ["unknown_mode", "bad_regex", "unknown_rule_key",
                                   "unknown_top_key", "missing_match", "missing_mode",
                                   "matches_nothing"])
@@ -459,7 +460,7 @@ def test_unknown_model_type_needs_rules(tmp_path):
     d = _variant(tmp_path, "llama", "gptx", {"model_type": "gptx_custom"})
     p = shard_plan("--model", d, *ref.Ranks(tp_size=2).cli_args())
     assert p.returncode == 2, f"exit {p.returncode}: {p.stdout} {p.stderr}"
-    assert "gptx_custom" in p.stderr and "--shard-rules" in p.stderr, p.stderr
+    assert "gptx_custom" in p.stderr and "rules" in p.stderr, p.stderr
 
 
 def test_unknown_model_type_with_rules_file(models, builtin_rules, tmp_path):
