@@ -94,6 +94,17 @@ CONFIGS = {
                                                  weight_block_size=[128, 128])),
 }
 
+# The (model, tp, ep) jobs the engines refuse on these configs (any PP), worked out by hand.
+REFUSED = {
+    ("mistral", 8, 1): "num_attention_heads 4 % tp 8",
+    ("qwen2", 4, 1): "num_attention_heads 6 % tp 4",
+    ("qwen2", 8, 1): "num_attention_heads 6 % tp 8",
+    ("deepseek_v3", 4, 1): "routed experts 256 rows / moe_tp 4 = 64: not whole 128-blocks",
+    ("deepseek_v3", 8, 1): "dense MLP 512 / tp 8 = 64: not whole 128-blocks",
+    ("deepseek_v3", 8, 2): "dense MLP 512 / tp 8 = 64: not whole 128-blocks",
+    ("deepseek_v3", 8, 4): "dense MLP 512 / tp 8 = 64: not whole 128-blocks",
+}
+
 # How many shard files each model is written as (several: index.json with a weight_map).
 SHARDS = {"llama": 2, "mixtral": 2, "deepseek_v3": 3}
 

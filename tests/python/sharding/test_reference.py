@@ -42,13 +42,7 @@ def test_synthetic_checkpoints(models):
     assert "lm_head.weight" not in ref.read_checkpoint(models["qwen2"]).by_name  # tied
 
 
-# Which combinations the engines refuse, worked out by hand from the synthetic configs.
-REFUSED = {
-    ("mistral", 8, 1),  # num_attention_heads 4 % 8
-    ("qwen2", 4, 1), ("qwen2", 8, 1),  # num_attention_heads 6 % tp
-    ("deepseek_v3", 4, 1),  # routed experts 256 / moe_tp 4 = 64 rows: not whole 128-blocks
-    ("deepseek_v3", 8, 1), ("deepseek_v3", 8, 2), ("deepseek_v3", 8, 4),  # dense MLP 512 / 8
-}
+REFUSED = synthetic.REFUSED
 
 
 @pytest.mark.parametrize("model", synthetic.MODEL_TYPES)

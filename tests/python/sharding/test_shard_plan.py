@@ -122,7 +122,8 @@ def job_params():
         for tp in TP_SIZES:
             for pp in PP_SIZES:
                 for ep in EP_SIZES if m in MOE else (1,):
-                    yield pytest.param(m, tp, pp, ep, id=f"{m}-tp{tp}-pp{pp}-ep{ep}")
+                    refused = "-refused" if (m, tp, ep) in synthetic.REFUSED else ""
+                    yield pytest.param(m, tp, pp, ep, id=f"{m}-tp{tp}-pp{pp}-ep{ep}{refused}")
 
 
 def check_refused(model_dir, rules: dict, ranks: ref.Ranks, err: ref.PlanError) -> None:
@@ -225,9 +226,11 @@ def test_plan_matches_reference(models, builtin_rules, model, tp, pp, ep):
     try:
         ref.plan_rank(model_dir, job[0])
     except ref.PlanError as err:
+        assert (model, tp, ep) in synthetic.REFUSED, err
         for ranks in job:  # refused on every rank of the job
             check_refused(model_dir, rules, ranks, err)
         return
+    assert (model, tp, ep) not in synthetic.REFUSED
     per_rank = {}
     digests = set()
     for ranks in job:
