@@ -456,9 +456,10 @@ class _Cutter:
             # (multiples of the per-rank size) a multiple of the block.
             if t.name + "_scale_inv" in self.ckpt.by_name and got[2] < t.shape[got[0]]:
                 step = t.shape[got[0]] // self.parts_of(p)
-                if step % FP8_BLOCK:
-                    self.fail(t, f"per-rank {step} of dim {got[0]} is not whole "
-                                 f"{FP8_BLOCK}-blocks (its weight_scale_inv)")
+                if step % FP8_BLOCK:  # reported on the weight and on its scale
+                    why = f"per-rank {step} of dim {got[0]} is not whole {FP8_BLOCK}-blocks"
+                    self.fail(t, why)
+                    self.errors.append((t.name + "_scale_inv", why))
                     return "none"
             return Slice(*got)
         # a block scale: the weight's range in block units
