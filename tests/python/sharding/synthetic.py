@@ -163,14 +163,16 @@ def _with_fp8_scales(tensors: list) -> list:
     return out
 
 
-def tensor_specs(model_type: str, config: dict | None = None) -> list:
+def tensor_specs(model_type: str, config: dict | None = None,
+                 lm_head: bool | None = None) -> list:
     """[(name, header dtype, shape)] of the synthetic checkpoint of `model_type`, its shapes
-    from `config` (default: CONFIGS[model_type])."""
+    from `config` (default: CONFIGS[model_type]); an lm_head.weight unless the embeddings are
+    tied (or as `lm_head` says)."""
     c = config or CONFIGS[model_type]
     L, h = c["num_hidden_layers"], c["hidden_size"]
     t: list = []
     if model_type in ("llama", "mistral", "qwen2", "qwen3"):
-        t += _embeddings(c, lm_head=not c["tie_word_embeddings"])
+        t += _embeddings(c, lm_head=not c["tie_word_embeddings"] if lm_head is None else lm_head)
         for i in range(L):
             p = f"model.layers.{i}"
             t += _llama_attention(c, p, bias=model_type == "qwen2", qk_norm=model_type == "qwen3")
@@ -191,6 +193,9 @@ def tensor_specs(model_type: str, config: dict | None = None) -> list:
         for i in range(L):
             p = f"model.layers.{i}"
             t += _llama_attention(c, p, bias=False, qk_norm=True) + _norms(c, p)
+            if i in c.get("mlp_only_layers", []):  # a dense layer (Qwen3MoeDecoderLayer)
+                t += _mlp(f"{p}.mlp", h, c["intermediate_size"])
+                continue
             t.append((f"{p}.mlp.gate.weight", "BF16", [c["num_experts"], h]))
             for e in range(c["num_experts"]):
                 t += _mlp(f"{p}.mlp.experts.{e}", h, c["moe_intermediate_size"])
@@ -270,6 +275,25 @@ def write_checkpoint(out: Path, model_type: str, config: dict, tensors: list,
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
+
+
+# Variants of the models above: (base model_type, config changes, lm_head override).
+VARIANTS = {
+    # tied in config.json, yet the checkpoint carries lm_head.weight: the embedding stays on
+    # the first stage only, lm_head on the last.
+    "qwen3-tied-with-lm-head": ("qwen3", {"tie_word_embeddings": True}, True),
+    # Qwen3-MoE with a dense layer (mlp_only_layers): its MLP is split like llama's.
+    "qwen3_moe-mlp-only-layer": ("qwen3_moe", {"mlp_only_layers": [1]}, None),
+    # 7 layers for PP 3 and 4 (vLLM: [2, 3, 2] and [2, 2, 2, 1]).
+    "llama-7-layers": ("llama", {"num_hidden_layers": 7}, None),
+}
+
+
+def write_variant(name: str, out: Path) -> Path:
+    base, changes, lm_head = VARIANTS[name]
+    config = dict(CONFIGS[base], **changes)
+    return write_checkpoint(out, base, config, tensor_specs(base, config, lm_head),
+                            SHARDS.get(base, 1))
 
 
 def write_model(model_type: str, out: Path) -> Path:

@@ -58,38 +58,60 @@ def test_refusals_by_hand(models, model):
                 assert refused == ((model, tp, ep) in REFUSED), ranks
 
 
+def check_rebuild(model_dir, tp: int, pp: int, ep: int, partition: str) -> None:
+    """The reference's pieces over every rank of the job rebuild each loaded tensor, each
+    layer lives on exactly one PP stage, first/last/embed tensors on their stages, and skipped
+    (MTP) tensors on no rank."""
+    ckpt = ref.read_checkpoint(model_dir)
+    seen = {t.name: np.zeros(t.shape, dtype=bool) for t in ckpt.tensors}
+    stages = {t.name: set() for t in ckpt.tensors}
+    for ranks in ref.job_ranks(tp, pp, ep):
+        for t, s in ref.plan_rank(model_dir, ranks, partition):
+            index = [slice(None)] * len(t.shape)
+            if s is not None:
+                assert 0 <= s.offset and s.offset + s.length <= t.shape[s.dim]
+                index[s.dim] = slice(s.offset, s.offset + s.length)
+            seen[t.name][tuple(index)] = True
+            stages[t.name].add(ranks.pp_rank)
+    layers_per_stage = [0] * pp
+    for t in ckpt.tensors:
+        p = ref.placement(ckpt, t.name)
+        if p.mode == "skip":
+            assert not seen[t.name].any(), t.name
+            continue
+        assert seen[t.name].all(), (t.name, tp, pp, ep)
+        want = {"embed": {0, pp - 1}, "first": {0}, "last": {pp - 1}}.get(p.stage)
+        if want is not None:
+            assert stages[t.name] == want, (t.name, stages[t.name])
+        elif p.stage == "layer":
+            assert len(stages[t.name]) == 1, (t.name, stages[t.name])
+            if t.name.endswith(".input_layernorm.weight"):
+                layers_per_stage[stages[t.name].pop()] += 1
+    L = ckpt.config["num_hidden_layers"]
+    assert layers_per_stage == [len(ref.pp_layers(L, r, pp, partition)) for r in range(pp)]
+
+
 @pytest.mark.parametrize("model", synthetic.MODEL_TYPES)
 @pytest.mark.parametrize("partition", ["vllm", "sglang"])
 def test_ranks_rebuild_every_tensor(models, model, partition):
-    """Over every accepted job, the reference's pieces rebuild each loaded tensor exactly, each
-    PP stage holds each layer once, and MTP tensors are held by no rank."""
-    ckpt = ref.read_checkpoint(models[model])
     for tp in TP_SIZES:
         for pp in (1, 2):
             for ep in EP_SIZES if model in MOE else (1,):
-                if (model, tp, ep) in REFUSED:
-                    continue
-                seen = {t.name: np.zeros(t.shape, dtype=bool) for t in ckpt.tensors}
-                stages = {t.name: set() for t in ckpt.tensors}
-                for ranks in ref.job_ranks(tp, pp, ep):
-                    for t, s in ref.plan_rank(models[model], ranks, partition):
-                        index = [slice(None)] * len(t.shape)
-                        if s is not None:
-                            assert 0 <= s.offset and s.offset + s.length <= t.shape[s.dim]
-                            index[s.dim] = slice(s.offset, s.offset + s.length)
-                        seen[t.name][tuple(index)] = True
-                        stages[t.name].add(ranks.pp_rank)
-                for t in ckpt.tensors:
-                    p = ref.placement(ckpt, t.name)
-                    if p.mode == "skip":
-                        assert not seen[t.name].any(), t.name
-                        continue
-                    assert seen[t.name].all(), (t.name, tp, pp, ep)
-                    want = {"embed": {0, pp - 1}, "first": {0}, "last": {pp - 1}}.get(p.stage)
-                    if want is not None:
-                        assert stages[t.name] == want, (t.name, stages[t.name])
-                    elif p.stage == "layer":
-                        assert len(stages[t.name]) == 1, (t.name, stages[t.name])
+                if (model, tp, ep) not in REFUSED:
+                    check_rebuild(models[model], tp, pp, ep, partition)
+
+
+@pytest.mark.parametrize("variant", synthetic.VARIANTS)
+def test_variants_rebuild(tmp_path, variant):
+    model_dir = synthetic.write_variant(variant, tmp_path / variant)
+    for tp, pp, ep in ((1, 1, 1), (2, 2, 1), (2, 3, 1), (4, 4, 1)):
+        check_rebuild(model_dir, tp, pp, ep, "vllm")
+    if variant == "llama-7-layers":  # vLLM get_pp_indices: the remainder skips the last stage
+        assert [len(ref.pp_layers(7, r, 4, "vllm")) for r in range(4)] == [2, 2, 2, 1]
+    if variant == "qwen3_moe-mlp-only-layer":
+        plan = {t.name: s for t, s in ref.plan_rank(model_dir, ref.Ranks(tp_size=2, tp_rank=1))}
+        assert plan["model.layers.1.mlp.gate_proj.weight"] == ref.Slice(0, 64, 64)
+        assert "model.layers.1.mlp.gate.weight" not in plan
 
 
 def test_hand_computed(models):

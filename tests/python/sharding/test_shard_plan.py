@@ -234,16 +234,25 @@ def test_list_rules():
 @pytest.mark.parametrize("model, tp, pp, ep", list(job_params()))
 def test_plan_matches_reference(models, builtin_rules, model, tp, pp, ep):
     model_dir = models[model]
+    try:
+        ref.plan_rank(model_dir, ref.job_ranks(tp, pp, ep)[0])
+    except ref.PlanError as err:
+        assert (model, tp, ep) in synthetic.REFUSED, err
+    else:
+        assert (model, tp, ep) not in synthetic.REFUSED
+    check_job(model_dir, builtin_rules[model], tp, pp, ep)
+
+
+def check_job(model_dir, rules: dict, tp: int, pp: int, ep: int) -> None:
+    """Plans every rank of the job with the built-in rules and compares with the reference:
+    a refused job exits 5 on every rank; an accepted one matches rank by rank and rebuilds."""
     ckpt = ref.read_checkpoint(model_dir)
-    rules = builtin_rules[model]
     job = ref.job_ranks(tp, pp, ep)
     try:
         ref.plan_rank(model_dir, job[0])
     except ref.PlanError as err:
-        assert (model, tp, ep) in synthetic.REFUSED, err
         check_refused(model_dir, rules, job, err)
         return
-    assert (model, tp, ep) not in synthetic.REFUSED
     per_rank = {}
     digests = set()
     for ranks in job:
@@ -253,6 +262,24 @@ def test_plan_matches_reference(models, builtin_rules, model, tp, pp, ep):
         per_rank[ranks] = check_rank(ckpt, rules, ranks, got)
     assert digests == {ref.canonical_digest(rules)}
     check_reconstruction(ckpt, per_rank)
+
+
+@pytest.mark.parametrize("variant, tp, pp, ep", [
+    ("qwen3-tied-with-lm-head", 2, 2, 1),
+    ("qwen3_moe-mlp-only-layer", 4, 2, 2),
+    ("qwen3_moe-mlp-only-layer", 2, 1, 4),
+    ("llama-7-layers", 2, 3, 1),
+    ("llama-7-layers", 1, 4, 1),
+])
+def test_variants_match_reference(builtin_rules, tmp_path, variant, tp, pp, ep):
+    model_dir = synthetic.write_variant(variant, tmp_path / variant)
+    check_job(model_dir, builtin_rules[synthetic.VARIANTS[variant][0]], tp, pp, ep)
+    ckpt = ref.read_checkpoint(model_dir)
+    if variant == "qwen3-tied-with-lm-head":
+        last = ref.plan_rank(model_dir, ref.Ranks(tp, 0, pp, pp - 1))
+        assert "model.embed_tokens.weight" not in [t.name for t, _ in last]
+    if variant == "llama-7-layers":
+        assert ckpt.config["num_hidden_layers"] == 7
 
 
 @pytest.mark.parametrize("model", synthetic.MODEL_TYPES)
