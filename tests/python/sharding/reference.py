@@ -19,9 +19,11 @@ engines' semantics:
   heads per rank).
 - `expert` (FusedMoE, vllm/model_executor/layers/fused_moe/layer.py `determine_expert_map`,
   linear placement: rank ep_rank holds experts [ep_rank*E/ep, (ep_rank+1)*E/ep)); inside an
-  expert, SGLang's moe_tp_size = tp / ep when ep <= tp (python/sglang/srt/layers/moe/
-  fused_moe_triton/layer.py) splits w1/w3 (gate/up) on dim 0 and w2 (down) on dim 1; vLLM's
-  EP = TP x DP when ep > tp (experts whole).
+  expert, SGLang's moe_tp_size = tp // moe_ep_size (python/sglang/srt/distributed/
+  parallel_state.py `initialize_model_parallel`: MoE-EP groups are the TP ranks strided by
+  moe_tp_size, so ep_rank = tp_rank // moe_tp and moe_tp_rank = tp_rank % moe_tp) splits
+  w1/w3 (gate/up) on dim 0 and w2 (down) on dim 1; vLLM's EP = TP x DP when ep > tp
+  (experts whole).
 - PP layers (vllm/distributed/utils.py `get_pp_indices`: L // pp per stage, the remainder one
   each to partitions[-2], [-3], ...; SGLang python/sglang/srt/distributed/utils.py
   `get_pp_indices`: the remainder to the last stages); embeddings on the first stage, final
