@@ -381,19 +381,18 @@ class _Cutter:
         per = n // parts
         return (dim, rank * per, per)
 
-    def weight_range(self, t: TensorInfo, p: Placement, shape: tuple):
-        """(dim, offset, length) of the rank's part of a tensor of `shape` (None: whole; the
+    def weight_range(self, t: TensorInfo, p: Placement):
+        """(dim, offset, length) of the rank's part of `t` placed by `p` (None: whole; the
         string "fail" after an error; "none" when an expert is not on this rank)."""
         r, c = self.r, self.c
-        view = TensorInfo(t.name, t.dtype, shape, t.file, t.begin, t.nbytes)
         if p.mode == "replicate":
             return None
         if p.heads is not None and c[p.heads] % r.tp_size:
             return self.fail(t, f"{p.heads} {c[p.heads]} not divisible by tp {r.tp_size}")
         if p.mode == "split":
-            return self.split(view, p.dim, r.tp_size, r.tp_rank)
+            return self.split(t, p.dim, r.tp_size, r.tp_rank)
         if p.mode == "vocab":
-            v = shape[0]
+            v = t.shape[0]
             padded = -(-v // VOCAB_PADDING) * VOCAB_PADDING
             if padded % r.tp_size:
                 return self.fail(t, f"padded vocab {padded} not divisible by tp {r.tp_size}")
@@ -403,7 +402,7 @@ class _Cutter:
             return (0, min(lo, v), max(hi - lo, 0))
         if p.mode == "kv_heads":
             n_kv = c.get("num_key_value_heads", c["num_attention_heads"])
-            rows = shape[0]
+            rows = t.shape[0]
             if rows % n_kv:
                 return self.fail(t, f"{rows} rows not divisible by {n_kv} kv heads")
             head_dim = rows // n_kv
@@ -426,7 +425,7 @@ class _Cutter:
             if p.expert // (E // r.ep_size) != r.ep_rank:
                 return "none"
             if moe_tp > 1 and p.dim is not None:
-                return self.split(view, p.dim, moe_tp, moe_rank)
+                return self.split(t, p.dim, moe_tp, moe_rank)
             return None
         raise AssertionError(p.mode)
 
@@ -449,14 +448,14 @@ class _Cutter:
             return "none"
         if p.block is None:
             held_stage = self.holds_stage(p)
-            got = self.weight_range(t, p, t.shape)
+            got = self.weight_range(t, p)
             if got in ("fail", "none") or not held_stage:
                 return "none"
             if got is None or got[2] == t.shape[got[0]]:
                 return None  # the whole tensor (e.g. tp 1) is held whole, not as a slice
             # A weight with a block-scale partner is cut on whole blocks: every rank's offset
             # (multiples of the per-rank size) a multiple of the block.
-            if t.name + "_scale_inv" in self.ckpt.by_name and got[2] < t.shape[got[0]]:
+            if t.name + "_scale_inv" in self.ckpt.by_name:
                 step = t.shape[got[0]] // self.parts_of(p)
                 if step % FP8_BLOCK:  # reported on the weight and on its scale
                     why = f"per-rank {step} of dim {got[0]} is not whole {FP8_BLOCK}-blocks"
@@ -470,7 +469,7 @@ class _Cutter:
             self.fail(t, f"no weight {p.weight_of} for the scale")
             return "none"
         errors_before = len(self.errors)
-        got = self.weight_range(w, p, w.shape)
+        got = self.weight_range(w, p)
         del self.errors[errors_before:]  # reported on the weight itself
         if got in ("fail", "none") or not self.holds_stage(p):
             return "none"
@@ -499,8 +498,8 @@ def _job_errors(ckpt: Checkpoint, tp: int, ep: int) -> list:
 def plan_rank(model_dir, r: Ranks, partition: str = "vllm") -> list:
     """[(TensorInfo, Slice | None)] the rank holds, in checkpoint order (None: the whole
     tensor, also when a split leaves one rank the whole dim; a vocab rank past the vocabulary
-    holds a 0-row Slice). Raises RankError or
-    PlanError (every offending tensor, checked for all ranks of the job)."""
+    holds a 0-row Slice). Raises RankError, or PlanError naming every offending tensor of
+    the job (all ranks checked)."""
     check_ranks(r)
     ckpt = read_checkpoint(model_dir)
     if any(placement(ckpt, t.name) is not None and placement(ckpt, t.name).mode == "expert"
