@@ -533,6 +533,39 @@ def expected_rank_tensors(model_dir, r: Ranks, partition: str = "vllm") -> dict:
             for t, s in plan_rank(model_dir, r, partition)}
 
 
+def assert_rebuilds(ckpt: Checkpoint, per_rank: dict) -> None:
+    """Every tensor the engines load is rebuilt exactly from the ranks' pieces, each element
+    covered, overlapping pieces (replicas) identical; skipped tensors are held by no rank.
+
+    per_rank: {ranks: {name: (Slice | None, array)}}, the arrays from any source (a plan's
+    slices cut from the file, a daemon's attached tensors, the fallback loader's), as raw
+    unsigned integers of the element size (see Checkpoint.array)."""
+    for info in ckpt.tensors:
+        full = ckpt._array(info.name)
+        out = np.zeros_like(full)
+        seen = np.zeros(full.shape, dtype=bool)
+        holders = 0
+        for ranks, held in per_rank.items():
+            if info.name not in held:
+                continue
+            holders += 1
+            s, piece = held[info.name]
+            index = [slice(None)] * full.ndim
+            if s is not None:
+                index[s.dim] = slice(s.offset, s.offset + s.length)
+            index = tuple(index)
+            overlap = seen[index]
+            assert np.array_equal(out[index][overlap], piece[overlap]), \
+                f"{info.name}: replicas differ on {ranks}"
+            out[index] = piece
+            seen[index] = True
+        if placement(ckpt, info.name).mode == "skip":
+            assert holders == 0, f"{info.name} is skipped by the engines but held"
+            continue
+        assert seen.all(), f"{info.name}: {int((~seen).sum())} elements held by no rank"
+        assert out.tobytes() == full.tobytes(), info.name
+
+
 def slice_nbytes(t: TensorInfo, s: Slice | None) -> int:
     if s is None:
         return t.nbytes

@@ -23,7 +23,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from . import reference as ref
@@ -195,35 +194,6 @@ def check_rank(ckpt: ref.Checkpoint, rules: dict, ranks: ref.Ranks, got: dict,
     return held
 
 
-def check_reconstruction(ckpt: ref.Checkpoint, per_rank: dict) -> None:
-    """Every tensor the engines load is rebuilt exactly from the ranks' pieces, each element
-    covered, overlapping pieces (replicas) identical; skipped tensors are held by no rank."""
-    for info in ckpt.tensors:
-        full = ckpt._array(info.name)
-        out = np.zeros_like(full)
-        seen = np.zeros(full.shape, dtype=bool)
-        holders = 0
-        for ranks, held in per_rank.items():
-            if info.name not in held:
-                continue
-            holders += 1
-            s, piece = held[info.name]
-            index = [slice(None)] * full.ndim
-            if s is not None:
-                index[s.dim] = slice(s.offset, s.offset + s.length)
-            index = tuple(index)
-            overlap = seen[index]
-            assert np.array_equal(out[index][overlap], piece[overlap]), \
-                f"{info.name}: replicas differ on {ranks}"
-            out[index] = piece
-            seen[index] = True
-        if ref.placement(ckpt, info.name).mode == "skip":
-            assert holders == 0, f"{info.name} is skipped by the engines but held"
-            continue
-        assert seen.all(), f"{info.name}: {int((~seen).sum())} elements held by no rank"
-        assert out.tobytes() == full.tobytes(), info.name
-
-
 def test_list_rules():
     p = shard_plan("--list-rules")
     assert p.returncode == 0, p.stderr
@@ -261,7 +231,7 @@ def check_job(model_dir, rules: dict, tp: int, pp: int, ep: int) -> None:
         digests.add(got["rules"]["digest"])
         per_rank[ranks] = check_rank(ckpt, rules, ranks, got)
     assert digests == {ref.canonical_digest(rules)}
-    check_reconstruction(ckpt, per_rank)
+    ref.assert_rebuilds(ckpt, per_rank)
 
 
 @pytest.mark.parametrize("variant, tp, pp, ep", [
@@ -321,7 +291,7 @@ def test_sglang_partition(models, builtin_rules, tmp_path):
         per_rank[ranks] = check_rank(ckpt, rules, ranks, got, "sglang", "qwen2-sglang")
     last = per_rank[ref.Ranks(2, 0, 2, 1)]
     assert "model.layers.2.input_layernorm.weight" in last
-    check_reconstruction(ckpt, per_rank)
+    ref.assert_rebuilds(ckpt, per_rank)
 
 
 def test_user_rules_replicate_everything(models, tmp_path):
