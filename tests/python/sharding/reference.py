@@ -54,7 +54,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import re
 import struct
 from dataclasses import dataclass
