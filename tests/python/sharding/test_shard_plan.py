@@ -114,6 +114,11 @@ def _rule_index(rules: dict, tensor: str) -> int:
     return rule_of(rules, tensor)[0]
 
 
+def _rule_and_match(rules: dict, tensor: str) -> tuple:
+    index, rule = rule_of(rules, tensor)
+    return index, rule["match"]
+
+
 def assert_names_rule(message: str, index: int, match: str) -> None:
     """The message names the rule by index ('rule N') and by its match string."""
     assert re.search(rf"\brule\s*#?{index}\b", message), f"no 'rule {index}': {message}"
@@ -421,8 +426,11 @@ def test_experts_not_dividing_ep_exit_5(builtin_rules, tmp_path):
     d = _variant(tmp_path, "mixtral", "e6", {"num_local_experts": 6})
     p = shard_plan("--model", d, *ref.Ranks(tp_size=4, tp_rank=0, ep_size=4).cli_args())
     assert p.returncode == 5, p.stderr
-    assert re.search(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight", p.stderr), p.stderr
-    assert "6" in p.stderr
+    m = re.search(r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight",
+                  p.stderr)
+    assert m, p.stderr
+    assert_names_rule(p.stderr, *_rule_and_match(builtin_rules["mixtral"], m.group(0)))
+    assert re.search(r"\b6\b", p.stderr) and re.search(r"\b4\b", p.stderr), p.stderr
 
 
 def test_expert_index_out_of_range_exit_5(builtin_rules, tmp_path):
@@ -447,7 +455,9 @@ def test_expert_slot_claimed_twice_exit_5(builtin_rules, tmp_path):
                                    specs)
     p = shard_plan("--model", d, *ref.Ranks().cli_args())
     assert p.returncode == 5, p.stderr
-    assert "experts.01.w1.weight" in p.stderr or "experts.1.w1.weight" in p.stderr, p.stderr
+    m = re.search(r"model\.layers\.0\.block_sparse_moe\.experts\.0?1\.w1\.weight", p.stderr)
+    assert m, p.stderr
+    assert_names_rule(p.stderr, *_rule_and_match(builtin_rules["mixtral"], m.group(0)))
 
 
 # ---- ranks and model types ----------------------------------------------------------------
