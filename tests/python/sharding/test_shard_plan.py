@@ -397,7 +397,9 @@ def test_padded_vocab_not_dividing_exit_5(models, builtin_rules, tmp_path):
     assert p.returncode == 5, p.stderr
     err = pytest.raises(ref.PlanError, ref.plan_rank, models["llama"], ref.Ranks(tp_size=3))
     assert "lm_head.weight" in err.value.tensors
-    assert any(t in p.stderr for t in err.value.tensors), p.stderr
+    named = [t for t in err.value.tensors if re.search(rf"{re.escape(t)}(?![\w.])", p.stderr)]
+    assert named, p.stderr
+    assert_names_rule(p.stderr, *_rule_and_match(builtin_rules["llama"], named[0]))
 
 
 def _variant(tmp_path, model_type, name, config_changes, rename=None):
