@@ -33,8 +33,10 @@ engines' semantics:
   `weight_scale_inv` of shape ceil(rows/128) x ceil(cols/128)): the scale follows its weight in
   block units, rows [o/128, ceil((o+l)/128)). The per-rank size must be whole blocks on every
   rank: vLLM's `validate_fp8_block_shape` (quantization/utils/fp8_utils.py) raises when
-  input_size_per_partition % block_k or an output partition size % block_n != 0, a size that
-  is the same on every rank, so rank 0 (offset 0) refuses too.
+  input_size_per_partition % block_k or an output partition size % block_n != 0, and
+  Fp8MoEMethod.create_weights (quantization/fp8.py, vLLM and SGLang) when the experts'
+  intermediate_size_per_partition % block_n != 0: sizes that are the same on every rank, so
+  rank 0 (offset 0) refuses too.
 - DeepSeek-V3 MTP layers (index >= num_hidden_layers) are skipped by vLLM's main model
   (models/deepseek_v2.py `load_weights` / `get_spec_layer_idx_from_weight_name`).
 
