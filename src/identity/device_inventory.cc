@@ -8,7 +8,7 @@
 #include <utility>
 
 #include "identity/cuda_visible_devices.h"
-#include "identity/read_file.h"
+#include "os/read_file.h"
 
 namespace weightcache::identity {
 namespace {
@@ -114,7 +114,7 @@ Result<std::vector<DeviceInfo>> FromProc(const std::string& gpus_dir) {
   std::vector<DeviceInfo> devices;
   for (const std::string& dir : entries) {
     const std::string info_path = dir + "/information";
-    WEIGHTCACHE_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(info_path, kMaxProcInfoBytes));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(std::string text, os::ReadSmallFile(info_path, kMaxProcInfoBytes));
     DeviceInfo d;
     size_t pos = 0;
     while (pos < text.size()) {
@@ -266,7 +266,7 @@ Result<DeviceInventory> LoadDeviceInventory(const InventoryOptions& options) {
   std::string file = options.inventory_file;
   if (file.empty()) file = options.env(kInventoryEnv).value_or("");
   if (!file.empty()) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(file, kMaxInventoryBytes));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(std::string text, os::ReadSmallFile(file, kMaxInventoryBytes));
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<DeviceInfo> physical, ParseInventoryJson(text, file));
     inv.source = InventorySource::kInventoryFile;
     inv.source_detail = file;

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "checkpoint/checkpoint.h"
-#include "identity/read_file.h"
+#include "os/read_file.h"
 
 namespace weightcache::identity {
 namespace {
@@ -81,8 +81,8 @@ Result<CacheConfig> BuildCacheConfig(const IdentityOptions& options, const std::
   if (!options.dtype.empty()) c.dtype = options.dtype;
   if (!options.quantization.empty()) c.quantization = options.quantization;
   if (!options.quantization_config.empty()) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(
-        std::string text, ReadSmallFile(options.quantization_config, kMaxQuantizationConfigBytes));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(std::string text, os::ReadSmallFile(options.quantization_config,
+                                                                     kMaxQuantizationConfigBytes));
     auto digest = QuantizationConfigDigest(text);
     if (!digest.ok()) return digest.status().Context(options.quantization_config);
     c.quantization_config_sha256 = *digest;

@@ -6,8 +6,7 @@
 #include <cerrno>
 #include <nlohmann/json.hpp>
 
-#include "common/unique_fd.h"
-#include "os/regular_file.h"
+#include "os/read_file.h"
 #include "sharding/strict_json.h"
 
 namespace weightcache::sharding {
@@ -77,32 +76,6 @@ Result<ModelConfig> ParseModelConfig(std::string_view text, const std::string& p
   return config;
 }
 
-Result<std::string> ReadBoundedFile(const std::string& path, uint64_t max_bytes,
-                                    StatusCode refuse_code) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(os::RegularFile file, os::OpenRegularFile(path, refuse_code));
-  const UniqueFd fd = std::move(file.fd);
-  if (static_cast<uint64_t>(file.st.st_size) > max_bytes) {
-    return Status(refuse_code, path + ": " + std::to_string(file.st.st_size) +
-                                   " bytes, over the limit of " + std::to_string(max_bytes));
-  }
-  std::string data;
-  char buf[8192];
-  while (true) {
-    const ssize_t n = ::read(fd.get(), buf, sizeof(buf));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return IoError("read " + path, errno);
-    }
-    if (n == 0) break;
-    if (data.size() + static_cast<uint64_t>(n) > max_bytes) {
-      return Status(refuse_code,
-                    path + ": over the limit of " + std::to_string(max_bytes) + " bytes");
-    }
-    data.append(buf, static_cast<size_t>(n));
-  }
-  return data;
-}
-
 Result<ModelConfig> ReadModelConfig(const std::string& model) {
   struct stat st {};
   std::string dir = model;
@@ -114,7 +87,7 @@ Result<ModelConfig> ReadModelConfig(const std::string& model) {
   struct stat cst {};
   if (::lstat(path.c_str(), &cst) != 0 && errno == ENOENT) return ModelConfig{};
   WEIGHTCACHE_ASSIGN_OR_RETURN(
-      std::string text, ReadBoundedFile(path, kMaxConfigBytes, StatusCode::kInvalidCheckpoint));
+      std::string text, os::ReadSmallFile(path, kMaxConfigBytes, StatusCode::kInvalidCheckpoint));
   return ParseModelConfig(text, path);
 }
 

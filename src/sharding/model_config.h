@@ -43,9 +43,4 @@ Result<ModelConfig> ParseModelConfig(std::string_view text, const std::string& p
 // directory is used). No config.json: an empty ModelConfig (path ""), not an error.
 Result<ModelConfig> ReadModelConfig(const std::string& model);
 
-// Reads a whole regular file of at most max_bytes (a FIFO or device is refused at once);
-// errors have code `refuse_code` for size/type problems, kNotFound/kIo from the OS.
-Result<std::string> ReadBoundedFile(const std::string& path, uint64_t max_bytes,
-                                    StatusCode refuse_code);
-
 }  // namespace weightcache::sharding

@@ -360,10 +360,16 @@ class Planner {
                        ", the rule says dim " + std::to_string(*r.dim));
     }
     WEIGHTCACHE_RETURN_IF_ERROR(CheckDim(t, r, ws->dim));
-    if (ws->offset % r.block != 0) {
+    // Every rank's slice of a split has the same length, so this refuses the job on every
+    // rank alike, as the engines do: vLLM's validate_fp8_block_shape and Fp8MoEMethod (vLLM
+    // and SGLang) raise when the per-partition size is not a multiple of the block.
+    if (ws->offset % r.block != 0 || ws->length % r.block != 0) {
       return Error(t, r,
-                   "its weight's slice starts at " + std::to_string(ws->offset) +
-                       ", not a multiple of the block " + std::to_string(r.block));
+                   "its weight's per-rank slice is " + std::to_string(ws->length) +
+                       " rows along dim " + std::to_string(ws->dim) +
+                       ", not a multiple of the "
+                       "block " +
+                       std::to_string(r.block) + " (the engines refuse this split)");
     }
     const uint64_t begin = ws->offset / r.block;
     const uint64_t end = (ws->offset + ws->length + r.block - 1) / r.block;

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common/hash.h"
+#include "os/read_file.h"
 #include "sharding/builtin_rules.h"
 #include "sharding/model_config.h"
 #include "sharding/strict_json.h"
@@ -351,7 +352,7 @@ Result<RuleSet> ParseRuleSet(std::string_view json_text, RuleSource source,
 
 Result<RuleSet> LoadRuleSetFile(const std::string& path) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(
-      std::string text, ReadBoundedFile(path, kMaxRulesFileBytes, StatusCode::kInvalidArgument));
+      std::string text, os::ReadSmallFile(path, kMaxRulesFileBytes, StatusCode::kInvalidArgument));
   return ParseRuleSet(text, RuleSource::kFile, path);
 }
 

@@ -1,4 +1,4 @@
-#include "identity/read_file.h"
+#include "os/read_file.h"
 
 #include <unistd.h>
 
@@ -7,18 +7,18 @@
 #include "common/unique_fd.h"
 #include "os/regular_file.h"
 
-namespace weightcache::identity {
+namespace weightcache::os {
 
-Result<std::string> ReadSmallFile(const std::string& path, size_t max_bytes) {
+Result<std::string> ReadSmallFile(const std::string& path, size_t max_bytes,
+                                  StatusCode refuse_code) {
   // A FIFO would block forever and /dev/zero never ends: only regular files (os/regular_file.h).
-  WEIGHTCACHE_ASSIGN_OR_RETURN(os::RegularFile file,
-                               os::OpenRegularFile(path, StatusCode::kInvalidArgument));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(RegularFile file, OpenRegularFile(path, refuse_code));
   const UniqueFd fd = std::move(file.fd);
   // /proc files report size 0 and are read to EOF; the bound below holds either way.
   if (static_cast<uint64_t>(file.st.st_size) > max_bytes) {
-    return InvalidArgument(path + ": " + std::to_string(file.st.st_size) +
-                           " bytes, larger than the " + std::to_string(max_bytes) +
-                           "-byte limit for this kind of file");
+    return Status(refuse_code, path + ": " + std::to_string(file.st.st_size) +
+                                   " bytes, larger than the " + std::to_string(max_bytes) +
+                                   "-byte limit for this kind of file");
   }
   std::string data;
   char buf[8192];
@@ -30,12 +30,12 @@ Result<std::string> ReadSmallFile(const std::string& path, size_t max_bytes) {
     }
     if (n == 0) break;
     if (data.size() + static_cast<size_t>(n) > max_bytes) {
-      return InvalidArgument(path + ": larger than the " + std::to_string(max_bytes) +
-                             "-byte limit for this kind of file");
+      return Status(refuse_code, path + ": larger than the " + std::to_string(max_bytes) +
+                                     "-byte limit for this kind of file");
     }
     data.append(buf, static_cast<size_t>(n));
   }
   return data;
 }
 
-}  // namespace weightcache::identity
+}  // namespace weightcache::os
