@@ -203,7 +203,9 @@ TEST_F(ClientAttachTest, EveryTensorsBytesEqualTheFileBytesThroughTheCppApi) {
   // Strides are contiguous, in elements.
   for (const Tensor& t : a->tensors()) {
     ASSERT_EQ(t.strides.size(), t.shape.size());
-    if (!t.shape.empty()) EXPECT_EQ(t.strides.back(), 1) << t.name;
+    if (!t.shape.empty()) {
+      EXPECT_EQ(t.strides.back(), 1) << t.name;
+    }
   }
 }
 

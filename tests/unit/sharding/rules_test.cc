@@ -170,7 +170,7 @@ TEST(RulesTest, SelectRuleSetByModelTypeNameOrFile) {
               StatusIs(StatusCode::kInvalidArgument, HasSubstr("FIFO")));
   WriteFile(dir.Join("big.json"), std::string(kMaxRulesFileBytes + 1, ' '));
   EXPECT_THAT(SelectRuleSet(dir.Join("big.json"), "llama"),
-              StatusIs(StatusCode::kInvalidArgument, HasSubstr("over the limit")));
+              StatusIs(StatusCode::kInvalidArgument, HasSubstr("-byte limit for this kind of file")));
 }
 
 TEST(RulesTest, LiteralPrefilterAgreesWithTheRegex) {
@@ -296,7 +296,7 @@ TEST(ModelConfigTest, ReadsConfigJsonBesideTheCheckpoint) {
   WriteFile(dir.Join("config.json"), std::string(kMaxConfigBytes + 1, ' '));
   EXPECT_THAT(ReadModelConfig(dir.path()),
               StatusIs(StatusCode::kInvalidCheckpoint,
-                       AllOf(HasSubstr("config.json"), HasSubstr("over the limit"))));
+                       AllOf(HasSubstr("config.json"), HasSubstr("-byte limit for this kind of file"))));
 }
 
 }  // namespace
