@@ -169,8 +169,9 @@ TEST(RulesTest, SelectRuleSetByModelTypeNameOrFile) {
   EXPECT_THAT(SelectRuleSet(fifo, "llama"),
               StatusIs(StatusCode::kInvalidArgument, HasSubstr("FIFO")));
   WriteFile(dir.Join("big.json"), std::string(kMaxRulesFileBytes + 1, ' '));
-  EXPECT_THAT(SelectRuleSet(dir.Join("big.json"), "llama"),
-              StatusIs(StatusCode::kInvalidArgument, HasSubstr("-byte limit for this kind of file")));
+  EXPECT_THAT(
+      SelectRuleSet(dir.Join("big.json"), "llama"),
+      StatusIs(StatusCode::kInvalidArgument, HasSubstr("-byte limit for this kind of file")));
 }
 
 TEST(RulesTest, LiteralPrefilterAgreesWithTheRegex) {
@@ -294,9 +295,10 @@ TEST(ModelConfigTest, ReadsConfigJsonBesideTheCheckpoint) {
   WriteFile(dir.Join("model.safetensors"), "");
   EXPECT_EQ(ReadModelConfig(dir.Join("model.safetensors"))->model_type, "llama");
   WriteFile(dir.Join("config.json"), std::string(kMaxConfigBytes + 1, ' '));
-  EXPECT_THAT(ReadModelConfig(dir.path()),
-              StatusIs(StatusCode::kInvalidCheckpoint,
-                       AllOf(HasSubstr("config.json"), HasSubstr("-byte limit for this kind of file"))));
+  EXPECT_THAT(
+      ReadModelConfig(dir.path()),
+      StatusIs(StatusCode::kInvalidCheckpoint,
+               AllOf(HasSubstr("config.json"), HasSubstr("-byte limit for this kind of file"))));
 }
 
 }  // namespace
