@@ -22,10 +22,10 @@ EnvLookup MapEnv(std::map<std::string, std::string, std::less<>> vars) {
 }
 
 const Env& Env::Default() {
-  static const Env env{.load_driver = [] { return cuda::LoadDriver(); },
-                       .syscalls = &os::SysCalls::Default(),
-                       .lookup = ProcessEnv()};
-  return env;
+  static const Env kEnv{.load_driver = [] { return cuda::LoadDriver(); },
+                        .syscalls = &os::SysCalls::Default(),
+                        .lookup = ProcessEnv()};
+  return kEnv;
 }
 
 }  // namespace weightcache::identity
