@@ -170,7 +170,8 @@ TEST(RulesTest, SelectRuleSetByModelTypeNameOrFile) {
               StatusIs(StatusCode::kInvalidArgument, HasSubstr("FIFO")));
   WriteFile(dir.Join("big.json"), std::string(kMaxRulesFileBytes + 1, ' '));
   EXPECT_THAT(SelectRuleSet(dir.Join("big.json"), "llama"),
-              StatusIs(StatusCode::kInvalidArgument, HasSubstr("over the limit")));
+              StatusIs(StatusCode::kInvalidArgument,
+                       HasSubstr("1048577 bytes, larger than the 1048576-byte limit")));
 }
 
 TEST(RulesTest, LiteralPrefilterAgreesWithTheRegex) {
@@ -296,7 +297,8 @@ TEST(ModelConfigTest, ReadsConfigJsonBesideTheCheckpoint) {
   WriteFile(dir.Join("config.json"), std::string(kMaxConfigBytes + 1, ' '));
   EXPECT_THAT(ReadModelConfig(dir.path()),
               StatusIs(StatusCode::kInvalidCheckpoint,
-                       AllOf(HasSubstr("config.json"), HasSubstr("over the limit"))));
+                       AllOf(HasSubstr("config.json"),
+                             HasSubstr("4194305 bytes, larger than the 4194304-byte limit"))));
 }
 
 }  // namespace
