@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "support/test_env.h"
+#include "unit/checkpoint/checkpoint_fixture.h"
 #include "weightcache/status.h"
 
 namespace weightcache::sharding::testing {
@@ -36,17 +37,10 @@ struct TensorSpec {
   std::string dtype = "bf16";
 };
 
-class ShardingFixture : public ::testing::Test {
+// The checkpoint fixture's Python probe (skip without safetensors) and temp dir; Make here
+// writes tensors from a spec instead of make_checkpoint.py's random set.
+class ShardingFixture : public checkpoint::testing::CheckpointFixture {
  protected:
-  void SetUp() override {
-    auto probe = weightcache::testing::RunCommand(
-        {weightcache::testing::PythonExe(), "-c", "import safetensors, numpy"});
-    if (probe.exit_code != 0) {
-      GTEST_SKIP() << "python safetensors/numpy unavailable (" << probe.err
-                   << "): run scripts/setup-deps.sh";
-    }
-  }
-
   // Writes the tensors (in this order, split into `shards` files) and, unless it is null,
   // config.json; returns the checkpoint directory.
   std::string Make(const std::string& name, const std::vector<TensorSpec>& tensors,
@@ -66,8 +60,6 @@ class ShardingFixture : public ::testing::Test {
     if (!config.is_null()) weightcache::testing::WriteFile(out + "/config.json", config.dump());
     return out;
   }
-
-  weightcache::testing::TempDir tmp_;
 };
 
 // A Llama-family model: `layers` layers, hidden 64, `heads` heads and `kv_heads` kv heads of
