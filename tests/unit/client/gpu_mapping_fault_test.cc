@@ -36,7 +36,9 @@ int CountNonSocketFds() {
     const std::string link = std::string("/proc/self/fd/") + e->d_name;
     char target[256] = {};
     const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
-    if (n > 0 && std::string(target, static_cast<size_t>(n)).starts_with("socket:")) continue;
+    // An fd closed between readdir and readlink (the daemon thread closing a connection) is
+    // gone: not counted.
+    if (n <= 0 || std::string(target, static_cast<size_t>(n)).starts_with("socket:")) continue;
     ++count;
   }
   ::closedir(dir);

@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "common/mutex.h"
@@ -23,13 +24,16 @@ namespace {
 enum class Call { kAccept, kRecv, kSend };
 
 // The daemon's syscalls, with one failure armed at a time: the nth call of a kind from the
-// arming on returns -1 with `err`, touching nothing. Counters are read by the test thread while
-// the daemon's thread makes the calls.
+// arming on returns -1 with `err`, touching nothing. A recv or send failure is armed for the
+// next connection the daemon accepts: the daemon's last recv on a connection already served
+// (reading to EAGAIN after its reply went out) may come after the test armed it, and must not
+// take the failure. Counters are read by the test thread while the daemon's thread makes the
+// calls.
 class FaultySysCalls : public os::SysCalls {
  public:
   void Fail(Call call, int nth, int err) {
     MutexLock lock(mu_);
-    armed_ = Armed{call, calls_[Index(call)] + nth, err};
+    armed_ = Armed{call, nth, err, call == Call::kAccept ? kAnyFd : kNextAccepted};
   }
   int injected() const {
     MutexLock lock(mu_);
@@ -41,29 +45,37 @@ class FaultySysCalls : public os::SysCalls {
   }
 
   ssize_t SendMsg(int fd, const msghdr* msg, int flags) override {
-    if (Inject(Call::kSend)) return -1;
+    if (Inject(Call::kSend, fd)) return -1;
     return SysCalls::SendMsg(fd, msg, flags);
   }
   ssize_t RecvMsg(int fd, msghdr* msg, int flags) override {
-    if (Inject(Call::kRecv)) return -1;
+    if (Inject(Call::kRecv, fd)) return -1;
     return SysCalls::RecvMsg(fd, msg, flags);
   }
   int Accept4(int fd, sockaddr* addr, socklen_t* addr_len, int flags) override {
-    if (Inject(Call::kAccept)) return -1;
-    return SysCalls::Accept4(fd, addr, addr_len, flags);
+    if (Inject(Call::kAccept, fd)) return -1;
+    const int accepted = SysCalls::Accept4(fd, addr, addr_len, flags);
+    MutexLock lock(mu_);
+    if (accepted >= 0 && armed_ && armed_->fd == kNextAccepted) armed_->fd = accepted;
+    return accepted;
   }
 
  private:
+  static constexpr int kAnyFd = -1;
+  static constexpr int kNextAccepted = -2;  // not yet accepted: no call matches
   struct Armed {
     Call call;
-    int at;
+    int remaining;  // calls to go, this one included
     int err;
+    int fd;  // the calls counted: kAnyFd, or those on this fd
   };
   static size_t Index(Call call) { return static_cast<size_t>(call); }
-  bool Inject(Call call) {
+  bool Inject(Call call, int fd) {
     MutexLock lock(mu_);
-    const int n = ++calls_[Index(call)];
-    if (!armed_ || armed_->call != call || armed_->at != n) return false;
+    ++calls_[Index(call)];
+    if (!armed_ || armed_->call != call) return false;
+    if (armed_->fd != kAnyFd && armed_->fd != fd) return false;
+    if (--armed_->remaining > 0) return false;
     errno = armed_->err;
     armed_.reset();
     ++injected_;
