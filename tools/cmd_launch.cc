@@ -22,6 +22,7 @@
 #include "launcher/placement.h"
 #include "launcher/serve_daemons.h"
 #include "os/lock_file.h"
+#include "sharding/rules.h"
 
 namespace weightcache::cli {
 namespace {
@@ -141,6 +142,10 @@ int RunLaunch(const LaunchArgs& args) {
   }
   if (!id.device_inventory.empty()) {
     id.device_inventory = fs::absolute(id.device_inventory).lexically_normal().string();
+  }
+  // --shard-rules: a built-in set's name stays a name; anything else is a rules file.
+  if (!id.shard_rules.empty() && !sharding::BuiltinRuleSetText(id.shard_rules).ok()) {
+    id.shard_rules = fs::absolute(id.shard_rules).lexically_normal().string();
   }
   files.job = SafeName(args.job.empty() ? fs::path(id.model_dir).filename().string() : args.job);
 

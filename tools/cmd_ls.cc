@@ -1,8 +1,9 @@
-// `weightcache ls`: every cache on this host (SPEC §5): identity, tier, device, state, bytes,
-// clients, pid. Walks <runtime>/<namespace>/<device key>/*.sock; a socket whose lock is not
-// held is stale and listed as such (never queried); a live one is asked Hello (for its full
-// CacheConfig: revision and ranks) and Status. A daemon that does not answer is listed with
-// the error instead of failing the whole listing.
+// `weightcache ls`: every cache on this host (SPEC §5): identity, tier, device, state, bytes
+// (a sharded cache's: the bytes of its rank's slices, marked "sliced" after its ranks and
+// "sharded": true in --json), clients, pid. Walks <runtime>/<namespace>/<device key>/*.sock; a
+// socket whose lock is not held is stale and listed as such (never queried); a live one is asked
+// Hello (for its full CacheConfig: revision and ranks) and Status. A daemon that does not answer is
+// listed with the error instead of failing the whole listing.
 #include <iomanip>
 #include <iostream>
 #include <memory>
@@ -72,6 +73,9 @@ nlohmann::json Describe(const identity::SocketEntry& entry, std::chrono::millise
     row["clients"] = st.clients;
     if (!st.failure_reason.empty()) row["failure_reason"] = st.failure_reason;
     row["config"] = hr.daemon_config;
+    // A sharded cache holds its rank's slices only: `bytes` are the held bytes.
+    row["sharded"] = hr.daemon_config.is_object() &&
+                     !hr.daemon_config.value("shard_rules_digest", std::string()).empty();
     return Status::Ok();
   };
   Status status = query();
@@ -89,8 +93,10 @@ std::string Ranks(const nlohmann::json& config) {
     return it != config.end() && it->is_number_unsigned() ? std::to_string(it->get<uint64_t>())
                                                           : "?";
   };
+  const bool sharded = !config.value("shard_rules_digest", std::string()).empty();
   return "tp" + get("tp_rank") + "/" + get("tp_size") + " pp" + get("pp_rank") + "/" +
-         get("pp_size") + " ep" + get("ep_rank") + "/" + get("ep_size") + " dp" + get("dp_size");
+         get("pp_size") + " ep" + get("ep_rank") + "/" + get("ep_size") + " dp" + get("dp_size") +
+         (sharded ? " sliced" : "");
 }
 
 int Run(const LsArgs& args) {
@@ -121,7 +127,7 @@ int Run(const LsArgs& args) {
   }
   std::ostringstream out;
   out << std::left << std::setw(10) << "NAMESPACE" << std::setw(42) << "DEVICE" << std::setw(24)
-      << "MODEL" << std::setw(28) << "RANKS" << std::setw(6) << "TIER" << std::setw(12) << "STATE"
+      << "MODEL" << std::setw(35) << "RANKS" << std::setw(6) << "TIER" << std::setw(12) << "STATE"
       << std::setw(12) << "BYTES" << std::setw(8) << "CLIENTS" << std::setw(8) << "PID"
       << "DIGEST\n";
   for (const auto& r : rows) {
@@ -147,7 +153,7 @@ int Run(const LsArgs& args) {
     std::string digest = str("digest");
     if (digest.size() > 16) digest.resize(16);
     out << std::left << std::setw(10) << str("namespace") << std::setw(42) << str("device")
-        << std::setw(24) << model << std::setw(28) << Ranks(config) << std::setw(6) << str("tier")
+        << std::setw(24) << model << std::setw(35) << Ranks(config) << std::setw(6) << str("tier")
         << std::setw(12) << state << std::setw(12) << bytes << std::setw(8) << str("clients")
         << std::setw(8) << str("pid") << digest << "\n";
     if (r.contains("failure_reason")) out << "    failed: " << str("failure_reason") << "\n";

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "cli_common.h"
 #include "common/logging.h"
 #include "common/unique_fd.h"
@@ -28,6 +29,7 @@
 #include "identity/resolve.h"
 #include "identity_flags.h"
 #include "os/syscalls.h"
+#include "sharding/planner.h"
 
 namespace weightcache::cli {
 namespace {
@@ -130,12 +132,25 @@ int Run(ServeArgs& args) {
 
   auto id = identity::ResolveIdentity(args.identity);
   if (!id.ok()) return Fail(kCmd, id.status());
+  if (Status tier = identity::CheckShardedTier(id->shard, id->config.tier); !tier.ok()) {
+    return Fail(kCmd, tier);
+  }
+  if (id->shard.has_value()) {
+    // A checkpoint the rules cannot shard is refused before the daemon takes its lock (exit 5
+    // naming the tensor and the rule); the loader plans again on the checkpoint it reads.
+    auto ckpt = checkpoint::Checkpoint::Open(args.identity.model_dir);
+    if (!ckpt.ok()) return Fail(kCmd, ckpt.status());
+    auto plan =
+        sharding::PlanShard(*ckpt, id->shard->rules, id->shard->model_config, id->shard->ranks);
+    if (!plan.ok()) return Fail(kCmd, plan.status());
+  }
 
   options.config = id->config;
   options.paths = id->paths;
   options.model_path = args.identity.model_dir;
   options.device_key = id->device_key;
   options.device = id->device;
+  options.shard = id->shard;
   options.load.threads = args.threads;
   options.load.cache_name = "weightcache:" + id->config.ShortDigest();
   options.allow_uids.assign(args.allow_uids.begin(), args.allow_uids.end());

@@ -46,6 +46,9 @@ const IdentityFlag kIdentityFlags[] = {
      "this process's pipeline-parallel rank"},
     {"--ep-rank", nullptr, true, &IdentityOptions::ep_rank, Check::kNonNegative,
      "this process's expert-parallel rank"},
+    {"--shard-rules", nullptr, false, &IdentityOptions::shard_rules, Check::kNone,
+     "sharding rules: a built-in set's name or a rules file (default: config.json's "
+     "model_type; see shard-plan --list-rules)"},
     {"--layout-tag", nullptr, false, &IdentityOptions::layout_tag, Check::kNone,
      "arena layout tag"},
     {"--source", nullptr, false, &IdentityOptions::source, Check::kNone,

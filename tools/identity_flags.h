@@ -35,7 +35,7 @@ enum class IdentityScope { kOneCache, kJob };
 
 // Registers on `sub`, bound to `options`:
 //   --model (required) --model-id --revision --dtype --quantization --quantization-config
-//   --tp-size --pp-size --ep-size --dp-size --layout-tag --source --tier
+//   --tp-size --pp-size --ep-size --dp-size --shard-rules --layout-tag --source --tier
 //   --namespace --runtime-dir --device-inventory
 //   and for kOneCache: --tp-rank --pp-rank --ep-rank --device --socket
 // Value checks that CLI11 can make (sizes >= 1, ranks >= 0, tier gpu|host) are usage errors

@@ -82,6 +82,10 @@ typedef struct wc_attach_options {
   wc_on_mismatch on_mismatch;
   int64_t wait_timeout_ms;
   int32_t fallback_threads;
+  /* Added with the sharded caches (the struct grew at its end; wc_attach_options_init sets
+   * it): the sharding rules, a built-in set's name or a rules file; NULL = config.json's
+   * model_type (used when any size is > 1). */
+  const char* shard_rules;
 } wc_attach_options;
 
 typedef struct wc_tensor {
@@ -93,6 +97,14 @@ typedef struct wc_tensor {
   uint64_t data;          /* host pointer (host tier) or CUdeviceptr (gpu tier) */
   uint64_t nbytes;
   uint64_t checksum;
+  /* Added with the sharded caches (the struct grew at its end): which slice of the full
+   * checkpoint tensor this is. slice_dim -1: the whole tensor (the other three 0); else
+   * elements [slice_offset, slice_offset + slice_length) along dim slice_dim, whose full size
+   * is slice_full_length (slice_length == shape[slice_dim]). */
+  int32_t slice_dim;
+  uint64_t slice_offset;
+  uint64_t slice_length;
+  uint64_t slice_full_length;
 } wc_tensor;
 
 typedef struct wc_attachment wc_attachment;

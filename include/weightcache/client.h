@@ -93,6 +93,18 @@ struct AttachOptions {
 // per-tensor allocation, so attaching stays flat in tensor count). Every view — name, dtype,
 // shape, strides — lives exactly as long as the Attachment (moves included); copy what must
 // outlive it. Layout is always contiguous (row-major).
+// The part of the full checkpoint tensor a sharded cache holds (docs/sharding.md): elements
+// [offset, offset + length) along `dim`, whose full size is `full_length`; length ==
+// shape[dim] of the held tensor.
+struct TensorSlice {
+  uint32_t dim = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint64_t full_length = 0;
+
+  friend bool operator==(const TensorSlice&, const TensorSlice&) = default;
+};
+
 struct Tensor {
   // NUL-terminated in the table (name.data()[name.size()] == '\0'): usable as a C string.
   std::string_view name;
@@ -107,6 +119,8 @@ struct Tensor {
   // Content checksum (docs/integrity.md): the daemon's record, or computed by the fallback
   // loader from the bytes it read.
   uint64_t checksum = 0;
+  // Which slice of the full tensor this is (a sharded cache); nullopt: the whole tensor.
+  std::optional<TensorSlice> slice;
 
   const void* host_ptr() const { return reinterpret_cast<const void*>(data); }
 };

@@ -27,6 +27,11 @@ struct IdentityOptions {
   int pp_size = 1, pp_rank = 0;
   int ep_size = 1, ep_rank = 0;
   int dp_size = 1;  // never a dp rank: replicas share weights
+  // The sharding rules of a sharded job (any of tp/pp/ep size > 1, or this set): a built-in
+  // set's name, else a rules file. "" = the built-in set of config.json's model_type. A
+  // sharded cache holds only this rank's slices; its config's shard_rules_digest covers the
+  // rules and the config.json values they read.
+  std::string shard_rules;
   std::string layout_tag;
   std::string source = "disk";  // "disk" or "published:<producer tag>"
   // The checkpoint fingerprint when the caller already knows it (skips reading the shard

@@ -116,6 +116,7 @@ struct TensorInfo {
   uint64_t data = 0;
   uint64_t nbytes = 0;
   uint64_t checksum = 0;
+  std::optional<weightcache::TensorSlice> slice;
 };
 
 class PyAttachment {
@@ -130,6 +131,7 @@ class PyAttachment {
       info.data = t.data;
       info.nbytes = t.nbytes;
       info.checksum = t.checksum;
+      info.slice = t.slice;
       infos_.push_back(std::move(info));
     }
   }
@@ -419,6 +421,8 @@ NB_MODULE(_weightcache, m) {
                    IdentitySet<&IdentityOptions::ep_rank>)
       .def_prop_rw("dp_size", IdentityGet<&IdentityOptions::dp_size>,
                    IdentitySet<&IdentityOptions::dp_size>)
+      .def_prop_rw("shard_rules", IdentityGet<&IdentityOptions::shard_rules>,
+                   IdentitySet<&IdentityOptions::shard_rules>)
       .def_prop_rw("layout_tag", IdentityGet<&IdentityOptions::layout_tag>,
                    IdentitySet<&IdentityOptions::layout_tag>)
       .def_prop_rw("source", IdentityGet<&IdentityOptions::source>,
@@ -481,6 +485,17 @@ NB_MODULE(_weightcache, m) {
       .def_prop_ro(
           "checksum", [](const PyTensor& t) { return t.info->checksum; },
           "Content checksum (docs/integrity.md).")
+      .def_prop_ro(
+          "slice",
+          [](const PyTensor& t)
+              -> std::optional<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>> {
+            const auto& s = t.info->slice;
+            if (!s) return std::nullopt;
+            return std::make_tuple(s->dim, s->offset, s->length, s->full_length);
+          },
+          "Which slice of the full checkpoint tensor this is, for a sharded cache: (dim, offset, "
+          "length, full_length), elements [offset, offset + length) along dim; None for a whole "
+          "tensor.")
       .def_prop_ro(
           "device", [](const PyTensor& t) { return t.device(); },
           "The DLPack device: (1, 0) for the host tier, (2, cuda ordinal) for the gpu tier.")

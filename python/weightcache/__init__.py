@@ -70,7 +70,7 @@ __version__ = "0.1.0"
 # The identity keywords attach() and load_state_dict() accept: AttachOptions' fields.
 _IDENTITY_KEYS = (
     "model_id", "revision", "dtype", "quantization", "quantization_config", "tp_size", "tp_rank",
-    "pp_size", "pp_rank", "ep_size", "ep_rank", "dp_size", "layout_tag", "source",
+    "pp_size", "pp_rank", "ep_size", "ep_rank", "dp_size", "shard_rules", "layout_tag", "source",
     "checkpoint_fingerprint", "namespace", "runtime_dir", "socket", "device_inventory",
     "on_missing", "on_mismatch", "wait_timeout", "fallback_threads",
 )

@@ -94,6 +94,12 @@ class AttachOptions:
     def dp_size(self, arg: int, /) -> None: ...
 
     @property
+    def shard_rules(self) -> str: ...
+
+    @shard_rules.setter
+    def shard_rules(self, arg: str, /) -> None: ...
+
+    @property
     def layout_tag(self) -> str: ...
 
     @layout_tag.setter
@@ -199,6 +205,12 @@ class Tensor:
     @property
     def checksum(self) -> int:
         """Content checksum (docs/integrity.md)."""
+
+    @property
+    def slice(self) -> tuple[int, int, int, int] | None:
+        """
+        Which slice of the full checkpoint tensor this is, for a sharded cache: (dim, offset, length, full_length), elements [offset, offset + length) along dim; None for a whole tensor.
+        """
 
     @property
     def device(self) -> tuple[int, int]:

@@ -12,6 +12,7 @@
 #include "common/logging.h"
 #include "identity/device_inventory.h"
 #include "identity/resolve.h"
+#include "sharding/planner.h"
 
 namespace weightcache {
 
@@ -65,6 +66,14 @@ struct DTypeCache {
 // count times its size. Records are in name order (checked by the decoder): no sort.
 // The manifest's records are checked here first (discovery deferred them: on the gpu tier this
 // runs on its own thread while the driver maps).
+// The manifest's slice as the client's (its length is the held shape's, checked by the
+// decoder against the full length).
+std::optional<TensorSlice> SliceOf(const protocol::TensorRecord& r) {
+  if (!r.slice) return std::nullopt;
+  return TensorSlice{r.slice->dim, r.slice->offset, static_cast<uint64_t>(r.shape[r.slice->dim]),
+                     r.slice->full_length};
+}
+
 Result<std::vector<Tensor>> BuildViews(protocol::Manifest& manifest,
                                        std::span<const uint64_t> allocation_base,
                                        const std::string& who) {
@@ -99,7 +108,8 @@ Result<std::vector<Tensor>> BuildViews(protocol::Manifest& manifest,
                            .strides = r.strides,
                            .data = allocation_base[r.allocation] + r.offset,
                            .nbytes = r.nbytes,
-                           .checksum = r.checksum});
+                           .checksum = r.checksum,
+                           .slice = SliceOf(r)});
   }
   return views;
 }
@@ -208,9 +218,17 @@ Status LoadFallback(const AttachOptions& options, const ResolvedIdentity& id,
                            " does not match " + identity.model_dir + " (" + ckpt.fingerprint() +
                            ")");
   }
+  // A sharded identity loads this rank's slices by the same plan a daemon would use.
+  std::optional<sharding::ShardPlan> plan;
+  if (id.shard.has_value()) {
+    WEIGHTCACHE_RETURN_IF_ERROR(identity::CheckShardedTier(id.shard, identity.tier));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        plan, sharding::PlanShard(ckpt, id.shard->rules, id.shard->model_config, id.shard->ranks));
+  }
   if (identity.tier == Tier::kHost) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(HostFallback loaded,
-                                 LoadHostFallback(ckpt, options.fallback_threads));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        HostFallback loaded,
+        LoadHostFallback(ckpt, options.fallback_threads, plan ? &*plan : nullptr));
     impl.tensors = std::move(loaded.tensors);
     impl.host_fallback.emplace(std::move(loaded));
     return Status::Ok();

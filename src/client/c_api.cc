@@ -56,6 +56,10 @@ void Fill(const weightcache::Tensor& t, wc_tensor* out) {
   out->data = t.data;
   out->nbytes = t.nbytes;
   out->checksum = t.checksum;
+  out->slice_dim = t.slice ? static_cast<int32_t>(t.slice->dim) : -1;
+  out->slice_offset = t.slice ? t.slice->offset : 0;
+  out->slice_length = t.slice ? t.slice->length : 0;
+  out->slice_full_length = t.slice ? t.slice->full_length : 0;
 }
 
 }  // namespace
@@ -97,6 +101,7 @@ wc_status_code wc_attach(const wc_attach_options* options, wc_attachment** out, 
   o.identity.ep_rank = options->ep_rank;
   o.identity.dp_size = options->dp_size;
   o.identity.layout_tag = Str(options->layout_tag);
+  o.identity.shard_rules = Str(options->shard_rules);
   if (options->source != nullptr) o.identity.source = options->source;
   o.identity.tier = TierFromC(options->tier);
   o.identity.device = Str(options->device);

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -11,6 +13,7 @@
 #include "common/checksum.h"
 #include "common/logging.h"
 #include "cuda/pinned_host_buffer.h"
+#include "sharding/gather.h"
 
 namespace weightcache::client {
 namespace {
@@ -82,7 +85,66 @@ std::vector<uint64_t> PackedOffsets(const checkpoint::Checkpoint& checkpoint) {
   return offsets;
 }
 
-Result<HostFallback> LoadHostFallback(const checkpoint::Checkpoint& checkpoint, int threads) {
+namespace {
+
+// The fallback of a sharded identity: the held bytes of each planned tensor, packed like
+// PackedOffsets packs whole ones; dim>0 slices gathered through a staging buffer per thread.
+Result<HostFallback> LoadShardFallback(const checkpoint::Checkpoint& checkpoint, int threads,
+                                       const sharding::ShardPlan& plan) {
+  const size_t n = plan.tensors.size();
+  std::vector<uint64_t> offsets;
+  offsets.reserve(n + 1);
+  uint64_t at = 0;
+  for (const sharding::PlannedTensor& p : plan.tensors) {
+    offsets.push_back(at);
+    at = AlignUp(at + p.bytes, checkpoint::kTensorAlignment);
+  }
+  offsets.push_back(at);
+  WEIGHTCACHE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(offsets.back()));
+
+  std::vector<Status> read(n);
+  std::vector<uint64_t> checksums(n);
+  ParallelFor(n, threads, [&](size_t i) {
+    const sharding::PlannedTensor& p = plan.tensors[i];
+    std::unique_ptr<uint8_t[]> stage;
+    read[i] = sharding::ReadHeldBytes(checkpoint, *p.tensor, p.copy, 0, p.bytes,
+                                      buffer.data() + offsets[i], stage);
+    if (read[i].ok()) checksums[i] = TensorChecksum(buffer.data() + offsets[i], p.bytes);
+  });
+  for (size_t i = 0; i < n; ++i) {
+    if (!read[i].ok()) {
+      return read[i].Context("fallback load of " + checkpoint.path() + ": tensor " +
+                             plan.tensors[i].tensor->name);
+    }
+  }
+
+  size_t name_bytes = 0, dims = 0;
+  for (const sharding::PlannedTensor& p : plan.tensors) {
+    name_bytes += p.tensor->name.size();
+    dims += p.shape.size();
+  }
+  HostFallback out{std::move(buffer), {}};
+  out.tensors.Reserve(n, name_bytes, dims);
+  const auto base = reinterpret_cast<uint64_t>(out.buffer.data());
+  for (size_t i = 0; i < n; ++i) {
+    const sharding::PlannedTensor& p = plan.tensors[i];
+    std::optional<TensorSlice> slice;
+    if (p.slice) {
+      slice = TensorSlice{p.slice->dim, p.slice->offset, p.slice->length,
+                          p.tensor->shape[p.slice->dim]};
+    }
+    WEIGHTCACHE_RETURN_IF_ERROR(out.tensors.Add(p.tensor->name, p.tensor->dtype, p.shape,
+                                                base + offsets[i], p.bytes, checksums[i], slice));
+  }
+  out.tensors.Finish();  // the plan is in file order; the table is kept by name
+  return out;
+}
+
+}  // namespace
+
+Result<HostFallback> LoadHostFallback(const checkpoint::Checkpoint& checkpoint, int threads,
+                                      const sharding::ShardPlan* plan) {
+  if (plan != nullptr) return LoadShardFallback(checkpoint, threads, *plan);
   const auto& infos = checkpoint.tensors();
   std::vector<uint64_t> offsets = PackedOffsets(checkpoint);
   WEIGHTCACHE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(offsets.back()));

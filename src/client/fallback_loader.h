@@ -25,6 +25,7 @@
 #include "common/unique_handle.h"
 #include "cuda/driver_api.h"
 #include "cuda/vmm.h"
+#include "sharding/planner.h"
 #include "weightcache/client.h"
 #include "weightcache/status.h"
 
@@ -101,7 +102,11 @@ struct GpuFallback {
 // aligned to checkpoint::kTensorAlignment; the last element is the buffer size.
 std::vector<uint64_t> PackedOffsets(const checkpoint::Checkpoint& checkpoint);
 
-Result<HostFallback> LoadHostFallback(const checkpoint::Checkpoint& checkpoint, int threads);
+// `plan` (may be null: every tensor whole) is a sharded identity's plan of `checkpoint`: only
+// the tensors it lists are loaded, each its held bytes (sharding::ReadHeldBytes), with its held
+// shape and slice in the table and the checksum of the held bytes.
+Result<HostFallback> LoadHostFallback(const checkpoint::Checkpoint& checkpoint, int threads,
+                                      const sharding::ShardPlan* plan = nullptr);
 
 inline constexpr uint64_t kStagingBytes = uint64_t{64} << 20;
 

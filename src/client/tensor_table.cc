@@ -34,7 +34,7 @@ void TensorTable::Reserve(size_t count, size_t name_bytes, size_t dims) {
 
 Status TensorTable::Add(std::string_view name, checkpoint::DType dtype,
                         std::span<const uint64_t> shape, uint64_t data, uint64_t nbytes,
-                        uint64_t checksum) {
+                        uint64_t checksum, std::optional<TensorSlice> slice) {
   if (tensors_.size() == tensors_.capacity() || name.size() + 1 > names_capacity_ - names_used_ ||
       2 * shape.size() > dims_capacity_ - dims_used_) {
     return InternalError("tensor table: reservation exceeded at tensor " +
@@ -59,6 +59,7 @@ Status TensorTable::Add(std::string_view name, checkpoint::DType dtype,
   t.data = data;
   t.nbytes = nbytes;
   t.checksum = checksum;
+  t.slice = slice;
   return Status::Ok();
 }
 

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -51,7 +52,8 @@ class TensorTable {
   // `shape` entries must fit in int64 (the checkpoint parser and the manifest decoder bound
   // them far below that). kInternal when the reservation is exceeded.
   Status Add(std::string_view name, checkpoint::DType dtype, std::span<const uint64_t> shape,
-             uint64_t data, uint64_t nbytes, uint64_t checksum);
+             uint64_t data, uint64_t nbytes, uint64_t checksum,
+             std::optional<TensorSlice> slice = std::nullopt);
   // Sorts by name unless already sorted.
   void Finish();
 

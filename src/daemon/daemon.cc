@@ -23,6 +23,7 @@
 #include "daemon/load_memory.h"
 #include "os/fd_passing.h"
 #include "protocol/frame.h"
+#include "sharding/planner.h"
 
 namespace weightcache::daemon {
 
@@ -225,7 +226,18 @@ Result<WeightStore> Daemon::Load(std::string* memory) {
                              "computed from (" +
                              options_.config.checkpoint_files + ")");
   }
-  bytes_total_.store(checkpoint.total_bytes());
+  // A sharded cache loads this rank's plan only; every rank of a job refuses a checkpoint its
+  // rules cannot shard alike (kInvalidCheckpoint naming the tensor and the rule).
+  LoadOptions load = options_.load;
+  std::optional<sharding::ShardPlan> plan;
+  if (options_.shard.has_value()) {
+    WEIGHTCACHE_RETURN_IF_ERROR(identity::CheckShardedTier(options_.shard, options_.config.tier));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        plan, sharding::PlanShard(checkpoint, options_.shard->rules, options_.shard->model_config,
+                                  options_.shard->ranks));
+    load.shard_plan = &*plan;
+  }
+  bytes_total_.store(plan ? plan->bytes : checkpoint.total_bytes());
 
   // Throttle wakeups: about every 1 % or 250 ms, whichever comes first.
   Mutex progress_mu;
@@ -244,7 +256,6 @@ Result<WeightStore> Daemon::Load(std::string* memory) {
       Wake(wakeup_.get());
     }
   };
-  LoadOptions load = options_.load;
   Result<WeightStore> store = [&] {
     if (options_.config.tier == Tier::kHost) {
       return LoadHostStore(checkpoint, load, control, memory);

@@ -57,6 +57,7 @@
 #include "identity/device_inventory.h"
 #include "identity/env.h"
 #include "identity/paths.h"
+#include "identity/resolve.h"
 #include "os/lock_file.h"
 #include "os/unix_socket.h"
 #include "protocol/messages.h"
@@ -74,6 +75,9 @@ struct DaemonOptions {
   // LoadOptions.
   std::optional<identity::DeviceInfo> device;
   LoadOptions load;  // threads, memory budget (device and driver are set by the loader)
+  // A sharded cache (identity::ResolveIdentity's shard): the loader plans this rank's slices
+  // (sharding::PlanShard) and loads only those. Host tier only.
+  std::optional<identity::ShardSpec> shard;
   // Every machine input: the CUDA driver (gpu tier load), the socket syscalls of the event
   // loop (accept, recvmsg, sendmsg). Tests run a Daemon in process over a fake driver or
   // faulty syscalls (tests/unit/daemon/in_process_daemon.h).

@@ -31,6 +31,7 @@
 #include "common/mutex.h"
 #include "daemon/load_memory.h"
 #include "os/memfd.h"
+#include "sharding/gather.h"
 
 namespace weightcache::daemon {
 namespace {
@@ -76,7 +77,7 @@ class HostReader {
         memfds_(memfds),
         control_(control),
         chunk_hashes_(*chunk_hashes),
-        total_(checkpoint.total_bytes()) {}
+        total_(std::accumulate(layout.sizes.begin(), layout.sizes.end(), uint64_t{0})) {}
 
   Status Run(int threads) {
     if (control_.progress) control_.progress(0, total_);
@@ -94,6 +95,7 @@ class HostReader {
  private:
   void Worker() {
     const auto bounce = std::make_unique<uint8_t[]>(kHostStepBytes);
+    std::unique_ptr<uint8_t[]> stage;  // sharding::ReadHeldBytes' staging, on first need
     while (!stop_.load(std::memory_order_relaxed)) {
       const size_t n = next_item_.fetch_add(1, std::memory_order_relaxed);
       if (n >= items_.size()) return;
@@ -103,8 +105,8 @@ class HostReader {
       } else {
         const HostItem& item = items_[n];
         for (size_t i = item.first; i < item.first + item.count && status.ok(); ++i) {
-          status = item.count == 1 ? LoadRange(i, item.from, item.length, bounce.get())
-                                   : LoadRange(i, 0, layout_.sizes[i], bounce.get());
+          status = item.count == 1 ? LoadRange(i, item.from, item.length, bounce.get(), stage)
+                                   : LoadRange(i, 0, layout_.sizes[i], bounce.get(), stage);
         }
       }
       MutexLock lock(mu_);
@@ -118,19 +120,18 @@ class HostReader {
     }
   }
 
-  // Loads [from, from + length) of the tensor at position i of the order through `bounce`
-  // (kHostStepBytes): read, hash its chunks, write into its place. `from` is on a chunk
-  // boundary. Items write disjoint slices of the chunk hashes, so no lock is needed.
-  Status LoadRange(size_t i, uint64_t from, uint64_t length, uint8_t* bounce) {
+  // Loads [from, from + length) of the held bytes of the tensor at position i of the order
+  // through `bounce` (kHostStepBytes): read (sharding::ReadHeldBytes), hash its chunks, write into
+  // its place. `from` is on a chunk boundary. Items write disjoint slices of the chunk hashes, so
+  // no lock is needed.
+  Status LoadRange(size_t i, uint64_t from, uint64_t length, uint8_t* bounce,
+                   std::unique_ptr<uint8_t[]>& stage) {
     const auto& t = checkpoint_.tensors()[layout_.order[i]];
     const auto& place = layout_.plan.placements[i];
     for (uint64_t at = from; at < from + length; at += kHostStepBytes) {
       const uint64_t step = std::min(kHostStepBytes, from + length - at);
-      const checkpoint::ReadRequest request{t.shard, t.offset + at, step, bounce};
-      checkpoint::ReadOptions read_options;
-      read_options.threads = 1;
-      WEIGHTCACHE_RETURN_IF_ERROR(checkpoint::ReadRanges(
-          checkpoint_, std::span<const checkpoint::ReadRequest>(&request, 1), read_options));
+      WEIGHTCACHE_RETURN_IF_ERROR(
+          sharding::ReadHeldBytes(checkpoint_, t, layout_.copy[i], at, step, bounce, stage));
       const uint64_t first_chunk = layout_.chunk_begin[i] + at / kChecksumChunkBytes;
       HashChunks(bounce, step,
                  std::span<uint64_t>(chunk_hashes_).subspan(first_chunk, ChecksumChunkCount(step)));
@@ -160,11 +161,25 @@ class HostReader {
 
 }  // namespace
 
-HostLayout PlanHostLayout(const checkpoint::Checkpoint& checkpoint, uint64_t page_size) {
+HostLayout PlanHostLayout(const checkpoint::Checkpoint& checkpoint, uint64_t page_size,
+                          const sharding::ShardPlan* plan) {
   HostLayout layout;
-  layout.order = FileOrder(checkpoint);
-  layout.sizes.reserve(layout.order.size());
-  for (size_t idx : layout.order) layout.sizes.push_back(checkpoint.tensors()[idx].nbytes);
+  if (plan == nullptr) {
+    layout.order = FileOrder(checkpoint);
+    for (size_t idx : layout.order) {
+      const uint64_t bytes = checkpoint.tensors()[idx].nbytes;
+      layout.sizes.push_back(bytes);
+      layout.copy.push_back({.rows = 1, .row_bytes = bytes, .source_pitch = 0, .source_offset = 0});
+    }
+  } else {
+    // The plan lists the held tensors in file order already.
+    for (const sharding::PlannedTensor& p : plan->tensors) {
+      layout.order.push_back(static_cast<size_t>(p.tensor - checkpoint.tensors().data()));
+      layout.sizes.push_back(p.bytes);
+      layout.copy.push_back(p.copy);
+      layout.planned.push_back(&p);
+    }
+  }
   layout.plan = checkpoint::PlanArena(layout.sizes, page_size);
   layout.chunk_begin.assign(layout.order.size() + 1, 0);
   for (size_t i = 0; i < layout.order.size(); ++i) {
@@ -230,25 +245,35 @@ Status SealHostMemfds(const std::vector<UniqueFd>& memfds) {
 Result<StoreSummary> SummarizeHostStore(const checkpoint::Checkpoint& checkpoint,
                                         const HostLayout& layout,
                                         const std::vector<uint64_t>& chunk_hashes) {
-  // Position k of the file order is tensor order[k] of the name order (checkpoint.tensors()).
+  // Position k of the file order holds tensor order[k] of checkpoint.tensors(), which is in
+  // name order: the positions sorted by that index give the manifest's name order. A sharded
+  // load holds a subset of the tensors; the manifest lists those it holds.
   const size_t n = layout.order.size();
-  std::vector<size_t> by_name(n);
-  std::iota(by_name.begin(), by_name.end(), size_t{0});
-  std::vector<PlacedTensor> placements(n);
-  std::vector<uint64_t> checksums_by_name(n);
-  for (size_t k = 0; k < n; ++k) {
-    placements[layout.order[k]] = {layout.plan.placements[k].allocation,
-                                   layout.plan.placements[k].offset};
-    checksums_by_name[layout.order[k]] = CombineChunkHashes(
+  std::vector<size_t> positions(n);
+  std::iota(positions.begin(), positions.end(), size_t{0});
+  std::sort(positions.begin(), positions.end(),
+            [&](size_t a, size_t b) { return layout.order[a] < layout.order[b]; });
+  std::vector<size_t> by_name;
+  std::vector<PlacedTensor> placements;
+  std::vector<uint64_t> checksums;
+  std::vector<const sharding::PlannedTensor*> planned;
+  by_name.reserve(n);
+  placements.reserve(n);
+  checksums.reserve(n);
+  for (size_t k : positions) {
+    by_name.push_back(layout.order[k]);
+    placements.push_back({layout.plan.placements[k].allocation, layout.plan.placements[k].offset});
+    checksums.push_back(CombineChunkHashes(
         std::span<const uint64_t>(chunk_hashes)
-            .subspan(layout.chunk_begin[k], layout.chunk_begin[k + 1] - layout.chunk_begin[k]));
+            .subspan(layout.chunk_begin[k], layout.chunk_begin[k + 1] - layout.chunk_begin[k])));
+    if (!layout.planned.empty()) planned.push_back(layout.planned[k]);
   }
   StoreSummary summary;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(summary.manifest,
-                               BuildManifest(Tier::kHost, checkpoint, by_name, placements,
-                                             checksums_by_name, layout.plan.allocation_bytes));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      summary.manifest, BuildManifest(Tier::kHost, checkpoint, by_name, placements, checksums,
+                                      layout.plan.allocation_bytes, planned));
   summary.tensor_count = n;
-  summary.tensor_bytes = checkpoint.total_bytes();
+  summary.tensor_bytes = std::accumulate(layout.sizes.begin(), layout.sizes.end(), uint64_t{0});
   summary.resident_bytes = layout.plan.total_bytes;
   return summary;
 }
@@ -259,8 +284,8 @@ Result<WeightStore> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
                                   const LoadOptions& options, const LoadControl& control,
                                   std::string* memory) {
   const auto start = std::chrono::steady_clock::now();
-  const HostLayout layout =
-      PlanHostLayout(checkpoint, static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)));
+  const HostLayout layout = PlanHostLayout(
+      checkpoint, static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)), options.shard_plan);
   WEIGHTCACHE_RETURN_IF_ERROR(CheckMemoryBudget(Tier::kHost, layout.plan.total_bytes,
                                                 layout.plan.allocation_bytes.size(),
                                                 options.memory_budget));
@@ -280,7 +305,7 @@ Result<WeightStore> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
 
   WEIGHTCACHE_ASSIGN_OR_RETURN(StoreSummary summary,
                                SummarizeHostStore(checkpoint, layout, chunk_hashes));
-  const uint64_t total = checkpoint.total_bytes();
+  const uint64_t total = summary.tensor_bytes;
   LOG_INFO << "host tier: " << layout.order.size() << " tensors in " << memfds.size()
            << " sealed memfd(s), " << layout.plan.total_bytes << " bytes; read+checksum " << read_ms
            << " ms (" << (read_ms > 0 ? static_cast<double>(total) / read_ms / 1e6 : 0.0)

@@ -2,7 +2,9 @@
 // it can be tested on its own:
 //
 //   PlanHostLayout    file order, page-granular arena plan, where each tensor's checksum chunk
-//                     hashes go; checked against the memory budget by the caller
+//                     hashes go; checked against the memory budget by the caller. With a
+//                     shard plan (sharding/planner.h) only the tensors this rank holds, each
+//                     sized by its held bytes and read by its copy geometry
 //   MakeHostItems     the plan cut into work items of about kHostItemBytes, in file order
 //   CreateHostMemfds  one memfd per allocation of the plan, named "<cache>-<index>"
 //   RunHostItems      reader threads: pread → hash → pwrite, through a bounce buffer each
@@ -23,6 +25,7 @@
 #include "checkpoint/checkpoint.h"
 #include "common/unique_fd.h"
 #include "daemon/weight_store.h"
+#include "sharding/planner.h"
 #include "weightcache/status.h"
 
 namespace weightcache::daemon {
@@ -36,20 +39,31 @@ inline constexpr uint64_t kHostItemBytes = uint64_t{8} << 20;
 // still sits in the core's L2 when the checksum and the pwrite walk over it. Also a multiple
 // of the checksum chunk.
 inline constexpr uint64_t kHostStepBytes = uint64_t{1} << 20;
+// A slice along a dim > 0 is `rows` pieces of `row_bytes`, `source_pitch` apart in the file.
+// Pieces are gathered by reading a block of whole source rows with one pread into this staging
+// buffer (allocated by a thread only when it meets such a slice) and copying the pieces out,
+// so small rows cost no syscall each; a row piece whose pitch exceeds it is read on its own.
+inline constexpr uint64_t kHostStageBytes = uint64_t{8} << 20;
 
 // Where every tensor of a host-tier load goes.
 struct HostLayout {
   std::vector<size_t> order;    // indices into checkpoint.tensors(), in file order (FileOrder)
-  std::vector<uint64_t> sizes;  // sizes[i]: the bytes of tensor order[i]
-  checkpoint::ArenaPlan plan;   // placements parallel to `order`
+  std::vector<uint64_t> sizes;  // sizes[i]: the bytes held of tensor order[i]
+  // copy[i]: where the held bytes of tensor order[i] lie in it (one run for a whole tensor).
+  std::vector<sharding::CopyGeometry> copy;
+  // planned[i]: the shard plan's entry of tensor order[i]; empty when the load is unsharded.
+  std::vector<const sharding::PlannedTensor*> planned;
+  checkpoint::ArenaPlan plan;  // placements parallel to `order`
   // Every tensor's chunk hashes in one flat array: those of tensor order[i] are
   // [chunk_begin[i], chunk_begin[i + 1]); chunk_begin.back() is the array's size.
   std::vector<uint64_t> chunk_begin;
 };
 
 // Packs the tensors in file order at `page_size` granularity (a memfd is sized in pages
-// anyway, and mmap needs page-aligned lengths).
-HostLayout PlanHostLayout(const checkpoint::Checkpoint& checkpoint, uint64_t page_size);
+// anyway, and mmap needs page-aligned lengths). `plan` (may be null: every tensor whole) is
+// the rank's shard plan of `checkpoint`, and must outlive the layout.
+HostLayout PlanHostLayout(const checkpoint::Checkpoint& checkpoint, uint64_t page_size,
+                          const sharding::ShardPlan* plan = nullptr);
 
 // One unit of loader work, in file order: either the whole tensors [first, first + count) of
 // the layout's order (small tensors grouped up to kHostItemBytes), or the byte range
@@ -83,7 +97,8 @@ Status SealHostMemfds(const std::vector<UniqueFd>& memfds);
 
 // The summary of a finished load: each tensor's checksum from its chunk hashes, the attach
 // manifest in name order (the order the client's table is kept in, so attaching needs no
-// sort), the tensor count and the byte totals.
+// sort; a sharded load's records carry the held shapes and slices), the tensor count and the
+// byte totals (tensor_bytes: the held bytes).
 Result<StoreSummary> SummarizeHostStore(const checkpoint::Checkpoint& checkpoint,
                                         const HostLayout& layout,
                                         const std::vector<uint64_t>& chunk_hashes);

@@ -34,8 +34,10 @@ Result<ManifestFile> BuildManifest(Tier tier, const checkpoint::Checkpoint& chec
                                    const std::vector<size_t>& order,
                                    const std::vector<PlacedTensor>& placements,
                                    const std::vector<uint64_t>& checksums,
-                                   const std::vector<uint64_t>& allocation_sizes) {
-  if (placements.size() != order.size() || checksums.size() != order.size()) {
+                                   const std::vector<uint64_t>& allocation_sizes,
+                                   std::span<const sharding::PlannedTensor* const> planned) {
+  if (placements.size() != order.size() || checksums.size() != order.size() ||
+      (!planned.empty() && planned.size() != order.size())) {
     return InternalError("manifest: " + std::to_string(order.size()) + " tensors but " +
                          std::to_string(placements.size()) + " placements and " +
                          std::to_string(checksums.size()) + " checksums");
@@ -53,6 +55,13 @@ Result<ManifestFile> BuildManifest(Tier tier, const checkpoint::Checkpoint& chec
     e.offset = placements[i].offset;
     e.nbytes = t.nbytes;
     e.checksum = checksums[i];
+    if (!planned.empty()) {
+      const sharding::PlannedTensor& p = *planned[i];
+      std::copy(p.shape.begin(), p.shape.end(), e.shape.begin());
+      e.nbytes = p.bytes;
+      if (p.slice)
+        e.slice = protocol::SliceEntry{p.slice->dim, p.slice->offset, t.shape[p.slice->dim]};
+    }
     entries.push_back(e);
   }
   auto manifest = protocol::EncodeManifest(tier, allocation_sizes, entries);

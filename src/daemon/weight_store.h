@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +37,7 @@
 #include "cuda/driver_api.h"
 #include "identity/device_inventory.h"
 #include "protocol/manifest.h"
+#include "sharding/planner.h"
 #include "weightcache/status.h"
 
 namespace weightcache::daemon {
@@ -90,6 +92,9 @@ struct LoadOptions {
   identity::DeviceInfo device;
   const cuda::DriverApi* driver = nullptr;
   std::string cache_name;  // names the memfds ("weightcache:<digest16>") for /proc readers
+  // A sharded cache: this rank's plan of the checkpoint being loaded (the host tier loads only
+  // what it lists); null = every tensor whole.
+  const sharding::ShardPlan* shard_plan = nullptr;
 };
 
 struct LoadControl {
@@ -121,6 +126,8 @@ std::vector<size_t> FileOrder(const checkpoint::Checkpoint& checkpoint);
 // checksum per entry of `order` (common/checksum.h), in its sealed memfd; the records are in
 // name order whatever `order` is (protocol/manifest.h). A checkpoint that opened is within the
 // manifest's bounds (checkpoint/limits.h), so an encoding error here is an internal one.
+// `planned` (empty, or parallel to `order`): a sharded load's entries, whose held shape,
+// bytes and slice the records carry instead of the whole tensor's.
 struct PlacedTensor {
   uint32_t allocation = 0;
   uint64_t offset = 0;
@@ -129,6 +136,7 @@ Result<ManifestFile> BuildManifest(Tier tier, const checkpoint::Checkpoint& chec
                                    const std::vector<size_t>& order,
                                    const std::vector<PlacedTensor>& placements,
                                    const std::vector<uint64_t>& checksums,
-                                   const std::vector<uint64_t>& allocation_sizes);
+                                   const std::vector<uint64_t>& allocation_sizes,
+                                   std::span<const sharding::PlannedTensor* const> planned = {});
 
 }  // namespace weightcache::daemon

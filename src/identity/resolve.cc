@@ -3,9 +3,11 @@
 #include <unistd.h>
 
 #include <charconv>
+#include <nlohmann/json.hpp>
 #include <utility>
 
 #include "checkpoint/checkpoint.h"
+#include "common/hash.h"
 #include "os/read_file.h"
 
 namespace weightcache::identity {
@@ -41,7 +43,50 @@ std::string DefaultGpuSpec(const Env& env) {
   return "0";
 }
 
+// The CacheConfig fields of `options` but the shard digest, validated (CacheConfig::Validate
+// names a bad rank by its field before the sharding rules are looked at).
+Result<CacheConfig> BuildConfig(const IdentityOptions& options, const std::string& fingerprint,
+                                const std::string& files_digest);
+
 }  // namespace
+
+bool IsSharded(const IdentityOptions& options) {
+  return options.tp_size > 1 || options.pp_size > 1 || options.ep_size > 1 ||
+         !options.shard_rules.empty();
+}
+
+Result<std::optional<ShardSpec>> ResolveShardSpec(const IdentityOptions& options) {
+  if (!IsSharded(options)) return std::optional<ShardSpec>();
+  ShardSpec spec;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(spec.ranks.tp_size, Rank("tp_size", options.tp_size));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(spec.ranks.tp_rank, Rank("tp_rank", options.tp_rank));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(spec.ranks.pp_size, Rank("pp_size", options.pp_size));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(spec.ranks.pp_rank, Rank("pp_rank", options.pp_rank));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(spec.ranks.ep_size, Rank("ep_size", options.ep_size));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(spec.ranks.ep_rank, Rank("ep_rank", options.ep_rank));
+  WEIGHTCACHE_RETURN_IF_ERROR(sharding::ValidateRanks(spec.ranks));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(spec.model_config, sharding::ReadModelConfig(options.model_dir));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      spec.rules, sharding::SelectRuleSet(options.shard_rules, spec.model_config.model_type));
+  nlohmann::json model_config = {{"integers", nlohmann::json::object()},
+                                 {"model_type", spec.model_config.model_type},
+                                 {"tie_word_embeddings", spec.model_config.tie_word_embeddings}};
+  for (const auto& [key, value] : spec.model_config.integers) {
+    model_config["integers"][key] = value;
+  }
+  // nlohmann::json keeps object keys sorted (byte order = Python's code point order).
+  const nlohmann::json doc = {{"model_config", std::move(model_config)},
+                              {"rules", nlohmann::json::parse(spec.rules.canonical_json)}};
+  spec.digest = Sha256Hex(doc.dump(-1, ' ', /*ensure_ascii=*/true));
+  return std::optional<ShardSpec>(std::move(spec));
+}
+
+Status CheckShardedTier(const std::optional<ShardSpec>& shard, Tier tier) {
+  if (shard.has_value() && tier != Tier::kHost) {
+    return InvalidArgument("sharded gpu-tier loads are not implemented yet: use --tier host");
+  }
+  return Status::Ok();
+}
 
 Result<std::vector<uid_t>> TrustedUids(const std::vector<uint32_t>& configured,
                                        const EnvLookup& env) {
@@ -70,6 +115,16 @@ Result<std::vector<uid_t>> TrustedUids(const std::vector<uint32_t>& configured,
 
 Result<CacheConfig> BuildCacheConfig(const IdentityOptions& options, const std::string& fingerprint,
                                      const std::string& files_digest) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(CacheConfig c, BuildConfig(options, fingerprint, files_digest));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<ShardSpec> shard, ResolveShardSpec(options));
+  if (shard) c.shard_rules_digest = shard->digest;
+  return c;
+}
+
+namespace {
+
+Result<CacheConfig> BuildConfig(const IdentityOptions& options, const std::string& fingerprint,
+                                const std::string& files_digest) {
   CacheConfig c;
   c.model_id = options.model_id.empty() ? BaseName(options.model_dir) : options.model_id;
   if (c.model_id.empty()) {
@@ -101,6 +156,8 @@ Result<CacheConfig> BuildCacheConfig(const IdentityOptions& options, const std::
   return c;
 }
 
+}  // namespace
+
 Result<ResolvedIdentity> ResolveIdentity(const IdentityOptions& options, const Env& env) {
   if (options.model_dir.empty()) {
     return InvalidArgument(
@@ -121,7 +178,9 @@ Result<ResolvedIdentity> ResolveIdentity(const IdentityOptions& options, const E
                                  checkpoint::CheckpointFilesDigest(options.model_dir));
   }
   ResolvedIdentity id;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(id.config, BuildCacheConfig(options, fingerprint, files_digest));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(id.config, BuildConfig(options, fingerprint, files_digest));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(id.shard, ResolveShardSpec(options));
+  if (id.shard) id.config.shard_rules_digest = id.shard->digest;
   WEIGHTCACHE_ASSIGN_OR_RETURN(id.trusted_uids, TrustedUids(options.trusted_uids, env.lookup));
 
   std::string spec = options.device;

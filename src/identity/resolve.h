@@ -20,6 +20,9 @@
 #include "identity/device_inventory.h"
 #include "identity/env.h"
 #include "identity/paths.h"
+#include "sharding/model_config.h"
+#include "sharding/planner.h"
+#include "sharding/rules.h"
 #include "weightcache/identity_options.h"
 #include "weightcache/status.h"
 
@@ -27,8 +30,39 @@ namespace weightcache::identity {
 
 inline constexpr std::string_view kTrustedUidsEnv = "WEIGHTCACHE_TRUSTED_UIDS";
 
+// What a sharded cache loads by (docs/sharding.md): the rule set, the config.json values it
+// reads, the validated ranks, and the digest over the first two that the CacheConfig carries
+// as shard_rules_digest.
+struct ShardSpec {
+  sharding::RuleSet rules;
+  sharding::ModelConfig model_config;
+  sharding::Ranks ranks;
+  std::string digest;
+};
+
+// A job is sharded when any of tp/pp/ep size is > 1 or shard_rules is set.
+bool IsSharded(const IdentityOptions& options);
+
+// The shard spec of `options`: nullopt when the job is not sharded. Otherwise the ranks are
+// validated (sharding::ValidateRanks), config.json is read beside model_dir and the rule set
+// chosen (sharding::SelectRuleSet: options.shard_rules, else config.json's model_type). The
+// digest is the SHA-256 hex of the canonical JSON (keys sorted, compact, non-ASCII escaped:
+// Python's json.dumps(obj, sort_keys=True, separators=(",", ":"))) of
+//   {"model_config": {"integers": {<every top-level non-negative integer of config.json>},
+//                     "model_type": "...", "tie_word_embeddings": bool},
+//    "rules": <the rules document>}
+// so a changed rules document or config.json (e.g. its head counts) is another cache.
+// kInvalidArgument for bad ranks or no rule set; kInvalidCheckpoint for a bad config.json.
+Result<std::optional<ShardSpec>> ResolveShardSpec(const IdentityOptions& options);
+
+// The tiers that load slices: the host tier only for now. kInvalidArgument ("sharded gpu-tier
+// loads are not implemented yet: use --tier host") for a sharded gpu-tier cache, so that its
+// serve and its fallback refuse instead of loading the whole checkpoint.
+Status CheckShardedTier(const std::optional<ShardSpec>& shard, Tier tier);
+
 struct ResolvedIdentity {
   CacheConfig config;
+  std::optional<ShardSpec> shard;    // set when the job is sharded (config.shard_rules_digest)
   std::string device_key;            // the GPU UUID, or "host"
   std::optional<DeviceInfo> device;  // the GPU (with its cuda_ordinal): gpu tier, or host tier
                                      // with affinity
@@ -48,7 +82,8 @@ Result<ResolvedIdentity> ResolveIdentity(const IdentityOptions& options,
                                          const Env& env = Env::Default());
 
 // The CacheConfig fields of `options` over a known fingerprint and files digest
-// (checkpoint::Checkpoint::files_digest) (no I/O but the quantization config file).
+// (checkpoint::Checkpoint::files_digest) (no I/O but the quantization config file and, for a
+// sharded job, config.json and the rules file: ResolveShardSpec).
 Result<CacheConfig> BuildCacheConfig(const IdentityOptions& options, const std::string& fingerprint,
                                      const std::string& files_digest);
 

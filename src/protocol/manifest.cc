@@ -86,6 +86,18 @@ Status ValidateEntry(size_t i, const TensorEntry& t, std::span<const uint64_t> a
     return error("allocation index " + std::to_string(t.allocation) + " out of range (" +
                  std::to_string(allocations.size()) + " allocations)");
   }
+  if (t.slice) {
+    if (t.slice->dim >= t.ndim) {
+      return error("slice dim " + std::to_string(t.slice->dim) + " is not below ndim " +
+                   std::to_string(t.ndim));
+    }
+    const uint64_t length = t.shape[t.slice->dim];
+    if (t.slice->offset > t.slice->full_length || length > t.slice->full_length - t.slice->offset) {
+      return error("slice offset " + std::to_string(t.slice->offset) + " + length " +
+                   std::to_string(length) + " exceeds the full dim of " +
+                   std::to_string(t.slice->full_length));
+    }
+  }
   uint64_t alloc_size = allocations[t.allocation];
   if (t.offset > alloc_size || t.nbytes > alloc_size - t.offset) {
     return error("offset " + std::to_string(t.offset) + " + nbytes " + std::to_string(t.nbytes) +
@@ -209,12 +221,15 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
     wire::PutU32(out, dtype_offsets[i]);
     wire::PutU8(out, static_cast<uint8_t>(t.dtype.size()));
     wire::PutU8(out, static_cast<uint8_t>(t.ndim));
-    wire::PutU16(out, 0);
+    wire::PutU8(out, t.slice ? static_cast<uint8_t>(t.slice->dim + 1) : 0);
+    wire::PutU8(out, 0);
     wire::PutU32(out, t.allocation);
     wire::PutU32(out, dims_at);
     wire::PutU64(out, t.offset);
     wire::PutU64(out, t.nbytes);
     wire::PutU64(out, t.checksum);
+    wire::PutU64(out, t.slice ? t.slice->offset : 0);
+    wire::PutU64(out, t.slice ? t.slice->full_length : 0);
     dims_at += 2 * t.ndim;
   }
   for (uint32_t i : order) {
@@ -262,6 +277,7 @@ TensorRecord Manifest::record(size_t i) const {
   t.offset = wire::GetU64(r + 24);
   t.nbytes = wire::GetU64(r + 32);
   t.checksum = wire::GetU64(r + 40);
+  if (r[14] != 0) t.slice = SliceEntry{r[14] - 1u, wire::GetU64(r + 48), wire::GetU64(r + 56)};
   return t;
 }
 
@@ -276,6 +292,7 @@ TensorEntry Manifest::tensor(size_t i) const {
   t.offset = r.offset;
   t.nbytes = r.nbytes;
   t.checksum = r.checksum;
+  t.slice = r.slice;
   return t;
 }
 
@@ -405,9 +422,7 @@ Status Manifest::CheckRecords() {
       known_dtype = dtype;
     }
     const uint32_t ndim = r[13];
-    if (wire::GetU16(r + 14) != 0) {
-      return ManifestError(Describe(i, name) + ": reserved bytes are not 0");
-    }
+    if (r[15] != 0) return ManifestError(Describe(i, name) + ": reserved bytes are not 0");
     if (ndim > kMaxTensorDims) {
       return ManifestError(Describe(i, name) + ": ndim " + std::to_string(ndim) + " exceeds " +
                            std::to_string(kMaxTensorDims));
@@ -439,6 +454,25 @@ Status Manifest::CheckRecords() {
     if (stride_overflow) return ManifestError(Describe(i, name) + ": a stride overflows int64");
     if (wrong_stride) {
       return ManifestError(Describe(i, name) + ": strides are not the contiguous row-major ones");
+    }
+    const uint32_t slice_dim_1 = r[14];  // 0: whole, else the slice's dim + 1
+    const uint64_t slice_offset = wire::GetU64(r + 48), full_length = wire::GetU64(r + 56);
+    if (slice_dim_1 == 0) {
+      if (slice_offset != 0 || full_length != 0) {
+        return ManifestError(Describe(i, name) +
+                             ": a whole tensor has a slice offset or full length");
+      }
+    } else {
+      if (slice_dim_1 > ndim) {
+        return ManifestError(Describe(i, name) + ": slice dim " + std::to_string(slice_dim_1 - 1) +
+                             " is not below ndim " + std::to_string(ndim));
+      }
+      const uint64_t length = static_cast<uint64_t>(shape[slice_dim_1 - 1]);
+      if (slice_offset > full_length || length > full_length - slice_offset) {
+        return ManifestError(Describe(i, name) + ": slice offset " + std::to_string(slice_offset) +
+                             " + length " + std::to_string(length) + " exceeds the full dim of " +
+                             std::to_string(full_length));
+      }
     }
     const uint32_t allocation = wire::GetU32(r + 16);
     if (allocation >= allocation_count) {

@@ -6,13 +6,14 @@
 // the socket per attach. Since protocol version 3 the client's tensor table points INTO the
 // mapped manifest: names are stored NUL-terminated and shapes and strides as little-endian
 // int64 arrays, so building the table copies no name and no dimension — per tensor, a client
-// validates one 48-byte record and writes one table entry.
+// validates one 64-byte record and writes one table entry.
 //
 //   header (32 bytes): magic "WCMF" | u8 tier | 3 reserved (0) | u32 allocation_count |
 //                      u32 tensor_count | u32 dim_count | u32 string_table_size |
 //                      u64 reserved (0)
 //   allocations:       allocation_count x { u64 size }
-//   tensors:           tensor_count x 48-byte records (layout in docs/protocol.md)
+//   tensors:           tensor_count x 64-byte records (layout in docs/protocol.md), each
+//                      with the slice of the full tensor it holds (sharded caches)
 //   dims:              dim_count x i64: each tensor's shape, then its contiguous strides
 //   string table:      string_table_size bytes; tensor names, each followed by a NUL, and
 //                      dtype names (the safetensors spelling, "BF16", "F8_E4M3", ...)
@@ -27,7 +28,9 @@
 //    (hence unique), dtypes are 1-16 bytes of [A-Z0-9_], ndim <= kMaxTensorDims, the dims lie
 //    in the dims section, every dimension is >= 0, the element count does not overflow 64
 //    bits, the strides are exactly the contiguous row-major ones, allocation indices are in
-//    range, offset + nbytes lies inside its allocation without overflow, reserved bytes are 0.
+//    range, offset + nbytes lies inside its allocation without overflow, reserved bytes are 0,
+//    a slice's dim is < ndim and offset + shape[dim] <= full_length (a whole tensor's slice
+//    fields are 0).
 //    Dtype semantics (known names, nbytes = elements x size) are checked by the consumer,
 //    which owns the dtype table.
 //  * The bytes are validated once; record(i) then reads record i from them without checking
@@ -73,7 +76,7 @@ inline constexpr uint32_t kMaxDTypeNameLength = 16;
 inline constexpr uint32_t kMaxDTypeNames = 64;
 inline constexpr size_t kManifestHeaderSize = 32;
 inline constexpr size_t kManifestAllocationSize = 8;
-inline constexpr size_t kManifestTensorSize = 48;
+inline constexpr size_t kManifestTensorSize = 64;
 inline constexpr size_t kManifestDimSize = 8;
 // One fd of an AttachReply is the manifest's memfd, the others are the allocations.
 inline constexpr uint32_t kMaxAllocations = 252;
@@ -85,6 +88,17 @@ inline constexpr uint64_t kMaxManifestSize =
     kMaxTensorCount * (kManifestTensorSize + 2 * uint64_t{kMaxTensorDims} * kManifestDimSize + 1) +
     checkpoint::kMaxTensorNameBytesTotal + uint64_t{kMaxDTypeNames} * (kMaxDTypeNameLength + 1);
 static_assert(kMaxManifestSize <= UINT32_MAX, "manifest section sizes are u32 on the wire");
+
+// The part of the full tensor a record holds along one dim (a sharded cache): elements
+// [offset, offset + shape[dim]) of a dim whose full size is full_length. The record's shape
+// is the held shape, so its length is shape[dim].
+struct SliceEntry {
+  uint32_t dim = 0;
+  uint64_t offset = 0;
+  uint64_t full_length = 0;
+
+  friend bool operator==(const SliceEntry&, const SliceEntry&) = default;
+};
 
 // What the encoder takes (and what tensor(i) copies out, for tests and tools).
 struct TensorEntry {
@@ -98,6 +112,7 @@ struct TensorEntry {
   // The content checksum of the tensor's bytes for --verify: XXH64 of the XXH64s of its
   // 256 KiB chunks (common/checksum.h, docs/integrity.md), not a plain XXH64 of the bytes.
   uint64_t checksum = 0;
+  std::optional<SliceEntry> slice;  // nullopt: the whole tensor
 
   std::span<const uint64_t> dims() const { return {shape.data(), ndim}; }
 };
@@ -112,6 +127,7 @@ struct TensorRecord {
   uint64_t offset = 0;
   uint64_t nbytes = 0;
   uint64_t checksum = 0;
+  std::optional<SliceEntry> slice;  // nullopt: the whole tensor
 };
 
 // How much of a manifest to check when decoding it.

@@ -87,6 +87,10 @@ class LaunchAdversarialTest : public ::testing::Test {
  protected:
   void SetUp() override {
     WriteFile(dir_.Join("inventory.json"), identity::testing::InventoryJson(8));
+    // The jobs here are sharded (--tp 2) over a checkpoint with no config.json: their rules
+    // hold every tensor whole on every rank.
+    WriteFile(dir_.Join("replicate-all.json"),
+              R"({"format": 1, "rules": [{"match": ".*", "mode": "replicate"}]})");
     CommandResult r =
         RunCommand({PythonExe(), SourceDir() + "/tests/tools/make_checkpoint.py", "--out", model_,
                     "--tensors", "48", "--shards", "4", "--seed", "3"});
@@ -103,6 +107,8 @@ class LaunchAdversarialTest : public ::testing::Test {
                                      model_,
                                      "--tier",
                                      "host",
+                                     "--shard-rules",
+                                     dir_.Join("replicate-all.json"),
                                      "--runtime-dir",
                                      runtime(),
                                      "--device-inventory",

@@ -11,18 +11,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus", "frame_fuzzer")
 
 
-def frame(msg_type, payload=b"", fds=0, version=4):
+def frame(msg_type, payload=b"", fds=0, version=5):
     return b"WCPF" + struct.pack("<HHIIQ", version, msg_type, 0, fds, len(payload)) + payload
 
 
 def manifest(tier, allocations, tensors):
-    """Protocol version 3: 48-byte records, shapes and strides in a dims section, names
-    NUL-terminated in the string table, dtype names interned."""
+    """Protocol version 5: 64-byte records (with the slice: dim + 1 or 0 for a whole tensor,
+    offset, full length), shapes and strides in a dims section, names NUL-terminated in the
+    string table, dtype names interned. A tensor tuple may end with a slice (dim, offset,
+    full_length)."""
     table = b""
     records = b""
     dims = []
     dtypes = {}
-    for name, dtype, shape, alloc, offset, nbytes, checksum in tensors:
+    for name, dtype, shape, alloc, offset, nbytes, checksum, *slice in tensors:
+        slice_dim, slice_offset, full_length = (slice[0][0] + 1, slice[0][1], slice[0][2]) \
+            if slice else (0, 0, 0)
         name_off = len(table)
         table += name.encode() + b"\0"
         if dtype not in dtypes:
@@ -33,8 +37,9 @@ def manifest(tier, allocations, tensors):
         for d in reversed(shape):
             strides.insert(0, stride)
             stride *= d
-        records += struct.pack("<IIIBBHIIQQQ", name_off, len(name), dtypes[dtype], len(dtype),
-                               len(shape), 0, alloc, len(dims), offset, nbytes, checksum)
+        records += struct.pack("<IIIBBBBIIQQQQQ", name_off, len(name), dtypes[dtype], len(dtype),
+                               len(shape), slice_dim, 0, alloc, len(dims), offset, nbytes,
+                               checksum, slice_offset, full_length)
         dims += list(shape) + strides
     header = b"WCMF" + struct.pack("<B3xIIIIQ", tier, len(allocations), len(tensors), len(dims),
                                    len(table), 0)
@@ -49,9 +54,10 @@ def js(obj):
 def main():
     os.makedirs(OUT, exist_ok=True)
     m = manifest(1, [4096, 1024], [("embed.weight", "BF16", [16, 32], 0, 0, 1024, 7),
-                                   ("lm_head", "F8_E4M3", [32, 32], 1, 0, 1024, 8)])
+                                   ("lm_head", "F8_E4M3", [32, 32], 1, 0, 1024, 8,
+                                    (0, 32, 64))])
     seeds = {
-        "hello": frame(1, js({"protocol_version": 4, "config": {"model_id": "m", "tp_size": 2},
+        "hello": frame(1, js({"protocol_version": 5, "config": {"model_id": "m", "tp_size": 2},
                               "client_pid": 12, "client_name": "engine"})),
         "hello_reply": frame(2, js({"state": "loading", "bytes_done": 1, "bytes_total": 2,
                                     "failure_reason": "", "failure_code": 0, "match": False,
@@ -72,7 +78,7 @@ def main():
         "stop": frame(7),
         "stop_reply": frame(8, js({"clients": 0})),
         "error": frame(9, js({"code": 6, "message": "config mismatch: tp_rank"})),
-        "two_frames": frame(3) + frame(1, js({"protocol_version": 4, "config": {},
+        "two_frames": frame(3) + frame(1, js({"protocol_version": 5, "config": {},
                                               "client_pid": 1, "client_name": ""})),
     }
     for name, data in seeds.items():

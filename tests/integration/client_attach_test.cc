@@ -114,11 +114,17 @@ class ClientAttachTest : public ::testing::Test {
       GTEST_SKIP() << why;
     }
     runtime_ = dir_.Join("run");
+    // The tests here serve and attach ranks of every size: a sharded job needs its rules (the
+    // reference checkpoint has no config.json), and one that replicates every tensor keeps
+    // each rank's bytes the reference's. Every daemon and client of the fixture uses it.
+    rules_ = dir_.Join("replicate-all.json");
+    WriteFile(rules_, R"({"format": 1, "rules": [{"match": ".*", "mode": "replicate"}]})");
   }
 
   std::vector<std::string> IdentityArgs(std::vector<std::string> extra = {}) const {
-    std::vector<std::string> args = {"--model", ref_.dir, "--model-id",    "tiny",
-                                     "--tier",  "host",   "--runtime-dir", runtime_};
+    std::vector<std::string> args = {"--model",       ref_.dir, "--model-id",    "tiny",
+                                     "--tier",        "host",   "--runtime-dir", runtime_,
+                                     "--shard-rules", rules_};
     args.insert(args.end(), extra.begin(), extra.end());
     return args;
   }
@@ -148,6 +154,7 @@ class ClientAttachTest : public ::testing::Test {
     o.identity.model_id = "tiny";
     o.identity.runtime_dir = runtime_;
     o.identity.tier = Tier::kHost;
+    o.identity.shard_rules = rules_;
     o.wait_timeout = 30s;
     return o;
   }
@@ -185,6 +192,7 @@ class ClientAttachTest : public ::testing::Test {
   TempDir dir_;
   ReferenceCheckpoint ref_;
   std::string runtime_;
+  std::string rules_;  // replicate-all shard rules (SetUp)
 };
 
 TEST_F(ClientAttachTest, EveryTensorsBytesEqualTheFileBytesThroughTheCppApi) {
@@ -315,11 +323,12 @@ TEST_F(ClientAttachTest, AMismatchInEachConfigFieldExits4NamingThatField) {
       {{"--quantization", "awq"}, "quantization"},
       {{"--quantization-config", dir_.Join("quant-b.json")}, "quantization_config_sha256"},
       {{"--tp-size", "4"}, "tp_size"},
-      {{"--tp-rank", "1"}, "tp_rank"},
+      // Ranks change together: the served ep 2 of tp 2 puts ep rank r on tp rank r.
+      {{"--tp-rank", "1", "--ep-rank", "1"}, "tp_rank"},
       {{"--pp-size", "4"}, "pp_size"},
       {{"--pp-rank", "1"}, "pp_rank"},
       {{"--ep-size", "4"}, "ep_size"},
-      {{"--ep-rank", "1"}, "ep_rank"},
+      {{"--tp-rank", "1", "--ep-rank", "1"}, "ep_rank"},
       {{"--dp-size", "4"}, "dp_size"},
       {{"--layout-tag", "fused-qkv"}, "layout_tag"},
       {{"--source", "published:sglang"}, "source"},
@@ -360,6 +369,7 @@ TEST_F(ClientAttachTest, AMismatchInEachConfigFieldExits4NamingThatField) {
   o.identity.quantization = "fp8";
   o.identity.quantization_config = dir_.Join("quant-a.json");
   o.identity.tp_rank = 1;
+  o.identity.ep_rank = 1;
   auto a = Attachment::Attach(o);
   ASSERT_FALSE(a.ok());
   EXPECT_EQ(a.status().code(), StatusCode::kMismatch);
@@ -628,6 +638,7 @@ TEST_F(ClientAttachTest, HostAndGpuTierCachesOnOneGpuAreDistinctAndAMismatchName
   EXPECT_NE(*code, 7) << gpu->Log();
   EXPECT_EQ(gpu->Log().find("already served"), std::string::npos) << gpu->Log();
   o.identity.tier = Tier::kGpu;
+  o.identity.shard_rules = "";  // the gpu-tier daemon above is unsharded
   auto gpu_id = identity::ResolveIdentity(o.identity);
   ASSERT_TRUE(gpu_id.ok()) << gpu_id.status().ToString();
   EXPECT_NE(gpu_id->paths.socket, host_id->paths.socket);

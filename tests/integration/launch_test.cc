@@ -70,6 +70,10 @@ class LaunchTest : public ::testing::Test {
     }
     WriteFile(dir_.Join("inventory.json"), inv.dump());
     model_ = MakeCheckpoint("model", 16, 2);
+    // The jobs here are sharded (--tp 2 ...) over a checkpoint with no config.json: their
+    // rules hold every tensor whole on every rank.
+    rules_ = dir_.Join("replicate-all.json");
+    WriteFile(rules_, R"({"format": 1, "rules": [{"match": ".*", "mode": "replicate"}]})");
   }
   void TearDown() override {
     // Daemons of a successful launch outlive it: stop every one we were told about.
@@ -96,6 +100,8 @@ class LaunchTest : public ::testing::Test {
                                      model_,
                                      "--tier",
                                      "host",
+                                     "--shard-rules",
+                                     rules_,
                                      "--runtime-dir",
                                      runtime(),
                                      "--device-inventory",
@@ -146,6 +152,7 @@ class LaunchTest : public ::testing::Test {
 
   TempDir dir_;
   std::string model_;
+  std::string rules_;
   std::vector<pid_t> started_;
   std::string last_err_;
 };
@@ -191,12 +198,28 @@ TEST_F(LaunchTest, TwoJobsOnDisjointGpuSetsCoexistAndClientsNeverCross) {
   // A client of job B, rank 0 on its local GPU 0, attaches to job B's daemon, never A's.
   for (auto [visible, job] : {std::pair{"4,5,6,7", &b}, std::pair{"0,1,2,3", &a}}) {
     for (int rank = 0; rank < 2; ++rank) {
-      CommandResult r =
-          RunCommand({CliPath(), "attach", "--model", model_, "--tier", "host", "--device",
-                      std::to_string(rank), "--tp-size", "2", "--tp-rank", std::to_string(rank),
-                      "--runtime-dir", runtime(), "--device-inventory", dir_.Join("inventory.json"),
-                      "--on-missing", "error", "--json"},
-                     {std::string("CUDA_VISIBLE_DEVICES=") + visible});
+      CommandResult r = RunCommand({CliPath(),
+                                    "attach",
+                                    "--model",
+                                    model_,
+                                    "--tier",
+                                    "host",
+                                    "--device",
+                                    std::to_string(rank),
+                                    "--tp-size",
+                                    "2",
+                                    "--tp-rank",
+                                    std::to_string(rank),
+                                    "--shard-rules",
+                                    rules_,
+                                    "--runtime-dir",
+                                    runtime(),
+                                    "--device-inventory",
+                                    dir_.Join("inventory.json"),
+                                    "--on-missing",
+                                    "error",
+                                    "--json"},
+                                   {std::string("CUDA_VISIBLE_DEVICES=") + visible});
       ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
       auto got = nlohmann::json::parse(r.out);
       EXPECT_EQ(got["daemon_pid"], (*job)["daemons"][rank]["pid"]) << visible << " " << r.out;
@@ -250,6 +273,8 @@ TEST_F(LaunchTest, EveryIdentityFlagOfServeReachesEveryDaemon) {
                                        "2",
                                        "--tp-rank",
                                        std::to_string(rank),
+                                       "--shard-rules",
+                                       rules_,
                                        "--runtime-dir",
                                        runtime(),
                                        "--device-inventory",

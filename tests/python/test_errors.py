@@ -14,6 +14,15 @@ import weightcache
 from weightcache.errors import from_status
 
 
+def replicate_all_rules(directory) -> str:
+    """Shard rules that hold every tensor whole: the ranks here differ as config fields (the
+    test checkpoint has no config.json, and a sharded job needs its rules)."""
+    path = os.path.join(str(directory), "replicate-all.json")
+    with open(path, "w") as f:
+        json.dump({"format": 1, "rules": [{"match": ".*", "mode": "replicate"}]}, f)
+    return path
+
+
 def test_missing_daemon_raises_no_daemon_error(checkpoint, runtime_dir):
     model_dir, _ = checkpoint
     with pytest.raises(weightcache.NoDaemonError) as info:
@@ -42,13 +51,15 @@ def _only_socket(runtime_dir):
     return sockets[0]
 
 
-def test_mismatch_names_each_field(checkpoint, runtime_dir, serve):
+def test_mismatch_names_each_field(checkpoint, runtime_dir, serve, tmp_path):
     model_dir, _ = checkpoint
+    rules = replicate_all_rules(tmp_path)
     d = serve(model_dir, "--revision", "r1", "--tp-size", "2", "--tp-rank", "1",
-              identity=dict(revision="r1", tp_size=2, tp_rank=1))
+              "--shard-rules", rules,
+              identity=dict(revision="r1", tp_size=2, tp_rank=1, shard_rules=rules))
     with pytest.raises(weightcache.MismatchError) as info:
         weightcache.attach(model_dir, tier="host", runtime_dir=runtime_dir, revision="r2",
-                           tp_size=2, tp_rank=0)
+                           tp_size=2, tp_rank=0, shard_rules=rules)
     e = info.value
     assert e.code == "mismatch" and e.exit_code == 4
     # Canonical field order; string values decoded, numbers in decimal.
@@ -73,13 +84,15 @@ DAEMON_REVISION = 'r1 "beta", a=b; (c)'
 CLIENT_REVISION = "r2, x=\"y\" theirs=z"
 
 
-def test_mismatch_fields_are_data_not_parsed_text(checkpoint, runtime_dir, serve):
+def test_mismatch_fields_are_data_not_parsed_text(checkpoint, runtime_dir, serve, tmp_path):
     model_dir, _ = checkpoint
+    rules = replicate_all_rules(tmp_path)
     d = serve(model_dir, "--model-id", MODEL_ID, "--revision", DAEMON_REVISION, "--tp-size",
-              "2", "--tp-rank", "1",
-              identity=dict(model_id=MODEL_ID, revision=DAEMON_REVISION, tp_size=2, tp_rank=1))
+              "2", "--tp-rank", "1", "--shard-rules", rules,
+              identity=dict(model_id=MODEL_ID, revision=DAEMON_REVISION, tp_size=2, tp_rank=1,
+                            shard_rules=rules))
     ours = dict(tier="host", runtime_dir=runtime_dir, model_id=MODEL_ID,
-                revision=CLIENT_REVISION, tp_size=2, tp_rank=0)
+                revision=CLIENT_REVISION, tp_size=2, tp_rank=0, shard_rules=rules)
     # Through the sibling scan (our exact socket is absent) ...
     with pytest.raises(weightcache.MismatchError) as info:
         weightcache.attach(model_dir, **ours)

@@ -31,7 +31,10 @@ int wc_c_smoke_fallback(const char* model, const char* runtime_dir, char* msg, s
     wc_tensor by_name;
     if (wc_attachment_tensor(a, i, &t, &err) != WC_OK ||
         wc_attachment_find(a, t.name, &by_name, &err) != WC_OK || by_name.data != t.data ||
-        t.ndim < 0 || (t.ndim > 0 && t.strides[t.ndim - 1] != 1)) {
+        t.ndim < 0 || (t.ndim > 0 && t.strides[t.ndim - 1] != 1) ||
+        /* an unsharded cache: every tensor whole */
+        t.slice_dim != -1 || t.slice_offset != 0 || t.slice_length != 0 ||
+        t.slice_full_length != 0) {
       snprintf(msg, len, "tensor %zu inconsistent", i);
       wc_attachment_free(a);
       return 3;

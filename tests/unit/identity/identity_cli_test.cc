@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "common/hash.h"
 #include "identity/cache_config.h"
 #include "support/test_env.h"
 #include "unit/identity/test_devices.h"
@@ -43,7 +44,12 @@ class IdentityCliTest : public ::testing::Test {
     WriteTinyCheckpoint(model_dir_ + "/model.safetensors");
     inventory_ = tmp_.Join("inventory.json");
     WriteFile(inventory_, InventoryJson(8));
+    // A sharded job needs rules; the tiny checkpoint's one tensor is replicated.
+    rules_ = tmp_.Join("rules.json");
+    WriteFile(rules_, kRules);
   }
+  static constexpr const char* kRules =
+      R"({"format": 1, "rules": [{"match": "w", "mode": "replicate"}]})";
 
   CommandResult Paths(std::vector<std::string> extra, const std::string& cvd = "0,1,2,3,4,5,6,7") {
     std::vector<std::string> argv = {CliPath(),  "paths",         "--json",
@@ -56,10 +62,12 @@ class IdentityCliTest : public ::testing::Test {
   TempDir tmp_;
   std::string model_dir_;
   std::string inventory_;
+  std::string rules_;
 };
 
 TEST_F(IdentityCliTest, PathsJsonResolvesLocalDeviceFiveToItsUuid) {
-  CommandResult r = Paths({"--device", "5", "--tp-size", "2", "--tp-rank", "1"});
+  CommandResult r =
+      Paths({"--device", "5", "--tp-size", "2", "--tp-rank", "1", "--shard-rules", rules_});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   nlohmann::json j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["device_key"], TestUuid(5));
@@ -91,14 +99,66 @@ TEST_F(IdentityCliTest, PathsHonoursCudaVisibleDevices) {
 }
 
 TEST_F(IdentityCliTest, SameRankOnDifferentGpusGivesDifferentSockets) {
-  CommandResult a = Paths({"--device", "2", "--tp-size", "2", "--tp-rank", "0"});
-  CommandResult b = Paths({"--device", "6", "--tp-size", "2", "--tp-rank", "0"});
+  CommandResult a =
+      Paths({"--device", "2", "--tp-size", "2", "--tp-rank", "0", "--shard-rules", rules_});
+  CommandResult b =
+      Paths({"--device", "6", "--tp-size", "2", "--tp-rank", "0", "--shard-rules", rules_});
   ASSERT_EQ(a.exit_code, 0) << a.err;
   ASSERT_EQ(b.exit_code, 0) << b.err;
   nlohmann::json ja = nlohmann::json::parse(a.out), jb = nlohmann::json::parse(b.out);
   EXPECT_EQ(ja["digest"], jb["digest"]);
   EXPECT_NE(ja["socket"], jb["socket"]);
   EXPECT_NE(ja["lock"], jb["lock"]);
+}
+
+// shard_rules_digest: "" unsharded; sharded, the SHA-256 of the canonical JSON of the rules
+// document and the config.json values the planner reads (written out here by hand), so a
+// changed config.json (its head counts decide the slices) is another cache.
+TEST_F(IdentityCliTest, ShardRulesDigestCoversTheRulesAndConfigJson) {
+  CommandResult unsharded = Paths({"--tier", "host"});
+  ASSERT_EQ(unsharded.exit_code, 0) << unsharded.err;
+  EXPECT_EQ(nlohmann::json::parse(unsharded.out)["config"]["shard_rules_digest"], "");
+
+  WriteFile(model_dir_ + "/config.json",
+            R"({"model_type": "tiny", "num_attention_heads": 4, "hidden_act": "silu",
+                "rope_theta": 10000.0, "tie_word_embeddings": false})");
+  CommandResult a = Paths({"--tier", "host", "--tp-size", "2", "--shard-rules", rules_});
+  ASSERT_EQ(a.exit_code, 0) << a.err;
+  nlohmann::json ja = nlohmann::json::parse(a.out);
+  EXPECT_EQ(ja["config"]["shard_rules_digest"],
+            Sha256Hex(R"({"model_config":{"integers":{"num_attention_heads":4},)"
+                      R"("model_type":"tiny","tie_word_embeddings":false},)"
+                      R"("rules":{"format":1,"rules":[{"match":"w","mode":"replicate"}]}})"));
+  // --shard-rules alone makes a job sharded; the digest does not depend on the ranks.
+  CommandResult rules_only = Paths({"--tier", "host", "--shard-rules", rules_});
+  ASSERT_EQ(rules_only.exit_code, 0) << rules_only.err;
+  EXPECT_EQ(nlohmann::json::parse(rules_only.out)["config"]["shard_rules_digest"],
+            ja["config"]["shard_rules_digest"]);
+
+  WriteFile(model_dir_ + "/config.json", R"({"model_type": "tiny", "num_attention_heads": 8})");
+  CommandResult b = Paths({"--tier", "host", "--tp-size", "2", "--shard-rules", rules_});
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  nlohmann::json jb = nlohmann::json::parse(b.out);
+  EXPECT_NE(jb["config"]["shard_rules_digest"], ja["config"]["shard_rules_digest"]);
+  EXPECT_NE(jb["socket"], ja["socket"]);
+}
+
+TEST_F(IdentityCliTest, AShardedJobWithoutRulesOrWithBadRanksIsAUsageError) {
+  CommandResult no_config = Paths({"--tier", "host", "--tp-size", "2"});
+  EXPECT_EQ(no_config.exit_code, 2);
+  EXPECT_THAT(no_config.err, HasSubstr("config.json has no model_type"));
+
+  WriteFile(model_dir_ + "/config.json", R"({"model_type": "gpt2"})");
+  CommandResult unknown = Paths({"--tier", "host", "--pp-size", "2"});
+  EXPECT_EQ(unknown.exit_code, 2);
+  EXPECT_THAT(unknown.err, HasSubstr("no built-in shard rule set for model_type \"gpt2\" "
+                                     "(built-in: llama, "));
+
+  CommandResult ranks = Paths({"--tier", "host", "--tp-size", "2", "--ep-size", "2", "--tp-rank",
+                               "1", "--ep-rank", "0", "--shard-rules", rules_});
+  EXPECT_EQ(ranks.exit_code, 2);
+  EXPECT_THAT(ranks.err,
+              HasSubstr("ep rank must be tp rank / (tp/ep) = 1 (tp 2 rank 1, ep 2 rank 0)"));
 }
 
 TEST_F(IdentityCliTest, PathsHostTierUsesTheHostKey) {

@@ -104,10 +104,55 @@ TEST_F(ManifestTest, RecordsAreViewsIntoTheManifestBytes) {
     EXPECT_EQ(r.nbytes, 1024u);
     EXPECT_EQ(r.checksum, 1000 + i);
   }
-  // 32-byte header, 2 allocations of 8 bytes, 3 records of 48, 12 dims of 8, then the strings.
-  EXPECT_EQ(StringAt(0), 288u);
+  // 32-byte header, 2 allocations of 8 bytes, 3 records of 64, 12 dims of 8, then the strings.
+  EXPECT_EQ(StringAt(0), 336u);
   EXPECT_EQ(std::string_view(reinterpret_cast<const char*>(&bytes_[StringAt(0)]), 18),
             std::string_view("embed.weight\0BF16\0", 18));
+}
+
+// A sharded cache's record says which slice of the full tensor it holds: dim + 1 at byte 14
+// (0 = whole), the offset at 48, the full length of that dim at 56; its length is shape[dim].
+TEST_F(ManifestTest, SliceRoundTripsAndIsCheckedAgainstTheHeldShape) {
+  tensors_[1].slice = SliceEntry{1, 32, 128};  // columns [32, 64) of 128
+  auto bytes = EncodeManifest(Tier::kGpu, allocs_, tensors_);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+  bytes_ = std::move(bytes).value();
+  auto m = Manifest::Decode(bytes_);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->record(0).slice, std::nullopt);
+  EXPECT_EQ(m->record(1).slice, (SliceEntry{1, 32, 128}));
+  EXPECT_EQ(m->tensor(1).slice, (SliceEntry{1, 32, 128}));
+  EXPECT_EQ(bytes_[TensorAt(1) + 14], 2);
+  EXPECT_EQ(wire::GetU64(&bytes_[TensorAt(1) + 48]), 32u);
+  EXPECT_EQ(wire::GetU64(&bytes_[TensorAt(1) + 56]), 128u);
+
+  const std::vector<uint8_t> saved = bytes_;
+  bytes_[TensorAt(1) + 14] = 3;  // dim 2 of a 2-d tensor
+  ExpectProtocolError(Decoded(), "tensor 1 'layers.0.attn.k': slice dim 2 is not below ndim 2");
+  bytes_ = saved;
+  wire::SetU64(bytes_, TensorAt(1) + 48, 97);  // 97 + 32 > 128
+  ExpectProtocolError(Decoded(),
+                      "tensor 1 'layers.0.attn.k': slice offset 97 + length 32 exceeds the full "
+                      "dim of 128");
+  bytes_ = saved;
+  wire::SetU64(bytes_, TensorAt(1) + 56, 31);  // a full dim smaller than the held one
+  ExpectProtocolError(Decoded(), "slice offset 32 + length 32 exceeds the full dim of 31");
+  bytes_ = saved;
+  wire::SetU64(bytes_, TensorAt(0) + 56, 16);  // a whole tensor with slice fields
+  ExpectProtocolError(Decoded(),
+                      "tensor 0 'embed.weight': a whole tensor has a slice offset or full length");
+
+  tensors_[1].slice = SliceEntry{0, 8, 16};  // rows [8, 24) of 16
+  Status encoded = EncodeManifest(Tier::kGpu, allocs_, tensors_).status();
+  EXPECT_EQ(encoded.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(encoded.message().find("slice offset 8 + length 16 exceeds the full dim of 16"),
+            std::string::npos)
+      << encoded.message();
+  tensors_[1].slice = SliceEntry{2, 0, 16};
+  encoded = EncodeManifest(Tier::kGpu, allocs_, tensors_).status();
+  EXPECT_EQ(encoded.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(encoded.message().find("slice dim 2 is not below ndim 2"), std::string::npos)
+      << encoded.message();
 }
 
 TEST_F(ManifestTest, TenThousandTensorsRoundTrip) {

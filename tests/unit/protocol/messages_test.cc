@@ -275,10 +275,10 @@ TEST(MessageDecodeTest, StrictFieldChecking) {
                                         R"("client_name":"x","extra":true})"))
                           .status(),
                       "Hello: unknown field 'extra'");
-  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":5,"config":{},"client_pid":7,)"
+  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":6,"config":{},"client_pid":7,)"
                                         R"("client_name":"x"})"))
                           .status(),
-                      "Hello: client speaks protocol version 5, this build speaks 4");
+                      "Hello: client speaks protocol version 6, this build speaks 5");
   ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":-1})")).status(),
                       "StopReply: field 'clients' must be a non-negative integer");
   ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":4294967296})")).status(),
