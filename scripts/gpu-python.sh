@@ -14,7 +14,7 @@
 #    (assign=True, zero-copy) and generates 32 tokens that must equal the reference; the
 #    client's GPU memory must show no second copy of the weights.
 #
-# Writes: $OUT/python-build.log, $OUT/python-tests.log, $OUT/python-model.log,
+# Writes: $OUT/python-build.log, $OUT/python-tests.log (+ python-crash.txt), $OUT/python-model.log,
 #         $OUT/python-model.json (the measurements), and appends to $OUT/summary.txt.
 # Knobs: OUT (./gpu-out), DEPS (.deps/usr), PY (python3), WORK (a temp dir, removed after).
 # Exit status: non-zero if the build, a test or the model check fails.
@@ -42,7 +42,7 @@ ok=1
 arch=x86_64-linux-gnu
 prefix=$root/build-python-gpu/target
 rm -rf "$prefix"
-export CMAKE_ARGS="-DCMAKE_PREFIX_PATH=$deps -DCMAKE_CXX_FLAGS=-isystem\ $deps/include/$arch \
+export CMAKE_ARGS="-DCMAKE_PREFIX_PATH=$deps -DCMAKE_CXX_FLAGS=-g\ -isystem\ $deps/include/$arch \
 -DOPENSSL_ROOT_DIR=$deps -DOPENSSL_USE_STATIC_LIBS=ON -DOPENSSL_INCLUDE_DIR=$deps/include \
 -DOPENSSL_CRYPTO_LIBRARY=$deps/lib/$arch/libcrypto.a -DOPENSSL_SSL_LIBRARY=$deps/lib/$arch/libssl.a \
 -Dnlohmann_json_DIR=$deps/share/cmake/nlohmann_json -DCLI11_DIR=$deps/share/cmake/CLI11 \
@@ -64,8 +64,22 @@ if [[ ! -x $WEIGHTCACHE_CLI ]]; then
 fi
 
 # ---- pytest (host tier, with torch) -------------------------------------------------------------
-(cd "$work" && "$py" -m pytest -v -rs "$root/tests/python") >"$OUT/python-tests.log" 2>&1
+# A crash shows its native frames too (tests/python/native/segv_trace.c), resolved to lines
+# (the package is built with -g) at the end of the log.
+trace=$work/segv_trace.so
+preload=
+gcc -O1 -shared -fPIC -o "$trace" tests/python/native/segv_trace.c -ldl && preload=$trace
+(cd "$work" && LD_PRELOAD=$preload "$py" -m pytest -v -rs "$root/tests/python") \
+  >"$OUT/python-tests.log" 2>&1
 rc=$?
+grep -E "^segv_trace: #" "$OUT/python-tests.log" | while read -r _ _ module offset _; do
+  [[ -f $module && $offset == +0x* ]] || continue
+  echo "  $(basename "$module") ${offset#+}: $(addr2line -f -C -i -e "$module" "${offset#+}" | paste -sd' ')"
+done >"$OUT/python-crash.txt"
+if [[ -s $OUT/python-crash.txt ]]; then
+  say "python tests: CRASHED, native frames:"
+  head -n 40 "$OUT/python-crash.txt" | tee -a "$summary"
+fi
 say "python tests: $(tail -n 1 "$OUT/python-tests.log")"
 grep -E "^SKIPPED" "$OUT/python-tests.log" | sed 's/^/  /' | tee -a "$summary"
 ((rc == 0)) || ok=0
