@@ -130,6 +130,32 @@ class LaunchTest : public ::testing::Test {
     return j;
   }
 
+  // `weightcache attach --json` of rank `rank` of a --tp 2 job on the visible device `rank`,
+  // failing when no daemon serves it.
+  std::vector<std::string> AttachArgs(int rank) const {
+    return {CliPath(),
+            "attach",
+            "--model",
+            model_,
+            "--tier",
+            "host",
+            "--device",
+            std::to_string(rank),
+            "--tp-size",
+            "2",
+            "--tp-rank",
+            std::to_string(rank),
+            "--shard-rules",
+            rules_,
+            "--runtime-dir",
+            runtime(),
+            "--device-inventory",
+            dir_.Join("inventory.json"),
+            "--on-missing",
+            "error",
+            "--json"};
+  }
+
   // Every *.sock under the runtime dir, and whether any lock file there is still held.
   std::vector<std::string> Sockets() {
     auto all = identity::ListAllCacheSockets(runtime());
@@ -198,28 +224,8 @@ TEST_F(LaunchTest, TwoJobsOnDisjointGpuSetsCoexistAndClientsNeverCross) {
   // A client of job B, rank 0 on its local GPU 0, attaches to job B's daemon, never A's.
   for (auto [visible, job] : {std::pair{"4,5,6,7", &b}, std::pair{"0,1,2,3", &a}}) {
     for (int rank = 0; rank < 2; ++rank) {
-      CommandResult r = RunCommand({CliPath(),
-                                    "attach",
-                                    "--model",
-                                    model_,
-                                    "--tier",
-                                    "host",
-                                    "--device",
-                                    std::to_string(rank),
-                                    "--tp-size",
-                                    "2",
-                                    "--tp-rank",
-                                    std::to_string(rank),
-                                    "--shard-rules",
-                                    rules_,
-                                    "--runtime-dir",
-                                    runtime(),
-                                    "--device-inventory",
-                                    dir_.Join("inventory.json"),
-                                    "--on-missing",
-                                    "error",
-                                    "--json"},
-                                   {std::string("CUDA_VISIBLE_DEVICES=") + visible});
+      CommandResult r =
+          RunCommand(AttachArgs(rank), {std::string("CUDA_VISIBLE_DEVICES=") + visible});
       ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
       auto got = nlohmann::json::parse(r.out);
       EXPECT_EQ(got["daemon_pid"], (*job)["daemons"][rank]["pid"]) << visible << " " << r.out;
@@ -261,27 +267,7 @@ TEST_F(LaunchTest, EveryIdentityFlagOfServeReachesEveryDaemon) {
                                    "--source published:sglang", "--quantization fp8"}) {
       EXPECT_NE(log.find(flag), std::string::npos) << flag << " not in " << log;
     }
-    std::vector<std::string> attach = {CliPath(),
-                                       "attach",
-                                       "--model",
-                                       model_,
-                                       "--tier",
-                                       "host",
-                                       "--device",
-                                       std::to_string(rank),
-                                       "--tp-size",
-                                       "2",
-                                       "--tp-rank",
-                                       std::to_string(rank),
-                                       "--shard-rules",
-                                       rules_,
-                                       "--runtime-dir",
-                                       runtime(),
-                                       "--device-inventory",
-                                       dir_.Join("inventory.json"),
-                                       "--on-missing",
-                                       "error",
-                                       "--json"};
+    const std::vector<std::string> attach = AttachArgs(rank);
     std::vector<std::string> exact = attach;
     exact.insert(exact.end(), identity.begin(), identity.end());
     CommandResult r = RunCommand(exact);

@@ -34,14 +34,24 @@ def make_checkpoint(out: Path, *, tensors: int = 30, dtypes: str = "all", shards
     return json.loads(manifest.read_text())["tensors"]
 
 
-@pytest.fixture
-def runtime_dir():
+def _private_dir(prefix: str):
     # Short and private: socket paths must stay under sun_path's 107 bytes, and the runtime
     # dir must be 0700 and ours (SPEC §2) — pytest's tmp_path can be long.
-    d = tempfile.mkdtemp(prefix="wcpy-")
+    d = tempfile.mkdtemp(prefix=prefix)
     os.chmod(d, 0o700)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def runtime_dir():
+    yield from _private_dir("wcpy-")
+
+
+@pytest.fixture
+def empty_runtime_dir():
+    """A second runtime dir where no daemon runs: an attach there loads from disk."""
+    yield from _private_dir("wcpy-none-")
 
 
 @pytest.fixture(scope="session")

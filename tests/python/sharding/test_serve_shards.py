@@ -10,9 +10,7 @@ config.json is another cache: a mismatch naming shard_rules_digest.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -41,14 +39,6 @@ def identity_of(r: ref.Ranks) -> dict:
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("synthetic")
     return {m: synthetic.write_model(m, root / m) for m in synthetic.MODEL_TYPES}
-
-
-@pytest.fixture
-def empty_runtime_dir():
-    d = tempfile.mkdtemp(prefix="wcpy-none-")
-    os.chmod(d, 0o700)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def held(att, ckpt: ref.Checkpoint) -> dict:
