@@ -3,7 +3,8 @@
 # Debian -dev packages, no network). Builds weightcache against the header-only / static deps
 # carried in .deps/usr (scripts/stage-device-deps.sh), with the CUDA kernels for sm_90, runs
 # `ctest -L gpu` (VMM arena, checksum kernel, upload pipeline, the gpu tier end to end with
-# real daemons and clients, TP2 launch), then every unit test, then the benchmarks in bench/.
+# real daemons and clients, TP2 launch), then the unit, integration and adversarial tiers, then
+# the benchmarks in bench/.
 # Tests that need two GPUs skip with the reason on a one-GPU machine (the summary says how
 # many GPUs the run had).
 #
@@ -142,7 +143,13 @@ run_ctest() {  # label [extra ctest args]
 run_ctest gpu -V -j 1
 reason=$(grep -E "^[0-9]+: .*Skipped$" -A1 "$OUT/tests.log" | grep -vE "Skipped$|^--" | head -1)
 [[ -n $reason ]] && say "  first gpu skip reason: ${reason#*: }"
-[[ $suite == full ]] && run_ctest unit
+if [[ $suite == full ]]; then
+  run_ctest unit
+  # The CPU tiers again on this machine's cores and kernel: real daemons, launches and hostile
+  # clients, whose timing differs from CI's 2 cores.
+  run_ctest integration
+  run_ctest adversarial
+fi
 
 # ---- benchmarks ------------------------------------------------------------------------------
 # Each bench runs with explicit arguments and its own timeout (seconds); stdout (JSON lines)
