@@ -110,8 +110,11 @@ Result<HostFallback> LoadHostFallback(const checkpoint::Checkpoint& checkpoint, 
 
 inline constexpr uint64_t kStagingBytes = uint64_t{64} << 20;
 
+// `plan`: as for LoadHostFallback; a dim>0 slice's pieces are gathered into the staging
+// buffer (sharding::ReadHeldBytes) on the way to the device.
 Result<GpuFallback> LoadGpuFallback(const cuda::DriverApi* api, CUdevice device,
                                     const checkpoint::Checkpoint& checkpoint, int threads,
+                                    const sharding::ShardPlan* plan = nullptr,
                                     uint64_t staging_bytes = kStagingBytes);
 
 }  // namespace weightcache::client
