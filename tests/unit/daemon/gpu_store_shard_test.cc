@@ -6,8 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
-#include <numeric>
 #include <string>
 #include <vector>
 
@@ -33,26 +33,7 @@ using cuda::testing::FakeDriver;
 
 constexpr uint64_t kGranularity = 4096;  // small, so the arena's size follows the held bytes
 
-class GpuStoreShardTest : public sharding::testing::ShardingFixture {
- protected:
-  // The bytes of `t` that a slice (dim, offset, length) holds, cut from its file bytes by
-  // shape arithmetic: for each index of the dims before `dim`, `length` rows of the rest.
-  static std::string SliceOf(const checkpoint::Checkpoint& ckpt, const checkpoint::TensorInfo& t,
-                             const protocol::SliceEntry& slice, uint64_t length) {
-    std::string full(t.nbytes, '\0');
-    EXPECT_TRUE(checkpoint::ReadTensor(ckpt, t, full.data()).ok());
-    const uint64_t elems =
-        std::accumulate(t.shape.begin(), t.shape.end(), uint64_t{1}, std::multiplies<>());
-    uint64_t outer = 1, inner = t.nbytes / elems;
-    for (uint32_t d = 0; d < slice.dim; ++d) outer *= t.shape[d];
-    for (size_t d = slice.dim + 1; d < t.shape.size(); ++d) inner *= t.shape[d];
-    std::string out;
-    for (uint64_t o = 0; o < outer; ++o) {
-      out += full.substr((o * t.shape[slice.dim] + slice.offset) * inner, length * inner);
-    }
-    return out;
-  }
-};
+class GpuStoreShardTest : public sharding::testing::ShardingFixture {};
 
 TEST_F(GpuStoreShardTest, ATp2LoadPlacesOnlyEachRanksHeldBytes) {
   const sharding::testing::DenseModel model;
@@ -135,14 +116,14 @@ TEST_F(GpuStoreShardTest, ATp2LoadPlacesOnlyEachRanksHeldBytes) {
       if (e.slice) {
         ++sliced;
         EXPECT_EQ(e.slice->full_length, t.shape[e.slice->dim]);
-        expected = SliceOf(*ckpt, t, *e.slice, e.shape[e.slice->dim]);
+        expected = sharding::testing::SliceOf(*ckpt, t, e.slice->dim, e.slice->offset,
+                                              e.shape[e.slice->dim]);
         if (rank == 0) rank0_bytes[name] = expected;
         if (rank == 1) {
           EXPECT_NE(expected, rank0_bytes[name]) << "both ranks hold the same slice";
         }
       } else {
-        expected = SliceOf(*ckpt, t, {0, 0, t.shape.empty() ? 1 : t.shape[0]},
-                           t.shape.empty() ? 1 : t.shape[0]);
+        expected = sharding::testing::SliceOf(*ckpt, t, 0, 0, t.shape.empty() ? 0 : t.shape[0]);
       }
       ASSERT_EQ(expected.size(), e.nbytes);
       EXPECT_TRUE(fake.ExportedBytes(fds[e.allocation], e.offset, e.nbytes) == expected)
