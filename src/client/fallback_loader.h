@@ -8,6 +8,8 @@
 //  * gpu tier: one cuMemAlloc buffer in the device's primary context; tensors go through a
 //    pinned staging buffer (cuda::PinnedHostBuffer, the upload pipeline's kind: parallel reads,
 //    then a synchronous H2D copy), checksummed from the staging buffer as they pass.
+//  * a sharded identity (a shard plan): either tier loads only the rank's held bytes, dim>0
+//    slices gathered with sharding::ReadHeldBytes; the table has the held shapes and slices.
 //
 // Ownership: each result owns its memory (HostBuffer / DeviceBuffer); tensor addresses point
 // into it and live as long as the result. Move-only. Thread-safety: the loaders may run
