@@ -407,11 +407,14 @@ class UploadRun {
       CUresult rc = r_.api->cuMemcpyHtoDAsync(it.dst + seg.item_offset, buf + seg.buf_offset,
                                               seg.length, stream);
       if (rc != CUDA_SUCCESS) {
+        // A strided item's bytes are its held bytes, not a run of the file.
+        const std::string from =
+            it.stride ? " held bytes from " + std::to_string(seg.item_offset)
+                      : " offset " + std::to_string(it.file_offset + seg.item_offset);
         return DriverError(r_.api, rc,
                            "cuMemcpyHtoDAsync of item " + std::to_string(seg.item) + " (" +
-                               sources_[it.source].path + " offset " +
-                               std::to_string(it.file_offset + seg.item_offset) + ", " +
-                               std::to_string(seg.length) + " bytes) to device address " +
+                               sources_[it.source].path + from + ", " + std::to_string(seg.length) +
+                               " bytes) to device address " +
                                std::to_string(it.dst + seg.item_offset));
       }
     }
