@@ -16,6 +16,7 @@
 #include "daemon/load_memory.h"
 #include "daemon/weight_store.h"
 #include "identity/device_inventory.h"
+#include "sharding/gather.h"
 
 namespace weightcache::daemon {
 // Every allocation the load makes for the load only (the pipeline and its pinned staging
@@ -91,11 +92,13 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
     }
     const auto& t = tensors[order[i]];
     const auto& place = plan.placements[i];
-    const sharding::CopyGeometry& g = held.copy[i];
+    // Where the held bytes lie in the shard file: one run, or a dim>0 slice's strided rows.
+    auto run = sharding::HeldRun(t, held.copy[i]);
+    if (!run.ok()) return run.status().Context("gpu tier");
     item_of.push_back(items.size());
-    cuda::UploadItem item{t.shard, t.offset + g.source_offset, sizes[i],
+    cuda::UploadItem item{t.shard, run->file_offset, sizes[i],
                           allocations[place.allocation].ptr + place.offset, std::nullopt};
-    if (g.rows > 1) item.stride = cuda::UploadStride{g.rows, g.row_bytes, g.source_pitch};
+    if (run->rows > 1) item.stride = cuda::UploadStride{run->rows, run->row_bytes, run->pitch};
     items.push_back(item);
   }
   cuda::UploadControl upload_control;

@@ -264,6 +264,12 @@ FakeDriver::FakeDriver(uint64_t granularity, int device_count)
     WC_HOOK("cuMemcpyDtoHAsync");
     return g_fake->MemcpyAsync(dst, reinterpret_cast<const void*>(src), n, s);
   };
+  // A synchronous copy: queued on the legacy default stream, then run with everything before it.
+  api_.cuMemcpyHtoD = [](CUdeviceptr dst, const void* src, size_t n) -> CUresult {
+    WC_HOOK("cuMemcpyHtoD");
+    const CUresult rc = g_fake->MemcpyAsync(reinterpret_cast<void*>(dst), src, n, nullptr);
+    return rc != CUDA_SUCCESS ? rc : g_fake->StreamSynchronize(nullptr);
+  };
   // Modules and kernels.
   api_.cuModuleLoadData = [](CUmodule* m, const void* image) -> CUresult {
     WC_HOOK("cuModuleLoadData");
