@@ -244,8 +244,8 @@ Result<GpuFallback> LoadGpuFallback(const cuda::DriverApi* api, CUdevice device,
     for (const Piece& p : batch) {
       const sharding::CopyGeometry g = copy_of(p.entry);
       if (g.rows > 1) continue;
-      const auto& info = info_of(p.entry);
-      requests.push_back({info.shard, info.offset + g.source_offset + p.begin, p.length,
+      WEIGHTCACHE_ASSIGN_OR_RETURN(os::StridedRun run, sharding::HeldRun(info_of(p.entry), g));
+      requests.push_back({info_of(p.entry).shard, run.file_offset + p.begin, p.length,
                           staging_data + p.staging_offset});
     }
     Status read = checkpoint::ReadRanges(checkpoint, requests, read_options);
