@@ -161,8 +161,8 @@ TEST_F(ShardServeTest, ShardedGpuTierServeStartsItsLoad) {
   const std::string inventory = tmp_.Join("inventory.json");
   WriteFile(inventory, R"([{"index":0,"uuid":"GPU-11111111-2222-3333-4444-555555555555",)"
                        R"("name":"Fake","memory_bytes":1000000000}])");
-  args.insert(args.end(), {"--device", "0", "--device-inventory", inventory, "--failed-linger",
-                           "0"});
+  args.insert(args.end(),
+              {"--device", "0", "--device-inventory", inventory, "--failed-linger", "0"});
   auto serve = ServeProcess::Start(args, tmp_.Join("gpu.log"));
   ASSERT_NE(serve, nullptr);
   const std::optional<int> code = serve->WaitExit(std::chrono::seconds(60));
