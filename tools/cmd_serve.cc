@@ -132,9 +132,6 @@ int Run(ServeArgs& args) {
 
   auto id = identity::ResolveIdentity(args.identity);
   if (!id.ok()) return Fail(kCmd, id.status());
-  if (Status tier = identity::CheckShardedTier(id->shard, id->config.tier); !tier.ok()) {
-    return Fail(kCmd, tier);
-  }
   if (id->shard.has_value()) {
     // A checkpoint the rules cannot shard is refused before the daemon takes its lock (exit 5
     // naming the tensor and the rule); the loader plans again on the checkpoint it reads.

@@ -221,7 +221,6 @@ Status LoadFallback(const AttachOptions& options, const ResolvedIdentity& id,
   // A sharded identity loads this rank's slices by the same plan a daemon would use.
   std::optional<sharding::ShardPlan> plan;
   if (id.shard.has_value()) {
-    WEIGHTCACHE_RETURN_IF_ERROR(identity::CheckShardedTier(id.shard, identity.tier));
     WEIGHTCACHE_ASSIGN_OR_RETURN(
         plan, sharding::PlanShard(ckpt, id.shard->rules, id.shard->model_config, id.shard->ranks));
   }
@@ -234,8 +233,9 @@ Status LoadFallback(const AttachOptions& options, const ResolvedIdentity& id,
     return Status::Ok();
   }
   WEIGHTCACHE_RETURN_IF_ERROR(OpenGpuDevice(env, id, impl));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(GpuFallback loaded, LoadGpuFallback(impl.driver, impl.cu_device,
-                                                                   ckpt, options.fallback_threads));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(GpuFallback loaded,
+                               LoadGpuFallback(impl.driver, impl.cu_device, ckpt,
+                                               options.fallback_threads, plan ? &*plan : nullptr));
   impl.tensors = std::move(loaded.tensors);
   impl.gpu_fallback.emplace(std::move(loaded));
   return Status::Ok();

@@ -87,19 +87,52 @@ std::vector<uint64_t> PackedOffsets(const checkpoint::Checkpoint& checkpoint) {
 
 namespace {
 
-// The fallback of a sharded identity: the held bytes of each planned tensor, packed like
-// PackedOffsets packs whole ones; dim>0 slices gathered through a staging buffer per thread.
-Result<HostFallback> LoadShardFallback(const checkpoint::Checkpoint& checkpoint, int threads,
-                                       const sharding::ShardPlan& plan) {
-  const size_t n = plan.tensors.size();
+// Where each planned tensor's held bytes go in one packed buffer (as PackedOffsets packs whole
+// tensors); the last element is the buffer size.
+std::vector<uint64_t> PlannedOffsets(const sharding::ShardPlan& plan) {
   std::vector<uint64_t> offsets;
-  offsets.reserve(n + 1);
+  offsets.reserve(plan.tensors.size() + 1);
   uint64_t at = 0;
   for (const sharding::PlannedTensor& p : plan.tensors) {
     offsets.push_back(at);
     at = AlignUp(at + p.bytes, checkpoint::kTensorAlignment);
   }
   offsets.push_back(at);
+  return offsets;
+}
+
+// The table of a sharded load: each planned tensor at base + offsets[i], with its held shape
+// and slice and the checksum of its held bytes.
+Result<TensorTable> MakePlannedTable(const sharding::ShardPlan& plan, uint64_t base,
+                                     const std::vector<uint64_t>& offsets,
+                                     const std::vector<uint64_t>& checksums) {
+  size_t name_bytes = 0, dims = 0;
+  for (const sharding::PlannedTensor& p : plan.tensors) {
+    name_bytes += p.tensor->name.size();
+    dims += p.shape.size();
+  }
+  TensorTable table;
+  table.Reserve(plan.tensors.size(), name_bytes, dims);
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const sharding::PlannedTensor& p = plan.tensors[i];
+    std::optional<TensorSlice> slice;
+    if (p.slice) {
+      slice = TensorSlice{p.slice->dim, p.slice->offset, p.slice->length,
+                          p.tensor->shape[p.slice->dim]};
+    }
+    WEIGHTCACHE_RETURN_IF_ERROR(table.Add(p.tensor->name, p.tensor->dtype, p.shape,
+                                          base + offsets[i], p.bytes, checksums[i], slice));
+  }
+  table.Finish();  // the plan is in file order; the table is kept by name
+  return table;
+}
+
+// The fallback of a sharded identity: the held bytes of each planned tensor, packed like
+// PackedOffsets packs whole ones; dim>0 slices gathered through a staging buffer per thread.
+Result<HostFallback> LoadShardFallback(const checkpoint::Checkpoint& checkpoint, int threads,
+                                       const sharding::ShardPlan& plan) {
+  const size_t n = plan.tensors.size();
+  const std::vector<uint64_t> offsets = PlannedOffsets(plan);
   WEIGHTCACHE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(offsets.back()));
 
   std::vector<Status> read(n);
@@ -117,26 +150,10 @@ Result<HostFallback> LoadShardFallback(const checkpoint::Checkpoint& checkpoint,
                              plan.tensors[i].tensor->name);
     }
   }
-
-  size_t name_bytes = 0, dims = 0;
-  for (const sharding::PlannedTensor& p : plan.tensors) {
-    name_bytes += p.tensor->name.size();
-    dims += p.shape.size();
-  }
   HostFallback out{std::move(buffer), {}};
-  out.tensors.Reserve(n, name_bytes, dims);
-  const auto base = reinterpret_cast<uint64_t>(out.buffer.data());
-  for (size_t i = 0; i < n; ++i) {
-    const sharding::PlannedTensor& p = plan.tensors[i];
-    std::optional<TensorSlice> slice;
-    if (p.slice) {
-      slice = TensorSlice{p.slice->dim, p.slice->offset, p.slice->length,
-                          p.tensor->shape[p.slice->dim]};
-    }
-    WEIGHTCACHE_RETURN_IF_ERROR(out.tensors.Add(p.tensor->name, p.tensor->dtype, p.shape,
-                                                base + offsets[i], p.bytes, checksums[i], slice));
-  }
-  out.tensors.Finish();  // the plan is in file order; the table is kept by name
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      out.tensors,
+      MakePlannedTable(plan, reinterpret_cast<uint64_t>(out.buffer.data()), offsets, checksums));
   return out;
 }
 
@@ -175,9 +192,27 @@ Result<HostFallback> LoadHostFallback(const checkpoint::Checkpoint& checkpoint, 
 
 Result<GpuFallback> LoadGpuFallback(const cuda::DriverApi* api, CUdevice device,
                                     const checkpoint::Checkpoint& checkpoint, int threads,
-                                    uint64_t staging_bytes) {
+                                    const sharding::ShardPlan* plan, uint64_t staging_bytes) {
   const auto& infos = checkpoint.tensors();
-  std::vector<uint64_t> offsets = PackedOffsets(checkpoint);
+  // What is loaded, per entry: which tensor, how many bytes, from where in it (a whole
+  // tensor is one run at its start), and where in the buffer.
+  const size_t n = plan != nullptr ? plan->tensors.size() : infos.size();
+  const std::vector<uint64_t> offsets =
+      plan != nullptr ? PlannedOffsets(*plan) : PackedOffsets(checkpoint);
+  const auto info_of = [&](size_t i) -> const checkpoint::TensorInfo& {
+    return plan != nullptr ? *plan->tensors[i].tensor : infos[i];
+  };
+  const auto bytes_of = [&](size_t i) {
+    return plan != nullptr ? plan->tensors[i].bytes : infos[i].nbytes;
+  };
+  const auto copy_of = [&](size_t i) {
+    return plan != nullptr ? plan->tensors[i].copy
+                           : sharding::CopyGeometry{.rows = 1,
+                                                    .row_bytes = infos[i].nbytes,
+                                                    .source_pitch = 0,
+                                                    .source_offset = 0};
+  };
+
   const cuda::CallerContextGuard caller_context(api);
   WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::PrimaryContext context,
                                cuda::PrimaryContext::Retain(api, device));
@@ -187,46 +222,57 @@ Result<GpuFallback> LoadGpuFallback(const cuda::DriverApi* api, CUdevice device,
   auto* const staging_data = reinterpret_cast<uint8_t*>(staging.data());
 
   // Pieces of at most one staging buffer each, batched until the staging buffer is full.
-  // A tensor's pieces are consumed in order, so its ChecksumBuilder sees its bytes in order.
+  // An entry's pieces are consumed in order, so its ChecksumBuilder sees its bytes in order.
   struct Piece {
-    size_t tensor;
-    uint64_t begin;  // within the tensor
+    size_t entry;
+    uint64_t begin;  // within the entry's held bytes
     uint64_t length;
     uint64_t staging_offset;
   };
-  std::vector<ChecksumBuilder> builders(infos.size());
+  std::vector<ChecksumBuilder> builders(n);
   std::vector<Piece> batch;
   uint64_t batch_bytes = 0;
   checkpoint::ReadOptions read_options;
   read_options.threads = std::clamp(threads, 1, 256);
+  std::unique_ptr<uint8_t[]> stage;  // the gather stage of dim>0 slices, on first need
 
   auto flush = [&]() -> Status {
     if (batch.empty()) return Status::Ok();
+    // Runs of the file (whole tensors, dim-0 slices) read in parallel; dim>0 slices gathered.
     std::vector<checkpoint::ReadRequest> requests;
     requests.reserve(batch.size());
     for (const Piece& p : batch) {
-      const auto& info = infos[p.tensor];
-      requests.push_back(
-          {info.shard, info.offset + p.begin, p.length, staging_data + p.staging_offset});
+      const sharding::CopyGeometry g = copy_of(p.entry);
+      if (g.rows > 1) continue;
+      WEIGHTCACHE_ASSIGN_OR_RETURN(os::StridedRun run, sharding::HeldRun(info_of(p.entry), g));
+      requests.push_back({info_of(p.entry).shard, run.file_offset + p.begin, p.length,
+                          staging_data + p.staging_offset});
     }
     Status read = checkpoint::ReadRanges(checkpoint, requests, read_options);
+    for (size_t k = 0; k < batch.size() && read.ok(); ++k) {
+      const Piece& p = batch[k];
+      const sharding::CopyGeometry g = copy_of(p.entry);
+      if (g.rows <= 1) continue;
+      read = sharding::ReadHeldBytes(checkpoint, info_of(p.entry), g, p.begin, p.length,
+                                     staging_data + p.staging_offset, stage);
+    }
     if (!read.ok()) return read.Context("fallback load of " + checkpoint.path());
     for (const Piece& p : batch) {
-      builders[p.tensor].Update(staging_data + p.staging_offset, p.length);
+      builders[p.entry].Update(staging_data + p.staging_offset, p.length);
       WEIGHTCACHE_CU_RETURN_IF_ERROR(api,
-                                     cuMemcpyHtoD(buffer.ptr() + offsets[p.tensor] + p.begin,
+                                     cuMemcpyHtoD(buffer.ptr() + offsets[p.entry] + p.begin,
                                                   staging_data + p.staging_offset, p.length),
-                                     "cuMemcpyHtoD of tensor " + infos[p.tensor].name);
+                                     "cuMemcpyHtoD of tensor " + info_of(p.entry).name);
     }
     batch.clear();
     batch_bytes = 0;
     return Status::Ok();
   };
 
-  for (size_t i = 0; i < infos.size(); ++i) {
-    for (uint64_t begin = 0; begin < infos[i].nbytes;) {
+  for (size_t i = 0; i < n; ++i) {
+    for (uint64_t begin = 0; begin < bytes_of(i);) {
       if (batch_bytes == staging.size()) WEIGHTCACHE_RETURN_IF_ERROR(flush());
-      uint64_t length = std::min(infos[i].nbytes - begin, staging.size() - batch_bytes);
+      uint64_t length = std::min(bytes_of(i) - begin, staging.size() - batch_bytes);
       batch.push_back({i, begin, length, batch_bytes});
       batch_bytes += length;
       begin += length;
@@ -234,10 +280,16 @@ Result<GpuFallback> LoadGpuFallback(const cuda::DriverApi* api, CUdevice device,
   }
   WEIGHTCACHE_RETURN_IF_ERROR(flush());
 
-  std::vector<uint64_t> checksums(infos.size());
-  for (size_t i = 0; i < infos.size(); ++i) checksums[i] = builders[i].Finish();
+  std::vector<uint64_t> checksums(n);
+  for (size_t i = 0; i < n; ++i) checksums[i] = builders[i].Finish();
   GpuFallback out{std::move(context), std::move(buffer), {}};
-  WEIGHTCACHE_ASSIGN_OR_RETURN(out.tensors, MakeTable(infos, out.buffer.ptr(), offsets, checksums));
+  if (plan != nullptr) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(out.tensors,
+                                 MakePlannedTable(*plan, out.buffer.ptr(), offsets, checksums));
+  } else {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(out.tensors,
+                                 MakeTable(infos, out.buffer.ptr(), offsets, checksums));
+  }
   return out;
 }
 

@@ -8,6 +8,8 @@
 //  * gpu tier: one cuMemAlloc buffer in the device's primary context; tensors go through a
 //    pinned staging buffer (cuda::PinnedHostBuffer, the upload pipeline's kind: parallel reads,
 //    then a synchronous H2D copy), checksummed from the staging buffer as they pass.
+//  * a sharded identity (a shard plan): either tier loads only the rank's held bytes, dim>0
+//    slices gathered with sharding::ReadHeldBytes; the table has the held shapes and slices.
 //
 // Ownership: each result owns its memory (HostBuffer / DeviceBuffer); tensor addresses point
 // into it and live as long as the result. Move-only. Thread-safety: the loaders may run
@@ -110,8 +112,11 @@ Result<HostFallback> LoadHostFallback(const checkpoint::Checkpoint& checkpoint, 
 
 inline constexpr uint64_t kStagingBytes = uint64_t{64} << 20;
 
+// `plan`: as for LoadHostFallback; a dim>0 slice's pieces are gathered into the staging
+// buffer (sharding::ReadHeldBytes) on the way to the device.
 Result<GpuFallback> LoadGpuFallback(const cuda::DriverApi* api, CUdevice device,
                                     const checkpoint::Checkpoint& checkpoint, int threads,
+                                    const sharding::ShardPlan* plan = nullptr,
                                     uint64_t staging_bytes = kStagingBytes);
 
 }  // namespace weightcache::client

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <memory>
 #include <thread>
 
 #include "common/align.h"
@@ -17,6 +18,7 @@
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "common/unique_fd.h"
+#include "os/strided_read.h"
 
 namespace weightcache::cuda {
 namespace {
@@ -35,7 +37,11 @@ struct ReadOp {
   uint64_t file_offset;
   uint64_t length;
   uint64_t buf_offset;
-  size_t first_item;  // for error messages
+  size_t first_item;  // for error messages; the item of a strided read
+  // A strided item's held bytes [item_offset, item_offset + length), gathered with
+  // os::ReadStrided instead of one pread of [file_offset, file_offset + length).
+  bool strided = false;
+  uint64_t item_offset = 0;
 };
 
 // A piece of one item: where it sits in the staging buffer and where it goes in the item.
@@ -66,10 +72,14 @@ std::vector<Batch> PlanBatches(std::span<const UploadItem> items, uint64_t buffe
     uint64_t off = 0;
     while (off < item.length) {
       const uint64_t file_pos = item.file_offset + off;
-      const bool contiguous = !cur.reads.empty() && cur.reads.back().source == item.source &&
+      const bool strided = item.stride.has_value();
+      const bool contiguous = !strided && !cur.reads.empty() && !cur.reads.back().strided &&
+                              cur.reads.back().source == item.source &&
                               cur.reads.back().file_offset + cur.reads.back().length == file_pos;
-      const uint64_t start =
-          contiguous ? used : AlignUp(used, kDirectAlign) + file_pos % kDirectAlign;
+      // A strided read is gathered buffered: no O_DIRECT alignment to keep, only a tidy start.
+      const uint64_t start = contiguous ? used
+                             : strided  ? AlignUp(used, kDirectAlign)
+                                        : AlignUp(used, kDirectAlign) + file_pos % kDirectAlign;
       const uint64_t room = buffer_bytes > start ? buffer_bytes - start : 0;
       const uint64_t remaining = item.length - off;
       const uint64_t take = remaining <= room ? remaining : AlignDown(room, kChecksumChunkBytes);
@@ -82,6 +92,8 @@ std::vector<Batch> PlanBatches(std::span<const UploadItem> items, uint64_t buffe
       cur.segments.push_back({i, off, take, start});
       if (contiguous) {
         cur.reads.back().length += take;
+      } else if (strided) {
+        cur.reads.push_back({item.source, item.file_offset, take, start, i, true, off});
       } else {
         cur.reads.push_back({item.source, file_pos, take, start, i});
       }
@@ -148,6 +160,25 @@ Result<uint64_t> ValidateItems(std::span<const UploadSource> sources,
     if (it.length > 0 && it.dst == 0) {
       return InvalidArgument("upload item " + std::to_string(i) + " of " + sources[it.source].path +
                              " has a null device destination");
+    }
+    if (it.stride) {
+      const UploadStride& g = *it.stride;
+      uint64_t held = 0, extent = 0;
+      const bool valid = g.rows > 0 && g.row_bytes > 0 &&
+                         (g.rows == 1 || g.source_pitch >= g.row_bytes) &&
+                         !__builtin_mul_overflow(g.rows, g.row_bytes, &held) && held == it.length &&
+                         !__builtin_mul_overflow(g.rows - 1, g.source_pitch, &extent) &&
+                         !__builtin_add_overflow(extent, g.row_bytes, &extent) &&
+                         !__builtin_add_overflow(extent, it.file_offset, &extent) &&
+                         extent <= uint64_t{std::numeric_limits<off_t>::max()};
+      if (!valid) {
+        return InvalidArgument("upload item " + std::to_string(i) + " of " +
+                               sources[it.source].path + ": a stride of " + std::to_string(g.rows) +
+                               " row(s) of " + std::to_string(g.row_bytes) + " bytes, " +
+                               std::to_string(g.source_pitch) + " apart, for " +
+                               std::to_string(it.length) + " bytes at offset " +
+                               std::to_string(it.file_offset) + " is not a valid run");
+      }
     }
     total += it.length;
   }
@@ -277,6 +308,7 @@ class UploadRun {
     if (rc != CUDA_SUCCESS) {
       return Fail(DriverError(r_.api, rc, "cuCtxSetCurrent on upload thread"));
     }
+    std::unique_ptr<uint8_t[]> stage;  // this reader's gather stage, on its first strided item
     while (!stop_.load()) {
       const size_t b = next_batch_.fetch_add(1);
       if (b >= batches_.size()) return;
@@ -286,7 +318,7 @@ class UploadRun {
       const size_t slot = b % r_.buffers.size();
       if (!WaitForSlot(b, slot)) return;
       std::byte* buf = r_.buffers[slot].data();
-      if (Status s = ReadBatch(batches_[b], buf); !s.ok()) return Fail(std::move(s));
+      if (Status s = ReadBatch(batches_[b], buf, stage); !s.ok()) return Fail(std::move(s));
       if (Status s = IssueCopies(b, slot, buf); !s.ok()) return Fail(std::move(s));
       HandOff(b, slot);
     }
@@ -312,9 +344,30 @@ class UploadRun {
     return true;
   }
 
-  Status ReadBatch(const Batch& batch, std::byte* buf) {
-    for (const ReadOp& r : batch.reads) WEIGHTCACHE_RETURN_IF_ERROR(ReadOne(r, buf));
+  Status ReadBatch(const Batch& batch, std::byte* buf, std::unique_ptr<uint8_t[]>& stage) {
+    for (const ReadOp& r : batch.reads) {
+      WEIGHTCACHE_RETURN_IF_ERROR(r.strided ? ReadStrided(r, buf, stage) : ReadOne(r, buf));
+    }
     return Status::Ok();
+  }
+
+  // The held bytes of a strided item, through the source fd as it is (buffered): its pieces
+  // are gathered out of whole-row reads, which O_DIRECT's alignment would only complicate.
+  Status ReadStrided(const ReadOp& r, std::byte* buf, std::unique_ptr<uint8_t[]>& stage) {
+    const UploadSource& src = sources_[r.source];
+    const UploadStride& g = *items_[r.first_item].stride;
+    const os::StridedRun run{.file_offset = r.file_offset,
+                             .rows = g.rows,
+                             .row_bytes = g.row_bytes,
+                             .pitch = g.source_pitch};
+    Status s = os::ReadStrided(src.fd, src.path, run, r.item_offset, r.length,
+                               reinterpret_cast<uint8_t*>(buf + r.buf_offset), stage);
+    if (!s.ok()) {
+      return s.Context("upload item " + std::to_string(r.first_item) + " (held bytes " +
+                       std::to_string(r.item_offset) + " to " +
+                       std::to_string(r.item_offset + r.length) + ")");
+    }
+    return s;
   }
 
   Status ReadOne(const ReadOp& r, std::byte* buf) {
@@ -354,11 +407,14 @@ class UploadRun {
       CUresult rc = r_.api->cuMemcpyHtoDAsync(it.dst + seg.item_offset, buf + seg.buf_offset,
                                               seg.length, stream);
       if (rc != CUDA_SUCCESS) {
+        // A strided item's bytes are its held bytes, not a run of the file.
+        const std::string from =
+            it.stride ? " held bytes from " + std::to_string(seg.item_offset)
+                      : " offset " + std::to_string(it.file_offset + seg.item_offset);
         return DriverError(r_.api, rc,
                            "cuMemcpyHtoDAsync of item " + std::to_string(seg.item) + " (" +
-                               sources_[it.source].path + " offset " +
-                               std::to_string(it.file_offset + seg.item_offset) + ", " +
-                               std::to_string(seg.length) + " bytes) to device address " +
+                               sources_[it.source].path + from + ", " + std::to_string(seg.length) +
+                               " bytes) to device address " +
                                std::to_string(it.dst + seg.item_offset));
       }
     }

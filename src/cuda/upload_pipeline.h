@@ -17,7 +17,8 @@
 //    plan, the chunk hashes) is freed when it returns. It borrows the source fds and the
 //    destination device memory: both must stay valid until Run() returns. Run() never changes a
 //    source fd's file offset or flags (O_DIRECT reads go through a separate descriptor opened by
-//    the pipeline).
+//    the pipeline). Strided items are gathered (os/strided_read.h) through the source fd as it
+//    is, buffered, into the staging buffer, each reader with its own gather stage.
 //  * Run() is synchronous and not reentrant: one Run() at a time per pipeline. When it
 //    returns — success, error or cancellation — no copy it issued is still in flight and no
 //    thread it started is still running; the pipeline can be reused.
@@ -32,6 +33,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -48,12 +50,23 @@ struct UploadSource {
   std::string path;  // for error messages and logs only
 };
 
-// Copy `length` bytes at `file_offset` of sources[source] to device address `dst`.
+// The held bytes of a strided item: `rows` pieces of `row_bytes`, piece r at
+// `file_offset + r * source_pitch` of the file (a tensor slice along a dim > 0).
+struct UploadStride {
+  uint64_t rows = 1;
+  uint64_t row_bytes = 0;
+  uint64_t source_pitch = 0;
+};
+
+// Copy `length` bytes at `file_offset` of sources[source] to device address `dst`. With
+// `stride`, the bytes are the stride's pieces (file_offset: piece 0's start; length: rows *
+// row_bytes), landing one after the other at `dst`; the item's checksum is over those bytes.
 struct UploadItem {
   size_t source = 0;
   uint64_t file_offset = 0;
   uint64_t length = 0;
   CUdeviceptr dst = 0;
+  std::optional<UploadStride> stride;
 };
 
 enum class ReadMode {

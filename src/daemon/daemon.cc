@@ -231,7 +231,6 @@ Result<WeightStore> Daemon::Load(std::string* memory) {
   LoadOptions load = options_.load;
   std::optional<sharding::ShardPlan> plan;
   if (options_.shard.has_value()) {
-    WEIGHTCACHE_RETURN_IF_ERROR(identity::CheckShardedTier(options_.shard, options_.config.tier));
     WEIGHTCACHE_ASSIGN_OR_RETURN(
         plan, sharding::PlanShard(checkpoint, options_.shard->rules, options_.shard->model_config,
                                   options_.shard->ranks));

@@ -2,6 +2,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <numeric>
 #include <optional>
 #include <string>
 
@@ -15,6 +16,7 @@
 #include "daemon/load_memory.h"
 #include "daemon/weight_store.h"
 #include "identity/device_inventory.h"
+#include "sharding/gather.h"
 
 namespace weightcache::daemon {
 // Every allocation the load makes for the load only (the pipeline and its pinned staging
@@ -34,11 +36,12 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
       uint64_t granularity,
       cuda::AllocationGranularity(api, device, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
 
+  // A sharded cache places only the rank's held bytes (options.shard_plan), like the host tier.
   const auto& tensors = checkpoint.tensors();
-  const std::vector<size_t> order = FileOrder(checkpoint);
-  std::vector<uint64_t> sizes;
-  sizes.reserve(order.size());
-  for (size_t idx : order) sizes.push_back(tensors[idx].nbytes);
+  const HeldTensors held = ListHeldTensors(checkpoint, options.shard_plan);
+  const std::vector<size_t>& order = held.order;
+  const std::vector<uint64_t>& sizes = held.sizes;
+  const uint64_t held_bytes = std::accumulate(sizes.begin(), sizes.end(), uint64_t{0});
   const checkpoint::ArenaPlan plan = checkpoint::PlanArena(sizes, granularity);
   WEIGHTCACHE_RETURN_IF_ERROR(CheckMemoryBudget(
       Tier::kGpu, plan.total_bytes, plan.allocation_bytes.size(), options.memory_budget));
@@ -89,14 +92,19 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
     }
     const auto& t = tensors[order[i]];
     const auto& place = plan.placements[i];
+    // Where the held bytes lie in the shard file: one run, or a dim>0 slice's strided rows.
+    auto run = sharding::HeldRun(t, held.copy[i]);
+    if (!run.ok()) return run.status().Context("gpu tier");
     item_of.push_back(items.size());
-    items.push_back(
-        {t.shard, t.offset, t.nbytes, allocations[place.allocation].ptr + place.offset});
+    cuda::UploadItem item{t.shard, run->file_offset, sizes[i],
+                          allocations[place.allocation].ptr + place.offset, std::nullopt};
+    if (run->rows > 1) item.stride = cuda::UploadStride{run->rows, run->row_bytes, run->pitch};
+    items.push_back(item);
   }
   cuda::UploadControl upload_control;
   upload_control.progress = control.progress;
   upload_control.cancel = control.cancel;
-  if (control.progress) control.progress(0, checkpoint.total_bytes());
+  if (control.progress) control.progress(0, held_bytes);
   auto report = pipeline->Run(sources, items, upload_control);
   *memory = "pipeline=" + DescribeProcessMemory(ReadProcessMemory());
   pipeline.reset();
@@ -120,11 +128,11 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   placements.reserve(order.size());
   for (const auto& p : plan.placements) placements.push_back({p.allocation, p.offset});
   StoreSummary summary;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(
-      summary.manifest,
-      BuildManifest(Tier::kGpu, checkpoint, order, placements, checksums, allocation_sizes));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(summary.manifest,
+                               BuildManifest(Tier::kGpu, checkpoint, order, placements, checksums,
+                                             allocation_sizes, held.planned));
   summary.tensor_count = order.size();
-  summary.tensor_bytes = checkpoint.total_bytes();
+  summary.tensor_bytes = held_bytes;
   summary.resident_bytes = arena->total_bytes();
   // The upload is complete (Run synchronized its streams and the pipeline is gone): from here
   // the fds are all the daemon needs. Releasing the rest drops its CUDA context — the device

@@ -25,6 +25,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "common/checksum.h"
 #include "common/logging.h"
@@ -164,22 +165,11 @@ class HostReader {
 HostLayout PlanHostLayout(const checkpoint::Checkpoint& checkpoint, uint64_t page_size,
                           const sharding::ShardPlan* plan) {
   HostLayout layout;
-  if (plan == nullptr) {
-    layout.order = FileOrder(checkpoint);
-    for (size_t idx : layout.order) {
-      const uint64_t bytes = checkpoint.tensors()[idx].nbytes;
-      layout.sizes.push_back(bytes);
-      layout.copy.push_back({.rows = 1, .row_bytes = bytes, .source_pitch = 0, .source_offset = 0});
-    }
-  } else {
-    // The plan lists the held tensors in file order already.
-    for (const sharding::PlannedTensor& p : plan->tensors) {
-      layout.order.push_back(static_cast<size_t>(p.tensor - checkpoint.tensors().data()));
-      layout.sizes.push_back(p.bytes);
-      layout.copy.push_back(p.copy);
-      layout.planned.push_back(&p);
-    }
-  }
+  HeldTensors held = ListHeldTensors(checkpoint, plan);
+  layout.order = std::move(held.order);
+  layout.sizes = std::move(held.sizes);
+  layout.copy = std::move(held.copy);
+  layout.planned = std::move(held.planned);
   layout.plan = checkpoint::PlanArena(layout.sizes, page_size);
   layout.chunk_begin.assign(layout.order.size() + 1, 0);
   for (size_t i = 0; i < layout.order.size(); ++i) {

@@ -39,11 +39,6 @@ inline constexpr uint64_t kHostItemBytes = uint64_t{8} << 20;
 // still sits in the core's L2 when the checksum and the pwrite walk over it. Also a multiple
 // of the checksum chunk.
 inline constexpr uint64_t kHostStepBytes = uint64_t{1} << 20;
-// A slice along a dim > 0 is `rows` pieces of `row_bytes`, `source_pitch` apart in the file.
-// Pieces are gathered by reading a block of whole source rows with one pread into this staging
-// buffer (allocated by a thread only when it meets such a slice) and copying the pieces out,
-// so small rows cost no syscall each; a row piece whose pitch exceeds it is read on its own.
-inline constexpr uint64_t kHostStageBytes = uint64_t{8} << 20;
 
 // Where every tensor of a host-tier load goes.
 struct HostLayout {

@@ -30,6 +30,28 @@ std::vector<size_t> FileOrder(const checkpoint::Checkpoint& checkpoint) {
   return order;
 }
 
+HeldTensors ListHeldTensors(const checkpoint::Checkpoint& checkpoint,
+                            const sharding::ShardPlan* plan) {
+  HeldTensors held;
+  if (plan == nullptr) {
+    held.order = FileOrder(checkpoint);
+    for (size_t idx : held.order) {
+      const uint64_t bytes = checkpoint.tensors()[idx].nbytes;
+      held.sizes.push_back(bytes);
+      held.copy.push_back({.rows = 1, .row_bytes = bytes, .source_pitch = 0, .source_offset = 0});
+    }
+    return held;
+  }
+  // The plan lists the held tensors in file order already.
+  for (const sharding::PlannedTensor& p : plan->tensors) {
+    held.order.push_back(static_cast<size_t>(p.tensor - checkpoint.tensors().data()));
+    held.sizes.push_back(p.bytes);
+    held.copy.push_back(p.copy);
+    held.planned.push_back(&p);
+  }
+  return held;
+}
+
 Result<ManifestFile> BuildManifest(Tier tier, const checkpoint::Checkpoint& checkpoint,
                                    const std::vector<size_t>& order,
                                    const std::vector<PlacedTensor>& placements,

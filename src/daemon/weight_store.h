@@ -92,8 +92,8 @@ struct LoadOptions {
   identity::DeviceInfo device;
   const cuda::DriverApi* driver = nullptr;
   std::string cache_name;  // names the memfds ("weightcache:<digest16>") for /proc readers
-  // A sharded cache: this rank's plan of the checkpoint being loaded (the host tier loads only
-  // what it lists); null = every tensor whole.
+  // A sharded cache: this rank's plan of the checkpoint being loaded (either tier loads only
+  // what it lists, ListHeldTensors); null = every tensor whole.
   const sharding::ShardPlan* shard_plan = nullptr;
 };
 
@@ -121,6 +121,22 @@ Status CheckMemoryBudget(Tier tier, uint64_t plan_bytes, size_t allocations, uin
 // The order tensors are packed in: by (shard, offset), i.e. file order, so reads and writes
 // both stream. Indices into checkpoint.tensors().
 std::vector<size_t> FileOrder(const checkpoint::Checkpoint& checkpoint);
+
+// The tensors a load holds, in file order: every tensor whole, or (with a shard plan) the
+// tensors the rank's plan lists, each sized by its held bytes and read by its copy geometry.
+// Both tiers pack and read what this lists, so they hold the same bytes of a sharded cache.
+struct HeldTensors {
+  std::vector<size_t> order;    // indices into checkpoint.tensors(), in file order (FileOrder)
+  std::vector<uint64_t> sizes;  // sizes[i]: the bytes held of tensor order[i]
+  // copy[i]: where the held bytes of tensor order[i] lie in it (one run for a whole tensor).
+  std::vector<sharding::CopyGeometry> copy;
+  // planned[i]: the shard plan's entry of tensor order[i]; empty when the load is unsharded
+  // (what BuildManifest takes as `planned`).
+  std::vector<const sharding::PlannedTensor*> planned;
+};
+// `plan` (may be null) is the rank's plan of `checkpoint` and must outlive the result.
+HeldTensors ListHeldTensors(const checkpoint::Checkpoint& checkpoint,
+                            const sharding::ShardPlan* plan);
 
 // The attach manifest of `checkpoint` packed as `placements` (parallel to `order`), with one
 // checksum per entry of `order` (common/checksum.h), in its sealed memfd; the records are in

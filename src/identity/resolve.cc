@@ -81,13 +81,6 @@ Result<std::optional<ShardSpec>> ResolveShardSpec(const IdentityOptions& options
   return std::optional<ShardSpec>(std::move(spec));
 }
 
-Status CheckShardedTier(const std::optional<ShardSpec>& shard, Tier tier) {
-  if (shard.has_value() && tier != Tier::kHost) {
-    return InvalidArgument("sharded gpu-tier loads are not implemented yet: use --tier host");
-  }
-  return Status::Ok();
-}
-
 Result<std::vector<uid_t>> TrustedUids(const std::vector<uint32_t>& configured,
                                        const EnvLookup& env) {
   std::vector<uid_t> uids{::geteuid()};

@@ -55,11 +55,6 @@ bool IsSharded(const IdentityOptions& options);
 // kInvalidArgument for bad ranks or no rule set; kInvalidCheckpoint for a bad config.json.
 Result<std::optional<ShardSpec>> ResolveShardSpec(const IdentityOptions& options);
 
-// The tiers that load slices: the host tier only for now. kInvalidArgument ("sharded gpu-tier
-// loads are not implemented yet: use --tier host") for a sharded gpu-tier cache, so that its
-// serve and its fallback refuse instead of loading the whole checkpoint.
-Status CheckShardedTier(const std::optional<ShardSpec>& shard, Tier tier);
-
 struct ResolvedIdentity {
   CacheConfig config;
   std::optional<ShardSpec> shard;    // set when the job is sharded (config.shard_rules_digest)

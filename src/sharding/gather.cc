@@ -1,57 +1,40 @@
 #include "sharding/gather.h"
 
-#include <algorithm>
-#include <cstring>
-#include <span>
+#include <string>
 
 namespace weightcache::sharding {
-namespace {
 
-// One pread of `length` bytes at `offset` of the tensor into `dest`.
-Status Read(const checkpoint::Checkpoint& checkpoint, const checkpoint::TensorInfo& t,
-            uint64_t offset, uint64_t length, void* dest) {
-  const checkpoint::ReadRequest request{t.shard, t.offset + offset, length, dest};
-  checkpoint::ReadOptions options;
-  options.threads = 1;
-  Status status = checkpoint::ReadRanges(
-      checkpoint, std::span<const checkpoint::ReadRequest>(&request, 1), options);
-  if (!status.ok()) return status.Context("tensor " + t.name);
-  return status;
+Result<os::StridedRun> HeldRun(const checkpoint::TensorInfo& tensor, const CopyGeometry& copy) {
+  const CopyGeometry& g = copy;
+  uint64_t end = 0;  // one past the last held byte, within the tensor
+  const bool fits = g.rows > 0 && g.row_bytes > 0 &&
+                    (g.rows == 1 || g.source_pitch >= g.row_bytes) &&
+                    !__builtin_mul_overflow(g.rows - 1, g.source_pitch, &end) &&
+                    !__builtin_add_overflow(end, g.row_bytes, &end) &&
+                    !__builtin_add_overflow(end, g.source_offset, &end) && end <= tensor.nbytes;
+  if (!fits) {
+    return InvalidArgument("tensor " + tensor.name + ": copy geometry of " +
+                           std::to_string(g.rows) + " row(s) of " + std::to_string(g.row_bytes) +
+                           " bytes, " + std::to_string(g.source_pitch) + " apart from byte " +
+                           std::to_string(g.source_offset) + ", is outside its " +
+                           std::to_string(tensor.nbytes) + " bytes");
+  }
+  return os::StridedRun{.file_offset = tensor.offset + g.source_offset,
+                        .rows = g.rows,
+                        .row_bytes = g.row_bytes,
+                        .pitch = g.source_pitch};
 }
-
-}  // namespace
 
 Status ReadHeldBytes(const checkpoint::Checkpoint& checkpoint, const checkpoint::TensorInfo& tensor,
                      const CopyGeometry& copy, uint64_t at, uint64_t length, uint8_t* dest,
                      std::unique_ptr<uint8_t[]>& stage) {
-  const CopyGeometry& g = copy;
-  uint64_t pos = at;
-  const uint64_t end = at + length;
-  while (pos < end) {
-    const uint64_t row = pos / g.row_bytes, in = pos % g.row_bytes;
-    const uint64_t source = g.source_offset + row * g.source_pitch;
-    if (g.row_bytes - in >= end - pos || g.source_pitch > kGatherStageBytes) {
-      // The rest lies in this row, or rows are too far apart to stage: straight into dest.
-      const uint64_t n = std::min(g.row_bytes - in, end - pos);
-      WEIGHTCACHE_RETURN_IF_ERROR(Read(checkpoint, tensor, source + in, n, dest + (pos - at)));
-      pos += n;
-      continue;
-    }
-    // Rows [row, row + k): from this row's start to the end of the k-th piece, in one read.
-    const uint64_t rows_needed = (in + (end - pos) + g.row_bytes - 1) / g.row_bytes;
-    const uint64_t k = std::min(
-        {rows_needed, g.rows - row, 1 + (kGatherStageBytes - g.row_bytes) / g.source_pitch});
-    if (!stage) stage = std::make_unique<uint8_t[]>(kGatherStageBytes);
-    WEIGHTCACHE_RETURN_IF_ERROR(
-        Read(checkpoint, tensor, source, (k - 1) * g.source_pitch + g.row_bytes, stage.get()));
-    for (uint64_t j = 0; j < k && pos < end; ++j) {
-      const uint64_t from = j == 0 ? in : 0;
-      const uint64_t n = std::min(g.row_bytes - from, end - pos);
-      std::memcpy(dest + (pos - at), stage.get() + j * g.source_pitch + from, n);
-      pos += n;
-    }
-  }
-  return Status::Ok();
+  if (length == 0) return Status::Ok();
+  WEIGHTCACHE_ASSIGN_OR_RETURN(os::StridedRun run, HeldRun(tensor, copy));
+  Status status =
+      os::ReadStrided(checkpoint.shard_fd(tensor.shard), checkpoint.shards()[tensor.shard].path,
+                      run, at, length, dest, stage);
+  if (!status.ok()) return status.Context("tensor " + tensor.name);
+  return status;
 }
 
 }  // namespace weightcache::sharding

@@ -78,7 +78,7 @@ TEST_P(UploadGpuTest, MultiFileDatasetLandsIntact) {
     uint64_t off = 4096 + 13;  // "header"
     while (off < file_sizes[f]) {
       const uint64_t len = std::min<uint64_t>(1 + rng() % (size_t{9} << 20), file_sizes[f] - off);
-      items.push_back({f, off, len, device_bytes});  // dst is an offset until allocated
+      items.push_back({f, off, len, device_bytes, std::nullopt});  // dst: an offset until allocated
       device_bytes += (len + 255) / 256 * 256;
       off += len;
     }

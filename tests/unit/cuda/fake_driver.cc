@@ -264,6 +264,12 @@ FakeDriver::FakeDriver(uint64_t granularity, int device_count)
     WC_HOOK("cuMemcpyDtoHAsync");
     return g_fake->MemcpyAsync(dst, reinterpret_cast<const void*>(src), n, s);
   };
+  // A synchronous copy: queued on the legacy default stream, then run with everything before it.
+  api_.cuMemcpyHtoD = [](CUdeviceptr dst, const void* src, size_t n) -> CUresult {
+    WC_HOOK("cuMemcpyHtoD");
+    const CUresult rc = g_fake->MemcpyAsync(reinterpret_cast<void*>(dst), src, n, nullptr);
+    return rc != CUDA_SUCCESS ? rc : g_fake->StreamSynchronize(nullptr);
+  };
   // Modules and kernels.
   api_.cuModuleLoadData = [](CUmodule* m, const void* image) -> CUresult {
     WC_HOOK("cuModuleLoadData");
@@ -420,7 +426,8 @@ uint64_t FakeDriver::launched_chunks() const {
 
 uint64_t FakeDriver::NewMemory(uint64_t size, CUdevice device, bool exportable) {
   uint64_t id = next_memory_++;
-  memory_[id] = MemoryObject{size, device, exportable};
+  memory_[id] = MemoryObject{size, device, exportable, {}};
+  if (back_vmm_) memory_[id].bytes.resize(size);
   return id;
 }
 
@@ -433,6 +440,22 @@ UniqueFd FakeDriver::ForeignExport(uint64_t size, CUdevice device) {
   if (::fstat(fd.get(), &st) != 0) std::abort();
   exports_[st.st_ino] = id;
   return fd;
+}
+
+void FakeDriver::BackVmmMemory() {
+  std::lock_guard<std::mutex> lock(mu_);
+  back_vmm_ = true;
+}
+
+std::string FakeDriver::ExportedBytes(int fd, uint64_t offset, uint64_t length) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  struct stat st = {};
+  if (::fstat(fd, &st) != 0) return "";
+  auto e = exports_.find(st.st_ino);
+  if (e == exports_.end()) return "";
+  const std::vector<uint8_t>& bytes = memory_.at(e->second).bytes;
+  if (offset > bytes.size() || length > bytes.size() - offset) return "";
+  return std::string(reinterpret_cast<const char*>(bytes.data() + offset), length);
 }
 
 CUresult FakeDriver::PrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
@@ -783,6 +806,12 @@ CUresult FakeDriver::MemcpyAsync(void* dst, const void* src, size_t bytes, CUstr
   };
   if (in_reservation(dst)) {
     if (!mapped(dst)) return Violation("copy into unmapped VMM memory");
+    const auto ptr = reinterpret_cast<CUdeviceptr>(dst);
+    auto m = std::prev(mappings_.upper_bound(ptr));
+    std::vector<uint8_t>& backing = memory_[m->second.memory].bytes;
+    if (backing.empty()) return CUDA_SUCCESS;  // not backed: checked and dropped
+    stream.queue.push_back({backing.data() + (ptr - m->first), src, bytes, stream.next_seq++});
+    if (stream.queue.size() > max_queued_) RunUntil(stream, stream.queue.front().seq);
     return CUDA_SUCCESS;
   }
   if (in_reservation(src)) {

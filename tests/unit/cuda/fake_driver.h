@@ -11,7 +11,9 @@
 //    without CLOEXEC, like a driver that does not promise it) so the fd path is real. It checks
 //    the rules the real driver enforces (sizes multiple of the granularity, map only into a
 //    reservation, no overlap, unmap exactly what was mapped, no free of a reservation with live
-//    mappings) and counts violations instead of crashing. VMM addresses are not backed.
+//    mappings) and counts violations instead of crashing. VMM addresses are not backed unless a
+//    test asks (BackVmmMemory): then memory objects have host bytes that copies into their
+//    mappings land in (queued like any copy), read back through an exported fd (ExportedBytes).
 //  * Memory-backed resources: cuMemAlloc and cuMemHostAlloc return host memory (a CUdeviceptr
 //    from cuMemAlloc is a host address), and each kind is freed only by its own call
 //    (cuMemFree, cuMemFreeHost); a wrong release call is a violation. cuMemHostRegister and
@@ -89,6 +91,13 @@ class FakeDriver {
   // accept in cuMemImportFromShareableHandle, for `size` bytes on `device`.
   UniqueFd ForeignExport(uint64_t size, CUdevice device);
 
+  // Memory objects created from now on get host bytes (zeros) that copies into their mappings
+  // land in. For tests that check what was uploaded; keep their allocations small.
+  void BackVmmMemory();
+  // `length` bytes at `offset` of the backed memory object that `fd` (an fd exported by
+  // cuMemExportToShareableHandle, or a duplicate of one) names; empty if it names none.
+  std::string ExportedBytes(int fd, uint64_t offset, uint64_t length) const;
+
   // Live state.
   int live_handles() const;
   int live_reservations() const;
@@ -159,6 +168,7 @@ class FakeDriver {
     uint64_t size = 0;
     CUdevice device = 0;
     bool exportable = false;
+    std::vector<uint8_t> bytes;  // BackVmmMemory: the object's contents
   };
   struct Mapping {
     uint64_t size = 0;
@@ -204,7 +214,8 @@ class FakeDriver {
   std::map<CUdevice, int> context_refs_;
   CUcontext current_context_ = nullptr;
   // VMM.
-  std::map<uint64_t, MemoryObject> memory_;                   // id -> object
+  std::map<uint64_t, MemoryObject> memory_;  // id -> object
+  bool back_vmm_ = false;
   std::map<CUmemGenericAllocationHandle, uint64_t> handles_;  // handle -> memory id
   std::map<CUdeviceptr, uint64_t> reservations_;              // base -> size
   std::map<CUdeviceptr, Mapping> mappings_;                   // ptr -> mapping

@@ -16,6 +16,7 @@
 
 #include "common/checksum.h"
 #include "common/unique_fd.h"
+#include "os/strided_read.h"
 #include "support/test_env.h"
 #include "unit/cuda/fake_driver.h"
 
@@ -52,12 +53,29 @@ class UploadPipelineTest : public ::testing::Test {
   void AddItem(size_t source, uint64_t offset, uint64_t length) {
     device_.emplace_back(length, '\xEE');
     items_.push_back({source, offset, length,
-                      length == 0 ? 0 : reinterpret_cast<CUdeviceptr>(device_.back().data())});
+                      length == 0 ? 0 : reinterpret_cast<CUdeviceptr>(device_.back().data()),
+                      std::nullopt});
+  }
+  // A strided item: `rows` pieces of `row_bytes`, `pitch` apart from `offset`.
+  void AddStridedItem(size_t source, uint64_t offset, uint64_t rows, uint64_t row_bytes,
+                      uint64_t pitch) {
+    AddItem(source, offset, rows * row_bytes);
+    items_.back().stride = UploadStride{rows, row_bytes, pitch};
+  }
+  // The bytes an item holds, cut from the file's contents as the test wrote them.
+  std::string Held(const UploadItem& it) const {
+    const std::string& file = contents_[it.source];
+    if (!it.stride) return file.substr(it.file_offset, it.length);
+    std::string out;
+    for (uint64_t r = 0; r < it.stride->rows; ++r) {
+      out += file.substr(it.file_offset + r * it.stride->source_pitch, it.stride->row_bytes);
+    }
+    return out;
   }
   void ExpectDeviceMatchesFiles() {
     for (size_t i = 0; i < items_.size(); ++i) {
       const UploadItem& it = items_[i];
-      ASSERT_EQ(device_[i], contents_[it.source].substr(it.file_offset, it.length))
+      ASSERT_EQ(device_[i], Held(it))
           << "item " << i << " (offset " << it.file_offset << ", " << it.length << " bytes)";
     }
   }
@@ -129,6 +147,65 @@ TEST_F(UploadPipelineTest, MixedItemsArriveIntactWithChecksums) {
       EXPECT_GT(progress[i].first, progress[i - 1].first) << "progress must grow";
     }
   }
+  ExpectAllReleased();
+}
+
+// Strided items (a tensor slice along a dim > 0) of several geometries, between contiguous
+// items of the same file: rows that are not a multiple of 4096 bytes, a pitch larger than the
+// gather stage (os::kStridedStageBytes: read row by row), an item larger than a staging buffer
+// (split across fills, each piece gathered from the middle of a row), a single-row stride.
+// Each lands byte-exact and its checksum is that of its held bytes.
+TEST_F(UploadPipelineTest, StridedItemsArriveIntactWithChecksumsOfTheirHeldBytes) {
+  const uint64_t far = os::kStridedStageBytes + 4096 + 3;  // a pitch over the gather stage
+  const size_t a = AddFile("a.bin", 3 * far + 1000, 21);
+  const size_t b = AddFile("b.bin", 8 * kChunk, 22);
+  AddItem(a, 0, 100);
+  AddStridedItem(a, 100, 50, 1000, 3000);  // right after a contiguous item: not merged
+  AddItem(a, 100, 4000);                   // overlapping the stride's first rows
+  AddStridedItem(a, 17, 3, 5000, far);
+  AddStridedItem(b, 33, 700, 1234, 2 * 1234 + 1);  // 863,800 bytes: over 3 staging buffers
+  AddStridedItem(b, 5, 1, 777, 0);
+  AddStridedItem(b, 4096, 2, 4096, 4096);  // pitch == row: the contiguous run, strided
+  AddItem(b, 6 * kChunk - 10, 10);
+
+  auto report = Run(SmallRing());
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  ExpectDeviceMatchesFiles();
+  ASSERT_EQ(report->checksums.size(), items_.size());
+  for (size_t i = 0; i < items_.size(); ++i) {
+    const std::string held = Held(items_[i]);
+    EXPECT_EQ(report->checksums[i], TensorChecksum(held.data(), held.size())) << "item " << i;
+  }
+  uint64_t total = 0;
+  for (const auto& it : items_) total += it.length;
+  EXPECT_EQ(report->bytes, total);
+  ExpectAllReleased();
+}
+
+TEST_F(UploadPipelineTest, StridedItemsReadBufferedUnderDirectMode) {
+  const size_t a = AddFile("a.bin", 8 * kChunk + 77, 23);
+  AddItem(a, 0, 3 * kChunk);
+  AddStridedItem(a, 3, 300, 999, 4000);
+  AddItem(a, 5 * kChunk + 1, 2 * kChunk);
+  UploadOptions o = SmallRing();
+  o.read_mode = ReadMode::kDirect;
+  auto report = Run(o);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  ExpectDeviceMatchesFiles();
+}
+
+TEST_F(UploadPipelineTest, AShortReadInsideAStridedItemNamesTheFileAndOffset) {
+  const size_t a = AddFile("short.bin", 10000, 24);
+  AddItem(a, 0, 100);
+  AddStridedItem(a, 40, 8, 500, 1500);  // the last row starts at 10540: past EOF
+  auto report = Run(SmallRing());
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kIo);
+  const std::string m = report.status().message();
+  EXPECT_NE(m.find("upload item 1 (held bytes 0 to 4000)"), std::string::npos) << m;
+  EXPECT_NE(m.find("unexpected end of file in " + sources_[a].path + " at offset 10000"),
+            std::string::npos)
+      << m;
   ExpectAllReleased();
 }
 
@@ -357,21 +434,33 @@ TEST_F(UploadPipelineTest, RejectsBadOptionsAndItems) {
 
   const size_t a = AddFile("a.bin", 10, 12);
   AddItem(a, 0, 10);
-  items_.push_back({7, 0, 1, items_[0].dst});
+  items_.push_back({7, 0, 1, items_[0].dst, std::nullopt});
   auto r = Run(SmallRing());
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("upload item 1 names source 7 of 1"), std::string::npos);
 
-  items_.back() = {a, ~uint64_t{0} - 2, 5, items_[0].dst};
+  items_.back() = {a, ~uint64_t{0} - 2, 5, items_[0].dst, std::nullopt};
   r = Run(SmallRing());
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("offset + length overflows"), std::string::npos);
 
-  items_.back() = {a, 0, 5, 0};
+  items_.back() = {a, 0, 5, 0, std::nullopt};
   r = Run(SmallRing());
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("null device destination"), std::string::npos);
+
+  // A stride whose rows do not make up the item's length, or whose rows overlap.
+  for (const UploadStride& bad : {UploadStride{2, 4, 4}, UploadStride{3, 2, 1}}) {
+    items_.back() = {a, 0, 6, items_[0].dst, bad};
+    r = Run(SmallRing());
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("upload item 1 of " + sources_[a].path + ": a stride of " +
+                                        std::to_string(bad.rows) + " row(s)"),
+              std::string::npos)
+        << r.status().message();
+  }
 }
 
 TEST_F(UploadPipelineTest, NothingToDoReportsZero) {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "support/test_env.h"
 #include "unit/checkpoint/checkpoint_fixture.h"
 #include "weightcache/status.h"
@@ -61,6 +62,28 @@ class ShardingFixture : public checkpoint::testing::CheckpointFixture {
     return out;
   }
 };
+
+// The bytes of `t` that the slice [offset, offset + length) of dim `dim` holds, cut from its
+// file bytes by shape arithmetic (independent of the planner's copy geometry): for each index
+// of the dims before `dim`, `length` rows of the rest. dim 0, offset 0, length shape[0] (or a
+// 0-dim tensor) is the whole tensor.
+inline std::string SliceOf(const checkpoint::Checkpoint& ckpt, const checkpoint::TensorInfo& t,
+                           uint32_t dim, uint64_t offset, uint64_t length) {
+  std::string full(t.nbytes, '\0');
+  EXPECT_TRUE(checkpoint::ReadTensor(ckpt, t, full.data()).ok()) << t.name;
+  if (t.shape.empty()) return full;
+  uint64_t elems = 1;
+  for (uint64_t d : t.shape) elems *= d;
+  if (elems == 0) return "";
+  uint64_t outer = 1, inner = t.nbytes / elems;
+  for (uint32_t d = 0; d < dim; ++d) outer *= t.shape[d];
+  for (size_t d = dim + 1; d < t.shape.size(); ++d) inner *= t.shape[d];
+  std::string out;
+  for (uint64_t o = 0; o < outer; ++o) {
+    out += full.substr((o * t.shape[dim] + offset) * inner, length * inner);
+  }
+  return out;
+}
 
 // A Llama-family model: `layers` layers, hidden 64, `heads` heads and `kv_heads` kv heads of
 // head_dim 16, intermediate 128, vocab `vocab`.
