@@ -7,17 +7,22 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <execinfo.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+// The stderr the process started with, kept on a high fd: pytest's fd capture points fd 2 at a
+// temporary file during each test, which a crashing process never copies out.
+static int out_fd = 2;
+
 static void on_fatal(int sig, siginfo_t* info, void* context) {
   (void)context;
   char line[1024];
   int n = snprintf(line, sizeof line, "segv_trace: signal %d at address %p\n", sig, info->si_addr);
-  (void)!write(2, line, (size_t)n);
+  (void)!write(out_fd, line, (size_t)n);
   void* frames[64];
   const int count = backtrace(frames, 64);
   for (int i = 0; i < count; ++i) {
@@ -30,13 +35,15 @@ static void on_fatal(int sig, siginfo_t* info, void* context) {
     } else {
       n = snprintf(line, sizeof line, "segv_trace: #%d ? %p\n", i, frames[i]);
     }
-    if (n > 0) (void)!write(2, line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
+    if (n > 0) (void)!write(out_fd, line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
   }
   signal(sig, SIG_DFL);
   raise(sig);
 }
 
 __attribute__((constructor)) static void install(void) {
+  const int kept = fcntl(2, F_DUPFD_CLOEXEC, 200);
+  if (kept >= 0) out_fd = kept;
   static char alt[1 << 16];
   stack_t ss = {.ss_sp = alt, .ss_size = sizeof alt, .ss_flags = 0};
   sigaltstack(&ss, NULL);
