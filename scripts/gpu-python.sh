@@ -59,6 +59,25 @@ else
 fi
 export PYTHONPATH=$prefix${PYTHONPATH:+:$PYTHONPATH}
 export WEIGHTCACHE_CLI=$prefix/bin/weightcache
+# How the extension links the C++ runtime: a libstdc++ copied into it (static) beside the one
+# the process may load is a suspect for crashes inside the standard library (issue 12 notes).
+ext=$(ls "$prefix"/weightcache/_weightcache*.so 2>/dev/null | head -1)
+if [[ -n $ext ]]; then
+  {
+    echo "==== $ext"
+    ldd "$ext"
+    readelf -d "$ext" | grep -E "NEEDED|RPATH|RUNPATH"
+    echo "libstdc++ definitions inside: $(nm -C --defined-only "$ext" 2>/dev/null |
+      grep -c -E " (T|W) std::locale::")"
+    "$py" -c "import sys; print(sys.version)"
+    g++ -v 2>&1 | tail -2
+  } >>"$OUT/python-build.log" 2>&1
+  if ldd "$ext" | grep -q "libstdc++"; then
+    say "python ext: libstdc++ shared ($(ldd "$ext" | awk '/libstdc/ {print $3}'))"
+  else
+    say "python ext: libstdc++ NOT a shared dependency (linked in statically?)"
+  fi
+fi
 if [[ ! -x $WEIGHTCACHE_CLI ]]; then
   say "python build: the CLI is missing from $prefix/bin"
   exit 1
