@@ -249,9 +249,10 @@ TEST(RulesTest, LiteralFactsOfAPattern) {
                    ->rules[0]
                    .group1_follows_prefix);
   // A top-level alternation: nothing is required.
-  const Rule& alt = Parse(Doc(R"({"match": "ab|cd", "mode": "skip"})"))->rules[0];
-  EXPECT_EQ(alt.literal_prefix, "");
-  EXPECT_TRUE(alt.required_literals.empty());
+  Result<RuleSet> alt = Parse(Doc(R"({"match": "ab|cd", "mode": "skip"})"));
+  ASSERT_TRUE(alt.ok()) << alt.status().ToString();
+  EXPECT_EQ(alt->rules[0].literal_prefix, "");
+  EXPECT_TRUE(alt->rules[0].required_literals.empty());
 }
 
 TEST(ModelConfigTest, ReadsTheFieldsAndRefusesBadTypes) {
