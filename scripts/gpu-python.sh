@@ -71,6 +71,14 @@ if [[ -n $ext ]]; then
       grep -c -E " (T|W) std::locale::")"
     "$py" -c "import sys; print(sys.version)"
     g++ -v 2>&1 | tail -2
+    # A compiler wrapper (e.g. one that adds -static-libstdc++) shows here.
+    for cc in "${CXX:-}" "$(command -v g++)" "$(command -v c++)"; do
+      [[ -n $cc ]] || continue
+      echo "compiler $cc -> $(readlink -f "$cc"): $(file -b "$(readlink -f "$cc")" | cut -c1-60)"
+      grep -Iq . "$(readlink -f "$cc")" 2>/dev/null && head -c 600 "$(readlink -f "$cc")"
+    done
+    env | grep -E "^(LD_PRELOAD|LDFLAGS|CXXFLAGS|CMAKE_)" || true
+    "$py" -c "import numpy, numpy._core._multiarray_umath as m; print('numpy', numpy.__version__, m.__file__)"
   } >>"$OUT/python-build.log" 2>&1
   if ldd "$ext" | grep -q "libstdc++"; then
     say "python ext: libstdc++ shared ($(ldd "$ext" | awk '/libstdc/ {print $3}'))"
