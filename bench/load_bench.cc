@@ -271,7 +271,11 @@ int main(int argc, char** argv) {
   for (size_t s = 0; s < files.size(); ++s) {
     for (uint64_t off = 0; off < files[s].size; off += kItemBytes) {
       const uint64_t len = std::min(kItemBytes, files[s].size - off);
-      items.push_back({s, off, len, device_bytes});
+      cu::UploadItem& item = items.emplace_back();
+      item.source = s;
+      item.file_offset = off;
+      item.length = len;
+      item.dst = device_bytes;
       device_bytes += (len + 255) / 256 * 256;
     }
   }

@@ -21,6 +21,7 @@
 #include "common/hash.h"
 #include "common/mutex.h"
 #include "os/regular_file.h"
+#include "os/strided_read.h"
 
 namespace weightcache::checkpoint {
 namespace {
@@ -28,7 +29,6 @@ namespace {
 constexpr std::string_view kFingerprintTag = "weightcache-checkpoint-fingerprint-v1";
 constexpr int kMaxReadThreads = 256;
 // One pread never asks for more than this (Linux caps a read at ~2 GiB anyway).
-constexpr uint64_t kMaxPreadBytes = 1ull << 30;
 
 std::string Quote(std::string_view s) {
   constexpr size_t kShown = 128;
@@ -36,30 +36,6 @@ std::string Quote(std::string_view s) {
   out.append(s.substr(0, kShown));
   if (s.size() > kShown) out += "...";
   return out + "'";
-}
-
-// Reads exactly `length` bytes at `offset`, resuming after EINTR and short reads. End of file
-// before `length` bytes is an error naming the file and offset.
-Status PreadExact(int fd, void* dest, uint64_t length, uint64_t offset, const std::string& path) {
-  auto* out = static_cast<uint8_t*>(dest);
-  while (length > 0) {
-    const size_t want = static_cast<size_t>(std::min(length, kMaxPreadBytes));
-    const ssize_t n = ::pread(fd, out, want, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return IoError("pread " + path + " at offset " + std::to_string(offset), errno);
-    }
-    if (n == 0) {
-      return Status(StatusCode::kIo, "unexpected end of file in " + path + " at offset " +
-                                         std::to_string(offset) + " (" + std::to_string(length) +
-                                         " more bytes expected): the file shrank since it was "
-                                         "opened");
-    }
-    out += n;
-    offset += static_cast<uint64_t>(n);
-    length -= static_cast<uint64_t>(n);
-  }
-  return Status::Ok();
 }
 
 // Every file the checkpoint module reads is opened here (os/regular_file.h: never blocks on
@@ -82,12 +58,12 @@ Result<OpenedShard> OpenShard(const std::string& path, const std::string& file_n
   shard.info.file_size = shard.info.identity.size;
   std::vector<uint8_t> bytes(kHeaderPrefixBytes);
   const uint64_t prefix = std::min<uint64_t>(kHeaderPrefixBytes, shard.info.file_size);
-  WEIGHTCACHE_RETURN_IF_ERROR(PreadExact(shard.fd.get(), bytes.data(), prefix, 0, path));
+  WEIGHTCACHE_RETURN_IF_ERROR(os::PreadExact(shard.fd.get(), path, 0, prefix, bytes.data()));
   Result<uint64_t> n = ParseHeaderLength(std::span(bytes.data(), prefix), shard.info.file_size);
   if (!n.ok()) return n.status().Context(path);
   bytes.resize(kHeaderPrefixBytes + *n);
-  WEIGHTCACHE_RETURN_IF_ERROR(
-      PreadExact(shard.fd.get(), bytes.data() + kHeaderPrefixBytes, *n, kHeaderPrefixBytes, path));
+  WEIGHTCACHE_RETURN_IF_ERROR(os::PreadExact(shard.fd.get(), path, kHeaderPrefixBytes, *n,
+                                             bytes.data() + kHeaderPrefixBytes));
   Result<ParsedHeader> header = ParseSafetensorsHeader(bytes, shard.info.file_size);
   if (!header.ok()) return header.status().Context(path);
   shard.header = std::move(header).value();
@@ -220,7 +196,7 @@ Result<std::map<std::string, std::string>> ReadIndex(const std::string& index_pa
                              " bytes, over the limit of " + std::to_string(kMaxIndexBytes));
   }
   std::string text(size, '\0');
-  WEIGHTCACHE_RETURN_IF_ERROR(PreadExact(file.fd.get(), text.data(), size, 0, index_path));
+  WEIGHTCACHE_RETURN_IF_ERROR(os::PreadExact(file.fd.get(), index_path, 0, size, text.data()));
   file.fd.Reset();
 
   IndexSax sax;
@@ -561,8 +537,8 @@ Status ReadRanges(const Checkpoint& checkpoint, std::span<const ReadRequest> req
       const ReadRequest& r = requests[i];
       const uint64_t within = (c - first_chunk[i]) * options.chunk_bytes;
       const uint64_t length = std::min(options.chunk_bytes, r.length - within);
-      Status s = PreadExact(checkpoint.shard_fd(r.shard), static_cast<uint8_t*>(r.dest) + within,
-                            length, r.offset + within, checkpoint.shards()[r.shard].path);
+      Status s = os::PreadExact(checkpoint.shard_fd(r.shard), checkpoint.shards()[r.shard].path,
+                                r.offset + within, length, static_cast<uint8_t*>(r.dest) + within);
       MutexLock lock(mu);
       if (!s.ok()) {
         if (first_error.ok()) first_error = std::move(s);

@@ -26,7 +26,8 @@ Status PreadExact(int fd, const std::string& path, uint64_t offset, uint64_t len
     if (n == 0) {
       return Status(StatusCode::kIo, "unexpected end of file in " + path + " at offset " +
                                          std::to_string(offset) + " (" + std::to_string(length) +
-                                         " more bytes expected)");
+                                         " more bytes expected): the file shrank since it was "
+                                         "opened");
     }
     out += n;
     offset += static_cast<uint64_t>(n);

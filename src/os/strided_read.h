@@ -36,7 +36,8 @@ struct StridedRun {
 };
 
 // Reads exactly `length` bytes at `offset` of `fd` into `dest`, resuming after EINTR and short
-// reads. `path` names the file in errors only.
+// reads. `path` names the file in errors only; end of file first is kIo naming the file and
+// offset (the file shrank since it was opened).
 Status PreadExact(int fd, const std::string& path, uint64_t offset, uint64_t length, void* dest);
 
 // Reads the bytes [at, at + length) of the run's pieces (laid end to end) into `dest`.
