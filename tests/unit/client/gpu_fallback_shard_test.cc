@@ -29,12 +29,11 @@ class GpuFallbackShardTest : public sharding::testing::ShardingFixture {};
 TEST_F(GpuFallbackShardTest, Tp2FallbackUploadsOnlyEachRanksSlices) {
   const sharding::testing::DenseModel model;
   const std::string dir = Make("llama", model.Tensors(), model.Config(), 2);
-  auto ckpt = checkpoint::Checkpoint::Open(dir);
-  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
-  auto config = sharding::ReadModelConfig(dir);
-  ASSERT_TRUE(config.ok()) << config.status().ToString();
-  auto rules = sharding::SelectRuleSet("", config->model_type);
-  ASSERT_TRUE(rules.ok()) << rules.status().ToString();
+  auto opened = sharding::testing::OpenWithBuiltinRules(dir);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  const checkpoint::Checkpoint* ckpt = &opened->ckpt;
+  const sharding::ModelConfig* config = &opened->config;
+  const sharding::RuleSet* rules = &opened->rules;
 
   for (uint32_t rank : {0u, 1u}) {
     SCOPED_TRACE("tp rank " + std::to_string(rank));

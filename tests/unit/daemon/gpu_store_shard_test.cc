@@ -38,12 +38,11 @@ class GpuStoreShardTest : public sharding::testing::ShardingFixture {};
 TEST_F(GpuStoreShardTest, ATp2LoadPlacesOnlyEachRanksHeldBytes) {
   const sharding::testing::DenseModel model;
   const std::string dir = Make("llama", model.Tensors(), model.Config(), 2);
-  auto ckpt = checkpoint::Checkpoint::Open(dir);
-  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
-  auto config = sharding::ReadModelConfig(dir);
-  ASSERT_TRUE(config.ok()) << config.status().ToString();
-  auto rules = sharding::SelectRuleSet("", config->model_type);
-  ASSERT_TRUE(rules.ok()) << rules.status().ToString();
+  auto opened = sharding::testing::OpenWithBuiltinRules(dir);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  const checkpoint::Checkpoint* ckpt = &opened->ckpt;
+  const sharding::ModelConfig* config = &opened->config;
+  const sharding::RuleSet* rules = &opened->rules;
   std::vector<uint64_t> full_sizes;
   for (const auto& t : ckpt->tensors()) full_sizes.push_back(t.nbytes);
   const uint64_t full_arena = checkpoint::PlanArena(full_sizes, kGranularity).total_bytes;

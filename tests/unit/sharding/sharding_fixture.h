@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "sharding/model_config.h"
+#include "sharding/rules.h"
 #include "support/test_env.h"
 #include "unit/checkpoint/checkpoint_fixture.h"
 #include "weightcache/status.h"
@@ -62,6 +64,20 @@ class ShardingFixture : public checkpoint::testing::CheckpointFixture {
     return out;
   }
 };
+
+// A checkpoint with the config.json beside it and the built-in rule set its model_type
+// selects: what a daemon of that checkpoint plans with.
+struct OpenedModel {
+  checkpoint::Checkpoint ckpt;
+  ModelConfig config;
+  RuleSet rules;
+};
+inline Result<OpenedModel> OpenWithBuiltinRules(const std::string& dir) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint ckpt, checkpoint::Checkpoint::Open(dir));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(ModelConfig config, ReadModelConfig(dir));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(RuleSet rules, SelectRuleSet("", config.model_type));
+  return OpenedModel{std::move(ckpt), std::move(config), std::move(rules)};
+}
 
 // The bytes of `t` that the slice [offset, offset + length) of dim `dim` holds, cut from its
 // file bytes by shape arithmetic (independent of the planner's copy geometry): for each index
