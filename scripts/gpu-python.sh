@@ -12,10 +12,14 @@
 #    `weightcache serve --tier gpu --device <UUID of device 0>`; in a separate process the
 #    model built on the meta device gets its weights from weightcache.load_state_dict
 #    (assign=True, zero-copy) and generates 32 tokens that must equal the reference; the
-#    client's GPU memory must show no second copy of the weights.
+#    client's GPU memory must show no second copy of the weights;
+# 4. the same model sharded (issue 12): for TP = 2 and 4, that many `serve --tp-size N
+#    --tp-rank r` daemons on device 0; each rank attached holds only its slices, its disk
+#    fallback gives the same bytes, and the state dict reassembled from the slices equals the
+#    checkpoint and generates the same tokens and prompt logits as the disk-loaded model.
 #
 # Writes: $OUT/python-build.log, $OUT/python-tests.log (+ python-crash.txt), $OUT/python-model.log,
-#         $OUT/python-model.json (the measurements), and appends to $OUT/summary.txt.
+#         $OUT/python-model.json and python-shard.jsonl (the measurements), and appends to $OUT/summary.txt.
 # Knobs: OUT (./gpu-out), DEPS (.deps/usr), PY (python3), WORK (a temp dir, removed after),
 #        TESTS (pytest's arguments; default the whole tests/python), SKIP_MODEL=1 (no step 3).
 # Exit status: non-zero if the build, a test or the model check fails.
@@ -31,8 +35,10 @@ say() { echo "$*" | tee -a "$summary"; }
 export PATH="$PATH:/usr/local/cuda/bin"
 work=${WORK:-$(mktemp -d)}
 daemon_pid=
+shard_pids=()
 cleanup() {
   [[ -n $daemon_pid ]] && kill "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null
+  for p in "${shard_pids[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
   [[ -z ${WORK:-} ]] && rm -rf "$work"
 }
 trap cleanup EXIT
@@ -163,11 +169,44 @@ else
         --runtime-dir "$runtime"
     }
   grep -E '^\{"tokens_equal"' "$log" | tail -1 >"$OUT/python-model.json"
+  kill "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null
+  daemon_pid=
+  # 4. sharded: N rank daemons on this one GPU, a runtime dir per N.
+  if [[ -f $work/reference.json ]]; then
+    for tp in 2 4; do
+      shard_runtime=$work/run-tp$tp
+      mkdir -p -m 700 "$shard_runtime"
+      shard_pids=()
+      for ((r = 0; r < tp; r++)); do
+        "$WEIGHTCACHE_CLI" serve --model "$model" --tier gpu --device "$uuid" --tp-size "$tp" \
+          --tp-rank "$r" --runtime-dir "$shard_runtime" >"$OUT/python-serve-tp$tp-r$r.log" 2>&1 &
+        shard_pids+=($!)
+      done
+      for _ in $(seq 1 100); do
+        (($(compgen -G "$shard_runtime/default/$uuid/*.sock" | wc -l) >= tp)) && break
+        sleep 0.1
+      done
+      step "shard-attach-tp$tp" "$py" "$check" shard-attach --model "$model" \
+        --reference "$work/reference.json" --runtime-dir "$shard_runtime" --tp "$tp"
+      for p in "${shard_pids[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
+      shard_pids=()
+    done
+    grep -E '^\{"shard_check"' "$log" >"$OUT/python-shard.jsonl"
+    "$py" - "$OUT/python-shard.jsonl" <<'PY' | tee -a "$summary"
+import json, sys
+for line in open(sys.argv[1]):
+    j = json.loads(line)["shard_check"]
+    held = " ".join(f"{r['held_over_whole']:.3f}" for r in j["ranks"])
+    print(f"python shard TP={j['tp']}: tokens_equal={j['tokens_equal']} "
+          f"logits_equal={j['logits_equal']} reassembled_differ={j['reassembled_differ']} "
+          f"held/whole per rank: {held}")
+PY
+  fi
   if [[ -s $OUT/python-model.json ]]; then
     "$py" - "$OUT/python-model.json" <<'PY' | tee -a "$summary"
 import json, sys
 j = json.load(open(sys.argv[1]))
-print(f"python model: tokens_equal={j['tokens_equal']} tensors={j['tensors']} "
+print(f"python model: tokens_equal={j['tokens_equal']} logits_equal={j['logits_equal']} tensors={j['tensors']} "
       f"weights={j['weight_bytes'] / 1e6:.0f} MB load_state_dict={j['load_state_dict_ms']} ms "
       f"attach={j['attach_ms']} ms torch_peak/weights={j['torch_peak_over_weights']} "
       f"device_delta/weights={j['device_used_delta_over_weights']}")

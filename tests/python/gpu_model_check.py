@@ -9,8 +9,17 @@
                                    builds the model on the meta device, loads the weights with
                                    weightcache.load_state_dict (gpu tier, the daemon, assign=True:
                                    no copies), generates 32 tokens greedily, requires the same ids
-                                   as the reference, and checks that the client's GPU memory holds
-                                   no second copy of the weights. One JSON line of measurements.
+                                   and prompt logits as the reference, and checks that the
+                                   client's GPU memory holds no second copy of the weights. One
+                                   JSON line of measurements.
+  shard-attach --model DIR --reference F --runtime-dir R --tp N
+                                   (issue 12) N rank daemons (--tp-size N) serve DIR on this GPU:
+                                   attaches each rank (gpu tier), checks that each holds only
+                                   its slices (fewer bytes than the whole), that the disk
+                                   fallback of each rank gives the same bytes, reassembles the
+                                   full state dict from the slices (Tensor.slice: dim, offset,
+                                   length), requires every tensor equal to the checkpoint's, then
+                                   builds the model from it: tokens and logits equal to disk.
 
 Weights not in the checkpoint: rotary inv_freq (a non-persistent buffer) is recomputed on the
 GPU by re-creating the rotary module; tied embeddings are re-tied (model.tie_weights()).
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -64,6 +74,17 @@ def cmd_make(args):
     print(json.dumps({"made": args.out, "parameters": n, "bytes": n * 2}))
 
 
+def prompt_logits(model, torch):
+    """The logits of one forward over the prompt (float32 on the CPU, for torch.equal)."""
+    ids = torch.tensor([PROMPT], device="cuda:0")
+    with torch.no_grad():
+        return model(ids).logits.float().cpu()
+
+
+def logits_path(reference: str) -> str:
+    return reference + ".logits.pt"
+
+
 def cmd_reference(args):
     import torch
     from transformers import AutoModelForCausalLM
@@ -71,9 +92,46 @@ def cmd_reference(args):
     model = AutoModelForCausalLM.from_pretrained(args.model, **dtype_kw(torch))
     model = model.to("cuda:0").eval()
     tokens = generate(model, torch)
+    torch.save(prompt_logits(model, torch), logits_path(args.out))
     with open(args.out, "w") as f:
         json.dump(tokens, f)
     print(json.dumps({"reference_tokens": tokens}))
+
+
+def compare_to_reference(model, reference: str, torch) -> tuple[list, dict]:
+    """Generates from `model` and compares with the disk-loaded reference: (failures, report)."""
+    tokens = generate(model, torch)
+    logits = prompt_logits(model, torch)
+    want_tokens = json.load(open(reference))
+    want_logits = torch.load(logits_path(reference))
+    failures = []
+    if tokens != want_tokens:
+        failures.append("generated tokens differ from the disk-loaded model's")
+    logits_equal = bool(torch.equal(logits, want_logits))
+    if not logits_equal:
+        diff = (logits - want_logits).abs().max().item()
+        failures.append(f"prompt logits differ from the disk-loaded model's (max |diff| {diff})")
+    return failures, {"tokens_equal": tokens == want_tokens, "logits_equal": logits_equal,
+                      "tokens": tokens, "reference": want_tokens}
+
+
+def build_model(state_dict, model_dir: str, torch):
+    """The model built on the meta device with `state_dict` assigned (no copies), tied, its
+    non-checkpoint buffers re-created on the GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, **dtype_kw(torch))
+    result = model.load_state_dict(state_dict, assign=True, strict=False)
+    if result.unexpected_keys or result.missing_keys:
+        missing = [k for k in result.missing_keys if not k.endswith("lm_head.weight")]
+        if result.unexpected_keys or missing or not cfg.tie_word_embeddings:
+            raise RuntimeError(f"state_dict keys: missing {result.missing_keys}, unexpected "
+                               f"{result.unexpected_keys}")
+    model.tie_weights()
+    materialize_buffers(model, cfg, torch.device("cuda:0"))
+    return model.eval()
 
 
 def materialize_buffers(model, cfg, device):
@@ -126,7 +184,6 @@ def check_interop(att, params, torch):
 
 def cmd_attach(args):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     import weightcache
 
@@ -137,24 +194,13 @@ def cmd_attach(args):
     torch.cuda.reset_peak_memory_stats(0)
     allocated_before = torch.cuda.memory_allocated(0)
 
-    cfg = AutoConfig.from_pretrained(args.model)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, **dtype_kw(torch))
     t0 = time.perf_counter()
     sd = weightcache.load_state_dict(args.model, device="cuda:0", on_missing="error",
                                      runtime_dir=args.runtime_dir)
     load_ms = (time.perf_counter() - t0) * 1000
     att = sd.attachment
     assert att.source == "daemon" and att.tier == "gpu", att.source_reason
-    result = model.load_state_dict(sd, assign=True, strict=False)
-    if result.unexpected_keys or result.missing_keys:
-        missing = [k for k in result.missing_keys if not k.endswith("lm_head.weight")]
-        if result.unexpected_keys or missing or not cfg.tie_word_embeddings:
-            raise RuntimeError(f"state_dict keys: missing {result.missing_keys}, unexpected "
-                               f"{result.unexpected_keys}")
-    model.tie_weights()
-    materialize_buffers(model, cfg, torch.device("cuda:0"))
-    model.eval()
+    model = build_model(sd, args.model, torch)
 
     # Zero-copy: the parameters are the daemon's memory, not copies of it.
     params = dict(model.named_parameters())
@@ -165,14 +211,12 @@ def cmd_attach(args):
         assert p.device == torch.device("cuda:0") and not p.is_meta, name
 
     interop = check_interop(att, params, torch)
-    tokens = generate(model, torch)
-    reference = json.load(open(args.reference))
+    failures, compared = compare_to_reference(model, args.reference, torch)
     peak = torch.cuda.max_memory_allocated(0) - allocated_before
     free_after, _ = torch.cuda.mem_get_info(0)
     weights = att.total_bytes
     report = {
-        "tokens_equal": tokens == reference, "tokens": tokens, "reference": reference,
-        "tensors": len(att), "weight_bytes": weights, "load_state_dict_ms": round(load_ms, 2),
+        **compared, "tensors": len(att), "weight_bytes": weights, "load_state_dict_ms": round(load_ms, 2),
         "attach_ms": round(att.attach_ms, 3), "daemon_pid": att.daemon_pid,
         "device_uuid": att.device_uuid, "interop": interop,
         "torch_peak_allocated_bytes": peak,
@@ -181,12 +225,9 @@ def cmd_attach(args):
         "device_used_delta_over_weights": round((free_before - free_after) / weights, 4),
     }
     print(json.dumps(report))
-    failures = []
     # A library that imports the tensor but sees other bytes fails the check; one that cannot
     # import it at all (e.g. a CPU-only JAX) is reported in the JSON line only.
     failures += [f"{lib}: {why}" for lib, why in interop.items() if "differ" in why]
-    if tokens != reference:
-        failures.append("generated tokens differ from the disk-loaded model's")
     # torch's allocator never holds the weights: its peak is activations + KV cache only.
     if peak >= 0.5 * weights:
         failures.append(f"torch peak allocation {peak} B is not far below the weights "
@@ -195,6 +236,114 @@ def cmd_attach(args):
     if free_before - free_after >= 0.5 * weights:
         failures.append(f"device memory in use grew by {free_before - free_after} B while "
                         f"attaching {weights} B of weights: a second copy?")
+    if failures:
+        print("FAIL: " + "; ".join(failures), file=sys.stderr)
+        sys.exit(1)
+
+
+def reassemble(name: str, pieces: list, torch):
+    """The full tensor from the ranks' pieces [(slice | None, tensor)]: whole on every rank →
+    all equal, that one; else pieces ordered by offset must tile [0, full_length) along their
+    dim, pieces at the same offset (kv heads replicated when tp > heads) equal."""
+    if all(s is None for s, _ in pieces):
+        first = pieces[0][1]
+        for _, t in pieces[1:]:
+            if not torch.equal(t.view(torch.uint8), first.view(torch.uint8)):
+                raise AssertionError(f"{name}: replicated on every rank but the bytes differ")
+        return first
+    if any(s is None for s, _ in pieces):
+        raise AssertionError(f"{name}: whole on some ranks, sliced on others")
+    dims = {s[0] for s, _ in pieces}
+    if len(dims) != 1:
+        raise AssertionError(f"{name}: sliced along different dims {sorted(dims)}")
+    dim = dims.pop()
+    by_offset: dict = {}
+    for s, t in pieces:
+        _, offset, length, full_length = s
+        if offset in by_offset:
+            if not torch.equal(by_offset[offset][1].view(torch.uint8), t.view(torch.uint8)):
+                raise AssertionError(f"{name}: two ranks hold offset {offset} with other bytes")
+            continue
+        by_offset[offset] = (length, t)
+    at = 0
+    parts = []
+    for offset in sorted(by_offset):
+        length, t = by_offset[offset]
+        if offset != at:
+            raise AssertionError(f"{name}: slices leave a gap or overlap at {at} (next {offset})")
+        parts.append(t)
+        at += length
+    if at != full_length:
+        raise AssertionError(f"{name}: slices cover {at} of {full_length} along dim {dim}")
+    return torch.cat(parts, dim=dim).contiguous()
+
+
+def cmd_shard_attach(args):
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file
+
+    import weightcache
+
+    torch.cuda.init()
+    torch.cuda.set_device(0)
+    disk = {}
+    for f in sorted(os.listdir(args.model)):
+        if f.endswith(".safetensors"):
+            disk.update(load_file(os.path.join(args.model, f), device="cuda:0"))
+    whole_bytes = sum(t.numel() * t.element_size() for t in disk.values())
+    failures = []
+    pieces: dict = {}
+    ranks = []
+    empty_runtime = tempfile.mkdtemp()  # no daemon there: the disk fallback
+    for rank in range(args.tp):
+        ids = dict(tp_size=args.tp, tp_rank=rank)
+        t0 = time.perf_counter()
+        sd = weightcache.load_state_dict(args.model, device="cuda:0", on_missing="error",
+                                         wait_timeout=120, runtime_dir=args.runtime_dir, **ids)
+        load_ms = (time.perf_counter() - t0) * 1000
+        att = sd.attachment
+        assert att.source == "daemon" and att.tier == "gpu", att.source_reason
+        held = att.total_bytes
+        if held >= whole_bytes:
+            failures.append(f"rank {rank} holds {held} B, not less than the whole {whole_bytes} B")
+        for t in att.tensors():
+            pieces.setdefault(t.name, []).append((t.slice, sd[t.name]))
+        # The disk fallback of this rank, with the same rules, gives the same bytes.
+        fb = weightcache.load_state_dict(args.model, device="cuda:0", on_missing="fallback",
+                                         runtime_dir=empty_runtime, **ids)
+        assert fb.attachment.source == "fallback", fb.attachment.source_reason
+        differ = [n for n in sd if fb[n].shape != sd[n].shape
+                  or not torch.equal(fb[n].view(torch.uint8), sd[n].view(torch.uint8))]
+        if sorted(fb) != sorted(sd) or differ:
+            failures.append(f"rank {rank}: the disk fallback differs from the daemon "
+                            f"({len(differ)} tensors, e.g. {differ[:3]})")
+        del fb
+        ranks.append({"rank": rank, "tensors": len(att), "held_bytes": held,
+                      "held_over_whole": round(held / whole_bytes, 4),
+                      "load_state_dict_ms": round(load_ms, 2)})
+    full = {}
+    for name, ps in pieces.items():
+        if len(ps) != args.tp:
+            failures.append(f"{name}: held by {len(ps)} of {args.tp} ranks")
+            continue
+        full[name] = reassemble(name, ps, torch)
+    if sorted(full) != sorted(disk):
+        failures.append(f"reassembled names differ from the checkpoint's: missing "
+                        f"{sorted(set(disk) - set(full))[:5]}, extra {sorted(set(full) - set(disk))[:5]}")
+    differ = [n for n in disk if n in full and (full[n].shape != disk[n].shape or not torch.equal(
+        full[n].view(torch.uint8), disk[n].view(torch.uint8)))]
+    if differ:
+        failures.append(f"{len(differ)} reassembled tensors differ from the checkpoint's, e.g. "
+                        f"{differ[:3]}")
+    del disk
+    model = build_model(full, args.model, torch)
+    compare_failures, compared = compare_to_reference(model, args.reference, torch)
+    failures += compare_failures
+    report = {"tp": args.tp, **compared, "tensors": len(full), "whole_bytes": whole_bytes,
+              "ranks": ranks, "reassembled_differ": len(differ)}
+    print(json.dumps({"shard_check": report}))
     if failures:
         print("FAIL: " + "; ".join(failures), file=sys.stderr)
         sys.exit(1)
@@ -212,8 +361,14 @@ def main():
     a.add_argument("--model", required=True)
     a.add_argument("--reference", required=True)
     a.add_argument("--runtime-dir", required=True)
+    sa = sub.add_parser("shard-attach")
+    sa.add_argument("--model", required=True)
+    sa.add_argument("--reference", required=True)
+    sa.add_argument("--runtime-dir", required=True)
+    sa.add_argument("--tp", type=int, required=True)
     args = p.parse_args()
-    {"make": cmd_make, "reference": cmd_reference, "attach": cmd_attach}[args.cmd](args)
+    {"make": cmd_make, "reference": cmd_reference, "attach": cmd_attach,
+     "shard-attach": cmd_shard_attach}[args.cmd](args)
 
 
 if __name__ == "__main__":
