@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Configure and build weightcache into ${BUILD_DIR:-build}. Installs missing deps first.
-#   SANITIZE=address,undefined  BUILD_KERNELS=OFF  JOBS=N  are honoured.
+#   SANITIZE=address,undefined  BUILD_KERNELS=OFF  BUILD_BENCH=OFF  JOBS=N  are honoured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/local/cuda/bin"
 scripts/setup-deps.sh
 build=${BUILD_DIR:-build}
 cmake -S . -B "$build" -G Ninja -DWEIGHTCACHE_SANITIZE="${SANITIZE:-}" \
-      -DWEIGHTCACHE_BUILD_KERNELS="${BUILD_KERNELS:-ON}" >/dev/null
+      -DWEIGHTCACHE_BUILD_KERNELS="${BUILD_KERNELS:-ON}" \
+      -DWEIGHTCACHE_BUILD_BENCH="${BUILD_BENCH:-ON}" >/dev/null
 cmake --build "$build" -j "${JOBS:-$(nproc)}"
