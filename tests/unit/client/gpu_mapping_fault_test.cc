@@ -84,12 +84,9 @@ class GpuMappingFaultTest : public ::testing::Test {
     options_.identity.tier = Tier::kGpu;
     options_.identity.device = "1";
     options_.on_missing = OnMissing::kError;
-    auto daemon_options = DaemonOptionsFor(options_.identity, env_);
-    ASSERT_TRUE(daemon_options.ok()) << daemon_options.status().ToString();
-    auto started = InProcessDaemon::Start(std::move(daemon_options).value());
+    auto started = InProcessDaemon::StartLoaded(options_.identity, env_);
     ASSERT_TRUE(started.ok()) << started.status().ToString();
     daemon_ = std::move(started).value();
-    ASSERT_TRUE(daemon_->WaitLoaded().ok());
   }
   void TearDown() override {
     if (daemon_) {

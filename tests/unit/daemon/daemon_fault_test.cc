@@ -103,12 +103,9 @@ class DaemonFaultTest : public ::testing::Test {
     env_ = identity::Env::Default();
     env_.syscalls = &sys_;
     env_.lookup = identity::MapEnv({});
-    auto daemon_options = DaemonOptionsFor(options_.identity, env_);
-    ASSERT_TRUE(daemon_options.ok()) << daemon_options.status().ToString();
-    auto started = InProcessDaemon::Start(std::move(daemon_options).value());
+    auto started = InProcessDaemon::StartLoaded(options_.identity, env_);
     ASSERT_TRUE(started.ok()) << started.status().ToString();
     daemon_ = std::move(started).value();
-    ASSERT_TRUE(daemon_->WaitLoaded().ok());
   }
   void TearDown() override {
     if (daemon_) {

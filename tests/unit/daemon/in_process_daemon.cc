@@ -51,6 +51,16 @@ Result<std::unique_ptr<InProcessDaemon>> InProcessDaemon::Start(daemon::DaemonOp
   return d;
 }
 
+Result<std::unique_ptr<InProcessDaemon>> InProcessDaemon::StartLoaded(
+    const IdentityOptions& options, const identity::Env& env) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::DaemonOptions daemon_options,
+                               DaemonOptionsFor(options, env));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::unique_ptr<InProcessDaemon> started,
+                               Start(std::move(daemon_options)));
+  WEIGHTCACHE_RETURN_IF_ERROR(started->WaitLoaded());
+  return started;
+}
+
 InProcessDaemon::InProcessDaemon(std::unique_ptr<daemon::Daemon> daemon, UniqueFd signal_read,
                                  UniqueFd signal_write)
     : daemon_(std::move(daemon)),

@@ -31,6 +31,10 @@ Result<daemon::DaemonOptions> DaemonOptionsFor(const IdentityOptions& options,
 class InProcessDaemon {
  public:
   static Result<std::unique_ptr<InProcessDaemon>> Start(daemon::DaemonOptions options);
+  // Start for the identity `options` resolved under `env` (DaemonOptionsFor), then WaitLoaded:
+  // a daemon ready to attach to, or the first failing step's error.
+  static Result<std::unique_ptr<InProcessDaemon>> StartLoaded(const IdentityOptions& options,
+                                                              const identity::Env& env);
   ~InProcessDaemon();
   InProcessDaemon(const InProcessDaemon&) = delete;
   InProcessDaemon& operator=(const InProcessDaemon&) = delete;
