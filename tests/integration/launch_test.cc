@@ -93,22 +93,26 @@ class LaunchTest : public ::testing::Test {
     return out;
   }
 
+  // `weightcache COMMAND` with the identity flags every command of these tests shares: this
+  // model on the host tier, its rules, the runtime dir and the fake inventory.
+  std::vector<std::string> CommandArgs(const std::string& command) const {
+    return {CliPath(),
+            command,
+            "--model",
+            model_,
+            "--tier",
+            "host",
+            "--shard-rules",
+            rules_,
+            "--runtime-dir",
+            runtime(),
+            "--device-inventory",
+            dir_.Join("inventory.json")};
+  }
+
   std::vector<std::string> LaunchArgs(std::vector<std::string> extra) {
-    std::vector<std::string> argv = {CliPath(),
-                                     "launch",
-                                     "--model",
-                                     model_,
-                                     "--tier",
-                                     "host",
-                                     "--shard-rules",
-                                     rules_,
-                                     "--runtime-dir",
-                                     runtime(),
-                                     "--device-inventory",
-                                     dir_.Join("inventory.json"),
-                                     "--stop-grace",
-                                     "3",
-                                     "--json"};
+    std::vector<std::string> argv = CommandArgs("launch");
+    argv.insert(argv.end(), {"--stop-grace", "3", "--json"});
     if (std::find(extra.begin(), extra.end(), "--ready-timeout") == extra.end()) {
       extra.insert(extra.end(), {"--ready-timeout", "30"});
     }
@@ -133,27 +137,10 @@ class LaunchTest : public ::testing::Test {
   // `weightcache attach --json` of rank `rank` of a --tp 2 job on the visible device `rank`,
   // failing when no daemon serves it.
   std::vector<std::string> AttachArgs(int rank) const {
-    return {CliPath(),
-            "attach",
-            "--model",
-            model_,
-            "--tier",
-            "host",
-            "--device",
-            std::to_string(rank),
-            "--tp-size",
-            "2",
-            "--tp-rank",
-            std::to_string(rank),
-            "--shard-rules",
-            rules_,
-            "--runtime-dir",
-            runtime(),
-            "--device-inventory",
-            dir_.Join("inventory.json"),
-            "--on-missing",
-            "error",
-            "--json"};
+    std::vector<std::string> argv = CommandArgs("attach");
+    argv.insert(argv.end(), {"--device", std::to_string(rank), "--tp-size", "2", "--tp-rank",
+                             std::to_string(rank), "--on-missing", "error", "--json"});
+    return argv;
   }
 
   // Every *.sock under the runtime dir, and whether any lock file there is still held.
