@@ -29,10 +29,14 @@
 // Exit 1 only on an error (a bound that is missed is reported, not an error).
 //
 //   shard_bench [--work DIR] [--reps N] [--device I] [--threads T] [--tp N] [--layers L]
-//               [--vocab V]
+//               [--vocab V] [--tier gpu|host]
 //   shard_bench --write-only DIR [--tp N] [--layers L] [--vocab V]   (no GPU: the checkpoint
 //               and its plan, e.g. `--layers 2 --vocab 1024` for a small one)
 //   shard_bench --probe-mem UUID                                     (internal)
+//
+// `--tier host` runs the same phases with host-tier daemons, no GPU and no device probe (each
+// rank's "used" memory is then its resident bytes from Status): a dry run of the bench's own
+// process handling on a machine without a GPU, with a small --layers/--vocab.
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -58,6 +62,7 @@
 #include "sharding/planner.h"
 #include "sharding/rules.h"
 #include "weightcache/identity_options.h"
+#include "weightcache/tier.h"
 
 namespace weightcache::bench {
 namespace {
@@ -437,7 +442,8 @@ struct Run {
   std::string model;
   std::string runtime;
   std::string logs;  // directory of the daemons' logs
-  std::string uuid;
+  Tier tier = Tier::kGpu;
+  std::string uuid;  // the device (gpu tier)
   std::string fingerprint;
   int threads = 8;
   uint32_t tp = 4;
@@ -450,8 +456,8 @@ struct Run {
     o.model_dir = model;
     o.model_id = kModelId;
     o.runtime_dir = runtime;
-    o.device = uuid;
-    o.tier = Tier::kGpu;
+    o.tier = tier;
+    if (tier == Tier::kGpu) o.device = uuid;
     o.checkpoint_fingerprint = fingerprint;
     if (rank >= 0) {
       o.tp_size = static_cast<int>(tp);
@@ -467,20 +473,10 @@ struct Run {
     WatchedDaemon d;
     d.socket = socket;
     d.log = logs + "/serve-" + tag + ".log";
-    std::vector<std::string> argv = {WEIGHTCACHE_CLI_PATH,
-                                     "serve",
-                                     "--model",
-                                     model,
-                                     "--model-id",
-                                     kModelId,
-                                     "--tier",
-                                     "gpu",
-                                     "--device",
-                                     uuid,
-                                     "--runtime-dir",
-                                     runtime,
-                                     "--threads",
-                                     std::to_string(threads)};
+    std::vector<std::string> argv = {WEIGHTCACHE_CLI_PATH, "serve", "--model", model};
+    argv.insert(argv.end(), {"--model-id", kModelId, "--tier", std::string(TierName(tier))});
+    argv.insert(argv.end(), {"--runtime-dir", runtime, "--threads", std::to_string(threads)});
+    if (tier == Tier::kGpu) argv.insert(argv.end(), {"--device", uuid});
     if (rank >= 0) {
       argv.insert(argv.end(), {"--tp-size", std::to_string(tp), "--tp-rank", std::to_string(rank)});
     }
@@ -499,15 +495,27 @@ struct Run {
     return s;
   }
 
-  // Device memory used now against the baseline (negative: more free than before).
-  Result<int64_t> UsedNow() const {
+  // The memory the daemons of `group` use now: on the gpu tier the device's, against the
+  // baseline (cuMemGetInfo in a probe process: the daemons' CUDA contexts are gone once they
+  // are ready, so this is their arenas); on the host tier (a dry run without a GPU) the
+  // resident bytes of their Status replies.
+  Result<int64_t> UsedNow(const DaemonGroup& group) const {
+    if (tier == Tier::kHost) {
+      int64_t resident = 0;
+      for (const WatchedDaemon& d : group.daemons) {
+        if (d.ready) resident += static_cast<int64_t>(d.ready->bytes);
+      }
+      return resident;
+    }
     std::optional<DeviceMemory> m = ProbeDeviceMemory(self, uuid);
     if (!m) return InternalError("the device-memory probe of " + uuid + " failed");
     return static_cast<int64_t>(baseline_free) - static_cast<int64_t>(m->free);
   }
 
+  // Stops them all; on the gpu tier, waits until the device's free memory is back.
   Status StopAndWaitMemory(DaemonGroup& group) const {
     group.StopAll();
+    if (tier == Tier::kHost) return Status::Ok();
     return WaitMemoryReturned(self, uuid, baseline_free, kBoundSlack, kMemoryReturnTimeout)
         .status();
   }
@@ -527,7 +535,7 @@ Result<nlohmann::json> WholePhase(const Run& run, int reps) {
     WEIGHTCACHE_RETURN_IF_ERROR(Run::Ready(group));
     const WatchedDaemon& w = group.daemons[0];
     ready_s.push_back(Seconds(w.ready_at - w.spawned));
-    WEIGHTCACHE_ASSIGN_OR_RETURN(int64_t u, run.UsedNow());
+    WEIGHTCACHE_ASSIGN_OR_RETURN(int64_t u, run.UsedNow(group));
     used.push_back(static_cast<double>(u));
     resident = w.ready->bytes;
     if (auto s = ParseReadyLine(ReadText(w.log)).seconds) daemon_load_s.push_back(*s);
@@ -536,7 +544,7 @@ Result<nlohmann::json> WholePhase(const Run& run, int reps) {
   nlohmann::json rec = {{"phase", "whole"},
                         {"reps", reps},
                         {"ready_s", Stats(ready_s)},
-                        {"gpu_used_bytes", Stats(used)},
+                        {"used_bytes", Stats(used)},
                         {"resident_bytes", resident}};
   if (daemon_load_s.size() == ready_s.size()) rec["daemon_load_s"] = Stats(daemon_load_s);
   return rec;
@@ -584,14 +592,14 @@ Result<nlohmann::json> TpPhase(const Run& run, int reps) {
                         {"ranks", ranks}};
 }
 
-// The ranks started one after the other, the device probed after each is ready. The "memory"
-// record; *used gets each rank's own device memory (judged against the bound in the result).
+// The ranks started one after the other, the memory probed after each is ready (UsedNow). The
+// "memory" record; *used gets each rank's own memory (judged against the bound in the result).
 Result<nlohmann::json> MemoryPhase(const Run& run, const Bound& bound, std::vector<int64_t>* used) {
   Note("memory: starting the " + std::to_string(run.tp) + " ranks one after the other");
   DaemonGroup group;
   nlohmann::json ranks = nlohmann::json::array();
   int64_t before = 0;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(before, run.UsedNow());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(before, run.UsedNow(group));
   const int64_t start = before;
   for (uint32_t r = 0; r < run.tp; ++r) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::string socket, run.Socket(static_cast<int>(r)));
@@ -600,13 +608,13 @@ Result<nlohmann::json> MemoryPhase(const Run& run, const Bound& bound, std::vect
     group.daemons.push_back(std::move(d));
     // The earlier ranks are ready already: this waits for the newest.
     WEIGHTCACHE_RETURN_IF_ERROR(Run::Ready(group));
-    WEIGHTCACHE_ASSIGN_OR_RETURN(int64_t now, run.UsedNow());
+    WEIGHTCACHE_ASSIGN_OR_RETURN(int64_t now, run.UsedNow(group));
     const int64_t own = now - before;
     before = now;
     used->push_back(own);
     const protocol::StatusReply& status = *group.daemons.back().ready;
     ranks.push_back({{"rank", r},
-                     {"gpu_used_bytes", own},
+                     {"used_bytes", own},
                      {"resident_bytes", status.bytes},
                      {"tensors", status.tensor_count},
                      {"held_bytes", bound.ranks[r].held_bytes},
@@ -614,7 +622,7 @@ Result<nlohmann::json> MemoryPhase(const Run& run, const Bound& bound, std::vect
   }
   const int64_t total = before - start;
   WEIGHTCACHE_RETURN_IF_ERROR(run.StopAndWaitMemory(group));
-  return nlohmann::json{{"phase", "memory"}, {"ranks", ranks}, {"gpu_used_bytes_all", total}};
+  return nlohmann::json{{"phase", "memory"}, {"ranks", ranks}, {"used_bytes_all", total}};
 }
 
 struct Args {
@@ -624,6 +632,7 @@ struct Args {
   int device = 0;
   int threads = 8;
   uint32_t tp = 4;
+  Tier tier = Tier::kGpu;
   LlamaShape shape;
 };
 
@@ -659,16 +668,20 @@ Status RunPhases(const Args& args, Run& run) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(nlohmann::json read, WarmRead(ckpt, run.threads));
   Emit(read);
 
-  std::optional<DeviceMemory> base = ProbeDeviceMemory(run.self, run.uuid);
-  if (!base) return InternalError("the device-memory probe of " + run.uuid + " failed");
-  run.baseline_free = base->free;
+  if (run.tier == Tier::kGpu) {
+    std::optional<DeviceMemory> base = ProbeDeviceMemory(run.self, run.uuid);
+    if (!base) return InternalError("the device-memory probe of " + run.uuid + " failed");
+    run.baseline_free = base->free;
+  }
 
   WEIGHTCACHE_ASSIGN_OR_RETURN(nlohmann::json whole, WholePhase(run, args.reps));
-  whole["device"] = run.uuid;
+  whole["tier"] = TierName(run.tier);
+  if (run.tier == Tier::kGpu) whole["device"] = run.uuid;
   whole["threads"] = run.threads;
   Emit(whole);
   WEIGHTCACHE_ASSIGN_OR_RETURN(nlohmann::json tp, TpPhase(run, args.reps));
-  tp["device"] = run.uuid;
+  tp["tier"] = TierName(run.tier);
+  if (run.tier == Tier::kGpu) tp["device"] = run.uuid;
   tp["threads"] = run.threads;
   Emit(tp);
   std::vector<int64_t> used;
@@ -684,12 +697,16 @@ Status RunPhases(const Args& args, Run& run) {
     const bool within = used[r] <= static_cast<int64_t>(bound.bound_bytes);
     within_memory = within_memory && within;
     ranks.push_back({{"rank", r},
-                     {"gpu_used_bytes", used[r]},
+                     {"used_bytes", used[r]},
                      {"held_bytes", bound.ranks[r].held_bytes},
                      {"bound_bytes", bound.bound_bytes},
                      {"within_bound", within}});
   }
   Emit({{"phase", "result"},
+        {"tier", TierName(run.tier)},
+        // What used_bytes is: the device memory each daemon added, or (host tier) its
+        // resident bytes.
+        {"used_from", run.tier == Tier::kGpu ? "device" : "status"},
         {"tp", run.tp},
         {"tensors", ckpt.tensors().size()},
         {"checkpoint_bytes", ckpt.total_bytes()},
@@ -709,20 +726,35 @@ Status RunPhases(const Args& args, Run& run) {
 }
 
 int ParentMain(const Args& args, const std::string& self) {
-  auto api = cuda::LoadDriver();
-  if (!api.ok()) {
-    Emit({{"skipped", api.status().ToString()}});
-    return 0;
-  }
-  int count = 0;
-  if ((*api)->cuDeviceGetCount(&count) != CUDA_SUCCESS || count <= args.device) {
-    Emit({{"skipped", "no CUDA device " + std::to_string(args.device)}});
-    return 0;
-  }
   Run run;
   run.self = self;
+  run.tier = args.tier;
   run.threads = args.threads;
   run.tp = args.tp;
+  if (run.tier == Tier::kGpu) {
+    auto api = cuda::LoadDriver();
+    if (!api.ok()) {
+      Emit({{"skipped", api.status().ToString()}});
+      return 0;
+    }
+    int count = 0;
+    if ((*api)->cuDeviceGetCount(&count) != CUDA_SUCCESS || count <= args.device) {
+      Emit({{"skipped", "no CUDA device " + std::to_string(args.device)}});
+      return 0;
+    }
+    // The device's UUID, as `serve --device I` resolves it.
+    auto visible = identity::VisibleDevices({});
+    if (!visible.ok()) {
+      Emit({{"error", visible.status().ToString()}});
+      return 1;
+    }
+    auto device = identity::ResolveDevice(std::to_string(args.device), *visible);
+    if (!device.ok()) {
+      Emit({{"error", device.status().ToString()}});
+      return 1;
+    }
+    run.uuid = device->uuid;
+  }
   run.logs = args.work.empty() ? (fs::temp_directory_path() / "shard_bench").string() : args.work;
   std::error_code ec;
   fs::create_directories(run.logs, ec);
@@ -730,18 +762,6 @@ int ParentMain(const Args& args, const std::string& self) {
     Emit({{"error", "creating " + run.logs + ": " + ec.message()}});
     return 1;
   }
-  // The device's UUID, as `serve --device I` would resolve it.
-  auto visible = identity::VisibleDevices({});
-  if (!visible.ok()) {
-    Emit({{"error", visible.status().ToString()}});
-    return 1;
-  }
-  auto device = identity::ResolveDevice(std::to_string(args.device), *visible);
-  if (!device.ok()) {
-    Emit({{"error", device.status().ToString()}});
-    return 1;
-  }
-  run.uuid = device->uuid;
 
   // /dev/shm when it holds the checkpoint with room to spare: writing is then memory-speed
   // (the device machine's disk is slow and virtual), and the daemons read from the page cache
@@ -780,7 +800,7 @@ std::optional<uint64_t> Positive(const std::string& v) {
 
 constexpr char kUsage[] =
     "usage: shard_bench [--work DIR] [--reps N] [--device I] [--threads T] [--tp N] "
-    "[--layers L] [--vocab V]\n"
+    "[--layers L] [--vocab V] [--tier gpu|host]\n"
     "       shard_bench --write-only DIR [--tp N] [--layers L] [--vocab V]\n";
 
 }  // namespace
@@ -804,6 +824,15 @@ int main(int argc, char** argv) {
     }
     if (k == "--write-only") {
       args.write_only = v;
+      continue;
+    }
+    if (k == "--tier") {
+      const std::optional<weightcache::Tier> tier = weightcache::ParseTier(v);
+      if (!tier) {
+        std::fprintf(stderr, "shard_bench: --tier: expected gpu or host, got \"%s\"\n", v.c_str());
+        return 2;
+      }
+      args.tier = *tier;
       continue;
     }
     if (k == "--device") {

@@ -303,7 +303,7 @@ for line in open(sys.argv[1]):
                  ("whole_load_gb_per_s", j.get("whole_load_gb_per_s"))]
         ranks = j.get("ranks") or []
         extra = ("  shard_load memory (used/bound): " +
-                 ", ".join(f"rank {r.get('rank')} {mib(r.get('gpu_used_bytes'))}"
+                 ", ".join(f"rank {r.get('rank')} {mib(r.get('used_bytes'))}"
                            f"/{mib(r.get('bound_bytes'))}" for r in ranks) +
                  f", within_memory_bound={j.get('within_memory_bound')}")
     else:
