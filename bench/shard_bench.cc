@@ -281,6 +281,11 @@ Result<nlohmann::json> WriteCheckpoint(const std::string& dir, const LlamaShape&
 struct RankPlan {
   size_t tensors = 0;
   uint64_t held_bytes = 0;
+  // Of the held bytes, those of dim>0 slices (many rows), and the file bytes from the first to
+  // the last byte of each such slice: what a reader of whole source rows goes through for
+  // them (docs/sharding.md: the strided reader reads blocks of whole rows).
+  uint64_t strided_bytes = 0;
+  uint64_t strided_span_bytes = 0;
 };
 
 struct Bound {
@@ -316,8 +321,14 @@ Result<Bound> PlanBound(const std::string& dir, uint32_t tp) {
       Status s = plan.status();
       return s.Context("planning tp rank " + std::to_string(r));
     }
-    bound.ranks.push_back({plan->tensors.size(), plan->bytes});
+    RankPlan& rank = bound.ranks.emplace_back();
+    rank.tensors = plan->tensors.size();
+    rank.held_bytes = plan->bytes;
     for (const sharding::PlannedTensor& p : plan->tensors) {
+      if (p.copy.rows > 1) {
+        rank.strided_bytes += p.bytes;
+        rank.strided_span_bytes += (p.copy.rows - 1) * p.copy.source_pitch + p.copy.row_bytes;
+      }
       Seen& s = seen[p.tensor->name];
       s.nbytes = p.tensor->nbytes;
       if (p.slice) {
@@ -350,7 +361,9 @@ nlohmann::json PlanRecord(const Bound& b) {
     ranks.push_back({{"rank", r},
                      {"tensors", b.ranks[r].tensors},
                      {"held_bytes", b.ranks[r].held_bytes},
-                     {"held_within_bound", b.ranks[r].held_bytes <= b.bound_bytes}});
+                     {"held_within_bound", b.ranks[r].held_bytes <= b.bound_bytes},
+                     {"strided_bytes", b.ranks[r].strided_bytes},
+                     {"strided_span_bytes", b.ranks[r].strided_span_bytes}});
   }
   return {{"phase", "plan"},
           {"rules", b.rules},
