@@ -79,6 +79,8 @@ constexpr int kShardFiles = 4;
 constexpr auto kReadyTimeout = std::chrono::seconds(300);
 // The same poll for every phase, so the whole and the sharded times have the same resolution.
 constexpr auto kPoll = std::chrono::milliseconds(10);
+// A stopped daemon's device memory is back when free is within this of the baseline.
+constexpr uint64_t kMemoryReturnSlack = 64 * kMiB;
 constexpr auto kMemoryReturnTimeout = std::chrono::seconds(60);
 
 void Emit(nlohmann::json j) {
@@ -529,7 +531,7 @@ struct Run {
   Status StopAndWaitMemory(DaemonGroup& group) const {
     group.StopAll();
     if (tier == Tier::kHost) return Status::Ok();
-    return WaitMemoryReturned(self, uuid, baseline_free, kBoundSlack, kMemoryReturnTimeout)
+    return WaitMemoryReturned(self, uuid, baseline_free, kMemoryReturnSlack, kMemoryReturnTimeout)
         .status();
   }
 };
