@@ -23,6 +23,7 @@ namespace {
 
 std::vector<char*> CArgs(std::vector<std::string>& args) {
   std::vector<char*> c;
+  c.reserve(args.size() + 1);
   for (auto& s : args) c.push_back(s.data());
   c.push_back(nullptr);
   return c;

@@ -402,6 +402,7 @@ Result<nlohmann::json> WarmRead(const checkpoint::Checkpoint& ckpt, int threads)
   std::vector<Status> errors(threads);
   const auto t0 = Clock::now();
   std::vector<std::thread> pool;
+  pool.reserve(threads);
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&, t] {
       std::unique_ptr<uint8_t[]> buffer(new uint8_t[kPiece]);
@@ -818,12 +819,7 @@ constexpr char kUsage[] =
     "[--layers L] [--vocab V] [--tier gpu|host]\n"
     "       shard_bench --write-only DIR [--tp N] [--layers L] [--vocab V]\n";
 
-}  // namespace
-}  // namespace weightcache::bench
-
-int main(int argc, char** argv) {
-  using namespace weightcache::bench;
-  std::vector<std::string> a(argv + 1, argv + argc);
+int Main(const std::vector<std::string>& a) {
   if (a.size() == 2 && a[0] == "--probe-mem") return ProbeMemMain(a[1]);
   if (a.size() % 2 != 0) {
     std::fprintf(stderr, "shard_bench: flag %s needs a value\n%s", a.back().c_str(), kUsage);
@@ -842,7 +838,7 @@ int main(int argc, char** argv) {
       continue;
     }
     if (k == "--tier") {
-      const std::optional<weightcache::Tier> tier = weightcache::ParseTier(v);
+      const std::optional<Tier> tier = ParseTier(v);
       if (!tier) {
         std::fprintf(stderr, "shard_bench: --tier: expected gpu or host, got \"%s\"\n", v.c_str());
         return 2;
@@ -880,4 +876,18 @@ int main(int argc, char** argv) {
   }
   if (!args.write_only.empty()) return WriteOnlyMain(args);
   return ParentMain(args, "/proc/self/exe");
+}
+
+}  // namespace
+}  // namespace weightcache::bench
+
+int main(int argc, char** argv) {
+  // The edge: an exception (a JSON field of an unexpected type, a filesystem error) is an error
+  // line and exit 1, never an abort.
+  try {
+    return weightcache::bench::Main(std::vector<std::string>(argv + 1, argv + argc));
+  } catch (const std::exception& e) {
+    weightcache::bench::Emit({{"error", e.what()}});
+    return 1;
+  }
 }
