@@ -32,11 +32,7 @@
 //                    [--threads T]
 //   gpu_attach_bench --client MODEL RUNTIME UUID FINGERPRINT TENSORS ITERS   (internal)
 //   gpu_attach_bench --probe-mem UUID                                        (internal)
-#include <fcntl.h>
-#include <signal.h>
-#include <spawn.h>
 #include <sys/statvfs.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -49,31 +45,25 @@
 #include <regex>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "bench_process.h"
 #include "checkpoint/checkpoint.h"
 #include "client/attachment_impl.h"
 #include "client/discovery.h"
 #include "client/verify.h"
 #include "cuda/driver_api.h"
 #include "cuda/vmm.h"
-#include "identity/device_inventory.h"
+#include "identity/resolve.h"
 #include "proc_memory.h"
-#include "protocol/connection.h"
 #include "weightcache/client.h"
-
-extern char** environ;
 
 namespace weightcache::bench {
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
 constexpr uint64_t kGiB = uint64_t{1} << 30;
 constexpr char kModelId[] = "bench";
-
-double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
 void Emit(nlohmann::json j) {
   j["bench"] = "gpu_attach";
@@ -95,100 +85,7 @@ nlohmann::json Percentiles(std::vector<double> v) {
           {"n", v.size()}};
 }
 
-// ---- processes ------------------------------------------------------------------------------
-
-std::vector<char*> CArgs(std::vector<std::string>& args) {
-  std::vector<char*> c;
-  for (auto& s : args) c.push_back(s.data());
-  c.push_back(nullptr);
-  return c;
-}
-
-// Runs argv to completion with stdout captured; the exit code (-1 if it could not run).
-int Capture(std::vector<std::string> argv, std::string* out,
-            const std::vector<std::string>& extra_env = {}) {
-  int pipe_fds[2];
-  if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return -1;
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, pipe_fds[1], STDOUT_FILENO);
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
-  env.insert(env.end(), extra_env.begin(), extra_env.end());
-  std::vector<char*> cenv = CArgs(env);
-  std::vector<char*> cargs = CArgs(argv);
-  pid_t pid = -1;
-  const int rc = ::posix_spawnp(&pid, cargs[0], &fa, nullptr, cargs.data(), cenv.data());
-  posix_spawn_file_actions_destroy(&fa);
-  ::close(pipe_fds[1]);
-  if (rc != 0) {
-    ::close(pipe_fds[0]);
-    return -1;
-  }
-  char buf[65536];
-  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof(buf))) != 0;) {
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      break;
-    }
-    out->append(buf, static_cast<size_t>(n));
-  }
-  ::close(pipe_fds[0]);
-  int st = 0;
-  while (::waitpid(pid, &st, 0) < 0 && errno == EINTR) {
-  }
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
-
-// The last stdout line of a command as JSON (discarded when absent or not JSON).
-nlohmann::json CaptureJson(const std::vector<std::string>& argv, int* code) {
-  std::string out;
-  *code = Capture(argv, &out);
-  while (!out.empty() && out.back() == '\n') out.pop_back();
-  const size_t nl = out.rfind('\n');
-  return nlohmann::json::parse(nl == std::string::npos ? out : out.substr(nl + 1), nullptr,
-                               /*allow_exceptions=*/false);
-}
-
-pid_t SpawnLogged(std::vector<std::string> argv, const std::string& log,
-                  const std::vector<std::string>& extra_env) {
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0600);
-  posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::string(*e).rfind("WEIGHTCACHE_LOG_LEVEL=", 0) != 0) env.emplace_back(*e);
-  }
-  env.insert(env.end(), extra_env.begin(), extra_env.end());
-  std::vector<char*> cenv = CArgs(env);
-  std::vector<char*> cargs = CArgs(argv);
-  pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, cargs[0], &fa, nullptr, cargs.data(), cenv.data());
-  posix_spawn_file_actions_destroy(&fa);
-  return rc == 0 ? pid : -1;
-}
-
-// SIGTERM, then SIGKILL after 20 s; reaps.
-void Stop(pid_t pid) {
-  ::kill(pid, SIGTERM);
-  for (int i = 0; i < 2000; ++i) {
-    int st = 0;
-    if (::waitpid(pid, &st, WNOHANG) == pid) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ::kill(pid, SIGKILL);
-  int st = 0;
-  ::waitpid(pid, &st, 0);
-}
-
-std::string ReadText(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+// ---- the daemon's host memory -----------------------------------------------------------------
 
 // VmRSS / VmHWM of `pid` in bytes (0 when unreadable).
 std::pair<uint64_t, uint64_t> HostMemory(pid_t pid) {
@@ -226,28 +123,6 @@ nlohmann::json NvidiaSmiMib(pid_t pid) {
 }
 
 // ---- the child modes -------------------------------------------------------------------------
-
-// The CUdevice of `uuid`, through the identity layer's one lookup and its ordinal → CUdevice
-// step, as the client resolves it.
-Result<CUdevice> DeviceOf(const cuda::DriverApi* api, const std::string& uuid) {
-  identity::DeviceInfo device;
-  device.uuid = uuid;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(device.cuda_ordinal, identity::FindCudaOrdinal(api, uuid));
-  return identity::CudaDevice(api, device);
-}
-
-int ProbeMemMain(const std::string& uuid) {
-  auto api = cuda::LoadDriver();
-  if (!api.ok()) return 1;
-  auto dev = DeviceOf(*api, uuid);
-  if (!dev.ok()) return 1;
-  auto ctx = cuda::PrimaryContext::Retain(*api, *dev);
-  if (!ctx.ok()) return 1;
-  size_t free_bytes = 0, total = 0;
-  if ((*api)->cuMemGetInfo(&free_bytes, &total) != CUDA_SUCCESS) return 1;
-  std::printf("%s\n", nlohmann::json{{"free", free_bytes}, {"total", total}}.dump().c_str());
-  return 0;
-}
 
 int ClientMain(const std::string& model, const std::string& runtime, const std::string& uuid,
                const std::string& fingerprint, size_t tensors, int iters) {
@@ -376,15 +251,6 @@ uint64_t FreeBytes(const std::string& path) {
   return static_cast<uint64_t>(s.f_bavail) * s.f_frsize;
 }
 
-std::optional<double> Find(const std::string& text, const std::regex& re, int group) {
-  std::smatch m;
-  std::optional<double> last;
-  for (auto it = text.cbegin(); std::regex_search(it, text.cend(), m, re); it = m.suffix().first) {
-    last = std::stod(m[group].str());
-  }
-  return last;
-}
-
 struct ParentArgs {
   std::string work;
   uint64_t gib = 16;
@@ -469,71 +335,55 @@ int ParentMain(const ParentArgs& args, const std::string& self) {
     const std::string uuid = id->device_key;
     rec["device"] = uuid;
 
-    nlohmann::json before = CaptureJson({self, "--probe-mem", uuid}, &code);
-    const auto spawned = Clock::now();
-    pid_t daemon = SpawnLogged(
+    const std::optional<DeviceMemory> before = ProbeDeviceMemory(self, uuid);
+    std::vector<WatchedDaemon> watched(1);
+    WatchedDaemon& d = watched[0];
+    d.socket = id->paths.socket;
+    d.log = log;
+    d.spawned = Clock::now();
+    d.pid = SpawnLogged(
         {WEIGHTCACHE_CLI_PATH, "serve", "--model", model, "--model-id", kModelId, "--tier", "gpu",
          "--device", uuid, "--runtime-dir", runtime, "--threads", std::to_string(args.threads)},
         log, {"WEIGHTCACHE_LOG_LEVEL=debug"});
-    if (daemon < 0) {
+    if (d.pid < 0) {
       fs::remove_all(model);
       error("spawning serve failed");
       continue;
     }
-    std::optional<protocol::StatusReply> ready;
-    std::string last = "no socket";
-    while (Ms(Clock::now() - spawned) < 300'000) {
-      int st = 0;
-      if (::waitpid(daemon, &st, WNOHANG) == daemon) {
-        last = "serve exited; log:\n" + ReadText(log);
-        daemon = -1;
-        break;
-      }
-      auto conn = protocol::Connection::Connect(id->paths.socket, std::chrono::seconds(1));
-      if (conn.ok()) {
-        auto s = conn->QueryStatus(os::Deadline::After(std::chrono::seconds(5)));
-        if (s.ok() && s->state == protocol::CacheState::kReady) {
-          ready = *s;
-          break;
-        }
-        last = s.ok() ? std::string(protocol::CacheStateName(s->state)) : s.status().ToString();
-        if (s.ok() && s->state == protocol::CacheState::kFailed) break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    if (!ready) {
-      if (daemon > 0) Stop(daemon);
+    const Status waited =
+        WaitReady(watched, std::chrono::seconds(300), std::chrono::milliseconds(20));
+    const pid_t daemon = d.pid;
+    if (!waited.ok()) {
+      Stop(daemon);
       fs::remove_all(model);
-      error("daemon not ready: " + last);
+      error("daemon not ready: " + waited.message());
       continue;
     }
-    rec["daemon_ready_s"] = Ms(Clock::now() - spawned) / 1000;
+    const std::optional<protocol::StatusReply>& ready = d.ready;
+    rec["daemon_ready_s"] = Ms(d.ready_at - d.spawned) / 1000;
     nlohmann::json memory = {{"at_ready", ProcMemory(daemon)}};
     rec["resident_bytes"] = ready->bytes;
     const std::string text = ReadText(log);
     // "ready: N tensors, … in S s, G GB/s" (info) and "gpu tier: uploaded B bytes in S s (G
     // GB/s), …" (debug): the daemon's own figures.
-    if (auto v = Find(text, std::regex(R"(ready: .* in ([0-9.eE+-]+) s, ([0-9.eE+-]+) GB/s)"), 2)) {
-      rec["gb_per_s"] = *v;
-    }
-    if (auto v = Find(text, std::regex(R"(ready: .* in ([0-9.eE+-]+) s, )"), 1)) {
-      rec["daemon_load_s"] = *v;
-    }
-    if (auto v = Find(
+    const ReadyLine ready_line = ParseReadyLine(text);
+    if (ready_line.gb_per_s) rec["gb_per_s"] = *ready_line.gb_per_s;
+    if (ready_line.seconds) rec["daemon_load_s"] = *ready_line.seconds;
+    if (auto v = LastMatch(
             text, std::regex(R"(uploaded [0-9]+ bytes in [0-9.eE+-]+ s \(([0-9.eE+-]+) GB/s\))"),
             1)) {
       rec["pipeline_gb_per_s"] = *v;
     }
     rec["load_memory"] = ParseLoadMemory(text);
 
-    nlohmann::json after = CaptureJson({self, "--probe-mem", uuid}, &code);
-    if (!before.is_discarded() && !after.is_discarded()) {
-      const int64_t used = before["free"].get<int64_t>() - after["free"].get<int64_t>();
+    const std::optional<DeviceMemory> after = ProbeDeviceMemory(self, uuid);
+    if (before && after) {
+      const int64_t used = static_cast<int64_t>(before->free) - static_cast<int64_t>(after->free);
       const int64_t overhead = used - static_cast<int64_t>(ckpt->total_bytes());
       rec["gpu_used_by_daemon_bytes"] = used;
       rec["overhead_bytes"] = overhead;
       rec["overhead_vs_weights"] = static_cast<double>(overhead) / ckpt->total_bytes();
-      rec["overhead_vs_device"] = static_cast<double>(overhead) / after["total"].get<double>();
+      rec["overhead_vs_device"] = static_cast<double>(overhead) / static_cast<double>(after->total);
     }
     const auto [rss, hwm] = HostMemory(daemon);
     rec["rss_bytes"] = rss;

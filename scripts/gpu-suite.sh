@@ -17,12 +17,13 @@
 #   $OUT/bench.jsonl   one JSON line per benchmark measurement
 #   $OUT/bench.log     the benchmarks' stderr (progress, errors)
 #   $OUT/summary.txt   GPUs, driver, pass/fail counts, skipped tests, every bench's headline
-#                      numbers (attach ms per tensor count, load GB/s and ratios, overhead, RSS)
+#                      numbers (attach ms per tensor count, load GB/s and ratios, overhead, RSS,
+#                      the sharded load's times, ratio and per-rank memory vs bound)
 # Knobs: OUT (default ./gpu-out), BUILD_DIR (build-gpu), DEPS (.deps/usr), JOBS (nproc),
 #        TARGETS (build only these, for a dry run), SKIP_BENCH=1, SUITE=full|quick,
 #        BENCH_WORK (scratch for the benches' checkpoints; default a temp dir, removed).
 # Exit status: non-zero if the build or any test fails, or a benchmark fails or times out.
-# Budget: under 8 minutes on 1 x H200 (build ~2, tests ~2, benches ~4; each bench has its own
+# Budget: under 9 minutes on 1 x H200 (build ~2, tests ~2, benches ~5; each bench has its own
 # timeout so one stuck bench cannot eat the budget).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -190,6 +191,9 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
   rm -rf "$work/host"
   # 16 GiB checkpoints of 10 / 1,000 / 10,000 tensors, one at a time (deleted after use).
   run_bench 300 gpu_attach_bench --work "$work/gpu" --gib 16 --counts 10,1000,10000 --iters 20
+  # Issue 12: a Llama-3-8B-shaped checkpoint (16 GB) loaded whole by one daemon vs by 4 TP
+  # rank daemons on the same GPU; each rank's GPU memory against its bound (docs/benchmarks.md).
+  run_bench 240 shard_bench --work "$work/shard" --reps 3
   [[ -z ${BENCH_WORK:-} ]] && rm -rf "$work"
 
   if grep -q '"error"' "$OUT/bench.jsonl"; then
@@ -238,7 +242,8 @@ for line in open(sys.argv[1]):
     b = j.get("bench", "?")
     extra = None
     if "skipped" in j or "error" in j or "client_error" in j:
-        items = [("kind", j.get("kind")), ("tensors", j.get("tensors")),
+        items = [("kind", j.get("kind")), ("phase", j.get("phase")),
+                 ("tensors", j.get("tensors")),
                  ("skipped", j.get("skipped")), ("error", j.get("error")),
                  ("client_error", j.get("client_error"))]
     elif b == "load_bench":
@@ -286,6 +291,21 @@ for line in open(sys.argv[1]):
         mem += memory(j, ("memory", "steady"))
         mem.append(("threads", pick(j, "memory", "steady", "status", "Threads")))
         extra = "  gpu_attach memory: " + ", ".join(f"{k}={fmt(v)}" for k, v in mem if v is not None)
+    elif b == "shard_load":
+        # The phases' details stay in bench.jsonl; the result line has the headline.
+        if j.get("phase") != "result":
+            continue
+        items = [("tp", j.get("tp")), ("whole_median_s", j.get("whole_ready_s_median")),
+                 ("tp_median_s", j.get("tp_all_ready_s_median")),
+                 ("ratio", j.get("all_ready_over_whole")), ("bound", j.get("time_bound")),
+                 ("within_time_bound", j.get("within_time_bound")),
+                 ("file_read_gb_per_s", j.get("file_read_gb_per_s")),
+                 ("whole_load_gb_per_s", j.get("whole_load_gb_per_s"))]
+        ranks = j.get("ranks") or []
+        extra = ("  shard_load memory (used/bound): " +
+                 ", ".join(f"rank {r.get('rank')} {mib(r.get('used_bytes'))}"
+                           f"/{mib(r.get('bound_bytes'))}" for r in ranks) +
+                 f", within_memory_bound={j.get('within_memory_bound')}")
     else:
         items = list(j.items())[:8]
     print("  " + b + ": " + ", ".join(f"{k}={fmt(v)}" for k, v in items if v is not None))
