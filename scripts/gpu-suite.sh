@@ -21,6 +21,7 @@
 #                      the sharded load's times, ratio and per-rank memory vs bound)
 # Knobs: OUT (default ./gpu-out), BUILD_DIR (build-gpu), DEPS (.deps/usr), JOBS (nproc),
 #        TARGETS (build only these, for a dry run), SKIP_BENCH=1, SUITE=full|quick,
+#        BENCHES (only these benches, e.g. "shard_bench gpu_attach_bench"; default all),
 #        BENCH_WORK (scratch for the benches' checkpoints; default a temp dir, removed).
 # Exit status: non-zero if the build or any test fails, or a benchmark fails or times out.
 # Budget: under 9 minutes on 1 x H200 (build ~2, tests ~2, benches ~5; each bench has its own
@@ -165,6 +166,9 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
     local limit=$1 name=$2
     shift 2
     local exe="$build/bench/$name" t0 rc
+    if [[ -n ${BENCHES:-} && " $BENCHES " != *" $name "* ]]; then
+      return
+    fi
     if [[ ! -x $exe ]]; then
       say "bench $name: not built"
       bench_ok=0
