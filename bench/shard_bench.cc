@@ -49,6 +49,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -106,6 +107,34 @@ nlohmann::json Stats(const std::vector<double>& v) {
           {"min", *std::min_element(v.begin(), v.end())},
           {"max", *std::max_element(v.begin(), v.end())},
           {"values", v}};
+}
+
+// A gpu load's phases from a daemon's debug log ("gpu tier: timeline ms: plan X, arena Y, ...",
+// src/daemon/gpu_store.cc), and the ready line's spawn-relative seconds as "ready_line_s".
+std::map<std::string, double> LoadPhases(const std::string& log_text) {
+  std::map<std::string, double> out;
+  static const std::regex kLine(R"(timeline ms: ([^\n]*))");
+  static const std::regex kItem(R"(([a-z]+) ([0-9.eE+-]+))");
+  std::smatch m;
+  if (std::regex_search(log_text, m, kLine)) {
+    const std::string rest = m[1].str();
+    for (std::sregex_iterator it(rest.begin(), rest.end(), kItem), end; it != end; ++it) {
+      out[(*it)[1].str() + "_ms"] = std::stod((*it)[2].str());
+    }
+  }
+  if (auto s = ParseReadyLine(log_text).seconds) out["ready_line_s"] = *s;
+  return out;
+}
+
+// Stats of each phase over the daemons' LoadPhases.
+nlohmann::json PhaseStats(const std::vector<std::map<std::string, double>>& all) {
+  std::map<std::string, std::vector<double>> by_phase;
+  for (const auto& phases : all) {
+    for (const auto& [name, value] : phases) by_phase[name].push_back(value);
+  }
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [name, values] : by_phase) out[name] = Stats(values);
+  return out;
 }
 
 // ---- the checkpoint ----------------------------------------------------------------------------
@@ -497,7 +526,8 @@ struct Run {
       argv.insert(argv.end(), {"--tp-size", std::to_string(tp), "--tp-rank", std::to_string(rank)});
     }
     d.spawned = Clock::now();
-    d.pid = SpawnLogged(argv, d.log, {});
+    // Debug: the log then has the load's timeline (LoadPhases).
+    d.pid = SpawnLogged(argv, d.log, {"WEIGHTCACHE_LOG_LEVEL=debug"});
     if (d.pid < 0) return InternalError("spawning `weightcache serve` (" + tag + ") failed");
     return d;
   }
@@ -540,6 +570,7 @@ struct Run {
 // --reps loads of the whole checkpoint by one daemon. The "whole" record.
 Result<nlohmann::json> WholePhase(const Run& run, int reps) {
   std::vector<double> ready_s, used, daemon_load_s;
+  std::vector<std::map<std::string, double>> phases;
   uint64_t resident = 0;
   for (int rep = 0; rep < reps; ++rep) {
     Note("whole: rep " + std::to_string(rep + 1) + " of " + std::to_string(reps));
@@ -555,13 +586,12 @@ Result<nlohmann::json> WholePhase(const Run& run, int reps) {
     used.push_back(static_cast<double>(u));
     resident = w.ready->bytes;
     if (auto s = ParseReadyLine(ReadText(w.log)).seconds) daemon_load_s.push_back(*s);
+    phases.push_back(LoadPhases(ReadText(w.log)));
     WEIGHTCACHE_RETURN_IF_ERROR(run.StopAndWaitMemory(group));
   }
-  nlohmann::json rec = {{"phase", "whole"},
-                        {"reps", reps},
-                        {"ready_s", Stats(ready_s)},
-                        {"used_bytes", Stats(used)},
-                        {"resident_bytes", resident}};
+  nlohmann::json rec = {{"phase", "whole"},           {"reps", reps},
+                        {"ready_s", Stats(ready_s)},  {"used_bytes", Stats(used)},
+                        {"resident_bytes", resident}, {"load_phases", PhaseStats(phases)}};
   if (daemon_load_s.size() == ready_s.size()) rec["daemon_load_s"] = Stats(daemon_load_s);
   return rec;
 }
@@ -570,6 +600,7 @@ Result<nlohmann::json> WholePhase(const Run& run, int reps) {
 Result<nlohmann::json> TpPhase(const Run& run, int reps) {
   std::vector<double> all_ready_s;
   std::vector<std::vector<double>> rank_ready_s(run.tp);
+  std::vector<std::map<std::string, double>> phases;  // every rank of every repetition
   for (int rep = 0; rep < reps; ++rep) {
     Note("tp " + std::to_string(run.tp) + ": rep " + std::to_string(rep + 1) + " of " +
          std::to_string(reps));
@@ -593,6 +624,7 @@ Result<nlohmann::json> TpPhase(const Run& run, int reps) {
       const double s = Seconds(group.daemons[r].ready_at - first);
       rank_ready_s[r].push_back(s);
       last = std::max(last, s);
+      phases.push_back(LoadPhases(ReadText(group.daemons[r].log)));
     }
     all_ready_s.push_back(last);
     WEIGHTCACHE_RETURN_IF_ERROR(run.StopAndWaitMemory(group));
@@ -601,11 +633,9 @@ Result<nlohmann::json> TpPhase(const Run& run, int reps) {
   for (uint32_t r = 0; r < run.tp; ++r) {
     ranks.push_back({{"rank", r}, {"ready_s", Stats(rank_ready_s[r])}});
   }
-  return nlohmann::json{{"phase", "tp"},
-                        {"tp", run.tp},
-                        {"reps", reps},
-                        {"all_ready_s", Stats(all_ready_s)},
-                        {"ranks", ranks}};
+  return nlohmann::json{{"phase", "tp"},  {"tp", run.tp},
+                        {"reps", reps},   {"all_ready_s", Stats(all_ready_s)},
+                        {"ranks", ranks}, {"load_phases", PhaseStats(phases)}};
 }
 
 // The ranks started one after the other, the memory probed after each is ready (UsedNow). The

@@ -2,6 +2,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <chrono>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -27,6 +28,15 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
                                  std::string* memory) {
   const cuda::DriverApi* api = options.driver;
   if (api == nullptr) return InternalError("gpu tier: no CUDA driver given to the load");
+  // The load's phases, for the debug timeline line (where a slow load spends its time).
+  using Clock = std::chrono::steady_clock;
+  auto mark = Clock::now();
+  const auto lap = [&mark] {
+    const auto now = Clock::now();
+    const double ms = std::chrono::duration<double, std::milli>(now - mark).count();
+    mark = now;
+    return ms;
+  };
   // The device was resolved once (identity::ResolveIdentity): its ordinal, checked by UUID.
   auto device_or = identity::CudaDevice(api, options.device);
   if (!device_or.ok()) return device_or.status().Context("gpu tier");
@@ -50,6 +60,7 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
                            " holds no bytes to place on the device");
   }
 
+  const double plan_ms = lap();
   // Retains the primary context and makes it current on this (the loader) thread, which the
   // pipeline needs at Create.
   auto arena = cuda::ExportedArena::Create(api, device, plan.allocation_bytes);
@@ -69,6 +80,7 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
     allocation_sizes.push_back(allocations[a].size);
   }
 
+  const double arena_ms = lap();
   cuda::UploadOptions upload_options;
   upload_options.reader_threads = std::clamp(options.threads, 1, 64);
   upload_options.checksums = cuda::ChecksumMode::kCompute;
@@ -77,6 +89,7 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   // staging buffers (cuMemFreeHost), streams and events are gone before the manifest is built,
   // never kept for the life of the store.
   std::optional<cuda::UploadPipeline> pipeline(std::move(created));
+  const double pipeline_ms = lap();
 
   std::vector<cuda::UploadSource> sources;
   for (uint32_t s = 0; s < checkpoint.shards().size(); ++s) {
@@ -106,8 +119,10 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   upload_control.cancel = control.cancel;
   if (control.progress) control.progress(0, held_bytes);
   auto report = pipeline->Run(sources, items, upload_control);
+  const double upload_ms = lap();
   *memory = "pipeline=" + DescribeProcessMemory(ReadProcessMemory());
   pipeline.reset();
+  const double free_ms = lap();
   *memory += "; pipeline_freed=" + DescribeProcessMemory(ReadProcessMemory());
   if (!report.ok()) {
     Status status = report.status();
@@ -139,7 +154,14 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   // memory and driver host memory a context costs — for the life of the cache.
   // The fds alone serve: no mapping, no handle, no CUDA context. The device memory lives
   // while any fd does — ours, or the duplicates attached clients received.
-  return WeightStore(Tier::kGpu, std::move(arena).value().ReleaseToFds(), std::move(summary));
+  WeightStore store(Tier::kGpu, std::move(arena).value().ReleaseToFds(), std::move(summary));
+  // plan: device checks, held tensors, arena plan; arena: context + cuMemCreate/export/map;
+  // pipeline: streams, events, pinned staging; upload: Run; free: the pipeline's teardown;
+  // release: manifest + unmapping + dropping the context.
+  LOG_DEBUG << "gpu tier: timeline ms: plan " << plan_ms << ", arena " << arena_ms << ", pipeline "
+            << pipeline_ms << ", upload " << upload_ms << ", free " << free_ms << ", release "
+            << lap();
+  return store;
 }
 
 }  // namespace weightcache::daemon

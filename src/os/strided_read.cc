@@ -57,8 +57,10 @@ Status ReadStrided(int fd, const std::string& path, const StridedRun& run, uint6
   while (pos < end) {
     const uint64_t row = pos / g.row_bytes, in = pos % g.row_bytes;
     const uint64_t source = g.file_offset + row * g.pitch;
-    if (g.row_bytes - in >= end - pos || g.pitch > kStridedStageBytes) {
-      // The rest lies in this row, or rows are too far apart to stage: straight into dest.
+    if (g.row_bytes - in >= end - pos || g.pitch > kStridedStageBytes ||
+        g.pitch - g.row_bytes >= kStridedOwnReadGap) {
+      // The rest lies in this row, or rows are too far apart to stage, or the gap between
+      // pieces costs more to read than a pread call: straight into dest.
       const uint64_t n = std::min(g.row_bytes - in, end - pos);
       WEIGHTCACHE_RETURN_IF_ERROR(PreadExact(fd, path, source + in, n, dest + (pos - at)));
       pos += n;

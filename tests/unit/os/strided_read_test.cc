@@ -64,6 +64,11 @@ TEST_F(StridedReadTest, ReadsThePiecesOfEveryGeometryFromAnyOffset) {
       {.file_offset = 3, .rows = 900, .row_bytes = 1000, .pitch = 3001},  // staged blocks
       {.file_offset = 0, .rows = 64, .row_bytes = 4096, .pitch = 4096},   // pitch == row
       {.file_offset = 11, .rows = 3, .row_bytes = 70, .pitch = far},      // row by row
+      // Gaps of kStridedOwnReadGap and more: a pread per piece (a TP=4 row-parallel slice).
+      {.file_offset = 5, .rows = 300, .row_bytes = 2048, .pitch = 2048 + kStridedOwnReadGap},
+      {.file_offset = 9, .rows = 200, .row_bytes = 7168, .pitch = 28672},
+      // A gap one byte short of it: still staged.
+      {.file_offset = 2, .rows = 300, .row_bytes = 100, .pitch = 100 + kStridedOwnReadGap - 1},
       // Rows of 3 MiB: a stage holds two of them, so a long read takes several blocks.
       {.file_offset = 1, .rows = 7, .row_bytes = 3 << 20, .pitch = (3 << 20) + 9},
   };
