@@ -45,6 +45,7 @@ struct Daemon::Connection {
   bool hello_seen = false;
   bool hello_matched = false;
   bool attached = false;
+  bool publishing = false;         // its PublishBegin's arena is out: not idle-closed until commit
   bool close_after_flush = false;  // after an error that ends this connection
   uint32_t armed = 0;              // the epoll mask currently registered
   Clock::time_point last_request;  // the accept, then each complete request
@@ -290,7 +291,12 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
   }
   const int listen_fd = socket_.fd();
   load_start_ = Clock::now();
-  loader_ = std::thread([this] { LoaderMain(); });
+  if (identity::IsPublishedSource(options_.config.source)) {
+    state_ = CacheState::kAwaiting;  // nothing to load: the publisher brings the weights
+    LOG_INFO << "awaiting the publisher of " << options_.config.source;
+  } else {
+    loader_ = std::thread([this] { LoaderMain(); });
+  }
 
   epoll_event ready[64];
   while (true) {
@@ -339,6 +345,11 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
       }
     }
     if (!stop_requested_by_.empty()) BeginDrain("Stop requested by " + stop_requested_by_);
+    if (!retired_stores_.empty() &&
+        std::all_of(connections_.begin(), connections_.end(),
+                    [](const auto& c) { return c.second->outbox.empty(); })) {
+      retired_stores_.clear();  // no queued reply borrows their fds any more
+    }
   }
 
   LOG_INFO << "drained; closing " << connections_.size() << " connection(s)";
@@ -372,23 +383,30 @@ void Daemon::OnLoaderWakeup() {
   const double seconds = SecondsSince(load_start_);
   if (state_ == CacheState::kDraining) return;  // cancelled or irrelevant now
   if (!result->ok()) return Fail(result->status());
-  WeightStore store = std::move(*result).value();
+  Status installed = InstallStore(std::move(*result).value());
+  if (!installed.ok()) return Fail(installed);
+  if (events_.on_progress) {
+    events_.on_progress(bytes_total_.load(), bytes_total_.load(), seconds);
+  }
+  if (events_.on_ready) events_.on_ready(store_->summary(), seconds);
+}
+
+Status Daemon::InstallStore(WeightStore store) {
   // Every attach sends these few bytes plus the manifest memfd built at load: nothing is
   // encoded or copied per attach, whatever the tensor count.
   auto frame = protocol::EncodeAttachReply(store.summary().manifest.size,
                                            static_cast<uint32_t>(store.fds().size()));
   if (!frame.ok()) {
     Status status = frame.status();
-    return Fail(status.Context("encoding the attach reply"));
+    return status.Context("encoding the attach reply");
   }
   attach_frame_ = std::move(frame).value();
+  if (store_) retired_stores_.push_back(std::move(*store_));
   store_.emplace(std::move(store));
+  bytes_total_.store(store_->summary().tensor_bytes);
   bytes_done_.store(bytes_total_.load());
   state_ = CacheState::kReady;
-  if (events_.on_progress) {
-    events_.on_progress(bytes_total_.load(), bytes_total_.load(), seconds);
-  }
-  if (events_.on_ready) events_.on_ready(store_->summary(), seconds);
+  return Status::Ok();
 }
 
 void Daemon::Fail(Status failure) {
@@ -568,7 +586,7 @@ bool Daemon::Sweep(Clock::time_point now) {
       conn.held = false;
       caught_up.push_back(fd);
     }
-    if (!conn.attached && !conn.close_after_flush) {
+    if (!conn.attached && !conn.publishing && !conn.close_after_flush) {
       if (now - conn.last_request >= options_.handshake_timeout) {
         LOG_WARN << "closing connection of " << conn.Describe() << ": no "
                  << (conn.hello_seen ? "further " : "") << "request within "
@@ -691,6 +709,10 @@ void Daemon::CloseConnection(int fd) {
   auto it = connections_.find(fd);
   if (it == connections_.end()) return;
   if (it->second->attached) --clients_;
+  if (fd == publisher_fd_) {
+    AbandonPublication("its publisher (pid " + std::to_string(publisher_pid_) +
+                       ") closed the connection before PublishCommit");
+  }
   (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
   connections_.erase(it);  // closes the fd
 }
@@ -743,6 +765,12 @@ void Daemon::HandleFrame(Connection& conn, const protocol::Frame& frame) {
       return;
     case MessageType::kStop:
       if (DecodeEmptyRequest(conn, frame)) HandleStop(conn);
+      return;
+    case MessageType::kPublishBegin:
+      HandlePublishBegin(conn, frame.payload);
+      return;
+    case MessageType::kPublishCommit:
+      HandlePublishCommit(conn, frame.payload);
       return;
     default: {
       // FrameReader(kRequest) already refuses reply types; anything else is a bug here.
@@ -829,6 +857,8 @@ void Daemon::HandleAttach(Connection& conn) {
              " bytes)";
     } else if (state_ == CacheState::kFailed) {
       why += ": " + failure_.ToString();
+    } else if (state_ == CacheState::kAwaiting) {
+      why += " its publisher (" + options_.config.source + ")";
     }
     QueueError(conn, Status(StatusCode::kUnavailable, why));
     return;
@@ -858,6 +888,141 @@ void Daemon::HandleStop(Connection& conn) {
   reply.clients = clients_;
   QueueFrame(conn, protocol::EncodeStopReply(reply));
   stop_requested_by_ = conn.Describe();
+}
+
+// ---- publishing (docs/publish.md) -------------------------------------------------------------
+
+Status Daemon::CanPublish(const Connection& conn) const {
+  if (!identity::IsPublishedSource(options_.config.source)) {
+    return InvalidArgument("cache " + options_.config.ShortDigest() + " has source \"" +
+                           options_.config.source +
+                           "\": only a daemon started with --source published:<tag> takes a "
+                           "publish");
+  }
+  if (options_.config.tier != Tier::kHost) {
+    return InvalidArgument("publishing to the " + std::string(TierName(options_.config.tier)) +
+                           " tier is not implemented yet (host tier only, docs/publish.md)");
+  }
+  if (publication_) {
+    return Status(StatusCode::kUnavailable,
+                  "cache " + options_.config.ShortDigest() + " is being published by pid " +
+                      std::to_string(publisher_pid_) +
+                      (publisher_fd_ == conn.fd.get() ? " (this connection)" : "") +
+                      "; one publisher at a time");
+  }
+  if (state_ == CacheState::kReady && options_.replace == ReplacePolicy::kRefuse) {
+    return Status(StatusCode::kAlreadyServed,
+                  "cache " + options_.config.ShortDigest() +
+                      " is already ready (published by pid " + std::to_string(published_by_) +
+                      "); a daemon started with --replace accepts a new publish");
+  }
+  if (state_ != CacheState::kAwaiting && state_ != CacheState::kReady) {
+    return Status(StatusCode::kUnavailable, "cache " + options_.config.ShortDigest() + " is " +
+                                                std::string(protocol::CacheStateName(state_)));
+  }
+  return Status::Ok();
+}
+
+void Daemon::HandlePublishBegin(Connection& conn, std::span<const uint8_t> payload) {
+  if (!conn.hello_seen) {
+    Status status =
+        ProtocolError("PublishBegin before a Hello (cache " + options_.config.ShortDigest() + ")");
+    CloseWithError(conn, status, conn.Describe() + ": " + status.message());
+    return;
+  }
+  auto plan = protocol::DecodePublishBegin(payload);
+  if (!plan.ok()) {
+    CloseWithError(conn, plan.status(),
+                   "bad PublishBegin from " + conn.Describe() + ": " + plan.status().ToString());
+    return;
+  }
+  if (!conn.hello_matched) {
+    QueueError(conn, Status(StatusCode::kMismatch,
+                            "PublishBegin refused: the Hello's config does not match this cache (" +
+                                options_.config.ShortDigest() + ")"));
+    return;
+  }
+  Status refused = CanPublish(conn);
+  if (refused.ok()) refused = protocol::ValidatePublishPlan(*plan);
+  Result<HostPublication> pub = refused;
+  if (refused.ok()) {
+    pub = CreateHostPublication(std::move(plan).value(), options_.load.cache_name,
+                                options_.load.memory_budget);
+  }
+  Result<std::vector<uint8_t>> frame =
+      pub.ok() ? protocol::EncodePublishArena(pub->arena_manifest.size,
+                                              static_cast<uint32_t>(pub->memfds.size()))
+               : Result<std::vector<uint8_t>>(pub.status());
+  if (!frame.ok()) {
+    LOG_WARN << "PublishBegin from " << conn.Describe()
+             << " refused: " << frame.status().ToString();
+    QueueError(conn, frame.status());
+    return;
+  }
+  publication_.emplace(std::move(pub).value());
+  publisher_fd_ = conn.fd.get();
+  publisher_pid_ = conn.peer.pid;
+  conn.publishing = true;
+  if (state_ == CacheState::kAwaiting) {
+    bytes_total_.store(publication_->tensor_bytes);
+    bytes_done_.store(0);
+  }
+  // The manifest memfd first, then one writable memfd per allocation (the AttachReply layout).
+  std::vector<int> fds{publication_->arena_manifest.fd.get()};
+  for (const UniqueFd& fd : publication_->memfds) fds.push_back(fd.get());
+  QueueFrame(conn, std::move(frame), std::move(fds));
+  conn.fds_sent = true;
+  LOG_INFO << "publishing: " << conn.Describe() << " plans " << publication_->plan.tensors.size()
+           << " tensors, " << FormatBytes(publication_->tensor_bytes) << " in "
+           << publication_->memfds.size() << " memfd(s), metadata "
+           << publication_->plan.metadata.size() << " bytes";
+}
+
+void Daemon::HandlePublishCommit(Connection& conn, std::span<const uint8_t> payload) {
+  if (publisher_fd_ != conn.fd.get() || !publication_) {
+    Status status =
+        ProtocolError("PublishCommit without a PublishBegin on this connection (cache " +
+                      options_.config.ShortDigest() + ")");
+    CloseWithError(conn, status, conn.Describe() + ": " + status.message());
+    return;
+  }
+  auto commit = protocol::DecodePublishCommit(payload);
+  if (!commit.ok()) {
+    CloseWithError(conn, commit.status(),
+                   "bad PublishCommit from " + conn.Describe() + ": " + commit.status().ToString());
+    return;  // closing the connection abandons the publication
+  }
+  HostPublication pub = std::move(*publication_);
+  publication_.reset();
+  publisher_fd_ = -1;
+  conn.publishing = false;
+  const auto start = Clock::now();
+  Result<WeightStore> store = CommitHostPublication(std::move(pub), commit->checksums);
+  Status installed = store.ok() ? InstallStore(std::move(store).value()) : store.status();
+  if (!installed.ok()) {
+    LOG_WARN << "publish by " << conn.Describe() << " refused at commit: " << installed.ToString()
+             << "; the arena is freed, state " << protocol::CacheStateName(state_);
+    if (state_ == CacheState::kAwaiting) bytes_total_.store(0);
+    QueueError(conn, installed);
+    return;
+  }
+  published_by_ = conn.peer.pid;
+  protocol::PublishCommitted reply;
+  reply.tensor_count = store_->summary().tensor_count;
+  reply.bytes = store_->summary().resident_bytes;
+  QueueFrame(conn, protocol::EncodePublishCommitted(reply));
+  LOG_INFO << "published by " << conn.Describe() << " (checksums verified in "
+           << SecondsSince(start) << " s)";
+  if (events_.on_ready) events_.on_ready(store_->summary(), SecondsSince(start));
+}
+
+void Daemon::AbandonPublication(std::string_view why) {
+  if (!publication_) return;
+  LOG_WARN << "publish abandoned: " << why << "; its arena is freed, state "
+           << protocol::CacheStateName(state_);
+  publication_.reset();
+  publisher_fd_ = -1;
+  if (state_ == CacheState::kAwaiting) bytes_total_.store(0);
 }
 
 }  // namespace weightcache::daemon
