@@ -45,7 +45,9 @@ struct Daemon::Connection {
   bool hello_seen = false;
   bool hello_matched = false;
   bool attached = false;
-  bool publishing = false;         // its PublishBegin's arena is out: not idle-closed until commit
+  uint64_t id = 0;                 // unique for the daemon's life (fd numbers are reused)
+  bool publishing = false;         // its arena is out or being committed: never idle-closed
+  bool committing = false;         // its PublishCommit is being verified: unread until answered
   bool close_after_flush = false;  // after an error that ends this connection
   uint32_t armed = 0;              // the epoll mask currently registered
   Clock::time_point last_request;  // the accept, then each complete request
@@ -186,6 +188,7 @@ Daemon::~Daemon() {
 void Daemon::StopLoader() {
   cancel_.store(true);
   if (loader_.joinable()) loader_.join();
+  if (committer_.joinable()) committer_.join();
 }
 
 // ---- the loader thread ------------------------------------------------------------------------
@@ -365,6 +368,7 @@ void Daemon::OnLoaderWakeup() {
   uint64_t counter = 0;
   ssize_t n = ::read(wakeup_.get(), &counter, sizeof(counter));
   (void)n;  // EAGAIN: a spurious wakeup; the state below is what matters
+  OnCommitDone();
   std::optional<Result<WeightStore>> result;
   {
     MutexLock lock(result_mu_);
@@ -520,6 +524,7 @@ void Daemon::AcceptAll() {
     auto conn =
         std::make_unique<Connection>(std::move(fd), *cred, Clock::now(), *options_.env.syscalls);
     conn->armed = EPOLLIN | EPOLLRDHUP;
+    conn->id = next_connection_id_++;
     connections_.emplace(raw, std::move(conn));
     ScheduleSweep();  // its handshake deadline
   }
@@ -605,7 +610,9 @@ bool Daemon::Sweep(Clock::time_point now) {
 }
 
 bool Daemon::Readable(Connection& conn) {
-  if (!conn.outbox.empty() || conn.close_after_flush || conn.held) return false;
+  if (!conn.outbox.empty() || conn.close_after_flush || conn.held || conn.committing) {
+    return false;
+  }
   const int unread = UnreadBytes(conn.fd.get());
   if ((conn.fds_sent && unread > 0) || unread > kMaxUnreadReplyBytes) {
     // Its peer has not read what we sent (an AttachReply's fds, or a pile of replies): read
@@ -692,7 +699,10 @@ void Daemon::FlushAndRearm(Connection& conn) {
   }
   // Held: no events but EPOLLHUP/EPOLLERR (always reported) until Sweep sees its peer read;
   // EPOLLRDHUP would report a half-closed peer again and again.
-  const uint32_t want = !conn.outbox.empty() ? EPOLLOUT : conn.held ? 0u : (EPOLLIN | EPOLLRDHUP);
+  // Committing: nothing but EPOLLHUP/EPOLLERR either, until its PublishCommit is answered.
+  const uint32_t want = !conn.outbox.empty()             ? EPOLLOUT
+                        : (conn.held || conn.committing) ? 0u
+                                                         : (EPOLLIN | EPOLLRDHUP);
   if (!conn.outbox.empty()) ScheduleSweep();  // its stall deadline
   if (want != conn.armed) {
     Status status = EpollCtl(epoll_.get(), EPOLL_CTL_MOD, fd, want);
@@ -903,7 +913,7 @@ Status Daemon::CanPublish(const Connection& conn) const {
     return InvalidArgument("publishing to the " + std::string(TierName(options_.config.tier)) +
                            " tier is not implemented yet (host tier only, docs/publish.md)");
   }
-  if (publication_) {
+  if (publication_ || committing_conn_ != 0) {
     return Status(StatusCode::kUnavailable,
                   "cache " + options_.config.ShortDigest() + " is being published by pid " +
                       std::to_string(publisher_pid_) +
@@ -995,25 +1005,70 @@ void Daemon::HandlePublishCommit(Connection& conn, std::span<const uint8_t> payl
   HostPublication pub = std::move(*publication_);
   publication_.reset();
   publisher_fd_ = -1;
-  conn.publishing = false;
-  const auto start = Clock::now();
-  Result<WeightStore> store = CommitHostPublication(std::move(pub), commit->checksums);
-  Status installed = store.ok() ? InstallStore(std::move(store).value()) : store.status();
-  if (!installed.ok()) {
-    LOG_WARN << "publish by " << conn.Describe() << " refused at commit: " << installed.ToString()
-             << "; the arena is freed, state " << protocol::CacheStateName(state_);
-    if (state_ == CacheState::kAwaiting) bytes_total_.store(0);
-    QueueError(conn, installed);
-    return;
+  conn.committing = true;  // read nothing more from it until the commit is answered
+  committing_conn_ = conn.id;
+  commit_start_ = Clock::now();
+  LOG_INFO << "publish commit from " << conn.Describe() << ": sealing and checking "
+           << FormatBytes(pub.tensor_bytes);
+  committer_ =
+      std::thread([this, pub = std::move(pub), checksums = std::move(commit->checksums)]() mutable {
+        Result<WeightStore> store = CommitHostPublication(std::move(pub), checksums);
+        {
+          MutexLock lock(commit_mu_);
+          commit_result_.emplace(std::move(store));
+        }
+        Wake(wakeup_.get());
+      });
+}
+
+void Daemon::OnCommitDone() {
+  std::optional<Result<WeightStore>> result;
+  {
+    MutexLock lock(commit_mu_);
+    if (commit_result_) {
+      result = std::move(commit_result_);
+      commit_result_.reset();
+    }
   }
-  published_by_ = conn.peer.pid;
-  protocol::PublishCommitted reply;
-  reply.tensor_count = store_->summary().tensor_count;
-  reply.bytes = store_->summary().resident_bytes;
-  QueueFrame(conn, protocol::EncodePublishCommitted(reply));
-  LOG_INFO << "published by " << conn.Describe() << " (checksums verified in "
-           << SecondsSince(start) << " s)";
-  if (events_.on_ready) events_.on_ready(store_->summary(), SecondsSince(start));
+  if (!result) return;
+  if (committer_.joinable()) committer_.join();
+  Connection* conn = nullptr;
+  for (auto& [fd, c] : connections_) {
+    if (c->id == committing_conn_) conn = c.get();
+  }
+  committing_conn_ = 0;
+  const double seconds = SecondsSince(commit_start_);
+  Status installed;
+  if (!result->ok()) {
+    installed = result->status();
+  } else if (state_ == CacheState::kDraining) {
+    installed = Status(StatusCode::kUnavailable, "the daemon began draining during the commit");
+  } else {
+    installed = InstallStore(std::move(*result).value());
+  }
+  if (!installed.ok()) {
+    LOG_WARN << "publish by pid " << publisher_pid_
+             << " refused at commit: " << installed.ToString() << "; the arena is freed, state "
+             << protocol::CacheStateName(state_);
+    if (state_ == CacheState::kAwaiting) bytes_total_.store(0);
+    if (conn != nullptr) QueueError(*conn, installed);
+  } else {
+    published_by_ = publisher_pid_;
+    LOG_INFO << "published by pid " << publisher_pid_ << " (sealed and checksums verified in "
+             << seconds << " s)";
+    if (conn != nullptr) {
+      protocol::PublishCommitted reply;
+      reply.tensor_count = store_->summary().tensor_count;
+      reply.bytes = store_->summary().resident_bytes;
+      QueueFrame(*conn, protocol::EncodePublishCommitted(reply));
+    }
+    if (events_.on_ready) events_.on_ready(store_->summary(), seconds);
+  }
+  if (conn != nullptr) {
+    conn->committing = false;
+    conn->publishing = false;
+    FlushAndRearm(*conn);
+  }
 }
 
 void Daemon::AbandonPublication(std::string_view why) {

@@ -191,6 +191,9 @@ class Daemon {
   Status CanPublish(const Connection& conn) const;
   // Drops the publication in progress (its memfds close); the state stays what it was.
   void AbandonPublication(std::string_view why);
+  // The committer thread's result (CommitHostPublication): installs the store or refuses the
+  // commit, answers the publisher if its connection is still open.
+  void OnCommitDone();
   // Serves `store` from now on (a load's, or a publish's commit, which may replace a ready
   // one: the old store is retired until no queued reply borrows its fds).
   Status InstallStore(WeightStore store);
@@ -221,6 +224,7 @@ class Daemon {
   void Fail(Status failure);
   bool PeerAllowed(const os::PeerCred& peer) const;
   protocol::StatusReply MakeStatusReply() const;
+  // Joins the loader (cancelled) and the committer (bounded: one pass over the arena).
   void StopLoader();
 
   // Resources in acquisition order (destroyed in reverse: socket unlinked before the lock
@@ -243,7 +247,12 @@ class Daemon {
   std::optional<HostPublication> publication_;
   int publisher_fd_ = -1;
   int64_t publisher_pid_ = 0;
-  int64_t published_by_ = 0;           // the pid whose commit made the current store
+  int64_t published_by_ = 0;  // the pid whose commit made the current store
+  // The commit being verified on the committer thread: its publisher's connection (by id,
+  // since an fd number is reused once closed; 0 = no commit running) and when it began.
+  uint64_t committing_conn_ = 0;
+  Clock::time_point commit_start_;
+  uint64_t next_connection_id_ = 1;
   std::vector<uint8_t> attach_frame_;  // encoded once the store is ready
   uint32_t clients_ = 0;               // attached connections still open
   std::chrono::steady_clock::time_point load_start_;
@@ -266,6 +275,12 @@ class Daemon {
   bool load_finished_ WEIGHTCACHE_GUARDED_BY(result_mu_) = false;
   std::optional<Result<WeightStore>> load_result_ WEIGHTCACHE_GUARDED_BY(result_mu_);
   std::thread loader_;
+
+  // Committer handoff: sealing and checksumming a published arena is one pass over all of its
+  // bytes, done off the event loop so that other connections are served meanwhile.
+  Mutex commit_mu_;
+  std::optional<Result<WeightStore>> commit_result_ WEIGHTCACHE_GUARDED_BY(commit_mu_);
+  std::thread committer_;
 };
 
 }  // namespace weightcache::daemon

@@ -22,6 +22,8 @@
 #include "weightcache/client.h"
 #include "weightcache/publisher.h"
 
+extern "C" int wc_c_publish_then_attach(const char* runtime_dir, char* msg, size_t len);
+
 namespace weightcache::testing {
 namespace {
 
@@ -460,6 +462,14 @@ TEST_F(PublishTest, ReplaceKeepsOldClientsOnTheOldBytesAndServesTheNewOnes) {
   ASSERT_TRUE(new_client.ok()) << new_client.status().ToString();
   ExpectBytes(*new_client, new_weights);
   ExpectBytes(*old_client, old_weights);  // its mappings are the old, sealed memfds
+}
+
+TEST_F(PublishTest, TheCAbiPublishesAndAttaches) {
+  auto serve = Start();
+  ASSERT_NE(serve, nullptr);
+  char msg[512] = {};
+  EXPECT_EQ(wc_c_publish_then_attach(runtime_.c_str(), msg, sizeof(msg)), 0) << msg;
+  EXPECT_STREQ(msg, "published and attached 2 tensors");
 }
 
 TEST_F(PublishTest, ADiskCacheRefusesPublishing) {
