@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -34,6 +35,18 @@ using ::testing::HasSubstr;
 void ExpectError(const Status& status, StatusCode code, const std::string& substring) {
   EXPECT_EQ(status.code(), code) << status.ToString();
   EXPECT_THAT(status.message(), HasSubstr(substring));
+}
+
+// The memfds (arenas and manifests) a daemon process holds open, by /proc/<pid>/fd.
+int DaemonMemfds(pid_t pid) {
+  int count = 0;
+  std::error_code ec;
+  for (const auto& entry :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+    const std::string target = std::filesystem::read_symlink(entry.path(), ec).string();
+    if (target.find("memfd:weightcache") != std::string::npos) ++count;
+  }
+  return count;
 }
 
 // A plan and the bytes to publish for it: F32 tensors of a few shapes, bytes from `seed`.
@@ -130,14 +143,15 @@ class PublishTest : public ::testing::Test {
     EXPECT_TRUE(status.ok()) << status.status().ToString();
     return status.ok() ? status->state : CacheState::kFailed;
   }
-  // Begin, retried while the daemon still holds an abandoned publisher's arena (it learns of
-  // the death from the connection's EOF, asynchronously).
-  Result<Publisher> BeginAfterAbandon(const Weights& w) {
-    for (int attempt = 0;; ++attempt) {
-      auto p = Publisher::Begin(Options(), w.plan);
-      if (p.ok() || p.status().code() != StatusCode::kUnavailable || attempt == 200) return p;
+  // Polls until the daemon holds `want` memfds (it learns of a dead publisher from its
+  // connection's EOF, asynchronously); the count it ended with.
+  static int WaitForMemfds(pid_t daemon, int want) {
+    int held = DaemonMemfds(daemon);
+    for (int attempt = 0; held != want && attempt < 200; ++attempt) {
       std::this_thread::sleep_for(50ms);
+      held = DaemonMemfds(daemon);
     }
+    return held;
   }
   // A raw connection that said Hello with the published identity's config.
   protocol::Connection RawPublisher() const {
@@ -250,6 +264,8 @@ TEST_P(PublisherKilledTest, DaemonStaysAwaitingAndTakesTheNextPublisher) {
   ASSERT_EQ(::read(ready_pipe[0], &byte, 1), 1) << "the publisher child exited early";
   ::close(ready_pipe[0]);
   EXPECT_EQ(State(), CacheState::kAwaiting);
+  // The arena (one allocation here) and its manifest are held for the publisher.
+  EXPECT_EQ(DaemonMemfds(serve->pid()), 2);
   ASSERT_EQ(::kill(child, SIGKILL), 0);
   int wstatus = 0;
   ASSERT_EQ(::waitpid(child, &wstatus, 0), child);
@@ -261,8 +277,10 @@ TEST_P(PublisherKilledTest, DaemonStaysAwaitingAndTakesTheNextPublisher) {
   ASSERT_FALSE(none.ok());
   ExpectError(none.status(), StatusCode::kTimeout, "awaiting its publisher");
 
+  // Its arena is freed: the daemon holds no memfd any more.
+  EXPECT_EQ(WaitForMemfds(serve->pid(), 0), 0);
   const Weights full = MakeWeights(3);
-  auto next = BeginAfterAbandon(full);
+  auto next = Publisher::Begin(Options(), full.plan);
   ASSERT_TRUE(next.ok()) << next.status().ToString();
   Fill(*next, full);
   ASSERT_TRUE(next->Commit().ok());
@@ -406,6 +424,7 @@ TEST_F(PublishTest, CommitIsRefusedForAWrongChecksumOrAWritableMapping) {
     ExpectError(reply.status(), StatusCode::kInvalidArgument,
                 "tensor '" + w.plan[1].name + "' (plan index 1)");
     EXPECT_EQ(State(), CacheState::kAwaiting);
+    EXPECT_EQ(DaemonMemfds(serve->pid()), 0);  // the refused arena is freed
   }
   {
     // The arena was freed at the refusal: the next publisher gets a fresh one at once.
@@ -462,6 +481,37 @@ TEST_F(PublishTest, ReplaceKeepsOldClientsOnTheOldBytesAndServesTheNewOnes) {
   ASSERT_TRUE(new_client.ok()) << new_client.status().ToString();
   ExpectBytes(*new_client, new_weights);
   ExpectBytes(*old_client, old_weights);  // its mappings are the old, sealed memfds
+}
+
+TEST_F(PublishTest, OutOfSequencePublishRequestsCloseOnlyThatConnection) {
+  auto serve = Start();
+  ASSERT_NE(serve, nullptr);
+  {
+    // PublishCommit with no PublishBegin on its connection.
+    protocol::Connection conn = RawPublisher();
+    auto frame = protocol::EncodePublishCommit({{1}});
+    ASSERT_TRUE(frame.ok());
+    auto reply =
+        conn.Call(*frame, protocol::MessageType::kPublishCommitted, os::Deadline::After(5s));
+    ASSERT_FALSE(reply.ok());
+    ExpectError(reply.status(), StatusCode::kProtocol,
+                "PublishCommit without a PublishBegin on this connection");
+    EXPECT_FALSE(conn.QueryStatus(os::Deadline::After(5s)).ok());  // closed by the daemon
+  }
+  {
+    // PublishBegin before any Hello.
+    auto conn = protocol::Connection::Connect(socket_, 2s);
+    ASSERT_TRUE(conn.ok());
+    protocol::PublishBegin plan;
+    plan.tensors = {{"a", "F32", {2}, 8}};
+    auto reply = SendPlan(*conn, plan);
+    ASSERT_FALSE(reply.ok());
+    ExpectError(reply.status(), StatusCode::kProtocol, "PublishBegin before a Hello");
+  }
+  // Everyone else is unaffected: a publisher still publishes.
+  const Weights w = MakeWeights(10, 2);
+  ASSERT_TRUE(Publish(w).ok());
+  EXPECT_EQ(State(), CacheState::kReady);
 }
 
 TEST_F(PublishTest, TheCAbiPublishesAndAttaches) {
