@@ -522,6 +522,16 @@ TEST_F(PublishTest, TheCAbiPublishesAndAttaches) {
   EXPECT_STREQ(msg, "published and attached 2 tensors");
 }
 
+TEST_F(PublishTest, APublishedIdentityNeverFallsBackToDisk) {
+  AttachOptions o;
+  o.identity = Identity();
+  o.on_missing = OnMissing::kFallback;
+  auto attached = Attachment::Attach(o);
+  ASSERT_FALSE(attached.ok());
+  ExpectError(attached.status(), StatusCode::kNoDaemon,
+              "source published:engine-v1 has no checkpoint to load from disk (no daemon at");
+}
+
 TEST_F(PublishTest, ADiskCacheRefusesPublishing) {
   const std::string model = MakeCheckpoint(dir_.Join("model"), 4, 1, 5, 1024);
   auto serve = ServeProcess::Start(
