@@ -34,5 +34,6 @@ void RegisterStopCommand(CLI::App& root);
 void RegisterPathsCommand(CLI::App& root);
 void RegisterDevicesCommand(CLI::App& root);
 void RegisterShardPlanCommand(CLI::App& root);
+void RegisterPublishCommand(CLI::App& root);
 
 }  // namespace weightcache::cli

@@ -44,6 +44,7 @@ struct ServeArgs {
   double handshake_timeout_s = 10;
   double stall_timeout_s = 30;
   size_t max_connections = 4096;
+  bool replace = false;
 };
 
 std::chrono::milliseconds Millis(double seconds) {
@@ -156,6 +157,10 @@ int Run(ServeArgs& args) {
   options.handshake_timeout = Millis(args.handshake_timeout_s);
   options.stall_timeout = Millis(args.stall_timeout_s);
   options.max_connections = args.max_connections;
+  options.replace = args.replace ? daemon::ReplacePolicy::kReplace : daemon::ReplacePolicy::kRefuse;
+  if (args.replace && !identity::IsPublishedSource(options.config.source)) {
+    return Fail(kCmd, InvalidArgument("--replace needs --source published:<tag>"));
+  }
 
   // One fd per client: take every fd the hard limit allows (the soft default of 1024 is a
   // select()-era guess). A daemon that still runs out pauses accepting (docs/daemon.md).
@@ -211,7 +216,9 @@ int Run(ServeArgs& args) {
 void RegisterServeCommand(CLI::App& root) {
   auto args = std::make_shared<ServeArgs>();
   CLI::App* sub = root.add_subcommand(
-      "serve", "Run one cache daemon in the foreground: load a checkpoint once, serve it");
+      "serve",
+      "Run one cache daemon in the foreground: load a checkpoint once (or, with --source "
+      "published:<tag>, await its publisher), serve it");
   AddIdentityFlags(sub, &args->identity, IdentityScope::kOneCache);
   sub->add_option("--allow-uid", args->allow_uids,
                   "also accept clients of this uid (repeatable; default: our uid only). With "
@@ -238,6 +245,9 @@ void RegisterServeCommand(CLI::App& root) {
                   "connections served at once; the next get an Error and are closed (default "
                   "4096)")
       ->check(CLI::Range(size_t{1}, size_t{1} << 20));
+  sub->add_flag("--replace", args->replace,
+                "with --source published:<tag>: a publish into the ready cache replaces it "
+                "(attached clients keep the old weights; new attaches get the new ones)");
   SetAction(sub, [args] { return Run(*args); });
 }
 

@@ -21,8 +21,10 @@ struct IdentityFlag {
 
 // Every identity flag, once. Order = registration order = forwarding order.
 const IdentityFlag kIdentityFlags[] = {
-    {"--model", nullptr, false, &IdentityOptions::model_dir, Check::kRequired,
-     "checkpoint dir or .safetensors file"},
+    // Not required by CLI11: a published source (--source published:<tag>) has no checkpoint;
+    // ResolveIdentity asks for it otherwise.
+    {"--model", nullptr, false, &IdentityOptions::model_dir, Check::kNone,
+     "checkpoint dir or .safetensors file (not for --source published:<tag>)"},
     {"--model-id", nullptr, false, &IdentityOptions::model_id, Check::kNone,
      "model id (default: the model dir's basename)"},
     {"--revision", nullptr, false, &IdentityOptions::revision, Check::kNone, "model revision"},

@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   // Subcommands, in the order `--help` lists them.
   cli::RegisterServeCommand(root);
   cli::RegisterLaunchCommand(root);
+  cli::RegisterPublishCommand(root);
   cli::RegisterAttachCommand(root);
   cli::RegisterVerifyCommand(root);
   cli::RegisterInspectCommand(root);

@@ -2,7 +2,8 @@
  * C++ (Rust, Go, Zig, ctypes). Plain C99: no C++ type crosses it.
  *
  * Contract:
- *  - Same semantics as weightcache/client.h (Attachment::Attach); see docs/client.md.
+ *  - Same semantics as weightcache/client.h (Attachment::Attach); see docs/client.md. The
+ *    wc_publish_* functions wrap weightcache/publisher.h (docs/publish.md).
  *  - Options: call wc_attach_options_init() first, then set the fields you need. String fields
  *    are borrowed for the duration of wc_attach() only; NULL means "unset".
  *  - Errors: every fallible function returns a wc_status_code (WC_OK = 0) and, when `err` is
@@ -134,6 +135,34 @@ int32_t wc_attachment_daemon_pid(const wc_attachment* attachment);
 int wc_attachment_daemon_alive(const wc_attachment* attachment);
 wc_status_code wc_attachment_on_daemon_gone(wc_attachment* attachment, wc_daemon_gone_fn fn,
                                             void* user_data, wc_error* err);
+
+/* ---- publishing (weightcache/publisher.h, docs/publish.md; host tier) ----
+ * A publisher names its daemon with the identity fields of wc_attach_options (source must be
+ * "published:<tag>"; model_dir is not needed; on_missing, on_mismatch, wait_timeout_ms and
+ * fallback_threads are not used). wc_publish_begin borrows every string and array for its
+ * own duration; the returned wc_publisher owns the arena's writable mapping, whose tensor
+ * bytes wc_publisher_data hands out (valid until wc_publisher_commit or wc_publisher_free).
+ * Freeing a publisher before its commit abandons the publish (the daemon frees the arena). */
+typedef struct wc_publish_tensor {
+  const char* name;
+  const char* dtype;     /* the safetensors spelling: "BF16", "F8_E4M3", … */
+  int32_t ndim;          /* 0 … 8 */
+  const uint64_t* shape; /* ndim entries (may be NULL when ndim is 0) */
+  uint64_t nbytes;       /* elements × dtype size */
+} wc_publish_tensor;
+
+typedef struct wc_publisher wc_publisher;
+
+/* timeout_ms: the deadline of each exchange with the daemon (0 = 60 s); metadata may be NULL. */
+wc_status_code wc_publish_begin(const wc_attach_options* identity, const char* metadata,
+                                int64_t timeout_ms, const wc_publish_tensor* tensors, size_t count,
+                                wc_publisher** out, wc_error* err);
+/* The writable bytes of plan tensor `index` (plan order) and their size; NULL (and *nbytes 0)
+ * for an index out of range, after the commit, or for a tensor of 0 bytes. */
+void* wc_publisher_data(const wc_publisher* publisher, size_t index, uint64_t* nbytes);
+/* Checksums, unmaps the arena, commits; WC_OK once the daemon is ready with the tensors. */
+wc_status_code wc_publisher_commit(wc_publisher* publisher, wc_error* err);
+void wc_publisher_free(wc_publisher* publisher); /* NULL is a no-op */
 
 const char* wc_status_code_name(wc_status_code code);
 

@@ -208,6 +208,11 @@ Status OpenGpuDevice(const identity::Env& env, const ResolvedIdentity& id, Attac
 Status LoadFallback(const AttachOptions& options, const ResolvedIdentity& id,
                     const identity::Env& env, Attachment::Impl& impl) {
   const IdentityOptions& identity = options.identity;
+  if (identity::IsPublishedSource(identity.source)) {
+    return Status(StatusCode::kNoDaemon, "source " + identity.source +
+                                             " has no checkpoint to load from disk (" +
+                                             impl.source_reason + ")");
+  }
   if (identity.model_dir.empty()) {
     return InvalidArgument("fallback load needs model_dir (" + impl.source_reason + ")");
   }

@@ -2,14 +2,21 @@
 // type crosses it: statuses become codes plus a message copied into the caller's buffer.
 #include "weightcache/c_api.h"
 
+#include <chrono>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "weightcache/client.h"
+#include "weightcache/publisher.h"
 
 struct wc_attachment {
   weightcache::Attachment attachment;
+};
+
+struct wc_publisher {
+  weightcache::Publisher publisher;
 };
 
 namespace {
@@ -44,6 +51,34 @@ weightcache::Tier TierFromC(wc_tier tier) {
 }
 wc_tier TierToC(weightcache::Tier tier) {
   return tier == weightcache::Tier::kHost ? WC_TIER_HOST : WC_TIER_GPU;
+}
+
+// The identity fields of wc_attach_options (attach and publish name a cache alike).
+weightcache::IdentityOptions IdentityFromC(const wc_attach_options& options) {
+  weightcache::IdentityOptions id;
+  id.model_dir = Str(options.model_dir);
+  id.model_id = Str(options.model_id);
+  id.revision = Str(options.revision);
+  id.dtype = Str(options.dtype);
+  id.quantization = Str(options.quantization);
+  id.quantization_config = Str(options.quantization_config);
+  id.tp_size = options.tp_size;
+  id.tp_rank = options.tp_rank;
+  id.pp_size = options.pp_size;
+  id.pp_rank = options.pp_rank;
+  id.ep_size = options.ep_size;
+  id.ep_rank = options.ep_rank;
+  id.dp_size = options.dp_size;
+  id.layout_tag = Str(options.layout_tag);
+  id.shard_rules = Str(options.shard_rules);
+  if (options.source != nullptr) id.source = options.source;
+  id.tier = TierFromC(options.tier);
+  id.device = Str(options.device);
+  id.namespace_name = Str(options.namespace_name);
+  id.runtime_dir = Str(options.runtime_dir);
+  id.socket = Str(options.socket);
+  id.device_inventory = Str(options.device_inventory);
+  return id;
 }
 
 // Tensor::name and ::dtype are NUL-terminated views (client.h), so they pass as C strings.
@@ -87,28 +122,7 @@ wc_status_code wc_attach(const wc_attach_options* options, wc_attachment** out, 
   }
   *out = nullptr;
   weightcache::AttachOptions o;
-  o.identity.model_dir = Str(options->model_dir);
-  o.identity.model_id = Str(options->model_id);
-  o.identity.revision = Str(options->revision);
-  o.identity.dtype = Str(options->dtype);
-  o.identity.quantization = Str(options->quantization);
-  o.identity.quantization_config = Str(options->quantization_config);
-  o.identity.tp_size = options->tp_size;
-  o.identity.tp_rank = options->tp_rank;
-  o.identity.pp_size = options->pp_size;
-  o.identity.pp_rank = options->pp_rank;
-  o.identity.ep_size = options->ep_size;
-  o.identity.ep_rank = options->ep_rank;
-  o.identity.dp_size = options->dp_size;
-  o.identity.layout_tag = Str(options->layout_tag);
-  o.identity.shard_rules = Str(options->shard_rules);
-  if (options->source != nullptr) o.identity.source = options->source;
-  o.identity.tier = TierFromC(options->tier);
-  o.identity.device = Str(options->device);
-  o.identity.namespace_name = Str(options->namespace_name);
-  o.identity.runtime_dir = Str(options->runtime_dir);
-  o.identity.socket = Str(options->socket);
-  o.identity.device_inventory = Str(options->device_inventory);
+  o.identity = IdentityFromC(*options);
   o.on_missing = options->on_missing == WC_ON_MISSING_ERROR ? weightcache::OnMissing::kError
                                                             : weightcache::OnMissing::kFallback;
   o.on_mismatch = options->on_mismatch == WC_ON_MISMATCH_FALLBACK
@@ -189,6 +203,53 @@ wc_status_code wc_attachment_on_daemon_gone(wc_attachment* a, wc_daemon_gone_fn 
   a->attachment.OnDaemonGone([fn, user_data] { fn(user_data); });
   return Report(Status::Ok(), err);
 }
+
+wc_status_code wc_publish_begin(const wc_attach_options* identity, const char* metadata,
+                                int64_t timeout_ms, const wc_publish_tensor* tensors, size_t count,
+                                wc_publisher** out, wc_error* err) {
+  if (identity == nullptr || out == nullptr || (tensors == nullptr && count > 0)) {
+    return Report(weightcache::InvalidArgument(
+                      "wc_publish_begin: identity, out and tensors must not be NULL"),
+                  err);
+  }
+  *out = nullptr;
+  weightcache::PublishOptions o;
+  o.identity = IdentityFromC(*identity);
+  o.metadata = Str(metadata);
+  if (timeout_ms > 0) o.timeout = std::chrono::milliseconds(timeout_ms);
+  std::vector<weightcache::PublishTensor> plan;
+  plan.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    const wc_publish_tensor& t = tensors[i];
+    if (t.name == nullptr || t.dtype == nullptr || t.ndim < 0 || t.ndim > 8 ||
+        (t.shape == nullptr && t.ndim > 0)) {
+      return Report(weightcache::InvalidArgument(
+                        "wc_publish_begin: tensor " + std::to_string(i) +
+                        " needs a name, a dtype, 0 <= ndim <= 8 and ndim shape entries"),
+                    err);
+    }
+    plan.push_back({t.name, t.dtype, std::vector<uint64_t>(t.shape, t.shape + t.ndim), t.nbytes});
+  }
+  auto publisher = weightcache::Publisher::Begin(o, plan);
+  if (!publisher.ok()) return Report(publisher.status(), err);
+  *out = new wc_publisher{std::move(publisher).value()};
+  return Report(Status::Ok(), err);
+}
+
+void* wc_publisher_data(const wc_publisher* p, size_t index, uint64_t* nbytes) {
+  const std::span<uint8_t> data = p == nullptr ? std::span<uint8_t>() : p->publisher.Data(index);
+  if (nbytes != nullptr) *nbytes = data.size();
+  return data.empty() ? nullptr : data.data();
+}
+
+wc_status_code wc_publisher_commit(wc_publisher* p, wc_error* err) {
+  if (p == nullptr) {
+    return Report(weightcache::InvalidArgument("wc_publisher_commit: NULL publisher"), err);
+  }
+  return Report(p->publisher.Commit(), err);
+}
+
+void wc_publisher_free(wc_publisher* p) { delete p; }
 
 const char* wc_status_code_name(wc_status_code code) {
   const int i = static_cast<int>(code);

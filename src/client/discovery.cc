@@ -415,7 +415,10 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
                    StatusCode::kTimeout);
   };
   std::optional<protocol::Frame> attach_frame;
-  if (probe.hello.state == protocol::CacheState::kLoading) {
+  // A published cache awaiting its publisher is waited for like a loading one (SPEC §4).
+  const bool not_yet = probe.hello.state == protocol::CacheState::kLoading ||
+                       probe.hello.state == protocol::CacheState::kAwaiting;
+  if (not_yet) {
     // The daemon answered the Attach after the Hello: usually "cache is loading"
     // (kUnavailable, connection usable), but the load may have finished in between.
     auto pending = ReadReply(probe.connection.get(), protocol::MessageType::kAttachReply,
@@ -428,15 +431,19 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
       return pending.status();
     }
   }
-  if (!attach_frame && probe.hello.state == protocol::CacheState::kLoading) {
+  if (!attach_frame && not_yet) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> status_request,
                                  protocol::EncodeStatusRequest());
     uint64_t done = probe.hello.bytes_done, total = probe.hello.bytes_total;
+    protocol::CacheState state = probe.hello.state;
     for (;;) {
       if (Clock::now() >= deadlines.wait) {
-        return Missing(who + " still loading after " + std::to_string(policy.wait_timeout.count()) +
-                           " ms (" + std::to_string(done) + " of " + std::to_string(total) +
-                           " bytes)",
+        const std::string after = " after " + std::to_string(policy.wait_timeout.count()) + " ms";
+        if (state == protocol::CacheState::kAwaiting) {
+          return Missing(who + " still awaiting its publisher" + after, StatusCode::kTimeout);
+        }
+        return Missing(who + " still loading" + after + " (" + std::to_string(done) + " of " +
+                           std::to_string(total) + " bytes)",
                        StatusCode::kTimeout);
       }
       std::this_thread::sleep_for(
@@ -449,6 +456,7 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
                                    protocol::DecodeStatusReply(frame->payload));
       done = status.bytes_done;
       total = status.bytes_total;
+      state = status.state;
       if (status.state == protocol::CacheState::kReady) break;
       if (status.state == protocol::CacheState::kFailed) {
         return Failed(who, status.failure_reason, status.failure_code);
@@ -477,6 +485,28 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
   Discovery d;
   d.session = DaemonSession{std::move(probe.connection), std::move(reply).value(), probe.pid};
   return d;
+}
+
+Result<PublisherSession> ConnectPublisher(const ResolvedIdentity& id, const DiscoveryPolicy& policy,
+                                          const identity::Env& env) {
+  const Deadlines deadlines(policy);
+  const std::string& socket = id.paths.socket;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      Probe probe, ProbeSocket(socket, id.paths.lock, id.config, policy, id.trusted_uids, deadlines,
+                               Pipeline::kHelloOnly, *env.syscalls));
+  if (probe.state == SocketState::kHung) return Status(StatusCode::kTimeout, probe.why);
+  if (probe.state != SocketState::kLive) {
+    return Status(
+        StatusCode::kNoDaemon,
+        probe.why + " (start one with `weightcache serve --source " + id.config.source + "`)");
+  }
+  const std::string who = "daemon at " + socket + " (pid " + std::to_string(probe.pid) + ")";
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<identity::FieldDiff> diffs,
+                               CompareConfigs(id.config, probe.hello, who));
+  if (!diffs.empty() || !probe.hello.match) {
+    return Report(MakeMismatch(who, diffs, socket, probe.pid), nullptr);
+  }
+  return PublisherSession{std::move(probe.connection), probe.pid, std::move(probe.hello)};
 }
 
 }  // namespace weightcache::client

@@ -88,6 +88,20 @@ Result<Discovery> Discover(const ResolvedIdentity& identity, const DiscoveryPoli
                            MismatchDetails* mismatch = nullptr,
                            const identity::Env& env = identity::Env::Default());
 
+// A live daemon of our identity whose config matched our Hello, for a publisher
+// (docs/publish.md): the same checks as Discover (trusted socket owner and daemon uid, stale
+// lock, our own comparison of the daemon's config) but no Attach and no wait. A publisher
+// never falls back: no live daemon is kNoDaemon naming the socket, one that did not answer by
+// policy's deadline kTimeout, a different config kMismatch naming every field.
+struct PublisherSession {
+  UniqueFd connection;
+  int64_t pid = 0;
+  protocol::HelloReply hello;
+};
+Result<PublisherSession> ConnectPublisher(const ResolvedIdentity& identity,
+                                          const DiscoveryPolicy& policy,
+                                          const identity::Env& env = identity::Env::Default());
+
 // A kMismatch status naming `where` and every field of `details` ("<where> holds a different
 // config (f1, f2): f1: ours=<client_text> theirs=<daemon_text>; …"), the message the
 // discovery and the attach report.

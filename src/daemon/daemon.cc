@@ -45,6 +45,9 @@ struct Daemon::Connection {
   bool hello_seen = false;
   bool hello_matched = false;
   bool attached = false;
+  uint64_t id = 0;                 // unique for the daemon's life (fd numbers are reused)
+  bool publishing = false;         // its arena is out or being committed: never idle-closed
+  bool committing = false;         // its PublishCommit is being verified: unread until answered
   bool close_after_flush = false;  // after an error that ends this connection
   uint32_t armed = 0;              // the epoll mask currently registered
   Clock::time_point last_request;  // the accept, then each complete request
@@ -185,6 +188,7 @@ Daemon::~Daemon() {
 void Daemon::StopLoader() {
   cancel_.store(true);
   if (loader_.joinable()) loader_.join();
+  if (committer_.joinable()) committer_.join();
 }
 
 // ---- the loader thread ------------------------------------------------------------------------
@@ -290,7 +294,12 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
   }
   const int listen_fd = socket_.fd();
   load_start_ = Clock::now();
-  loader_ = std::thread([this] { LoaderMain(); });
+  if (identity::IsPublishedSource(options_.config.source)) {
+    state_ = CacheState::kAwaiting;  // nothing to load: the publisher brings the weights
+    LOG_INFO << "awaiting the publisher of " << options_.config.source;
+  } else {
+    loader_ = std::thread([this] { LoaderMain(); });
+  }
 
   epoll_event ready[64];
   while (true) {
@@ -339,6 +348,11 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
       }
     }
     if (!stop_requested_by_.empty()) BeginDrain("Stop requested by " + stop_requested_by_);
+    if (!retired_stores_.empty() &&
+        std::all_of(connections_.begin(), connections_.end(),
+                    [](const auto& c) { return c.second->outbox.empty(); })) {
+      retired_stores_.clear();  // no queued reply borrows their fds any more
+    }
   }
 
   LOG_INFO << "drained; closing " << connections_.size() << " connection(s)";
@@ -354,6 +368,7 @@ void Daemon::OnLoaderWakeup() {
   uint64_t counter = 0;
   ssize_t n = ::read(wakeup_.get(), &counter, sizeof(counter));
   (void)n;  // EAGAIN: a spurious wakeup; the state below is what matters
+  OnCommitDone();
   std::optional<Result<WeightStore>> result;
   {
     MutexLock lock(result_mu_);
@@ -372,23 +387,30 @@ void Daemon::OnLoaderWakeup() {
   const double seconds = SecondsSince(load_start_);
   if (state_ == CacheState::kDraining) return;  // cancelled or irrelevant now
   if (!result->ok()) return Fail(result->status());
-  WeightStore store = std::move(*result).value();
+  Status installed = InstallStore(std::move(*result).value());
+  if (!installed.ok()) return Fail(installed);
+  if (events_.on_progress) {
+    events_.on_progress(bytes_total_.load(), bytes_total_.load(), seconds);
+  }
+  if (events_.on_ready) events_.on_ready(store_->summary(), seconds);
+}
+
+Status Daemon::InstallStore(WeightStore store) {
   // Every attach sends these few bytes plus the manifest memfd built at load: nothing is
   // encoded or copied per attach, whatever the tensor count.
   auto frame = protocol::EncodeAttachReply(store.summary().manifest.size,
                                            static_cast<uint32_t>(store.fds().size()));
   if (!frame.ok()) {
     Status status = frame.status();
-    return Fail(status.Context("encoding the attach reply"));
+    return status.Context("encoding the attach reply");
   }
   attach_frame_ = std::move(frame).value();
+  if (store_) retired_stores_.push_back(std::move(*store_));
   store_.emplace(std::move(store));
+  bytes_total_.store(store_->summary().tensor_bytes);
   bytes_done_.store(bytes_total_.load());
   state_ = CacheState::kReady;
-  if (events_.on_progress) {
-    events_.on_progress(bytes_total_.load(), bytes_total_.load(), seconds);
-  }
-  if (events_.on_ready) events_.on_ready(store_->summary(), seconds);
+  return Status::Ok();
 }
 
 void Daemon::Fail(Status failure) {
@@ -502,6 +524,7 @@ void Daemon::AcceptAll() {
     auto conn =
         std::make_unique<Connection>(std::move(fd), *cred, Clock::now(), *options_.env.syscalls);
     conn->armed = EPOLLIN | EPOLLRDHUP;
+    conn->id = next_connection_id_++;
     connections_.emplace(raw, std::move(conn));
     ScheduleSweep();  // its handshake deadline
   }
@@ -568,7 +591,7 @@ bool Daemon::Sweep(Clock::time_point now) {
       conn.held = false;
       caught_up.push_back(fd);
     }
-    if (!conn.attached && !conn.close_after_flush) {
+    if (!conn.attached && !conn.publishing && !conn.close_after_flush) {
       if (now - conn.last_request >= options_.handshake_timeout) {
         LOG_WARN << "closing connection of " << conn.Describe() << ": no "
                  << (conn.hello_seen ? "further " : "") << "request within "
@@ -587,7 +610,9 @@ bool Daemon::Sweep(Clock::time_point now) {
 }
 
 bool Daemon::Readable(Connection& conn) {
-  if (!conn.outbox.empty() || conn.close_after_flush || conn.held) return false;
+  if (!conn.outbox.empty() || conn.close_after_flush || conn.held || conn.committing) {
+    return false;
+  }
   const int unread = UnreadBytes(conn.fd.get());
   if ((conn.fds_sent && unread > 0) || unread > kMaxUnreadReplyBytes) {
     // Its peer has not read what we sent (an AttachReply's fds, or a pile of replies): read
@@ -674,7 +699,10 @@ void Daemon::FlushAndRearm(Connection& conn) {
   }
   // Held: no events but EPOLLHUP/EPOLLERR (always reported) until Sweep sees its peer read;
   // EPOLLRDHUP would report a half-closed peer again and again.
-  const uint32_t want = !conn.outbox.empty() ? EPOLLOUT : conn.held ? 0u : (EPOLLIN | EPOLLRDHUP);
+  // Committing: nothing but EPOLLHUP/EPOLLERR either, until its PublishCommit is answered.
+  const uint32_t want = !conn.outbox.empty()             ? EPOLLOUT
+                        : (conn.held || conn.committing) ? 0u
+                                                         : (EPOLLIN | EPOLLRDHUP);
   if (!conn.outbox.empty()) ScheduleSweep();  // its stall deadline
   if (want != conn.armed) {
     Status status = EpollCtl(epoll_.get(), EPOLL_CTL_MOD, fd, want);
@@ -691,6 +719,10 @@ void Daemon::CloseConnection(int fd) {
   auto it = connections_.find(fd);
   if (it == connections_.end()) return;
   if (it->second->attached) --clients_;
+  if (fd == publisher_fd_) {
+    AbandonPublication("its publisher (pid " + std::to_string(publisher_pid_) +
+                       ") closed the connection before PublishCommit");
+  }
   (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
   connections_.erase(it);  // closes the fd
 }
@@ -743,6 +775,12 @@ void Daemon::HandleFrame(Connection& conn, const protocol::Frame& frame) {
       return;
     case MessageType::kStop:
       if (DecodeEmptyRequest(conn, frame)) HandleStop(conn);
+      return;
+    case MessageType::kPublishBegin:
+      HandlePublishBegin(conn, frame.payload);
+      return;
+    case MessageType::kPublishCommit:
+      HandlePublishCommit(conn, frame.payload);
       return;
     default: {
       // FrameReader(kRequest) already refuses reply types; anything else is a bug here.
@@ -829,6 +867,8 @@ void Daemon::HandleAttach(Connection& conn) {
              " bytes)";
     } else if (state_ == CacheState::kFailed) {
       why += ": " + failure_.ToString();
+    } else if (state_ == CacheState::kAwaiting) {
+      why += " its publisher (" + options_.config.source + ")";
     }
     QueueError(conn, Status(StatusCode::kUnavailable, why));
     return;
@@ -858,6 +898,186 @@ void Daemon::HandleStop(Connection& conn) {
   reply.clients = clients_;
   QueueFrame(conn, protocol::EncodeStopReply(reply));
   stop_requested_by_ = conn.Describe();
+}
+
+// ---- publishing (docs/publish.md) -------------------------------------------------------------
+
+Status Daemon::CanPublish(const Connection& conn) const {
+  if (!identity::IsPublishedSource(options_.config.source)) {
+    return InvalidArgument("cache " + options_.config.ShortDigest() + " has source \"" +
+                           options_.config.source +
+                           "\": only a daemon started with --source published:<tag> takes a "
+                           "publish");
+  }
+  if (options_.config.tier != Tier::kHost) {
+    return InvalidArgument("publishing to the " + std::string(TierName(options_.config.tier)) +
+                           " tier is not implemented yet (host tier only, docs/publish.md)");
+  }
+  if (publication_ || committing_conn_ != 0) {
+    return Status(StatusCode::kUnavailable,
+                  "cache " + options_.config.ShortDigest() + " is being published by pid " +
+                      std::to_string(publisher_pid_) +
+                      (publisher_fd_ == conn.fd.get() ? " (this connection)" : "") +
+                      "; one publisher at a time");
+  }
+  if (state_ == CacheState::kReady && options_.replace == ReplacePolicy::kRefuse) {
+    return Status(StatusCode::kAlreadyServed,
+                  "cache " + options_.config.ShortDigest() +
+                      " is already ready (published by pid " + std::to_string(published_by_) +
+                      "); a daemon started with --replace accepts a new publish");
+  }
+  if (state_ != CacheState::kAwaiting && state_ != CacheState::kReady) {
+    return Status(StatusCode::kUnavailable, "cache " + options_.config.ShortDigest() + " is " +
+                                                std::string(protocol::CacheStateName(state_)));
+  }
+  return Status::Ok();
+}
+
+void Daemon::HandlePublishBegin(Connection& conn, std::span<const uint8_t> payload) {
+  if (!conn.hello_seen) {
+    Status status =
+        ProtocolError("PublishBegin before a Hello (cache " + options_.config.ShortDigest() + ")");
+    CloseWithError(conn, status, conn.Describe() + ": " + status.message());
+    return;
+  }
+  auto plan = protocol::DecodePublishBegin(payload);
+  if (!plan.ok()) {
+    CloseWithError(conn, plan.status(),
+                   "bad PublishBegin from " + conn.Describe() + ": " + plan.status().ToString());
+    return;
+  }
+  if (!conn.hello_matched) {
+    QueueError(conn, Status(StatusCode::kMismatch,
+                            "PublishBegin refused: the Hello's config does not match this cache (" +
+                                options_.config.ShortDigest() + ")"));
+    return;
+  }
+  Status refused = CanPublish(conn);
+  if (refused.ok()) refused = protocol::ValidatePublishPlan(*plan);
+  Result<HostPublication> pub = refused;
+  if (refused.ok()) {
+    pub = CreateHostPublication(std::move(plan).value(), options_.load.cache_name,
+                                options_.load.memory_budget);
+  }
+  Result<std::vector<uint8_t>> frame =
+      pub.ok() ? protocol::EncodePublishArena(pub->arena_manifest.size,
+                                              static_cast<uint32_t>(pub->memfds.size()))
+               : Result<std::vector<uint8_t>>(pub.status());
+  if (!frame.ok()) {
+    LOG_WARN << "PublishBegin from " << conn.Describe()
+             << " refused: " << frame.status().ToString();
+    QueueError(conn, frame.status());
+    return;
+  }
+  publication_.emplace(std::move(pub).value());
+  publisher_fd_ = conn.fd.get();
+  publisher_pid_ = conn.peer.pid;
+  conn.publishing = true;
+  if (state_ == CacheState::kAwaiting) {
+    bytes_total_.store(publication_->tensor_bytes);
+    bytes_done_.store(0);
+  }
+  // The manifest memfd first, then one writable memfd per allocation (the AttachReply layout).
+  std::vector<int> fds{publication_->arena_manifest.fd.get()};
+  for (const UniqueFd& fd : publication_->memfds) fds.push_back(fd.get());
+  QueueFrame(conn, std::move(frame), std::move(fds));
+  conn.fds_sent = true;
+  LOG_INFO << "publishing: " << conn.Describe() << " plans " << publication_->plan.tensors.size()
+           << " tensors, " << FormatBytes(publication_->tensor_bytes) << " in "
+           << publication_->memfds.size() << " memfd(s), metadata "
+           << publication_->plan.metadata.size() << " bytes";
+}
+
+void Daemon::HandlePublishCommit(Connection& conn, std::span<const uint8_t> payload) {
+  if (publisher_fd_ != conn.fd.get() || !publication_) {
+    Status status =
+        ProtocolError("PublishCommit without a PublishBegin on this connection (cache " +
+                      options_.config.ShortDigest() + ")");
+    CloseWithError(conn, status, conn.Describe() + ": " + status.message());
+    return;
+  }
+  auto commit = protocol::DecodePublishCommit(payload);
+  if (!commit.ok()) {
+    CloseWithError(conn, commit.status(),
+                   "bad PublishCommit from " + conn.Describe() + ": " + commit.status().ToString());
+    return;  // closing the connection abandons the publication
+  }
+  HostPublication pub = std::move(*publication_);
+  publication_.reset();
+  publisher_fd_ = -1;
+  conn.committing = true;  // read nothing more from it until the commit is answered
+  committing_conn_ = conn.id;
+  commit_start_ = Clock::now();
+  LOG_INFO << "publish commit from " << conn.Describe() << ": sealing and checking "
+           << FormatBytes(pub.tensor_bytes);
+  committer_ =
+      std::thread([this, pub = std::move(pub), checksums = std::move(commit->checksums)]() mutable {
+        Result<WeightStore> store = CommitHostPublication(std::move(pub), checksums);
+        {
+          MutexLock lock(commit_mu_);
+          commit_result_.emplace(std::move(store));
+        }
+        Wake(wakeup_.get());
+      });
+}
+
+void Daemon::OnCommitDone() {
+  std::optional<Result<WeightStore>> result;
+  {
+    MutexLock lock(commit_mu_);
+    if (commit_result_) {
+      result = std::move(commit_result_);
+      commit_result_.reset();
+    }
+  }
+  if (!result) return;
+  if (committer_.joinable()) committer_.join();
+  Connection* conn = nullptr;
+  for (auto& [fd, c] : connections_) {
+    if (c->id == committing_conn_) conn = c.get();
+  }
+  committing_conn_ = 0;
+  const double seconds = SecondsSince(commit_start_);
+  Status installed;
+  if (!result->ok()) {
+    installed = result->status();
+  } else if (state_ == CacheState::kDraining) {
+    installed = Status(StatusCode::kUnavailable, "the daemon began draining during the commit");
+  } else {
+    installed = InstallStore(std::move(*result).value());
+  }
+  if (!installed.ok()) {
+    LOG_WARN << "publish by pid " << publisher_pid_
+             << " refused at commit: " << installed.ToString() << "; the arena is freed, state "
+             << protocol::CacheStateName(state_);
+    if (state_ == CacheState::kAwaiting) bytes_total_.store(0);
+    if (conn != nullptr) QueueError(*conn, installed);
+  } else {
+    published_by_ = publisher_pid_;
+    LOG_INFO << "published by pid " << publisher_pid_ << " (sealed and checksums verified in "
+             << seconds << " s)";
+    if (conn != nullptr) {
+      protocol::PublishCommitted reply;
+      reply.tensor_count = store_->summary().tensor_count;
+      reply.bytes = store_->summary().resident_bytes;
+      QueueFrame(*conn, protocol::EncodePublishCommitted(reply));
+    }
+    if (events_.on_ready) events_.on_ready(store_->summary(), seconds);
+  }
+  if (conn != nullptr) {
+    conn->committing = false;
+    conn->publishing = false;
+    FlushAndRearm(*conn);
+  }
+}
+
+void Daemon::AbandonPublication(std::string_view why) {
+  if (!publication_) return;
+  LOG_WARN << "publish abandoned: " << why << "; its arena is freed, state "
+           << protocol::CacheStateName(state_);
+  publication_.reset();
+  publisher_fd_ = -1;
+  if (state_ == CacheState::kAwaiting) bytes_total_.store(0);
 }
 
 }  // namespace weightcache::daemon

@@ -5,7 +5,10 @@
 //            daemon gets kAlreadyServed naming the owner's pid) → publish the socket (bound
 //            under a temporary name, 0600, renamed into place; a socket already there is
 //            stale because we hold the lock, and is replaced). Nothing is loaded yet.
-//   Run      starts the loader thread (state `loading`, with bytes done/total) and serves
+//   Run      a published cache (config.source "published:<tag>", docs/publish.md) loads
+//            nothing: it answers `awaiting` until one publisher's PublishBegin/PublishCommit
+//            makes it `ready`. Otherwise Run
+//            starts the loader thread (state `loading`, with bytes done/total) and serves
 //            every client from one epoll loop until it drains. The load ends in `ready`, or
 //            in `failed` with the reason, which the daemon keeps answering for
 //            `failed_linger` so that the launcher and clients can see why, then it drains.
@@ -52,6 +55,7 @@
 #include "common/mutex.h"
 #include "common/unique_fd.h"
 #include "common/unique_handle.h"
+#include "daemon/publish_store.h"
 #include "daemon/weight_store.h"
 #include "identity/cache_config.h"
 #include "identity/device_inventory.h"
@@ -64,6 +68,9 @@
 #include "weightcache/status.h"
 
 namespace weightcache::daemon {
+
+// A published cache that is `ready`: whether a new publish may replace its arena.
+enum class ReplacePolicy { kRefuse, kReplace };
 
 struct DaemonOptions {
   identity::CacheConfig config;  // config.tier picks the store the loader fills
@@ -99,6 +106,10 @@ struct DaemonOptions {
   // A connection whose replies stay unsent (our queue) or unread (its socket) this long is
   // closed: a peer that pipelines requests and never reads.
   std::chrono::milliseconds stall_timeout{30'000};
+  // A published cache (config.source "published:<tag>"; nothing is loaded): whether a publish
+  // into it once `ready` is accepted (`serve --replace`). Clients attached to the old arena
+  // keep their mappings; new attaches get the new one.
+  ReplacePolicy replace = ReplacePolicy::kRefuse;
 };
 
 // Called on the Run thread (never the loader's), for the CLI's log lines.
@@ -173,6 +184,19 @@ class Daemon {
   void HandleStatus(Connection& conn);
   void HandleAttach(Connection& conn);
   void HandleStop(Connection& conn);
+  // Publishing (docs/publish.md): one publisher at a time, host tier.
+  void HandlePublishBegin(Connection& conn, std::span<const uint8_t> payload);
+  void HandlePublishCommit(Connection& conn, std::span<const uint8_t> payload);
+  // Why a PublishBegin cannot start now (state, another publisher), or OK.
+  Status CanPublish(const Connection& conn) const;
+  // Drops the publication in progress (its memfds close); the state stays what it was.
+  void AbandonPublication(std::string_view why);
+  // The committer thread's result (CommitHostPublication): installs the store or refuses the
+  // commit, answers the publisher if its connection is still open.
+  void OnCommitDone();
+  // Serves `store` from now on (a load's, or a publish's commit, which may replace a ready
+  // one: the old store is retired until no queued reply borrows its fds).
+  Status InstallStore(WeightStore store);
   // Status, Attach and Stop carry no payload: true if `frame`'s is empty, else the connection
   // is closed with the decoder's error.
   bool DecodeEmptyRequest(Connection& conn, const protocol::Frame& frame);
@@ -200,6 +224,7 @@ class Daemon {
   void Fail(Status failure);
   bool PeerAllowed(const os::PeerCred& peer) const;
   protocol::StatusReply MakeStatusReply() const;
+  // Joins the loader (cancelled) and the committer (bounded: one pass over the arena).
   void StopLoader();
 
   // Resources in acquisition order (destroyed in reverse: socket unlinked before the lock
@@ -214,7 +239,20 @@ class Daemon {
   DaemonEvents events_;  // set by Run
   protocol::CacheState state_ = protocol::CacheState::kLoading;
   Status failure_;  // the load failure, once state_ is kFailed (kept while draining)
-  std::optional<WeightStore> store_;   // once ready
+  std::optional<WeightStore> store_;  // once ready
+  // Replaced stores (a --replace publish) while a queued AttachReply may still borrow their
+  // fds; released once every outbox is empty.
+  std::vector<WeightStore> retired_stores_;
+  // The publish in progress: its arena and the connection (fd) and pid of its publisher.
+  std::optional<HostPublication> publication_;
+  int publisher_fd_ = -1;
+  int64_t publisher_pid_ = 0;
+  int64_t published_by_ = 0;  // the pid whose commit made the current store
+  // The commit being verified on the committer thread: its publisher's connection (by id,
+  // since an fd number is reused once closed; 0 = no commit running) and when it began.
+  uint64_t committing_conn_ = 0;
+  Clock::time_point commit_start_;
+  uint64_t next_connection_id_ = 1;
   std::vector<uint8_t> attach_frame_;  // encoded once the store is ready
   uint32_t clients_ = 0;               // attached connections still open
   std::chrono::steady_clock::time_point load_start_;
@@ -237,6 +275,12 @@ class Daemon {
   bool load_finished_ WEIGHTCACHE_GUARDED_BY(result_mu_) = false;
   std::optional<Result<WeightStore>> load_result_ WEIGHTCACHE_GUARDED_BY(result_mu_);
   std::thread loader_;
+
+  // Committer handoff: sealing and checksumming a published arena is one pass over all of its
+  // bytes, done off the event loop so that other connections are served meanwhile.
+  Mutex commit_mu_;
+  std::optional<Result<WeightStore>> commit_result_ WEIGHTCACHE_GUARDED_BY(commit_mu_);
+  std::thread committer_;
 };
 
 }  // namespace weightcache::daemon

@@ -151,8 +151,15 @@ Result<CacheConfig> BuildConfig(const IdentityOptions& options, const std::strin
 
 }  // namespace
 
+bool IsPublishedSource(std::string_view source) { return source.starts_with("published:"); }
+
+std::string PublishedSourceDigest(std::string_view source) {
+  return Sha256Hex("weightcache published source\n" + std::string(source));
+}
+
 Result<ResolvedIdentity> ResolveIdentity(const IdentityOptions& options, const Env& env) {
-  if (options.model_dir.empty()) {
+  const bool published = IsPublishedSource(options.source);
+  if (options.model_dir.empty() && !published) {
     return InvalidArgument(
         "model_dir is required (its files define the checkpoint fingerprint and identity)");
   }
@@ -161,7 +168,12 @@ Result<ResolvedIdentity> ResolveIdentity(const IdentityOptions& options, const E
   // fingerprint is not given.
   std::string fingerprint = options.checkpoint_fingerprint;
   std::string files_digest;
-  if (fingerprint.empty()) {
+  if (published) {
+    // No checkpoint stands behind published weights: both fields are the published-source
+    // digest, and model_dir (ignored here) is never read (docs/publish.md).
+    fingerprint = PublishedSourceDigest(options.source);
+    files_digest = fingerprint;
+  } else if (fingerprint.empty()) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint ckpt,
                                  checkpoint::Checkpoint::Open(options.model_dir));
     fingerprint = ckpt.fingerprint();
@@ -172,8 +184,12 @@ Result<ResolvedIdentity> ResolveIdentity(const IdentityOptions& options, const E
   }
   ResolvedIdentity id;
   WEIGHTCACHE_ASSIGN_OR_RETURN(id.config, BuildConfig(options, fingerprint, files_digest));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(id.shard, ResolveShardSpec(options));
-  if (id.shard) id.config.shard_rules_digest = id.shard->digest;
+  // A publisher publishes its own rank's tensors: no rules shard a published cache (the ranks
+  // are in the config all the same).
+  if (!published) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(id.shard, ResolveShardSpec(options));
+    if (id.shard) id.config.shard_rules_digest = id.shard->digest;
+  }
   WEIGHTCACHE_ASSIGN_OR_RETURN(id.trusted_uids, TrustedUids(options.trusted_uids, env.lookup));
 
   std::string spec = options.device;

@@ -55,6 +55,13 @@ bool IsSharded(const IdentityOptions& options);
 // kInvalidArgument for bad ranks or no rule set; kInvalidCheckpoint for a bad config.json.
 Result<std::optional<ShardSpec>> ResolveShardSpec(const IdentityOptions& options);
 
+// A published cache (source "published:<tag>", docs/publish.md) has no checkpoint: its
+// checkpoint_fingerprint and checkpoint_files are both PublishedSourceDigest(source), the
+// SHA-256 hex of "weightcache published source\n" + source, so the tag alone names the
+// producer's weights; model_dir is not read and no shard rules apply.
+bool IsPublishedSource(std::string_view source);
+std::string PublishedSourceDigest(std::string_view source);
+
 struct ResolvedIdentity {
   CacheConfig config;
   std::optional<ShardSpec> shard;    // set when the job is sharded (config.shard_rules_digest)

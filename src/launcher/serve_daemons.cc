@@ -57,6 +57,7 @@ Result<ProbeReport> ProbeDaemonState(const std::string& socket_path,
   r.reason = reply.failure_reason;
   switch (reply.state) {
     case protocol::CacheState::kLoading:
+    case protocol::CacheState::kAwaiting:  // a published cache: not ready until its publisher
       r.state = ProbeReport::State::kLoading;
       break;
     case protocol::CacheState::kReady:

@@ -50,29 +50,44 @@ std::string MessageTypeName(MessageType type) {
       return "StopReply";
     case MessageType::kError:
       return "Error";
+    case MessageType::kPublishBegin:
+      return "PublishBegin";
+    case MessageType::kPublishArena:
+      return "PublishArena";
+    case MessageType::kPublishCommit:
+      return "PublishCommit";
+    case MessageType::kPublishCommitted:
+      return "PublishCommitted";
   }
   return "type " + std::to_string(static_cast<uint16_t>(type));
 }
 
 bool IsKnownMessageType(uint16_t type) {
   return type >= static_cast<uint16_t>(MessageType::kHello) &&
-         type <= static_cast<uint16_t>(MessageType::kError);
+         type <= static_cast<uint16_t>(MessageType::kPublishCommitted);
 }
 
 bool IsRequest(MessageType type) {
   return type == MessageType::kHello || type == MessageType::kStatus ||
-         type == MessageType::kAttach || type == MessageType::kStop;
+         type == MessageType::kAttach || type == MessageType::kStop ||
+         type == MessageType::kPublishBegin || type == MessageType::kPublishCommit;
+}
+
+// The replies that carry an arena's fds (the manifest memfd first, then one per allocation).
+bool CarriesArena(MessageType type) {
+  return type == MessageType::kAttachReply || type == MessageType::kPublishArena;
 }
 
 uint64_t MaxPayloadFor(MessageType type) {
+  if (type == MessageType::kPublishBegin || type == MessageType::kPublishCommit) {
+    return kMaxPublishRequestPayload;
+  }
   if (IsRequest(type)) return kMaxRequestPayload;
-  if (type == MessageType::kAttachReply) return kMaxAttachReplyPayload;
+  if (CarriesArena(type)) return kMaxAttachReplyPayload;
   return kMaxControlReplyPayload;
 }
 
-uint32_t MaxFdsFor(MessageType type) {
-  return type == MessageType::kAttachReply ? kMaxFdsPerFrame : 0;
-}
+uint32_t MaxFdsFor(MessageType type) { return CarriesArena(type) ? kMaxFdsPerFrame : 0; }
 
 Result<FrameHeader> DecodeFrameHeader(std::span<const uint8_t> bytes, Expect expect) {
   if (bytes.size() < kFrameHeaderSize) {

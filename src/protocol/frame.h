@@ -5,7 +5,7 @@
 //
 //   offset size  field            (all integers little-endian)
 //   0      4     magic            "WCPF" (0x57 0x43 0x50 0x46)
-//   4      2     version          kProtocolVersion (5)
+//   4      2     version          kProtocolVersion (6)
 //   6      2     type             MessageType
 //   8      4     flags            0 (any other value is rejected)
 //   12     4     fd_count         fds attached (SCM_RIGHTS) to the frame's first byte
@@ -15,11 +15,12 @@
 //                                 itself travels as a sealed memfd, see messages.h)
 //
 // Bounds are enforced from the header alone, BEFORE any payload allocation: 64 KiB for a
-// request, 1 MiB for a control reply, 64 KiB for AttachReply; fds only on AttachReply (at
-// most 253, the kernel's SCM_MAX_FD). A frame of another version is rejected with kProtocol
-// naming both versions, except Error frames, whose header and payload are frozen across
-// versions so that a peer can always explain a version mismatch. Any malformed frame fails
-// with kProtocol and a specific message; the receiver then closes that connection only.
+// request (16 MiB for PublishBegin and PublishCommit), 1 MiB for a control reply, 64 KiB for
+// AttachReply and PublishArena; fds only on those two (at most 253, the kernel's SCM_MAX_FD). A
+// frame of another version is rejected with kProtocol naming both versions, except Error frames,
+// whose header and payload are frozen across versions so that a peer can always explain a version
+// mismatch. Any malformed frame fails with kProtocol and a specific message; the receiver then
+// closes that connection only.
 //
 // Thread-safety: the codec functions are pure; FrameReader/FrameWriter are per-connection,
 // single-threaded objects. Ownership: a Frame owns its payload and the fds received with it.
@@ -39,13 +40,16 @@
 
 namespace weightcache::protocol {
 
-inline constexpr uint16_t kProtocolVersion = 5;
+inline constexpr uint16_t kProtocolVersion = 6;
 inline constexpr uint8_t kFrameMagic[4] = {'W', 'C', 'P', 'F'};
 inline constexpr size_t kFrameHeaderSize = 24;
 
 inline constexpr uint64_t kMaxRequestPayload = uint64_t{64} * 1024;
 inline constexpr uint64_t kMaxControlReplyPayload = uint64_t{1024} * 1024;
 inline constexpr uint64_t kMaxAttachReplyPayload = uint64_t{64} * 1024;
+// PublishBegin (the plan: every tensor's name, dtype, shape and bytes) and PublishCommit (every
+// tensor's checksum) grow with the tensor count: ~160k tensors of 100-byte names fit.
+inline constexpr uint64_t kMaxPublishRequestPayload = uint64_t{16} << 20;
 inline constexpr uint32_t kMaxFdsPerFrame = static_cast<uint32_t>(os::kMaxFdsPerMessage);
 
 enum class MessageType : uint16_t {
@@ -58,6 +62,10 @@ enum class MessageType : uint16_t {
   kStop = 7,
   kStopReply = 8,
   kError = 9,
+  kPublishBegin = 10,      // client → daemon: the plan (docs/publish.md)
+  kPublishArena = 11,      // daemon → client: the arena to fill (AttachReply's layout, fds)
+  kPublishCommit = 12,     // client → daemon: the checksums; the daemon verifies and seals
+  kPublishCommitted = 13,  // daemon → client: the cache is ready with the published tensors
 };
 
 // "Hello", "AttachReply", ...; "type <n>" for values outside the enum.
@@ -71,6 +79,8 @@ uint32_t MaxFdsFor(MessageType type);
 // type's larger bound, and never accepts fds); a client accepts only replies.
 enum class Expect { kRequest, kReply };
 bool IsRequest(MessageType type);
+// AttachReply and PublishArena: the manifest memfd and one fd per allocation.
+bool CarriesArena(MessageType type);
 
 struct FrameHeader {
   uint16_t version = kProtocolVersion;

@@ -4,6 +4,8 @@
 #include <set>
 #include <string>
 
+#include "checkpoint/dtype.h"
+#include "checkpoint/limits.h"
 #include "protocol/wire.h"
 
 namespace weightcache::protocol {
@@ -85,7 +87,7 @@ class Fields {
   Result<CacheState> State(const char* key) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::string s, String(key));
     Result<CacheState> state = ParseCacheState(s);
-    if (!state.ok()) return TypeError(key, "one of loading, ready, failed, draining");
+    if (!state.ok()) return TypeError(key, "one of loading, ready, failed, draining, awaiting");
     return state;
   }
 
@@ -147,6 +149,8 @@ std::string_view CacheStateName(CacheState state) {
       return "failed";
     case CacheState::kDraining:
       return "draining";
+    case CacheState::kAwaiting:
+      return "awaiting";
   }
   return "unknown";
 }
@@ -156,6 +160,7 @@ Result<CacheState> ParseCacheState(std::string_view name) {
   if (name == "ready") return CacheState::kReady;
   if (name == "failed") return CacheState::kFailed;
   if (name == "draining") return CacheState::kDraining;
+  if (name == "awaiting") return CacheState::kAwaiting;
   return ProtocolError("unknown cache state \"" + std::string(name.substr(0, 32)) + "\"");
 }
 
@@ -314,34 +319,41 @@ Result<StatusReply> DecodeStatusReply(std::span<const uint8_t> payload) {
 
 static_assert(kMaxAllocations + 1 == kMaxFdsPerFrame, "the manifest memfd takes one fd");
 
-Result<std::vector<uint8_t>> EncodeAttachReply(uint64_t manifest_size, uint32_t allocation_count) {
+namespace {
+
+// AttachReply and PublishArena share the layout: 16 bytes, the manifest memfd, then one fd per
+// allocation.
+Result<std::vector<uint8_t>> EncodeArenaReply(MessageType type, uint64_t manifest_size,
+                                              uint32_t allocation_count) {
   if (allocation_count > kMaxAllocations) {
-    return InvalidArgument("cannot send AttachReply with " + std::to_string(allocation_count) +
-                           " allocations; at most " + std::to_string(kMaxAllocations));
+    return InvalidArgument("cannot send " + MessageTypeName(type) + " with " +
+                           std::to_string(allocation_count) + " allocations; at most " +
+                           std::to_string(kMaxAllocations));
   }
   std::vector<uint8_t> payload;
   payload.reserve(kAttachReplyPayloadSize);
   wire::PutU64(payload, manifest_size);
   wire::PutU32(payload, allocation_count);
   wire::PutU32(payload, 0);
-  return EncodeFrame(MessageType::kAttachReply, payload, allocation_count + 1);
+  return EncodeFrame(type, payload, allocation_count + 1);
 }
 
-Result<AttachReply> DecodeAttachReply(Frame frame, RecordCheck check) {
-  if (frame.type != MessageType::kAttachReply) {
-    return ProtocolError("expected AttachReply, got " + MessageTypeName(frame.type));
+Result<AttachReply> DecodeArenaReply(MessageType type, Frame frame, RecordCheck check) {
+  const std::string what = MessageTypeName(type);
+  if (frame.type != type) {
+    return ProtocolError("expected " + what + ", got " + MessageTypeName(frame.type));
   }
   std::vector<UniqueFd> fds = std::move(frame.fds);  // owned from here, closed on every error
   if (frame.payload.size() != kAttachReplyPayloadSize) {
-    return ProtocolError("AttachReply: payload of " + std::to_string(frame.payload.size()) +
+    return ProtocolError(what + ": payload of " + std::to_string(frame.payload.size()) +
                          " bytes (expected " + std::to_string(kAttachReplyPayloadSize) + ")");
   }
   const uint8_t* p = frame.payload.data();
   const uint64_t manifest_size = wire::GetU64(p);
   const uint32_t allocation_count = wire::GetU32(p + 8);
-  if (wire::GetU32(p + 12) != 0) return ProtocolError("AttachReply: reserved field is not 0");
+  if (wire::GetU32(p + 12) != 0) return ProtocolError(what + ": reserved field is not 0");
   if (fds.size() != uint64_t{allocation_count} + 1) {
-    return ProtocolError("AttachReply: " + std::to_string(allocation_count) + " allocations need " +
+    return ProtocolError(what + ": " + std::to_string(allocation_count) + " allocations need " +
                          std::to_string(uint64_t{allocation_count} + 1) +
                          " fds (manifest first) but " + std::to_string(fds.size()) + " arrived");
   }
@@ -350,13 +362,179 @@ Result<AttachReply> DecodeAttachReply(Frame frame, RecordCheck check) {
                                MapManifestMemfd(fds[0].get(), manifest_size, check));
   if (reply.manifest.allocation_sizes().size() != allocation_count) {
     return ProtocolError(
-        "AttachReply: manifest lists " + std::to_string(reply.manifest.allocation_sizes().size()) +
+        what + ": manifest lists " + std::to_string(reply.manifest.allocation_sizes().size()) +
         " allocations but the reply announces " + std::to_string(allocation_count));
   }
   // The mapping keeps the manifest; its fd is not needed any more.
   reply.fds.reserve(allocation_count);
   for (size_t i = 1; i < fds.size(); ++i) reply.fds.push_back(std::move(fds[i]));
   return reply;
+}
+
+}  // namespace
+
+Result<std::vector<uint8_t>> EncodeAttachReply(uint64_t manifest_size, uint32_t allocation_count) {
+  return EncodeArenaReply(MessageType::kAttachReply, manifest_size, allocation_count);
+}
+
+Result<AttachReply> DecodeAttachReply(Frame frame, RecordCheck check) {
+  return DecodeArenaReply(MessageType::kAttachReply, std::move(frame), check);
+}
+
+// ---- publishing -------------------------------------------------------------------------------
+
+Status ValidatePublishPlan(const PublishBegin& plan) {
+  if (plan.tensors.empty()) return InvalidArgument("publish plan: no tensors (at least 1 needed)");
+  if (plan.tensors.size() > checkpoint::kMaxTensorCount) {
+    return InvalidArgument("publish plan: " + std::to_string(plan.tensors.size()) +
+                           " tensors, over the limit of " +
+                           std::to_string(checkpoint::kMaxTensorCount));
+  }
+  if (plan.metadata.size() > kMaxPublishMetadataBytes) {
+    return InvalidArgument("publish plan: metadata of " + std::to_string(plan.metadata.size()) +
+                           " bytes, over the limit of " + std::to_string(kMaxPublishMetadataBytes));
+  }
+  std::set<std::string_view> names;
+  uint64_t name_bytes = 0;
+  uint64_t total = 0;
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const PlannedTensor& t = plan.tensors[i];
+    const std::string shown = t.name.substr(0, 256);
+    const auto bad = [&](const std::string& what) {
+      return InvalidArgument("publish plan: tensor " + std::to_string(i) + " '" + shown +
+                             "': " + what);
+    };
+    if (t.name.empty()) return bad("empty name");
+    if (t.name.size() > checkpoint::kMaxTensorNameBytes) {
+      return bad("name of " + std::to_string(t.name.size()) + " bytes, over the limit of " +
+                 std::to_string(checkpoint::kMaxTensorNameBytes));
+    }
+    if (t.name.find('\0') != std::string::npos) return bad("name contains a NUL byte");
+    name_bytes += t.name.size();
+    if (name_bytes > checkpoint::kMaxTensorNameBytesTotal) {
+      return bad("the names add up to more than " +
+                 std::to_string(checkpoint::kMaxTensorNameBytesTotal) + " bytes");
+    }
+    if (!names.insert(t.name).second) return bad("duplicate name");
+    auto dtype = checkpoint::ParseDType(t.dtype);
+    if (!dtype.ok()) return bad("unknown dtype \"" + t.dtype.substr(0, 32) + "\"");
+    if (t.shape.size() > checkpoint::kMaxTensorRank) {
+      return bad("rank " + std::to_string(t.shape.size()) + " over the limit of " +
+                 std::to_string(checkpoint::kMaxTensorRank));
+    }
+    uint64_t elements = 1;
+    bool zero = false;
+    bool overflow = false;
+    for (uint64_t d : t.shape) {
+      if (d == 0) zero = true;
+      if (__builtin_mul_overflow(elements, d, &elements)) overflow = true;
+    }
+    if (zero) {
+      elements = 0;
+    } else if (overflow || elements > uint64_t{std::numeric_limits<int64_t>::max()}) {
+      return bad("element count of the shape overflows 64 bits");
+    }
+    auto bytes = checkpoint::DTypeByteSize(*dtype, elements);
+    if (!bytes.ok())
+      return bad("size of " + std::to_string(elements) + " elements of " + t.dtype +
+                 " overflows or is not a whole number of bytes");
+    if (*bytes != t.nbytes) {
+      return bad("nbytes " + std::to_string(t.nbytes) + " but the shape and dtype make " +
+                 std::to_string(*bytes));
+    }
+    // 2^62: the arena planner's padding of every tensor then still fits in 63 bits.
+    if (__builtin_add_overflow(total, t.nbytes, &total) || total > (uint64_t{1} << 62)) {
+      return bad("the plan's total size overflows (over 2^62 bytes)");
+    }
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<uint8_t>> EncodePublishBegin(const PublishBegin& msg) {
+  json tensors = json::array();
+  for (const PlannedTensor& t : msg.tensors) {
+    tensors.push_back(
+        {{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"nbytes", t.nbytes}});
+  }
+  return EncodeJson(MessageType::kPublishBegin,
+                    json{{"tensors", std::move(tensors)}, {"metadata", msg.metadata}});
+}
+
+Result<PublishBegin> DecodePublishBegin(std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("PublishBegin", payload));
+  Fields f("PublishBegin", obj);
+  PublishBegin msg;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(const json* tensors, f.Array("tensors"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.metadata, f.String("metadata"));
+  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  msg.tensors.reserve(tensors->size());
+  for (size_t i = 0; i < tensors->size(); ++i) {
+    const json& item = (*tensors)[i];
+    const std::string what = "PublishBegin: tensors[" + std::to_string(i) + "]";
+    if (!item.is_object()) return ProtocolError(what + " must be an object");
+    Fields tf(what, item);
+    PlannedTensor t;
+    WEIGHTCACHE_ASSIGN_OR_RETURN(t.name, tf.String("name"));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(t.dtype, tf.String("dtype"));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* shape, tf.Array("shape"));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(t.nbytes, tf.U64("nbytes"));
+    WEIGHTCACHE_RETURN_IF_ERROR(tf.Finish());
+    if (shape->size() > checkpoint::kMaxTensorRank) {
+      return ProtocolError(what + ": field 'shape' has " + std::to_string(shape->size()) +
+                           " dimensions; at most " + std::to_string(checkpoint::kMaxTensorRank));
+    }
+    for (const json& d : *shape) {
+      if (!d.is_number_unsigned()) {
+        return ProtocolError(what + ": field 'shape' must hold non-negative integers");
+      }
+      t.shape.push_back(d.get<uint64_t>());
+    }
+    msg.tensors.push_back(std::move(t));
+  }
+  return msg;
+}
+
+Result<std::vector<uint8_t>> EncodePublishArena(uint64_t manifest_size, uint32_t allocation_count) {
+  return EncodeArenaReply(MessageType::kPublishArena, manifest_size, allocation_count);
+}
+
+Result<AttachReply> DecodePublishArena(Frame frame) {
+  return DecodeArenaReply(MessageType::kPublishArena, std::move(frame), RecordCheck::kNow);
+}
+
+Result<std::vector<uint8_t>> EncodePublishCommit(const PublishCommit& msg) {
+  return EncodeJson(MessageType::kPublishCommit, json{{"checksums", msg.checksums}});
+}
+
+Result<PublishCommit> DecodePublishCommit(std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("PublishCommit", payload));
+  Fields f("PublishCommit", obj);
+  PublishCommit msg;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(const json* checksums, f.Array("checksums"));
+  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  msg.checksums.reserve(checksums->size());
+  for (const json& c : *checksums) {
+    if (!c.is_number_unsigned()) {
+      return ProtocolError("PublishCommit: field 'checksums' must hold non-negative integers");
+    }
+    msg.checksums.push_back(c.get<uint64_t>());
+  }
+  return msg;
+}
+
+Result<std::vector<uint8_t>> EncodePublishCommitted(const PublishCommitted& msg) {
+  return EncodeJson(MessageType::kPublishCommitted,
+                    json{{"tensor_count", msg.tensor_count}, {"bytes", msg.bytes}});
+}
+
+Result<PublishCommitted> DecodePublishCommitted(std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("PublishCommitted", payload));
+  Fields f("PublishCommitted", obj);
+  PublishCommitted msg;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.tensor_count, f.U64("tensor_count"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes, f.U64("bytes"));
+  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  return msg;
 }
 
 // ---- StopReply --------------------------------------------------------------------------------

@@ -30,8 +30,10 @@ namespace weightcache::protocol {
 
 inline constexpr int kMaxJsonDepth = 16;
 
-enum class CacheState : uint8_t { kLoading, kReady, kFailed, kDraining };
-std::string_view CacheStateName(CacheState state);  // "loading", "ready", "failed", "draining"
+// kAwaiting: a published cache (source published:<tag>) waiting for its publisher's commit.
+enum class CacheState : uint8_t { kLoading, kReady, kFailed, kDraining, kAwaiting };
+// "loading", "ready", "failed", "draining", "awaiting"
+std::string_view CacheStateName(CacheState state);
 Result<CacheState> ParseCacheState(std::string_view name);
 
 // Client → daemon, first message of a connection.
@@ -126,6 +128,56 @@ Result<AttachReply> DecodeAttachReply(Frame frame, RecordCheck check = RecordChe
 
 Result<std::vector<uint8_t>> EncodeStopReply(const StopReply& msg);
 Result<StopReply> DecodeStopReply(std::span<const uint8_t> payload);
+
+// ---- publishing (docs/publish.md) ----
+
+// One tensor of a publish plan. Shape entries are element counts (JSON non-negative integers).
+struct PlannedTensor {
+  std::string name;
+  std::string dtype;  // the safetensors spelling ("BF16", "F8_E4M3")
+  std::vector<uint64_t> shape;
+  uint64_t nbytes = 0;
+};
+
+inline constexpr uint64_t kMaxPublishMetadataBytes = uint64_t{64} << 10;
+
+// PublishBegin {tensors: [{name, dtype, shape: [u64], nbytes: u64}], metadata: string}.
+struct PublishBegin {
+  std::vector<PlannedTensor> tensors;
+  std::string metadata;  // free-form (engine version, layout notes), <= kMaxPublishMetadataBytes
+};
+
+// The semantic rules of a plan, the one home of them (the daemon refuses, the Publisher checks
+// before sending): 1 … checkpoint::kMaxTensorCount tensors; names non-empty, at most
+// kMaxTensorNameBytes each and kMaxTensorNameBytesTotal together, unique; dtype a known
+// safetensors spelling; ndim <= kMaxTensorRank; nbytes == product(shape) × dtype size,
+// computed with overflow checks; the total of nbytes fits in 62 bits; metadata <= 64 KiB.
+// kInvalidArgument "publish plan: tensor <i> '<name>': <what>".
+Status ValidatePublishPlan(const PublishBegin& plan);
+
+// PublishCommit {checksums: [u64]}: one per plan tensor, in plan order (common/checksum.h).
+struct PublishCommit {
+  std::vector<uint64_t> checksums;
+};
+
+// PublishCommitted {tensor_count: u64, bytes: u64}: the cache is ready with them.
+struct PublishCommitted {
+  uint64_t tensor_count = 0;
+  uint64_t bytes = 0;  // resident bytes of the arena
+};
+
+// The encoders check structure only (sizes of the frame), not ValidatePublishPlan: the
+// decoder's side (the daemon) is the authority on the plan.
+Result<std::vector<uint8_t>> EncodePublishBegin(const PublishBegin& msg);
+Result<PublishBegin> DecodePublishBegin(std::span<const uint8_t> payload);
+// PublishArena: the AttachReply layout under its own type (16 bytes; fds: the manifest memfd,
+// whose records carry checksum 0, then one writable memfd per allocation).
+Result<std::vector<uint8_t>> EncodePublishArena(uint64_t manifest_size, uint32_t allocation_count);
+Result<AttachReply> DecodePublishArena(Frame frame);
+Result<std::vector<uint8_t>> EncodePublishCommit(const PublishCommit& msg);
+Result<PublishCommit> DecodePublishCommit(std::span<const uint8_t> payload);
+Result<std::vector<uint8_t>> EncodePublishCommitted(const PublishCommitted& msg);
+Result<PublishCommitted> DecodePublishCommitted(std::span<const uint8_t> payload);
 
 // `status` must be an error; its code and message travel.
 Result<std::vector<uint8_t>> EncodeError(const Status& status);

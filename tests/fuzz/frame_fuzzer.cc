@@ -97,6 +97,10 @@ void DecodePayloadEverywhere(std::span<const uint8_t> payload) {
   RoundTrip(payload, DecodeHelloReply, EncodeHelloReply);
   RoundTrip(payload, DecodeStatusReply, EncodeStatusReply);
   RoundTrip(payload, DecodeStopReply, EncodeStopReply);
+  RoundTrip(payload, DecodePublishBegin, EncodePublishBegin);
+  RoundTrip(payload, DecodePublishCommit, EncodePublishCommit);
+  RoundTrip(payload, DecodePublishCommitted, EncodePublishCommitted);
+  if (auto plan = DecodePublishBegin(payload); plan.ok()) (void)ValidatePublishPlan(*plan);
   RoundTrip(payload, DecodeError, [](const ErrorReply& e) {
     return EncodeError(weightcache::Status(e.code, e.message));
   });

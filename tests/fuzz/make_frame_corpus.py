@@ -11,7 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus", "frame_fuzzer")
 
 
-def frame(msg_type, payload=b"", fds=0, version=5):
+def frame(msg_type, payload=b"", fds=0, version=6):
     return b"WCPF" + struct.pack("<HHIIQ", version, msg_type, 0, fds, len(payload)) + payload
 
 
@@ -57,7 +57,7 @@ def main():
                                    ("lm_head", "F8_E4M3", [32, 32], 1, 0, 1024, 8,
                                     (0, 32, 64))])
     seeds = {
-        "hello": frame(1, js({"protocol_version": 5, "config": {"model_id": "m", "tp_size": 2},
+        "hello": frame(1, js({"protocol_version": 6, "config": {"model_id": "m", "tp_size": 2},
                               "client_pid": 12, "client_name": "engine"})),
         "hello_reply": frame(2, js({"state": "loading", "bytes_done": 1, "bytes_total": 2,
                                     "failure_reason": "", "failure_code": 0, "match": False,
@@ -78,7 +78,14 @@ def main():
         "stop": frame(7),
         "stop_reply": frame(8, js({"clients": 0})),
         "error": frame(9, js({"code": 6, "message": "config mismatch: tp_rank"})),
-        "two_frames": frame(3) + frame(1, js({"protocol_version": 5, "config": {},
+        # Version 6: publishing (docs/publish.md).
+        "publish_begin": frame(10, js({"tensors": [{"name": "w", "dtype": "BF16",
+                                                    "shape": [2, 3], "nbytes": 12}],
+                                       "metadata": "engine 1.0"})),
+        "publish_arena": frame(11, struct.pack("<QII", len(m), 2, 0), fds=3),
+        "publish_commit": frame(12, js({"checksums": [1, 2]})),
+        "publish_committed": frame(13, js({"tensor_count": 2, "bytes": 8192})),
+        "two_frames": frame(3) + frame(1, js({"protocol_version": 6, "config": {},
                                               "client_pid": 1, "client_name": ""})),
     }
     for name, data in seeds.items():

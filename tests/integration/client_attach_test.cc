@@ -331,7 +331,6 @@ TEST_F(ClientAttachTest, AMismatchInEachConfigFieldExits4NamingThatField) {
       {{"--tp-rank", "1", "--ep-rank", "1"}, "ep_rank"},
       {{"--dp-size", "4"}, "dp_size"},
       {{"--layout-tag", "fused-qkv"}, "layout_tag"},
-      {{"--source", "published:sglang"}, "source"},
   };
   for (const FieldCase& c : cases) {
     // Served flags first; the case's flag replaces the served value.
@@ -349,6 +348,22 @@ TEST_F(ClientAttachTest, AMismatchInEachConfigFieldExits4NamingThatField) {
     auto j = nlohmann::json::parse(f.out);
     EXPECT_EQ(j["source"], "fallback") << c.field;
     EXPECT_NE(j["reason"].get<std::string>().find("mismatch ignored"), std::string::npos);
+  }
+
+  // source: a published identity (docs/publish.md) differs from a loaded one in its source and
+  // in the fields it fixes itself; it is named all the same. It has no checkpoint, so
+  // on_mismatch=fallback has nothing to load: no daemon (exit 3), saying why.
+  {
+    std::vector<std::string> published = served;
+    published.insert(published.end(), {"--source", "published:sglang"});
+    CommandResult r = Attach(published);
+    EXPECT_EQ(r.exit_code, 4) << r.out << r.err;
+    EXPECT_NE(r.err.find("source: ours=\"published:sglang\" theirs=\"disk\""), std::string::npos)
+        << r.err;
+    published.insert(published.end(), {"--on-mismatch", "fallback"});
+    CommandResult f = Attach(published);
+    EXPECT_EQ(f.exit_code, 3) << f.out << f.err;
+    EXPECT_NE(f.err.find("has no checkpoint to load from disk"), std::string::npos) << f.err;
   }
 
   // model_id: a different model is never "the closest cache"; through an explicit socket the

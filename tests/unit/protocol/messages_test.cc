@@ -275,18 +275,19 @@ TEST(MessageDecodeTest, StrictFieldChecking) {
                                         R"("client_name":"x","extra":true})"))
                           .status(),
                       "Hello: unknown field 'extra'");
-  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":6,"config":{},"client_pid":7,)"
+  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":7,"config":{},"client_pid":7,)"
                                         R"("client_name":"x"})"))
                           .status(),
-                      "Hello: client speaks protocol version 6, this build speaks 5");
+                      "Hello: client speaks protocol version 7, this build speaks 6");
   ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":-1})")).status(),
                       "StopReply: field 'clients' must be a non-negative integer");
   ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":4294967296})")).status(),
                       "StopReply: field 'clients' must be a 32-bit integer");
   ExpectProtocolError(DecodeError(Bytes(R"({"code":99,"message":"x"})")).status(),
                       "Error: field 'code' 99 is not an error code");
-  ExpectProtocolError(DecodeHelloReply(Bytes(R"({"state":"sleeping"})")).status(),
-                      "HelloReply: field 'state' must be one of loading, ready, failed, draining");
+  ExpectProtocolError(
+      DecodeHelloReply(Bytes(R"({"state":"sleeping"})")).status(),
+      "HelloReply: field 'state' must be one of loading, ready, failed, draining, awaiting");
   ExpectProtocolError(
       DecodeHelloReply(Bytes(R"({"state":"ready","bytes_done":1,"bytes_total":1,)"
                              R"("failure_reason":"","failure_code":0,"match":false,"config":{},)"
@@ -346,6 +347,99 @@ TEST(MessageDecodeTest, FramesFromTheDocumentedLayoutDecode) {
   EXPECT_EQ(m->tensor(1).dtype, "F8_E4M3");
   EXPECT_EQ(m->tensor(1).allocation, 1u);
   EXPECT_EQ(m->tensor(1).checksum, 8u);
+}
+
+// ---- publishing (docs/publish.md) ----
+
+TEST_F(MessagesTest, PublishMessagesRoundTrip) {
+  PublishBegin begin;
+  begin.tensors = {{"qkv", "BF16", {3, 4}, 24}, {"scale", "F32", {}, 4}};
+  begin.metadata = "engine 1.2";
+  Frame f = Transfer(EncodePublishBegin(begin), Expect::kRequest);
+  ASSERT_EQ(f.type, MessageType::kPublishBegin);
+  auto b = DecodePublishBegin(f.payload);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  ASSERT_EQ(b->tensors.size(), 2u);
+  EXPECT_EQ(b->tensors[0].name, "qkv");
+  EXPECT_EQ(b->tensors[0].dtype, "BF16");
+  EXPECT_EQ(b->tensors[0].shape, (std::vector<uint64_t>{3, 4}));
+  EXPECT_EQ(b->tensors[0].nbytes, 24u);
+  EXPECT_TRUE(b->tensors[1].shape.empty());
+  EXPECT_EQ(b->metadata, "engine 1.2");
+  EXPECT_TRUE(ValidatePublishPlan(*b).ok());
+
+  Frame c = Transfer(EncodePublishCommit({{7, uint64_t{1} << 63}}), Expect::kRequest);
+  ASSERT_EQ(c.type, MessageType::kPublishCommit);
+  auto commit = DecodePublishCommit(c.payload);
+  ASSERT_TRUE(commit.ok()) << commit.status().ToString();
+  EXPECT_EQ(commit->checksums, (std::vector<uint64_t>{7, uint64_t{1} << 63}));
+
+  Frame d = Transfer(EncodePublishCommitted({2, 8192}), Expect::kReply);
+  ASSERT_EQ(d.type, MessageType::kPublishCommitted);
+  auto done = DecodePublishCommitted(d.payload);
+  ASSERT_TRUE(done.ok()) << done.status().ToString();
+  EXPECT_EQ(done->tensor_count, 2u);
+  EXPECT_EQ(done->bytes, 8192u);
+}
+
+TEST_F(MessagesTest, AwaitingIsAState) {
+  StatusReply reply;
+  reply.state = CacheState::kAwaiting;
+  reply.config_digest = std::string(64, 'a');
+  Frame f = Transfer(EncodeStatusReply(reply), Expect::kReply);
+  auto d = DecodeStatusReply(f.payload);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->state, CacheState::kAwaiting);
+  EXPECT_EQ(CacheStateName(CacheState::kAwaiting), "awaiting");
+}
+
+TEST(MessageDecodeTest, PublishBeginIsStrict) {
+  ExpectProtocolError(DecodePublishBegin(Bytes(R"({"tensors":[]})")).status(),
+                      "PublishBegin: field 'metadata' missing");
+  ExpectProtocolError(
+      DecodePublishBegin(Bytes(R"({"tensors":[{"name":"a","dtype":"F32","shape":[-1],)"
+                               R"("nbytes":4}],"metadata":""})"))
+          .status(),
+      "PublishBegin: tensors[0]: field 'shape' must hold non-negative integers");
+  ExpectProtocolError(
+      DecodePublishBegin(Bytes(R"({"tensors":[{"name":"a","dtype":"F32","shape":[1,1,1,1,1,1,)"
+                               R"(1,1,1],"nbytes":4}],"metadata":""})"))
+          .status(),
+      "PublishBegin: tensors[0]: field 'shape' has 9 dimensions; at most 8");
+  ExpectProtocolError(
+      DecodePublishBegin(Bytes(R"({"tensors":[{"name":"a","dtype":"F32","shape":[1],)"
+                               R"("nbytes":4,"extra":1}],"metadata":""})"))
+          .status(),
+      "PublishBegin: tensors[0]: unknown field 'extra'");
+  ExpectProtocolError(DecodePublishCommit(Bytes(R"({"checksums":[1,"x"]})")).status(),
+                      "PublishCommit: field 'checksums' must hold non-negative integers");
+}
+
+TEST(PublishPlanTest, EachRuleHasItsOwnError) {
+  const auto error = [](std::vector<PlannedTensor> tensors, std::string metadata = "") {
+    PublishBegin plan{std::move(tensors), std::move(metadata)};
+    Status s = ValidatePublishPlan(plan);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    return s.message();
+  };
+  EXPECT_EQ(error({}), "publish plan: no tensors (at least 1 needed)");
+  EXPECT_EQ(error({{"a", "F32", {2}, 8}, {"a", "F32", {2}, 8}}),
+            "publish plan: tensor 1 'a': duplicate name");
+  EXPECT_EQ(error({{std::string(4097, 'n'), "U8", {1}, 1}}).substr(0, 29),
+            "publish plan: tensor 0 'nnnnn");
+  EXPECT_NE(error({{std::string(4097, 'n'), "U8", {1}, 1}}).find("name of 4097 bytes"),
+            std::string::npos);
+  EXPECT_NE(error({{std::string("a\0b", 3), "U8", {1}, 1}}).find("': name contains a NUL byte"),
+            std::string::npos);
+  EXPECT_EQ(error({{"a", "bf16", {1}, 2}}), "publish plan: tensor 0 'a': unknown dtype \"bf16\"");
+  EXPECT_EQ(error({{"a", "F4", {3}, 2}}),
+            "publish plan: tensor 0 'a': size of 3 elements of F4 overflows or is not a whole "
+            "number of bytes");
+  EXPECT_EQ(error({{"a", "U8", {1}, 1}}, std::string(kMaxPublishMetadataBytes + 1, 'm')),
+            "publish plan: metadata of 65537 bytes, over the limit of 65536");
+  // A zero dimension makes the count 0 whatever the others, even ones whose product overflows.
+  PublishBegin empty{{{"e", "F32", {0, uint64_t{1} << 40, uint64_t{1} << 40}, 0}}, ""};
+  EXPECT_TRUE(ValidatePublishPlan(empty).ok());
 }
 
 }  // namespace
