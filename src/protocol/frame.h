@@ -21,6 +21,13 @@
 // versions so that a peer can always explain a version mismatch. Any malformed frame fails
 // with kProtocol and a specific message; the receiver then closes that connection only.
 //
+// Handoff frames (types 32 and up, handoff.h, docs/protocol.md §8) travel between a daemon and
+// its keeper (docs/keeper.md). They carry kHandoffVersion in the version field instead of
+// kProtocolVersion, so that a keeper and a daemon of another build can still hand over; only
+// a keeper reads handoff requests (Expect::kKeeperRequest), and only a keeper's client their
+// replies (Expect::kKeeperReply). A daemon's reader (Expect::kRequest) still accepts no fds
+// and no handoff type at all.
+//
 // Thread-safety: the codec functions are pure; FrameReader/FrameWriter are per-connection,
 // single-threaded objects. Ownership: a Frame owns its payload and the fds received with it.
 #pragma once
@@ -47,6 +54,11 @@ inline constexpr uint64_t kMaxRequestPayload = uint64_t{64} * 1024;
 inline constexpr uint64_t kMaxControlReplyPayload = uint64_t{1024} * 1024;
 inline constexpr uint64_t kMaxAttachReplyPayload = uint64_t{64} * 1024;
 inline constexpr uint32_t kMaxFdsPerFrame = static_cast<uint32_t>(os::kMaxFdsPerMessage);
+// The version of the handoff messages (types >= kFirstHandoffType), independent of
+// kProtocolVersion; the payload bound of every handoff frame.
+inline constexpr uint16_t kHandoffVersion = 1;
+inline constexpr uint16_t kFirstHandoffType = 32;
+inline constexpr uint64_t kMaxHandoffPayload = uint64_t{64} * 1024;
 
 enum class MessageType : uint16_t {
   kHello = 1,
@@ -58,6 +70,16 @@ enum class MessageType : uint16_t {
   kStop = 7,
   kStopReply = 8,
   kError = 9,
+
+  // Keeper handoff (handoff.h), from kFirstHandoffType up: daemon types stay below 32.
+  kDeposit = 32,
+  kDepositReply = 33,
+  kWithdraw = 34,
+  kWithdrawReply = 35,
+  kQuery = 36,
+  kQueryReply = 37,
+  kDrop = 38,
+  kDropReply = 39,
 };
 
 // "Hello", "AttachReply", ...; "type <n>" for values outside the enum.
@@ -68,9 +90,12 @@ uint64_t MaxPayloadFor(MessageType type);
 uint32_t MaxFdsFor(MessageType type);
 
 // Which side is reading: a daemon accepts only requests (and so never allocates for a reply
-// type's larger bound, and never accepts fds); a client accepts only replies.
-enum class Expect { kRequest, kReply };
+// type's larger bound, and never accepts fds); a client accepts only replies. A keeper accepts
+// only handoff requests (Deposit carries fds), its client only handoff replies and Error.
+enum class Expect { kRequest, kReply, kKeeperRequest, kKeeperReply };
 bool IsRequest(MessageType type);
+// Types 32 and up: the keeper's, versioned by kHandoffVersion.
+bool IsHandoffType(MessageType type);
 
 struct FrameHeader {
   uint16_t version = kProtocolVersion;
