@@ -89,7 +89,9 @@ Result<pid_t> ParseReady(const std::string& text, const std::string& socket) {
 
 Result<pid_t> SpawnKeeper(const SpawnOptions& options) {
   std::string program = options.program;
-  if (program.empty()) WEIGHTCACHE_ASSIGN_OR_RETURN(program, SelfExe());
+  if (program.empty()) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(program, SelfExe());
+  }
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return IoError("pipe2", errno);
   UniqueFd ready_read(pipe_fds[0]);

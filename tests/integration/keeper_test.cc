@@ -4,6 +4,7 @@
 #include "keeper/keeper_client.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <poll.h>

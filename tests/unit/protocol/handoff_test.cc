@@ -1,5 +1,6 @@
 #include "protocol/handoff.h"
 
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
