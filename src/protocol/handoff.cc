@@ -350,6 +350,9 @@ Result<KeeperQuery> DecodeQueryReply(std::span<const uint8_t> payload) {
     for (uint8_t b : digest) {
       if (b != 0) return ProtocolError("QueryReply: a waiting keeper reports a digest");
     }
+    if (q.fd_count != 0 || json_length != 0) {
+      return ProtocolError("QueryReply: a waiting keeper reports fds or a config");
+    }
   }
   q.config_json.assign(payload.begin() + kQueryReplyHeaderSize, payload.end());
   return q;
