@@ -56,12 +56,13 @@ class KeeperProcess {
   KeeperProcess(KeeperProcess&&) noexcept = default;
   KeeperProcess& operator=(KeeperProcess&&) noexcept = default;
   ~KeeperProcess() {
-    if (pidfd_.valid() && !Exited(std::chrono::milliseconds(0))) {
-      ::syscall(SYS_pidfd_send_signal, pidfd_.get(), SIGKILL, nullptr, 0);
-    }
+    if (pidfd_.valid() && !Exited(std::chrono::milliseconds(0))) Signal(SIGKILL);
   }
   pid_t pid() const { return pid_; }
   bool watched() const { return pidfd_.valid(); }
+  bool Signal(int sig) const {
+    return ::syscall(SYS_pidfd_send_signal, pidfd_.get(), sig, nullptr, 0) == 0;
+  }
   // Whether it has exited within `timeout` (poll on the pidfd: returns as soon as it does).
   bool Exited(std::chrono::milliseconds timeout) const {
     pollfd p{pidfd_.get(), POLLIN, 0};
@@ -321,6 +322,23 @@ TEST_F(KeeperTest, DropClosesTheFdsAndTheKeeperExits) {
   EXPECT_FALSE(os::IsLockHeld(paths_.lock));
   ExpectError(DropKeeper(paths_, kTimeout), StatusCode::kNoDaemon,
               "no live keeper at " + paths_.socket);
+}
+
+TEST_F(KeeperTest, SigtermReleasesTheDepositAndRemovesTheSocket) {
+  KeeperProcess keeper = Start(Spawn());
+  ASSERT_TRUE(keeper.watched());
+  {
+    auto cache = MakeSealedCache({8192}, 6, -1, "termed");
+    ASSERT_TRUE(cache.ok());
+    ASSERT_TRUE(Deposit(*cache).ok());
+  }
+  EXPECT_EQ(MemfdsOf(keeper.pid(), "termed").size(), 2u);
+  ASSERT_TRUE(keeper.Signal(SIGTERM));
+  ASSERT_TRUE(keeper.Exited(kTimeout));
+  EXPECT_TRUE(MemfdsOf(keeper.pid(), "termed").empty());
+  struct stat st {};
+  EXPECT_NE(::lstat(paths_.socket.c_str(), &st), 0);
+  EXPECT_FALSE(os::IsLockHeld(paths_.lock));
 }
 
 TEST_F(KeeperTest, AKeeperWithoutADepositExitsAfterItsTimeout) {
