@@ -271,11 +271,10 @@ Status EnsureCacheDirs(const CachePaths& paths, uid_t uid, DirAccess access) {
 }
 
 Result<std::vector<std::string>> ListCacheSockets(const std::string& device_dir) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> names,
-                               ListDir(device_dir, S_IFSOCK, [](const std::string& name) {
-                                 return name.size() > 5 && name.ends_with(".sock") &&
-                                        !IsKeeperSocket(name);
-                               }));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      std::vector<std::string> names, ListDir(device_dir, S_IFSOCK, [](const std::string& name) {
+        return name.size() > 5 && name.ends_with(".sock") && !IsKeeperSocket(name);
+      }));
   for (std::string& name : names) name = device_dir + "/" + name;
   return names;
 }

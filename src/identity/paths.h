@@ -91,7 +91,7 @@ struct CachePaths {
   std::string device_key;
   std::string device_dir;  // <namespace_dir>/<device key>; for an explicit socket its directory
   std::string socket;
-  std::string lock;    // LockPathFor(socket)
+  std::string lock;  // LockPathFor(socket)
   // The cache's keeper (KeeperSocketFor(socket), LockPathFor of that); both "" when the
   // keeper's socket path would exceed os::kMaxUnixPathLength.
   std::string keeper_socket;

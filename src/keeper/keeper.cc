@@ -37,6 +37,13 @@ struct Keeper::Connection {
 
 Result<std::unique_ptr<Keeper>> Keeper::Create(KeeperOptions options) {
   auto lock = os::LockFile::TryAcquire(options.lock);
+  if (!lock.ok() && lock.status().code() == StatusCode::kAlreadyServed) {
+    const std::optional<pid_t> owner = os::ReadLockOwner(options.lock);
+    return Status(StatusCode::kAlreadyServed,
+                  "keeper " + options.socket + ": another keeper" +
+                      (owner ? " (pid " + std::to_string(*owner) + ")" : "") +
+                      " already holds this cache's lock " + options.lock);
+  }
   if (!lock.ok()) {
     Status status = lock.status();
     return status.Context("keeper " + options.socket);
@@ -72,9 +79,8 @@ Keeper::~Keeper() {
 }
 
 bool Keeper::PeerAllowed(uid_t uid) const {
-  return uid == ::geteuid() ||
-         std::find(options_.allow_uids.begin(), options_.allow_uids.end(), uid) !=
-             options_.allow_uids.end();
+  return uid == ::geteuid() || std::find(options_.allow_uids.begin(), options_.allow_uids.end(),
+                                         uid) != options_.allow_uids.end();
 }
 
 Status Keeper::Run(int signal_fd) {
@@ -93,7 +99,8 @@ Status Keeper::Run(int signal_fd) {
     });
     if (accept_paused_until && now >= *accept_paused_until) accept_paused_until.reset();
 
-    Clock::time_point wake = deposit_ ? Clock::time_point::max() : started_ + options_.deposit_timeout;
+    Clock::time_point wake =
+        deposit_ ? Clock::time_point::max() : started_ + options_.deposit_timeout;
     for (const auto& c : connections_) wake = std::min(wake, c->deadline);
     if (accept_paused_until) wake = std::min(wake, *accept_paused_until);
 
@@ -113,8 +120,9 @@ Status Keeper::Run(int signal_fd) {
     if (signal_fd >= 0 && fds[1].revents != 0) {
       signalfd_siginfo info{};
       if (::read(signal_fd, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
-        LOG_INFO << "keeper " << options_.socket << ": " << ::strsignal(static_cast<int>(info.ssi_signo))
-                 << ", releasing " << (deposit_ ? "the deposit" : "nothing") << " and exiting";
+        LOG_INFO << "keeper " << options_.socket << ": "
+                 << ::strsignal(static_cast<int>(info.ssi_signo)) << ", releasing "
+                 << (deposit_ ? "the deposit" : "nothing") << " and exiting";
         return Status::Ok();
       }
     }
@@ -188,7 +196,8 @@ bool Keeper::Reply(Connection& conn, Result<std::vector<uint8_t>> frame, std::sp
     LOG_ERROR << "keeper: cannot encode a reply: " << frame.status().ToString();
     return false;
   }
-  Status sent = protocol::WriteFrame(conn.fd.get(), *frame, fds, os::Deadline::After(kReplyTimeout));
+  Status sent =
+      protocol::WriteFrame(conn.fd.get(), *frame, fds, os::Deadline::After(kReplyTimeout));
   if (!sent.ok()) {
     LOG_WARN << "keeper: reply to pid " << conn.peer.pid << " failed: " << sent.ToString();
     return false;
@@ -225,10 +234,10 @@ bool Keeper::Handle(Connection& conn, protocol::Frame frame) {
   switch (frame.type) {
     case MessageType::kDeposit: {
       if (!owner) {
-        return Refuse(conn, PermissionDenied("Deposit is accepted from uid " +
-                                             std::to_string(::geteuid()) + " only (peer pid " +
-                                             std::to_string(conn.peer.pid) + " uid " +
-                                             std::to_string(conn.peer.uid) + ")"));
+        return Refuse(
+            conn, PermissionDenied("Deposit is accepted from uid " + std::to_string(::geteuid()) +
+                                   " only (peer pid " + std::to_string(conn.peer.pid) + " uid " +
+                                   std::to_string(conn.peer.uid) + ")"));
       }
       if (deposit_) {
         return Refuse(conn, Status(StatusCode::kAlreadyServed,
@@ -257,10 +266,10 @@ bool Keeper::Handle(Connection& conn, protocol::Frame frame) {
         return Reply(conn, protocol::EncodeError(NotFound(keeper + " holds no deposit yet")));
       }
       if (*digest != deposit_->info.config_digest) {
-        return Reply(conn, protocol::EncodeError(Status(
-                               StatusCode::kMismatch, "keeper holds cache " +
-                                                          deposit_->info.config_digest + ", not " +
-                                                          *digest)));
+        return Reply(
+            conn, protocol::EncodeError(Status(
+                      StatusCode::kMismatch,
+                      "keeper holds cache " + deposit_->info.config_digest + ", not " + *digest)));
       }
       const std::vector<int> fds = deposit_->frame_fds();
       return Reply(conn, protocol::EncodeWithdrawReply(deposit_->info), fds);
@@ -274,10 +283,10 @@ bool Keeper::Handle(Connection& conn, protocol::Frame frame) {
       Status empty = protocol::CheckEmptyHandoff(frame.type, frame.payload);
       if (!empty.ok()) return Refuse(conn, empty);
       if (!owner) {
-        return Refuse(conn, PermissionDenied("Drop is accepted from uid " +
-                                             std::to_string(::geteuid()) + " only (peer pid " +
-                                             std::to_string(conn.peer.pid) + " uid " +
-                                             std::to_string(conn.peer.uid) + ")"));
+        return Refuse(
+            conn, PermissionDenied("Drop is accepted from uid " + std::to_string(::geteuid()) +
+                                   " only (peer pid " + std::to_string(conn.peer.pid) + " uid " +
+                                   std::to_string(conn.peer.uid) + ")"));
       }
       LOG_INFO << "keeper " << options_.socket << ": Drop from pid " << conn.peer.pid;
       deposit_.reset();  // the fds close here: their memory goes with the last holder

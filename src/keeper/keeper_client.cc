@@ -47,6 +47,9 @@ Result<Frame> Exchange(const std::string& socket, Result<std::vector<uint8_t>> r
   return reply;
 }
 
+// What the keeper's would-be process reports when exec fails (a status code, then why).
+constexpr std::string_view kExecFailed = "10 exec of the keeper program failed\n";
+
 Result<std::string> SelfExe() {
   char buf[PATH_MAX];
   ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
@@ -58,9 +61,8 @@ Result<std::string> SelfExe() {
 Result<pid_t> ParseReady(const std::string& text, const std::string& socket) {
   const size_t space = text.find(' ');
   if (text.empty() || space == std::string::npos) {
-    return Status(StatusCode::kUnavailable,
-                  "keeper for " + socket + " exited before it was ready" +
-                      (text.empty() ? "" : " (" + text + ")"));
+    return Status(StatusCode::kUnavailable, "keeper for " + socket + " exited before it was ready" +
+                                                (text.empty() ? "" : " (" + text + ")"));
   }
   const std::string code_text = text.substr(0, space);
   std::string rest = text.substr(space + 1);
@@ -113,9 +115,9 @@ Result<pid_t> SpawnKeeper(const SpawnOptions& options) {
     args.push_back(std::to_string(uid));
   }
   std::vector<char*> argv;
+  argv.reserve(args.size() + 1);
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
-  const char kExecFailed[] = "1 exec of the keeper program failed\n";
 
   pid_t first = ::fork();
   if (first < 0) return IoError("fork", errno);
@@ -132,7 +134,7 @@ Result<pid_t> SpawnKeeper(const SpawnOptions& options) {
     ::dup2(dev_null.get(), STDOUT_FILENO);
     ::fcntl(ready_write.get(), F_SETFD, 0);  // the one fd the keeper inherits
     ::execv(argv[0], argv.data());
-    (void)!::write(ready_write.get(), kExecFailed, sizeof(kExecFailed) - 1);
+    (void)!::write(ready_write.get(), kExecFailed.data(), kExecFailed.size());
     ::_exit(127);
   }
   ready_write.Reset();  // EOF on the pipe once the keeper closes its end
@@ -176,9 +178,9 @@ Result<std::optional<protocol::Handoff>> TryWithdraw(const KeeperPaths& paths,
                                                      std::chrono::milliseconds timeout,
                                                      const protocol::FdCheck& gpu_fd_check) {
   if (!os::IsLockHeld(paths.lock)) return std::optional<protocol::Handoff>();
-  WEIGHTCACHE_ASSIGN_OR_RETURN(Frame reply,
-                               Exchange(paths.socket, protocol::EncodeWithdraw(adopt.expected_digest),
-                                        {}, MessageType::kWithdrawReply, timeout));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      Frame reply, Exchange(paths.socket, protocol::EncodeWithdraw(adopt.expected_digest), {},
+                            MessageType::kWithdrawReply, timeout));
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Handoff handoff,
                                protocol::DecodeHandoff(std::move(reply), gpu_fd_check));
   WEIGHTCACHE_RETURN_IF_ERROR(protocol::CheckAdoptable(handoff, adopt));

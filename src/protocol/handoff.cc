@@ -106,8 +106,8 @@ Result<DepositInfo> DecodeInfo(MessageType type, std::span<const uint8_t> payloa
     return ProtocolError(name + ": config_digest " + ShowDigest(digest));
   }
   if (json_length != payload.size() - kDepositHeaderSize) {
-    return ProtocolError(name + ": config_json_length " + std::to_string(json_length) +
-                         " but " + std::to_string(payload.size() - kDepositHeaderSize) +
+    return ProtocolError(name + ": config_json_length " + std::to_string(json_length) + " but " +
+                         std::to_string(payload.size() - kDepositHeaderSize) +
                          " bytes follow the header");
   }
   info.config_json.assign(payload.begin() + kDepositHeaderSize, payload.end());
@@ -168,14 +168,13 @@ Status CheckHostAllocationFd(int fd, uint64_t size, uint32_t index) {
 
 Result<Handoff> DecodeHandoff(Frame frame, const FdCheck& gpu_fd_check) {
   if (frame.type != MessageType::kDeposit && frame.type != MessageType::kWithdrawReply) {
-    return ProtocolError("expected a Deposit or WithdrawReply, got " +
-                         MessageTypeName(frame.type));
+    return ProtocolError("expected a Deposit or WithdrawReply, got " + MessageTypeName(frame.type));
   }
   const std::string name = MessageTypeName(frame.type);
   WEIGHTCACHE_ASSIGN_OR_RETURN(DepositInfo info, DecodeInfo(frame.type, frame.payload));
   if (frame.fds.size() != 1 + size_t{info.allocation_count}) {
-    return ProtocolError(name + " carries " + std::to_string(frame.fds.size()) +
-                         " fds for " + std::to_string(info.allocation_count) +
+    return ProtocolError(name + " carries " + std::to_string(frame.fds.size()) + " fds for " +
+                         std::to_string(info.allocation_count) +
                          " allocations (expected the manifest memfd + one per allocation)");
   }
   Handoff handoff;
@@ -219,8 +218,7 @@ Status CheckAdoptable(const Handoff& handoff, const AdoptOptions& options) {
   std::vector<os::MappedRegion> maps;
   if (handoff.tier() == Tier::kHost) {
     for (size_t i = 0; i < handoff.allocations.size(); ++i) {
-      auto region =
-          os::MapReadOnly(handoff.allocations[i].get(), manifest.allocation_sizes()[i]);
+      auto region = os::MapReadOnly(handoff.allocations[i].get(), manifest.allocation_sizes()[i]);
       if (!region.ok()) {
         Status status = region.status();
         return status.Context("mapping allocation " + std::to_string(i));
@@ -228,8 +226,8 @@ Status CheckAdoptable(const Handoff& handoff, const AdoptOptions& options) {
       maps.push_back(std::move(region).value());
     }
   }
-  for (size_t i : TensorsToCheck(manifest.tensor_count(), options.checksums,
-                                 options.sample_tensors)) {
+  for (size_t i :
+       TensorsToCheck(manifest.tensor_count(), options.checksums, options.sample_tensors)) {
     const TensorRecord r = manifest.record(i);
     uint64_t sum = 0;
     if (handoff.tier() == Tier::kHost) {
@@ -260,10 +258,10 @@ Result<std::vector<uint8_t>> EncodeWithdraw(std::string_view config_digest) {
   if (!IsDigest(config_digest)) {
     return InvalidArgument("Withdraw: config digest is not 64 lowercase hex characters");
   }
-  return EncodeFrame(MessageType::kWithdraw,
-                     std::span<const uint8_t>(
-                         reinterpret_cast<const uint8_t*>(config_digest.data()),
-                         config_digest.size()));
+  return EncodeFrame(
+      MessageType::kWithdraw,
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(config_digest.data()),
+                               config_digest.size()));
 }
 
 Result<std::string> DecodeWithdraw(std::span<const uint8_t> payload) {
@@ -336,8 +334,8 @@ Result<KeeperQuery> DecodeQueryReply(std::span<const uint8_t> payload) {
   const uint32_t json_length = wire::GetU32(p + 36);
   q.depositor_pid = static_cast<int64_t>(wire::GetU64(p + 40));
   if (json_length != payload.size() - kQueryReplyHeaderSize) {
-    return ProtocolError("QueryReply: config_json_length " + std::to_string(json_length) +
-                         " but " + std::to_string(payload.size() - kQueryReplyHeaderSize) +
+    return ProtocolError("QueryReply: config_json_length " + std::to_string(json_length) + " but " +
+                         std::to_string(payload.size() - kQueryReplyHeaderSize) +
                          " bytes follow the header");
   }
   std::span<const uint8_t> digest = payload.subspan(48, kDigestHexLength);

@@ -126,8 +126,8 @@ std::string_view KeeperStateName(KeeperState state);  // "waiting", "holding"
 struct KeeperQuery {
   KeeperState state = KeeperState::kWaiting;
   int64_t keeper_pid = 0;
-  uint64_t age_ms = 0;  // since the deposit (holding) or since the keeper started (waiting)
-  uint64_t bytes = 0;   // the allocations' total
+  uint64_t age_ms = 0;    // since the deposit (holding) or since the keeper started (waiting)
+  uint64_t bytes = 0;     // the allocations' total
   uint32_t fd_count = 0;  // allocation fds held (the manifest memfd not counted)
   int64_t depositor_pid = 0;
   std::string config_digest;

@@ -107,8 +107,8 @@ void DecodePayloadEverywhere(std::span<const uint8_t> payload) {
   (void)DecodeAttachReply(
       Frame{MessageType::kAttachReply, std::vector<uint8_t>(payload.begin(), payload.end()), {}});
   // The keeper handoff (handoff.h): without fds no deposit can be accepted.
-  Check(!DecodeHandoff(Frame{MessageType::kDeposit,
-                             std::vector<uint8_t>(payload.begin(), payload.end()), {}})
+  Check(!DecodeHandoff(
+             Frame{MessageType::kDeposit, std::vector<uint8_t>(payload.begin(), payload.end()), {}})
              .ok());
   RoundTrip(payload, DecodeQueryReply, EncodeQueryReply);
   RoundTrip(payload, DecodeWithdraw, [](const std::string& d) { return EncodeWithdraw(d); });

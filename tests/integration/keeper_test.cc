@@ -1,8 +1,6 @@
 // The keeper (docs/keeper.md) as a real process: the real `weightcache keeper` binary started
 // by keeper::SpawnKeeper, real sealed memfds deposited over its real socket, depositors that
 // are real processes killed with SIGKILL, peers of another uid.
-#include "keeper/keeper_client.h"
-
 #include <dirent.h>
 #include <fcntl.h>
 #include <gmock/gmock.h>
@@ -21,6 +19,7 @@
 #include <vector>
 
 #include "identity/paths.h"
+#include "keeper/keeper_client.h"
 #include "os/lock_file.h"
 #include "os/unix_socket.h"
 #include "protocol/messages.h"
@@ -168,7 +167,8 @@ TEST_F(KeeperTest, DepositThenWithdrawGivesTheSameMemfdsAndBytes) {
   ASSERT_TRUE(withdrawn.ok()) << withdrawn.status().ToString();
   ASSERT_TRUE(withdrawn->has_value());
   for (size_t i = 0; i < 2; ++i) {
-    struct stat mine {}, back {};
+    struct stat mine {
+    }, back{};
     ASSERT_EQ(::fstat(cache->allocations[i].get(), &mine), 0);
     ASSERT_EQ(::fstat((*withdrawn)->allocations[i].get(), &back), 0);
     EXPECT_EQ(mine.st_ino, back.st_ino) << "allocation " << i;
@@ -241,7 +241,9 @@ TEST_F(KeeperTest, ASecondDepositIsRefusedAndTheFirstKept) {
 TEST_F(KeeperTest, ASecondKeeperForTheSameCacheIsRefusedNamingTheFirst) {
   KeeperProcess keeper = Start(Spawn());
   auto again = SpawnKeeper(Spawn());
-  ExpectError(again.status(), StatusCode::kAlreadyServed, std::to_string(keeper.pid()));
+  ExpectError(again.status(), StatusCode::kAlreadyServed,
+              "another keeper (pid " + std::to_string(keeper.pid()) +
+                  ") already holds this cache's lock " + paths_.lock);
 }
 
 // Malformed frames close their connection only; the keeper keeps waiting for (or holding) its
@@ -415,8 +417,7 @@ TEST_F(KeeperTest, PeersOfAnotherUidAreRefusedUnlessAllowed) {
   const KeeperPaths paths = paths_;
   EXPECT_EQ(as_nobody([&] {
               auto q = QueryKeeper(paths, kTimeout);
-              return q.ok() && q->has_value() &&
-                     (*q)->state == protocol::KeeperState::kWaiting;
+              return q.ok() && q->has_value() && (*q)->state == protocol::KeeperState::kWaiting;
             }),
             0);
   EXPECT_EQ(as_nobody([&] {

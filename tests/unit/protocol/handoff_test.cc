@@ -80,11 +80,11 @@ TEST(HandoffFrameTest, HandoffTypesCarryTheHandoffVersionAndOnlyAKeeperReadsThem
   // Bounds: fds only on Deposit among the keeper's requests; 64 KiB payloads.
   ExpectError(DecodeFrameHeader(Header(kHandoffVersion, 36, 1, 0), Expect::kKeeperRequest).status(),
               StatusCode::kProtocol, "Query frame announces 1 fds; at most 0 allowed");
-  ExpectError(
-      DecodeFrameHeader(Header(kHandoffVersion, 32, 0, kMaxHandoffPayload + 1),
-                        Expect::kKeeperRequest)
-          .status(),
-      StatusCode::kProtocol, "Deposit frame payload of 65537 bytes exceeds the 65536-byte limit");
+  ExpectError(DecodeFrameHeader(Header(kHandoffVersion, 32, 0, kMaxHandoffPayload + 1),
+                                Expect::kKeeperRequest)
+                  .status(),
+              StatusCode::kProtocol,
+              "Deposit frame payload of 65537 bytes exceeds the 65536-byte limit");
   EXPECT_TRUE(DecodeFrameHeader(Header(kHandoffVersion, 32, 253, 96), Expect::kKeeperRequest).ok());
   // The keeper's client reads handoff replies and the frozen Error frame.
   auto error = EncodeError(NotFound("x"));
@@ -110,7 +110,8 @@ TEST(HandoffTest, DepositRoundTripKeepsInfoFdsAndBytes) {
   EXPECT_EQ(handoff->bytes(), 8192u + 4096 * 3);
   ASSERT_EQ(handoff->allocations.size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
-    struct stat mine {}, theirs {};
+    struct stat mine {
+    }, theirs{};
     ASSERT_EQ(::fstat(cache->allocations[i].get(), &mine), 0);
     ASSERT_EQ(::fstat(handoff->allocations[i].get(), &theirs), 0);
     EXPECT_EQ(mine.st_ino, theirs.st_ino) << "allocation " << i << " is the same memfd";
@@ -269,8 +270,8 @@ class AdoptTest : public ::testing::Test {
   // Four allocations, eight tensors; allocation 1's first tensor ("t1.a", the third name) has
   // a checksum in the manifest that its bytes do not have when `corrupt`.
   Result<Handoff> Withdrawn(bool corrupt) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(
-        cache_, MakeSealedCache({8192, 8192, 8192, 8192}, 3, corrupt ? 1 : -1));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(cache_,
+                                 MakeSealedCache({8192, 8192, 8192, 8192}, 3, corrupt ? 1 : -1));
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> frame, EncodeWithdrawReply(cache_.Info()));
     WEIGHTCACHE_ASSIGN_OR_RETURN(Frame received,
                                  ThroughSocket(frame, AllFds(cache_), Expect::kKeeperReply));
