@@ -2,9 +2,11 @@
 # The include graph between modules (issue 11 §6): every `#include "<area>/..."` in src/,
 # tools/ and python/src must point down (or within its own area) in this order:
 #
-#   common → os → cuda → checkpoint → sharding → identity → protocol → daemon | client
-#          → launcher
-#          → tools | python
+#   common → os → cuda → checkpoint → sharding → identity → protocol → keeper
+#          → daemon | client → launcher → tools | python
+#
+# keeper (the process that holds a cache's fds past its daemon, docs/keeper.md) has no CUDA
+# and no checkpoint code: it may include only common, os and protocol, whatever its rank.
 #
 # daemon and client are siblings (neither includes the other), and so are tools and python.
 # The Python extension is a client like any engine: it includes the public API only
@@ -16,7 +18,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 declare -A rank=([common]=0 [os]=1 [cuda]=2 [checkpoint]=3 [sharding]=4 [identity]=5
-                 [protocol]=6 [daemon]=7 [client]=7 [launcher]=8 [tools]=9 [python]=9)
+                 [protocol]=6 [keeper]=7 [daemon]=8 [client]=8 [launcher]=9 [tools]=10
+                 [python]=10)
+# Modules restricted to a list of modules below them (beyond the rank order).
+declare -A only=([keeper]="common os protocol")
 
 area_of() {  # the module a source file belongs to
   case $1 in
@@ -44,6 +49,10 @@ while IFS=: read -r file line text; do
     continue
   fi
   [[ $to == "$from" ]] && continue
+  if [[ -n ${only[$from]+x} && " ${only[$from]} " != *" $to "* ]]; then
+    echo "check-includes: $file:$line: $from may include only ${only[$from]}: $text" >&2
+    bad=1; continue
+  fi
   if (( rank[$to] >= rank[$from] )); then
     echo "check-includes: $file:$line: $from → $to is an upward (or sibling) edge: $text" >&2
     bad=1
@@ -54,7 +63,8 @@ done < <(grep -rnE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"[A-Za-z0-9_]+/
 
 if (( bad )); then
   echo "check-includes: the include graph has upward edges (order: common → os → cuda →" \
-       "checkpoint → sharding → identity → protocol → daemon|client → launcher → tools|python)" >&2
+       "checkpoint → sharding → identity → protocol → keeper → daemon|client → launcher →" \
+       "tools|python; keeper: common, os, protocol only)" >&2
   exit 1
 fi
 echo "check-includes: ok"

@@ -1,5 +1,10 @@
 #include "cli_common.h"
 
+#include <pthread.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+
+#include <cerrno>
 #include <iostream>
 #include <map>
 
@@ -16,6 +21,21 @@ int ExitCodeFor(const Status& status) { return weightcache::ExitCodeFor(status.c
 int Fail(std::string_view command, const Status& status) {
   std::cerr << "weightcache " << command << ": " << status.ToString() << std::endl;
   return ExitCodeFor(status);
+}
+
+Result<UniqueFd> TakeShutdownSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGHUP);
+  if (int rc = pthread_sigmask(SIG_BLOCK, &set, nullptr); rc != 0) {
+    return IoError("pthread_sigmask", rc);
+  }
+  UniqueFd fd(::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK));
+  if (!fd) return IoError("signalfd", errno);
+  ::signal(SIGPIPE, SIG_IGN);
+  return fd;
 }
 
 void SetAction(CLI::App* sub, CommandAction action) { Actions()[sub] = std::move(action); }

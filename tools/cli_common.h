@@ -5,6 +5,7 @@
 #include <functional>
 #include <string>
 
+#include "common/unique_fd.h"
 #include "weightcache/status.h"
 
 namespace weightcache::cli {
@@ -16,6 +17,12 @@ int ExitCodeFor(const Status& status);
 
 // Print "weightcache <command>: <status>" to stderr and return its exit code.
 int Fail(std::string_view command, const Status& status);
+
+// For a command that runs until told to stop (serve, keeper): blocks SIGTERM, SIGINT and
+// SIGHUP in this thread — call it before any other thread exists, so every thread inherits
+// the mask — and returns a signalfd for them; ignores SIGPIPE (a vanished peer or a closed
+// stderr pipe must not kill the process; sends use MSG_NOSIGNAL too).
+Result<UniqueFd> TakeShutdownSignals();
 
 // Each subcommand registers itself on the root app and sets the action run when it is chosen.
 // The action returns the process exit code.
@@ -35,5 +42,6 @@ void RegisterPathsCommand(CLI::App& root);
 void RegisterDevicesCommand(CLI::App& root);
 void RegisterShardPlanCommand(CLI::App& root);
 void RegisterPublishCommand(CLI::App& root);
+void RegisterKeeperCommand(CLI::App& root);
 
 }  // namespace weightcache::cli

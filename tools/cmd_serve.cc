@@ -8,9 +8,6 @@
 //
 // Exit codes: 0 clean stop; 2 usage; 5 invalid checkpoint; 7 already served (the message
 // names the owner's pid); otherwise the failed load's code (1 for I/O, budget, CUDA).
-#include <pthread.h>
-#include <signal.h>
-#include <sys/signalfd.h>
 #include <unistd.h>
 
 #include <cinttypes>
@@ -49,25 +46,6 @@ struct ServeArgs {
 
 std::chrono::milliseconds Millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
-
-// Blocks the shutdown signals in this (the only) thread before any other thread exists, so
-// every thread inherits the mask and the signals queue on the signalfd for the event loop.
-Result<UniqueFd> TakeSignals() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGHUP);
-  if (int rc = pthread_sigmask(SIG_BLOCK, &set, nullptr); rc != 0) {
-    return IoError("pthread_sigmask", rc);
-  }
-  UniqueFd fd(::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK));
-  if (!fd) return IoError("signalfd", errno);
-  // A client that vanishes must not kill us through a write; sends use MSG_NOSIGNAL too,
-  // this covers stderr on a closed pipe.
-  ::signal(SIGPIPE, SIG_IGN);
-  return fd;
 }
 
 std::string Rate(uint64_t bytes, double seconds) {
@@ -128,7 +106,7 @@ int Run(ServeArgs& args) {
   // Before anything can start a thread: resolving a gpu identity loads the CUDA driver, whose
   // cuInit starts threads of its own, and a thread that does not block the stop signals would
   // take SIGTERM's default action (death) instead of the signalfd getting it.
-  auto signals = TakeSignals();
+  auto signals = TakeShutdownSignals();
   if (!signals.ok()) return Fail(kCmd, signals.status());
 
   auto id = identity::ResolveIdentity(args.identity);

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   cli::RegisterStopCommand(root);
   cli::RegisterPathsCommand(root);
   cli::RegisterDevicesCommand(root);
+  cli::RegisterKeeperCommand(root);
 
   try {
     root.parse(argc, argv);

@@ -41,6 +41,14 @@ Status CheckSocketLength(const std::string& socket) {
   return Status::Ok();
 }
 
+// The keeper's paths of a resolved cache; none when its socket path would be too long.
+void SetKeeperPaths(CachePaths& p) {
+  std::string keeper = KeeperSocketFor(p.socket);
+  if (keeper.size() > os::kMaxUnixPathLength) return;
+  p.keeper_lock = LockPathFor(keeper);
+  p.keeper_socket = std::move(keeper);
+}
+
 // The names in `dir` (sorted) whose lstat type is `type` and that pass `keep`.
 template <typename Keep>
 Result<std::vector<std::string>> ListDir(const std::string& dir, mode_t type, Keep keep) {
@@ -177,6 +185,7 @@ Result<CachePaths> ResolveCachePaths(const CacheConfig& config, std::string_view
     p.socket = p.device_dir + "/" + short_digest + ".sock";
     p.lock = LockPathFor(p.socket);
     WEIGHTCACHE_RETURN_IF_ERROR(CheckSocketLength(p.socket));
+    SetKeeperPaths(p);
     return p;
   }
 
@@ -201,6 +210,7 @@ Result<CachePaths> ResolveCachePaths(const CacheConfig& config, std::string_view
   p.lock = LockPathFor(p.socket);
   p.device_dir = Dirname(p.socket);
   WEIGHTCACHE_RETURN_IF_ERROR(CheckSocketLength(p.socket));
+  SetKeeperPaths(p);
   return p;
 }
 
@@ -261,10 +271,10 @@ Status EnsureCacheDirs(const CachePaths& paths, uid_t uid, DirAccess access) {
 }
 
 Result<std::vector<std::string>> ListCacheSockets(const std::string& device_dir) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> names,
-                               ListDir(device_dir, S_IFSOCK, [](const std::string& name) {
-                                 return name.size() > 5 && name.ends_with(".sock");
-                               }));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      std::vector<std::string> names, ListDir(device_dir, S_IFSOCK, [](const std::string& name) {
+        return name.size() > 5 && name.ends_with(".sock") && !IsKeeperSocket(name);
+      }));
   for (std::string& name : names) name = device_dir + "/" + name;
   return names;
 }
@@ -301,5 +311,15 @@ std::string LockPathFor(const std::string& socket_path) {
   }
   return socket_path + ".lock";
 }
+
+std::string KeeperSocketFor(const std::string& socket_path) {
+  constexpr std::string_view kSuffix = ".sock";
+  if (socket_path.ends_with(kSuffix)) {
+    return socket_path.substr(0, socket_path.size() - kSuffix.size()) + ".keeper.sock";
+  }
+  return socket_path + ".keeper.sock";
+}
+
+bool IsKeeperSocket(std::string_view path) { return path.ends_with(".keeper.sock"); }
 
 }  // namespace weightcache::identity

@@ -16,6 +16,13 @@
 // <stem>.sock → <stem>.lock, any other name → <name>.lock. Every reader (daemon, client,
 // launcher, ls, stop) takes it from CachePaths::lock or LockPathFor, never by its own rule.
 //
+// Keeper path (docs/keeper.md): the process that holds a cache's fds so that they outlive its
+// daemon listens next to the cache's socket, by one rule for every socket (KeeperSocketFor):
+// <stem>.sock → <stem>.keeper.sock, any other name → <name>.keeper.sock; its lock is
+// LockPathFor of that (<stem>.keeper.lock). A keeper path over the sun_path limit leaves
+// CachePaths::keeper_socket empty: that cache runs without a keeper, it is not an error.
+// ListCacheSockets never lists keeper sockets (they do not speak the daemon's protocol).
+//
 // Every socket path is checked against the sun_path limit (os::kMaxUnixPathLength, 107
 // bytes, the one constant; ListenUnix/ConnectUnix enforce it too) here, at resolution time,
 // before anything is created or loaded.
@@ -84,7 +91,11 @@ struct CachePaths {
   std::string device_key;
   std::string device_dir;  // <namespace_dir>/<device key>; for an explicit socket its directory
   std::string socket;
-  std::string lock;    // LockPathFor(socket)
+  std::string lock;  // LockPathFor(socket)
+  // The cache's keeper (KeeperSocketFor(socket), LockPathFor of that); both "" when the
+  // keeper's socket path would exceed os::kMaxUnixPathLength.
+  std::string keeper_socket;
+  std::string keeper_lock;
   std::string digest;  // the full config digest (64 hex)
   bool explicit_socket = false;
   std::string socket_origin;  // "layout", "--socket" or "WEIGHTCACHE_SOCKET"
@@ -134,5 +145,11 @@ Result<std::vector<SocketEntry>> ListAllCacheSockets(const std::string& runtime_
 // <digest16>.sock is guarded by <digest16>.lock); any other name → <name>.lock. The same for
 // layout and explicit sockets, so a lock never depends on how its socket was named.
 std::string LockPathFor(const std::string& socket_path);
+
+// The keeper socket of a cache socket, the one rule: <stem>.sock → <stem>.keeper.sock; any
+// other name → <name>.keeper.sock. Its lock is LockPathFor(KeeperSocketFor(socket)).
+std::string KeeperSocketFor(const std::string& socket_path);
+// Whether `path` names a keeper socket (ends in ".keeper.sock"): the listings skip them.
+bool IsKeeperSocket(std::string_view path);
 
 }  // namespace weightcache::identity

@@ -10,6 +10,37 @@ namespace {
 
 uint32_t MaxFdsFor(Expect expect) { return expect == Expect::kRequest ? 0 : kMaxFdsPerFrame; }
 
+// The one rule of who reads which type: the daemon's and the keeper's channels never mix, and
+// Error is a reply on both.
+bool Accepts(Expect expect, MessageType type) {
+  const bool handoff = IsHandoffType(type);
+  switch (expect) {
+    case Expect::kRequest:
+      return IsRequest(type) && !handoff;
+    case Expect::kReply:
+      return !IsRequest(type) && !handoff;
+    case Expect::kKeeperRequest:
+      return IsRequest(type) && handoff;
+    case Expect::kKeeperReply:
+      return (!IsRequest(type) && handoff) || type == MessageType::kError;
+  }
+  return false;
+}
+
+std::string ExpectName(Expect expect) {
+  switch (expect) {
+    case Expect::kRequest:
+      return "a request";
+    case Expect::kReply:
+      return "a reply";
+    case Expect::kKeeperRequest:
+      return "a keeper request";
+    case Expect::kKeeperReply:
+      return "a keeper reply";
+  }
+  return "a frame";
+}
+
 std::string Hex32(uint32_t v) {
   static const char kDigits[] = "0123456789abcdef";
   std::string out = "0x";
@@ -58,19 +89,40 @@ std::string MessageTypeName(MessageType type) {
       return "PublishCommit";
     case MessageType::kPublishCommitted:
       return "PublishCommitted";
+    case MessageType::kDeposit:
+      return "Deposit";
+    case MessageType::kDepositReply:
+      return "DepositReply";
+    case MessageType::kWithdraw:
+      return "Withdraw";
+    case MessageType::kWithdrawReply:
+      return "WithdrawReply";
+    case MessageType::kQuery:
+      return "Query";
+    case MessageType::kQueryReply:
+      return "QueryReply";
+    case MessageType::kDrop:
+      return "Drop";
+    case MessageType::kDropReply:
+      return "DropReply";
   }
   return "type " + std::to_string(static_cast<uint16_t>(type));
 }
 
 bool IsKnownMessageType(uint16_t type) {
-  return type >= static_cast<uint16_t>(MessageType::kHello) &&
-         type <= static_cast<uint16_t>(MessageType::kPublishCommitted);
+  return (type >= static_cast<uint16_t>(MessageType::kHello) &&
+          type <= static_cast<uint16_t>(MessageType::kPublishCommitted)) ||
+         (type >= kFirstHandoffType && type <= static_cast<uint16_t>(MessageType::kDropReply));
 }
+
+bool IsHandoffType(MessageType type) { return static_cast<uint16_t>(type) >= kFirstHandoffType; }
 
 bool IsRequest(MessageType type) {
   return type == MessageType::kHello || type == MessageType::kStatus ||
          type == MessageType::kAttach || type == MessageType::kStop ||
-         type == MessageType::kPublishBegin || type == MessageType::kPublishCommit;
+         type == MessageType::kPublishBegin || type == MessageType::kPublishCommit ||
+         type == MessageType::kDeposit || type == MessageType::kWithdraw ||
+         type == MessageType::kQuery || type == MessageType::kDrop;
 }
 
 // The replies that carry an arena's fds (the manifest memfd first, then one per allocation).
@@ -79,6 +131,7 @@ bool CarriesArena(MessageType type) {
 }
 
 uint64_t MaxPayloadFor(MessageType type) {
+  if (IsHandoffType(type)) return kMaxHandoffPayload;
   if (type == MessageType::kPublishBegin || type == MessageType::kPublishCommit) {
     return kMaxPublishRequestPayload;
   }
@@ -87,7 +140,14 @@ uint64_t MaxPayloadFor(MessageType type) {
   return kMaxControlReplyPayload;
 }
 
-uint32_t MaxFdsFor(MessageType type) { return CarriesArena(type) ? kMaxFdsPerFrame : 0; }
+// An arena's fds travel on the attach and publish replies and on the keeper's deposit and
+// withdraw reply; no other frame takes any.
+uint32_t MaxFdsFor(MessageType type) {
+  return CarriesArena(type) || type == MessageType::kDeposit ||
+                 type == MessageType::kWithdrawReply
+             ? kMaxFdsPerFrame
+             : 0;
+}
 
 Result<FrameHeader> DecodeFrameHeader(std::span<const uint8_t> bytes, Expect expect) {
   if (bytes.size() < kFrameHeaderSize) {
@@ -112,14 +172,20 @@ Result<FrameHeader> DecodeFrameHeader(std::span<const uint8_t> bytes, Expect exp
   }
   h.type = static_cast<MessageType>(type);
   // Error frames are frozen across versions, so any version's Error is readable.
-  if (h.version != kProtocolVersion && !(h.type == MessageType::kError && h.version >= 1)) {
+  if (IsHandoffType(h.type) && h.version != kHandoffVersion) {
+    return ProtocolError("unsupported handoff version " + std::to_string(h.version) + " in " +
+                         MessageTypeName(h.type) + " (this build speaks handoff version " +
+                         std::to_string(kHandoffVersion) + ")");
+  }
+  if (!IsHandoffType(h.type) && h.version != kProtocolVersion &&
+      !(h.type == MessageType::kError && h.version >= 1)) {
     return ProtocolError("unsupported protocol version " + std::to_string(h.version) +
                          " (this build speaks version " + std::to_string(kProtocolVersion) + ")");
   }
   if (flags != 0) return ProtocolError("unknown frame flags " + Hex32(flags));
-  if (IsRequest(h.type) != (expect == Expect::kRequest)) {
-    return ProtocolError("unexpected " + MessageTypeName(h.type) + " frame: expected a " +
-                         (expect == Expect::kRequest ? "request" : "reply"));
+  if (!Accepts(expect, h.type)) {
+    return ProtocolError("unexpected " + MessageTypeName(h.type) + " frame: expected " +
+                         ExpectName(expect));
   }
   if (h.payload_length > MaxPayloadFor(h.type)) {
     return ProtocolError(MessageTypeName(h.type) + " frame payload of " +
@@ -149,7 +215,7 @@ Result<std::vector<uint8_t>> EncodeFrame(MessageType type, std::span<const uint8
   std::vector<uint8_t> out;
   out.reserve(kFrameHeaderSize + payload.size());
   out.insert(out.end(), std::begin(kFrameMagic), std::end(kFrameMagic));
-  wire::PutU16(out, kProtocolVersion);
+  wire::PutU16(out, IsHandoffType(type) ? kHandoffVersion : kProtocolVersion);
   wire::PutU16(out, static_cast<uint16_t>(type));
   wire::PutU32(out, 0);
   wire::PutU32(out, fd_count);

@@ -22,6 +22,13 @@
 // mismatch. Any malformed frame fails with kProtocol and a specific message; the receiver then
 // closes that connection only.
 //
+// Handoff frames (types 32 and up, handoff.h, docs/protocol.md §8) travel between a daemon and
+// its keeper (docs/keeper.md). They carry kHandoffVersion in the version field instead of
+// kProtocolVersion, so that a keeper and a daemon of another build can still hand over; only
+// a keeper reads handoff requests (Expect::kKeeperRequest), and only a keeper's client their
+// replies (Expect::kKeeperReply). A daemon's reader (Expect::kRequest) still accepts no fds
+// and no handoff type at all.
+//
 // Thread-safety: the codec functions are pure; FrameReader/FrameWriter are per-connection,
 // single-threaded objects. Ownership: a Frame owns its payload and the fds received with it.
 #pragma once
@@ -51,6 +58,11 @@ inline constexpr uint64_t kMaxAttachReplyPayload = uint64_t{64} * 1024;
 // tensor's checksum) grow with the tensor count: ~160k tensors of 100-byte names fit.
 inline constexpr uint64_t kMaxPublishRequestPayload = uint64_t{16} << 20;
 inline constexpr uint32_t kMaxFdsPerFrame = static_cast<uint32_t>(os::kMaxFdsPerMessage);
+// The version of the handoff messages (types >= kFirstHandoffType), independent of
+// kProtocolVersion; the payload bound of every handoff frame.
+inline constexpr uint16_t kHandoffVersion = 1;
+inline constexpr uint16_t kFirstHandoffType = 32;
+inline constexpr uint64_t kMaxHandoffPayload = uint64_t{64} * 1024;
 
 enum class MessageType : uint16_t {
   kHello = 1,
@@ -66,6 +78,16 @@ enum class MessageType : uint16_t {
   kPublishArena = 11,      // daemon → client: the arena to fill (AttachReply's layout, fds)
   kPublishCommit = 12,     // client → daemon: the checksums; the daemon verifies and seals
   kPublishCommitted = 13,  // daemon → client: the cache is ready with the published tensors
+
+  // Keeper handoff (handoff.h), from kFirstHandoffType up: daemon types stay below 32.
+  kDeposit = 32,
+  kDepositReply = 33,
+  kWithdraw = 34,
+  kWithdrawReply = 35,
+  kQuery = 36,
+  kQueryReply = 37,
+  kDrop = 38,
+  kDropReply = 39,
 };
 
 // "Hello", "AttachReply", ...; "type <n>" for values outside the enum.
@@ -76,11 +98,14 @@ uint64_t MaxPayloadFor(MessageType type);
 uint32_t MaxFdsFor(MessageType type);
 
 // Which side is reading: a daemon accepts only requests (and so never allocates for a reply
-// type's larger bound, and never accepts fds); a client accepts only replies.
-enum class Expect { kRequest, kReply };
+// type's larger bound, and never accepts fds); a client accepts only replies. A keeper accepts
+// only handoff requests (Deposit carries fds), its client only handoff replies and Error.
+enum class Expect { kRequest, kReply, kKeeperRequest, kKeeperReply };
 bool IsRequest(MessageType type);
 // AttachReply and PublishArena: the manifest memfd and one fd per allocation.
 bool CarriesArena(MessageType type);
+// Types 32 and up: the keeper's, versioned by kHandoffVersion.
+bool IsHandoffType(MessageType type);
 
 struct FrameHeader {
   uint16_t version = kProtocolVersion;

@@ -15,6 +15,7 @@
 #include "os/fd_passing.h"
 #include "os/unix_socket.h"
 #include "protocol/frame.h"
+#include "protocol/handoff.h"
 #include "protocol/manifest.h"
 #include "protocol/messages.h"
 
@@ -109,6 +110,12 @@ void DecodePayloadEverywhere(std::span<const uint8_t> payload) {
   if (manifest.ok()) CheckManifest(*manifest);
   (void)DecodeAttachReply(
       Frame{MessageType::kAttachReply, std::vector<uint8_t>(payload.begin(), payload.end()), {}});
+  // The keeper handoff (handoff.h): without fds no deposit can be accepted.
+  Check(!DecodeHandoff(
+             Frame{MessageType::kDeposit, std::vector<uint8_t>(payload.begin(), payload.end()), {}})
+             .ok());
+  RoundTrip(payload, DecodeQueryReply, EncodeQueryReply);
+  RoundTrip(payload, DecodeWithdraw, [](const std::string& d) { return EncodeWithdraw(d); });
 }
 
 void ReadAsStream(std::span<const uint8_t> data, Expect expect) {
@@ -130,7 +137,8 @@ void ReadAsStream(std::span<const uint8_t> data, Expect expect) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::span<const uint8_t> input(data, size);
-  for (Expect expect : {Expect::kRequest, Expect::kReply}) {
+  for (Expect expect :
+       {Expect::kRequest, Expect::kReply, Expect::kKeeperRequest, Expect::kKeeperReply}) {
     auto header = DecodeFrameHeader(input, expect);
     if (header.ok()) {
       Check(header->payload_length <= MaxPayloadFor(header->type));
@@ -142,5 +150,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   DecodeAsAttachReply(input);
   ReadAsStream(input, Expect::kRequest);
   ReadAsStream(input, Expect::kReply);
+  ReadAsStream(input, Expect::kKeeperRequest);
   return 0;
 }

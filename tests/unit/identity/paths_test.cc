@@ -218,6 +218,38 @@ TEST(CachePathsTest, ExplicitSocketAtTheLayoutPathSharesTheLayoutLock) {
   EXPECT_EQ(by_layout->lock, LockPathFor(by_layout->socket));
 }
 
+// The keeper's paths (docs/keeper.md) come from the socket by one rule, layout or explicit.
+TEST(CachePathsTest, KeeperSocketAndLockSitNextToTheCacheSocket) {
+  PathOptions o = Options({});
+  o.runtime_dir_flag = "/rt";
+  Result<CachePaths> layout = ResolveCachePaths(Config(), TestUuid(1), o);
+  ASSERT_TRUE(layout.ok()) << layout.status().ToString();
+  const std::string stem = layout->device_dir + "/" + layout->digest.substr(0, 16);
+  EXPECT_EQ(layout->keeper_socket, stem + ".keeper.sock");
+  EXPECT_EQ(layout->keeper_lock, stem + ".keeper.lock");
+  EXPECT_EQ(layout->keeper_socket, KeeperSocketFor(layout->socket));
+  EXPECT_EQ(layout->keeper_lock, LockPathFor(layout->keeper_socket));
+  o.socket_flag = "/srv/wc/only.socket";  // a name without .sock keeps its whole name
+  Result<CachePaths> literal = ResolveCachePaths(Config(), TestUuid(1), o);
+  ASSERT_TRUE(literal.ok()) << literal.status().ToString();
+  EXPECT_EQ(literal->keeper_socket, "/srv/wc/only.socket.keeper.sock");
+  EXPECT_EQ(literal->keeper_lock, "/srv/wc/only.socket.keeper.lock");
+  EXPECT_TRUE(IsKeeperSocket(layout->keeper_socket));
+  EXPECT_FALSE(IsKeeperSocket(layout->socket));
+}
+
+// A socket at the limit is still served; only its keeper is off (7 more bytes would not fit).
+TEST(CachePathsTest, KeeperPathOverTheSunPathLimitLeavesTheCacheWithoutAKeeper) {
+  const std::string tail = "/default/" + TestUuid(0) + "/0123456789abcdef.sock";
+  PathOptions o = Options({});
+  o.runtime_dir_flag = "/" + std::string(os::kMaxUnixPathLength - tail.size() - 1, 'r');
+  Result<CachePaths> at_limit = ResolveCachePaths(Config(), TestUuid(0), o);
+  ASSERT_TRUE(at_limit.ok()) << at_limit.status().ToString();
+  EXPECT_EQ(at_limit->socket.size(), os::kMaxUnixPathLength);
+  EXPECT_EQ(at_limit->keeper_socket, "");
+  EXPECT_EQ(at_limit->keeper_lock, "");
+}
+
 TEST(CachePathsTest, SocketPathOverTheSunPathLimitIsRefusedAtResolution) {
   // /<pad>/weightcache... : pick a runtime dir that makes the socket exactly 107, then 108.
   const std::string tail = "/default/" + TestUuid(0) + "/0123456789abcdef.sock";
@@ -369,6 +401,7 @@ TEST(ListSocketsTest, ListsOnlySocketsNamedDotSock) {
   BindSocket(p.device_dir + "/bbbbbbbbbbbbbbbb.sock");
   BindSocket(p.device_dir + "/aaaaaaaaaaaaaaaa.sock");
   BindSocket(p.device_dir + "/other.socket");
+  BindSocket(p.device_dir + "/aaaaaaaaaaaaaaaa.keeper.sock");  // a keeper's: not a cache
   WriteFile(p.device_dir + "/cccccccccccccccc.sock", "not a socket");
   WriteFile(p.device_dir + "/aaaaaaaaaaaaaaaa.lock", "");
   Result<std::vector<std::string>> sockets = ListCacheSockets(p.device_dir);

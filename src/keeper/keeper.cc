@@ -1,0 +1,303 @@
+#include "keeper/keeper.h"
+
+#include <poll.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "common/logging.h"
+#include "os/unix_socket.h"
+#include "protocol/messages.h"
+
+namespace weightcache::keeper {
+namespace {
+
+// A reply is a few bytes (a WithdrawReply: 96 + the config JSON, and its fds): a fresh socket's
+// buffer takes it at once, so a peer that lets it sit this long is not reading.
+constexpr std::chrono::milliseconds kReplyTimeout{1000};
+// After a failed accept (no fds): the listener rests this long instead of spinning.
+constexpr std::chrono::milliseconds kAcceptPause{100};
+
+std::string Short(const std::string& digest) { return digest.substr(0, 16); }
+
+}  // namespace
+
+struct Keeper::Connection {
+  Connection(UniqueFd socket, os::PeerCred cred, Clock::time_point deadline_at)
+      : fd(std::move(socket)), peer(cred), deadline(deadline_at) {}
+  UniqueFd fd;
+  os::PeerCred peer;
+  protocol::FrameReader reader{protocol::Expect::kKeeperRequest};
+  Clock::time_point deadline;  // closed when no complete request arrives by then
+};
+
+Result<std::unique_ptr<Keeper>> Keeper::Create(KeeperOptions options) {
+  auto lock = os::LockFile::TryAcquire(options.lock);
+  if (!lock.ok() && lock.status().code() == StatusCode::kAlreadyServed) {
+    const std::optional<pid_t> owner = os::ReadLockOwner(options.lock);
+    return Status(StatusCode::kAlreadyServed,
+                  "keeper " + options.socket + ": another keeper" +
+                      (owner ? " (pid " + std::to_string(*owner) + ")" : "") +
+                      " already holds this cache's lock " + options.lock);
+  }
+  if (!lock.ok()) {
+    Status status = lock.status();
+    return status.Context("keeper " + options.socket);
+  }
+  struct stat st {};
+  if (::lstat(options.socket.c_str(), &st) == 0 && !S_ISSOCK(st.st_mode)) {
+    return InvalidArgument(options.socket + " exists and is not a socket; refusing to replace it");
+  }
+  // We hold the lock, so a socket already there is a dead keeper's: ListenUnix renames over it.
+  const mode_t mode = options.allow_uids.empty() ? 0600 : 0666;
+  auto listener = os::ListenUnix(options.socket, mode, os::Blocking::kNonBlocking);
+  if (!listener.ok()) {
+    Status status = listener.status();
+    return status.Context("publishing keeper socket " + options.socket);
+  }
+  return std::unique_ptr<Keeper>(
+      new Keeper(std::move(options), std::move(lock).value(), std::move(listener).value()));
+}
+
+Keeper::Keeper(KeeperOptions options, os::LockFile lock, UniqueFd listener)
+    : options_(std::move(options)),
+      lock_(std::move(lock)),
+      listener_(std::move(listener)),
+      started_(Clock::now()) {}
+
+Keeper::~Keeper() {
+  // The path first, while the listener and the lock are still ours: nobody finds our socket
+  // with its lock free while we could still answer on it.
+  if (::unlink(options_.socket.c_str()) != 0 && errno != ENOENT) {
+    LOG_WARN << "could not remove keeper socket " << options_.socket << ": "
+             << std::strerror(errno);
+  }
+}
+
+bool Keeper::PeerAllowed(uid_t uid) const {
+  return uid == ::geteuid() || std::find(options_.allow_uids.begin(), options_.allow_uids.end(),
+                                         uid) != options_.allow_uids.end();
+}
+
+Status Keeper::Run(int signal_fd) {
+  std::optional<Clock::time_point> accept_paused_until;
+  while (!dropped_) {
+    Clock::time_point now = Clock::now();
+    if (!deposit_ && now - started_ >= options_.deposit_timeout) {
+      return Status(StatusCode::kTimeout,
+                    "keeper " + options_.socket + ": no deposit arrived within " +
+                        std::to_string(options_.deposit_timeout.count()) + " ms");
+    }
+    std::erase_if(connections_, [&](const std::unique_ptr<Connection>& c) {
+      if (now < c->deadline) return false;
+      LOG_WARN << "keeper: closing an idle connection from pid " << c->peer.pid;
+      return true;
+    });
+    if (accept_paused_until && now >= *accept_paused_until) accept_paused_until.reset();
+
+    Clock::time_point wake =
+        deposit_ ? Clock::time_point::max() : started_ + options_.deposit_timeout;
+    for (const auto& c : connections_) wake = std::min(wake, c->deadline);
+    if (accept_paused_until) wake = std::min(wake, *accept_paused_until);
+
+    std::vector<pollfd> fds;
+    fds.push_back({accept_paused_until ? -1 : listener_.get(), POLLIN, 0});
+    fds.push_back({signal_fd, POLLIN, 0});
+    for (const auto& c : connections_) fds.push_back({c->fd.get(), POLLIN, 0});
+    int timeout_ms = -1;
+    if (wake != Clock::time_point::max()) {
+      auto left = std::chrono::ceil<std::chrono::milliseconds>(wake - now).count();
+      timeout_ms = static_cast<int>(std::clamp<int64_t>(left, 0, 60'000));
+    }
+    if (::poll(fds.data(), fds.size(), timeout_ms) < 0) {
+      if (errno == EINTR) continue;
+      return IoError("keeper poll", errno);
+    }
+    if (signal_fd >= 0 && fds[1].revents != 0) {
+      signalfd_siginfo info{};
+      if (::read(signal_fd, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
+        LOG_INFO << "keeper " << options_.socket << ": "
+                 << ::strsignal(static_cast<int>(info.ssi_signo)) << ", releasing "
+                 << (deposit_ ? "the deposit" : "nothing") << " and exiting";
+        return Status::Ok();
+      }
+    }
+    // Connections first (their indices are fixed until AcceptAll adds more).
+    std::vector<Connection*> closing;
+    for (size_t i = 0; i < connections_.size(); ++i) {
+      if (fds[2 + i].revents == 0) continue;
+      if (!OnReadable(*connections_[i]) || dropped_) closing.push_back(connections_[i].get());
+      if (dropped_) break;
+    }
+    std::erase_if(connections_, [&](const std::unique_ptr<Connection>& c) {
+      return std::find(closing.begin(), closing.end(), c.get()) != closing.end();
+    });
+    if (dropped_) break;
+    if (fds[0].revents != 0) {
+      AcceptAll();
+      if (connections_.size() > options_.max_connections) {
+        accept_paused_until = Clock::now() + kAcceptPause;
+      }
+    }
+  }
+  LOG_INFO << "keeper " << options_.socket << ": dropped, exiting";
+  return Status::Ok();
+}
+
+void Keeper::AcceptAll() {
+  while (connections_.size() <= options_.max_connections) {
+    auto accepted = os::AcceptConnection(listener_.get(), os::Blocking::kNonBlocking);
+    if (!accepted.ok()) {
+      LOG_WARN << "keeper: accept failed: " << accepted.status().ToString();
+      return;
+    }
+    if (!accepted->has_value()) return;
+    UniqueFd fd = std::move(**accepted);
+    auto cred = os::PeerCredentials(fd.get());
+    if (!cred.ok()) continue;
+    auto conn = std::make_unique<Connection>(std::move(fd), *cred,
+                                             Clock::now() + options_.connection_timeout);
+    if (!PeerAllowed(cred->uid)) {
+      LOG_WARN << "keeper: refused pid " << cred->pid << " uid " << cred->uid;
+      Refuse(*conn, PermissionDenied("peer pid " + std::to_string(cred->pid) + " uid " +
+                                     std::to_string(cred->uid) + " is not allowed by keeper pid " +
+                                     std::to_string(::getpid()) + " (same uid " +
+                                     std::to_string(::geteuid()) + " or --allow-uid required)"));
+      continue;
+    }
+    connections_.push_back(std::move(conn));
+  }
+}
+
+bool Keeper::OnReadable(Connection& conn) {
+  while (true) {
+    auto frame = conn.reader.ReadAvailable(conn.fd.get());
+    if (!frame.ok()) {
+      if (frame.status().code() != StatusCode::kUnavailable) {
+        LOG_WARN << "keeper: bad frame from pid " << conn.peer.pid << ": "
+                 << frame.status().ToString();
+        Refuse(conn, frame.status());
+      }
+      return false;
+    }
+    if (!frame->has_value()) return true;
+    conn.deadline = Clock::now() + options_.connection_timeout;
+    if (!Handle(conn, std::move(**frame))) return false;
+    if (dropped_) return false;
+  }
+}
+
+bool Keeper::Reply(Connection& conn, Result<std::vector<uint8_t>> frame, std::span<const int> fds) {
+  if (!frame.ok()) {
+    LOG_ERROR << "keeper: cannot encode a reply: " << frame.status().ToString();
+    return false;
+  }
+  Status sent =
+      protocol::WriteFrame(conn.fd.get(), *frame, fds, os::Deadline::After(kReplyTimeout));
+  if (!sent.ok()) {
+    LOG_WARN << "keeper: reply to pid " << conn.peer.pid << " failed: " << sent.ToString();
+    return false;
+  }
+  return true;
+}
+
+bool Keeper::Refuse(Connection& conn, const Status& status) {
+  (void)Reply(conn, protocol::EncodeError(status));
+  return false;
+}
+
+protocol::KeeperQuery Keeper::MakeQuery() const {
+  protocol::KeeperQuery q;
+  q.keeper_pid = ::getpid();
+  const Clock::time_point since = deposit_ ? deposited_at_ : started_;
+  q.age_ms = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - since).count());
+  if (deposit_) {
+    q.state = protocol::KeeperState::kHolding;
+    q.bytes = deposit_->bytes();
+    q.fd_count = static_cast<uint32_t>(deposit_->allocations.size());
+    q.depositor_pid = deposit_->info.depositor_pid;
+    q.config_digest = deposit_->info.config_digest;
+    q.config_json = deposit_->info.config_json;
+  }
+  return q;
+}
+
+bool Keeper::Handle(Connection& conn, protocol::Frame frame) {
+  using protocol::MessageType;
+  const bool owner = conn.peer.uid == ::geteuid();
+  const std::string keeper = "keeper pid " + std::to_string(::getpid());
+  switch (frame.type) {
+    case MessageType::kDeposit: {
+      if (!owner) {
+        return Refuse(
+            conn, PermissionDenied("Deposit is accepted from uid " + std::to_string(::geteuid()) +
+                                   " only (peer pid " + std::to_string(conn.peer.pid) + " uid " +
+                                   std::to_string(conn.peer.uid) + ")"));
+      }
+      if (deposit_) {
+        return Refuse(conn, Status(StatusCode::kAlreadyServed,
+                                   keeper + " already holds cache " + deposit_->info.config_digest +
+                                       " (deposited by pid " +
+                                       std::to_string(deposit_->info.depositor_pid) + ")"));
+      }
+      auto handoff = protocol::DecodeHandoff(std::move(frame));
+      if (!handoff.ok()) {
+        LOG_WARN << "keeper: refused a deposit from pid " << conn.peer.pid << ": "
+                 << handoff.status().ToString();
+        return Refuse(conn, handoff.status());
+      }
+      deposit_ = std::move(handoff).value();
+      deposited_at_ = Clock::now();
+      LOG_INFO << "keeper " << options_.socket << ": holding cache "
+               << Short(deposit_->info.config_digest) << " (" << deposit_->allocations.size()
+               << " allocations, " << deposit_->bytes() << " bytes) from pid "
+               << deposit_->info.depositor_pid;
+      return Reply(conn, protocol::EncodeEmptyHandoff(MessageType::kDepositReply));
+    }
+    case MessageType::kWithdraw: {
+      auto digest = protocol::DecodeWithdraw(frame.payload);
+      if (!digest.ok()) return Refuse(conn, digest.status());
+      if (!deposit_) {
+        return Reply(conn, protocol::EncodeError(NotFound(keeper + " holds no deposit yet")));
+      }
+      if (*digest != deposit_->info.config_digest) {
+        return Reply(
+            conn, protocol::EncodeError(Status(
+                      StatusCode::kMismatch,
+                      "keeper holds cache " + deposit_->info.config_digest + ", not " + *digest)));
+      }
+      const std::vector<int> fds = deposit_->frame_fds();
+      return Reply(conn, protocol::EncodeWithdrawReply(deposit_->info), fds);
+    }
+    case MessageType::kQuery: {
+      Status empty = protocol::CheckEmptyHandoff(frame.type, frame.payload);
+      if (!empty.ok()) return Refuse(conn, empty);
+      return Reply(conn, protocol::EncodeQueryReply(MakeQuery()));
+    }
+    case MessageType::kDrop: {
+      Status empty = protocol::CheckEmptyHandoff(frame.type, frame.payload);
+      if (!empty.ok()) return Refuse(conn, empty);
+      if (!owner) {
+        return Refuse(
+            conn, PermissionDenied("Drop is accepted from uid " + std::to_string(::geteuid()) +
+                                   " only (peer pid " + std::to_string(conn.peer.pid) + " uid " +
+                                   std::to_string(conn.peer.uid) + ")"));
+      }
+      LOG_INFO << "keeper " << options_.socket << ": Drop from pid " << conn.peer.pid;
+      deposit_.reset();  // the fds close here: their memory goes with the last holder
+      dropped_ = true;
+      (void)Reply(conn, protocol::EncodeEmptyHandoff(MessageType::kDropReply));
+      return false;
+    }
+    default:
+      return Refuse(conn, ProtocolError("unexpected " + protocol::MessageTypeName(frame.type) +
+                                        " frame at a keeper"));
+  }
+}
+
+}  // namespace weightcache::keeper

@@ -1,0 +1,75 @@
+// What a daemon (or a tool) does with a keeper (docs/keeper.md): start one, deposit a ready
+// cache with it, withdraw and check that cache after a restart, ask what it holds, drop it.
+// The daemon's use (deposit at ready, withdraw at start, drop at stop) is the next slice; these
+// are the functions it will call.
+//
+// Contract:
+//  * Paths come from identity::CachePaths (keeper_socket, keeper_lock): the one rule lives
+//    there. A keeper whose lock is free is stale (it died; its socket is a leftover) and is
+//    treated exactly like an absent one: TryWithdraw and QueryKeeper return std::nullopt,
+//    DropKeeper kNoDaemon. They never connect to a stale socket.
+//  * SpawnKeeper starts `<program> keeper ...` detached: a double fork with setsid in between,
+//    so the keeper is not our child (init or the nearest subreaper reaps it), leads no
+//    terminal session, has no PDEATHSIG, starts with every signal unblocked and stdin/stdout
+//    on /dev/null (stderr is ours, for its few log lines). It returns once the keeper has
+//    published its socket (it says so on a pipe), with the keeper's pid, or the keeper's own
+//    start error (a live keeper for the same cache: kAlreadyServed naming its pid).
+//  * Refusals arrive as the keeper's Error: the Status of its code, message "keeper: <why>".
+//  * Every call runs under one timeout. Fds passed in are borrowed; fds returned are owned.
+//  * Thread-safe: no shared state (SpawnKeeper forks; only async-signal-safe calls run between
+//    fork and exec, so it is safe in a threaded daemon).
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "protocol/handoff.h"
+#include "weightcache/status.h"
+
+namespace weightcache::keeper {
+
+struct KeeperPaths {
+  std::string socket;
+  std::string lock;
+};
+
+struct SpawnOptions {
+  std::string program;  // the weightcache binary; "" = this process's own (/proc/self/exe)
+  std::string socket;   // KeeperPaths::socket (the keeper derives its lock by the path rule)
+  std::vector<uid_t> allow_uids;
+  std::chrono::milliseconds deposit_timeout{60'000};
+  std::chrono::milliseconds start_timeout{10'000};
+};
+// The keeper's pid.
+Result<pid_t> SpawnKeeper(const SpawnOptions& options);
+
+// Hands a ready cache to the keeper: `manifest_fd` (the sealed manifest memfd) and one fd per
+// allocation, in manifest order. The keeper's checks (protocol::DecodeHandoff) come back as
+// its Error.
+Status DepositToKeeper(const std::string& socket, const protocol::DepositInfo& info,
+                       int manifest_fd, std::span<const int> allocation_fds,
+                       std::chrono::milliseconds timeout);
+
+// The cache the keeper at `paths` holds, checked (protocol::DecodeHandoff, then
+// protocol::CheckAdoptable against `adopt`): std::nullopt when there is no live keeper; an
+// error — nothing adopted — when there is one but it holds nothing (kNotFound), another cache
+// (kMismatch naming both digests), or anything that fails a check.
+Result<std::optional<protocol::Handoff>> TryWithdraw(const KeeperPaths& paths,
+                                                     const protocol::AdoptOptions& adopt,
+                                                     std::chrono::milliseconds timeout,
+                                                     const protocol::FdCheck& gpu_fd_check = {});
+
+// What the keeper at `paths` holds; std::nullopt when there is no live keeper.
+Result<std::optional<protocol::KeeperQuery>> QueryKeeper(const KeeperPaths& paths,
+                                                         std::chrono::milliseconds timeout);
+
+// Tells the keeper its cache is dead: it closes the fds and exits. kNoDaemon when there is no
+// live keeper.
+Status DropKeeper(const KeeperPaths& paths, std::chrono::milliseconds timeout);
+
+}  // namespace weightcache::keeper
