@@ -8,6 +8,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "common/hash.h"
+#include "identity/fingerprint_cache.h"
 #include "os/read_file.h"
 
 namespace weightcache::identity {
@@ -162,10 +163,17 @@ Result<ResolvedIdentity> ResolveIdentity(const IdentityOptions& options, const E
   std::string fingerprint = options.checkpoint_fingerprint;
   std::string files_digest;
   if (fingerprint.empty()) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint ckpt,
-                                 checkpoint::Checkpoint::Open(options.model_dir));
-    fingerprint = ckpt.fingerprint();
-    files_digest = ckpt.files_digest();
+    // The verified per-user cache (fingerprint_cache.h) in the runtime dir; an unusable
+    // runtime dir only disables it (ResolveCachePaths below reports a bad one).
+    FingerprintCacheOptions cache;
+    if (Result<RuntimeDir> runtime = ResolveRuntimeDir(options.runtime_dir, env.lookup);
+        runtime.ok()) {
+      cache.runtime_dir = runtime->path;
+    }
+    WEIGHTCACHE_ASSIGN_OR_RETURN(CheckpointIdentity ckpt,
+                                 CheckpointIdentityOf(options.model_dir, cache));
+    fingerprint = std::move(ckpt.fingerprint);
+    files_digest = std::move(ckpt.files_digest);
   } else {
     WEIGHTCACHE_ASSIGN_OR_RETURN(files_digest,
                                  checkpoint::CheckpointFilesDigest(options.model_dir));
