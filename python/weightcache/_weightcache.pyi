@@ -298,7 +298,8 @@ class Attachment:
         Run callback() once when the daemon goes away (on the client's watcher thread). Never runs for a fallback attachment.
         """
 
-    def names(self) -> list[str]: ...
+    def names(self) -> list[str]:
+        """Every tensor's name, sorted, built in one pass (no Tensor objects)."""
 
     def tensors(self) -> list[Tensor]:
         """Every tensor, sorted by name."""
