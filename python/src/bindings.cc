@@ -360,7 +360,8 @@ PyAttachment* Attach(const AttachOptions& options) {
 
 // ---- bulk views (load_state_dict) -------------------------------------------------------------
 // A state dict of 10,000 tensors cannot afford a DLPack export and a few Python calls per
-// tensor. ViewPlan describes the table so that Python builds every tensor with the fewest calls:
+// tensor. ViewPlan describes the table so that Python builds every tensor with the fewest calls.
+// It returns (regions, runs, names, rest, order):
 //  * regions: the memory, as few uint8 exports as possible. Tensors sorted by address are one
 //    region while the gap to the next is under kRegionGap bytes: every byte of such a gap lies
 //    on a page that also holds a tensor byte, so the whole region is mapped (host pages are 4
@@ -368,35 +369,84 @@ PyAttachment* Attach(const AttachOptions& options) {
 //  * runs: tensors of one region, dtype and shape whose names differ only in their numbers
 //    (model.layers.#.mlp.up_proj.weight) and whose addresses step by a constant `delta`: one
 //    as_strided((count, *shape), (delta, *strides)) over the region viewed as the dtype, then
-//    unbind(0), builds them all. A tensor that fits no run is a run of one.
-//  * each run is (region, dtype, element bytes, count, shape, strides in elements, offset of the
-//    first from the region in bytes, delta in bytes (0 for a run of one), names);
-//  * rest: what no view of a dtype-typed region can express (F4/F6, zero bytes, an offset not a
-//    multiple of the element size): Python takes the per-tensor path for those.
+//    unbind(0), builds them all. A tensor that fits no run is a run of one. Each run is
+//    (region, dtype, element bytes, count, shape, strides in elements, offset of its first
+//    tensor from the region in bytes, delta in bytes: 0 for a run of one).
+//  * names: the runs' tensor names, run after run, then the rest's;
+//  * rest: how many names at the end of `names` no view of a dtype-typed region can express
+//    (F4/F6, zero bytes, an offset not a multiple of the element size): Python takes the
+//    per-tensor path for those;
+//  * order: every name in table (name) order. The same str objects as in `names`, so Python's
+//    reordering reuses their cached hashes.
 // Correctness never depends on the name grouping: every run is checked against the addresses.
 constexpr uint64_t kRegionGap = 4096;
+
+bool IsDigit(char c) { return c >= '0' && c <= '9'; }
+
+// FNV-1a over the name with every run of digits as one '#'.
+uint64_t PatternHash(std::string_view name, uint64_t h) {
+  for (size_t c = 0; c < name.size(); ++c) {
+    const bool digit = IsDigit(name[c]);
+    if (digit && c > 0 && IsDigit(name[c - 1])) continue;
+    h = (h ^ static_cast<uint8_t>(digit ? '#' : name[c])) * 1099511628211ULL;
+  }
+  return h;
+}
+
+bool SamePattern(std::string_view a, std::string_view b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (IsDigit(a[i]) && IsDigit(b[j])) {
+      while (i < a.size() && IsDigit(a[i])) ++i;
+      while (j < b.size() && IsDigit(b[j])) ++j;
+    } else if (a[i++] != b[j++]) {
+      return false;
+    }
+  }
+  return i == a.size() && j == b.size();
+}
 
 nb::tuple ViewPlan(nb::handle self) {
   const auto& a = nb::cast<const PyAttachment&>(self);
   const std::vector<TensorInfo>& tensors = a.infos();
   const bool host = a.get().tier() == Tier::kHost;
+  const size_t n = tensors.size();
+
+  // Each name as one str, shared by `names` and `order`.
+  nb::list order = nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(n)));
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* name = PyUnicode_FromStringAndSize(tensors[i].name.data(),
+                                                 static_cast<Py_ssize_t>(tensors[i].name.size()));
+    if (name == nullptr) throw nb::python_error();
+    PyList_SET_ITEM(order.ptr(), static_cast<Py_ssize_t>(i), name);
+  }
+  nb::list names = nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(n)));
+  size_t placed = 0;
+  const auto place = [&](uint32_t i) {
+    PyObject* name = PyList_GET_ITEM(order.ptr(), static_cast<Py_ssize_t>(i));
+    Py_INCREF(name);
+    PyList_SET_ITEM(names.ptr(), static_cast<Py_ssize_t>(placed++), name);
+  };
 
   std::vector<uint32_t> by_address;
-  nb::list rest;
-  for (uint32_t i = 0; i < tensors.size(); ++i) {
+  std::vector<uint32_t> rest;
+  by_address.reserve(n);
+  std::vector<const DTypeInfo*> dtype_of(n, nullptr);
+  for (uint32_t i = 0; i < n; ++i) {
     const DTypeInfo* d = FindDType(tensors[i].dtype);
     if (d == nullptr || !d->native || tensors[i].nbytes == 0) {
-      rest.append(nb::str(tensors[i].name.data(), tensors[i].name.size()));
+      rest.push_back(i);
     } else {
+      dtype_of[i] = d;
       by_address.push_back(i);
     }
   }
   std::sort(by_address.begin(), by_address.end(),
             [&](uint32_t x, uint32_t y) { return tensors[x].data < tensors[y].data; });
 
-  // Regions: [begin, end) address ranges; region_of[i] for each tensor in by_address order.
+  // Regions: [begin, end) address ranges.
   std::vector<std::pair<uint64_t, uint64_t>> regions;
-  std::vector<uint32_t> region_of(tensors.size(), 0);
+  std::vector<uint32_t> region_of(n, 0);
   for (uint32_t i : by_address) {
     const TensorInfo& t = tensors[i];
     if (regions.empty() || t.data < regions.back().second ||
@@ -408,28 +458,37 @@ nb::tuple ViewPlan(nb::handle self) {
     region_of[i] = static_cast<uint32_t>(regions.size() - 1);
   }
 
-  // Groups: (region, dtype, shape, name with its digit runs as '#'), in address order.
-  std::unordered_map<std::string, size_t> group_index;
+  // Groups: (region, dtype, shape, name pattern), each in address order. Keyed by a hash; a
+  // collision (another key, same hash) probes on.
+  const auto same_key = [&](uint32_t x, uint32_t y) {
+    const TensorInfo& p = tensors[x];
+    const TensorInfo& q = tensors[y];
+    return region_of[x] == region_of[y] && dtype_of[x] == dtype_of[y] &&
+           std::equal(p.shape.begin(), p.shape.end(), q.shape.begin(), q.shape.end()) &&
+           SamePattern(p.name, q.name);
+  };
+  std::unordered_map<uint64_t, uint32_t> group_index;
+  group_index.reserve(n);
   std::vector<std::vector<uint32_t>> groups;
-  std::string key;
   for (uint32_t i : by_address) {
     const TensorInfo& t = tensors[i];
-    key.assign(reinterpret_cast<const char*>(&region_of[i]), sizeof(uint32_t));
-    key.append(t.dtype);
-    key.push_back('\0');
-    key.append(reinterpret_cast<const char*>(t.shape.data()), t.shape.size() * sizeof(int64_t));
-    key.push_back('\0');
-    for (size_t c = 0; c < t.name.size(); ++c) {
-      const bool digit = t.name[c] >= '0' && t.name[c] <= '9';
-      if (!digit) {
-        key.push_back(t.name[c]);
-      } else if (c == 0 || !(t.name[c - 1] >= '0' && t.name[c - 1] <= '9')) {
-        key.push_back('#');
+    uint64_t h = 14695981039346656037ULL;
+    h = (h ^ region_of[i]) * 1099511628211ULL;
+    h = (h ^ reinterpret_cast<uintptr_t>(dtype_of[i])) * 1099511628211ULL;
+    for (int64_t d : t.shape) h = (h ^ static_cast<uint64_t>(d)) * 1099511628211ULL;
+    h = PatternHash(t.name, h);
+    while (true) {
+      auto [it, inserted] = group_index.try_emplace(h, static_cast<uint32_t>(groups.size()));
+      if (inserted) {
+        groups.emplace_back(1, i);
+        break;
       }
+      if (same_key(groups[it->second][0], i)) {
+        groups[it->second].push_back(i);
+        break;
+      }
+      ++h;
     }
-    auto [it, inserted] = group_index.try_emplace(key, groups.size());
-    if (inserted) groups.emplace_back();
-    groups[it->second].push_back(i);
   }
 
   nb::list runs;
@@ -440,20 +499,22 @@ nb::tuple ViewPlan(nb::handle self) {
   };
   for (const std::vector<uint32_t>& group : groups) {
     const TensorInfo& t0 = tensors[group[0]];
-    const DTypeInfo& d = *FindDType(t0.dtype);
-    const uint64_t element = d.bits / 8;
+    const uint64_t element = dtype_of[group[0]]->bits / 8;
     const uint64_t base = regions[region_of[group[0]]].first;
+    const nb::tuple shape = tuple_of(t0.shape);
+    const nb::tuple strides = tuple_of(t0.strides);
+    const nb::str dtype(t0.dtype.data(), t0.dtype.size());
     size_t start = 0;
     while (start < group.size()) {
       const TensorInfo& first = tensors[group[start]];
       const uint64_t offset = first.data - base;
       if (offset % element != 0) {
-        rest.append(nb::str(first.name.data(), first.name.size()));
+        rest.push_back(group[start]);
         ++start;
         continue;
       }
-      // Extend while the step stays the same, is a whole number of elements and does not make
-      // the views overlap.
+      // Extend while the step stays the same, is a whole number of elements and keeps the
+      // views apart.
       size_t end = start + 1;
       uint64_t delta = 0;
       if (end < group.size()) {
@@ -463,21 +524,19 @@ nb::tuple ViewPlan(nb::handle self) {
                  tensors[group[end]].data - tensors[group[end - 1]].data == delta) {
             ++end;
           }
-        } else {
-          delta = 0;
         }
       }
       if (end - start == 1) delta = 0;
-      nb::list names;
-      for (size_t k = start; k < end; ++k) {
-        names.append(nb::str(tensors[group[k]].name.data(), tensors[group[k]].name.size()));
-      }
-      runs.append(nb::make_tuple(static_cast<size_t>(region_of[group[start]]),
-                                 std::string(t0.dtype), element, end - start, tuple_of(first.shape),
-                                 tuple_of(first.strides), offset, delta, names));
+      for (size_t k = start; k < end; ++k) place(group[k]);
+      runs.append(nb::make_tuple(static_cast<size_t>(region_of[group[start]]), dtype, element,
+                                 end - start, shape, strides, offset, delta));
       start = end;
     }
   }
+  for (uint32_t i : rest) place(i);
+  if (placed != n)
+    throw std::logic_error("ViewPlan placed " + std::to_string(placed) + " of " +
+                           std::to_string(n) + " tensors");
 
   // One uint8 export per region, each holding the Attachment (its owner) like every export.
   nb::list exports;
@@ -494,7 +553,7 @@ nb::tuple ViewPlan(nb::handle self) {
                                               nb::device::cuda::value, a.cuda_device())));
     }
   }
-  return nb::make_tuple(exports, runs, rest);
+  return nb::make_tuple(exports, runs, names, rest.size(), order);
 }
 
 std::vector<std::string> DTypeNames() {
@@ -737,8 +796,8 @@ NB_MODULE(_weightcache, m) {
   m.def("attach", &Attach, "options"_a, nb::rv_policy::take_ownership,
         "Attach as AttachOptions say; raises a weightcache.errors exception on failure.");
   m.def("_view_plan", &ViewPlan, "attachment"_a,
-        "(regions, runs, rest): how weightcache.load_state_dict builds every tensor as a view of "
-        "a few region exports (bindings.cc, ViewPlan).");
+        "(regions, runs, names, rest, order): how weightcache.load_state_dict builds every "
+        "tensor as a view of a few region exports (bindings.cc, ViewPlan).");
   m.def("dtype_names", &DTypeNames, "Every safetensors dtype this module knows.");
   m.def("status_codes", &StatusCodes,
         "One row per status code: (value, name, code, exit_code, python_class), from the C++ "

@@ -211,7 +211,7 @@ def _torch_views(torch: Any, att: Attachment) -> Dict[str, "torch.Tensor"]:
     once per dtype, then one ``as_strided`` per run of same-shaped, evenly spaced tensors,
     ``unbind`` into its members (bindings.cc, ViewPlan). Every tensor is a view of its region,
     which holds the Attachment. What no dtype view can express takes the per-tensor path."""
-    regions, runs, rest = _view_plan(att)
+    regions, runs, names, rest, order = _view_plan(att)
     if att.tier == "host":
         import numpy as np
 
@@ -221,31 +221,26 @@ def _torch_views(torch: Any, att: Attachment) -> Dict[str, "torch.Tensor"]:
     else:
         bases = [torch.from_dlpack(r) for r in regions]
     typed: Dict[Any, Any] = {}
-    names: list = []
     tensors: list = []
-    for region, dtype_name, size, count, shape, strides, offset, delta, run_names in runs:
+    for region, dtype_name, size, count, shape, strides, offset, delta in runs:
         key = (region, dtype_name)
         base = typed.get(key)
         if base is None:
             attr = _TORCH_DTYPES.get(dtype_name)
             dtype = getattr(torch, attr, None) if attr else None
-            if dtype is None:  # a torch without this dtype: the per-tensor path (its bytes)
-                rest.extend(run_names)
-                continue
             u8 = bases[region]
-            base = typed[key] = u8[: u8.numel() - u8.numel() % size].view(dtype)
-        if count == 1:
-            names.append(run_names[0])
+            base = typed[key] = (u8[: u8.numel() - u8.numel() % size].view(dtype)
+                                 if dtype is not None else False)
+        if base is False:  # a torch without this dtype: the per-tensor path (its bytes)
+            at = len(tensors)
+            tensors.extend(_torch_tensor(torch, att[n]) for n in names[at:at + count])
+        elif count == 1:
             tensors.append(base.as_strided(shape, strides, offset // size))
         else:
-            names.extend(run_names)
             tensors.extend(base.as_strided((count,) + shape, (delta // size,) + strides,
                                            offset // size).unbind(0))
-    for name in rest:
-        names.append(name)
-        tensors.append(_torch_tensor(torch, att[name]))
+    tensors.extend(_torch_tensor(torch, att[n]) for n in names[len(names) - rest:])
     built = dict(zip(names, tensors))
-    order = att.names()
     return dict(zip(order, map(built.__getitem__, order)))
 
 
@@ -266,20 +261,20 @@ def numpy_views(att: Attachment) -> Dict[str, Any]:
 
     if att.tier != "host":
         raise TypeError("numpy_views needs a host-tier Attachment (gpu memory: load_state_dict)")
-    regions, runs, rest = _view_plan(att)
+    regions, runs, names, rest, order = _view_plan(att)
     bases = [np.asarray(r) for r in regions]
+    as_strided = np.lib.stride_tricks.as_strided
     typed: Dict[Any, Any] = {}
-    names: list = []
     arrays: list = []
-    for region, dtype_name, itemsize, count, shape, strides, offset, delta, run_names in runs:
+    for region, dtype_name, itemsize, count, shape, strides, offset, delta in runs:
         if dtype_name in _NUMPY_DTYPES:
             key = (region, dtype_name)
-            base = typed.get(key)
-            if base is None:
-                dtype = np.dtype(_NUMPY_DTYPES[dtype_name])
+            src = typed.get(key)
+            if src is None:
                 u8 = bases[region]
-                base = typed[key] = u8[: u8.size - u8.size % dtype.itemsize].view(dtype)
-            src, unit = base, itemsize
+                src = typed[key] = u8[: u8.size - u8.size % itemsize].view(
+                    _NUMPY_DTYPES[dtype_name])
+            unit = itemsize
             byte_strides = tuple(s * itemsize for s in strides)
         else:  # no NumPy dtype: the bytes, uint8[nbytes], as raw() gives them
             src, unit = bases[region], 1
@@ -288,20 +283,15 @@ def numpy_views(att: Attachment) -> Dict[str, Any]:
                 nbytes *= dim
             shape, byte_strides = (nbytes,), (1,)
         if count == 1 or not shape:  # iterating a 1-D array would give scalars, not views
-            for k, name in enumerate(run_names):
-                names.append(name)
-                at = src[(offset + k * delta) // unit:]
-                arrays.append(np.lib.stride_tricks.as_strided(at, shape, byte_strides))
+            arrays.extend(as_strided(src[(offset + k * delta) // unit:], shape, byte_strides)
+                          for k in range(count))
         else:
-            names.extend(run_names)
-            arrays.extend(np.lib.stride_tricks.as_strided(src[offset // unit:], (count,) + shape,
-                                                          (delta,) + byte_strides))
-    for name in rest:
+            arrays.extend(as_strided(src[offset // unit:], (count,) + shape,
+                                     (delta,) + byte_strides))
+    for name in names[len(names) - rest:]:
         t = att[name]
-        names.append(name)
         arrays.append(t.numpy() if t.numpy_native else np.asarray(t.raw()))
     built = dict(zip(names, arrays))
-    order = att.names()
     return dict(zip(order, map(built.__getitem__, order)))
 
 

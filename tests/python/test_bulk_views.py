@@ -101,8 +101,9 @@ def test_the_plan_builds_layers_in_runs(layered, runtime_dir, serve):
     model_dir, manifest = layered
     serve(model_dir)
     att = weightcache.attach(model_dir, tier="host", runtime_dir=runtime_dir)
-    regions, runs, rest = _view_plan(att)
-    assert rest == []
+    regions, runs, names, rest, order = _view_plan(att)
+    assert rest == 0
+    assert sorted(names) == order == sorted(manifest)
     assert sum(run[3] for run in runs) == len(manifest)
     # Each per-layer name (10 of them) recurs in 6 layers that the daemon's arena lays out
     # evenly within a shard: most of the 63 tensors come in runs of several.
