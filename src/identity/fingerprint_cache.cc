@@ -252,7 +252,32 @@ std::string UsableDir(const FingerprintCacheOptions& options) {
   return dir;
 }
 
+// The identity a verified entry gives, or nullopt (no entry, an untrusted one, a mismatch).
+std::optional<CheckpointIdentity> Lookup(const std::string& path, const std::string& dir,
+                                         const std::string& name, const CheckpointListing& listing,
+                                         uid_t uid) {
+  std::optional<std::string> bytes = ReadEntry(dir + "/" + name, uid);
+  if (!bytes) return std::nullopt;
+  std::optional<Entry> entry = Parse(*bytes);
+  if (!entry) return std::nullopt;
+  return Verify(path, listing, *entry);
+}
+
 }  // namespace
+
+Result<std::string> CheckpointFilesDigestOf(const std::string& path,
+                                            const FingerprintCacheOptions& options) {
+  const std::string dir = UsableDir(options);
+  if (!dir.empty()) {
+    if (Result<CheckpointListing> listing = checkpoint::ListCheckpoint(path); listing.ok()) {
+      if (std::optional<CheckpointIdentity> hit =
+              Lookup(path, dir, EntryName(*listing), *listing, options.uid)) {
+        return hit->files_digest;
+      }
+    }
+  }
+  return checkpoint::CheckpointFilesDigest(path);
+}
 
 std::string FingerprintCacheDir(const std::string& runtime_dir) {
   std::string dir = runtime_dir;
@@ -268,10 +293,8 @@ Result<CheckpointIdentity> CheckpointIdentityOf(const std::string& path,
   std::string name;
   if (!dir.empty() && listing.ok()) {
     name = EntryName(*listing);
-    if (std::optional<std::string> bytes = ReadEntry(dir + "/" + name, options.uid)) {
-      if (std::optional<Entry> entry = Parse(*bytes)) {
-        if (std::optional<CheckpointIdentity> hit = Verify(path, *listing, *entry)) return *hit;
-      }
+    if (std::optional<CheckpointIdentity> hit = Lookup(path, dir, name, *listing, options.uid)) {
+      return *hit;
     }
   }
   // A miss: the headers, as every identity was computed before this cache. The index is

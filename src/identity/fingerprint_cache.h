@@ -74,4 +74,10 @@ std::string FingerprintCacheDir(const std::string& runtime_dir);
 Result<CheckpointIdentity> CheckpointIdentityOf(const std::string& path,
                                                 const FingerprintCacheOptions& options);
 
+// checkpoint::CheckpointFilesDigest(path) (for a caller that was given the fingerprint) through
+// the same cache: on a verified entry, from the stats that checked it (no index parse); else
+// computed, and nothing is stored (no fingerprint was computed to store).
+Result<std::string> CheckpointFilesDigestOf(const std::string& path,
+                                            const FingerprintCacheOptions& options);
+
 }  // namespace weightcache::identity

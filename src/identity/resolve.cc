@@ -162,21 +162,20 @@ Result<ResolvedIdentity> ResolveIdentity(const IdentityOptions& options, const E
   // fingerprint is not given.
   std::string fingerprint = options.checkpoint_fingerprint;
   std::string files_digest;
+  // The verified per-user cache (fingerprint_cache.h) in the runtime dir; an unusable runtime
+  // dir only disables it (ResolveCachePaths below reports a bad one).
+  FingerprintCacheOptions cache;
+  if (Result<RuntimeDir> runtime = ResolveRuntimeDir(options.runtime_dir, env.lookup);
+      runtime.ok()) {
+    cache.runtime_dir = runtime->path;
+  }
   if (fingerprint.empty()) {
-    // The verified per-user cache (fingerprint_cache.h) in the runtime dir; an unusable
-    // runtime dir only disables it (ResolveCachePaths below reports a bad one).
-    FingerprintCacheOptions cache;
-    if (Result<RuntimeDir> runtime = ResolveRuntimeDir(options.runtime_dir, env.lookup);
-        runtime.ok()) {
-      cache.runtime_dir = runtime->path;
-    }
     WEIGHTCACHE_ASSIGN_OR_RETURN(CheckpointIdentity ckpt,
                                  CheckpointIdentityOf(options.model_dir, cache));
     fingerprint = std::move(ckpt.fingerprint);
     files_digest = std::move(ckpt.files_digest);
   } else {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(files_digest,
-                                 checkpoint::CheckpointFilesDigest(options.model_dir));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(files_digest, CheckpointFilesDigestOf(options.model_dir, cache));
   }
   ResolvedIdentity id;
   WEIGHTCACHE_ASSIGN_OR_RETURN(id.config, BuildConfig(options, fingerprint, files_digest));

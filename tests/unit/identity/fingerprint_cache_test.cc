@@ -4,9 +4,9 @@
 // group-writable ignored and rewritten.
 #include "identity/fingerprint_cache.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -100,6 +100,19 @@ TEST_F(FingerprintCacheTest, AMissComputesAndStoresThenAHitReturnsTheSameWithout
   EXPECT_EQ(second.source, FingerprintSource::kCache);
   EXPECT_EQ(second.fingerprint, fingerprint);
   EXPECT_EQ(second.files_digest, files);
+}
+
+TEST_F(FingerprintCacheTest, TheFilesDigestAloneComesFromAVerifiedEntryOrIsComputed) {
+  const auto [fingerprint, files] = Truth();
+  auto computed = CheckpointFilesDigestOf(model_, options_);  // no entry yet
+  ASSERT_TRUE(computed.ok()) << computed.status().ToString();
+  EXPECT_EQ(*computed, files);
+  EXPECT_EQ(EntryPath(), "") << "nothing is stored without a fingerprint";
+  Identity();
+  PoisonEntry(0600);  // the entry's shard list is what is used, not its fingerprint
+  auto cached = CheckpointFilesDigestOf(model_, options_);
+  ASSERT_TRUE(cached.ok());
+  EXPECT_EQ(*cached, files);
 }
 
 TEST_F(FingerprintCacheTest, AHitTrustsTheEntrySoAPoisonedOneShowsWhetherItWasRead) {
