@@ -115,7 +115,7 @@ def median_ms(fn, iters):
 
 
 def fresh_process_attach(model, runtime, tier, device):
-    """(wall ms of weightcache.attach, its attach_ms) in a new interpreter."""
+    """(wall ms of weightcache.attach, its attach_ms, its resolve_ms) in a new interpreter."""
     code = f"""
 import json, time, weightcache
 if {tier!r} == "gpu":
@@ -130,7 +130,7 @@ t0 = time.perf_counter()
 att = weightcache.attach({str(model)!r}, tier={tier!r}, device={device!r}, runtime_dir={runtime!r},
                          on_missing="error")
 wall = (time.perf_counter() - t0) * 1e3
-print(json.dumps([wall, att.attach_ms]))
+print(json.dumps([wall, att.attach_ms, att.timings["resolve_ms"]]))
 """
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -176,10 +176,13 @@ def bench_one(label, model, runtime, args, torch):
         cold.append(fresh_process_attach(model, runtime, tier, device))
         warm.append(fresh_process_attach(model, runtime, tier, device))
     for key, runs in (("cold", cold), ("warm", warm)):
-        walls = [w for w, _ in runs]
+        walls = [w for w, _, _ in runs]
         row[f"fresh_process_{key}_cache_ms"] = round(statistics.median(walls), 3)
         row[f"fresh_process_{key}_cache_min_ms"] = round(min(walls), 3)
-        row[f"fresh_process_{key}_cache_attach_ms"] = round(statistics.median(a for _, a in runs), 3)
+        row[f"fresh_process_{key}_cache_attach_ms"] = round(
+            statistics.median(a for _, a, _ in runs), 3)
+        row[f"fresh_process_{key}_cache_resolve_ms"] = round(
+            statistics.median(r for _, _, r in runs), 3)
     print(json.dumps(row), flush=True)
 
 

@@ -749,6 +749,21 @@ NB_MODULE(_weightcache, m) {
       .def_prop_ro(
           "attach_ms", [](const PyAttachment& a) { return a.get().attach_ms(); },
           "Wall time of the attach (discovery, handshake, mapping or fallback load).")
+      .def_prop_ro(
+          "timings",
+          [](const PyAttachment& a) -> nb::typed<nb::dict, nb::str, float> {
+            const AttachTimings& t = a.get().timings();
+            nb::dict d;
+            d["resolve_ms"] = t.resolve_ms;
+            d["discover_ms"] = t.discover_ms;
+            d["map_ms"] = t.map_ms;
+            d["table_ms"] = t.table_ms;
+            d["fallback_ms"] = t.fallback_ms;
+            return nb::borrow<nb::typed<nb::dict, nb::str, float>>(d);
+          },
+          "Where attach_ms went (AttachTimings, docs/client.md): resolve_ms (the identity: "
+          "options, devices, the checkpoint fingerprint), discover_ms, map_ms, table_ms, "
+          "fallback_ms.")
       .def_prop_ro("total_bytes", [](const PyAttachment& a) { return a.get().total_bytes(); })
       .def_prop_ro(
           "daemon_alive", [](const PyAttachment& a) { return a.get().daemon_alive(); },

@@ -285,6 +285,12 @@ class Attachment:
         """
 
     @property
+    def timings(self) -> dict[str, float]:
+        """
+        Where attach_ms went (AttachTimings, docs/client.md): resolve_ms (the identity: options, devices, the checkpoint fingerprint), discover_ms, map_ms, table_ms, fallback_ms.
+        """
+
+    @property
     def total_bytes(self) -> int: ...
 
     @property

@@ -79,6 +79,13 @@ def test_names_are_the_tables_names_in_order(attachment, model):
     assert all(n in attachment and attachment[n].name == n for n in names)
 
 
+def test_timings_name_the_phases_of_the_attach(attachment):
+    t = attachment.timings
+    assert set(t) == {"resolve_ms", "discover_ms", "map_ms", "table_ms", "fallback_ms"}
+    assert all(isinstance(v, float) and v >= 0 for v in t.values())
+    assert (t["fallback_ms"] > 0) == (attachment.source == "fallback")
+
+
 def test_numpy_views_equal_the_per_tensor_path(attachment, model):
     _, manifest = model
     views = weightcache.numpy_views(attachment)
