@@ -282,9 +282,15 @@ def numpy_views(att: Attachment) -> Dict[str, Any]:
             for dim in shape:
                 nbytes *= dim
             shape, byte_strides = (nbytes,), (1,)
-        if count == 1 or not shape:  # iterating a 1-D array would give scalars, not views
-            arrays.extend(as_strided(src[(offset + k * delta) // unit:], shape, byte_strides)
-                          for k in range(count))
+        if count == 1 or not shape:
+            # A slice and a reshape are C calls; as_strided is Python code, dearer for one
+            # tensor (and iterating a 1-D array would give scalars, not views).
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            for k in range(count):
+                at = (offset + k * delta) // unit
+                arrays.append(src[at:at + numel].reshape(shape))
         else:
             arrays.extend(as_strided(src[offset // unit:], (count,) + shape,
                                      (delta,) + byte_strides))
