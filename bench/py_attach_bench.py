@@ -18,7 +18,8 @@ experts of 3), plus "random", 10,000 tensors of random names and sizes (make_che
 default naming: no runs to find, the worst case of the bulk views). Output: one JSON object per
 line.
 
-  py_attach_bench.py WORK_DIR [--tier host|gpu] [--device N] [--iters N] [--cli PATH]
+  py_attach_bench.py WORK_DIR [--tier host|gpu] [--device N|UUID] [--cuda-index N] [--iters N]
+                    [--cli PATH]
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def median_ms(fn, iters):
     return round(statistics.median(times), 4), round(min(times), 4)
 
 
-def fresh_process_attach(model, runtime, tier, device):
+def fresh_process_attach(model, runtime, tier, device, cuda_index):
     """(wall ms of weightcache.attach, its attach_ms, its resolve_ms) in a new interpreter."""
     code = f"""
 import json, time, weightcache
@@ -123,7 +124,7 @@ if {tier!r} == "gpu":
     cuda = ctypes.CDLL("libcuda.so.1")
     assert cuda.cuInit(0) == 0
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    cuda.cuDeviceGet(ctypes.byref(dev), {int(device or 0)})
+    cuda.cuDeviceGet(ctypes.byref(dev), {int(cuda_index)})
     cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
     cuda.cuCtxSetCurrent(ctx)
 t0 = time.perf_counter()
@@ -161,7 +162,7 @@ def bench_one(label, model, runtime, args, torch):
         row["numpy_per_tensor_ms"], row["numpy_per_tensor_min_ms"] = median_ms(per_tensor,
                                                                                args.iters)
     if torch is not None:
-        dev = "cpu" if tier == "host" else f"cuda:{device or 0}"
+        dev = "cpu" if tier == "host" else f"cuda:{args.cuda_index}"
         ld = dict(device=dev, runtime_dir=runtime, on_missing="error")
         if tier == "host":
             ld["tier"] = "host"
@@ -173,8 +174,8 @@ def bench_one(label, model, runtime, args, torch):
     cold, warm = [], []
     for _ in range(max(5, args.iters // 4)):
         shutil.rmtree(cache, ignore_errors=True)
-        cold.append(fresh_process_attach(model, runtime, tier, device))
-        warm.append(fresh_process_attach(model, runtime, tier, device))
+        cold.append(fresh_process_attach(model, runtime, tier, device, args.cuda_index))
+        warm.append(fresh_process_attach(model, runtime, tier, device, args.cuda_index))
     for key, runs in (("cold", cold), ("warm", warm)):
         walls = [w for w, _, _ in runs]
         row[f"fresh_process_{key}_cache_ms"] = round(statistics.median(walls), 3)
@@ -191,6 +192,8 @@ def main():
     p.add_argument("work")
     p.add_argument("--tier", choices=("host", "gpu"), default="host")
     p.add_argument("--device", default=None, help="gpu tier: the CUDA index or UUID")
+    p.add_argument("--cuda-index", type=int, default=0,
+                   help="gpu tier: the CUDA index of --device (for torch and the context)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--cli", default=None, help="the weightcache CLI (default: cli_path())")
     args = p.parse_args()
