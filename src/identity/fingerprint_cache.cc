@@ -243,9 +243,13 @@ void Store(const std::string& dir, const std::string& name, const Entry& e) {
   }
 }
 
-// The cache dir, created 0700 and owner-checked, with its runtime dir; "" when unusable.
+// The cache dir, created 0700 and owner-checked inside an existing, owner-checked runtime
+// dir; "" when unusable. A missing runtime dir is not created: resolving an identity (`paths`)
+// creates nothing where no daemon or client has been.
 std::string UsableDir(const FingerprintCacheOptions& options) {
   if (options.runtime_dir.empty()) return "";
+  struct stat st {};
+  if (::lstat(options.runtime_dir.c_str(), &st) != 0) return "";
   if (!EnsurePrivateDir(options.runtime_dir, options.uid).ok()) return "";
   const std::string dir = FingerprintCacheDir(options.runtime_dir);
   if (!EnsurePrivateDir(dir, options.uid).ok()) return "";

@@ -13,11 +13,13 @@
 //    identity changes whenever a file's stat identity does, cache or not.
 //  * Entries live in <options.runtime_dir>/fingerprints, one file per checkpoint path
 //    (named by the path's device and inode). The directory is created 0700 and owner-checked
-//    like the rest of the runtime dir (identity::EnsurePrivateDir). An entry is read only when
-//    it is a regular file (not a symlink) owned by us and writable by nobody else, at most
-//    kMaxEntryBytes, and its SHA-256 line matches its body; anything else (corrupt, truncated,
-//    foreign, of another format) is ignored and rewritten. Entries are written to a temp file
-//    in the same directory and renamed over the old one, so a reader never sees half of one.
+//    like the rest of the runtime dir (identity::EnsurePrivateDir), inside a runtime dir that
+//    exists already (a daemon or an earlier attach made it): the cache never creates the
+//    runtime dir itself, so resolving an identity where nothing ran creates nothing. An entry is
+//    read only when it is a regular file (not a symlink) owned by us and writable by nobody else,
+//    at most kMaxEntryBytes, and its SHA-256 line matches its body; anything else (corrupt,
+//    truncated, foreign, of another format) is ignored and rewritten. Entries are written to a temp
+//    file in the same directory and renamed over the old one, so a reader never sees half of one.
 //    At most kMaxEntries entries are kept (the least recently written go first).
 //  * An entry is written only after a full Open whose files stat the same afterwards and whose
 //    files' mtime and ctime are all at least kRacyWindowNs older than the moment the listing

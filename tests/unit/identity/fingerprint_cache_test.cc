@@ -38,6 +38,7 @@ class FingerprintCacheTest : public checkpoint::testing::CheckpointFixture {
     if (IsSkipped()) return;
     model_ = Make("model", {"--tensors", "12", "--dtypes", "bf16,f32", "--shards", "3"});
     options_.runtime_dir = tmp_.Join("runtime");
+    ASSERT_EQ(::mkdir(options_.runtime_dir.c_str(), 0700), 0);
     // The files were just written: model them as aged past the racy window.
     options_.now_ns = NowNs() + 2 * kRacyWindowNs;
   }
@@ -220,7 +221,6 @@ TEST_F(FingerprintCacheTest, AGroupWritableOrForeignOwnedOrSymlinkedEntryIsIgnor
 TEST_F(FingerprintCacheTest, AnUnusableCacheDirStillGivesTheIdentity) {
   const auto [fingerprint, files] = Truth();
   // The cache dir's place is taken by a file: nothing can be stored, nothing read.
-  ASSERT_EQ(::mkdir(options_.runtime_dir.c_str(), 0700), 0);
   WriteFile(FingerprintCacheDir(options_.runtime_dir), "not a directory");
   for (int i = 0; i < 2; ++i) {
     const CheckpointIdentity id = Identity();
@@ -230,6 +230,12 @@ TEST_F(FingerprintCacheTest, AnUnusableCacheDirStillGivesTheIdentity) {
   }
   options_.runtime_dir = "";  // disabled
   EXPECT_EQ(Identity().fingerprint, fingerprint);
+}
+
+TEST_F(FingerprintCacheTest, AMissingRuntimeDirIsNotCreated) {
+  options_.runtime_dir = tmp_.Join("no-such-runtime");
+  EXPECT_EQ(Identity().fingerprint, Truth().first);
+  EXPECT_FALSE(std::filesystem::exists(options_.runtime_dir));
 }
 
 TEST_F(FingerprintCacheTest, EntriesAreBoundedInNumber) {
