@@ -16,7 +16,8 @@
 # 4. the same model sharded (issue 12): for TP = 2 and 4, that many `serve --tp-size N
 #    --tp-rank r` daemons on device 0; each rank attached holds only its slices, its disk
 #    fallback gives the same bytes, and the state dict reassembled from the slices equals the
-#    checkpoint and generates the same tokens and prompt logits as the disk-loaded model.
+#    checkpoint and generates the same tokens and prompt logits as the disk-loaded model;
+# 5. bench/py_attach_bench.py on the gpu tier (SKIP_PY_BENCH=1 skips it): $OUT/py-attach-bench.jsonl.
 #
 # Writes: $OUT/python-build.log, $OUT/python-tests.log (+ python-crash.txt), $OUT/python-model.log,
 #         $OUT/python-model.json and python-shard.jsonl (the measurements), and appends to $OUT/summary.txt.
@@ -214,6 +215,26 @@ PY
   fi
 fi
 ((model_ok)) || ok=0
+
+# 5. bench/py_attach_bench.py (issue 14): attach + names(), load_state_dict and a fresh
+#    process attaching with only --model (fingerprint cache cold and warm), gpu tier on device
+#    0. A measurement, not a check: its failure is reported, not fatal.
+if [[ -n ${uuid:-} && -z ${SKIP_PY_BENCH:-} ]]; then
+  if "$py" bench/py_attach_bench.py "$work/py-attach-bench" --tier gpu --device "$uuid" \
+    >"$OUT/py-attach-bench.jsonl" 2>"$OUT/py-attach-bench.log"; then
+    "$py" - "$OUT/py-attach-bench.jsonl" <<'PY' | tee -a "$summary"
+import json, sys
+for line in open(sys.argv[1]):
+    j = json.loads(line)
+    print(f"py_attach {j['checkpoint']} ({j['tensors']} tensors): attach+names "
+          f"{j['attach_names_ms']} ms, load_state_dict {j.get('load_state_dict_ms')} ms "
+          f"(per-tensor {j.get('torch_per_tensor_ms')} ms), fresh process warm/cold cache "
+          f"{j['fresh_process_warm_cache_ms']}/{j['fresh_process_cold_cache_ms']} ms")
+PY
+  else
+    say "py_attach_bench FAILED (see py-attach-bench.log)"
+  fi
+fi
 
 elapsed=$(($(date +%s) - start))
 if ((ok)); then

@@ -29,12 +29,15 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -107,34 +110,15 @@ const DTypeInfo* FindDType(std::string_view name) {
   return nullptr;
 }
 
-// One tensor's description, copied out of the client's table once at attach time so the
-// Python objects do not depend on how the client stores its table.
-struct TensorInfo {
-  std::string name;
-  std::string dtype;
-  std::vector<int64_t> shape;
-  uint64_t data = 0;
-  uint64_t nbytes = 0;
-  uint64_t checksum = 0;
-  std::optional<weightcache::TensorSlice> slice;
-};
+// One tensor's description: the client's own record (weightcache::Tensor), a view into the
+// Attachment's table that lives as long as the Attachment. Nothing is copied per tensor at
+// attach time, so an attach from Python stays O(allocations) like the C++ one.
+using TensorInfo = weightcache::Tensor;
 
 class PyAttachment {
  public:
   explicit PyAttachment(Attachment attachment)
-      : cuda_device_(attachment.cuda_device()), attachment_(std::move(attachment)) {
-    for (const auto& t : attachment_->tensors()) {
-      TensorInfo info;
-      info.name = std::string(t.name);
-      info.dtype = std::string(t.dtype);
-      info.shape.assign(t.shape.begin(), t.shape.end());
-      info.data = t.data;
-      info.nbytes = t.nbytes;
-      info.checksum = t.checksum;
-      info.slice = t.slice;
-      infos_.push_back(std::move(info));
-    }
-  }
+      : cuda_device_(attachment.cuda_device()), attachment_(std::move(attachment)) {}
   PyAttachment(const PyAttachment&) = delete;
   PyAttachment& operator=(const PyAttachment&) = delete;
 
@@ -146,16 +130,12 @@ class PyAttachment {
   }
 
   const Attachment& get() const { return *attachment_; }
-  const std::vector<TensorInfo>& infos() const { return infos_; }
+  const std::vector<TensorInfo>& infos() const { return attachment_->tensors(); }
   // The ordinal the attach resolved (Attachment::cuda_device), -1 on the host tier.
   int cuda_device() const { return cuda_device_; }
 
-  const TensorInfo* Find(std::string_view name) const {
-    for (const TensorInfo& t : infos_) {
-      if (t.name == name) return &t;
-    }
-    return nullptr;
-  }
+  // Binary search in the client's table (sorted by name).
+  const TensorInfo* Find(std::string_view name) const { return attachment_->Find(name); }
 
   // Python's GC (tp_traverse / tp_clear below): a callback that refers to its own Attachment
   // (directly, or through one of its tensors) is a reference cycle only the GC can break.
@@ -197,7 +177,6 @@ class PyAttachment {
   int cuda_device_ = -1;               // read from the Attachment before it is moved in
   std::vector<nb::object> callbacks_;  // destroyed after attachment_ (declared before it)
   std::optional<Attachment> attachment_;
-  std::vector<TensorInfo> infos_;
 };
 
 // A view of one tensor. `owner` is the Python Attachment object: every export passes it to
@@ -212,7 +191,9 @@ struct PyTensor {
     const DTypeInfo* d = FindDType(info->dtype);
     if (d == nullptr) {
       // The client checks every dtype against the safetensors set; this table mirrors it.
-      throw nb::type_error(("tensor " + info->name + ": unknown dtype " + info->dtype).c_str());
+      throw nb::type_error(
+          ("tensor " + std::string(info->name) + ": unknown dtype " + std::string(info->dtype))
+              .c_str());
     }
     return *d;
   }
@@ -227,7 +208,8 @@ struct PyTensor {
   nb::ndarray<Args...> Array(bool raw) const {
     const DTypeInfo& d = dtype();
     if (!raw && !d.native) {
-      throw nb::type_error(("tensor " + info->name + " has dtype " + info->dtype +
+      throw nb::type_error(("tensor " + std::string(info->name) + " has dtype " +
+                            std::string(info->dtype) +
                             ", which has no DLPack type of whole bytes per element; use "
                             "raw() for its bytes")
                                .c_str());
@@ -376,6 +358,204 @@ PyAttachment* Attach(const AttachOptions& options) {
   return new PyAttachment(std::move(*result).value());
 }
 
+// ---- bulk views (load_state_dict) -------------------------------------------------------------
+// A state dict of 10,000 tensors cannot afford a DLPack export and a few Python calls per
+// tensor. ViewPlan describes the table so that Python builds every tensor with the fewest calls.
+// It returns (regions, runs, names, rest, order):
+//  * regions: the memory, as few uint8 exports as possible. Tensors sorted by address are one
+//    region while the gap to the next is under kRegionGap bytes: every byte of such a gap lies
+//    on a page that also holds a tensor byte, so the whole region is mapped (host pages are 4
+//    KiB, VMM granules 2 MiB). In practice: one region per allocation.
+//  * runs: tensors of one region, dtype and shape whose names differ only in their numbers
+//    (model.layers.#.mlp.up_proj.weight) and whose addresses step by a constant `delta`: one
+//    as_strided((count, *shape), (delta, *strides)) over the region viewed as the dtype, then
+//    unbind(0), builds them all. A tensor that fits no run is a run of one. Each run is
+//    (region, dtype, element bytes, count, shape, strides in elements, offset of its first
+//    tensor from the region in bytes, delta in bytes: 0 for a run of one).
+//  * names: the runs' tensor names, run after run, then the rest's;
+//  * rest: how many names at the end of `names` no view of a dtype-typed region can express
+//    (F4/F6, zero bytes, an offset not a multiple of the element size): Python takes the
+//    per-tensor path for those;
+//  * order: every name in table (name) order. The same str objects as in `names`, so Python's
+//    reordering reuses their cached hashes.
+// Correctness never depends on the name grouping: every run is checked against the addresses.
+constexpr uint64_t kRegionGap = 4096;
+
+bool IsDigit(char c) { return c >= '0' && c <= '9'; }
+
+// FNV-1a over the name with every run of digits as one '#'.
+uint64_t PatternHash(std::string_view name, uint64_t h) {
+  for (size_t c = 0; c < name.size(); ++c) {
+    const bool digit = IsDigit(name[c]);
+    if (digit && c > 0 && IsDigit(name[c - 1])) continue;
+    h = (h ^ static_cast<uint8_t>(digit ? '#' : name[c])) * 1099511628211ULL;
+  }
+  return h;
+}
+
+bool SamePattern(std::string_view a, std::string_view b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (IsDigit(a[i]) && IsDigit(b[j])) {
+      while (i < a.size() && IsDigit(a[i])) ++i;
+      while (j < b.size() && IsDigit(b[j])) ++j;
+    } else if (a[i++] != b[j++]) {
+      return false;
+    }
+  }
+  return i == a.size() && j == b.size();
+}
+
+nb::tuple ViewPlan(nb::handle self) {
+  const auto& a = nb::cast<const PyAttachment&>(self);
+  const std::vector<TensorInfo>& tensors = a.infos();
+  const bool host = a.get().tier() == Tier::kHost;
+  const size_t n = tensors.size();
+
+  // Each name as one str, shared by `names` and `order`.
+  nb::list order = nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(n)));
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* name = PyUnicode_FromStringAndSize(tensors[i].name.data(),
+                                                 static_cast<Py_ssize_t>(tensors[i].name.size()));
+    if (name == nullptr) throw nb::python_error();
+    PyList_SET_ITEM(order.ptr(), static_cast<Py_ssize_t>(i), name);
+  }
+  nb::list names = nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(n)));
+  size_t placed = 0;
+  const auto place = [&](uint32_t i) {
+    PyObject* name = PyList_GET_ITEM(order.ptr(), static_cast<Py_ssize_t>(i));
+    Py_INCREF(name);
+    PyList_SET_ITEM(names.ptr(), static_cast<Py_ssize_t>(placed++), name);
+  };
+
+  std::vector<uint32_t> by_address;
+  std::vector<uint32_t> rest;
+  by_address.reserve(n);
+  std::vector<const DTypeInfo*> dtype_of(n, nullptr);
+  for (uint32_t i = 0; i < n; ++i) {
+    const DTypeInfo* d = FindDType(tensors[i].dtype);
+    if (d == nullptr || !d->native || tensors[i].nbytes == 0) {
+      rest.push_back(i);
+    } else {
+      dtype_of[i] = d;
+      by_address.push_back(i);
+    }
+  }
+  std::sort(by_address.begin(), by_address.end(),
+            [&](uint32_t x, uint32_t y) { return tensors[x].data < tensors[y].data; });
+
+  // Regions: [begin, end) address ranges.
+  std::vector<std::pair<uint64_t, uint64_t>> regions;
+  std::vector<uint32_t> region_of(n, 0);
+  for (uint32_t i : by_address) {
+    const TensorInfo& t = tensors[i];
+    if (regions.empty() || t.data < regions.back().second ||
+        t.data - regions.back().second >= kRegionGap) {
+      regions.emplace_back(t.data, t.data + t.nbytes);
+    } else {
+      regions.back().second = std::max(regions.back().second, t.data + t.nbytes);
+    }
+    region_of[i] = static_cast<uint32_t>(regions.size() - 1);
+  }
+
+  // Groups: (region, dtype, shape, name pattern), each in address order. Keyed by a hash; a
+  // collision (another key, same hash) probes on.
+  const auto same_key = [&](uint32_t x, uint32_t y) {
+    const TensorInfo& p = tensors[x];
+    const TensorInfo& q = tensors[y];
+    return region_of[x] == region_of[y] && dtype_of[x] == dtype_of[y] &&
+           std::equal(p.shape.begin(), p.shape.end(), q.shape.begin(), q.shape.end()) &&
+           SamePattern(p.name, q.name);
+  };
+  std::unordered_map<uint64_t, uint32_t> group_index;
+  group_index.reserve(n);
+  std::vector<std::vector<uint32_t>> groups;
+  for (uint32_t i : by_address) {
+    const TensorInfo& t = tensors[i];
+    uint64_t h = 14695981039346656037ULL;
+    h = (h ^ region_of[i]) * 1099511628211ULL;
+    h = (h ^ reinterpret_cast<uintptr_t>(dtype_of[i])) * 1099511628211ULL;
+    for (int64_t d : t.shape) h = (h ^ static_cast<uint64_t>(d)) * 1099511628211ULL;
+    h = PatternHash(t.name, h);
+    while (true) {
+      auto [it, inserted] = group_index.try_emplace(h, static_cast<uint32_t>(groups.size()));
+      if (inserted) {
+        groups.emplace_back(1, i);
+        break;
+      }
+      if (same_key(groups[it->second][0], i)) {
+        groups[it->second].push_back(i);
+        break;
+      }
+      ++h;
+    }
+  }
+
+  nb::list runs;
+  auto tuple_of = [](std::span<const int64_t> values) {
+    nb::list l;
+    for (int64_t v : values) l.append(v);
+    return nb::tuple(l);
+  };
+  for (const std::vector<uint32_t>& group : groups) {
+    const TensorInfo& t0 = tensors[group[0]];
+    const uint64_t element = dtype_of[group[0]]->bits / 8;
+    const uint64_t base = regions[region_of[group[0]]].first;
+    const nb::tuple shape = tuple_of(t0.shape);
+    const nb::tuple strides = tuple_of(t0.strides);
+    const nb::str dtype(t0.dtype.data(), t0.dtype.size());
+    size_t start = 0;
+    while (start < group.size()) {
+      const TensorInfo& first = tensors[group[start]];
+      const uint64_t offset = first.data - base;
+      if (offset % element != 0) {
+        rest.push_back(group[start]);
+        ++start;
+        continue;
+      }
+      // Extend while the step stays the same, is a whole number of elements and keeps the
+      // views apart.
+      size_t end = start + 1;
+      uint64_t delta = 0;
+      if (end < group.size()) {
+        delta = tensors[group[end]].data - first.data;
+        if (delta % element == 0 && delta >= first.nbytes) {
+          while (end < group.size() &&
+                 tensors[group[end]].data - tensors[group[end - 1]].data == delta) {
+            ++end;
+          }
+        }
+      }
+      if (end - start == 1) delta = 0;
+      for (size_t k = start; k < end; ++k) place(group[k]);
+      runs.append(nb::make_tuple(static_cast<size_t>(region_of[group[start]]), dtype, element,
+                                 end - start, shape, strides, offset, delta));
+      start = end;
+    }
+  }
+  for (uint32_t i : rest) place(i);
+  if (placed != n)
+    throw std::logic_error("ViewPlan placed " + std::to_string(placed) + " of " +
+                           std::to_string(n) + " tensors");
+
+  // One uint8 export per region, each holding the Attachment (its owner) like every export.
+  nb::list exports;
+  for (const auto& [begin, end] : regions) {
+    const size_t size = static_cast<size_t>(end - begin);
+    void* data = reinterpret_cast<void*>(static_cast<uintptr_t>(begin));
+    const nb::dlpack::dtype u8{static_cast<uint8_t>(kDlUInt), 8, 1};
+    if (host) {
+      exports.append(nb::cast(nb::ndarray<nb::array_api, nb::ro>(
+          data, 1, &size, nb::borrow(self), nullptr, u8, nb::device::cpu::value, 0)));
+    } else {
+      exports.append(
+          nb::cast(nb::ndarray<nb::array_api>(data, 1, &size, nb::borrow(self), nullptr, u8,
+                                              nb::device::cuda::value, a.cuda_device())));
+    }
+  }
+  return nb::make_tuple(exports, runs, names, rest.size(), order);
+}
+
 std::vector<std::string> DTypeNames() {
   std::vector<std::string> names;
   for (const DTypeInfo& d : kDTypes) names.emplace_back(d.name);
@@ -468,9 +648,9 @@ NB_MODULE(_weightcache, m) {
   nb::class_<PyTensor>(m, "Tensor", nb::type_slots(tensor_slots),
                        "One tensor of an Attachment: metadata plus zero-copy DLPack export. "
                        "Keeps its Attachment alive.")
-      .def_prop_ro("name", [](const PyTensor& t) { return t.info->name; })
+      .def_prop_ro("name", [](const PyTensor& t) { return std::string(t.info->name); })
       .def_prop_ro(
-          "dtype", [](const PyTensor& t) { return t.info->dtype; },
+          "dtype", [](const PyTensor& t) { return std::string(t.info->dtype); },
           "The safetensors spelling: \"BF16\", \"F8_E4M3\", ...")
       .def_prop_ro("shape",
                    [](const PyTensor& t) -> nb::typed<nb::tuple, int, nb::ellipsis> {
@@ -526,12 +706,13 @@ NB_MODULE(_weightcache, m) {
           "numpy",
           [](const PyTensor& t) {
             if (!t.host()) {
-              throw nb::type_error(
-                  ("tensor " + t.info->name + " is in GPU memory; use torch/cupy.from_dlpack")
-                      .c_str());
+              throw nb::type_error(("tensor " + std::string(t.info->name) +
+                                    " is in GPU memory; use torch/cupy.from_dlpack")
+                                       .c_str());
             }
             if (!t.dtype().numpy) {
-              throw nb::type_error(("tensor " + t.info->name + " has dtype " + t.info->dtype +
+              throw nb::type_error(("tensor " + std::string(t.info->name) + " has dtype " +
+                                    std::string(t.info->dtype) +
                                     ", which NumPy does not represent; use raw() for its bytes")
                                        .c_str());
             }
@@ -541,7 +722,8 @@ NB_MODULE(_weightcache, m) {
       .def("__repr__", [](const PyTensor& t) {
         std::string shape;
         for (int64_t s : t.info->shape) shape += (shape.empty() ? "" : ", ") + std::to_string(s);
-        return "<weightcache.Tensor " + t.info->name + " " + t.info->dtype + "[" + shape + "] " +
+        return "<weightcache.Tensor " + std::string(t.info->name) + " " +
+               std::string(t.info->dtype) + "[" + shape + "] " +
                (t.host() ? "host" : "cuda:" + std::to_string(t.attachment().cuda_device())) + ">";
       });
 
@@ -567,6 +749,21 @@ NB_MODULE(_weightcache, m) {
       .def_prop_ro(
           "attach_ms", [](const PyAttachment& a) { return a.get().attach_ms(); },
           "Wall time of the attach (discovery, handshake, mapping or fallback load).")
+      .def_prop_ro(
+          "timings",
+          [](const PyAttachment& a) -> nb::typed<nb::dict, nb::str, float> {
+            const AttachTimings& t = a.get().timings();
+            nb::dict d;
+            d["resolve_ms"] = t.resolve_ms;
+            d["discover_ms"] = t.discover_ms;
+            d["map_ms"] = t.map_ms;
+            d["table_ms"] = t.table_ms;
+            d["fallback_ms"] = t.fallback_ms;
+            return nb::borrow<nb::typed<nb::dict, nb::str, float>>(d);
+          },
+          "Where attach_ms went (AttachTimings, docs/client.md): resolve_ms (the identity: "
+          "options, devices, the checkpoint fingerprint), discover_ms, map_ms, table_ms, "
+          "fallback_ms.")
       .def_prop_ro("total_bytes", [](const PyAttachment& a) { return a.get().total_bytes(); })
       .def_prop_ro(
           "daemon_alive", [](const PyAttachment& a) { return a.get().daemon_alive(); },
@@ -574,12 +771,22 @@ NB_MODULE(_weightcache, m) {
       .def("on_daemon_gone", &PyAttachment::OnDaemonGone, "callback"_a,
            "Run callback() once when the daemon goes away (on the client's watcher thread). "
            "Never runs for a fallback attachment.")
-      .def("names",
-           [](const PyAttachment& a) {
-             std::vector<std::string> names;
-             for (const TensorInfo& t : a.infos()) names.push_back(t.name);
-             return names;
-           })
+      .def(
+          "names",
+          [](const PyAttachment& a) -> nb::typed<nb::list, nb::str> {
+            // One pass over the client's table straight into a list: no intermediate copies.
+            const std::vector<TensorInfo>& tensors = a.infos();
+            nb::list names =
+                nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(tensors.size())));
+            for (size_t i = 0; i < tensors.size(); ++i) {
+              PyObject* name = PyUnicode_FromStringAndSize(
+                  tensors[i].name.data(), static_cast<Py_ssize_t>(tensors[i].name.size()));
+              if (name == nullptr) throw nb::python_error();
+              PyList_SET_ITEM(names.ptr(), static_cast<Py_ssize_t>(i), name);
+            }
+            return nb::borrow<nb::typed<nb::list, nb::str>>(names);
+          },
+          "Every tensor's name, sorted, built in one pass (no Tensor objects).")
       .def(
           "tensors",
           [](nb::handle self) {
@@ -603,6 +810,9 @@ NB_MODULE(_weightcache, m) {
 
   m.def("attach", &Attach, "options"_a, nb::rv_policy::take_ownership,
         "Attach as AttachOptions say; raises a weightcache.errors exception on failure.");
+  m.def("_view_plan", &ViewPlan, "attachment"_a,
+        "(regions, runs, names, rest, order): how weightcache.load_state_dict builds every "
+        "tensor as a view of a few region exports (bindings.cc, ViewPlan).");
   m.def("dtype_names", &DTypeNames, "Every safetensors dtype this module knows.");
   m.def("status_codes", &StatusCodes,
         "One row per status code: (value, name, code, exit_code, python_class), from the C++ "

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 from . import errors
 from ._weightcache import Attachment, AttachOptions, Tensor, dtype_names
+from ._weightcache import _view_plan
 from ._weightcache import attach as _attach
 from .errors import (
     AlreadyServedError,
@@ -49,6 +50,7 @@ __all__ = [
     "StateDict",
     "attach",
     "load_state_dict",
+    "numpy_views",
     "cli_path",
     "dtype_names",
     "errors",
@@ -195,12 +197,108 @@ def load_state_dict(
     att = attach(model_dir, tier=tier, device=where, **identity)
     sd = StateDict()
     sd.attachment = att
-    for t in att.tensors():
-        x = _torch_tensor(torch, t)
-        if x.device != dev:
-            x = x.to(dev)  # host tier staged to a GPU: the one copy, asked for
-        sd[t.name] = x
+    views = _torch_views(torch, att)
+    if dev.type == "cuda" and att.tier == "host":
+        # Host tier staged to a GPU: the one copy per tensor, asked for.
+        views = {name: x.to(dev) for name, x in views.items()}
+    sd.update(views)
     return sd
+
+
+def _torch_views(torch: Any, att: Attachment) -> Dict[str, "torch.Tensor"]:
+    """Every tensor of `att` as a torch tensor, in name order, built in bulk: one tensor per
+    memory region (a DLPack export on the gpu tier, NumPy's buffer view on the host tier), viewed
+    once per dtype, then one ``as_strided`` per run of same-shaped, evenly spaced tensors,
+    ``unbind`` into its members (bindings.cc, ViewPlan). Every tensor is a view of its region,
+    which holds the Attachment. What no dtype view can express takes the per-tensor path."""
+    regions, runs, names, rest, order = _view_plan(att)
+    if att.tier == "host":
+        import numpy as np
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only memory: see _torch_tensor
+            bases = [torch.from_numpy(np.asarray(r)) for r in regions]
+    else:
+        bases = [torch.from_dlpack(r) for r in regions]
+    typed: Dict[Any, Any] = {}
+    tensors: list = []
+    for region, dtype_name, size, count, shape, strides, offset, delta in runs:
+        key = (region, dtype_name)
+        base = typed.get(key)
+        if base is None:
+            attr = _TORCH_DTYPES.get(dtype_name)
+            dtype = getattr(torch, attr, None) if attr else None
+            u8 = bases[region]
+            base = typed[key] = (u8[: u8.numel() - u8.numel() % size].view(dtype)
+                                 if dtype is not None else False)
+        if base is False:  # a torch without this dtype: the per-tensor path (its bytes)
+            at = len(tensors)
+            tensors.extend(_torch_tensor(torch, att[n]) for n in names[at:at + count])
+        elif count == 1:
+            tensors.append(base.as_strided(shape, strides, offset // size))
+        else:
+            tensors.extend(base.as_strided((count,) + shape, (delta // size,) + strides,
+                                           offset // size).unbind(0))
+    tensors.extend(_torch_tensor(torch, att[n]) for n in names[len(names) - rest:])
+    built = dict(zip(names, tensors))
+    return dict(zip(order, map(built.__getitem__, order)))
+
+
+# safetensors dtype → NumPy dtype, for numpy_views (the rest are bytes: raw()).
+_NUMPY_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "<u2", "I16": "<i2", "U32": "<u4",
+    "I32": "<i4", "U64": "<u8", "I64": "<i8", "F16": "<f2", "F32": "<f4", "F64": "<f8",
+    "C64": "<c8",
+}
+
+
+def numpy_views(att: Attachment) -> Dict[str, Any]:
+    """Every tensor of a host-tier Attachment as a read-only NumPy view, in name order, built
+    in bulk like load_state_dict's torch tensors (one array per memory region, one
+    ``as_strided`` per run of same-shaped, evenly spaced tensors). Dtypes NumPy lacks (BF16,
+    FP8, F4, F6) come as their bytes, uint8[nbytes] (``raw()``). Each view keeps `att` alive."""
+    import numpy as np
+
+    if att.tier != "host":
+        raise TypeError("numpy_views needs a host-tier Attachment (gpu memory: load_state_dict)")
+    regions, runs, names, rest, order = _view_plan(att)
+    bases = [np.asarray(r) for r in regions]
+    as_strided = np.lib.stride_tricks.as_strided
+    typed: Dict[Any, Any] = {}
+    arrays: list = []
+    for region, dtype_name, itemsize, count, shape, strides, offset, delta in runs:
+        if dtype_name in _NUMPY_DTYPES:
+            key = (region, dtype_name)
+            src = typed.get(key)
+            if src is None:
+                u8 = bases[region]
+                src = typed[key] = u8[: u8.size - u8.size % itemsize].view(
+                    _NUMPY_DTYPES[dtype_name])
+            unit = itemsize
+            byte_strides = tuple(s * itemsize for s in strides)
+        else:  # no NumPy dtype: the bytes, uint8[nbytes], as raw() gives them
+            src, unit = bases[region], 1
+            nbytes = itemsize
+            for dim in shape:
+                nbytes *= dim
+            shape, byte_strides = (nbytes,), (1,)
+        if count == 1 or not shape:
+            # A slice and a reshape are C calls; as_strided is Python code, dearer for one
+            # tensor (and iterating a 1-D array would give scalars, not views).
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            for k in range(count):
+                at = (offset + k * delta) // unit
+                arrays.append(src[at:at + numel].reshape(shape))
+        else:
+            arrays.extend(as_strided(src[offset // unit:], (count,) + shape,
+                                     (delta,) + byte_strides))
+    for name in names[len(names) - rest:]:
+        t = att[name]
+        arrays.append(t.numpy() if t.numpy_native else np.asarray(t.raw()))
+    built = dict(zip(names, arrays))
+    return dict(zip(order, map(built.__getitem__, order)))
 
 
 def cli_path() -> str:

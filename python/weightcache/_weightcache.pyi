@@ -285,6 +285,12 @@ class Attachment:
         """
 
     @property
+    def timings(self) -> dict[str, float]:
+        """
+        Where attach_ms went (AttachTimings, docs/client.md): resolve_ms (the identity: options, devices, the checkpoint fingerprint), discover_ms, map_ms, table_ms, fallback_ms.
+        """
+
+    @property
     def total_bytes(self) -> int: ...
 
     @property
@@ -298,7 +304,8 @@ class Attachment:
         Run callback() once when the daemon goes away (on the client's watcher thread). Never runs for a fallback attachment.
         """
 
-    def names(self) -> list[str]: ...
+    def names(self) -> list[str]:
+        """Every tensor's name, sorted, built in one pass (no Tensor objects)."""
 
     def tensors(self) -> list[Tensor]:
         """Every tensor, sorted by name."""

@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "checkpoint/limits.h"
+#include "checkpoint/listing.h"
 #include "checkpoint/safetensors.h"
 #include "common/hash.h"
 #include "common/mutex.h"
@@ -240,51 +241,37 @@ constexpr std::string_view kFilesDigestTag = "weightcache-checkpoint-files-v1";
 
 // The files a checkpoint path stands for, before any of them is opened.
 struct FileList {
+  CheckpointListing listing;
   std::vector<std::pair<std::string, std::string>> files;  // (path, file name)
   std::map<std::string, std::string> weight_map;           // indexed directories only
   bool indexed = false;
 };
 
 Result<FileList> ListFiles(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) return IoError("open checkpoint " + path, errno);
   FileList list;
-  if (S_ISDIR(st.st_mode)) {
-    const std::string index_path = JoinPath(path, std::string(kIndexFileName));
-    struct stat index_st {};
-    if (::lstat(index_path.c_str(), &index_st) == 0) {
-      list.indexed = true;
-      WEIGHTCACHE_ASSIGN_OR_RETURN(list.weight_map, ReadIndex(index_path));
-      std::set<std::string> names;
-      for (const auto& [tensor, file] : list.weight_map) names.insert(file);
-      for (const auto& name : names) list.files.emplace_back(JoinPath(path, name), name);
-    } else {
-      std::vector<std::string> found;
-      std::error_code ec;
-      for (std::filesystem::directory_iterator it(path, ec), end; !ec && it != end;
-           it.increment(ec)) {
-        const std::string name = it->path().filename().string();
-        if (name.size() > 12 && name.ends_with(".safetensors")) found.push_back(name);
-      }
-      if (ec) return IoError("list " + path, ec.value());
-      std::sort(found.begin(), found.end());
-      if (found.empty()) return NotFound("no .safetensors file in " + path);
-      if (found.size() > 1) {
-        std::string listed;
-        for (size_t i = 0; i < found.size() && i < 4; ++i) listed += (i ? ", " : "") + found[i];
-        if (found.size() > 4) listed += ", ...";
-        return InvalidCheckpoint(path + " holds " + std::to_string(found.size()) +
-                                 " .safetensors files (" + listed + ") but no " +
-                                 std::string(kIndexFileName) + " saying which form the model");
-      }
-      list.files.emplace_back(JoinPath(path, found[0]), found[0]);
-    }
-  } else if (S_ISREG(st.st_mode)) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(list.listing, ListCheckpoint(path));
+  const CheckpointListing& listing = list.listing;
+  if (!listing.directory) {
     list.files.emplace_back(path, BaseName(path));
+  } else if (listing.has_index) {
+    list.indexed = true;
+    WEIGHTCACHE_ASSIGN_OR_RETURN(list.weight_map,
+                                 ReadIndex(JoinPath(path, std::string(kIndexFileName))));
+    std::set<std::string> names;
+    for (const auto& [tensor, file] : list.weight_map) names.insert(file);
+    for (const auto& name : names) list.files.emplace_back(JoinPath(path, name), name);
   } else {
-    return InvalidCheckpoint("checkpoint " + path + " is a " +
-                             std::string(os::FileTypeName(st.st_mode)) +
-                             ", not a regular file or a directory");
+    const std::vector<std::string>& found = listing.safetensors;
+    if (found.empty()) return NotFound("no .safetensors file in " + path);
+    if (found.size() > 1) {
+      std::string listed;
+      for (size_t i = 0; i < found.size() && i < 4; ++i) listed += (i ? ", " : "") + found[i];
+      if (found.size() > 4) listed += ", ...";
+      return InvalidCheckpoint(path + " holds " + std::to_string(found.size()) +
+                               " .safetensors files (" + listed + ") but no " +
+                               std::string(kIndexFileName) + " saying which form the model");
+    }
+    list.files.emplace_back(JoinPath(path, found[0]), found[0]);
   }
   return list;
 }
@@ -316,6 +303,42 @@ std::string TimeText(int64_t ns) {
 
 }  // namespace
 
+std::string FilesDigest(std::span<const NamedFileIdentity> files) {
+  Sha256 sha;
+  sha.Update(kFilesDigestTag);
+  for (const NamedFileIdentity& f : files) AppendIdentity(sha, f.name, f.identity);
+  return sha.FinalHex();
+}
+
+Result<CheckpointListing> ListCheckpoint(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return IoError("open checkpoint " + path, errno);
+  CheckpointListing listing;
+  listing.dev = static_cast<uint64_t>(st.st_dev);
+  listing.ino = static_cast<uint64_t>(st.st_ino);
+  if (S_ISREG(st.st_mode)) return listing;
+  if (!S_ISDIR(st.st_mode)) {
+    return InvalidCheckpoint("checkpoint " + path + " is a " +
+                             std::string(os::FileTypeName(st.st_mode)) +
+                             ", not a regular file or a directory");
+  }
+  listing.directory = true;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name == kIndexFileName) listing.has_index = true;
+    if (name.size() > 12 && name.ends_with(".safetensors")) listing.safetensors.push_back(name);
+  }
+  if (ec) return IoError("list " + path, ec.value());
+  std::sort(listing.safetensors.begin(), listing.safetensors.end());
+  return listing;
+}
+
+std::string CheckpointFilePath(const std::string& path, const CheckpointListing& listing,
+                               const std::string& file_name) {
+  return listing.directory ? JoinPath(path, file_name) : path;
+}
+
 FileIdentity FileIdentityOf(const struct stat& st) {
   FileIdentity id;
   id.dev = static_cast<uint64_t>(st.st_dev);
@@ -342,14 +365,13 @@ std::string DescribeIdentityChange(const FileIdentity& before, const FileIdentit
 
 Result<std::string> CheckpointFilesDigest(const std::string& path) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(FileList list, ListFiles(path));
-  Sha256 sha;
-  sha.Update(kFilesDigestTag);
+  std::vector<NamedFileIdentity> files;
   for (const auto& [file_path, file_name] : list.files) {
     Result<os::RegularFile> file = OpenCheckpointFile(file_path);
     if (!file.ok()) return MissingShard(list, path, file_name, file.status());
-    AppendIdentity(sha, file_name, FileIdentityOf(file->st));
+    files.push_back({file_name, FileIdentityOf(file->st)});
   }
-  return sha.FinalHex();
+  return FilesDigest(files);
 }
 
 Status Checkpoint::CheckUnchanged() const {
@@ -472,12 +494,12 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
   }
   ckpt.fingerprint_ = sha.FinalHex();
 
-  Sha256 files_sha;
-  files_sha.Update(kFilesDigestTag);
+  std::vector<NamedFileIdentity> identities;
+  identities.reserve(ckpt.shards_.size());
   for (const ShardInfo& shard : ckpt.shards_) {
-    AppendIdentity(files_sha, shard.file_name, shard.identity);
+    identities.push_back({shard.file_name, shard.identity});
   }
-  ckpt.files_digest_ = files_sha.FinalHex();
+  ckpt.files_digest_ = FilesDigest(identities);
   return ckpt;
 }
 

@@ -8,6 +8,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "common/hash.h"
+#include "identity/fingerprint_cache.h"
 #include "os/read_file.h"
 
 namespace weightcache::identity {
@@ -173,14 +174,22 @@ Result<ResolvedIdentity> ResolveIdentity(const IdentityOptions& options, const E
     // digest, and model_dir (ignored here) is never read (docs/publish.md).
     fingerprint = PublishedSourceDigest(options.source);
     files_digest = fingerprint;
-  } else if (fingerprint.empty()) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint ckpt,
-                                 checkpoint::Checkpoint::Open(options.model_dir));
-    fingerprint = ckpt.fingerprint();
-    files_digest = ckpt.files_digest();
   } else {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(files_digest,
-                                 checkpoint::CheckpointFilesDigest(options.model_dir));
+    // The verified per-user cache (fingerprint_cache.h) in the runtime dir; an unusable
+    // runtime dir only disables it (ResolveCachePaths below reports a bad one).
+    FingerprintCacheOptions cache;
+    if (Result<RuntimeDir> runtime = ResolveRuntimeDir(options.runtime_dir, env.lookup);
+        runtime.ok()) {
+      cache.runtime_dir = runtime->path;
+    }
+    if (fingerprint.empty()) {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(CheckpointIdentity ckpt,
+                                   CheckpointIdentityOf(options.model_dir, cache));
+      fingerprint = std::move(ckpt.fingerprint);
+      files_digest = std::move(ckpt.files_digest);
+    } else {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(files_digest, CheckpointFilesDigestOf(options.model_dir, cache));
+    }
   }
   ResolvedIdentity id;
   WEIGHTCACHE_ASSIGN_OR_RETURN(id.config, BuildConfig(options, fingerprint, files_digest));

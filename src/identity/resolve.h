@@ -74,12 +74,12 @@ struct ResolvedIdentity {
 };
 
 // The CacheConfig of `options` (fingerprint from options.checkpoint_fingerprint, else from the
-// model dir's headers; checkpoint_files from a stat of the model dir's shards), the device
-// (CUDA_VISIBLE_DEVICES applied; an empty gpu-tier device is the calling thread's current CUDA
-// device, else visible index 0; its CUDA ordinal looked up once, here) and the paths. Every
-// machine input comes from `env`. kInvalidArgument for bad options, kInvalidCheckpoint for the
-// model, kNotFound for a device that is not visible, the driver's own error for a gpu tier
-// without a driver (unless an inventory file names the devices).
+// model dir's headers, through the verified cache of fingerprint_cache.h; checkpoint_files from a
+// stat of the model dir's shards), the device (CUDA_VISIBLE_DEVICES applied; an empty gpu-tier
+// device is the calling thread's current CUDA device, else visible index 0; its CUDA ordinal looked
+// up once, here) and the paths. Every machine input comes from `env`. kInvalidArgument for bad
+// options, kInvalidCheckpoint for the model, kNotFound for a device that is not visible, the
+// driver's own error for a gpu tier without a driver (unless an inventory file names the devices).
 Result<ResolvedIdentity> ResolveIdentity(const IdentityOptions& options,
                                          const Env& env = Env::Default());
 
