@@ -76,7 +76,8 @@ TEST(HandoffFrameTest, HandoffTypesCarryTheHandoffVersionAndOnlyAKeeperReadsThem
               "unsupported handoff version 2 in Deposit (this build speaks handoff version 1)");
   ExpectError(
       DecodeFrameHeader(Header(kProtocolVersion, 36, 0, 0), Expect::kKeeperRequest).status(),
-      StatusCode::kProtocol, "unsupported handoff version 5 in Query");
+      StatusCode::kProtocol,
+      "unsupported handoff version " + std::to_string(kProtocolVersion) + " in Query");
   // Bounds: fds only on Deposit among the keeper's requests; 64 KiB payloads.
   ExpectError(DecodeFrameHeader(Header(kHandoffVersion, 36, 1, 0), Expect::kKeeperRequest).status(),
               StatusCode::kProtocol, "Query frame announces 1 fds; at most 0 allowed");
