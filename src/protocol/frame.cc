@@ -143,8 +143,7 @@ uint64_t MaxPayloadFor(MessageType type) {
 // An arena's fds travel on the attach and publish replies and on the keeper's deposit and
 // withdraw reply; no other frame takes any.
 uint32_t MaxFdsFor(MessageType type) {
-  return CarriesArena(type) || type == MessageType::kDeposit ||
-                 type == MessageType::kWithdrawReply
+  return CarriesArena(type) || type == MessageType::kDeposit || type == MessageType::kWithdrawReply
              ? kMaxFdsPerFrame
              : 0;
 }
