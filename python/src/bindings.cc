@@ -534,9 +534,10 @@ nb::tuple ViewPlan(nb::handle self) {
     }
   }
   for (uint32_t i : rest) place(i);
-  if (placed != n)
+  if (placed != n) {
     throw std::logic_error("ViewPlan placed " + std::to_string(placed) + " of " +
                            std::to_string(n) + " tensors");
+  }
 
   // One uint8 export per region, each holding the Attachment (its owner) like every export.
   nb::list exports;

@@ -251,7 +251,7 @@ std::string UsableDir(const FingerprintCacheOptions& options) {
   struct stat st {};
   if (::lstat(options.runtime_dir.c_str(), &st) != 0) return "";
   if (!EnsurePrivateDir(options.runtime_dir, options.uid).ok()) return "";
-  const std::string dir = FingerprintCacheDir(options.runtime_dir);
+  std::string dir = FingerprintCacheDir(options.runtime_dir);
   if (!EnsurePrivateDir(dir, options.uid).ok()) return "";
   return dir;
 }

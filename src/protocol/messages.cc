@@ -435,9 +435,10 @@ Status ValidatePublishPlan(const PublishBegin& plan) {
       return bad("element count of the shape overflows 64 bits");
     }
     auto bytes = checkpoint::DTypeByteSize(*dtype, elements);
-    if (!bytes.ok())
+    if (!bytes.ok()) {
       return bad("size of " + std::to_string(elements) + " elements of " + t.dtype +
                  " overflows or is not a whole number of bytes");
+    }
     if (*bytes != t.nbytes) {
       return bad("nbytes " + std::to_string(t.nbytes) + " but the shape and dtype make " +
                  std::to_string(*bytes));
