@@ -75,6 +75,17 @@ nlohmann::json CaptureJson(const std::vector<std::string>& argv, int* code) {
                                /*allow_exceptions=*/false);
 }
 
+void EmitRecord(const char* bench, nlohmann::json j) {
+  j["bench"] = bench;
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);
+}
+
+void NoteLine(const char* program, const std::string& what) {
+  std::fprintf(stderr, "%s: %s\n", program, what.c_str());
+  std::fflush(stderr);
+}
+
 pid_t SpawnLogged(std::vector<std::string> argv, const std::string& log,
                   const std::vector<std::string>& extra_env) {
   posix_spawn_file_actions_t fa;

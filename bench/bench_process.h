@@ -39,6 +39,11 @@ int Capture(std::vector<std::string> argv, std::string* out,
 // is Capture's exit code.
 nlohmann::json CaptureJson(const std::vector<std::string>& argv, int* code);
 
+// One JSON record on stdout, tagged {"bench": bench}, flushed; progress lines on stderr,
+// prefixed by the program's name, flushed.
+void EmitRecord(const char* bench, nlohmann::json j);
+void NoteLine(const char* program, const std::string& what);
+
 // Spawns argv[0] (a path) with stdout and stderr into `log` (truncated), this process's
 // environment without WEIGHTCACHE_LOG_LEVEL, plus `extra_env` ("KEY=value"). -1 on failure.
 pid_t SpawnLogged(std::vector<std::string> argv, const std::string& log,

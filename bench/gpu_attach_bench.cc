@@ -65,16 +65,8 @@ namespace fs = std::filesystem;
 constexpr uint64_t kGiB = uint64_t{1} << 30;
 constexpr char kModelId[] = "bench";
 
-void Emit(nlohmann::json j) {
-  j["bench"] = "gpu_attach";
-  std::printf("%s\n", j.dump().c_str());
-  std::fflush(stdout);
-}
-
-void Note(const std::string& what) {
-  std::fprintf(stderr, "gpu_attach_bench: %s\n", what.c_str());
-  std::fflush(stderr);
-}
+void Emit(nlohmann::json j) { EmitRecord("gpu_attach", std::move(j)); }
+void Note(const std::string& what) { NoteLine("gpu_attach_bench", what); }
 
 nlohmann::json Percentiles(std::vector<double> v) {
   if (v.empty()) return nullptr;

@@ -84,16 +84,8 @@ constexpr auto kPoll = std::chrono::milliseconds(10);
 constexpr uint64_t kMemoryReturnSlack = 64 * kMiB;
 constexpr auto kMemoryReturnTimeout = std::chrono::seconds(60);
 
-void Emit(nlohmann::json j) {
-  j["bench"] = "shard_load";
-  std::printf("%s\n", j.dump().c_str());
-  std::fflush(stdout);
-}
-
-void Note(const std::string& what) {
-  std::fprintf(stderr, "shard_bench: %s\n", what.c_str());
-  std::fflush(stderr);
-}
+void Emit(nlohmann::json j) { EmitRecord("shard_load", std::move(j)); }
+void Note(const std::string& what) { NoteLine("shard_bench", what); }
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
