@@ -117,6 +117,9 @@ Result<std::vector<uint64_t>> ChecksumKernel::ChunkHashes(
   CUresult sync_rc = api->cuStreamSynchronize(stream);
   if (rc != CUDA_SUCCESS) return DriverError(api, rc, "copying the chunk hashes to the host");
   if (sync_rc != CUDA_SUCCESS) {
+    // The copy into `hashes` may still be queued behind whatever failed: synchronize once more
+    // (it returns at once on a broken context) before the vector goes away.
+    api->cuStreamSynchronize(stream);
     // A kernel fault (an invalid range) surfaces here, as CUDA_ERROR_ILLEGAL_ADDRESS.
     return DriverError(api, sync_rc,
                        "checksum kernel over " + std::to_string(table.size()) + " device ranges");

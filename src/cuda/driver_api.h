@@ -60,6 +60,7 @@ namespace weightcache::cuda {
   X(cuMemcpyHtoD)                            \
   X(cuMemcpyDtoH)                            \
   X(cuMemcpyHtoDAsync)                       \
+  X(cuMemcpy2DAsync)                         \
   X(cuMemcpyDtoHAsync)                       \
   X(cuMemcpyDtoDAsync)                       \
   X(cuMemcpyPeerAsync)                       \

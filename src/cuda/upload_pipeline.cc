@@ -18,6 +18,7 @@
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "common/unique_fd.h"
+#include "cuda/mapped_upload.h"
 #include "os/strided_read.h"
 
 namespace weightcache::cuda {
@@ -526,29 +527,79 @@ Result<UploadPipeline> UploadPipeline::Create(const DriverApi* api, const Upload
     return InvalidArgument("upload pipeline created with no current CUDA context");
   }
   UploadPipeline p(api, context, o);
-  // More readers than buffers would only wait for each other.
-  p.options_.reader_threads = std::min(o.reader_threads, o.staging_buffers);
-  for (int i = 0; i < o.staging_buffers; ++i) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(PinnedHostBuffer b,
-                                 PinnedHostBuffer::Create(api, o.staging_buffer_bytes));
-    p.buffers_.push_back(std::move(b));
+  // More readers than buffers would only wait for each other (the staged path).
+  if (o.read_mode != ReadMode::kMapped) {
+    p.options_.reader_threads = std::min(o.reader_threads, o.staging_buffers);
   }
   for (int i = 0; i < o.copy_streams; ++i) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(CudaStream s, CudaStream::Create(api));
     p.streams_.push_back(std::move(s));
   }
-  for (int i = 0; i < o.staging_buffers; ++i) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(api));
-    p.events_.push_back(std::move(e));
-  }
   return p;
+}
+
+Status UploadPipeline::EnsureStaging() {
+  if (!buffers_.empty()) return Status::Ok();
+  std::vector<PinnedHostBuffer> buffers;
+  std::vector<CudaEvent> events;
+  for (int i = 0; i < options_.staging_buffers; ++i) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(PinnedHostBuffer b,
+                                 PinnedHostBuffer::Create(api_, options_.staging_buffer_bytes));
+    buffers.push_back(std::move(b));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(api_));
+    events.push_back(std::move(e));
+  }
+  buffers_ = std::move(buffers);
+  events_ = std::move(events);
+  return Status::Ok();
+}
+
+const char* ReadModeName(ReadMode mode) {
+  switch (mode) {
+    case ReadMode::kBuffered:
+      return "buffered";
+    case ReadMode::kDirect:
+      return "direct";
+    case ReadMode::kMapped:
+      return "mapped";
+    case ReadMode::kAuto:
+      return "auto";
+  }
+  return "?";
 }
 
 Result<UploadReport> UploadPipeline::Run(std::span<const UploadSource> sources,
                                          std::span<const UploadItem> items,
                                          const UploadControl& control) {
-  const auto t0 = std::chrono::steady_clock::now();
   WEIGHTCACHE_ASSIGN_OR_RETURN(uint64_t total, ValidateItems(sources, items));
+  const bool checksums = options_.checksums == ChecksumMode::kCompute;
+  bool mapped = options_.read_mode == ReadMode::kMapped;
+  if (options_.read_mode == ReadMode::kMapped || options_.read_mode == ReadMode::kAuto) {
+    WEIGHTCACHE_CU_RETURN_IF_ERROR(api_, cuCtxSetCurrent(context_), "cuCtxSetCurrent");
+    Status can =
+        CheckMappedUpload(api_, sources, checksums,
+                          options_.read_mode == ReadMode::kAuto ? options_.min_residency : 0.0);
+    if (!can.ok() && mapped) return can.Context("the mapped upload path");
+    if (!can.ok()) {
+      LOG_DEBUG << "upload: reading through staging buffers: " << can.message();
+    }
+    mapped = can.ok();
+  }
+  if (mapped) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        UploadReport report,
+        RunMappedUpload(api_, context_, streams_, sources, items, options_, control, total));
+    report.path = ReadMode::kMapped;
+    return report;
+  }
+  WEIGHTCACHE_RETURN_IF_ERROR(EnsureStaging());
+  return RunStaged(sources, items, control, total);
+}
+
+Result<UploadReport> UploadPipeline::RunStaged(std::span<const UploadSource> sources,
+                                               std::span<const UploadItem> items,
+                                               const UploadControl& control, uint64_t total) {
+  const auto t0 = std::chrono::steady_clock::now();
   const std::vector<UniqueFd> direct_fds = OpenDirect(sources, options_.read_mode);
   const std::vector<Batch> batches = PlanBatches(items, options_.staging_buffer_bytes);
   const bool checksums = options_.checksums == ChecksumMode::kCompute;
@@ -568,6 +619,7 @@ Result<UploadReport> UploadPipeline::Run(std::span<const UploadSource> sources,
   report.staging_fills = batches.size();
   report.direct_sources = static_cast<size_t>(std::count_if(
       direct_fds.begin(), direct_fds.end(), [](const UniqueFd& fd) { return fd.valid(); }));
+  report.path = report.direct_sources > 0 ? ReadMode::kDirect : ReadMode::kBuffered;
   if (checksums) report.checksums = chunks.Checksums();
   LOG_DEBUG << "upload: " << total << " bytes in " << report.seconds << " s (" << report.gb_per_s
             << " GB/s), " << batches.size() << " staging fills";

@@ -12,7 +12,8 @@
 //    thread; the pipeline remembers it and makes it current on its own threads.
 //  * The pipeline owns its staging buffers, streams and events (freed on destruction, and
 //    only then: staging_buffers x staging_buffer_bytes of pinned host memory, 512 MiB by
-//    default, stay resident while the object lives, so a caller that loads once destroys it
+//    default, allocated by the first Run() that reads through them, stay resident while the
+//    object lives, so a caller that loads once destroys it
 //    right after Run(), as the daemon's gpu store does). Run()'s own bookkeeping (the batch
 //    plan, the chunk hashes) is freed when it returns. It borrows the source fds and the
 //    destination device memory: both must stay valid until Run() returns. Run() never changes a
@@ -73,7 +74,13 @@ enum class ReadMode {
   kBuffered,  // plain pread through the page cache
   kDirect,    // O_DIRECT on a second descriptor per file, falling back to buffered reads for a
               // file whose filesystem refuses it (tmpfs) or for a read it rejects
+  kMapped,    // no CPU copy: the copy engine reads the files' page cache through read-only
+              // registered mappings (cuda/mapped_upload.h); checksums by the GPU kernel
+  kAuto,      // kMapped when CheckMappedUpload passes (every source in the page cache, the
+              // device and build able), else kBuffered
 };
+
+const char* ReadModeName(ReadMode mode);
 
 enum class ChecksumMode { kNone, kCompute };
 
@@ -89,6 +96,12 @@ struct UploadOptions {
   int copy_streams = 2;
   ReadMode read_mode = ReadMode::kBuffered;
   ChecksumMode checksums = ChecksumMode::kNone;
+  // The mapped path (kMapped, kAuto): bytes per registered chunk (rounded up to a page), and
+  // chunks each reader thread keeps in flight (registered, copies queued) before it waits for
+  // its oldest; a source must be at least `min_residency` in the page cache for kAuto.
+  uint64_t mapped_chunk_bytes = uint64_t{64} << 20;
+  int mapped_depth = 2;
+  double min_residency = 0.99;
 };
 
 struct UploadControl {
@@ -105,8 +118,10 @@ struct UploadReport {
   double gb_per_s = 0;  // 1e9 bytes per second, wall clock of Run()
   // Per item, TensorChecksum of its bytes; empty unless ChecksumMode::kCompute.
   std::vector<uint64_t> checksums;
-  size_t staging_fills = 0;   // buffers filled (batches)
-  size_t direct_sources = 0;  // sources read with O_DIRECT
+  size_t staging_fills = 0;             // buffers filled (batches)
+  size_t direct_sources = 0;            // sources read with O_DIRECT
+  size_t mapped_chunks = 0;             // registered chunks copied (the mapped path)
+  ReadMode path = ReadMode::kBuffered;  // the path taken: kBuffered, kDirect or kMapped
 };
 
 class UploadPipeline {
@@ -126,6 +141,13 @@ class UploadPipeline {
  private:
   UploadPipeline(const DriverApi* api, CUcontext context, const UploadOptions& options)
       : api_(api), context_(context), options_(options) {}
+
+  // The staging ring and its events, on the first Run() that reads through them (a pipeline
+  // that only takes the mapped path never pins them).
+  Status EnsureStaging();
+  Result<UploadReport> RunStaged(std::span<const UploadSource> sources,
+                                 std::span<const UploadItem> items, const UploadControl& control,
+                                 uint64_t total);
 
   const DriverApi* api_;
   CUcontext context_;

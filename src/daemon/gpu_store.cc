@@ -84,10 +84,13 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   cuda::UploadOptions upload_options;
   upload_options.reader_threads = std::clamp(options.threads, 1, 64);
   upload_options.checksums = cuda::ChecksumMode::kCompute;
+  // Files already in the page cache are copied by the copy engine straight out of it (no CPU
+  // copy, checksums by the GPU kernel); the others are read through the pinned staging ring.
+  upload_options.read_mode = cuda::ReadMode::kAuto;
   WEIGHTCACHE_ASSIGN_OR_RETURN(auto created, cuda::UploadPipeline::Create(api, upload_options));
-  // Held in an optional so that it is destroyed right after Run(): its 16 x 32 MiB pinned
-  // staging buffers (cuMemFreeHost), streams and events are gone before the manifest is built,
-  // never kept for the life of the store.
+  // Held in an optional so that it is destroyed right after Run(): its streams and, when the
+  // load read through them, its 16 x 32 MiB pinned staging buffers (cuMemFreeHost) and events
+  // are gone before the manifest is built, never kept for the life of the store.
   std::optional<cuda::UploadPipeline> pipeline(std::move(created));
   const double pipeline_ms = lap();
 
@@ -130,8 +133,8 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
                           options.device.uuid);
   }
   LOG_DEBUG << "gpu tier: uploaded " << report->bytes << " bytes in " << report->seconds << " s ("
-            << report->gb_per_s << " GB/s), " << report->direct_sources
-            << " source(s) read with O_DIRECT";
+            << report->gb_per_s << " GB/s), path " << cuda::ReadModeName(report->path) << ", "
+            << report->direct_sources << " source(s) read with O_DIRECT";
 
   std::vector<uint64_t> checksums;
   checksums.reserve(order.size());

@@ -260,6 +260,24 @@ FakeDriver::FakeDriver(uint64_t granularity, int device_count)
     WC_HOOK("cuMemcpyHtoDAsync");
     return g_fake->MemcpyAsync(reinterpret_cast<void*>(dst), src, n, s);
   };
+  // A 2D copy, host to device only (what the upload's mapped path issues): one queued copy per
+  // row, so ordering and the reads of the source are checked as for any copy.
+  api_.cuMemcpy2DAsync = [](const CUDA_MEMCPY2D* m, CUstream s) -> CUresult {
+    WC_HOOK("cuMemcpy2DAsync");
+    if (m == nullptr || m->srcMemoryType != CU_MEMORYTYPE_HOST ||
+        m->dstMemoryType != CU_MEMORYTYPE_DEVICE || m->srcXInBytes != 0 || m->srcY != 0 ||
+        m->dstXInBytes != 0 || m->dstY != 0 || m->WidthInBytes > m->srcPitch ||
+        m->WidthInBytes > m->dstPitch) {
+      return CUDA_ERROR_INVALID_VALUE;
+    }
+    for (size_t r = 0; r < m->Height; ++r) {
+      const CUresult rc = g_fake->MemcpyAsync(
+          reinterpret_cast<void*>(m->dstDevice + r * m->dstPitch),
+          static_cast<const char*>(m->srcHost) + r * m->srcPitch, m->WidthInBytes, s);
+      if (rc != CUDA_SUCCESS) return rc;
+    }
+    return CUDA_SUCCESS;
+  };
   api_.cuMemcpyDtoHAsync = [](void* dst, CUdeviceptr src, size_t n, CUstream s) -> CUresult {
     WC_HOOK("cuMemcpyDtoHAsync");
     return g_fake->MemcpyAsync(dst, reinterpret_cast<const void*>(src), n, s);
@@ -367,6 +385,11 @@ WC_LOCKED_COUNT(exported_fds_made, exported_fds_made_)
 WC_LOCKED_COUNT(violations, violation_log_.size())
 WC_LOCKED_COUNT(live_host_buffers, host_buffers_.size())
 WC_LOCKED_COUNT(live_host_registrations, host_registrations_.size())
+
+void FakeDriver::ClearHostRegistrations() {
+  std::lock_guard<std::mutex> lock(mu_);
+  host_registrations_.clear();
+}
 WC_LOCKED_COUNT(live_streams, streams_.size() - 1)  // minus the default stream
 WC_LOCKED_COUNT(live_events, events_.size())
 WC_LOCKED_COUNT(live_device_allocs, device_allocs_.size())
@@ -694,14 +717,32 @@ CUresult FakeDriver::FreeHost(void* p) {
 CUresult FakeDriver::HostRegister(void* p, size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   if (p == nullptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
-  if (host_buffers_.count(p) != 0 || !host_registrations_.emplace(p, bytes).second) {
-    return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+  if (host_buffers_.count(p) != 0) return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+  // The real driver refuses a range that shares a page with a registered one.
+  const auto* begin = static_cast<const char*>(p);
+  for (const auto& [q, size] : host_registrations_) {
+    const auto* other = static_cast<const char*>(q);
+    if (begin < other + size && other < begin + bytes) {
+      return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    }
   }
+  host_registrations_.emplace(p, bytes);
   return CUDA_SUCCESS;
 }
 
 CUresult FakeDriver::HostUnregister(void* p) {
   std::lock_guard<std::mutex> lock(mu_);
+  // Unpinning pages a queued copy still reads is a use-after-free on a real GPU (the copy
+  // engine reads whatever the pages hold next): fail the test binary, as for cuMemFreeHost.
+  if (auto reg = host_registrations_.find(p); reg != host_registrations_.end()) {
+    const auto* begin = static_cast<const char*>(p);
+    for (const auto& [handle, s] : streams_) {
+      for (const Copy& c : s.queue) {
+        const auto* src = static_cast<const char*>(c.src);
+        if (src >= begin && src < begin + reg->second) std::abort();
+      }
+    }
+  }
   if (host_registrations_.erase(p) == 0) {
     return Violation(host_buffers_.count(p) != 0
                          ? "cuMemHostUnregister of cuMemHostAlloc'ed memory"
@@ -855,6 +896,23 @@ CUresult FakeDriver::ModuleGetFunction(CUfunction* f, CUmodule m, const char* na
   return CUDA_SUCCESS;
 }
 
+// What the kernel reads at `ptr`: host memory for cuMemAlloc'ed "device" memory, the backing
+// bytes of a mapped VMM address (BackVmmMemory), or zeros for an unbacked one (as a copy out of
+// it reads). Called with mu_ held.
+const uint8_t* FakeDriver::KernelView(CUdeviceptr ptr, uint64_t len, std::vector<uint8_t>* zeros) {
+  auto m = mappings_.upper_bound(ptr);
+  if (m != mappings_.begin()) {
+    --m;
+    if (ptr < m->first + m->second.size) {
+      const std::vector<uint8_t>& backing = memory_[m->second.memory].bytes;
+      if (!backing.empty()) return backing.data() + (ptr - m->first);
+      zeros->assign(len, 0);
+      return zeros->data();
+    }
+  }
+  return reinterpret_cast<const uint8_t*>(ptr);
+}
+
 CUresult FakeDriver::LaunchKernel(CUfunction f, unsigned grid, unsigned block, CUstream s,
                                   void** params) {
   if (f != FakeFunction()) return CUDA_ERROR_INVALID_HANDLE;
@@ -871,13 +929,14 @@ CUresult FakeDriver::LaunchKernel(CUfunction f, unsigned grid, unsigned block, C
   const uint64_t seed = *static_cast<uint64_t*>(params[4]);
   auto* out = reinterpret_cast<uint64_t*>(*static_cast<CUdeviceptr*>(params[5]));
   const uint64_t threads = uint64_t{grid} * block;
+  std::vector<uint8_t> zeros;
   // The device code's thread loop, run serially: thread `chunk` finds its range and hashes.
   for (uint64_t chunk = 0; chunk < total_chunks && chunk < threads; ++chunk) {
     uint32_t r = 0;
     while (r + 1 < num_ranges && ranges[r + 1].first_chunk <= chunk) ++r;
     const uint64_t offset = (chunk - ranges[r].first_chunk) * chunk_bytes;
     const uint64_t len = std::min(chunk_bytes, ranges[r].size - offset);
-    const auto* p = reinterpret_cast<const uint8_t*>(ranges[r].ptr + offset);
+    const uint8_t* p = KernelView(ranges[r].ptr + offset, len, &zeros);
     out[chunk] = (reinterpret_cast<uintptr_t>(p) % 16 == 0)
                      ? xxh64::Hash<xxh64::Access::kVector16>(p, len, seed)
                      : xxh64::Hash<xxh64::Access::kBytewise>(p, len, seed);

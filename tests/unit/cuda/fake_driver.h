@@ -116,6 +116,8 @@ class FakeDriver {
   CUmemAllocationProp last_create_prop() const;
   int live_host_buffers() const;  // cuMemHostAlloc'ed, not yet freed
   int live_host_registrations() const;
+  // Forgets every registration (after a test made cuMemHostUnregister fail on purpose).
+  void ClearHostRegistrations();
   int live_streams() const;
   int live_events() const;
   int live_device_allocs() const;  // cuMemAlloc'ed, not yet freed
@@ -146,6 +148,7 @@ class FakeDriver {
   CUresult SetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count);
   CUresult HostAlloc(void** p, size_t bytes);
   CUresult FreeHost(void* p);
+  const uint8_t* KernelView(CUdeviceptr ptr, uint64_t len, std::vector<uint8_t>* zeros);
   CUresult HostRegister(void* p, size_t bytes);
   CUresult HostUnregister(void* p);
   CUresult MemAlloc(CUdeviceptr* p, size_t bytes);

@@ -16,6 +16,7 @@
 
 #include "common/checksum.h"
 #include "common/unique_fd.h"
+#include "cuda/checksum_gpu.h"
 #include "os/strided_read.h"
 #include "support/test_env.h"
 #include "unit/cuda/fake_driver.h"
@@ -383,21 +384,36 @@ TEST_F(UploadPipelineTest, DrainFailureIsReportedAfterEveryStreamIsSynchronized)
   ExpectAllReleased();
 }
 
-TEST_F(UploadPipelineTest, CreateFailureReleasesWhatWasAllocated) {
-  fake_.FailCall("cuMemHostAlloc", 3, CUDA_ERROR_OUT_OF_MEMORY);
-  auto p = UploadPipeline::Create(fake_.api(), SmallRing());
-  ASSERT_FALSE(p.ok());
-  EXPECT_EQ(p.status().code(), StatusCode::kCuda);
-  EXPECT_NE(p.status().message().find("cuMemHostAlloc of a 524288-byte pinned staging buffer"),
-            std::string::npos)
-      << p.status().message();
-  EXPECT_EQ(fake_.CallCount("cuMemFreeHost"), 2);
-  ExpectAllReleased();
+// The staging ring is allocated by the first Run() that reads through it; a failure there
+// releases what was allocated and leaves the pipeline usable.
+TEST_F(UploadPipelineTest, StagingAllocationFailureReleasesWhatWasAllocated) {
+  const size_t a = AddFile("a.bin", 4 * kChunk, 31);
+  AddItem(a, 0, 4 * kChunk);
+  {
+    auto p = UploadPipeline::Create(fake_.api(), SmallRing());
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_EQ(fake_.CallCount("cuMemHostAlloc"), 0) << "Create pins nothing";
+    fake_.FailCall("cuMemHostAlloc", 3, CUDA_ERROR_OUT_OF_MEMORY);
+    auto r = p->Run(sources_, items_);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kCuda);
+    EXPECT_NE(r.status().message().find("cuMemHostAlloc of a 524288-byte pinned staging buffer"),
+              std::string::npos)
+        << r.status().message();
+    EXPECT_EQ(fake_.CallCount("cuMemFreeHost"), 2);
+    EXPECT_EQ(fake_.live_host_buffers(), 0);
 
-  fake_.FailCall("cuEventCreate", 2, CUDA_ERROR_OUT_OF_MEMORY);
-  auto p2 = UploadPipeline::Create(fake_.api(), SmallRing());
-  ASSERT_FALSE(p2.ok());
-  EXPECT_NE(p2.status().message().find("cuEventCreate"), std::string::npos);
+    fake_.FailCall("cuEventCreate", fake_.CallCount("cuEventCreate") + 2, CUDA_ERROR_OUT_OF_MEMORY);
+    r = p->Run(sources_, items_);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("cuEventCreate"), std::string::npos);
+    EXPECT_EQ(fake_.live_host_buffers(), 0);
+    EXPECT_EQ(fake_.live_events(), 0);
+
+    r = p->Run(sources_, items_);  // the next attempt allocates and loads
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ExpectDeviceMatchesFiles();
+  }
   ExpectAllReleased();
 }
 
@@ -471,6 +487,202 @@ TEST_F(UploadPipelineTest, NothingToDoReportsZero) {
   ASSERT_TRUE(report.ok());
   EXPECT_EQ(report->bytes, 0u);
   EXPECT_EQ(progress, (std::vector<std::pair<uint64_t, uint64_t>>{{0, 0}}));
+}
+
+// ---- the mapped path (cuda/mapped_upload.h): the copy engine reads the page cache ----------
+
+// Small registered chunks, so that items straddle chunk ends and strided items widen chunks.
+UploadOptions MappedOptions(ChecksumMode checksums) {
+  UploadOptions o;
+  o.read_mode = ReadMode::kMapped;
+  o.mapped_chunk_bytes = 3 * 4096;
+  o.mapped_depth = 2;
+  o.reader_threads = 3;
+  o.copy_streams = 2;
+  o.checksums = checksums;
+  return o;
+}
+
+// The same shapes as the staged tests: tiny, empty, misaligned, larger than a chunk, out of
+// file order, overlapping, two files, strided items of several geometries. Every chunk is
+// registered once (the fake refuses a page registered twice, as the driver does), unregistered
+// only after its copies ran (the fake aborts otherwise), and nothing is pinned afterwards.
+TEST_F(UploadPipelineTest, MappedPathMovesTheHeldBytesOfEveryItem) {
+  const size_t a = AddFile("a.bin", 9 * kChunk + 123, 41);
+  const size_t b = AddFile("b.bin", 3 * kChunk + 5, 42);
+  AddItem(a, 0, 1);
+  AddItem(a, 1, 7);
+  AddItem(a, 8, 0);
+  AddItem(a, 8, 2 * kChunk);
+  AddItem(b, 5, 3 * kChunk);  // to EOF
+  AddItem(a, 4096, 4096);     // going backwards, overlapping the item at 8
+  AddStridedItem(a, 2 * kChunk + 100, 50, 1000, 3000);
+  AddItem(a, 2 * kChunk + 100, 4000);  // overlapping the stride's first rows
+  AddStridedItem(a, 5 * kChunk + 17, 3, 5000, 20000);
+  AddStridedItem(b, 33, 1, 777, 0);
+  for (int i = 0; i < 40; ++i) AddItem(a, 7 * kChunk + 25 + i * 100, 100);
+  AddItem(a, 9 * kChunk + 100, 23);  // to EOF
+  std::vector<std::pair<uint64_t, uint64_t>> progress;
+  UploadControl control;
+  control.progress = [&](uint64_t done, uint64_t total) { progress.emplace_back(done, total); };
+  {
+    auto report = Run(MappedOptions(ChecksumMode::kNone), control);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    ExpectDeviceMatchesFiles();
+    EXPECT_EQ(report->path, ReadMode::kMapped);
+    EXPECT_GT(report->mapped_chunks, 10u);
+    EXPECT_EQ(fake_.CallCount("cuMemHostRegister"), static_cast<int>(report->mapped_chunks));
+    EXPECT_EQ(fake_.CallCount("cuMemHostUnregister"), static_cast<int>(report->mapped_chunks));
+    EXPECT_EQ(fake_.CallCount("cuMemHostAlloc"), 0) << "no staging ring on the mapped path";
+    EXPECT_EQ(fake_.CallCount("cuMemcpy2DAsync"), 2) << "one 2D copy per strided item";
+    uint64_t total = 0;
+    for (const auto& it : items_) total += it.length;
+    EXPECT_EQ(report->bytes, total);
+    ASSERT_FALSE(progress.empty());
+    EXPECT_EQ(progress.back(), std::make_pair(total, total));
+    EXPECT_EQ(fake_.live_host_registrations(), 0);
+  }
+  ExpectAllReleased();
+}
+
+// Checksums on the mapped path come from the GPU kernel (the fake runs its algorithm) over the
+// device bytes, and equal the host's TensorChecksum of the held bytes.
+TEST_F(UploadPipelineTest, MappedPathChecksumsAreThoseOfTheHeldBytes) {
+  if (!GpuChecksumKernelBuilt()) GTEST_SKIP() << "built without the GPU checksum kernel";
+  const size_t a = AddFile("a.bin", 6 * kChunk + 9, 43);
+  AddItem(a, 3, 2 * kChunk + 1);
+  AddStridedItem(a, 2 * kChunk + 50, 20, 3000, 7000);
+  AddItem(a, 6 * kChunk, 9);
+  AddItem(a, 0, 0);
+  auto report = Run(MappedOptions(ChecksumMode::kCompute));
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  ExpectDeviceMatchesFiles();
+  ASSERT_EQ(report->checksums.size(), items_.size());
+  for (size_t i = 0; i < items_.size(); ++i) {
+    const std::string held = Held(items_[i]);
+    EXPECT_EQ(report->checksums[i], TensorChecksum(held.data(), held.size())) << "item " << i;
+  }
+  EXPECT_EQ(fake_.CallCount("cuLaunchKernel"), 1) << "one launch for every item";
+  ExpectAllReleased();
+}
+
+TEST_F(UploadPipelineTest, MappedPathWithoutTheKernelRefusesChecksums) {
+  if (GpuChecksumKernelBuilt()) GTEST_SKIP() << "built with the GPU checksum kernel";
+  const size_t a = AddFile("a.bin", 100, 44);
+  AddItem(a, 0, 100);
+  auto report = Run(MappedOptions(ChecksumMode::kCompute));
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(report.status().message().find("checksums need the GPU checksum kernel"),
+            std::string::npos)
+      << report.status().message();
+}
+
+// A failure at each driver step of the mapped path names what failed, and leaves nothing
+// registered, queued or allocated.
+TEST_F(UploadPipelineTest, MappedPathFailuresNameTheStepAndReleaseEverything) {
+  const size_t a = AddFile("a.bin", 12 * kChunk, 45);
+  for (int i = 0; i < 6; ++i) AddItem(a, i * 2 * kChunk + 11, 2 * kChunk - 11);
+  AddStridedItem(a, 40, 30, 100, 5000);
+  struct Case {
+    const char* call;
+    int nth;
+    const char* expect;
+  };
+  for (const Case& c :
+       {Case{"cuMemHostRegister", 4, "cuMemHostRegister (read-only) of "},
+        Case{"cuMemcpyHtoDAsync", 5, "copying item "}, Case{"cuMemcpy2DAsync", 1, "copying item 6"},
+        Case{"cuEventRecord", 3, "cuEventRecord after a mapped chunk"},
+        Case{"cuEventSynchronize", 2, "cuEventSynchronize after a mapped chunk"},
+        Case{"cuMemHostUnregister", 3, "cuMemHostUnregister of "},
+        Case{"cuCtxSetCurrent", 3, "cuCtxSetCurrent on a mapped-upload thread"}}) {
+    SCOPED_TRACE(c.call);
+    // Call counts add up over the loop: the nth call of this run.
+    fake_.FailCall(c.call, fake_.CallCount(c.call) + c.nth, CUDA_ERROR_UNKNOWN);
+    auto report = Run(MappedOptions(ChecksumMode::kNone));
+    ASSERT_FALSE(report.ok());
+    EXPECT_EQ(report.status().code(), StatusCode::kCuda);
+    EXPECT_NE(report.status().message().find(c.expect), std::string::npos)
+        << report.status().message();
+    if (std::string(c.call) == "cuMemHostRegister") {
+      EXPECT_NE(report.status().message().find(sources_[a].path + " bytes ["), std::string::npos)
+          << report.status().message();
+    }
+    // A failed unregister leaves that one registration behind in the fake (the driver's state
+    // is unknown then); every other path unpins everything.
+    if (std::string(c.call) != "cuMemHostUnregister") {
+      EXPECT_EQ(fake_.live_host_registrations(), 0);
+    }
+    fake_.ClearHostRegistrations();
+    ExpectAllReleased();
+  }
+}
+
+TEST_F(UploadPipelineTest, MappedPathRefusesAnItemPastTheEndOfItsFile) {
+  const size_t a = AddFile("short.bin", 10000, 46);
+  AddItem(a, 0, 100);
+  AddStridedItem(a, 40, 8, 500, 1500);  // the last row ends at 11040
+  auto report = Run(MappedOptions(ChecksumMode::kNone));
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kIo);
+  EXPECT_NE(report.status().message().find("upload item 1: " + sources_[a].path +
+                                           " bytes [40, 11040) run past the end of the file "
+                                           "(10000 bytes)"),
+            std::string::npos)
+      << report.status().message();
+  ExpectAllReleased();
+}
+
+TEST_F(UploadPipelineTest, MappedPathCancelStopsBeforeTheNextChunk) {
+  const size_t a = AddFile("a.bin", 40 * kChunk, 47);
+  for (int i = 0; i < 20; ++i) AddItem(a, i * 2 * kChunk, 2 * kChunk);
+  std::atomic<bool> cancel{false};
+  UploadControl control;
+  control.cancel = &cancel;
+  control.progress = [&](uint64_t done, uint64_t) {
+    if (done > 0) cancel = true;
+  };
+  UploadOptions o = MappedOptions(ChecksumMode::kNone);
+  o.reader_threads = 1;
+  {
+    auto report = Run(o, control);
+    ASSERT_FALSE(report.ok());
+    EXPECT_EQ(report.status().message(), "upload cancelled");
+    EXPECT_LT(fake_.CallCount("cuMemHostRegister"), 20);
+    EXPECT_EQ(fake_.live_host_registrations(), 0);
+  }
+  ExpectAllReleased();
+}
+
+// kAuto takes the mapped path only when it can: files in the page cache (these were just
+// written), a device that registers read-only memory; otherwise the staging ring, same bytes.
+TEST_F(UploadPipelineTest, AutoModeChoosesThePathAndMovesTheSameBytes) {
+  const size_t a = AddFile("a.bin", 5 * kChunk + 3, 48);
+  AddItem(a, 0, 5 * kChunk + 3);
+  AddStridedItem(a, 10, 40, 2000, 6000);
+  UploadOptions o = SmallRing();
+  o.read_mode = ReadMode::kAuto;
+  o.checksums = ChecksumMode::kNone;
+  auto report = Run(o);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->path, ReadMode::kMapped);
+  ExpectDeviceMatchesFiles();
+
+  for (auto& d : device_) std::fill(d.begin(), d.end(), '\xEE');
+  fake_.SetAttribute(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, 0);
+  report = Run(o);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->path, ReadMode::kBuffered);
+  ExpectDeviceMatchesFiles();
+
+  fake_.SetAttribute(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, 1);
+  o.min_residency = 1.5;  // more than any file can be: as if it were not in the page cache
+  for (auto& d : device_) std::fill(d.begin(), d.end(), '\xEE');
+  report = Run(o);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->path, ReadMode::kBuffered);
+  ExpectDeviceMatchesFiles();
+  ExpectAllReleased();
 }
 
 }  // namespace
