@@ -189,6 +189,8 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
     fi
   }
   run_bench 120 load_bench "$work/load" --gib 4
+  # The same files, warm, through the mapped path (the copy engine reading the page cache).
+  run_bench 60 load_bench "$work/load" --gib 4 --warm-only --mapped
   rm -rf "$work/load"
   run_bench 120 attach_bench --gib 16 --reps 5
   run_bench 100 host_attach_bench "$work/host" --iters 50 --threads 8 --load-mib 1024
@@ -251,7 +253,7 @@ for line in open(sys.argv[1]):
                  ("skipped", j.get("skipped")), ("error", j.get("error")),
                  ("client_error", j.get("client_error"))]
     elif b == "load_bench":
-        items = [("kind", j.get("kind")), ("cache", j.get("cache")),
+        items = [("kind", j.get("kind")), ("cache", j.get("cache")), ("path", j.get("path")),
                  ("gb_per_s", j.get("gb_per_s")), ("limit_gb_per_s", j.get("limit_gb_per_s")),
                  ("ratio", j.get("ratio")), ("target_ratio", j.get("target_ratio")),
                  ("matches_pipeline", j.get("matches_pipeline"))]

@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
-#include "cuda/checksum_gpu.h"
 #include "daemon/weight_store.h"
 #include "identity/resolve.h"
 #include "support/test_env.h"
@@ -74,11 +73,8 @@ class GpuStoreFaultTest : public ::testing::Test {
 
   // One load over a fresh fake whose `fail_step`-th call (0: none) fails; the store is
   // destroyed before the books are read. *failed gets the function that failed.
-  // `mapped`: the files are in the page cache (just written), so the load takes the upload's
-  // mapped path unless the device says it cannot register read-only memory (false here).
-  Status Load(int fail_step, int* steps, Live* live, std::string* failed, bool mapped = true) {
+  Status Load(int fail_step, int* steps, Live* live, std::string* failed) {
     FakeDriver fake;
-    if (!mapped) fake.SetAttribute(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, 0);
     identity::Env env = identity::Env::Default();
     env.load_driver = [&fake]() -> Result<const cuda::DriverApi*> { return fake.api(); };
     env.lookup = identity::MapEnv({});
@@ -128,46 +124,36 @@ TEST_F(GpuStoreFaultTest, LoadsOntoTheResolvedOrdinalAndReleasesEverythingWithTh
   EXPECT_EQ(Describe(live), Describe(Live{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, fds_before}));
 }
 
-// Every driver call of a load fails in turn, once over each upload path: the load gives the
-// CUDA error and releases everything.
 TEST_F(GpuStoreFaultTest, EveryStepThatFailsGivesItsCudaErrorAndReleasesEverything) {
   const int fds_before = CountOpenFds();
+  int total = 0;
+  Live live{};
+  std::string failed;
+  ASSERT_TRUE(Load(0, &total, &live, &failed).ok());
   const Live clean{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, fds_before};
-  for (const bool mapped : {true, false}) {
-    SCOPED_TRACE(mapped ? "mapped upload path" : "staged upload path");
-    int total = 0;
-    Live live{};
-    std::string failed;
-    ASSERT_TRUE(Load(0, &total, &live, &failed, mapped).ok());
-    int failures = 0;
-    std::set<std::string> failed_calls;  // the calls whose failure failed the load
-    for (int step = 1; step <= total; ++step) {
-      SCOPED_TRACE("failing step " + std::to_string(step) + " of " + std::to_string(total));
-      int steps = 0;
-      failed.clear();
-      Status status = Load(step, &steps, &live, &failed, mapped);
-      SCOPED_TRACE("the failed call: " + failed);
-      if (IsRelease(failed)) continue;  // a refused release: nothing else to check here
-      if (!status.ok()) {
-        ++failures;
-        failed_calls.insert(failed);
-        EXPECT_EQ(status.code(), StatusCode::kCuda) << status.ToString();
-        EXPECT_NE(status.message().find("CUDA_ERROR_UNKNOWN"), std::string::npos)
-            << status.ToString();
-      }
-      EXPECT_EQ(Describe(live), Describe(clean));
+  int failures = 0;
+  std::set<std::string> failed_calls;  // the calls whose failure failed the load
+  for (int step = 1; step <= total; ++step) {
+    SCOPED_TRACE("failing step " + std::to_string(step) + " of " + std::to_string(total));
+    int steps = 0;
+    failed.clear();
+    Status status = Load(step, &steps, &live, &failed);
+    SCOPED_TRACE("the failed call: " + failed);
+    if (IsRelease(failed)) continue;  // a refused release: nothing else to check here
+    if (!status.ok()) {
+      ++failures;
+      failed_calls.insert(failed);
+      EXPECT_EQ(status.code(), StatusCode::kCuda) << status.ToString();
+      EXPECT_NE(status.message().find("CUDA_ERROR_UNKNOWN"), std::string::npos)
+          << status.ToString();
     }
-    EXPECT_GT(failures, 0);
-    // The sweep went through the device, the arena and the upload path.
-    std::vector<const char*> calls = {"cuDeviceGet", "cuDeviceGetUuid", "cuMemCreate",
-                                      "cuMemExportToShareableHandle", "cuStreamCreate"};
-    if (mapped) {
-      calls.insert(calls.end(), {"cuMemHostRegister", "cuMemcpyHtoDAsync"});
-      if (cuda::GpuChecksumKernelBuilt()) calls.push_back("cuLaunchKernel");
-    } else {
-      calls.push_back("cuMemHostAlloc");
-    }
-    for (const char* call : calls) EXPECT_EQ(failed_calls.count(call), 1u) << call;
+    EXPECT_EQ(Describe(live), Describe(clean));
+  }
+  EXPECT_GT(failures, 0);
+  // The sweep went through the device, the arena and the pipeline.
+  for (const char* call : {"cuDeviceGet", "cuDeviceGetUuid", "cuMemCreate",
+                           "cuMemExportToShareableHandle", "cuMemHostAlloc", "cuStreamCreate"}) {
+    EXPECT_EQ(failed_calls.count(call), 1u) << call;
   }
 }
 
