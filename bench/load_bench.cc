@@ -3,7 +3,7 @@
 //
 //   load_bench [DATA_DIR] [--gib N] [--threads T] [--buffer-mib M] [--buffers K]
 //              [--direct | --mapped | --auto] [--streams S] [--chunk-mib M] [--depth D]
-//              [--checksum-threads H] [--warm-only] [--no-checksum]
+//              [--checksum-threads H] [--warm-only] [--device-checksum | --no-checksum]
 // (--mapped: the copy engine reads the page cache through registered mappings, checksums by
 // the GPU kernel; --auto: mapped when the files are in the page cache, as the daemon loads.)
 //
@@ -234,15 +234,18 @@ int main(int argc, char** argv) {
       options.checksum_threads = std::atoi(next().c_str());
     } else if (a == "--warm-only") {
       warm_only = true;
+    } else if (a == "--device-checksum") {
+      options.checksums = cu::ChecksumMode::kDevice;
     } else if (a == "--no-checksum") {
       options.checksums = cu::ChecksumMode::kNone;
     } else if (!a.empty() && a[0] != '-') {
       dir = a;
     } else {
-      std::fprintf(stderr,
-                   "usage: load_bench [DATA_DIR] [--gib N] [--threads T] [--buffer-mib M] "
-                   "[--buffers K] [--direct | --mapped | --auto] [--streams S] [--chunk-mib M] "
-                   "[--depth D] [--checksum-threads H] [--warm-only] [--no-checksum]\n");
+      std::fprintf(
+          stderr,
+          "usage: load_bench [DATA_DIR] [--gib N] [--threads T] [--buffer-mib M] "
+          "[--buffers K] [--direct | --mapped | --auto] [--streams S] [--chunk-mib M] "
+          "[--depth D] [--checksum-threads H] [--warm-only] [--device-checksum | --no-checksum]\n");
       return 2;
     }
   }
@@ -321,7 +324,9 @@ int main(int argc, char** argv) {
         {"copy_streams", options.copy_streams},
         {"mapped_chunk_mib", options.mapped_chunk_bytes / kMiB},
         {"mapped_depth", options.mapped_depth},
-        {"checksums", options.checksums == cu::ChecksumMode::kCompute},
+        {"checksums", options.checksums == cu::ChecksumMode::kNone     ? "none"
+                      : options.checksums == cu::ChecksumMode::kDevice ? "device"
+                                                                       : "host"},
         {"pipeline_create_s", pipeline_create_s}});
 
   const double h2d = MeasureH2D(api, region, std::min<uint64_t>(kGiB, device_bytes));

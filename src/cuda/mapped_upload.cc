@@ -327,6 +327,17 @@ Status CheckMappedUpload(const DriverApi* api, std::span<const UploadSource> sou
   return Status::Ok();
 }
 
+Result<std::vector<uint64_t>> DeviceItemChecksums(const DriverApi* api, CUcontext context,
+                                                  CUstream stream,
+                                                  std::span<const UploadItem> items) {
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuCtxSetCurrent(context), "cuCtxSetCurrent");
+  WEIGHTCACHE_ASSIGN_OR_RETURN(ChecksumKernel kernel, ChecksumKernel::Create(api));
+  std::vector<DeviceRange> ranges;
+  ranges.reserve(items.size());
+  for (const UploadItem& it : items) ranges.push_back({it.dst, it.length});
+  return kernel.Checksums(stream, ranges);
+}
+
 Result<UploadReport> RunMappedUpload(const DriverApi* api, CUcontext context,
                                      std::span<const CudaStream> streams,
                                      std::span<const UploadSource> sources,
@@ -353,13 +364,9 @@ Result<UploadReport> RunMappedUpload(const DriverApi* api, CUcontext context,
   UploadReport report;
   report.bytes = total_bytes;
   report.mapped_chunks = chunks.size();
-  if (options.checksums == ChecksumMode::kCompute) {
-    WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuCtxSetCurrent(context), "cuCtxSetCurrent");
-    WEIGHTCACHE_ASSIGN_OR_RETURN(ChecksumKernel kernel, ChecksumKernel::Create(api));
-    std::vector<DeviceRange> ranges;
-    ranges.reserve(items.size());
-    for (const UploadItem& it : items) ranges.push_back({it.dst, it.length});
-    WEIGHTCACHE_ASSIGN_OR_RETURN(report.checksums, kernel.Checksums(streams[0].get(), ranges));
+  if (options.checksums != ChecksumMode::kNone) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(report.checksums,
+                                 DeviceItemChecksums(api, context, streams[0].get(), items));
   }
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   report.gb_per_s =

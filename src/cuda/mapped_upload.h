@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "cuda/driver_api.h"
 #include "cuda/upload_pipeline.h"
@@ -40,6 +41,12 @@ inline constexpr uint64_t kMappedChunkBytes = uint64_t{64} << 20;
 // `min_residency` in the page cache. The reason when it cannot (for the log).
 Status CheckMappedUpload(const DriverApi* api, std::span<const UploadSource> sources,
                          bool checksums, double min_residency);
+
+// The checksums of the items' device bytes (TensorChecksum values), by the GPU kernel on
+// `stream`, with `context` made current; after the copies into them completed.
+Result<std::vector<uint64_t>> DeviceItemChecksums(const DriverApi* api, CUcontext context,
+                                                  CUstream stream,
+                                                  std::span<const UploadItem> items);
 
 Result<UploadReport> RunMappedUpload(const DriverApi* api, CUcontext context,
                                      std::span<const CudaStream> streams,

@@ -18,6 +18,7 @@
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "common/unique_fd.h"
+#include "cuda/checksum_gpu.h"
 #include "cuda/mapped_upload.h"
 #include "os/strided_read.h"
 
@@ -572,7 +573,11 @@ Result<UploadReport> UploadPipeline::Run(std::span<const UploadSource> sources,
                                          std::span<const UploadItem> items,
                                          const UploadControl& control) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(uint64_t total, ValidateItems(sources, items));
-  const bool checksums = options_.checksums == ChecksumMode::kCompute;
+  const bool checksums = options_.checksums != ChecksumMode::kNone;
+  if (options_.checksums == ChecksumMode::kDevice && !GpuChecksumKernelBuilt()) {
+    return Status(StatusCode::kUnavailable,
+                  "device checksums need the GPU checksum kernel, and this build has none");
+  }
   bool mapped = options_.read_mode == ReadMode::kMapped;
   if (options_.read_mode == ReadMode::kMapped || options_.read_mode == ReadMode::kAuto) {
     WEIGHTCACHE_CU_RETURN_IF_ERROR(api_, cuCtxSetCurrent(context_), "cuCtxSetCurrent");
@@ -593,7 +598,16 @@ Result<UploadReport> UploadPipeline::Run(std::span<const UploadSource> sources,
     return report;
   }
   WEIGHTCACHE_RETURN_IF_ERROR(EnsureStaging());
-  return RunStaged(sources, items, control, total);
+  WEIGHTCACHE_ASSIGN_OR_RETURN(UploadReport report, RunStaged(sources, items, control, total));
+  if (options_.checksums == ChecksumMode::kDevice) {
+    const auto t0 = std::chrono::steady_clock::now();
+    WEIGHTCACHE_ASSIGN_OR_RETURN(report.checksums,
+                                 DeviceItemChecksums(api_, context_, streams_[0].get(), items));
+    report.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    report.gb_per_s =
+        report.seconds > 0 ? static_cast<double>(report.bytes) / report.seconds / 1e9 : 0;
+  }
+  return report;
 }
 
 Result<UploadReport> UploadPipeline::RunStaged(std::span<const UploadSource> sources,
@@ -602,7 +616,7 @@ Result<UploadReport> UploadPipeline::RunStaged(std::span<const UploadSource> sou
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<UniqueFd> direct_fds = OpenDirect(sources, options_.read_mode);
   const std::vector<Batch> batches = PlanBatches(items, options_.staging_buffer_bytes);
-  const bool checksums = options_.checksums == ChecksumMode::kCompute;
+  const bool checksums = options_.checksums == ChecksumMode::kCompute;  // host hashers
   ChunkLayout chunks(items, checksums);
 
   UploadRun run({api_, context_, buffers_, streams_, events_}, sources, items, batches, direct_fds,

@@ -10,6 +10,7 @@
 #include "checkpoint/arena_plan.h"
 #include "common/checksum.h"
 #include "common/logging.h"
+#include "cuda/checksum_gpu.h"
 #include "cuda/driver_api.h"
 #include "cuda/exported_arena.h"
 #include "cuda/upload_pipeline.h"
@@ -83,7 +84,11 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   const double arena_ms = lap();
   cuda::UploadOptions upload_options;
   upload_options.reader_threads = std::clamp(options.threads, 1, 64);
-  upload_options.checksums = cuda::ChecksumMode::kCompute;
+  // The checksums by the GPU kernel once the bytes are on the device (a few ms for 16 GB),
+  // which leaves the host's memory bandwidth to the reads and copies; by hasher threads over
+  // the staging buffers in a build without the kernel.
+  upload_options.checksums =
+      cuda::GpuChecksumKernelBuilt() ? cuda::ChecksumMode::kDevice : cuda::ChecksumMode::kCompute;
   // Read through the pinned staging ring (ReadMode::kBuffered). The mapped path (the copy
   // engine reading the page cache through registered chunks) measured slower inside the daemon
   // on an H200 (16 GB warm: upload 1.73 s against 0.81 s staged; docs/benchmarks.md), so it is

@@ -489,6 +489,46 @@ TEST_F(UploadPipelineTest, NothingToDoReportsZero) {
   EXPECT_EQ(progress, (std::vector<std::pair<uint64_t, uint64_t>>{{0, 0}}));
 }
 
+// ChecksumMode::kDevice: the staged path without host hashers, then one kernel launch over the
+// device bytes (the fake runs the kernel's algorithm): the same values as the host's.
+TEST_F(UploadPipelineTest, DeviceChecksumsOnTheStagedPathEqualTheHeldBytesChecksums) {
+  if (!GpuChecksumKernelBuilt()) GTEST_SKIP() << "built without the GPU checksum kernel";
+  const size_t a = AddFile("a.bin", 7 * kChunk + 5, 51);
+  AddItem(a, 1, 3 * kChunk);
+  AddStridedItem(a, 3 * kChunk + 9, 30, 2000, 5000);
+  AddItem(a, 0, 0);
+  AddItem(a, 7 * kChunk, 5);
+  UploadOptions o = SmallRing();
+  o.checksums = ChecksumMode::kDevice;
+  {
+    auto report = Run(o);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    ExpectDeviceMatchesFiles();
+    EXPECT_EQ(report->path, ReadMode::kBuffered);
+    ASSERT_EQ(report->checksums.size(), items_.size());
+    for (size_t i = 0; i < items_.size(); ++i) {
+      const std::string held = Held(items_[i]);
+      EXPECT_EQ(report->checksums[i], TensorChecksum(held.data(), held.size())) << "item " << i;
+    }
+    EXPECT_EQ(fake_.CallCount("cuLaunchKernel"), 1);
+  }
+  ExpectAllReleased();
+}
+
+TEST_F(UploadPipelineTest, DeviceChecksumsWithoutTheKernelAreRefused) {
+  if (GpuChecksumKernelBuilt()) GTEST_SKIP() << "built with the GPU checksum kernel";
+  const size_t a = AddFile("a.bin", 100, 52);
+  AddItem(a, 0, 100);
+  UploadOptions o = SmallRing();
+  o.checksums = ChecksumMode::kDevice;
+  auto report = Run(o);
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(report.status().message().find("device checksums need the GPU checksum kernel"),
+            std::string::npos)
+      << report.status().message();
+}
+
 // ---- the mapped path (cuda/mapped_upload.h): the copy engine reads the page cache ----------
 
 // Small registered chunks, so that items straddle chunk ends and strided items widen chunks.
