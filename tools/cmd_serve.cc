@@ -36,7 +36,7 @@ struct ServeArgs {
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;
   std::string memory_budget;
-  int threads = 8;
+  int threads = 16;
   double failed_linger_s = 30;
   double handshake_timeout_s = 10;
   double stall_timeout_s = 30;
@@ -206,7 +206,7 @@ void RegisterServeCommand(CLI::App& root) {
                   "also accept clients whose primary gid is this (repeatable)");
   sub->add_option("--memory-budget", args->memory_budget,
                   "refuse to load a plan larger than this (e.g. 20G, 512M, bytes)");
-  sub->add_option("--threads", args->threads, "reader threads of the load")
+  sub->add_option("--threads", args->threads, "reader threads of the load (default 16)")
       ->check(CLI::Range(1, 256));
   sub->add_option("--failed-linger", args->failed_linger_s,
                   "seconds a failed daemon keeps answering `failed` before exiting (default 30)")

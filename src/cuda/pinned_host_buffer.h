@@ -2,16 +2,20 @@
 // upload pipeline's staging ring (cuda/upload_pipeline.h) and the client's gpu fallback loader
 // (client/fallback_loader.h) both stage through it.
 //
-// Pinned host memory has one rule: it is allocated by cuMemHostAlloc (PORTABLE, so every
-// context sees it pinned) and freed by cuMemFreeHost, the only call that frees
-// cuMemHostAlloc'ed memory (cuMemHostUnregister is for cuMemHostRegister'ed memory the caller
-// allocated, which the project does not use). PinnedHostTraits is that rule, written once.
+// The memory is private anonymous memory populated by the kernel (os::MapAnonymousPopulated),
+// then registered with the driver (cuMemHostRegister, PORTABLE: every context sees it pinned).
+// That is the fast way to pin on the machines we measured: cuMemHostAlloc of 512 MiB took
+// ~285 ms inside a load on an H200 (the driver allocates and pins page by page; 4 GiB plus a
+// touch took 2.6 s), while registering populated memory went at ~23 GB/s (4 GiB in 0.175 s).
+// It is released the one way registered memory is: cuMemHostUnregister, then munmap.
+// PinnedHostTraits is that rule, written once.
 //
 // Contract: move-only, created through Create() (nothing half-built escapes); a moved-from
-// buffer owns nothing. Destruction frees through the DriverApi table the buffer was created
-// with and never fails (a failed free is logged). The memory must no longer be in use by an
-// asynchronous copy when the buffer dies: its user synchronizes first. Not thread-safe per
-// object. The DriverApi must outlive the buffer.
+// buffer owns nothing. Destruction never fails: a refused unregister is logged and the memory
+// is then leaked on purpose (the device may still be able to reach it, so it is never handed
+// back to the allocator). The memory must no longer be in use by an asynchronous copy when the
+// buffer dies: its user synchronizes first. Creating buffers concurrently from several threads
+// is safe and populates them in parallel. The DriverApi must outlive the buffer.
 #pragma once
 
 #include <cuda.h>
@@ -21,40 +25,50 @@
 
 #include "common/unique_handle.h"
 #include "cuda/driver_api.h"
+#include "os/file_mapping.h"
 #include "weightcache/status.h"
 
 namespace weightcache::cuda {
 
 struct PinnedHostTraits {
   using Handle = void*;
-  using Context = const DriverApi*;
+  struct Context {
+    const DriverApi* api = nullptr;
+    size_t bytes = 0;
+  };
   static constexpr Handle Null() { return nullptr; }
-  static void Close(const DriverApi* api, void* p) noexcept {
-    if (CUresult rc = api->cuMemFreeHost(p); rc != CUDA_SUCCESS) {
-      LogReleaseFailure(api, rc, "cuMemFreeHost of a pinned host buffer");
+  static void Close(const Context& c, void* p) noexcept {
+    if (CUresult rc = c.api->cuMemHostUnregister(p); rc != CUDA_SUCCESS) {
+      LogReleaseFailure(c.api, rc, "cuMemHostUnregister of a pinned host buffer (leaked)");
+      return;
     }
+    os::UnmapAnonymous(p, c.bytes);
   }
 };
 
 class PinnedHostBuffer {
  public:
-  // cuMemHostAlloc(PORTABLE) of `bytes`: page-aligned, page-locked, usable by every context.
-  // kCuda naming the call and the size when the driver refuses.
+  // `bytes` of page-aligned, page-locked memory usable by every context. kIo (ENOMEM) when
+  // the memory cannot be mapped, kCuda naming the call and the size when the driver
+  // refuses to pin it.
   static Result<PinnedHostBuffer> Create(const DriverApi* api, size_t bytes) {
-    void* p = nullptr;
-    WEIGHTCACHE_CU_RETURN_IF_ERROR(
-        api, cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE),
-        "cuMemHostAlloc of a " + std::to_string(bytes) + "-byte pinned staging buffer");
+    WEIGHTCACHE_ASSIGN_OR_RETURN(void* p, os::MapAnonymousPopulated(bytes));
+    if (CUresult rc = api->cuMemHostRegister(p, bytes, CU_MEMHOSTREGISTER_PORTABLE);
+        rc != CUDA_SUCCESS) {
+      os::UnmapAnonymous(p, bytes);
+      return DriverError(
+          api, rc,
+          "cuMemHostRegister of a " + std::to_string(bytes) + "-byte pinned staging buffer");
+    }
     return PinnedHostBuffer(api, p, bytes);
   }
   std::byte* data() const { return static_cast<std::byte*>(memory_.get()); }
-  size_t size() const { return size_; }
+  size_t size() const { return memory_.valid() ? memory_.context().bytes : 0; }
 
  private:
   PinnedHostBuffer(const DriverApi* api, void* data, size_t size)
-      : memory_(api, data), size_(size) {}
+      : memory_(PinnedHostTraits::Context{api, size}, data) {}
   UniqueHandle<PinnedHostTraits> memory_;
-  size_t size_;
 };
 
 }  // namespace weightcache::cuda

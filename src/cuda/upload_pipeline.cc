@@ -11,6 +11,7 @@
 #include <deque>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "common/align.h"
@@ -541,12 +542,28 @@ Result<UploadPipeline> UploadPipeline::Create(const DriverApi* api, const Upload
 
 Status UploadPipeline::EnsureStaging() {
   if (!buffers_.empty()) return Status::Ok();
+  // The buffers are populated in parallel (the kernel zeroes their pages), then pinned.
+  const auto n = static_cast<size_t>(options_.staging_buffers);
+  std::vector<std::optional<Result<PinnedHostBuffer>>> made(n);
+  {
+    std::vector<std::thread> threads;
+    const size_t workers = std::min<size_t>(n, 8);
+    for (size_t t = 0; t < workers; ++t) {
+      threads.emplace_back([&, t] {
+        for (size_t i = t; i < n; i += workers) {
+          made[i].emplace(PinnedHostBuffer::Create(api_, options_.staging_buffer_bytes));
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
   std::vector<PinnedHostBuffer> buffers;
   std::vector<CudaEvent> events;
-  for (int i = 0; i < options_.staging_buffers; ++i) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(PinnedHostBuffer b,
-                                 PinnedHostBuffer::Create(api_, options_.staging_buffer_bytes));
-    buffers.push_back(std::move(b));
+  for (auto& b : made) {
+    if (!b->ok()) return b->status();  // every buffer made is released with `made`
+    buffers.push_back(std::move(*b).value());
+  }
+  for (size_t i = 0; i < n; ++i) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(api_));
     events.push_back(std::move(e));
   }

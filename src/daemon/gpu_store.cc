@@ -84,6 +84,11 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   const double arena_ms = lap();
   cuda::UploadOptions upload_options;
   upload_options.reader_threads = std::clamp(options.threads, 1, 64);
+  // Two staging buffers per reader (one being read into, one whose copy is in flight) and 4
+  // copy streams: 16 readers, 32 x 32 MiB and 4 streams moved a warm 16 GiB at 42.8 GB/s on an
+  // H200, against 30.7 GB/s with 8, 16 and 2 (load_bench, docs/benchmarks.md).
+  upload_options.staging_buffers = std::clamp(2 * upload_options.reader_threads, 4, 128);
+  upload_options.copy_streams = 4;
   // The checksums by the GPU kernel once the bytes are on the device (a few ms for 16 GB),
   // which leaves the host's memory bandwidth to the reads and copies; by hasher threads over
   // the staging buffers in a build without the kernel.
@@ -95,7 +100,7 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   // not the default until that is understood.
   WEIGHTCACHE_ASSIGN_OR_RETURN(auto created, cuda::UploadPipeline::Create(api, upload_options));
   // Held in an optional so that it is destroyed right after Run(): its streams and, when the
-  // load read through them, its 16 x 32 MiB pinned staging buffers (cuMemFreeHost) and events
+  // load read through them, its pinned staging buffers (2 x 32 MiB per reader) and events
   // are gone before the manifest is built, never kept for the life of the store.
   std::optional<cuda::UploadPipeline> pipeline(std::move(created));
   const double pipeline_ms = lap();

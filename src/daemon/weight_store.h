@@ -85,7 +85,7 @@ class WeightStore {
 };
 
 struct LoadOptions {
-  int threads = 8;             // reader threads (host tier: pread; gpu tier: pipeline readers)
+  int threads = 16;            // reader threads (host tier: pread; gpu tier: pipeline readers)
   uint64_t memory_budget = 0;  // bytes the plan may occupy; 0 = unlimited
   // Gpu tier: the device to load onto (resolved, with its CUDA ordinal) and the driver table
   // (the daemon's Env).

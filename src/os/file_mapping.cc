@@ -23,6 +23,18 @@ ReadOnlyMapping::~ReadOnlyMapping() {
   if (data_ != nullptr) ::munmap(data_, size_);
 }
 
+Result<void*> MapAnonymousPopulated(size_t bytes) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  if (p == MAP_FAILED)
+    return IoError("mmap of " + std::to_string(bytes) + " bytes of memory", errno);
+  return p;
+}
+
+void UnmapAnonymous(void* p, size_t bytes) {
+  if (p != nullptr) ::munmap(p, bytes);
+}
+
 Result<double> PageCacheResidency(const ReadOnlyMapping& mapping) {
   if (mapping.size() == 0) return 1.0;
   const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));

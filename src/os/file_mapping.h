@@ -42,6 +42,13 @@ class ReadOnlyMapping {
   uint64_t size_ = 0;
 };
 
+// `bytes` of private anonymous memory, its pages populated (faulted in and zeroed) by the
+// kernel inside the call, so that a later pinning (cuMemHostRegister) finds them present.
+// Concurrent calls populate in parallel. kIo naming the size (ENOMEM) when mmap fails.
+// Released with UnmapAnonymous(p, bytes).
+Result<void*> MapAnonymousPopulated(size_t bytes);
+void UnmapAnonymous(void* p, size_t bytes);
+
 // The fraction (0 to 1) of the mapping's pages in the page cache now, by mincore; 1 for an
 // empty mapping. Costs one byte per page of scratch (4 MiB for 16 GiB) and no I/O.
 Result<double> PageCacheResidency(const ReadOnlyMapping& mapping);

@@ -75,6 +75,7 @@ TEST_F(GpuFallbackShardTest, Tp2FallbackUploadsOnlyEachRanksSlices) {
     }
     EXPECT_EQ(fake.live_device_allocs(), 0);
     EXPECT_EQ(fake.live_host_buffers(), 0);
+    EXPECT_EQ(fake.live_host_registrations(), 0);
     EXPECT_EQ(fake.total_context_refs(), 0);
     EXPECT_EQ(fake.violations(), 0);
   }

@@ -101,16 +101,32 @@ class ResourceReleaseTest : public ::testing::Test {
   FakeDriver fake_;
 };
 
-TEST_F(ResourceReleaseTest, PinnedHostMemoryIsFreedWithCuMemFreeHost) {
+// Pinned staging memory is registered anonymous memory (cuda/pinned_host_buffer.h): released
+// with cuMemHostUnregister, never cuMemFreeHost.
+TEST_F(ResourceReleaseTest, PinnedHostMemoryIsReleasedWithCuMemHostUnregister) {
   {
     auto buffer = PinnedHostBuffer::Create(fake_.api(), 4096);
     ASSERT_TRUE(buffer.ok()) << buffer.status().ToString();
-    EXPECT_EQ(fake_.live_host_buffers(), 1);
+    EXPECT_EQ(fake_.live_host_registrations(), 1);
+    EXPECT_EQ(fake_.live_host_buffers(), 0);
     PinnedHostBuffer moved = std::move(*buffer);  // the moved-from one must not free it again
     EXPECT_NE(moved.data(), nullptr);
+    moved.data()[4095] = std::byte{7};  // writable, all of it
   }
-  EXPECT_EQ(fake_.live_host_buffers(), 0);
-  ExpectReleasedBy("cuMemFreeHost");
+  EXPECT_EQ(fake_.live_host_registrations(), 0);
+  ExpectReleasedBy("cuMemHostUnregister");
+}
+
+TEST_F(ResourceReleaseTest, APinRefusedByTheDriverUnmapsAndNamesTheSize) {
+  fake_.FailCall("cuMemHostRegister", 1, CUDA_ERROR_OUT_OF_MEMORY);
+  auto buffer = PinnedHostBuffer::Create(fake_.api(), 8192);
+  ASSERT_FALSE(buffer.ok());
+  EXPECT_EQ(buffer.status().code(), StatusCode::kCuda);
+  EXPECT_NE(buffer.status().message().find("cuMemHostRegister of a 8192-byte pinned staging "
+                                           "buffer: CUDA_ERROR_OUT_OF_MEMORY"),
+            std::string::npos)
+      << buffer.status().message();
+  EXPECT_EQ(fake_.live_host_registrations(), 0);
 }
 
 // The fake tells the two pinned-memory kinds apart, so the test above would catch a buffer
@@ -245,13 +261,13 @@ TEST_F(ResourceReleaseTest, FallbackHostBufferMovesOwnership) {
 
 // Destructors cannot report: a failed release is logged, and the owner is empty afterwards.
 TEST_F(ResourceReleaseTest, AFailedReleaseIsNotRetried) {
-  fake_.FailCall("cuMemFreeHost", 1, CUDA_ERROR_UNKNOWN);
+  fake_.FailCall("cuMemHostUnregister", 1, CUDA_ERROR_UNKNOWN);
   {
     auto buffer = PinnedHostBuffer::Create(fake_.api(), 4096);
     ASSERT_TRUE(buffer.ok());
   }
-  EXPECT_EQ(fake_.CallCount("cuMemFreeHost"), 1);
-  EXPECT_EQ(fake_.live_host_buffers(), 1);  // what the driver refused to free
+  EXPECT_EQ(fake_.CallCount("cuMemHostUnregister"), 1);
+  EXPECT_EQ(fake_.live_host_registrations(), 1);  // what the driver refused to unpin
 }
 
 }  // namespace

@@ -152,7 +152,7 @@ TEST_F(GpuStoreFaultTest, EveryStepThatFailsGivesItsCudaErrorAndReleasesEverythi
   EXPECT_GT(failures, 0);
   // The sweep went through the device, the arena and the pipeline.
   for (const char* call : {"cuDeviceGet", "cuDeviceGetUuid", "cuMemCreate",
-                           "cuMemExportToShareableHandle", "cuMemHostAlloc", "cuStreamCreate"}) {
+                           "cuMemExportToShareableHandle", "cuMemHostRegister", "cuStreamCreate"}) {
     EXPECT_EQ(failed_calls.count(call), 1u) << call;
   }
 }
