@@ -587,14 +587,13 @@ struct DlpackBlock {
 
 // Drops one reference to the block. A consumer may call a deleter on any thread without the GIL
 // (torch frees storage where its last reference drops): the GIL is taken for the Attachment's
-// reference. At interpreter exit the reference is leaked rather than released into a dead
-// interpreter.
+// reference, as nanobind's own exports do (also while the interpreter finalizes, when the
+// tensors of a state dict kept in a global are freed).
 void UnrefBlock(DlpackBlock* block) {
   if (block->live.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-  if (Py_IsInitialized() != 0) {
-    const PyGILState_STATE gil = PyGILState_Ensure();
+  {
+    nb::gil_scoped_acquire gil;
     Py_DECREF(block->owner);
-    PyGILState_Release(gil);
   }
   delete block;
 }

@@ -198,16 +198,18 @@ def load_state_dict(
     att = attach(model_dir, tier=tier, device=where, **identity)
     sd = StateDict()
     sd.attachment = att
-    views = _torch_views(torch, att)
     if dev.type == "cuda" and att.tier == "host":
         # Host tier staged to a GPU: the one copy per tensor, asked for.
-        views = {name: x.to(dev) for name, x in views.items()}
-    sd.update(views)
+        sd.update((name, x.to(dev)) for name, x in _torch_views(torch, att, {}).items())
+    else:
+        _torch_views(torch, att, sd)
     return sd
 
 
-def _torch_views(torch: Any, att: Attachment) -> Dict[str, "torch.Tensor"]:
-    """Every tensor of `att` as a torch tensor, in name order, built in bulk: one DLPack
+def _torch_views(torch: Any, att: Attachment,
+                 out: Dict[str, Any]) -> Dict[str, "torch.Tensor"]:
+    """Every tensor of `att` as a torch tensor, into the empty dict `out` in name order (and
+    returned), built in bulk: one DLPack
     capsule per tensor made in one native call (bindings.cc, DlpackCapsules), imported by
     torch's C++ DLPack importer with one ``map`` per dtype — no Python-level call per tensor.
     Each tensor is its own zero-copy storage over the attachment's memory and holds the
@@ -231,11 +233,13 @@ def _torch_views(torch: Any, att: Attachment) -> Dict[str, "torch.Tensor"]:
                 # tensors through their bytes and Tensor.view(dtype), the same memory.
                 tensors = [_torch_tensor(torch, att[n]) for n in names]
             if len(groups) == 1 and not rest:
-                return dict(zip(names, tensors))  # one dtype: already in name order
+                out.update(zip(names, tensors))  # one dtype: already in name order
+                return out
             built.update(zip(names, tensors))
         for name in rest:
             built[name] = _torch_tensor(torch, att[name])
-        return dict(zip(order, map(built.__getitem__, order)))
+        out.update(zip(order, map(built.__getitem__, order)))
+        return out
     finally:
         if gc_was_enabled:
             gc.enable()
