@@ -30,8 +30,10 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -557,6 +559,152 @@ nb::tuple ViewPlan(nb::handle self) {
   return nb::make_tuple(exports, runs, names, rest.size(), order);
 }
 
+// ---- bulk DLPack capsules (load_state_dict) ---------------------------------------------------
+// torch builds a tensor from a DLPack capsule in C++ (no dispatcher, no view bookkeeping), far
+// cheaper than any per-tensor Python call: DlpackCapsules makes one capsule per tensor in one
+// call, and Python imports them with one map() per dtype. Every capsule's DLManagedTensor lives
+// in one block with one strong reference to the Attachment; the block (and that reference) goes
+// when the last tensor imported from it, or the last unconsumed capsule, is gone. Shapes and
+// strides point into the client's table, which lives as long as the Attachment.
+
+// DLManagedTensor, the unversioned DLPack ABI (dlpack.h): what every DLPack consumer, torch
+// since 1.x included, imports from a capsule named "dltensor". Unversioned capsules carry no
+// read-only flag; torch has no read-only tensors either (docs/python.md).
+struct ManagedDlTensor {
+  nb::dlpack::dltensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(ManagedDlTensor*);
+};
+
+constexpr const char* kDlTensorCapsule = "dltensor";
+constexpr const char* kUsedDlTensorCapsule = "used_dltensor";  // renamed so by the consumer
+
+struct DlpackBlock {
+  std::atomic<size_t> live{1};  // the capsules and tensors alive, plus the building call's own
+  PyObject* owner = nullptr;    // a strong reference to the Python Attachment
+  std::unique_ptr<ManagedDlTensor[]> tensors;
+};
+
+// Drops one reference to the block. A consumer may call a deleter on any thread without the GIL
+// (torch frees storage where its last reference drops): the GIL is taken for the Attachment's
+// reference, as nanobind's own exports do (also while the interpreter finalizes, when the
+// tensors of a state dict kept in a global are freed).
+void UnrefBlock(DlpackBlock* block) {
+  if (block->live.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  {
+    nb::gil_scoped_acquire gil;
+    Py_DECREF(block->owner);
+  }
+  delete block;
+}
+
+void DeleteManagedDlTensor(ManagedDlTensor* m) {
+  UnrefBlock(static_cast<DlpackBlock*>(m->manager_ctx));
+}
+
+// A capsule never consumed still owns its tensor; a consumed one was renamed by its consumer.
+void DlCapsuleDestructor(PyObject* capsule) {
+  if (PyCapsule_IsValid(capsule, kUsedDlTensorCapsule) != 0) return;
+  PyObject *type = nullptr, *value = nullptr, *trace = nullptr;
+  PyErr_Fetch(&type, &value, &trace);  // a destructor must not disturb a pending exception
+  void* m = PyCapsule_GetPointer(capsule, kDlTensorCapsule);
+  if (m != nullptr) {
+    DeleteManagedDlTensor(static_cast<ManagedDlTensor*>(m));
+  } else {
+    PyErr_WriteUnraisable(capsule);
+  }
+  PyErr_Restore(type, value, trace);
+}
+
+// (groups, rest, order): groups = [(dtype, names, capsules)], one per safetensors dtype with a
+// DLPack type of whole bytes (the first seen first), names and capsules in table (name) order;
+// rest = the names of the tensors no capsule can express (F4/F6, zero bytes), for the
+// per-tensor path; order = every name in table order (the same str objects as in groups and
+// rest, so Python's reordering reuses their cached hashes).
+nb::tuple DlpackCapsules(nb::handle self) {
+  const auto& a = nb::cast<const PyAttachment&>(self);
+  const std::vector<TensorInfo>& tensors = a.infos();
+  const bool host = a.get().tier() == Tier::kHost;
+  const size_t n = tensors.size();
+
+  nb::list order = nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(n)));
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* name = PyUnicode_FromStringAndSize(tensors[i].name.data(),
+                                                 static_cast<Py_ssize_t>(tensors[i].name.size()));
+    if (name == nullptr) throw nb::python_error();
+    PyList_SET_ITEM(order.ptr(), static_cast<Py_ssize_t>(i), name);
+  }
+
+  std::vector<const DTypeInfo*> group_dtype;
+  std::vector<std::vector<uint32_t>> members;
+  nb::list rest;
+  size_t exported = 0;
+  size_t last = 0;  // the group of the previous tensor: a checkpoint has a handful of dtypes
+  for (uint32_t i = 0; i < n; ++i) {
+    const DTypeInfo* d = FindDType(tensors[i].dtype);
+    if (d == nullptr || !d->native || tensors[i].nbytes == 0) {
+      rest.append(nb::handle(PyList_GET_ITEM(order.ptr(), static_cast<Py_ssize_t>(i))));
+      continue;
+    }
+    if (last >= group_dtype.size() || group_dtype[last] != d) {
+      last = std::find(group_dtype.begin(), group_dtype.end(), d) - group_dtype.begin();
+      if (last == group_dtype.size()) {
+        group_dtype.push_back(d);
+        members.emplace_back();
+      }
+    }
+    members[last].push_back(i);
+    ++exported;
+  }
+
+  auto* block = new DlpackBlock;
+  block->owner = self.ptr();
+  Py_INCREF(block->owner);
+  block->tensors = std::make_unique<ManagedDlTensor[]>(exported);
+  // The building call's own reference, dropped however this function leaves.
+  struct Guard {
+    DlpackBlock* block;
+    ~Guard() { UnrefBlock(block); }
+  } guard{block};
+
+  const nb::dlpack::device device{host ? nb::device::cpu::value : nb::device::cuda::value,
+                                  host ? 0 : a.cuda_device()};
+  nb::list groups;
+  size_t k = 0;
+  for (size_t g = 0; g < group_dtype.size(); ++g) {
+    const DTypeInfo& d = *group_dtype[g];
+    const size_t m = members[g].size();
+    nb::list names = nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(m)));
+    nb::list capsules = nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(m)));
+    for (size_t j = 0; j < m; ++j) {
+      const TensorInfo& t = tensors[members[g][j]];
+      ManagedDlTensor& mt = block->tensors[k++];
+      mt.dl_tensor.data = reinterpret_cast<void*>(static_cast<uintptr_t>(t.data));
+      mt.dl_tensor.device = device;
+      mt.dl_tensor.ndim = static_cast<int32_t>(t.shape.size());
+      mt.dl_tensor.dtype = nb::dlpack::dtype{d.code, d.bits, 1};
+      // Consumers only read them (DLPack: the producer owns shape and strides).
+      mt.dl_tensor.shape = const_cast<int64_t*>(t.shape.data());
+      mt.dl_tensor.strides = const_cast<int64_t*>(t.strides.data());
+      mt.dl_tensor.byte_offset = 0;
+      mt.manager_ctx = block;
+      mt.deleter = DeleteManagedDlTensor;
+      block->live.fetch_add(1, std::memory_order_relaxed);
+      PyObject* capsule = PyCapsule_New(&mt, kDlTensorCapsule, DlCapsuleDestructor);
+      if (capsule == nullptr) {
+        UnrefBlock(block);
+        throw nb::python_error();
+      }
+      PyList_SET_ITEM(capsules.ptr(), static_cast<Py_ssize_t>(j), capsule);
+      PyObject* name = PyList_GET_ITEM(order.ptr(), static_cast<Py_ssize_t>(members[g][j]));
+      Py_INCREF(name);
+      PyList_SET_ITEM(names.ptr(), static_cast<Py_ssize_t>(j), name);
+    }
+    groups.append(nb::make_tuple(nb::str(d.name.data(), d.name.size()), names, capsules));
+  }
+  return nb::make_tuple(groups, rest, order);
+}
+
 std::vector<std::string> DTypeNames() {
   std::vector<std::string> names;
   for (const DTypeInfo& d : kDTypes) names.emplace_back(d.name);
@@ -814,6 +962,9 @@ NB_MODULE(_weightcache, m) {
   m.def("_view_plan", &ViewPlan, "attachment"_a,
         "(regions, runs, names, rest, order): how weightcache.load_state_dict builds every "
         "tensor as a view of a few region exports (bindings.cc, ViewPlan).");
+  m.def("_dlpack_capsules", &DlpackCapsules, "attachment"_a,
+        "(groups, rest, order): one DLPack capsule per tensor, grouped by dtype, for "
+        "weightcache.load_state_dict (bindings.cc, DlpackCapsules).");
   m.def("dtype_names", &DTypeNames, "Every safetensors dtype this module knows.");
   m.def("status_codes", &StatusCodes,
         "One row per status code: (value, name, code, exit_code, python_class), from the C++ "

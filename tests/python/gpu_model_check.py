@@ -200,6 +200,13 @@ def cmd_attach(args):
     load_ms = (time.perf_counter() - t0) * 1000
     att = sd.attachment
     assert att.source == "daemon" and att.tier == "gpu", att.source_reason
+    # load_state_dict's bulk DLPack capsules give, for every tensor, what the per-tensor path
+    # (one DLPack export of the Tensor) gives: address, dtype, shape, strides, device.
+    assert list(sd) == att.names()
+    for name, got in sd.items():
+        want = weightcache._torch_tensor(torch, att[name])
+        assert (got.data_ptr(), got.dtype, got.shape, got.stride(), got.device) == (
+            want.data_ptr(), want.dtype, want.shape, want.stride(), want.device), name
     model = build_model(sd, args.model, torch)
 
     # Zero-copy: the parameters are the daemon's memory, not copies of it.

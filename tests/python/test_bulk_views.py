@@ -144,3 +144,88 @@ def test_numpy_views_refuse_the_gpu_tier_by_name(attachment):
         tier = "gpu"
     with pytest.raises(TypeError, match="host-tier"):
         weightcache.numpy_views(Gpu())
+
+
+# ---- load_state_dict's torch tensors (bulk DLPack capsules), where torch is installed ---------
+
+def torch_or_skip():
+    return pytest.importorskip("torch", reason="torch is not installed (CI): the device "
+                                                "machine runs these tests")
+
+
+def per_tensor_torch(torch, att):
+    return {t.name: weightcache._torch_tensor(torch, t) for t in att.tensors()}
+
+
+def assert_same_tensors(torch, got, want, manifest):
+    assert list(got) == list(want)
+    for name, w in want.items():
+        g = got[name]
+        assert g.dtype == w.dtype and g.shape == w.shape and g.stride() == w.stride(), name
+        assert g.data_ptr() == w.data_ptr(), f"{name} is not zero-copy"
+        raw = g.contiguous().view(-1).view(torch.uint8) if g.numel() else g.view(torch.uint8)
+        assert hashlib.sha256(raw.numpy().tobytes()).hexdigest() == manifest[name]["sha256"], name
+
+
+def test_load_state_dict_equals_the_per_tensor_path(attachment, model, runtime_dir):
+    torch = torch_or_skip()
+    model_dir, manifest = model
+    sd = weightcache.load_state_dict(model_dir, device="cpu", runtime_dir=runtime_dir)
+    assert sd.attachment.source == attachment.source
+    assert list(sd) == attachment.names()
+    assert_same_tensors(torch, sd, per_tensor_torch(torch, sd.attachment), manifest)
+
+
+def test_a_refused_import_takes_the_per_tensor_path(layered, runtime_dir, serve, monkeypatch):
+    # Fault injection: a torch whose DLPack importer refuses every capsule (as an older torch
+    # refuses an fp8 code) must still give every tensor, through the per-tensor path.
+    torch = torch_or_skip()
+    model_dir, manifest = layered
+    serve(model_dir)
+    refused = []
+
+    def refuse(capsule):
+        refused.append(capsule)
+        raise BufferError("this torch cannot import the dtype")
+
+    monkeypatch.setattr(torch._C, "_from_dlpack", refuse)
+    sd = weightcache.load_state_dict(model_dir, device="cpu", runtime_dir=runtime_dir)
+    monkeypatch.undo()
+    assert len(refused) == 3, "one refused import per dtype (bf16, f32, f16)"
+    del refused
+    assert_same_tensors(torch, sd, per_tensor_torch(torch, sd.attachment), manifest)
+
+
+def test_torch_tensors_alone_keep_the_attachment_alive(layered, runtime_dir, serve):
+    torch = torch_or_skip()
+    model_dir, manifest = layered
+    serve(model_dir)
+    sd = weightcache.load_state_dict(model_dir, device="cpu", runtime_dir=runtime_dir)
+    ref = weakref.ref(sd.attachment)
+    name = "model.layers.3.mlp.down_proj.weight"
+    one = sd[name]
+    del sd
+    gc.collect()
+    assert ref() is not None, "one tensor must hold the attachment"
+    raw = one.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    assert hashlib.sha256(raw).hexdigest() == manifest[name]["sha256"]
+    del one
+    gc.collect()
+    assert ref() is None, "the attachment must go once no tensor is left"
+
+
+def test_unconsumed_capsules_release_the_attachment(layered, runtime_dir, serve):
+    model_dir, _ = layered
+    serve(model_dir)
+    att = weightcache.attach(model_dir, tier="host", runtime_dir=runtime_dir)
+    groups, rest, order = weightcache._dlpack_capsules(att)
+    assert rest == [] and order == att.names()
+    assert sorted(g[0] for g in groups) == ["BF16", "F16", "F32"]
+    assert sorted(n for _, names, _ in groups for n in names) == order
+    ref = weakref.ref(att)
+    del att
+    gc.collect()
+    assert ref() is not None, "the capsules hold the attachment"
+    del groups
+    gc.collect()
+    assert ref() is None, "dropped capsules release it"
