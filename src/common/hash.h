@@ -1,6 +1,5 @@
-// Hashing: SHA-256 (FIPS 180-4, computed in process: hash.cc says why) for identities and
-// digests, XXH64 (libxxhash) for content checksums. Objects are single-threaded; the free functions
-// are thread-safe.
+// Hashing: SHA-256 (OpenSSL libcrypto) for identities and digests, XXH64 (libxxhash) for
+// content checksums. Objects are single-threaded; the free functions are thread-safe.
 #pragma once
 
 #include <array>
