@@ -1,7 +1,7 @@
 // What a daemon (or a tool) does with a keeper (docs/keeper.md): start one, deposit a ready
 // cache with it, withdraw and check that cache after a restart, ask what it holds, drop it.
-// The daemon's use (deposit at ready, withdraw at start, drop at stop) is the next slice; these
-// are the functions it will call.
+// The daemon's policy over them (deposit at ready, withdraw at start, drop at a deliberate
+// stop) is daemon/keeper_link.h; `ls` and `stop` use QueryKeeper and DropKeeper for orphans.
 //
 // Contract:
 //  * Paths come from identity::CachePaths (keeper_socket, keeper_lock): the one rule lives
