@@ -855,6 +855,20 @@ CUresult FakeDriver::ModuleGetFunction(CUfunction* f, CUmodule m, const char* na
   return CUDA_SUCCESS;
 }
 
+const uint8_t* FakeDriver::KernelBytes(CUdeviceptr ptr) const {
+  // Mapped VMM memory with a backing (BackVmmMemory): its bytes; anything else is a host
+  // address (cuMemAlloc memory).
+  auto m = mappings_.upper_bound(ptr);
+  if (m != mappings_.begin()) {
+    --m;
+    if (ptr < m->first + m->second.size) {
+      const std::vector<uint8_t>& backing = memory_.at(m->second.memory).bytes;
+      if (!backing.empty()) return backing.data() + (ptr - m->first);
+    }
+  }
+  return reinterpret_cast<const uint8_t*>(ptr);
+}
+
 CUresult FakeDriver::LaunchKernel(CUfunction f, unsigned grid, unsigned block, CUstream s,
                                   void** params) {
   if (f != FakeFunction()) return CUDA_ERROR_INVALID_HANDLE;
@@ -877,7 +891,7 @@ CUresult FakeDriver::LaunchKernel(CUfunction f, unsigned grid, unsigned block, C
     while (r + 1 < num_ranges && ranges[r + 1].first_chunk <= chunk) ++r;
     const uint64_t offset = (chunk - ranges[r].first_chunk) * chunk_bytes;
     const uint64_t len = std::min(chunk_bytes, ranges[r].size - offset);
-    const auto* p = reinterpret_cast<const uint8_t*>(ranges[r].ptr + offset);
+    const auto* p = KernelBytes(ranges[r].ptr + offset);
     out[chunk] = (reinterpret_cast<uintptr_t>(p) % 16 == 0)
                      ? xxh64::Hash<xxh64::Access::kVector16>(p, len, seed)
                      : xxh64::Hash<xxh64::Access::kBytewise>(p, len, seed);
