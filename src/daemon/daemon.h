@@ -12,9 +12,13 @@
 //            every client from one epoll loop until it drains. The load ends in `ready`, or
 //            in `failed` with the reason, which the daemon keeps answering for
 //            `failed_linger` so that the launcher and clients can see why, then it drains.
+//            With options.keeper enabled (keeper_link.h) the loader first re-adopts a cache
+//            its keeper holds and that validates (then `ready` without reading the
+//            checkpoint), and deposits a completed load with the keeper.
 //   drain    on SIGTERM/SIGINT (signalfd), a Stop request from the owner's uid, or the end of
 //            the failed linger: state `draining`, stop accepting, unlink the socket, cancel
-//            the loader, flush pending replies (bounded by drain_timeout), close everyone.
+//            the loader, flush pending replies (bounded by drain_timeout), close everyone,
+//            drop the keeper (a drain is deliberate: the kept memory goes; a crash keeps it).
 //   destroy  releases the lock (after the socket is gone, so a successor never sees our
 //            socket with its lock free while we still answer on it).
 //
