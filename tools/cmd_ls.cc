@@ -4,6 +4,12 @@
 // socket whose lock is not held is stale and listed as such (never queried); a live one is asked
 // Hello (for its full CacheConfig: revision and ranks) and Status. A daemon that does not answer is
 // listed with the error instead of failing the whole listing.
+//
+// Keepers (docs/keeper.md): a live cache's row carries its keeper ("keeper": pid, state, bytes;
+// "adopted": true when the daemon re-adopted the kept memory instead of loading). A live keeper
+// whose daemon is gone is an **orphan**: listed with state "orphan" and the bytes it holds
+// (its cache socket's row, stale or absent, is replaced by it); `stop` frees it.
+#include <algorithm>
 #include <iomanip>
 #include <iostream>
 #include <memory>
@@ -16,6 +22,7 @@
 #include "daemon/byte_size.h"
 #include "identity/cache_config.h"
 #include "identity/paths.h"
+#include "keeper/keeper_client.h"
 #include "os/lock_file.h"
 #include "protocol/connection.h"
 
@@ -86,6 +93,47 @@ nlohmann::json Describe(const identity::SocketEntry& entry, std::chrono::millise
   return row;
 }
 
+// What the keeper of `cache_socket` holds, as JSON; null when there is no live keeper.
+nlohmann::json DescribeKeeper(const std::string& cache_socket, std::chrono::milliseconds timeout) {
+  const std::string socket = identity::KeeperSocketFor(cache_socket);
+  auto query = keeper::QueryKeeper({socket, LockPathFor(socket)}, timeout);
+  if (query.ok() && !query->has_value()) return nullptr;
+  nlohmann::json k = {{"socket", socket}};
+  if (!query.ok()) {
+    k["error"] = query.status().ToString();
+    return k;
+  }
+  const protocol::KeeperQuery& q = **query;
+  k["pid"] = q.keeper_pid;
+  k["state"] = std::string(protocol::KeeperStateName(q.state));
+  k["bytes"] = q.bytes;
+  k["allocations"] = q.fd_count;
+  k["depositor_pid"] = q.depositor_pid;
+  k["age_ms"] = q.age_ms;
+  k["digest"] = q.config_digest;
+  return k;
+}
+
+// Adds the keeper to a cache's row; an orphan (live keeper, no live daemon) becomes its row.
+void AddKeeper(nlohmann::json& row, std::chrono::milliseconds timeout) {
+  const std::string socket = row.value("socket", std::string());
+  nlohmann::json k = DescribeKeeper(socket, timeout);
+  if (k.is_null()) return;
+  const std::string state = row.value("state", std::string());
+  if (state == "stale" || state == "absent") {
+    row["state"] = "orphan";
+    row["pid"] = k.value("pid", int64_t{0});
+    if (k.contains("bytes")) row["bytes"] = k["bytes"];
+    if (k.contains("digest")) row["digest"] = k["digest"];
+  } else if (k.contains("depositor_pid") && row.contains("pid") &&
+             k.value("state", std::string()) == "holding") {
+    // The daemon deposits what it loads; a holding keeper deposited by another pid is what
+    // this daemon adopted.
+    row["adopted"] = k["depositor_pid"] != row["pid"];
+  }
+  row["keeper"] = std::move(k);
+}
+
 std::string Ranks(const nlohmann::json& config) {
   if (!config.is_object()) return "-";
   auto get = [&](const char* key) -> std::string {
@@ -113,6 +161,24 @@ int Run(const LsArgs& args) {
   for (const auto& entry : *entries) {
     if (!args.all_namespaces && entry.namespace_name != ns) continue;
     rows.push_back(Describe(entry, timeout));
+    AddKeeper(rows.back(), timeout);
+  }
+  // Orphans whose cache socket is gone too (a stale socket is listed above).
+  auto keepers = identity::ListAllKeeperSockets(runtime->path);
+  if (!keepers.ok()) return Fail(kCmd, keepers.status());
+  for (const auto& k : *keepers) {
+    if (!args.all_namespaces && k.namespace_name != ns) continue;
+    const std::string cache_socket = identity::CacheSocketForKeeper(k.socket);
+    const bool listed = std::any_of(rows.begin(), rows.end(), [&](const nlohmann::json& r) {
+      return r.value("socket", std::string()) == cache_socket;
+    });
+    if (listed || !os::IsLockHeld(LockPathFor(k.socket))) continue;
+    nlohmann::json row = {{"namespace", k.namespace_name},
+                          {"device", k.device_key},
+                          {"socket", cache_socket},
+                          {"state", "absent"}};
+    AddKeeper(row, timeout);
+    rows.push_back(std::move(row));
   }
 
   if (args.json) {
@@ -158,6 +224,11 @@ int Run(const LsArgs& args) {
         << std::setw(8) << str("pid") << digest << "\n";
     if (r.contains("failure_reason")) out << "    failed: " << str("failure_reason") << "\n";
     if (r.contains("error")) out << "    error: " << str("error") << "\n";
+    if (state == "orphan") {
+      out << "    orphan: keeper pid " << str("pid")
+          << " holds the memory of a daemon that is gone; `weightcache stop --socket "
+          << str("socket") << "` frees it\n";
+    }
   }
   std::cout << out.str() << std::flush;
   return kExitOk;

@@ -42,6 +42,8 @@ struct ServeArgs {
   double stall_timeout_s = 30;
   size_t max_connections = 4096;
   bool replace = false;
+  bool no_keeper = false;
+  std::string adopt_verify = "sample";
 };
 
 std::chrono::milliseconds Millis(double seconds) {
@@ -91,6 +93,16 @@ class ProgressPrinter {
   int last_quarter_ = 0;
 };
 
+// The daemon's keeper link (docs/keeper.md): on unless --no-keeper; a published cache has none.
+daemon::KeeperLinkOptions KeeperOptionsFor(const ServeArgs& args) {
+  daemon::KeeperLinkOptions keeper;
+  keeper.enabled = !args.no_keeper;
+  keeper.verify = args.adopt_verify == "full" ? protocol::ChecksumCheck::kFull
+                                              : protocol::ChecksumCheck::kSample;
+  keeper.allow_uids.assign(args.allow_uids.begin(), args.allow_uids.end());
+  return keeper;
+}
+
 int Run(ServeArgs& args) {
   constexpr std::string_view kCmd = "serve";
   if (args.identity.tier == Tier::kGpu && args.identity.device.empty()) {
@@ -139,6 +151,7 @@ int Run(ServeArgs& args) {
   if (args.replace && !identity::IsPublishedSource(options.config.source)) {
     return Fail(kCmd, InvalidArgument("--replace needs --source published:<tag>"));
   }
+  options.keeper = KeeperOptionsFor(args);
 
   // One fd per client: take every fd the hard limit allows (the soft default of 1024 is a
   // select()-era guess). A daemon that still runs out pauses accepting (docs/daemon.md).
@@ -170,11 +183,20 @@ int Run(ServeArgs& args) {
 
   ProgressPrinter progress;
   daemon::DaemonEvents events;
+  std::string adopted;  // set by on_adopted: the ready line says so
+  events.on_adopted = [&](std::string_view how) { adopted = how; };
   events.on_progress = [&](uint64_t done, uint64_t total, double seconds) {
     progress.Update(done, total, seconds);
   };
   events.on_ready = [&](const daemon::StoreSummary& s, double seconds) {
     progress.EndLine();
+    if (!adopted.empty()) {
+      LOG_INFO << "ready: adopted " << s.tensor_count << " tensors, "
+               << daemon::FormatBytes(s.tensor_bytes) << " ("
+               << daemon::FormatBytes(s.resident_bytes) << " resident) in " << seconds << " s, "
+               << adopted << "; no checkpoint byte read";
+      return;
+    }
     LOG_INFO << "ready: " << s.tensor_count << " tensors, " << daemon::FormatBytes(s.tensor_bytes)
              << " (" << daemon::FormatBytes(s.resident_bytes) << " resident) in " << seconds
              << " s, " << Rate(s.tensor_bytes, seconds);
@@ -226,6 +248,15 @@ void RegisterServeCommand(CLI::App& root) {
   sub->add_flag("--replace", args->replace,
                 "with --source published:<tag>: a publish into the ready cache replaces it "
                 "(attached clients keep the old weights; new attaches get the new ones)");
+  sub->add_flag("--no-keeper", args->no_keeper,
+                "run without a keeper: a crash or kill -9 of the daemon loses the loaded memory "
+                "(default: a ready cache is deposited with its keeper, and a restart re-adopts it "
+                "without reading the checkpoint; docs/keeper.md)");
+  sub->add_option("--adopt-verify", args->adopt_verify,
+                  "what a re-adoption checks against the kept memory: sample (64 tensors spread "
+                  "over the cache, the default: sealed memory cannot change, and the time stays "
+                  "flat in the cache's size) or full (every tensor)")
+      ->check(CLI::IsMember({"sample", "full"}));
   SetAction(sub, [args] { return Run(*args); });
 }
 

@@ -6,6 +6,10 @@
 // the socket is gone AND its lock is free, i.e. the daemon has exited and a successor can
 // start at once. Exit codes: 0 all stopped; 3 no live daemon at the socket; 6 timeout;
 // otherwise the daemon's refusal (e.g. 1 for another uid's daemon).
+//
+// A stopped daemon drops its keeper itself (docs/keeper.md). A cache whose daemon is gone but
+// whose keeper lives (an orphan: the daemon was killed) is stopped by dropping the keeper: its
+// memory is freed, and `stop` waits until the keeper has exited. --all includes orphans.
 #include <sys/stat.h>
 
 #include <iostream>
@@ -18,6 +22,7 @@
 #include "identity/paths.h"
 #include "identity/resolve.h"
 #include "identity_flags.h"
+#include "keeper/keeper_client.h"
 #include "os/lock_file.h"
 #include "protocol/connection.h"
 
@@ -43,7 +48,33 @@ bool PathExists(const std::string& path) {
 struct Target {
   std::string socket;
   std::string lock;
+  bool orphan = false;  // no live daemon: its keeper is dropped instead (DropOrphan)
 };
+
+keeper::KeeperPaths KeeperOf(const std::string& socket) {
+  const std::string keeper_socket = identity::KeeperSocketFor(socket);
+  return {keeper_socket, LockPathFor(keeper_socket)};
+}
+
+// Whether `socket`'s daemon is gone but its keeper lives.
+bool IsOrphan(const std::string& socket) {
+  return !os::IsLockHeld(LockPathFor(socket)) && os::IsLockHeld(KeeperOf(socket).lock);
+}
+
+// Frees an orphan's memory: Drop to its keeper.
+Status DropOrphan(const Target& t, std::chrono::milliseconds timeout) {
+  const keeper::KeeperPaths k = KeeperOf(t.socket);
+  auto held = keeper::QueryKeeper(k, timeout);
+  Status dropped = keeper::DropKeeper(k, timeout);
+  if (!dropped.ok()) return dropped.Context("freeing the orphan keeper of " + t.socket);
+  std::cerr << "weightcache stop: " << t.socket << ": no daemon; its keeper"
+            << (held.ok() && held->has_value()
+                    ? " (pid " + std::to_string((*held)->keeper_pid) + ", " +
+                          std::to_string((*held)->bytes) + " bytes)"
+                    : std::string())
+            << " is freeing the cache's memory" << std::endl;
+  return Status::Ok();
+}
 
 // Sends Stop; returns the daemon's pid for the log line.
 Status SendStop(const Target& t, std::chrono::milliseconds timeout) {
@@ -79,6 +110,13 @@ int Run(StopArgs& args) {
       const std::string lock = LockPathFor(e.socket);
       if (os::IsLockHeld(lock)) targets.push_back({e.socket, lock});
     }
+    auto keepers = identity::ListAllKeeperSockets(runtime->path);
+    if (!keepers.ok()) return Fail(kCmd, keepers.status());
+    for (const auto& k : *keepers) {
+      if (!args.all_namespaces && k.namespace_name != ns) continue;
+      const std::string socket = identity::CacheSocketForKeeper(k.socket);
+      if (IsOrphan(socket)) targets.push_back({socket, LockPathFor(socket), true});
+    }
     if (targets.empty()) {
       std::cerr << "weightcache stop: no live daemon under " << runtime->path << std::endl;
       return kExitOk;
@@ -100,11 +138,12 @@ int Run(StopArgs& args) {
     if (!id.ok()) return Fail(kCmd, id.status());
     targets.push_back({id->paths.socket, id->paths.lock});
   }
+  for (Target& t : targets) t.orphan = t.orphan || IsOrphan(t.socket);
 
   Status first_error;
   std::vector<Target> waiting;
   for (const auto& t : targets) {
-    Status s = SendStop(t, timeout);
+    Status s = t.orphan ? DropOrphan(t, timeout) : SendStop(t, timeout);
     if (!s.ok()) {
       std::cerr << "weightcache stop: " << s.ToString() << std::endl;
       if (first_error.ok()) first_error = s;
@@ -115,7 +154,10 @@ int Run(StopArgs& args) {
   // Stopped = the socket is withdrawn and the lock released (the process has exited).
   const auto deadline = Clock::now() + timeout;
   for (const auto& t : waiting) {
-    while (PathExists(t.socket) || os::IsLockHeld(t.lock)) {
+    // A stopped daemon drops its keeper before it exits; an orphan's keeper exits on its Drop.
+    const std::string keeper_lock = KeeperOf(t.socket).lock;
+    while ((!t.orphan && PathExists(t.socket)) || os::IsLockHeld(t.lock) ||
+           os::IsLockHeld(keeper_lock)) {
       if (Clock::now() >= deadline) {
         return Fail(kCmd,
                     Status(StatusCode::kTimeout, "daemon at " + t.socket + " still running after " +

@@ -194,8 +194,22 @@ void Daemon::StopLoader() {
 // ---- the loader thread ------------------------------------------------------------------------
 
 void Daemon::LoaderMain() {
+  if (std::optional<AdoptedStore> adopted = AdoptKept()) {
+    std::string how = "from keeper pid " + std::to_string(adopted->keeper_pid) +
+                      " (loaded by pid " + std::to_string(adopted->depositor_pid) +
+                      "), checksums of " + adopted->verified + " verified";
+    {
+      MutexLock lock(result_mu_);
+      load_result_.emplace(std::move(adopted->store));
+      adopted_how_ = std::move(how);
+      load_finished_ = true;
+    }
+    Wake(wakeup_.get());
+    return;
+  }
   std::string memory;  // the loader's memory at its steps, for the log line below
   Result<WeightStore> result = Load(&memory);
+  if (result.ok()) DepositLoaded(*result);
   // Everything the load allocated is gone now — the checkpoint with its parsed headers
   // included, and a failed load's allocations too (a failed daemon lingers): give the pages
   // back here, on the loader thread, once (load_memory.h).
@@ -209,6 +223,51 @@ void Daemon::LoaderMain() {
     load_finished_ = true;
   }
   Wake(wakeup_.get());
+}
+
+std::optional<AdoptedStore> Daemon::AdoptKept() {
+  const KeeperLinkOptions& keeper = options_.keeper;
+  if (!keeper.enabled) {
+    LOG_INFO << "no keeper (--no-keeper): a crash of this daemon loses the loaded memory";
+    return std::nullopt;
+  }
+  if (options_.paths.keeper_socket.empty()) {
+    LOG_INFO << "no keeper: its socket path would exceed the sun_path limit (socket "
+             << options_.paths.socket << "); a crash of this daemon loses the loaded memory";
+    return std::nullopt;
+  }
+  std::optional<GpuAdoptContext> gpu;
+  if (options_.config.tier == Tier::kGpu && options_.device.has_value()) {
+    auto driver = options_.env.load_driver();
+    if (driver.ok()) gpu = GpuAdoptContext{*driver, *options_.device};
+  }
+  return AdoptFromKeeper(options_.paths, options_.config, options_.model_path, keeper,
+                         gpu ? &*gpu : nullptr);
+}
+
+void Daemon::DepositLoaded(const WeightStore& store) {
+  if (!options_.keeper.enabled || options_.paths.keeper_socket.empty()) return;
+  Status deposited = DepositWithKeeper(options_.paths, options_.config, store, options_.keeper);
+  if (!deposited.ok()) {
+    LOG_WARN << "serving without a keeper: " << deposited.ToString()
+             << " (a crash of this daemon loses the loaded memory)";
+    return;
+  }
+  LOG_INFO << "deposited with the keeper " << options_.paths.keeper_socket
+           << ": a crash of this daemon keeps the memory for its successor";
+}
+
+void Daemon::DropKeeperAtStop() {
+  if (!options_.keeper.enabled || options_.paths.keeper_socket.empty() ||
+      identity::IsPublishedSource(options_.config.source)) {
+    return;
+  }
+  Status dropped = DropCacheKeeper(options_.paths, options_.keeper);
+  if (dropped.ok()) {
+    LOG_INFO << "keeper dropped: the cache's memory is freed once no client maps it";
+  } else if (dropped.code() != StatusCode::kNoDaemon) {
+    LOG_WARN << "dropping the keeper failed: " << dropped.ToString();
+  }
 }
 
 Result<WeightStore> Daemon::Load(std::string* memory) {
@@ -359,6 +418,9 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
   connections_.clear();
   StopLoader();
   socket_.Withdraw();
+  // Run ends only by a drain, and a drain is always deliberate (Stop, SIGTERM/SIGINT, a
+  // failed load's linger): the kept memory goes. A crash never gets here.
+  DropKeeperAtStop();
   // A load that finished while draining still decides nothing: only a failure recorded
   // before the drain makes the exit non-zero.
   return failure_;
@@ -370,11 +432,13 @@ void Daemon::OnLoaderWakeup() {
   (void)n;  // EAGAIN: a spurious wakeup; the state below is what matters
   OnCommitDone();
   std::optional<Result<WeightStore>> result;
+  std::string adopted_how;
   {
     MutexLock lock(result_mu_);
     if (load_finished_ && load_result_) {
       result = std::move(load_result_);
       load_result_.reset();
+      adopted_how = std::move(adopted_how_);
     }
   }
   if (!result) {
@@ -392,6 +456,7 @@ void Daemon::OnLoaderWakeup() {
   if (events_.on_progress) {
     events_.on_progress(bytes_total_.load(), bytes_total_.load(), seconds);
   }
+  if (!adopted_how.empty() && events_.on_adopted) events_.on_adopted(adopted_how);
   if (events_.on_ready) events_.on_ready(store_->summary(), seconds);
 }
 

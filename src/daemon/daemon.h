@@ -12,9 +12,13 @@
 //            every client from one epoll loop until it drains. The load ends in `ready`, or
 //            in `failed` with the reason, which the daemon keeps answering for
 //            `failed_linger` so that the launcher and clients can see why, then it drains.
+//            With options.keeper enabled (keeper_link.h) the loader first re-adopts a cache
+//            its keeper holds and that validates (then `ready` without reading the
+//            checkpoint), and deposits a completed load with the keeper.
 //   drain    on SIGTERM/SIGINT (signalfd), a Stop request from the owner's uid, or the end of
 //            the failed linger: state `draining`, stop accepting, unlink the socket, cancel
-//            the loader, flush pending replies (bounded by drain_timeout), close everyone.
+//            the loader, flush pending replies (bounded by drain_timeout), close everyone,
+//            drop the keeper (a drain is deliberate: the kept memory goes; a crash keeps it).
 //   destroy  releases the lock (after the socket is gone, so a successor never sees our
 //            socket with its lock free while we still answer on it).
 //
@@ -55,6 +59,7 @@
 #include "common/mutex.h"
 #include "common/unique_fd.h"
 #include "common/unique_handle.h"
+#include "daemon/keeper_link.h"
 #include "daemon/publish_store.h"
 #include "daemon/weight_store.h"
 #include "identity/cache_config.h"
@@ -110,6 +115,10 @@ struct DaemonOptions {
   // into it once `ready` is accepted (`serve --replace`). Clients attached to the old arena
   // keep their mappings; new attaches get the new one.
   ReplacePolicy replace = ReplacePolicy::kRefuse;
+  // The cache's keeper (docs/keeper.md): a loaded cache is re-adopted from it at start when it
+  // holds one that validates, deposited with it at `ready`, and dropped by a deliberate stop
+  // (a Stop request, SIGTERM, SIGINT). A published cache has no keeper.
+  KeeperLinkOptions keeper;
 };
 
 // Called on the Run thread (never the loader's), for the CLI's log lines.
@@ -117,6 +126,9 @@ struct DaemonEvents {
   // Throttled by the loader (about every 1 % or 250 ms).
   std::function<void(uint64_t done, uint64_t total, double seconds)> on_progress;
   std::function<void(const StoreSummary& summary, double seconds)> on_ready;
+  // Right before on_ready when the store was re-adopted from the keeper rather than loaded:
+  // "from keeper pid K (loaded by pid D), checksums of N of M tensors verified".
+  std::function<void(std::string_view how)> on_adopted;
   std::function<void(const Status& failure)> on_failed;
   std::function<void(std::string_view reason)> on_draining;
 };
@@ -174,6 +186,12 @@ class Daemon {
   // The load proper (checkpoint open, fingerprint check, the tier's loader); `memory` gets the
   // loader's memory at its steps for the log line.
   Result<WeightStore> Load(std::string* memory);
+  // The keeper's part of the loader thread (keeper_link.h): the kept store, validated, or
+  // nullopt (then the caller loads); and the deposit of a store that was loaded.
+  std::optional<AdoptedStore> AdoptKept();
+  void DepositLoaded(const WeightStore& store);
+  // The end of a deliberate stop: the keeper is told the cache is dead.
+  void DropKeeperAtStop();
   void OnLoaderWakeup();
   void OnSignal(int signal_fd);
   void AcceptAll();
@@ -274,6 +292,8 @@ class Daemon {
   Mutex result_mu_;
   bool load_finished_ WEIGHTCACHE_GUARDED_BY(result_mu_) = false;
   std::optional<Result<WeightStore>> load_result_ WEIGHTCACHE_GUARDED_BY(result_mu_);
+  // Set with load_result_ when the store was adopted from the keeper: how (for on_adopted).
+  std::string adopted_how_ WEIGHTCACHE_GUARDED_BY(result_mu_);
   std::thread loader_;
 
   // Committer handoff: sealing and checksumming a published arena is one pass over all of its

@@ -322,4 +322,29 @@ std::string KeeperSocketFor(const std::string& socket_path) {
 
 bool IsKeeperSocket(std::string_view path) { return path.ends_with(".keeper.sock"); }
 
+std::string CacheSocketForKeeper(const std::string& keeper_socket) {
+  constexpr std::string_view kSuffix = ".keeper.sock";
+  if (!keeper_socket.ends_with(kSuffix)) return keeper_socket;
+  return keeper_socket.substr(0, keeper_socket.size() - kSuffix.size()) + ".sock";
+}
+
+Result<std::vector<SocketEntry>> ListAllKeeperSockets(const std::string& runtime_dir) {
+  std::vector<SocketEntry> out;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> namespaces, ListNamespaces(runtime_dir));
+  for (const std::string& ns : namespaces) {
+    const std::string ns_dir = runtime_dir + "/" + ns;
+    WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> keys, ListDeviceKeys(ns_dir));
+    for (const std::string& key : keys) {
+      const std::string device_dir = ns_dir + "/" + key;
+      WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> names,
+                                   ListDir(device_dir, S_IFSOCK, [](const std::string& name) {
+                                     return IsKeeperSocket(name) &&
+                                            name.size() > std::string_view(".keeper.sock").size();
+                                   }));
+      for (std::string& name : names) out.push_back({ns, key, device_dir + "/" + name});
+    }
+  }
+  return out;
+}
+
 }  // namespace weightcache::identity

@@ -151,5 +151,11 @@ std::string LockPathFor(const std::string& socket_path);
 std::string KeeperSocketFor(const std::string& socket_path);
 // Whether `path` names a keeper socket (ends in ".keeper.sock"): the listings skip them.
 bool IsKeeperSocket(std::string_view path);
+// The cache socket a keeper socket serves: the inverse of KeeperSocketFor
+// (<stem>.keeper.sock → <stem>.sock).
+std::string CacheSocketForKeeper(const std::string& keeper_socket);
+// Every keeper socket under a runtime dir (the layout's device dirs), live or stale: `ls`
+// finds orphans (a live keeper whose daemon is gone) with it.
+Result<std::vector<SocketEntry>> ListAllKeeperSockets(const std::string& runtime_dir);
 
 }  // namespace weightcache::identity

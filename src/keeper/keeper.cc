@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -21,6 +22,18 @@ namespace {
 constexpr std::chrono::milliseconds kReplyTimeout{1000};
 // After a failed accept (no fds): the listener rests this long instead of spinning.
 constexpr std::chrono::milliseconds kAcceptPause{100};
+// A refused connection is read (and what it sent discarded) this long at most, waiting for
+// its peer to read our Error and close its end.
+constexpr std::chrono::milliseconds kRefusedLinger{1000};
+// How often the keeper checks that its socket is still in place (SocketInPlace).
+constexpr std::chrono::milliseconds kSocketCheckInterval{2000};
+
+// The inode of the socket at `path`, or 0 when there is none.
+ino_t SocketInode(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) return 0;
+  return st.st_ino;
+}
 
 std::string Short(const std::string& digest) { return digest.substr(0, 16); }
 
@@ -33,6 +46,10 @@ struct Keeper::Connection {
   os::PeerCred peer;
   protocol::FrameReader reader{protocol::Expect::kKeeperRequest};
   Clock::time_point deadline;  // closed when no complete request arrives by then
+  // Refused: our Error is sent and our side shut down; what the peer still sends is read and
+  // discarded until it closes (or the deadline), so that closing never resets the connection
+  // under an Error the peer has not read yet.
+  bool refused = false;
 };
 
 Result<std::unique_ptr<Keeper>> Keeper::Create(KeeperOptions options) {
@@ -67,7 +84,8 @@ Keeper::Keeper(KeeperOptions options, os::LockFile lock, UniqueFd listener)
     : options_(std::move(options)),
       lock_(std::move(lock)),
       listener_(std::move(listener)),
-      started_(Clock::now()) {}
+      started_(Clock::now()),
+      socket_inode_(SocketInode(options_.socket)) {}
 
 Keeper::~Keeper() {
   // The path first, while the listener and the lock are still ours: nobody finds our socket
@@ -85,6 +103,7 @@ bool Keeper::PeerAllowed(uid_t uid) const {
 
 Status Keeper::Run(int signal_fd) {
   std::optional<Clock::time_point> accept_paused_until;
+  Clock::time_point next_socket_check = started_ + kSocketCheckInterval;
   while (!dropped_) {
     Clock::time_point now = Clock::now();
     if (!deposit_ && now - started_ >= options_.deposit_timeout) {
@@ -94,15 +113,28 @@ Status Keeper::Run(int signal_fd) {
     }
     std::erase_if(connections_, [&](const std::unique_ptr<Connection>& c) {
       if (now < c->deadline) return false;
-      LOG_WARN << "keeper: closing an idle connection from pid " << c->peer.pid;
+      if (!c->refused) {
+        LOG_WARN << "keeper: closing an idle connection from pid " << c->peer.pid;
+      }
       return true;
     });
     if (accept_paused_until && now >= *accept_paused_until) accept_paused_until.reset();
+    if (now >= next_socket_check) {
+      // Nobody can reach a keeper whose socket was removed (its runtime dir deleted): the
+      // memory it holds can never be adopted or dropped, so it goes now.
+      if (SocketInode(options_.socket) != socket_inode_) {
+        LOG_WARN << "keeper " << options_.socket << ": its socket was removed; releasing "
+                 << (deposit_ ? "the deposit" : "nothing") << " and exiting";
+        return Status::Ok();
+      }
+      next_socket_check = now + kSocketCheckInterval;
+    }
 
     Clock::time_point wake =
         deposit_ ? Clock::time_point::max() : started_ + options_.deposit_timeout;
     for (const auto& c : connections_) wake = std::min(wake, c->deadline);
     if (accept_paused_until) wake = std::min(wake, *accept_paused_until);
+    wake = std::min(wake, next_socket_check);
 
     std::vector<pollfd> fds;
     fds.push_back({accept_paused_until ? -1 : listener_.get(), POLLIN, 0});
@@ -163,10 +195,13 @@ void Keeper::AcceptAll() {
                                              Clock::now() + options_.connection_timeout);
     if (!PeerAllowed(cred->uid)) {
       LOG_WARN << "keeper: refused pid " << cred->pid << " uid " << cred->uid;
-      Refuse(*conn, PermissionDenied("peer pid " + std::to_string(cred->pid) + " uid " +
-                                     std::to_string(cred->uid) + " is not allowed by keeper pid " +
-                                     std::to_string(::getpid()) + " (same uid " +
-                                     std::to_string(::geteuid()) + " or --allow-uid required)"));
+      if (Refuse(*conn,
+                 PermissionDenied("peer pid " + std::to_string(cred->pid) + " uid " +
+                                  std::to_string(cred->uid) + " is not allowed by keeper pid " +
+                                  std::to_string(::getpid()) + " (same uid " +
+                                  std::to_string(::geteuid()) + " or --allow-uid required)"))) {
+        connections_.push_back(std::move(conn));
+      }
       continue;
     }
     connections_.push_back(std::move(conn));
@@ -174,13 +209,14 @@ void Keeper::AcceptAll() {
 }
 
 bool Keeper::OnReadable(Connection& conn) {
+  if (conn.refused) return DrainRefused(conn);
   while (true) {
     auto frame = conn.reader.ReadAvailable(conn.fd.get());
     if (!frame.ok()) {
       if (frame.status().code() != StatusCode::kUnavailable) {
         LOG_WARN << "keeper: bad frame from pid " << conn.peer.pid << ": "
                  << frame.status().ToString();
-        Refuse(conn, frame.status());
+        return Refuse(conn, frame.status());
       }
       return false;
     }
@@ -188,6 +224,7 @@ bool Keeper::OnReadable(Connection& conn) {
     conn.deadline = Clock::now() + options_.connection_timeout;
     if (!Handle(conn, std::move(**frame))) return false;
     if (dropped_) return false;
+    if (conn.refused) return DrainRefused(conn);
   }
 }
 
@@ -206,8 +243,25 @@ bool Keeper::Reply(Connection& conn, Result<std::vector<uint8_t>> frame, std::sp
 }
 
 bool Keeper::Refuse(Connection& conn, const Status& status) {
-  (void)Reply(conn, protocol::EncodeError(status));
-  return false;
+  if (!Reply(conn, protocol::EncodeError(status))) return false;
+  // Closing now could lose the Error: a close with the peer's request still unread resets the
+  // connection, and the peer's next write fails. Shut our side instead (the peer reads the
+  // Error, then EOF) and keep reading until the peer closes.
+  if (::shutdown(conn.fd.get(), SHUT_WR) != 0) return false;
+  conn.refused = true;
+  conn.deadline = Clock::now() + kRefusedLinger;
+  return true;
+}
+
+bool Keeper::DrainRefused(Connection& conn) {
+  char buf[4096];
+  while (true) {
+    // A plain read: fds the peer passed are closed by the kernel, never installed here.
+    const ssize_t n = ::read(conn.fd.get(), buf, sizeof(buf));
+    if (n > 0) continue;
+    if (n < 0 && errno == EINTR) continue;
+    return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);  // open until EOF or an error
+  }
 }
 
 protocol::KeeperQuery Keeper::MakeQuery() const {

@@ -11,12 +11,17 @@
 //   Run     serves Deposit (once), Withdraw, Query and Drop (protocol/handoff.h) from one poll
 //           loop. It returns OK after a Drop (the deposit's fds are closed: the memory is
 //           freed once no daemon or client holds it either) or a SIGTERM/SIGINT/SIGHUP on the
-//           signalfd; kTimeout when no deposit arrived within deposit_timeout of Create.
+//           signalfd, or once its socket path no longer names its socket (checked every
+//           2 s: a removed runtime dir leaves it unreachable, so what it holds could never be
+//           adopted or dropped); kTimeout when no deposit arrived within deposit_timeout of
+//           Create.
 //   destroy unlinks the socket, then releases the lock.
 //
 // Contract:
 //  * Peers: our uid, or one of allow_uids (SO_PEERCRED, at accept); a refused peer gets an
-//    Error frame (kPermissionDenied naming its pid and uid) and is closed. Deposit and Drop are
+//    Error frame (kPermissionDenied naming its pid and uid); our side is shut down and what
+//    the peer still sends is discarded until it closes (at most 1 s), so the Error is never
+//    lost to a reset. Deposit and Drop are
 //    accepted from our uid only.
 //  * A deposit is checked by protocol::DecodeHandoff before it is held (host tier: sealed
 //    memfds of at least each allocation's size); a second deposit is kAlreadyServed. Withdraw
@@ -78,7 +83,11 @@ class Keeper {
   // One complete request; false when the connection is to be closed.
   bool Handle(Connection& conn, protocol::Frame frame);
   bool Reply(Connection& conn, Result<std::vector<uint8_t>> frame, std::span<const int> fds = {});
+  // Sends `status` as an Error and shuts our side: true while the connection stays open to be
+  // drained (DrainRefused), false when it is to be closed now (the Error could not be sent).
   bool Refuse(Connection& conn, const Status& status);
+  // Reads and discards what a refused peer still sends; false once it closed.
+  bool DrainRefused(Connection& conn);
   bool PeerAllowed(uid_t uid) const;
   protocol::KeeperQuery MakeQuery() const;
 
@@ -92,6 +101,7 @@ class Keeper {
   std::optional<protocol::Handoff> deposit_;
   Clock::time_point deposited_at_;
   bool dropped_ = false;
+  ino_t socket_inode_ = 0;  // our socket's; another (or none) at the path: we are unreachable
 };
 
 }  // namespace weightcache::keeper

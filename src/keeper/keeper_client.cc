@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -119,6 +120,12 @@ Result<pid_t> SpawnKeeper(const SpawnOptions& options) {
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
 
+  // The keeper's log lines go to our stderr when it is a file or a terminal. A pipe or a
+  // socket is not handed on: a keeper outlives its daemon, and holding the write end would keep
+  // whoever reads the daemon's output (a supervisor, a test) from ever seeing EOF.
+  struct stat err_stat {};
+  const bool stderr_kept = ::fstat(STDERR_FILENO, &err_stat) == 0 && !S_ISFIFO(err_stat.st_mode) &&
+                           !S_ISSOCK(err_stat.st_mode);
   pid_t first = ::fork();
   if (first < 0) return IoError("fork", errno);
   if (first == 0) {
@@ -132,6 +139,7 @@ Result<pid_t> SpawnKeeper(const SpawnOptions& options) {
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
     ::dup2(dev_null.get(), STDIN_FILENO);
     ::dup2(dev_null.get(), STDOUT_FILENO);
+    if (!stderr_kept) ::dup2(dev_null.get(), STDERR_FILENO);
     ::fcntl(ready_write.get(), F_SETFD, 0);  // the one fd the keeper inherits
     ::execv(argv[0], argv.data());
     (void)!::write(ready_write.get(), kExecFailed.data(), kExecFailed.size());

@@ -1,7 +1,7 @@
 // What a daemon (or a tool) does with a keeper (docs/keeper.md): start one, deposit a ready
 // cache with it, withdraw and check that cache after a restart, ask what it holds, drop it.
-// The daemon's use (deposit at ready, withdraw at start, drop at stop) is the next slice; these
-// are the functions it will call.
+// The daemon's policy over them (deposit at ready, withdraw at start, drop at a deliberate
+// stop) is daemon/keeper_link.h; `ls` and `stop` use QueryKeeper and DropKeeper for orphans.
 //
 // Contract:
 //  * Paths come from identity::CachePaths (keeper_socket, keeper_lock): the one rule lives
@@ -11,9 +11,11 @@
 //  * SpawnKeeper starts `<program> keeper ...` detached: a double fork with setsid in between,
 //    so the keeper is not our child (init or the nearest subreaper reaps it), leads no
 //    terminal session, has no PDEATHSIG, starts with every signal unblocked and stdin/stdout
-//    on /dev/null (stderr is ours, for its few log lines). It returns once the keeper has
-//    published its socket (it says so on a pipe), with the keeper's pid, or the keeper's own
-//    start error (a live keeper for the same cache: kAlreadyServed naming its pid).
+//    on /dev/null. Its stderr is ours, for its few log lines, when ours is a file or a
+//    terminal; a pipe or socket is replaced by /dev/null (a keeper that outlives us must not
+//    hold the pipe a supervisor reads our output from: it would never see EOF). It returns once the
+//    keeper has published its socket (it says so on a pipe), with the keeper's pid, or the keeper's
+//    own start error (a live keeper for the same cache: kAlreadyServed naming its pid).
 //  * Refusals arrive as the keeper's Error: the Status of its code, message "keeper: <why>".
 //  * Every call runs under one timeout. Fds passed in are borrowed; fds returned are owned.
 //  * Thread-safe: no shared state (SpawnKeeper forks; only async-signal-safe calls run between

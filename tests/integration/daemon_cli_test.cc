@@ -49,8 +49,9 @@ class CliTest : public ::testing::Test {
 TEST_F(CliTest, LsJsonListsLiveAndStaleCachesWithStateAndPid) {
   auto live = Serve("default");
   const std::string live_socket = WaitReady(*live, "default");
-  // A daemon of another namespace, killed -9: its socket is stale.
-  auto dead = Serve("other");
+  // A daemon of another namespace, killed -9: its socket is stale. (Without a keeper: a
+  // killed daemon's keeper would make it an orphan, keeper_daemon_test's subject.)
+  auto dead = Serve("other", {"--no-keeper"});
   const std::string dead_socket = WaitReady(*dead, "other");
   dead->Signal(SIGKILL);
   ASSERT_EQ(dead->WaitExit(10s), 128 + SIGKILL);

@@ -904,7 +904,7 @@ const uint8_t* FakeDriver::KernelView(CUdeviceptr ptr, uint64_t len, std::vector
   if (m != mappings_.begin()) {
     --m;
     if (ptr < m->first + m->second.size) {
-      const std::vector<uint8_t>& backing = memory_[m->second.memory].bytes;
+      const std::vector<uint8_t>& backing = memory_.at(m->second.memory).bytes;
       if (!backing.empty()) return backing.data() + (ptr - m->first);
       zeros->assign(len, 0);
       return zeros->data();

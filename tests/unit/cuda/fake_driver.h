@@ -25,7 +25,8 @@
 //    buffer before waiting for its copy uploads the wrong bytes, and the tests see it; freeing
 //    pinned memory a queued copy still reads aborts the test binary.
 //  * Kernels: cuLaunchKernel runs the checksum kernel's algorithm (the same xxh64_core.h) on
-//    the host for the function cuModuleGetFunction handed out.
+//    the host for the function cuModuleGetFunction handed out, over host memory or over
+//    mapped VMM memory that is backed (BackVmmMemory).
 //
 //  * Devices: `device_count` devices, ordinals 0..n-1, each with a fixed UUID (UuidOf), a
 //    name, 80 GiB and a PCI bus id, so the identity layer enumerates them as it does the real
@@ -167,6 +168,8 @@ class FakeDriver {
   CUresult LaunchKernel(CUfunction f, unsigned grid, unsigned block, CUstream s, void** params);
 
  private:
+  // What the checksum kernel reads at `ptr` (mu_ held): a backed VMM mapping's bytes, or host
+  // memory.
   struct MemoryObject {
     uint64_t size = 0;
     CUdevice device = 0;

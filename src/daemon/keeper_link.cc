@@ -1,0 +1,236 @@
+#include "daemon/keeper_link.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <nlohmann/json.hpp>
+#include <thread>
+#include <utility>
+
+#include "checkpoint/checkpoint.h"
+#include "common/logging.h"
+#include "cuda/checksum_gpu.h"
+#include "cuda/imported_arena.h"
+#include "keeper/keeper_client.h"
+#include "os/lock_file.h"
+
+namespace weightcache::daemon {
+namespace {
+
+keeper::KeeperPaths PathsOf(const identity::CachePaths& paths) {
+  return {paths.keeper_socket, paths.keeper_lock};
+}
+
+// The checkpoint as it is now, by its headers and the stat of its files (no tensor byte is
+// read): the same fingerprint and files the identity was computed from, or why not.
+Status CheckCheckpointUnchanged(const identity::CacheConfig& config,
+                                const std::string& model_path) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint now,
+                               checkpoint::Checkpoint::Open(model_path));
+  if (now.fingerprint() != config.checkpoint_fingerprint) {
+    return InvalidCheckpoint("checkpoint " + model_path + " has fingerprint " + now.fingerprint() +
+                             ", the kept cache was loaded from " + config.checkpoint_fingerprint);
+  }
+  if (now.files_digest() != config.checkpoint_files) {
+    return InvalidCheckpoint("checkpoint " + model_path + " files changed (checkpoint_files " +
+                             now.files_digest() + ", the kept cache's " + config.checkpoint_files +
+                             ")");
+  }
+  return Status::Ok();
+}
+
+// Gpu tier: each withdrawn fd imported and mapped here (which checks it is a VMM allocation
+// of this device of the manifest's size), and the checksum kernel over it.
+struct GpuVerifier {
+  std::optional<cuda::ImportedArena> arena;
+  std::optional<cuda::ChecksumKernel> kernel;
+
+  Status Open(const GpuAdoptContext& gpu, const protocol::Handoff& handoff) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(gpu.driver, gpu.device));
+    std::vector<UniqueFd> fds;
+    for (const UniqueFd& fd : handoff.allocations) {
+      UniqueFd dup(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
+      if (!dup) return IoError("dup of a withdrawn allocation fd", errno);
+      fds.push_back(std::move(dup));
+    }
+    auto imported = cuda::ImportedArena::Import(gpu.driver, device, std::move(fds),
+                                                handoff.manifest.allocation_sizes());
+    if (!imported.ok()) {
+      Status status = imported.status();
+      return status.Context("importing the kept allocations");
+    }
+    arena.emplace(std::move(imported).value());
+    auto k = cuda::ChecksumKernel::Create(gpu.driver);
+    if (!k.ok()) {
+      Status status = k.status();
+      return status.Context("the checksum kernel");
+    }
+    kernel.emplace(std::move(k).value());
+    return Status::Ok();
+  }
+
+  Result<uint64_t> Checksum(uint32_t index, uint64_t offset, uint64_t nbytes) const {
+    const auto allocations = arena->allocations();
+    if (index >= allocations.size() || offset > allocations[index].size ||
+        nbytes > allocations[index].size - offset) {
+      return ProtocolError("tensor range outside allocation " + std::to_string(index));
+    }
+    const cuda::DeviceRange range{allocations[index].ptr + offset, nbytes};
+    WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint64_t> sums,
+                                 kernel->Checksums(/*stream=*/nullptr, {&range, 1}));
+    return sums.at(0);
+  }
+};
+
+std::string DescribeVerified(const protocol::AdoptOptions& adopt, size_t tensors) {
+  if (adopt.checksums == protocol::ChecksumCheck::kFull || tensors <= adopt.sample_tensors) {
+    return "all " + std::to_string(tensors) + " tensors";
+  }
+  return std::to_string(adopt.sample_tensors) + " of " + std::to_string(tensors) + " tensors";
+}
+
+}  // namespace
+
+Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& handoff,
+                        const protocol::AdoptOptions& adopt) {
+  if (gpu.driver == nullptr) {
+    return InternalError("gpu tier: no CUDA driver to check the kept allocations");
+  }
+  GpuVerifier verifier;
+  WEIGHTCACHE_RETURN_IF_ERROR(verifier.Open(gpu, handoff));
+  protocol::AdoptOptions checked = adopt;
+  checked.gpu_checksum = [&verifier](uint32_t index, uint64_t offset, uint64_t nbytes) {
+    return verifier.Checksum(index, offset, nbytes);
+  };
+  return protocol::CheckAdoptable(handoff, checked);
+}
+
+WeightStore StoreFromHandoff(protocol::Handoff handoff) {
+  StoreSummary summary;
+  summary.manifest.size = handoff.info.manifest_size;
+  summary.manifest.fd = std::move(handoff.manifest_fd);
+  summary.tensor_count = handoff.manifest.tensor_count();
+  for (size_t i = 0; i < handoff.manifest.tensor_count(); ++i) {
+    summary.tensor_bytes += handoff.manifest.record(i).nbytes;
+  }
+  summary.resident_bytes = handoff.bytes();
+  const Tier tier = handoff.tier();
+  return WeightStore(tier, std::move(handoff.allocations), std::move(summary));
+}
+
+std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
+                                            const identity::CacheConfig& config,
+                                            const std::string& model_path,
+                                            const KeeperLinkOptions& options,
+                                            const GpuAdoptContext* gpu) {
+  if (!options.enabled || paths.keeper_socket.empty()) return std::nullopt;
+  const keeper::KeeperPaths kp = PathsOf(paths);
+  auto query = keeper::QueryKeeper(kp, options.timeout);
+  if (query.ok() && !query->has_value()) return std::nullopt;  // no live keeper
+  if (query.ok() && (*query)->state != protocol::KeeperState::kHolding) {
+    // A keeper whose daemon died before depositing: nothing to adopt; the deposit at ready
+    // goes to it.
+    LOG_INFO << "keeper pid " << (*query)->keeper_pid << " holds nothing yet; loading";
+    return std::nullopt;
+  }
+  // Any failure from here on: the keeper holds memory this daemon may not serve.
+  auto reject = [&](const Status& why) -> std::optional<AdoptedStore> {
+    LOG_WARN << "not adopting the kept cache: " << why.ToString()
+             << "; dropping the keeper and loading from the checkpoint";
+    Status dropped = DropCacheKeeper(paths, options);
+    if (!dropped.ok() && dropped.code() != StatusCode::kNoDaemon) {
+      LOG_WARN << "dropping the keeper failed: " << dropped.ToString();
+    }
+    return std::nullopt;
+  };
+  if (!query.ok()) return reject(query.status());
+  if ((*query)->config_digest != config.Digest()) {
+    return reject(Status(StatusCode::kMismatch, "keeper holds cache " + (*query)->config_digest +
+                                                    ", this daemon serves " + config.Digest()));
+  }
+  Status unchanged = CheckCheckpointUnchanged(config, model_path);
+  if (!unchanged.ok()) return reject(unchanged);
+
+  protocol::AdoptOptions adopt;
+  adopt.expected_digest = config.Digest();
+  adopt.checksums = options.verify;
+  adopt.sample_tensors = options.sample_tensors;
+  // Gpu tier: a VMM fd says nothing about itself without the driver. The withdrawal only
+  // checks that each is an open fd and runs no checksum (a sample of 0); VerifyGpuHandoff then
+  // imports them and runs the checksums with the kernel.
+  protocol::FdCheck gpu_fd_check;
+  protocol::AdoptOptions withdraw_adopt = adopt;
+  if (config.tier == Tier::kGpu) {
+    if (gpu == nullptr || gpu->driver == nullptr) {
+      return reject(InternalError("gpu tier: no CUDA driver to check the kept allocations"));
+    }
+    gpu_fd_check = [](int fd, uint64_t /*size*/, uint32_t index) -> Status {
+      if (::fcntl(fd, F_GETFD) < 0) {
+        return ProtocolError("kept allocation " + std::to_string(index) + " is not an open fd");
+      }
+      return Status::Ok();
+    };
+    withdraw_adopt.checksums = protocol::ChecksumCheck::kSample;
+    withdraw_adopt.sample_tensors = 0;
+    withdraw_adopt.gpu_checksum = [](uint32_t, uint64_t, uint64_t) -> Result<uint64_t> {
+      return InternalError("no checksum at withdrawal");
+    };
+  }
+  auto withdrawn = keeper::TryWithdraw(kp, withdraw_adopt, options.timeout, gpu_fd_check);
+  if (!withdrawn.ok()) return reject(withdrawn.status());
+  if (!withdrawn->has_value()) return std::nullopt;  // the keeper went away meanwhile
+  protocol::Handoff handoff = std::move(**withdrawn);
+  if (config.tier == Tier::kGpu) {
+    Status verified = VerifyGpuHandoff(*gpu, handoff, adopt);
+    if (!verified.ok()) return reject(verified);
+  }
+  const std::string verified = DescribeVerified(adopt, handoff.manifest.tensor_count());
+  AdoptedStore adopted{StoreFromHandoff(std::move(handoff)), (*query)->keeper_pid,
+                       (*query)->depositor_pid, verified};
+  return adopted;
+}
+
+Status DepositWithKeeper(const identity::CachePaths& paths, const identity::CacheConfig& config,
+                         const WeightStore& store, const KeeperLinkOptions& options) {
+  if (!options.enabled || paths.keeper_socket.empty()) return Status::Ok();
+  keeper::SpawnOptions spawn;
+  spawn.program = options.program;
+  spawn.socket = paths.keeper_socket;
+  spawn.allow_uids = options.allow_uids;
+  auto pid = keeper::SpawnKeeper(spawn);
+  // kAlreadyServed: a keeper is live already (its daemon died before depositing): use it.
+  if (!pid.ok() && pid.status().code() != StatusCode::kAlreadyServed) {
+    Status status = pid.status();
+    return status.Context("starting the keeper");
+  }
+  protocol::DepositInfo info;
+  info.config_digest = config.Digest();
+  info.config_json = config.ToJson().dump();
+  info.depositor_pid = ::getpid();
+  info.manifest_size = store.summary().manifest.size;
+  info.allocation_count = static_cast<uint32_t>(store.fds().size());
+  const std::vector<int> fds = store.fds();
+  Status deposited = keeper::DepositToKeeper(
+      paths.keeper_socket, info, store.summary().manifest.fd.get(), fds, options.timeout);
+  if (!deposited.ok()) return deposited.Context("depositing with the keeper");
+  return Status::Ok();
+}
+
+Status DropCacheKeeper(const identity::CachePaths& paths, const KeeperLinkOptions& options) {
+  if (paths.keeper_socket.empty()) return Status(StatusCode::kNoDaemon, "no keeper path");
+  WEIGHTCACHE_RETURN_IF_ERROR(keeper::DropKeeper(PathsOf(paths), options.timeout));
+  // The keeper replies, then closes its fds and exits: wait for its lock, so that whoever
+  // comes next (a reload's deposit, `stop`'s caller) finds no keeper.
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  while (os::IsLockHeld(paths.keeper_lock)) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return Status(StatusCode::kTimeout,
+                    "keeper " + paths.keeper_socket + " still running after its Drop");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return Status::Ok();
+}
+
+}  // namespace weightcache::daemon

@@ -1,0 +1,102 @@
+// The daemon's side of its keeper (docs/keeper.md, "The daemon and its keeper"): re-adopt a
+// kept cache at start, deposit a cache that reached `ready`, drop the keeper on a deliberate
+// stop. The keeper process and its client functions are src/keeper/; this file is the policy.
+//
+// Rules (each lives here only):
+//  * Only a complete load is deposited (DepositWithKeeper is called with a finished store):
+//    a crash during loading leaves nothing to adopt.
+//  * Adoption re-validates everything before a byte is served: the handoff's fds (kinds,
+//    sizes, seals: protocol::DecodeHandoff), the config digest, the checkpoint's fingerprint
+//    and files as they are now (headers and stat only, checkpoint::Checkpoint::Open), then the
+//    manifest's checksums against the memory (protocol::CheckAdoptable, a sample or every
+//    tensor). Any failure is logged with its reason, the keeper is dropped (it holds memory
+//    nobody may serve) and the caller loads from the checkpoint.
+//  * A cache without a keeper path (sun_path too long) or with keepers disabled (--no-keeper)
+//    neither adopts nor deposits; it serves as before.
+//
+// Thread-safety: plain functions, no shared state; the daemon calls them on its loader thread
+// (adopt, deposit) and on its event loop (drop, at the end of a drain).
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cuda/driver_api.h"
+#include "daemon/weight_store.h"
+#include "identity/cache_config.h"
+#include "identity/device_inventory.h"
+#include "identity/paths.h"
+#include "protocol/handoff.h"
+#include "weightcache/status.h"
+
+namespace weightcache::daemon {
+
+struct KeeperLinkOptions {
+  // Off unless the process is the weightcache binary (`serve` turns it on; `--no-keeper` keeps
+  // it off): the keeper runs `<program> keeper`, and an in-process daemon (tests) is no such
+  // program.
+  bool enabled = false;
+  std::string program;  // the binary the keeper runs; "" = this process's own
+  // What adoption checks against the memory (`serve --adopt-verify`). The default is a sample:
+  // a host-tier deposit is sealed memfds that nobody, the loader included, can write after
+  // the seal, and every fd and the manifest are checked in full anyway; the sample catches a
+  // deposit of the wrong memory (a bug, a corrupted keeper) at a cost independent of the
+  // cache's size (64 tensors), which is what keeps a restart near-instant. `full` reads
+  // every byte once (host: mapped here; gpu: the checksum kernel).
+  protocol::ChecksumCheck verify = protocol::ChecksumCheck::kSample;
+  uint32_t sample_tensors = 64;
+  std::vector<uid_t> allow_uids;  // the daemon's --allow-uid: they may query the keeper too
+  std::chrono::milliseconds timeout{5'000};  // each keeper call
+};
+
+// Gpu tier: what importing a withdrawn VMM fd and checksumming it needs.
+struct GpuAdoptContext {
+  const cuda::DriverApi* driver = nullptr;
+  identity::DeviceInfo device;
+};
+
+// A store taken back from the keeper, and what the ready line says about it.
+struct AdoptedStore {
+  WeightStore store;
+  int64_t keeper_pid = 0;
+  int64_t depositor_pid = 0;  // the daemon that loaded it
+  std::string verified;       // "64 of 291 tensors" / "all 291 tensors"
+};
+
+// The kept cache of `paths`, validated (the rules above), or std::nullopt: no keeper, keeper
+// disabled or pathless, nothing deposited yet, or a validation failure (logged; the keeper is
+// dropped). `gpu` is required for a gpu-tier cache (without it a gpu deposit is not adopted).
+std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
+                                            const identity::CacheConfig& config,
+                                            const std::string& model_path,
+                                            const KeeperLinkOptions& options,
+                                            const GpuAdoptContext* gpu);
+
+// Hands a ready store to the cache's keeper, starting one if none is live. OK without doing
+// anything when keepers are disabled or the cache has no keeper path; an error (the caller
+// logs it and serves without a keeper) when the keeper cannot be started or refuses.
+Status DepositWithKeeper(const identity::CachePaths& paths, const identity::CacheConfig& config,
+                         const WeightStore& store, const KeeperLinkOptions& options);
+
+// A deliberate stop: tells the keeper the cache is dead (its memory is freed once no client
+// maps it) and waits, bounded by options.timeout, until it has exited. kNoDaemon when there
+// was no live keeper.
+Status DropCacheKeeper(const identity::CachePaths& paths, const KeeperLinkOptions& options);
+
+// Gpu tier: the checks of a withdrawn handoff that need the driver. Imports duplicates of its
+// allocation fds on the device and maps them (which checks each is a VMM allocation of the
+// manifest's size: kInvalidArgument/kCuda naming the allocation), then runs
+// protocol::CheckAdoptable with the checksum kernel over the mappings. Everything it imports is
+// released before it returns; the handoff's own fds are untouched.
+Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& handoff,
+                        const protocol::AdoptOptions& adopt);
+
+// The WeightStore a validated handoff describes: its manifest memfd and allocation fds, the
+// totals from its manifest.
+WeightStore StoreFromHandoff(protocol::Handoff handoff);
+
+}  // namespace weightcache::daemon

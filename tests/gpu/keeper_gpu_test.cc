@@ -1,0 +1,143 @@
+// The gpu tier's crash survival (docs/keeper.md) on a real GPU: `serve --tier gpu` deposits its
+// exported VMM fds with its keeper at ready; an engine (gpu_client_helper) attaches and holds
+// its tensors; the daemon is killed with SIGKILL; a new `serve` re-adopts the kept allocations
+// — every withdrawn fd imported and every tensor checksummed by the GPU kernel
+// (`--adopt-verify full`) — and is ready without reading the checkpoint (its /proc/PID/io
+// rchar stays under a quarter of the tensor bytes, where a load reads them all). The holder's
+// bytes stay correct, a second engine attaches to the adopted cache and reads the same bytes,
+// and `attach --verify` runs the kernel over every tensor again. The time to ready is printed
+// ("keeper_gpu_test: adopted ready in … s") for docs/benchmarks.md.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu/gpu_e2e_support.h"
+#include "identity/paths.h"
+#include "os/lock_file.h"
+#include "support/test_env.h"
+
+namespace weightcache::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr char kModelId[] = "keeper-gpu";
+constexpr char kNamespace[] = "default";
+
+#define ASSERT_OK_AND_MOVE(lhs, expr)                                   \
+  auto lhs##_result_ = (expr);                                          \
+  ASSERT_TRUE(lhs##_result_.ok()) << lhs##_result_.status().ToString(); \
+  auto lhs = std::move(lhs##_result_).value()
+
+uint64_t ReadChars(pid_t pid) {
+  std::ifstream io("/proc/" + std::to_string(pid) + "/io");
+  std::string key;
+  uint64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "rchar:") return value;
+  }
+  ADD_FAILURE() << "no rchar in /proc/" << pid << "/io";
+  return 0;
+}
+
+class KeeperGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const GpuSetup& gpus = ProbeGpus();
+    if (!gpus.skip_reason.empty()) GTEST_SKIP() << gpus.skip_reason;
+    uuid_ = gpus.uuids[0];
+    auto made = MakeModel(dir_.Join("model"), 48, 3, 11, 1 << 18);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    model_ = *made;
+  }
+  std::string runtime() const { return dir_.Join("rt"); }
+  std::unique_ptr<Daemon> Serve(const std::string& name, std::vector<std::string> extra = {}) {
+    std::vector<std::string> a = {"--model",       model_.dir, "--model-id", kModelId,
+                                  "--tier",        "gpu",      "--device",   uuid_,
+                                  "--runtime-dir", runtime(),  "--threads",  "4"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    auto d = Daemon::Start(a, {}, dir_.Join(name + ".log"));
+    EXPECT_TRUE(d.ok()) << d.status().ToString();
+    return d.ok() ? std::move(d).value() : nullptr;
+  }
+  std::vector<std::string> Helper(std::vector<std::string> extra = {}) const {
+    std::vector<std::string> a = {
+        ClientHelperPath(), "--model", model_.dir,   "--model-id",        kModelId, "--device", "0",
+        "--runtime-dir",    runtime(), "--manifest", model_.manifest_path};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  }
+  void ExpectBytesCorrect(const nlohmann::json& report) {
+    ASSERT_TRUE(report.contains("check")) << report.dump();
+    EXPECT_TRUE(report["check"]["ok"].get<bool>()) << report.dump();
+    EXPECT_EQ(report["check"]["tensors_checked"].get<size_t>(), model_.tensor_count);
+    EXPECT_EQ(report["check"]["bytes_checked"].get<uint64_t>(), model_.total_bytes);
+  }
+
+  TempDir dir_;
+  TestModel model_;
+  std::string uuid_;
+};
+
+TEST_F(KeeperGpuTest, Kill9WithAnEngineAttachedThenRestartReadoptsVerifiedWithoutReading) {
+  auto first = Serve("first");
+  ASSERT_NE(first, nullptr);
+  ASSERT_OK_AND_MOVE(socket, first->WaitReady(runtime(), kNamespace, uuid_, nullptr));
+  EXPECT_NE(first->Log().find("deposited with the keeper"), std::string::npos) << first->Log();
+
+  auto holder = PipedChild::Spawn(Helper({"--hold"}), {}, dir_.Join("holder.err"));
+  ASSERT_TRUE(holder.ok()) << holder.status().ToString();
+  ASSERT_OK_AND_MOVE(attached, (*holder)->ReadJson());
+  ASSERT_EQ(attached["source"], "daemon") << attached.dump();
+  ExpectBytesCorrect(attached);
+
+  ASSERT_TRUE(first->Kill9().ok());
+
+  auto second = Serve("second", {"--adopt-verify", "full"});
+  ASSERT_NE(second, nullptr);
+  ASSERT_OK_AND_MOVE(again, second->WaitReady(runtime(), kNamespace, uuid_, nullptr));
+  EXPECT_EQ(again, socket);
+  const std::string log = second->Log();
+  const size_t ready = log.find("ready: adopted");
+  ASSERT_NE(ready, std::string::npos) << log;
+  EXPECT_NE(
+      log.find("checksums of all " + std::to_string(model_.tensor_count) + " tensors verified"),
+      std::string::npos)
+      << log;
+  std::cout << "keeper_gpu_test: " << log.substr(ready, log.find('\n', ready) - ready) << std::endl;
+  EXPECT_LT(ReadChars(second->pid()), model_.total_bytes / 4) << log;
+
+  // The engine that held its tensors through the crash still reads correct bytes; a second
+  // engine attaches to the adopted cache and reads the same.
+  ASSERT_TRUE((*holder)->WriteLine("read").ok());
+  ASSERT_OK_AND_MOVE(after, (*holder)->ReadJson());
+  ExpectBytesCorrect(after);
+  auto fresh = PipedChild::Spawn(Helper(), {}, dir_.Join("fresh.err"));
+  ASSERT_TRUE(fresh.ok());
+  ASSERT_OK_AND_MOVE(f, (*fresh)->ReadJson());
+  EXPECT_EQ(f["source"], "daemon") << f.dump();
+  ExpectBytesCorrect(f);
+  EXPECT_EQ(f["check"]["digest"], attached["check"]["digest"]);
+  JsonRun verify =
+      RunJson({CliPath(), "attach", "--model", model_.dir, "--model-id", kModelId, "--tier", "gpu",
+               "--device", "0", "--runtime-dir", runtime(), "--json", "--verify"});
+  ASSERT_EQ(verify.exit_code, 0) << verify.out << verify.err;
+  EXPECT_EQ(verify.json["source"], "daemon");
+  EXPECT_TRUE(verify.json["verify"]["ok"].get<bool>()) << verify.json.dump();
+  EXPECT_EQ(verify.json["verify"]["tensors"].get<size_t>(), model_.tensor_count);
+
+  // A deliberate stop frees the kept memory: the keeper exits.
+  ASSERT_OK_AND_MOVE(code, second->Terminate());
+  EXPECT_EQ(code, 0);
+  const std::string keeper_lock = identity::LockPathFor(identity::KeeperSocketFor(socket));
+  EXPECT_FALSE(os::IsLockHeld(keeper_lock));
+  (*holder)->CloseStdin();
+  EXPECT_EQ((*holder)->Wait(30s), 0) << (*holder)->StderrLog();
+}
+
+}  // namespace
+}  // namespace weightcache::testing
