@@ -305,6 +305,45 @@ INSTANTIATE_TEST_SUITE_P(EachStep, PublisherKilledTest,
                            return std::string("Unknown");
                          });
 
+// A publisher that stops (SIGSTOP) between its plan and its commit: after --publish-timeout
+// the daemon frees its arena, closes its connection and takes the next publisher; the stopped
+// one, continued, finds its commit refused.
+TEST_F(PublishTest, AStoppedPublisherLosesItsArenaAfterThePublishTimeout) {
+  auto serve = Start({"--publish-timeout", "1"});
+  ASSERT_NE(serve, nullptr);
+  const Weights partial = MakeWeights(4);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto publisher = Publisher::Begin(Options(), partial.plan);
+    if (!publisher.ok()) ::_exit(3);
+    Fill(*publisher, partial, partial.plan.size() / 2);
+    ::raise(SIGSTOP);  // stalls mid-copy until the parent continues it
+    Fill(*publisher, partial, SIZE_MAX);
+    const Status committed = publisher->Commit();
+    ::_exit(committed.ok() ? 1 : 0);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(child, &wstatus, WUNTRACED), child);
+  ASSERT_TRUE(WIFSTOPPED(wstatus)) << "the publisher child exited early: " << wstatus;
+
+  // Its arena is freed once the timeout passes although the publisher still lives.
+  EXPECT_EQ(WaitForMemfds(serve->pid(), 0), 0);
+  EXPECT_EQ(State(), CacheState::kAwaiting);
+  EXPECT_THAT(serve->Log(), HasSubstr("did not commit within 1000 ms of its PublishBegin "
+                                      "(--publish-timeout)"));
+  const Weights full = MakeWeights(5);
+  ASSERT_TRUE(Publish(full).ok());
+  auto attached = Attach();
+  ASSERT_TRUE(attached.ok()) << attached.status().ToString();
+  ExpectBytes(*attached, full);
+
+  ASSERT_EQ(::kill(child, SIGCONT), 0);
+  ASSERT_EQ(::waitpid(child, &wstatus, 0), child);
+  ASSERT_TRUE(WIFEXITED(wstatus)) << wstatus;
+  EXPECT_EQ(WEXITSTATUS(wstatus), 0) << "the timed-out publisher's commit was accepted";
+}
+
 TEST_F(PublishTest, ASecondConcurrentPublisherIsRefusedNamingTheFirst) {
   auto serve = Start();
   ASSERT_NE(serve, nullptr);
