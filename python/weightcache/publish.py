@@ -41,7 +41,7 @@ def _dtype_name(name: str, tensor: Any) -> str:
     key = key[len("torch."):] if key.startswith("torch.") else key
     spelled = _SAFETENSORS_DTYPES.get(key)
     if spelled is None:
-        raise TypeError(f"tensor {name!r}: dtype {dtype!r} has no safetensors spelling "
+        raise TypeError(f"tensor {name!r}: dtype {dtype} has no safetensors spelling "
                         f"(supported: {', '.join(sorted(_SAFETENSORS_DTYPES))})")
     return spelled
 
