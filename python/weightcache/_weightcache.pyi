@@ -280,7 +280,9 @@ class Attachment:
 
     @property
     def metadata(self) -> bytes:
-        """The metadata blob the publisher of a published cache sent (bytes; b"" otherwise)."""
+        """
+        The metadata blob the publisher of a published cache sent (bytes; b"" otherwise).
+        """
 
     @property
     def attach_ms(self) -> float:
@@ -323,11 +325,6 @@ class Attachment:
 def attach(options: AttachOptions) -> Attachment:
     """
     Attach as AttachOptions say; raises a weightcache.errors exception on failure.
-    """
-
-def _publish(options: AttachOptions, tensors: list, metadata: bytes, timeout_s: float) -> int:
-    """
-    Publish [(name, array, dtype, alias_of)] into the daemon of options' identity (weightcache.publish builds the arguments); the tensor count.
     """
 
 def dtype_names() -> list[str]:
