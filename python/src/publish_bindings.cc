@@ -42,9 +42,9 @@ using HostArray = nb::ndarray<nb::ro>;
 
 [[noreturn]] void RaisePublishError(const Status& status) {
   nb::object errors = nb::module_::import_("weightcache.errors");
-  nb::object exc = errors.attr("from_status")(std::string(StatusCodeName(status.code())),
-                                              status.message(), nb::none(), nb::none(),
-                                              status.sys_errno());
+  nb::object exc =
+      errors.attr("from_status")(std::string(StatusCodeName(status.code())), status.message(),
+                                 nb::none(), nb::none(), status.sys_errno());
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   throw nb::python_error();
 }

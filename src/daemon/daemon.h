@@ -252,7 +252,7 @@ class Daemon {
   std::optional<HostPublication> publication_;
   int publisher_fd_ = -1;
   int64_t publisher_pid_ = 0;
-  int64_t published_by_ = 0;  // the pid whose commit made the current store
+  int64_t published_by_ = 0;         // the pid whose commit made the current store
   Clock::time_point publish_begun_;  // the PublishBegin of the publish in progress
   // The commit being verified on the committer thread: its publisher's connection (by id,
   // since an fd number is reused once closed; 0 = no commit running) and when it began.

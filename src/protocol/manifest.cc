@@ -346,11 +346,12 @@ Status Manifest::ValidateHeader() {
                             uint64_t{tensor_count} * kManifestTensorSize +
                             uint64_t{dim_count} * kManifestDimSize + table_size + metadata_size;
   if (expected != payload.size()) {
-    return ManifestError(
-        "header describes " + std::to_string(expected) + " bytes (" +
-        std::to_string(allocation_count) + " allocations, " + std::to_string(tensor_count) +
-        " tensors, " + std::to_string(dim_count) + " dims, " + std::to_string(table_size) +
-        "-byte string table, " + std::to_string(metadata_size) + "-byte metadata) but the manifest has " + std::to_string(payload.size()));
+    return ManifestError("header describes " + std::to_string(expected) + " bytes (" +
+                         std::to_string(allocation_count) + " allocations, " +
+                         std::to_string(tensor_count) + " tensors, " + std::to_string(dim_count) +
+                         " dims, " + std::to_string(table_size) + "-byte string table, " +
+                         std::to_string(metadata_size) + "-byte metadata) but the manifest has " +
+                         std::to_string(payload.size()));
   }
   tier_ = *tier;
   const uint8_t* alloc_p = p + kManifestHeaderSize;

@@ -226,8 +226,7 @@ TEST_F(PublishTest, AnAliasSharesItsTargetsRegionAndTheMetadataIsServed) {
   ExpectBytes(*attached, w);
   EXPECT_EQ(attached->Find("lm_head.weight")->host_ptr(),
             attached->Find(w.plan[1].name)->host_ptr());
-  EXPECT_NE(attached->Find(w.plan[0].name)->host_ptr(),
-            attached->Find(w.plan[1].name)->host_ptr());
+  EXPECT_NE(attached->Find(w.plan[0].name)->host_ptr(), attached->Find(w.plan[1].name)->host_ptr());
   EXPECT_EQ(attached->metadata(), "test engine 1.0");
 }
 

@@ -93,9 +93,9 @@ TEST_F(ManifestTest, MetadataRoundTripsAfterTheStringTable) {
   Manifest moved = std::move(m).value();
   EXPECT_EQ(moved.metadata(), blob);
   EXPECT_EQ(moved.tensor(2).name, "layers.0.attn.q");
-  Status too_large = EncodeManifest(Tier::kHost, allocs_, tensors_,
-                                    std::string(kMaxManifestMetadataSize + 1, 'm'))
-                         .status();
+  Status too_large =
+      EncodeManifest(Tier::kHost, allocs_, tensors_, std::string(kMaxManifestMetadataSize + 1, 'm'))
+          .status();
   EXPECT_EQ(too_large.code(), StatusCode::kInvalidArgument) << too_large.ToString();
   EXPECT_NE(too_large.message().find("metadata of 65537 bytes exceeds the 65536-byte limit"),
             std::string::npos)

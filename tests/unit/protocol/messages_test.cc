@@ -359,7 +359,8 @@ TEST(MessageDecodeTest, FramesFromTheDocumentedLayoutDecode) {
 
 TEST_F(MessagesTest, PublishMessagesRoundTrip) {
   PublishBegin begin;
-  begin.tensors = {{"qkv", "BF16", {3, 4}, 24}, {"scale", "F32", {}, 4}, {"tied", "F32", {}, 4, "scale"}};
+  begin.tensors = {
+      {"qkv", "BF16", {3, 4}, 24}, {"scale", "F32", {}, 4}, {"tied", "F32", {}, 4, "scale"}};
   begin.metadata = "engine 1.2";
   Frame f = Transfer(EncodePublishBegin(begin), Expect::kRequest);
   ASSERT_EQ(f.type, MessageType::kPublishBegin);
