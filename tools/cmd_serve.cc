@@ -39,6 +39,7 @@ struct ServeArgs {
   int threads = 16;
   double failed_linger_s = 30;
   double handshake_timeout_s = 10;
+  double publish_timeout_s = 600;
   double stall_timeout_s = 30;
   size_t max_connections = 4096;
   bool replace = false;
@@ -146,6 +147,7 @@ int Run(ServeArgs& args) {
   options.failed_linger = Millis(args.failed_linger_s);
   options.handshake_timeout = Millis(args.handshake_timeout_s);
   options.stall_timeout = Millis(args.stall_timeout_s);
+  options.publish_timeout = Millis(args.publish_timeout_s);
   options.max_connections = args.max_connections;
   options.replace = args.replace ? daemon::ReplacePolicy::kReplace : daemon::ReplacePolicy::kRefuse;
   if (args.replace && !identity::IsPublishedSource(options.config.source)) {
@@ -240,6 +242,10 @@ void RegisterServeCommand(CLI::App& root) {
   sub->add_option("--stall-timeout", args->stall_timeout_s,
                   "seconds a connection may leave our replies unread before it is closed "
                   "(default 30)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--publish-timeout", args->publish_timeout_s,
+                  "seconds a publisher (--source published:<tag>) may take from its plan to "
+                  "its commit before its arena is freed (default 600)")
       ->check(CLI::PositiveNumber);
   sub->add_option("--max-connections", args->max_connections,
                   "connections served at once; the next get an Error and are closed (default "

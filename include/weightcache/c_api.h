@@ -131,6 +131,10 @@ const char* wc_attachment_socket_path(const wc_attachment* attachment);
 const char* wc_attachment_device_key(const wc_attachment* attachment);
 const char* wc_attachment_config_digest(const wc_attachment* attachment);
 int32_t wc_attachment_daemon_pid(const wc_attachment* attachment);
+/* The metadata blob of a published cache's publisher (opaque bytes, not NUL-terminated, at
+ * most 64 KiB; docs/publish.md) and its size in *size; NULL and 0 when there is none. Valid
+ * while the attachment lives. */
+const void* wc_attachment_metadata(const wc_attachment* attachment, size_t* size);
 /* 1 while the daemon's connection is open, 0 after it closed or for a fallback. */
 int wc_attachment_daemon_alive(const wc_attachment* attachment);
 wc_status_code wc_attachment_on_daemon_gone(wc_attachment* attachment, wc_daemon_gone_fn fn,
@@ -149,6 +153,10 @@ typedef struct wc_publish_tensor {
   int32_t ndim;          /* 0 … 8 */
   const uint64_t* shape; /* ndim entries (may be NULL when ndim is 0) */
   uint64_t nbytes;       /* elements × dtype size */
+  /* NULL or "": bytes of its own. Else the name of another plan tensor (no alias itself,
+   * same dtype, shape and nbytes) whose bytes this one shares: tied weights, published once;
+   * wc_publisher_data of an alias is its target's. */
+  const char* alias_of;
 } wc_publish_tensor;
 
 typedef struct wc_publisher wc_publisher;

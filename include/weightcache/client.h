@@ -213,6 +213,10 @@ class Attachment {
   // tensors; -1 on the host tier.
   int cuda_device() const;
   const std::string& config_digest() const;
+  // The metadata blob the publisher of a published cache sent with its plan (at most 64 KiB,
+  // opaque bytes, docs/publish.md); empty for a loaded cache and for fallback. A view of the
+  // mapped manifest: valid while this Attachment lives.
+  std::string_view metadata() const;
   int daemon_pid() const;  // 0 for fallback
   // Wall time of Attach (discovery, handshake, mapping or fallback load) in milliseconds.
   double attach_ms() const;

@@ -43,12 +43,17 @@ struct PublishTensor {
   std::string dtype;
   std::vector<uint64_t> shape;
   uint64_t nbytes = 0;
+  // Empty, or the name of another plan tensor (not itself an alias, same dtype, shape and
+  // nbytes) whose bytes this one shares: tied weights, published once. Data() of an alias is
+  // its target's span; attaching clients get both names on the one region.
+  std::string alias_of = {};
 };
 
 struct PublishOptions {
   // identity.source must be "published:<tag>"; identity.model_dir is not needed.
   IdentityOptions identity;
-  // Free-form, at most 64 KiB (the engine's version, layout notes); kept by the daemon.
+  // Free-form, at most 64 KiB (the engine's version, layout notes); served to every attaching
+  // client (Attachment::metadata()).
   std::string metadata;
   // One deadline for Begin (connect, Hello, the plan's reply) and one for Commit (the daemon
   // reads every byte to check the checksums: allow for the arena's size).

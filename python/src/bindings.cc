@@ -714,6 +714,10 @@ std::vector<std::string> DTypeNames() {
 }  // namespace
 }  // namespace weightcache::python
 
+namespace weightcache::python {
+void RegisterPublish(nb::module_& m);  // publish_bindings.cc
+}  // namespace weightcache::python
+
 NB_MODULE(_weightcache, m) {
   // The binding table names most of the client's types; spelling each out would bury it.
   using namespace weightcache;          // NOLINT(google-build-using-namespace): see above
@@ -896,6 +900,13 @@ NB_MODULE(_weightcache, m) {
       .def_prop_ro("config_digest", [](const PyAttachment& a) { return a.get().config_digest(); })
       .def_prop_ro("daemon_pid", [](const PyAttachment& a) { return a.get().daemon_pid(); })
       .def_prop_ro(
+          "metadata",
+          [](const PyAttachment& a) {
+            const std::string_view m = a.get().metadata();
+            return nb::bytes(m.data(), m.size());
+          },
+          "The metadata blob the publisher of a published cache sent (bytes; b\"\" otherwise).")
+      .def_prop_ro(
           "attach_ms", [](const PyAttachment& a) { return a.get().attach_ms(); },
           "Wall time of the attach (discovery, handshake, mapping or fallback load).")
       .def_prop_ro(
@@ -966,6 +977,7 @@ NB_MODULE(_weightcache, m) {
         "(groups, rest, order): one DLPack capsule per tensor, grouped by dtype, for "
         "weightcache.load_state_dict (bindings.cc, DlpackCapsules).");
   m.def("dtype_names", &DTypeNames, "Every safetensors dtype this module knows.");
+  RegisterPublish(m);
   m.def("status_codes", &StatusCodes,
         "One row per status code: (value, name, code, exit_code, python_class), from the C++ "
         "table that also decides the CLI's exit codes (weightcache.errors reads it).");

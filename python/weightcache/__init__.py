@@ -27,6 +27,7 @@ from . import errors
 from ._weightcache import Attachment, AttachOptions, Tensor, dtype_names
 from ._weightcache import _dlpack_capsules, _view_plan
 from ._weightcache import attach as _attach
+from .publish import publish, publish_state_dict
 from .errors import (
     AlreadyServedError,
     DaemonTimeoutError,
@@ -52,6 +53,8 @@ __all__ = [
     "attach",
     "load_state_dict",
     "numpy_views",
+    "publish",
+    "publish_state_dict",
     "cli_path",
     "dtype_names",
     "errors",

@@ -279,6 +279,12 @@ class Attachment:
     def daemon_pid(self) -> int: ...
 
     @property
+    def metadata(self) -> bytes:
+        """
+        The metadata blob the publisher of a published cache sent (bytes; b"" otherwise).
+        """
+
+    @property
     def attach_ms(self) -> float:
         """
         Wall time of the attach (discovery, handshake, mapping or fallback load).

@@ -355,6 +355,7 @@ const Tensor* Attachment::Find(std::string_view name) const { return impl_->tens
 uint64_t Attachment::total_bytes() const { return impl_->total_bytes; }
 Tier Attachment::tier() const { return impl_->tier; }
 AttachSource Attachment::source() const { return impl_->source; }
+std::string_view Attachment::metadata() const { return impl_->manifest.metadata(); }
 const std::string& Attachment::source_reason() const { return impl_->source_reason; }
 const std::string& Attachment::socket_path() const { return impl_->socket_path; }
 const std::string& Attachment::device_key() const { return impl_->device_key; }

@@ -191,6 +191,11 @@ const char* wc_attachment_config_digest(const wc_attachment* a) {
   return a->attachment.config_digest().c_str();
 }
 int32_t wc_attachment_daemon_pid(const wc_attachment* a) { return a->attachment.daemon_pid(); }
+const void* wc_attachment_metadata(const wc_attachment* a, size_t* size) {
+  const std::string_view metadata = a->attachment.metadata();
+  if (size != nullptr) *size = metadata.size();
+  return metadata.empty() ? nullptr : metadata.data();
+}
 int wc_attachment_daemon_alive(const wc_attachment* a) {
   return a->attachment.daemon_alive() ? 1 : 0;
 }
@@ -228,7 +233,8 @@ wc_status_code wc_publish_begin(const wc_attach_options* identity, const char* m
                         " needs a name, a dtype, 0 <= ndim <= 8 and ndim shape entries"),
                     err);
     }
-    plan.push_back({t.name, t.dtype, std::vector<uint64_t>(t.shape, t.shape + t.ndim), t.nbytes});
+    plan.push_back({t.name, t.dtype, std::vector<uint64_t>(t.shape, t.shape + t.ndim), t.nbytes,
+                    Str(t.alias_of)});
   }
   auto publisher = weightcache::Publisher::Begin(o, plan);
   if (!publisher.ok()) return Report(publisher.status(), err);

@@ -115,7 +115,7 @@ Result<Publisher> Publisher::Begin(const PublishOptions& options,
   begin.metadata = options.metadata;
   begin.tensors.reserve(plan.size());
   for (const PublishTensor& t : plan) {
-    begin.tensors.push_back({t.name, t.dtype, t.shape, t.nbytes});
+    begin.tensors.push_back({t.name, t.dtype, t.shape, t.nbytes, t.alias_of});
   }
   // The daemon's own rules, checked before anything is sent.
   WEIGHTCACHE_RETURN_IF_ERROR(protocol::ValidatePublishPlan(begin));

@@ -656,6 +656,17 @@ bool Daemon::Sweep(Clock::time_point now) {
       conn.held = false;
       caught_up.push_back(fd);
     }
+    if (fd == publisher_fd_ && publication_ && !conn.committing) {
+      if (now - publish_begun_ >= options_.publish_timeout) {
+        AbandonPublication("its publisher (pid " + std::to_string(publisher_pid_) +
+                           ") did not commit within " +
+                           std::to_string(options_.publish_timeout.count()) +
+                           " ms of its PublishBegin (--publish-timeout)");
+        expired.push_back(fd);
+        continue;
+      }
+      again = true;
+    }
     if (!conn.attached && !conn.publishing && !conn.close_after_flush) {
       if (now - conn.last_request >= options_.handshake_timeout) {
         LOG_WARN << "closing connection of " << conn.Describe() << ": no "
@@ -1038,6 +1049,8 @@ void Daemon::HandlePublishBegin(Connection& conn, std::span<const uint8_t> paylo
   publisher_fd_ = conn.fd.get();
   publisher_pid_ = conn.peer.pid;
   conn.publishing = true;
+  publish_begun_ = Clock::now();
+  ScheduleSweep();  // its publish deadline
   if (state_ == CacheState::kAwaiting) {
     bytes_total_.store(publication_->tensor_bytes);
     bytes_done_.store(0);

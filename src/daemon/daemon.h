@@ -119,6 +119,11 @@ struct DaemonOptions {
   // holds one that validates, deposited with it at `ready`, and dropped by a deliberate stop
   // (a Stop request, SIGTERM, SIGINT). A published cache has no keeper.
   KeeperLinkOptions keeper;
+  // A publisher that has not sent its PublishCommit this long after its PublishBegin loses
+  // its arena (a stalled or stopped process would otherwise hold the slot and the memory for
+  // as long as it lives): its connection is closed and the state stays as it was
+  // (`serve --publish-timeout`, docs/publish.md).
+  std::chrono::milliseconds publish_timeout{600'000};
 };
 
 // Called on the Run thread (never the loader's), for the CLI's log lines.
@@ -265,7 +270,8 @@ class Daemon {
   std::optional<HostPublication> publication_;
   int publisher_fd_ = -1;
   int64_t publisher_pid_ = 0;
-  int64_t published_by_ = 0;  // the pid whose commit made the current store
+  int64_t published_by_ = 0;         // the pid whose commit made the current store
+  Clock::time_point publish_begun_;  // the PublishBegin of the publish in progress
   // The commit being verified on the committer thread: its publisher's connection (by id,
   // since an fd number is reused once closed; 0 = no commit running) and when it began.
   uint64_t committing_conn_ = 0;

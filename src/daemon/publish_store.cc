@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
+#include <string_view>
 #include <utility>
 
 #include "common/checksum.h"
@@ -31,7 +33,8 @@ Result<ManifestFile> PublicationManifest(const HostPublication& pub,
     e.checksum = checksums.empty() ? 0 : checksums[i];
     entries.push_back(e);
   }
-  auto manifest = protocol::EncodeManifest(Tier::kHost, pub.layout.allocation_bytes, entries);
+  auto manifest = protocol::EncodeManifest(Tier::kHost, pub.layout.allocation_bytes, entries,
+                                           pub.plan.metadata);
   if (!manifest.ok()) {
     Status status = manifest.status();
     return status.Context("building the manifest of the published arena");
@@ -51,13 +54,35 @@ Result<HostPublication> CreateHostPublication(protocol::PublishBegin plan,
                                               uint64_t memory_budget) {
   HostPublication pub;
   pub.plan = std::move(plan);
+  // Only tensors with bytes of their own are planned; an alias takes its target's placement.
+  const size_t n = pub.plan.tensors.size();
   std::vector<uint64_t> sizes;
-  sizes.reserve(pub.plan.tensors.size());
-  for (const protocol::PlannedTensor& t : pub.plan.tensors) {
+  std::vector<size_t> owner(n);  // plan index → index into sizes
+  std::map<std::string_view, size_t> own;
+  for (size_t i = 0; i < n; ++i) {
+    const protocol::PlannedTensor& t = pub.plan.tensors[i];
+    if (!t.alias_of.empty()) continue;
+    owner[i] = sizes.size();
+    own.emplace(t.name, sizes.size());
     sizes.push_back(t.nbytes);
     pub.tensor_bytes += t.nbytes;
   }
-  pub.layout = checkpoint::PlanArena(sizes, static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)));
+  for (size_t i = 0; i < n; ++i) {
+    const protocol::PlannedTensor& t = pub.plan.tensors[i];
+    if (t.alias_of.empty()) continue;
+    auto target = own.find(t.alias_of);
+    if (target == own.end()) {  // ValidatePublishPlan refuses this first
+      return InvalidArgument("publish plan: tensor '" + t.name.substr(0, 256) +
+                             "': alias_of names no tensor with bytes of its own");
+    }
+    owner[i] = target->second;
+  }
+  checkpoint::ArenaPlan planned =
+      checkpoint::PlanArena(sizes, static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)));
+  pub.layout.allocation_bytes = std::move(planned.allocation_bytes);
+  pub.layout.total_bytes = planned.total_bytes;
+  pub.layout.placements.reserve(n);
+  for (size_t i = 0; i < n; ++i) pub.layout.placements.push_back(planned.placements[owner[i]]);
   WEIGHTCACHE_RETURN_IF_ERROR(CheckMemoryBudget(Tier::kHost, pub.layout.total_bytes,
                                                 pub.layout.allocation_bytes.size(), memory_budget));
   WEIGHTCACHE_ASSIGN_OR_RETURN(pub.memfds, CreateHostMemfds(cache_name, pub.layout));

@@ -30,10 +30,10 @@ namespace weightcache::daemon {
 
 struct HostPublication {
   protocol::PublishBegin plan;
-  checkpoint::ArenaPlan layout;  // placements parallel to plan.tensors
+  checkpoint::ArenaPlan layout;  // placements parallel to plan.tensors (an alias: its target's)
   std::vector<UniqueFd> memfds;  // writable until the commit seals them
   ManifestFile arena_manifest;   // what PublishArena hands out (checksums 0)
-  uint64_t tensor_bytes = 0;     // sum of the plan's nbytes
+  uint64_t tensor_bytes = 0;     // sum of the plan's nbytes, aliases not counted
 };
 
 // `plan` must have passed protocol::ValidatePublishPlan. kOutOfMemory over `memory_budget`

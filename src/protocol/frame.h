@@ -5,7 +5,7 @@
 //
 //   offset size  field            (all integers little-endian)
 //   0      4     magic            "WCPF" (0x57 0x43 0x50 0x46)
-//   4      2     version          kProtocolVersion (6)
+//   4      2     version          kProtocolVersion (7)
 //   6      2     type             MessageType
 //   8      4     flags            0 (any other value is rejected)
 //   12     4     fd_count         fds attached (SCM_RIGHTS) to the frame's first byte
@@ -47,7 +47,7 @@
 
 namespace weightcache::protocol {
 
-inline constexpr uint16_t kProtocolVersion = 6;
+inline constexpr uint16_t kProtocolVersion = 7;
 inline constexpr uint8_t kFrameMagic[4] = {'W', 'C', 'P', 'F'};
 inline constexpr size_t kFrameHeaderSize = 24;
 

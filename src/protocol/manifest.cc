@@ -138,9 +138,14 @@ std::optional<Tier> TierFromByte(uint8_t byte) {
 }  // namespace
 
 Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t> allocation_sizes,
-                                            std::span<const TensorEntry> tensors) {
+                                            std::span<const TensorEntry> tensors,
+                                            std::string_view metadata) {
   const std::optional<uint8_t> tier_byte = TierToByte(tier);
   if (!tier_byte) return EncodeError("unknown tier");
+  if (metadata.size() > kMaxManifestMetadataSize) {
+    return EncodeError("metadata of " + std::to_string(metadata.size()) + " bytes exceeds the " +
+                       std::to_string(kMaxManifestMetadataSize) + "-byte limit");
+  }
   if (allocation_sizes.size() > kMaxAllocations) {
     return EncodeError(std::to_string(allocation_sizes.size()) + " allocations exceed the " +
                        std::to_string(kMaxAllocations) +
@@ -196,7 +201,7 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
   }
   const uint64_t total = kManifestHeaderSize + allocation_sizes.size() * kManifestAllocationSize +
                          tensors.size() * kManifestTensorSize + dim_count * kManifestDimSize +
-                         table.size();
+                         table.size() + metadata.size();
   if (total > kMaxManifestSize) {
     return EncodeError(std::to_string(total) + " bytes exceed the " +
                        std::to_string(kMaxManifestSize) + "-byte manifest limit");
@@ -211,7 +216,8 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
   wire::PutU32(out, static_cast<uint32_t>(tensors.size()));
   wire::PutU32(out, static_cast<uint32_t>(dim_count));
   wire::PutU32(out, static_cast<uint32_t>(table.size()));
-  wire::PutU64(out, 0);
+  wire::PutU32(out, static_cast<uint32_t>(metadata.size()));
+  wire::PutU32(out, 0);
   for (uint64_t size : allocation_sizes) wire::PutU64(out, size);
   uint32_t dims_at = 0;
   for (uint32_t i : order) {
@@ -240,6 +246,7 @@ Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t>
     for (uint32_t d = 0; d < t.ndim; ++d) wire::PutU64(out, static_cast<uint64_t>(strides[d]));
   }
   out.insert(out.end(), table.begin(), table.end());
+  out.insert(out.end(), metadata.begin(), metadata.end());
   return out;
 }
 
@@ -313,13 +320,18 @@ Status Manifest::ValidateHeader() {
   }
   const std::optional<Tier> tier = TierFromByte(p[4]);
   if (!tier) return ManifestError("unknown tier code " + std::to_string(p[4]));
-  if (p[5] != 0 || p[6] != 0 || p[7] != 0 || wire::GetU64(p + 24) != 0) {
+  if (p[5] != 0 || p[6] != 0 || p[7] != 0 || wire::GetU32(p + 28) != 0) {
     return ManifestError("reserved header bytes are not 0");
   }
   const uint32_t allocation_count = wire::GetU32(p + 8);
   const uint32_t tensor_count = wire::GetU32(p + 12);
   const uint32_t dim_count = wire::GetU32(p + 16);
   const uint32_t table_size = wire::GetU32(p + 20);
+  const uint32_t metadata_size = wire::GetU32(p + 24);
+  if (metadata_size > kMaxManifestMetadataSize) {
+    return ManifestError("metadata of " + std::to_string(metadata_size) + " bytes exceeds the " +
+                         std::to_string(kMaxManifestMetadataSize) + "-byte limit");
+  }
   if (allocation_count > kMaxAllocations) {
     return ManifestError(std::to_string(allocation_count) + " allocations exceed the limit of " +
                          std::to_string(kMaxAllocations));
@@ -332,13 +344,14 @@ Status Manifest::ValidateHeader() {
   const uint64_t expected = kManifestHeaderSize +
                             uint64_t{allocation_count} * kManifestAllocationSize +
                             uint64_t{tensor_count} * kManifestTensorSize +
-                            uint64_t{dim_count} * kManifestDimSize + table_size;
+                            uint64_t{dim_count} * kManifestDimSize + table_size + metadata_size;
   if (expected != payload.size()) {
-    return ManifestError(
-        "header describes " + std::to_string(expected) + " bytes (" +
-        std::to_string(allocation_count) + " allocations, " + std::to_string(tensor_count) +
-        " tensors, " + std::to_string(dim_count) + " dims, " + std::to_string(table_size) +
-        "-byte string table) but the manifest has " + std::to_string(payload.size()));
+    return ManifestError("header describes " + std::to_string(expected) + " bytes (" +
+                         std::to_string(allocation_count) + " allocations, " +
+                         std::to_string(tensor_count) + " tensors, " + std::to_string(dim_count) +
+                         " dims, " + std::to_string(table_size) + "-byte string table, " +
+                         std::to_string(metadata_size) + "-byte metadata) but the manifest has " +
+                         std::to_string(payload.size()));
   }
   tier_ = *tier;
   const uint8_t* alloc_p = p + kManifestHeaderSize;
@@ -359,6 +372,7 @@ Status Manifest::ValidateHeader() {
   allocation_count_ = allocation_count;
   dim_total_ = dim_count;
   table_size_ = table_size;
+  metadata_ = std::string_view(strings_ + table_size, metadata_size);
   return Status::Ok();
 }
 

@@ -10,13 +10,15 @@
 //
 //   header (32 bytes): magic "WCMF" | u8 tier | 3 reserved (0) | u32 allocation_count |
 //                      u32 tensor_count | u32 dim_count | u32 string_table_size |
-//                      u64 reserved (0)
+//                      u32 metadata_size | u32 reserved (0)
 //   allocations:       allocation_count x { u64 size }
 //   tensors:           tensor_count x 64-byte records (layout in docs/protocol.md), each
 //                      with the slice of the full tensor it holds (sharded caches)
 //   dims:              dim_count x i64: each tensor's shape, then its contiguous strides
 //   string table:      string_table_size bytes; tensor names, each followed by a NUL, and
 //                      dtype names (the safetensors spelling, "BF16", "F8_E4M3", ...)
+//   metadata:          metadata_size (<= kMaxManifestMetadataSize) opaque bytes: the blob a
+//                      publisher sent (docs/publish.md); empty for a loaded cache
 //
 // Every section starts at a multiple of 8 bytes, so the dims can be read in place as int64_t
 // from a mapping (page-aligned) or an owned copy (operator new alignment).
@@ -80,13 +82,16 @@ inline constexpr size_t kManifestTensorSize = 64;
 inline constexpr size_t kManifestDimSize = 8;
 // One fd of an AttachReply is the manifest's memfd, the others are the allocations.
 inline constexpr uint32_t kMaxAllocations = 252;
+// The metadata section's bound (a publisher's blob, protocol::kMaxPublishMetadataBytes).
+inline constexpr uint32_t kMaxManifestMetadataSize = uint32_t{64} << 10;
 // The manifest memfd's size bound, checked before it is mapped: the largest manifest the
 // checkpoint limits allow (every tensor at the maximal rank, shape + strides, its name's NUL,
 // all names at their total bound, every dtype name).
 inline constexpr uint64_t kMaxManifestSize =
     kManifestHeaderSize + uint64_t{kMaxAllocations} * kManifestAllocationSize +
     kMaxTensorCount * (kManifestTensorSize + 2 * uint64_t{kMaxTensorDims} * kManifestDimSize + 1) +
-    checkpoint::kMaxTensorNameBytesTotal + uint64_t{kMaxDTypeNames} * (kMaxDTypeNameLength + 1);
+    checkpoint::kMaxTensorNameBytesTotal + uint64_t{kMaxDTypeNames} * (kMaxDTypeNameLength + 1) +
+    kMaxManifestMetadataSize;
 static_assert(kMaxManifestSize <= UINT32_MAX, "manifest section sizes are u32 on the wire");
 
 // The part of the full tensor a record holds along one dim (a sharded cache): elements
@@ -161,6 +166,8 @@ class Manifest {
   TensorRecord record(size_t i) const;
   // The same record copied into a TensorEntry (tests, tools, re-encoding).
   TensorEntry tensor(size_t i) const;
+  // The metadata section (a publisher's blob; empty for a loaded cache). Views the bytes.
+  std::string_view metadata() const { return metadata_; }
   // The encoded manifest (what EncodeManifest produced).
   std::span<const uint8_t> bytes() const { return bytes_; }
 
@@ -175,6 +182,7 @@ class Manifest {
   const uint8_t* records_ = nullptr;
   const int64_t* dims_ = nullptr;
   const char* strings_ = nullptr;
+  std::string_view metadata_;
   uint32_t allocation_count_ = 0, dim_total_ = 0, table_size_ = 0;
   std::optional<Status> records_status_;  // the verdict of ValidateRecords, once run
   std::unique_ptr<uint8_t[]> owned_;
@@ -182,9 +190,11 @@ class Manifest {
 };
 
 // Builds the manifest bytes, records in ascending name order whatever the order of `tensors`.
-// Dtype strings are interned in the table.
+// Dtype strings are interned in the table. `metadata` (<= kMaxManifestMetadataSize bytes)
+// becomes the metadata section.
 Result<std::vector<uint8_t>> EncodeManifest(Tier tier, std::span<const uint64_t> allocation_sizes,
-                                            std::span<const TensorEntry> tensors);
+                                            std::span<const TensorEntry> tensors,
+                                            std::string_view metadata = {});
 
 // The memfd a daemon hands out with every AttachReply: `manifest` written once, then sealed
 // read-only (F_SEAL_WRITE|GROW|SHRINK|SEAL). `name` shows in /proc/<pid>/fd.

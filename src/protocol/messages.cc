@@ -1,6 +1,7 @@
 #include "protocol/messages.h"
 
 #include <limits>
+#include <map>
 #include <set>
 #include <string>
 
@@ -394,7 +395,7 @@ Status ValidatePublishPlan(const PublishBegin& plan) {
     return InvalidArgument("publish plan: metadata of " + std::to_string(plan.metadata.size()) +
                            " bytes, over the limit of " + std::to_string(kMaxPublishMetadataBytes));
   }
-  std::set<std::string_view> names;
+  std::map<std::string_view, size_t> names;  // name → plan index
   uint64_t name_bytes = 0;
   uint64_t total = 0;
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
@@ -415,7 +416,7 @@ Status ValidatePublishPlan(const PublishBegin& plan) {
       return bad("the names add up to more than " +
                  std::to_string(checkpoint::kMaxTensorNameBytesTotal) + " bytes");
     }
-    if (!names.insert(t.name).second) return bad("duplicate name");
+    if (!names.emplace(t.name, i).second) return bad("duplicate name");
     auto dtype = checkpoint::ParseDType(t.dtype);
     if (!dtype.ok()) return bad("unknown dtype \"" + t.dtype.substr(0, 32) + "\"");
     if (t.shape.size() > checkpoint::kMaxTensorRank) {
@@ -448,14 +449,34 @@ Status ValidatePublishPlan(const PublishBegin& plan) {
       return bad("the plan's total size overflows (over 2^62 bytes)");
     }
   }
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const PlannedTensor& t = plan.tensors[i];
+    if (t.alias_of.empty()) continue;
+    const auto bad = [&](const std::string& what) {
+      return InvalidArgument("publish plan: tensor " + std::to_string(i) + " '" +
+                             t.name.substr(0, 256) + "': alias_of '" + t.alias_of.substr(0, 256) +
+                             "' " + what);
+    };
+    auto target = names.find(t.alias_of);
+    if (target == names.end()) return bad("names no tensor of the plan");
+    if (target->second == i) return bad("names the tensor itself");
+    const PlannedTensor& of = plan.tensors[target->second];
+    if (!of.alias_of.empty()) return bad("is itself an alias (alias the tensor with the bytes)");
+    if (of.dtype != t.dtype || of.shape != t.shape || of.nbytes != t.nbytes) {
+      return bad("differs in dtype, shape or nbytes (an alias shares its target's bytes)");
+    }
+  }
   return Status::Ok();
 }
 
 Result<std::vector<uint8_t>> EncodePublishBegin(const PublishBegin& msg) {
   json tensors = json::array();
   for (const PlannedTensor& t : msg.tensors) {
-    tensors.push_back(
-        {{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"nbytes", t.nbytes}});
+    tensors.push_back({{"name", t.name},
+                       {"dtype", t.dtype},
+                       {"shape", t.shape},
+                       {"nbytes", t.nbytes},
+                       {"alias_of", t.alias_of}});
   }
   return EncodeJson(MessageType::kPublishBegin,
                     json{{"tensors", std::move(tensors)}, {"metadata", msg.metadata}});
@@ -479,6 +500,7 @@ Result<PublishBegin> DecodePublishBegin(std::span<const uint8_t> payload) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(t.dtype, tf.String("dtype"));
     WEIGHTCACHE_ASSIGN_OR_RETURN(const json* shape, tf.Array("shape"));
     WEIGHTCACHE_ASSIGN_OR_RETURN(t.nbytes, tf.U64("nbytes"));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(t.alias_of, tf.String("alias_of"));
     WEIGHTCACHE_RETURN_IF_ERROR(tf.Finish());
     if (shape->size() > checkpoint::kMaxTensorRank) {
       return ProtocolError(what + ": field 'shape' has " + std::to_string(shape->size()) +

@@ -137,11 +137,17 @@ struct PlannedTensor {
   std::string dtype;  // the safetensors spelling ("BF16", "F8_E4M3")
   std::vector<uint64_t> shape;
   uint64_t nbytes = 0;
+  // Empty: the tensor has bytes of its own. Else the name of another plan tensor whose bytes
+  // this one shares (tied weights: one region, several names): same dtype, shape and nbytes,
+  // and not itself an alias. The arena places it at its target's offset; the publisher writes
+  // the target only.
+  std::string alias_of = {};
 };
 
 inline constexpr uint64_t kMaxPublishMetadataBytes = uint64_t{64} << 10;
 
-// PublishBegin {tensors: [{name, dtype, shape: [u64], nbytes: u64}], metadata: string}.
+// PublishBegin {tensors: [{name, dtype, shape: [u64], nbytes: u64, alias_of: string}],
+//               metadata: string}.
 struct PublishBegin {
   std::vector<PlannedTensor> tensors;
   std::string metadata;  // free-form (engine version, layout notes), <= kMaxPublishMetadataBytes
@@ -151,8 +157,9 @@ struct PublishBegin {
 // before sending): 1 … checkpoint::kMaxTensorCount tensors; names non-empty, at most
 // kMaxTensorNameBytes each and kMaxTensorNameBytesTotal together, unique; dtype a known
 // safetensors spelling; ndim <= kMaxTensorRank; nbytes == product(shape) × dtype size,
-// computed with overflow checks; the total of nbytes fits in 62 bits; metadata <= 64 KiB.
-// kInvalidArgument "publish plan: tensor <i> '<name>': <what>".
+// computed with overflow checks; the total of nbytes fits in 62 bits; metadata <= 64 KiB;
+// alias_of, when set, names another plan tensor that is no alias, of the same dtype, shape
+// and nbytes. kInvalidArgument "publish plan: tensor <i> '<name>': <what>".
 Status ValidatePublishPlan(const PublishBegin& plan);
 
 // PublishCommit {checksums: [u64]}: one per plan tensor, in plan order (common/checksum.h).

@@ -11,15 +11,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus", "frame_fuzzer")
 
 
-def frame(msg_type, payload=b"", fds=0, version=6):
+def frame(msg_type, payload=b"", fds=0, version=7):
     return b"WCPF" + struct.pack("<HHIIQ", version, msg_type, 0, fds, len(payload)) + payload
 
 
-def manifest(tier, allocations, tensors):
-    """Protocol version 5: 64-byte records (with the slice: dim + 1 or 0 for a whole tensor,
+def manifest(tier, allocations, tensors, metadata=b""):
+    """Protocol version 7: 64-byte records (with the slice: dim + 1 or 0 for a whole tensor,
     offset, full length), shapes and strides in a dims section, names NUL-terminated in the
     string table, dtype names interned. A tensor tuple may end with a slice (dim, offset,
-    full_length)."""
+    full_length). The metadata section (version 7) follows the string table."""
     table = b""
     records = b""
     dims = []
@@ -41,10 +41,10 @@ def manifest(tier, allocations, tensors):
                                len(shape), slice_dim, 0, alloc, len(dims), offset, nbytes,
                                checksum, slice_offset, full_length)
         dims += list(shape) + strides
-    header = b"WCMF" + struct.pack("<B3xIIIIQ", tier, len(allocations), len(tensors), len(dims),
-                                   len(table), 0)
+    header = b"WCMF" + struct.pack("<B3xIIIIII", tier, len(allocations), len(tensors), len(dims),
+                                   len(table), len(metadata), 0)
     return (header + b"".join(struct.pack("<Q", a) for a in allocations) + records +
-            b"".join(struct.pack("<q", d) for d in dims) + table)
+            b"".join(struct.pack("<q", d) for d in dims) + table + metadata)
 
 
 def js(obj):
@@ -55,9 +55,9 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     m = manifest(1, [4096, 1024], [("embed.weight", "BF16", [16, 32], 0, 0, 1024, 7),
                                    ("lm_head", "F8_E4M3", [32, 32], 1, 0, 1024, 8,
-                                    (0, 32, 64))])
+                                    (0, 32, 64))], metadata=b"engine 1.0")
     seeds = {
-        "hello": frame(1, js({"protocol_version": 6, "config": {"model_id": "m", "tp_size": 2},
+        "hello": frame(1, js({"protocol_version": 7, "config": {"model_id": "m", "tp_size": 2},
                               "client_pid": 12, "client_name": "engine"})),
         "hello_reply": frame(2, js({"state": "loading", "bytes_done": 1, "bytes_total": 2,
                                     "failure_reason": "", "failure_code": 0, "match": False,
@@ -79,13 +79,18 @@ def main():
         "stop_reply": frame(8, js({"clients": 0})),
         "error": frame(9, js({"code": 6, "message": "config mismatch: tp_rank"})),
         # Version 6: publishing (docs/publish.md).
+        # Version 7: alias_of (tied tensors) in the plan, metadata in the manifest.
         "publish_begin": frame(10, js({"tensors": [{"name": "w", "dtype": "BF16",
-                                                    "shape": [2, 3], "nbytes": 12}],
+                                                    "shape": [2, 3], "nbytes": 12,
+                                                    "alias_of": ""},
+                                                   {"name": "tied", "dtype": "BF16",
+                                                    "shape": [2, 3], "nbytes": 12,
+                                                    "alias_of": "w"}],
                                        "metadata": "engine 1.0"})),
         "publish_arena": frame(11, struct.pack("<QII", len(m), 2, 0), fds=3),
         "publish_commit": frame(12, js({"checksums": [1, 2]})),
         "publish_committed": frame(13, js({"tensor_count": 2, "bytes": 8192})),
-        "two_frames": frame(3) + frame(1, js({"protocol_version": 6, "config": {},
+        "two_frames": frame(3) + frame(1, js({"protocol_version": 7, "config": {},
                                               "client_pid": 1, "client_name": ""})),
     }
     for name, data in seeds.items():

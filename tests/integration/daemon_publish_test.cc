@@ -203,6 +203,48 @@ TEST_F(PublishTest, AwaitingUntilPublishedThenAttachMapsThePublishedBytes) {
   ExpectBytes(*attached, w);
 }
 
+// Tied weights: an alias is placed at its target's bytes (written once), and every attach
+// maps both names onto the one region; the publisher's metadata blob reaches the client.
+TEST_F(PublishTest, AnAliasSharesItsTargetsRegionAndTheMetadataIsServed) {
+  auto serve = Start();
+  ASSERT_NE(serve, nullptr);
+  Weights w = MakeWeights(8, 2);
+  PublishTensor tied = w.plan[1];
+  tied.name = "lm_head.weight";
+  tied.alias_of = w.plan[1].name;
+  w.plan.push_back(tied);
+  auto publisher = Publisher::Begin(Options(), w.plan);
+  ASSERT_TRUE(publisher.ok()) << publisher.status().ToString();
+  EXPECT_EQ(publisher->Data(2).data(), publisher->Data(1).data());
+  EXPECT_EQ(publisher->DataByName("lm_head.weight").size(), w.plan[1].nbytes);
+  w.bytes.push_back(w.bytes[1]);
+  Fill(*publisher, w, 2);  // the alias's bytes are its target's
+  ASSERT_TRUE(publisher->Commit().ok());
+
+  auto attached = Attach();
+  ASSERT_TRUE(attached.ok()) << attached.status().ToString();
+  ExpectBytes(*attached, w);
+  EXPECT_EQ(attached->Find("lm_head.weight")->host_ptr(),
+            attached->Find(w.plan[1].name)->host_ptr());
+  EXPECT_NE(attached->Find(w.plan[0].name)->host_ptr(), attached->Find(w.plan[1].name)->host_ptr());
+  EXPECT_EQ(attached->metadata(), "test engine 1.0");
+}
+
+TEST_F(PublishTest, AnAliasOfAnUnknownTensorIsRefusedBeforeSending) {
+  auto serve = Start();
+  ASSERT_NE(serve, nullptr);
+  Weights w = MakeWeights(9, 1);
+  PublishTensor tied = w.plan[0];
+  tied.name = "lm_head.weight";
+  tied.alias_of = "embed_tokens.weight";
+  w.plan.push_back(tied);
+  auto publisher = Publisher::Begin(Options(), w.plan);
+  ASSERT_FALSE(publisher.ok());
+  ExpectError(publisher.status(), StatusCode::kInvalidArgument,
+              "tensor 1 'lm_head.weight': alias_of 'embed_tokens.weight' names no tensor");
+  EXPECT_EQ(State(), CacheState::kAwaiting);
+}
+
 TEST_F(PublishTest, CliPublishesTheTensorsOfASafetensorsFile) {
   auto serve = Start();
   ASSERT_NE(serve, nullptr);
@@ -304,6 +346,45 @@ INSTANTIATE_TEST_SUITE_P(EachStep, PublisherKilledTest,
                            }
                            return std::string("Unknown");
                          });
+
+// A publisher that stops (SIGSTOP) between its plan and its commit: after --publish-timeout
+// the daemon frees its arena, closes its connection and takes the next publisher; the stopped
+// one, continued, finds its commit refused.
+TEST_F(PublishTest, AStoppedPublisherLosesItsArenaAfterThePublishTimeout) {
+  auto serve = Start({"--publish-timeout", "1"});
+  ASSERT_NE(serve, nullptr);
+  const Weights partial = MakeWeights(4);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto publisher = Publisher::Begin(Options(), partial.plan);
+    if (!publisher.ok()) ::_exit(3);
+    Fill(*publisher, partial, partial.plan.size() / 2);
+    ::raise(SIGSTOP);  // stalls mid-copy until the parent continues it
+    Fill(*publisher, partial, SIZE_MAX);
+    const Status committed = publisher->Commit();
+    ::_exit(committed.ok() ? 1 : 0);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(child, &wstatus, WUNTRACED), child);
+  ASSERT_TRUE(WIFSTOPPED(wstatus)) << "the publisher child exited early: " << wstatus;
+
+  // Its arena is freed once the timeout passes although the publisher still lives.
+  EXPECT_EQ(WaitForMemfds(serve->pid(), 0), 0);
+  EXPECT_EQ(State(), CacheState::kAwaiting);
+  EXPECT_THAT(serve->Log(), HasSubstr("did not commit within 1000 ms of its PublishBegin "
+                                      "(--publish-timeout)"));
+  const Weights full = MakeWeights(5);
+  ASSERT_TRUE(Publish(full).ok());
+  auto attached = Attach();
+  ASSERT_TRUE(attached.ok()) << attached.status().ToString();
+  ExpectBytes(*attached, full);
+
+  ASSERT_EQ(::kill(child, SIGCONT), 0);
+  ASSERT_EQ(::waitpid(child, &wstatus, 0), child);
+  ASSERT_TRUE(WIFEXITED(wstatus)) << wstatus;
+  EXPECT_EQ(WEXITSTATUS(wstatus), 0) << "the timed-out publisher's commit was accepted";
+}
 
 TEST_F(PublishTest, ASecondConcurrentPublisherIsRefusedNamingTheFirst) {
   auto serve = Start();
@@ -519,7 +600,7 @@ TEST_F(PublishTest, TheCAbiPublishesAndAttaches) {
   ASSERT_NE(serve, nullptr);
   char msg[512] = {};
   EXPECT_EQ(wc_c_publish_then_attach(runtime_.c_str(), msg, sizeof(msg)), 0) << msg;
-  EXPECT_STREQ(msg, "published and attached 2 tensors");
+  EXPECT_STREQ(msg, "published and attached 3 tensors");
 }
 
 TEST_F(PublishTest, APublishedIdentityNeverFallsBackToDisk) {

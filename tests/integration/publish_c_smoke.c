@@ -16,7 +16,10 @@ int wc_c_publish_then_attach(const char* runtime_dir, char* msg, size_t len) {
   wc_tensor t;
   const uint64_t shape_a[2] = {4, 8};
   const uint64_t shape_b[1] = {3};
-  wc_publish_tensor plan[2];
+  wc_publish_tensor plan[3];
+  const void* metadata;
+  size_t metadata_size = 0;
+  const void* scale_data;
   uint64_t nbytes = 0;
   unsigned char* data;
   size_t i;
@@ -36,7 +39,13 @@ int wc_c_publish_then_attach(const char* runtime_dir, char* msg, size_t len) {
   plan[1].ndim = 1;
   plan[1].shape = shape_b;
   plan[1].nbytes = 3 * 4;
-  if (wc_publish_begin(&options, "c smoke", 10000, plan, 2, &p, &err) != WC_OK) {
+  plan[0].alias_of = NULL;
+  plan[1].alias_of = "";
+  /* c.tied shares the bytes of c.scale (tied weights). */
+  plan[2] = plan[1];
+  plan[2].name = "c.tied";
+  plan[2].alias_of = "c.scale";
+  if (wc_publish_begin(&options, "c smoke", 10000, plan, 3, &p, &err) != WC_OK) {
     snprintf(msg, len, "wc_publish_begin: %s", err.message);
     return 1;
   }
@@ -49,7 +58,12 @@ int wc_c_publish_then_attach(const char* runtime_dir, char* msg, size_t len) {
     }
     memset(data, (int)(0x40 + i), (size_t)nbytes);
   }
-  if (wc_publisher_data(p, 2, &nbytes) != NULL || nbytes != 0) {
+  if (wc_publisher_data(p, 2, &nbytes) != wc_publisher_data(p, 1, NULL) || nbytes != 12) {
+    snprintf(msg, len, "the alias c.tied does not share the bytes of c.scale");
+    wc_publisher_free(p);
+    return 3;
+  }
+  if (wc_publisher_data(p, 3, &nbytes) != NULL || nbytes != 0) {
     snprintf(msg, len, "an out-of-range index has data");
     wc_publisher_free(p);
     return 3;
@@ -76,6 +90,18 @@ int wc_c_publish_then_attach(const char* runtime_dir, char* msg, size_t len) {
     snprintf(msg, len, "attached bytes differ from the published ones");
     wc_attachment_free(a);
     return 7;
+  }
+  scale_data = t.data;
+  if (wc_attachment_find(a, "c.tied", &t, &err) != WC_OK || t.data != scale_data) {
+    snprintf(msg, len, "the attached c.tied is not the region of c.scale");
+    wc_attachment_free(a);
+    return 8;
+  }
+  metadata = wc_attachment_metadata(a, &metadata_size);
+  if (metadata == NULL || metadata_size != 7 || memcmp(metadata, "c smoke", 7) != 0) {
+    snprintf(msg, len, "the attached metadata is not the published \"c smoke\"");
+    wc_attachment_free(a);
+    return 9;
   }
   snprintf(msg, len, "published and attached %zu tensors", wc_attachment_tensor_count(a));
   wc_attachment_free(a);

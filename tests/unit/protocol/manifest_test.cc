@@ -81,6 +81,27 @@ TEST_F(ManifestTest, RoundTripsEveryField) {
   EXPECT_EQ(moved.tensor(1).name, "layers.0.attn.k");
 }
 
+TEST_F(ManifestTest, MetadataRoundTripsAfterTheStringTable) {
+  EXPECT_TRUE(Manifest::Decode(bytes_)->metadata().empty());
+  const std::string blob("engine 2.0\0binary\xff", 18);
+  auto bytes = EncodeManifest(Tier::kHost, allocs_, tensors_, blob);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+  EXPECT_EQ(bytes->size(), bytes_.size() + blob.size());
+  EXPECT_EQ(std::string(bytes->end() - 18, bytes->end()), blob);
+  auto m = Manifest::Decode(*bytes);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  Manifest moved = std::move(m).value();
+  EXPECT_EQ(moved.metadata(), blob);
+  EXPECT_EQ(moved.tensor(2).name, "layers.0.attn.q");
+  Status too_large =
+      EncodeManifest(Tier::kHost, allocs_, tensors_, std::string(kMaxManifestMetadataSize + 1, 'm'))
+          .status();
+  EXPECT_EQ(too_large.code(), StatusCode::kInvalidArgument) << too_large.ToString();
+  EXPECT_NE(too_large.message().find("metadata of 65537 bytes exceeds the 65536-byte limit"),
+            std::string::npos)
+      << too_large.message();
+}
+
 TEST_F(ManifestTest, RecordsAreViewsIntoTheManifestBytes) {
   auto m = Manifest::Decode(bytes_);
   ASSERT_TRUE(m.ok()) << m.status().ToString();
@@ -296,8 +317,14 @@ TEST_F(ManifestTest, HeaderChecks) {
   wire::SetU64(bytes_, kManifestHeaderSize + 8, 0);
   ExpectProtocolError(Decoded(), "allocation 1 has size 0");
   bytes_ = saved;
-  wire::SetU64(bytes_, 24, 1);
+  SetU32(28, 1);
   ExpectProtocolError(Decoded(), "reserved header bytes are not 0");
+  bytes_ = saved;
+  SetU32(24, 1);  // a metadata byte the manifest does not have
+  ExpectProtocolError(Decoded(), "1-byte metadata) but the manifest has");
+  bytes_ = saved;
+  SetU32(24, kMaxManifestMetadataSize + 1);
+  ExpectProtocolError(Decoded(), "metadata of 65537 bytes exceeds the 65536-byte limit");
   bytes_ = saved;
   bytes_[TensorAt(1) + 15] = 1;
   ExpectProtocolError(Decoded(), "tensor 1 'layers.0.attn.k': reserved bytes are not 0");

@@ -275,10 +275,10 @@ TEST(MessageDecodeTest, StrictFieldChecking) {
                                         R"("client_name":"x","extra":true})"))
                           .status(),
                       "Hello: unknown field 'extra'");
-  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":7,"config":{},"client_pid":7,)"
+  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":8,"config":{},"client_pid":7,)"
                                         R"("client_name":"x"})"))
                           .status(),
-                      "Hello: client speaks protocol version 7, this build speaks 6");
+                      "Hello: client speaks protocol version 8, this build speaks 7");
   ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":-1})")).status(),
                       "StopReply: field 'clients' must be a non-negative integer");
   ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":4294967296})")).status(),
@@ -347,20 +347,29 @@ TEST(MessageDecodeTest, FramesFromTheDocumentedLayoutDecode) {
   EXPECT_EQ(m->tensor(1).dtype, "F8_E4M3");
   EXPECT_EQ(m->tensor(1).allocation, 1u);
   EXPECT_EQ(m->tensor(1).checksum, 8u);
+  EXPECT_EQ(m->metadata(), "engine 1.0");
+  auto plan = DecodePublishBegin(Bytes(payload_of("publish_begin", MessageType::kPublishBegin, 0)));
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  ASSERT_EQ(plan->tensors.size(), 2u);
+  EXPECT_EQ(plan->tensors[1].alias_of, "w");
+  EXPECT_TRUE(ValidatePublishPlan(*plan).ok());
 }
 
 // ---- publishing (docs/publish.md) ----
 
 TEST_F(MessagesTest, PublishMessagesRoundTrip) {
   PublishBegin begin;
-  begin.tensors = {{"qkv", "BF16", {3, 4}, 24}, {"scale", "F32", {}, 4}};
+  begin.tensors = {
+      {"qkv", "BF16", {3, 4}, 24}, {"scale", "F32", {}, 4}, {"tied", "F32", {}, 4, "scale"}};
   begin.metadata = "engine 1.2";
   Frame f = Transfer(EncodePublishBegin(begin), Expect::kRequest);
   ASSERT_EQ(f.type, MessageType::kPublishBegin);
   auto b = DecodePublishBegin(f.payload);
   ASSERT_TRUE(b.ok()) << b.status().ToString();
-  ASSERT_EQ(b->tensors.size(), 2u);
+  ASSERT_EQ(b->tensors.size(), 3u);
   EXPECT_EQ(b->tensors[0].name, "qkv");
+  EXPECT_EQ(b->tensors[0].alias_of, "");
+  EXPECT_EQ(b->tensors[2].alias_of, "scale");
   EXPECT_EQ(b->tensors[0].dtype, "BF16");
   EXPECT_EQ(b->tensors[0].shape, (std::vector<uint64_t>{3, 4}));
   EXPECT_EQ(b->tensors[0].nbytes, 24u);
@@ -398,17 +407,22 @@ TEST(MessageDecodeTest, PublishBeginIsStrict) {
                       "PublishBegin: field 'metadata' missing");
   ExpectProtocolError(
       DecodePublishBegin(Bytes(R"({"tensors":[{"name":"a","dtype":"F32","shape":[-1],)"
-                               R"("nbytes":4}],"metadata":""})"))
+                               R"("nbytes":4,"alias_of":""}],"metadata":""})"))
           .status(),
       "PublishBegin: tensors[0]: field 'shape' must hold non-negative integers");
   ExpectProtocolError(
+      DecodePublishBegin(Bytes(R"({"tensors":[{"name":"a","dtype":"F32","shape":[1],)"
+                               R"("nbytes":4}],"metadata":""})"))
+          .status(),
+      "PublishBegin: tensors[0]: field 'alias_of' missing");
+  ExpectProtocolError(
       DecodePublishBegin(Bytes(R"({"tensors":[{"name":"a","dtype":"F32","shape":[1,1,1,1,1,1,)"
-                               R"(1,1,1],"nbytes":4}],"metadata":""})"))
+                               R"(1,1,1],"nbytes":4,"alias_of":""}],"metadata":""})"))
           .status(),
       "PublishBegin: tensors[0]: field 'shape' has 9 dimensions; at most 8");
   ExpectProtocolError(
       DecodePublishBegin(Bytes(R"({"tensors":[{"name":"a","dtype":"F32","shape":[1],)"
-                               R"("nbytes":4,"extra":1}],"metadata":""})"))
+                               R"("nbytes":4,"alias_of":"","extra":1}],"metadata":""})"))
           .status(),
       "PublishBegin: tensors[0]: unknown field 'extra'");
   ExpectProtocolError(DecodePublishCommit(Bytes(R"({"checksums":[1,"x"]})")).status(),
@@ -437,6 +451,19 @@ TEST(PublishPlanTest, EachRuleHasItsOwnError) {
             "number of bytes");
   EXPECT_EQ(error({{"a", "U8", {1}, 1}}, std::string(kMaxPublishMetadataBytes + 1, 'm')),
             "publish plan: metadata of 65537 bytes, over the limit of 65536");
+  // Aliases: a tensor with bytes of its own, of the same dtype, shape and nbytes.
+  EXPECT_EQ(error({{"a", "U8", {1}, 1}, {"b", "U8", {1}, 1, "c"}}),
+            "publish plan: tensor 1 'b': alias_of 'c' names no tensor of the plan");
+  EXPECT_EQ(error({{"a", "U8", {1}, 1, "a"}}),
+            "publish plan: tensor 0 'a': alias_of 'a' names the tensor itself");
+  EXPECT_EQ(error({{"a", "U8", {1}, 1}, {"b", "U8", {1}, 1, "a"}, {"c", "U8", {1}, 1, "b"}}),
+            "publish plan: tensor 2 'c': alias_of 'b' is itself an alias (alias the tensor with "
+            "the bytes)");
+  EXPECT_EQ(error({{"a", "U8", {2}, 2}, {"b", "U8", {1, 2}, 2, "a"}}),
+            "publish plan: tensor 1 'b': alias_of 'a' differs in dtype, shape or nbytes (an "
+            "alias shares its target's bytes)");
+  PublishBegin tied{{{"b", "F32", {2}, 8, "a"}, {"a", "F32", {2}, 8}}, ""};
+  EXPECT_TRUE(ValidatePublishPlan(tied).ok());
   // A zero dimension makes the count 0 whatever the others, even ones whose product overflows.
   PublishBegin empty{{{"e", "F32", {0, uint64_t{1} << 40, uint64_t{1} << 40}, 0}}, ""};
   EXPECT_TRUE(ValidatePublishPlan(empty).ok());
