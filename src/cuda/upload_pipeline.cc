@@ -550,8 +550,15 @@ Status UploadPipeline::EnsureStaging() {
     const size_t workers = std::min<size_t>(n, 8);
     for (size_t t = 0; t < workers; ++t) {
       threads.emplace_back([&, t] {
+        // cuMemHostRegister needs a current context on the calling thread.
+        const CUresult rc = api_->cuCtxSetCurrent(context_);
         for (size_t i = t; i < n; i += workers) {
-          made[i].emplace(PinnedHostBuffer::Create(api_, options_.staging_buffer_bytes));
+          if (rc != CUDA_SUCCESS) {
+            made[i].emplace(
+                DriverError(api_, rc, "cuCtxSetCurrent on a staging-allocation thread"));
+          } else {
+            made[i].emplace(PinnedHostBuffer::Create(api_, options_.staging_buffer_bytes));
+          }
         }
       });
     }
