@@ -339,13 +339,31 @@ TEST_F(UploadPipelineTest, ContextFailureOnAReaderThreadStops) {
   for (int i = 0; i < 4; ++i) AddItem(a, i * 2 * kChunk, 2 * kChunk);
   UploadOptions o = SmallRing();
   o.reader_threads = 1;
-  fake_.FailCall("cuCtxSetCurrent", 1, CUDA_ERROR_INVALID_CONTEXT);
+  // The 3 staging-allocation threads make the context current first (calls 1 to 3).
+  fake_.FailCall("cuCtxSetCurrent", o.staging_buffers + 1, CUDA_ERROR_INVALID_CONTEXT);
   {
     auto report = Run(o);
     ASSERT_FALSE(report.ok());
     EXPECT_EQ(report.status().code(), StatusCode::kCuda);
     EXPECT_EQ(report.status().driver_error(), CUDA_ERROR_INVALID_CONTEXT);
     EXPECT_NE(report.status().message().find("cuCtxSetCurrent on upload thread"), std::string::npos)
+        << report.status().message();
+    EXPECT_EQ(fake_.CallCount("cuMemcpyHtoDAsync"), 0);
+  }
+  ExpectAllReleased();
+}
+
+// cuMemHostRegister needs a current context on the thread that pins a staging buffer.
+TEST_F(UploadPipelineTest, ContextFailureOnAStagingThreadFailsTheRunAndReleasesEverything) {
+  const size_t a = AddFile("a.bin", 4 * kChunk, 14);
+  AddItem(a, 0, 4 * kChunk);
+  fake_.FailCall("cuCtxSetCurrent", 1, CUDA_ERROR_INVALID_CONTEXT);
+  {
+    auto report = Run(SmallRing());
+    ASSERT_FALSE(report.ok());
+    EXPECT_EQ(report.status().driver_error(), CUDA_ERROR_INVALID_CONTEXT);
+    EXPECT_NE(report.status().message().find("cuCtxSetCurrent on a staging-allocation thread"),
+              std::string::npos)
         << report.status().message();
     EXPECT_EQ(fake_.CallCount("cuMemcpyHtoDAsync"), 0);
   }
