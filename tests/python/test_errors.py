@@ -46,7 +46,9 @@ def test_missing_daemon_falls_back_by_default(checkpoint, runtime_dir):
 
 
 def _only_socket(runtime_dir):
-    sockets = glob.glob(os.path.join(runtime_dir, "default", "host", "*.sock"))
+    # The daemon's socket; its keeper's (<stem>.keeper.sock, docs/keeper.md) sits beside it.
+    sockets = [s for s in glob.glob(os.path.join(runtime_dir, "default", "host", "*.sock"))
+               if not s.endswith(".keeper.sock")]
     assert len(sockets) == 1, sockets
     return sockets[0]
 
