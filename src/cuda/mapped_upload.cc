@@ -166,7 +166,7 @@ class MappedRun {
     if (CUresult rc = api_->cuCtxSetCurrent(context_); rc != CUDA_SUCCESS) {
       return Fail(DriverError(api_, rc, "cuCtxSetCurrent on a mapped-upload thread"));
     }
-    const CUstream stream = streams_[t % streams_.size()].get();
+    CUstream stream = streams_[t % streams_.size()].get();
     std::deque<InFlight> in_flight;
     size_t issued = 0;
     while (!stop_.load()) {
@@ -276,7 +276,7 @@ class MappedRun {
   }
 
   const DriverApi* const api_;
-  const CUcontext context_;
+  CUcontext context_;  // set once, at construction
   const std::span<const CudaStream> streams_;
   const std::span<const UploadSource> sources_;
   const std::span<const UploadItem> items_;
