@@ -408,13 +408,10 @@ bool SamePattern(std::string_view a, std::string_view b) {
   return i == a.size() && j == b.size();
 }
 
-nb::tuple ViewPlan(nb::handle self) {
-  const auto& a = nb::cast<const PyAttachment&>(self);
-  const std::vector<TensorInfo>& tensors = a.infos();
-  const bool host = a.get().tier() == Tier::kHost;
+// Every tensor's name as one str, in table order: the list ViewPlan and DlpackCapsules hand
+// back as `order`, whose str objects they reuse elsewhere (shared cached hashes).
+nb::list NameList(const std::vector<TensorInfo>& tensors) {
   const size_t n = tensors.size();
-
-  // Each name as one str, shared by `names` and `order`.
   nb::list order = nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(n)));
   for (size_t i = 0; i < n; ++i) {
     PyObject* name = PyUnicode_FromStringAndSize(tensors[i].name.data(),
@@ -422,6 +419,17 @@ nb::tuple ViewPlan(nb::handle self) {
     if (name == nullptr) throw nb::python_error();
     PyList_SET_ITEM(order.ptr(), static_cast<Py_ssize_t>(i), name);
   }
+  return order;
+}
+
+nb::tuple ViewPlan(nb::handle self) {
+  const auto& a = nb::cast<const PyAttachment&>(self);
+  const std::vector<TensorInfo>& tensors = a.infos();
+  const bool host = a.get().tier() == Tier::kHost;
+  const size_t n = tensors.size();
+
+  // Each name as one str, shared by `names` and `order`.
+  nb::list order = NameList(tensors);
   nb::list names = nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(n)));
   size_t placed = 0;
   const auto place = [&](uint32_t i) {
@@ -627,13 +635,7 @@ nb::tuple DlpackCapsules(nb::handle self) {
   const bool host = a.get().tier() == Tier::kHost;
   const size_t n = tensors.size();
 
-  nb::list order = nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(n)));
-  for (size_t i = 0; i < n; ++i) {
-    PyObject* name = PyUnicode_FromStringAndSize(tensors[i].name.data(),
-                                                 static_cast<Py_ssize_t>(tensors[i].name.size()));
-    if (name == nullptr) throw nb::python_error();
-    PyList_SET_ITEM(order.ptr(), static_cast<Py_ssize_t>(i), name);
-  }
+  nb::list order = NameList(tensors);
 
   std::vector<const DTypeInfo*> group_dtype;
   std::vector<std::vector<uint32_t>> members;

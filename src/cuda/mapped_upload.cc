@@ -313,7 +313,9 @@ Status CheckMappedUpload(const DriverApi* api, std::span<const UploadSource> sou
     return Status(StatusCode::kUnavailable,
                   "checksums need the GPU checksum kernel, and this build has none");
   }
-  for (const UploadSource& src : sources) {
+  // ReadMode::kMapped asks for no residency: nothing to map and count.
+  for (size_t i = 0; min_residency > 0 && i < sources.size(); ++i) {
+    const UploadSource& src = sources[i];
     WEIGHTCACHE_ASSIGN_OR_RETURN(os::ReadOnlyMapping map,
                                  os::ReadOnlyMapping::Map(src.fd, src.path));
     WEIGHTCACHE_ASSIGN_OR_RETURN(double resident, os::PageCacheResidency(map));

@@ -289,19 +289,28 @@ Result<std::vector<std::string>> ListDeviceKeys(const std::string& namespace_dir
                  [](const std::string& name) { return ValidateDeviceKey(name).ok(); });
 }
 
-Result<std::vector<SocketEntry>> ListAllCacheSockets(const std::string& runtime_dir) {
+namespace {
+// Walks the layout <runtime>/<namespace>/<device key>/ and collects what `list` finds in each
+// device dir (full socket paths): the one walker of ListAllCacheSockets and ListAllKeeperSockets.
+template <typename ListFn>
+Result<std::vector<SocketEntry>> WalkDeviceDirs(const std::string& runtime_dir, ListFn list) {
   std::vector<SocketEntry> out;
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> namespaces, ListNamespaces(runtime_dir));
   for (const std::string& ns : namespaces) {
     const std::string ns_dir = runtime_dir + "/" + ns;
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> keys, ListDeviceKeys(ns_dir));
     for (const std::string& key : keys) {
-      WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> sockets,
-                                   ListCacheSockets(ns_dir + "/" + key));
+      WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> sockets, list(ns_dir + "/" + key));
       for (std::string& s : sockets) out.push_back({ns, key, std::move(s)});
     }
   }
   return out;
+}
+}  // namespace
+
+Result<std::vector<SocketEntry>> ListAllCacheSockets(const std::string& runtime_dir) {
+  return WalkDeviceDirs(runtime_dir,
+                        [](const std::string& device_dir) { return ListCacheSockets(device_dir); });
 }
 
 std::string LockPathFor(const std::string& socket_path) {
@@ -329,22 +338,16 @@ std::string CacheSocketForKeeper(const std::string& keeper_socket) {
 }
 
 Result<std::vector<SocketEntry>> ListAllKeeperSockets(const std::string& runtime_dir) {
-  std::vector<SocketEntry> out;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> namespaces, ListNamespaces(runtime_dir));
-  for (const std::string& ns : namespaces) {
-    const std::string ns_dir = runtime_dir + "/" + ns;
-    WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> keys, ListDeviceKeys(ns_dir));
-    for (const std::string& key : keys) {
-      const std::string device_dir = ns_dir + "/" + key;
-      WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> names,
-                                   ListDir(device_dir, S_IFSOCK, [](const std::string& name) {
-                                     return IsKeeperSocket(name) &&
-                                            name.size() > std::string_view(".keeper.sock").size();
-                                   }));
-      for (std::string& name : names) out.push_back({ns, key, device_dir + "/" + name});
-    }
-  }
-  return out;
+  return WalkDeviceDirs(
+      runtime_dir, [](const std::string& device_dir) -> Result<std::vector<std::string>> {
+        WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> names,
+                                     ListDir(device_dir, S_IFSOCK, [](const std::string& name) {
+                                       return IsKeeperSocket(name) &&
+                                              name.size() > std::string_view(".keeper.sock").size();
+                                     }));
+        for (std::string& name : names) name = device_dir + "/" + name;
+        return names;
+      });
 }
 
 }  // namespace weightcache::identity
