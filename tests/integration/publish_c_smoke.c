@@ -19,7 +19,7 @@ int wc_c_publish_then_attach(const char* runtime_dir, char* msg, size_t len) {
   wc_publish_tensor plan[3];
   const void* metadata;
   size_t metadata_size = 0;
-  const void* scale_data;
+  uint64_t scale_data = 0; /* wc_tensor.data of c.scale, which c.tied aliases */
   uint64_t nbytes = 0;
   unsigned char* data;
   size_t i;
