@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <iostream>
 #include <map>
+#include <string>
+#include <vector>
 
 namespace weightcache::cli {
 namespace {
@@ -47,5 +49,16 @@ int RunSelected(CLI::App& root) {
   std::cerr << root.help() << std::endl;
   return kExitUsage;
 }
+
+namespace {
+std::vector<std::string>& ProgramArgsStorage() {
+  static std::vector<std::string> args;
+  return args;
+}
+}  // namespace
+
+void RecordProgramArgs(int argc, char** argv) { ProgramArgsStorage().assign(argv, argv + argc); }
+
+const std::vector<std::string>& ProgramArgs() { return ProgramArgsStorage(); }
 
 }  // namespace weightcache::cli

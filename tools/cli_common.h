@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "common/unique_fd.h"
 #include "weightcache/status.h"
@@ -30,6 +31,11 @@ using CommandAction = std::function<int()>;
 void SetAction(CLI::App* sub, CommandAction action);
 int RunSelected(CLI::App& root);
 
+// The command line this process was started with (main records it before parsing): what an
+// upgrade's successor is started with again (`serve`, docs/upgrade.md).
+void RecordProgramArgs(int argc, char** argv);
+const std::vector<std::string>& ProgramArgs();
+
 // Registration functions, one per cmd_<name>.cc.
 void RegisterAttachCommand(CLI::App& root);
 void RegisterVerifyCommand(CLI::App& root);
@@ -43,5 +49,6 @@ void RegisterDevicesCommand(CLI::App& root);
 void RegisterShardPlanCommand(CLI::App& root);
 void RegisterPublishCommand(CLI::App& root);
 void RegisterKeeperCommand(CLI::App& root);
+void RegisterUpgradeCommand(CLI::App& root);
 
 }  // namespace weightcache::cli

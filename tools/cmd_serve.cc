@@ -25,6 +25,8 @@
 #include "daemon/daemon.h"
 #include "identity/resolve.h"
 #include "identity_flags.h"
+#include "launcher/child_process.h"
+#include "os/read_file.h"
 #include "os/syscalls.h"
 #include "sharding/planner.h"
 
@@ -45,7 +47,45 @@ struct ServeArgs {
   bool replace = false;
   bool no_keeper = false;
   std::string adopt_verify = "sample";
+  int handover_fd = -1;  // an upgrade's successor: the channel from the old daemon
+  double upgrade_timeout_s = 60;
 };
+
+// The successor of an Upgrade (docs/upgrade.md): started with our own command line, minus any
+// --handover-fd of our own, plus the channel; in our session, with our standard streams, so
+// that its log lines go where ours went.
+class SpawnedSuccessor : public daemon::Successor {
+ public:
+  explicit SpawnedSuccessor(launcher::ChildProcess child) : child_(std::move(child)) {}
+  pid_t pid() const override { return child_.pid(); }
+  void Release() override { child_.Detach(); }
+
+ private:
+  launcher::ChildProcess child_;
+};
+
+Result<std::unique_ptr<daemon::Successor>> StartSuccessor(const std::string& binary, int channel) {
+  launcher::SpawnOptions spawn;
+  spawn.argv.push_back(binary);
+  const std::vector<std::string>& ours = ProgramArgs();
+  for (size_t i = 1; i < ours.size(); ++i) {
+    if (ours[i] == "--handover-fd") {
+      ++i;
+      continue;
+    }
+    if (ours[i].rfind("--handover-fd=", 0) == 0) continue;
+    spawn.argv.push_back(ours[i]);
+  }
+  spawn.argv.push_back("--handover-fd");
+  spawn.argv.push_back(std::to_string(daemon::kHandoverChannelFd));
+  spawn.in = launcher::Stdio::kInherit;
+  spawn.out = launcher::Stdio::kInherit;
+  spawn.err = launcher::Stdio::kInherit;
+  spawn.session = launcher::Session::kInherit;
+  spawn.pass_fds.emplace_back(channel, daemon::kHandoverChannelFd);
+  WEIGHTCACHE_ASSIGN_OR_RETURN(launcher::ChildProcess child, launcher::ChildProcess::Spawn(spawn));
+  return std::unique_ptr<daemon::Successor>(new SpawnedSuccessor(std::move(child)));
+}
 
 std::chrono::milliseconds Millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
@@ -104,6 +144,43 @@ daemon::KeeperLinkOptions KeeperOptionsFor(const ServeArgs& args) {
   return keeper;
 }
 
+// An upgrade's successor: receive and validate the handover, publish the socket over the old
+// daemon's, confirm. Any failure goes back to the old daemon (which serves on) and is ours.
+Result<std::unique_ptr<daemon::Daemon>> TakeOver(const ServeArgs& args,
+                                                 const identity::ResolvedIdentity& id,
+                                                 const daemon::DaemonOptions& options) {
+  const UniqueFd channel(args.handover_fd);
+  std::optional<daemon::GpuAdoptContext> gpu;
+  if (options.config.tier == Tier::kGpu && options.device.has_value()) {
+    auto driver = options.env.load_driver();
+    if (driver.ok()) gpu = daemon::GpuAdoptContext{*driver, *options.device};
+  }
+  const std::string model_path =
+      identity::IsPublishedSource(options.config.source) ? "" : options.model_path;
+  auto taken =
+      daemon::ReceiveHandover(channel.get(), id.paths, options.config, model_path, options.keeper,
+                              gpu ? &*gpu : nullptr, std::chrono::seconds(30));
+  if (!taken.ok()) {
+    daemon::RefuseHandover(channel.get(), taken.status());
+    Status status = taken.status();
+    return status.Context("taking over the cache");
+  }
+  const int64_t predecessor = taken->predecessor_pid;
+  auto daemon = daemon::Daemon::CreateFromHandover(options, std::move(taken).value());
+  if (!daemon.ok()) {
+    daemon::RefuseHandover(channel.get(), daemon.status());
+    return daemon;
+  }
+  Status confirmed = daemon::ConfirmHandover(channel.get());
+  if (!confirmed.ok()) {
+    // It died after handing over (kill -9 mid-handoff): we hold the lock and serve anyway.
+    LOG_WARN << "the old daemon (pid " << predecessor
+             << ") did not take the confirmation: " << confirmed.ToString();
+  }
+  LOG_INFO << "took over from pid " << predecessor << " (upgrade)";
+  return daemon;
+}
+
 int Run(ServeArgs& args) {
   constexpr std::string_view kCmd = "serve";
   if (args.identity.tier == Tier::kGpu && args.identity.device.empty()) {
@@ -154,6 +231,9 @@ int Run(ServeArgs& args) {
     return Fail(kCmd, InvalidArgument("--replace needs --source published:<tag>"));
   }
   options.keeper = KeeperOptionsFor(args);
+  options.start_successor = StartSuccessor;
+  options.upgrade_timeout = Millis(args.upgrade_timeout_s);
+  if (auto self = os::SelfExecutable(); self.ok()) options.self_binary = *self;
 
   // One fd per client: take every fd the hard limit allows (the soft default of 1024 is a
   // select()-era guess). A daemon that still runs out pauses accepting (docs/daemon.md).
@@ -164,7 +244,10 @@ int Run(ServeArgs& args) {
     LOG_DEBUG << "RLIMIT_NOFILE soft limit raised to the hard limit, " << fd_limit->soft;
   }
 
-  auto daemon = daemon::Daemon::Create(options);
+  Result<std::unique_ptr<daemon::Daemon>> daemon = [&] {
+    if (args.handover_fd < 0) return daemon::Daemon::Create(options);
+    return TakeOver(args, *id, options);
+  }();
   if (!daemon.ok()) return Fail(kCmd, daemon.status());
 
   {
@@ -263,6 +346,14 @@ void RegisterServeCommand(CLI::App& root) {
                   "over the cache, the default: sealed memory cannot change, and the time stays "
                   "flat in the cache's size) or full (every tensor)")
       ->check(CLI::IsMember({"sample", "full"}));
+  sub->add_option("--upgrade-timeout", args->upgrade_timeout_s,
+                  "seconds an upgrade's successor has to validate the handover and take over "
+                  "before it is killed and this daemon serves on (default 60; docs/upgrade.md)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--handover-fd", args->handover_fd,
+                  "internal: set by `weightcache upgrade` on the successor it starts (the "
+                  "channel the old daemon hands the cache over on)")
+      ->check(CLI::Range(3, 1 << 20));
   SetAction(sub, [args] { return Run(*args); });
 }
 
