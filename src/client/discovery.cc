@@ -119,9 +119,9 @@ struct Probe {
 };
 
 // An upgrade's takeover (docs/upgrade.md): the successor renames its socket over the old
-// daemon's, which then closes its listener. For an instant a connect may still reach that
-// listener — refused, or reset before the Hello is answered — while the lock is held
-// throughout. Discover probes again, this often, within the answer deadline.
+// daemon's, which keeps accepting for a grace period and then closes its listener. A connect
+// that resolved the old socket and reached it only after that close is refused while the lock
+// is held throughout. Discover probes again, this often, within the answer deadline.
 constexpr int kTakeoverRetries = 50;
 constexpr std::chrono::milliseconds kTakeoverRetryInterval{2};
 
@@ -395,11 +395,7 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
     return ProbeSocket(socket, id.paths.lock, id.config, policy, id.trusted_uids, deadlines,
                        Pipeline::kHelloThenAttach, sys);
   };
-  const auto at_takeover = [&](const Result<Probe>& p) {
-    if (p.ok()) return p->refused_while_locked;
-    const int err = p.status().sys_errno();
-    return (err == ECONNRESET || err == EPIPE) && os::IsLockHeld(id.paths.lock);
-  };
+  const auto at_takeover = [](const Result<Probe>& p) { return p.ok() && p->refused_while_locked; };
   Result<Probe> probed = probe_once();
   for (int retry = 0; retry < kTakeoverRetries && at_takeover(probed) && !deadlines.AnswerPassed();
        ++retry) {

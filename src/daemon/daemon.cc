@@ -156,12 +156,13 @@ Result<std::unique_ptr<Daemon>> Daemon::CreateFromHandover(DaemonOptions options
       shared ? identity::DirAccess::kShared : identity::DirAccess::kPrivate));
   os::LockFile lock = std::move(taken.lock);
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::unique_ptr<Daemon> daemon,
-                               Publish(std::move(options), std::move(lock)));
+                               Publish(std::move(options), std::move(lock), taken.predecessor_pid));
   daemon->taken_over_.emplace(std::move(taken));
   return daemon;
 }
 
-Result<std::unique_ptr<Daemon>> Daemon::Publish(DaemonOptions options, os::LockFile lock) {
+Result<std::unique_ptr<Daemon>> Daemon::Publish(DaemonOptions options, os::LockFile lock,
+                                                int64_t predecessor) {
   const identity::CachePaths& paths = options.paths;
   const bool shared = !options.allow_uids.empty() || !options.allow_gids.empty();
   struct stat st {};
@@ -169,10 +170,15 @@ Result<std::unique_ptr<Daemon>> Daemon::Publish(DaemonOptions options, os::LockF
     if (!S_ISSOCK(st.st_mode)) {
       return InvalidArgument(paths.socket + " exists and is not a socket; refusing to replace it");
     }
-    // Lock held by us, so nobody serves it: a crashed daemon's leftover (or, in an upgrade,
-    // the live socket of the daemon that handed us its lock). ListenUnix renames over it
-    // atomically, so clients never see the path missing.
-    LOG_INFO << "replacing socket " << paths.socket << " (its lock is ours)";
+    // Lock held by us: a crashed daemon's leftover, or in an upgrade the live socket of the
+    // daemon that handed us its lock. ListenUnix renames over it atomically, so clients never
+    // see the path missing.
+    if (predecessor > 0) {
+      LOG_INFO << "taking over socket " << paths.socket << " from pid " << predecessor
+               << " (it handed us its lock)";
+    } else {
+      LOG_INFO << "replacing stale socket " << paths.socket << " (its lock was free)";
+    }
   }
   auto listen_fd = os::ListenUnix(paths.socket, shared ? 0666 : 0600, os::Blocking::kNonBlocking);
   if (!listen_fd.ok()) {
@@ -400,7 +406,8 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
                                         [](const auto& c) { return !c.second->outbox.empty(); });
       if (flushed || now >= *drain_until_) break;
     }
-    if (handed_over_until_) {
+    if (handover_listen_until_ && now >= *handover_listen_until_) StopListeningAfterHandover();
+    if (handed_over_until_ && !handover_listen_until_) {
       // Our connections are served when each has attached (or closed) with its replies sent:
       // the backlog accepted at the handover asked for nothing else.
       const bool served = std::all_of(connections_.begin(), connections_.end(), [](const auto& c) {
@@ -426,6 +433,7 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
     if (state_ == CacheState::kFailed) wake_by(linger_until_);
     if (state_ == CacheState::kDraining) wake_by(drain_until_);
     wake_by(handed_over_until_);
+    wake_by(handover_listen_until_);
     if (upgrade_) wake_by(upgrade_->deadline);
     wake_by(accept_paused_until_);
     wake_by(sweep_at_);
@@ -556,6 +564,7 @@ void Daemon::BeginDrain(std::string_view reason) {
   // An upgrade in progress ends first: its successor may already listen at our path, which
   // the drain below unlinks.
   if (upgrade_) FinishUpgrade(Status(StatusCode::kUnavailable, "the daemon is draining"));
+  StopListeningAfterHandover();  // handed over: the path is the successor's, never unlinked
   LOG_INFO << "draining: " << reason;
   if (events_.on_draining) events_.on_draining(reason);
   state_ = CacheState::kDraining;
@@ -1035,6 +1044,10 @@ void Daemon::HandleStop(Connection& conn) {
 
 namespace {
 
+// After a handover, how long we keep accepting connects that resolved the socket path just
+// before the successor's rename (they reach our listener within microseconds of it).
+constexpr std::chrono::milliseconds kHandoverAcceptGrace{50};
+
 // A successor whose channel failed (EOF, EPIPE): it exited or crashed before taking over.
 Status SuccessorGone(pid_t pid, const Status& how) {
   const bool closed = how.code() == StatusCode::kUnavailable || how.code() == StatusCode::kIo;
@@ -1181,12 +1194,20 @@ void Daemon::FinishUpgrade(Status result) {
     requester->close_after_flush = true;
     FlushAndRearm(*requester);
   }
-  // The path is the successor's: whoever connected before its rename is in our backlog.
+  // The path is the successor's now. A connect that resolved it just before the rename
+  // lands in our backlog within microseconds: keep accepting for a grace period, then stop
+  // listening (the loop does, at listen_until), so that no such connect is reset by the close.
+  handed_over_until_ = Clock::now() + options_.drain_timeout;
+  handover_listen_until_ = Clock::now() + kHandoverAcceptGrace;
+}
+
+void Daemon::StopListeningAfterHandover() {
+  if (!handover_listen_until_) return;
+  handover_listen_until_.reset();
   AcceptAll();
   (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, socket_.fd(), nullptr);
-  socket_.Abandon();
+  socket_.Abandon();  // the path is the successor's: closed, not unlinked
   accept_paused_until_.reset();
-  handed_over_until_ = Clock::now() + options_.drain_timeout;
 }
 
 // ---- publishing (docs/publish.md) -------------------------------------------------------------

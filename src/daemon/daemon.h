@@ -211,8 +211,10 @@ class Daemon {
 
   Daemon(DaemonOptions options, os::LockFile lock, PublishedSocket socket, UniqueFd epoll,
          UniqueFd wakeup);
-  // Create's part after the lock: the socket, epoll and the eventfd.
-  static Result<std::unique_ptr<Daemon>> Publish(DaemonOptions options, os::LockFile lock);
+  // Create's part after the lock: the socket, epoll and the eventfd. `predecessor` (> 0): the
+  // socket at the path is that live daemon's, which handed us the lock (for the log line).
+  static Result<std::unique_ptr<Daemon>> Publish(DaemonOptions options, os::LockFile lock,
+                                                 int64_t predecessor = 0);
 
   void LoaderMain();
   // The load proper (checkpoint open, fingerprint check, the tier's loader); `memory` gets the
@@ -243,6 +245,9 @@ class Daemon {
   // kill and reap the successor, re-publish our socket (it may have renamed its own over it),
   // answer the requester with the reason, and serve on.
   void FinishUpgrade(Status result);
+  // The end of the handover's accept grace: the backlog taken, the listener closed, the path
+  // left to the successor.
+  void StopListeningAfterHandover();
   // Publishing (docs/publish.md): one publisher at a time, host tier.
   void HandlePublishBegin(Connection& conn, std::span<const uint8_t> payload);
   void HandlePublishCommit(Connection& conn, std::span<const uint8_t> payload);
@@ -356,6 +361,7 @@ class Daemon {
   mode_t socket_mode_ = 0600;  // what a re-published socket gets
   // Handed over: the successor serves; the loop ends once our connections are served.
   std::optional<Clock::time_point> handed_over_until_;
+  std::optional<Clock::time_point> handover_listen_until_;  // set while the accept grace runs
   // A successor's daemon: the store it took over, installed when Run starts.
   std::optional<TakenOver> taken_over_;
 };

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -135,6 +136,57 @@ TEST_F(KeeperGpuTest, Kill9WithAnEngineAttachedThenRestartReadoptsVerifiedWithou
   EXPECT_EQ(code, 0);
   const std::string keeper_lock = identity::LockPathFor(identity::KeeperSocketFor(socket));
   EXPECT_FALSE(os::IsLockHeld(keeper_lock));
+  (*holder)->CloseStdin();
+  EXPECT_EQ((*holder)->Wait(30s), 0) << (*holder)->StderrLog();
+}
+
+// The upgrade handover (docs/upgrade.md) on a real GPU: `weightcache upgrade` starts a
+// successor (this build's binary), which imports every handed-over VMM fd, runs the checksum
+// kernel over every tensor (`--adopt-verify full`, inherited from the old daemon's command
+// line), renames its socket into place and serves without reading the checkpoint. The engine
+// attached to the old daemon keeps correct bytes; a new engine attaches to the successor. The
+// handover time and the successor's ready line are printed for docs/benchmarks.md.
+TEST_F(KeeperGpuTest, UpgradeWithAnEngineAttachedHandsOverVerifiedWithoutReading) {
+  auto old = Serve("old", {"--adopt-verify", "full"});
+  ASSERT_NE(old, nullptr);
+  ASSERT_OK_AND_MOVE(socket, old->WaitReady(runtime(), kNamespace, uuid_, nullptr));
+  auto holder = PipedChild::Spawn(Helper({"--hold"}), {}, dir_.Join("holder.err"));
+  ASSERT_TRUE(holder.ok()) << holder.status().ToString();
+  ASSERT_OK_AND_MOVE(attached, (*holder)->ReadJson());
+  ASSERT_EQ(attached["source"], "daemon") << attached.dump();
+
+  JsonRun up = RunJson({CliPath(), "upgrade", "--socket", socket, "--json"});
+  ASSERT_EQ(up.exit_code, 0) << up.out << up.err << old->Log();
+  const pid_t successor = up.json["successor_pid"].get<pid_t>();
+  std::cout << "keeper_gpu_test: upgrade handover "
+            << up.json["handover_us"].get<uint64_t>() / 1000.0
+            << " ms (successor start to HandoverDone)" << std::endl;
+  const std::optional<int> code = old->child().WaitExit(30s);  // it exits by itself
+  ASSERT_TRUE(code.has_value()) << old->Log();
+  EXPECT_EQ(*code, 0) << old->Log();
+  const std::string log = old->Log();  // the successor writes to the same log
+  const size_t ready = log.find("ready: adopted");
+  ASSERT_NE(ready, std::string::npos) << log;
+  EXPECT_NE(log.find("handed over by pid " + std::to_string(old->pid())), std::string::npos) << log;
+  EXPECT_NE(
+      log.find("checksums of all " + std::to_string(model_.tensor_count) + " tensors verified"),
+      std::string::npos)
+      << log;
+  std::cout << "keeper_gpu_test: " << log.substr(ready, log.find('\n', ready) - ready) << std::endl;
+  EXPECT_LT(ReadChars(successor), model_.total_bytes / 4) << log;
+
+  ASSERT_TRUE((*holder)->WriteLine("read").ok());
+  ASSERT_OK_AND_MOVE(after, (*holder)->ReadJson());
+  ExpectBytesCorrect(after);
+  auto fresh = PipedChild::Spawn(Helper(), {}, dir_.Join("fresh.err"));
+  ASSERT_TRUE(fresh.ok());
+  ASSERT_OK_AND_MOVE(f, (*fresh)->ReadJson());
+  EXPECT_EQ(f["source"], "daemon") << f.dump();
+  ExpectBytesCorrect(f);
+  EXPECT_EQ(f["check"]["digest"], attached["check"]["digest"]);
+
+  JsonRun stop = RunJson({CliPath(), "stop", "--socket", socket});
+  EXPECT_EQ(stop.exit_code, 0) << stop.err;
   (*holder)->CloseStdin();
   EXPECT_EQ((*holder)->Wait(30s), 0) << (*holder)->StderrLog();
 }

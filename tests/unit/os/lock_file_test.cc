@@ -1,5 +1,6 @@
 #include "os/lock_file.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -24,6 +25,39 @@ TEST(LockFileTest, AcquireWritesPidAndMode0644) {
   ASSERT_EQ(::stat(path.c_str(), &st), 0);
   // 0644: allowed users of a shared daemon probe it too (its dir decides who reaches it).
   EXPECT_EQ(st.st_mode & 0777, 0644u);
+}
+
+// An upgrade's successor adopts the lock's open file description (docs/upgrade.md): it must
+// be the lock file's, and it must be the description that holds the lock.
+TEST(LockFileTest, AdoptTakesOverTheHoldingDescriptionAndRefusesAnyOther) {
+  TempDir dir;
+  const std::string path = dir.Join("x.lock");
+  const std::string other = dir.Join("y.lock");
+  {
+    auto held = LockFile::TryAcquire(path);
+    ASSERT_TRUE(held.ok()) << held.status().ToString();
+    // The holder's description, duplicated as SCM_RIGHTS would: adopted, pid recorded.
+    auto adopted = LockFile::Adopt(UniqueFd(::fcntl(held->fd(), F_DUPFD_CLOEXEC, 0)), path);
+    ASSERT_TRUE(adopted.ok()) << adopted.status().ToString();
+    EXPECT_EQ(ReadLockOwner(path), ::getpid());
+    // The original closes (the old daemon exits): the lock stays with the adopted description.
+    *held = std::move(*adopted);
+    EXPECT_TRUE(IsLockHeld(path));
+
+    // Another description of the same file does not hold the lock: refused.
+    auto fresh = LockFile::Adopt(UniqueFd(::open(path.c_str(), O_RDWR | O_CLOEXEC)), path);
+    ASSERT_FALSE(fresh.ok());
+    EXPECT_EQ(fresh.status().code(), StatusCode::kAlreadyServed) << fresh.status().ToString();
+    // A description of another file is no lock of this one.
+    auto wrong = LockFile::TryAcquire(other);
+    ASSERT_TRUE(wrong.ok());
+    auto mismatched = LockFile::Adopt(UniqueFd(::fcntl(wrong->fd(), F_DUPFD_CLOEXEC, 0)), path);
+    ASSERT_FALSE(mismatched.ok());
+    EXPECT_EQ(mismatched.status().code(), StatusCode::kProtocol);
+    EXPECT_NE(mismatched.status().message().find("is not lock file " + path), std::string::npos)
+        << mismatched.status().ToString();
+  }
+  EXPECT_FALSE(IsLockHeld(path));
 }
 
 TEST(LockFileTest, SecondAcquirerInChildIsAlreadyServedNamingParentPid) {

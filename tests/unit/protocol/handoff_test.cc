@@ -13,6 +13,7 @@
 #include "protocol/messages.h"
 #include "protocol/wire.h"
 #include "support/sealed_cache.h"
+#include "support/test_env.h"
 #include "unit/os/fd_test_util.h"
 
 namespace weightcache::protocol {
@@ -121,6 +122,62 @@ TEST(HandoffTest, DepositRoundTripKeepsInfoFdsAndBytes) {
   AdoptOptions adopt;
   adopt.expected_digest = TestDigest();
   EXPECT_TRUE(CheckAdoptable(*handoff, adopt).ok()) << CheckAdoptable(*handoff, adopt).ToString();
+}
+
+// An upgrade's Handover: the Deposit's payload and fds, then the lock's; decoded into the same
+// Handoff with the lock apart. The successor reads it as a keeper request, the old daemon the
+// HandoverDone as a keeper reply; a daemon's reader takes neither.
+TEST(HandoffTest, HandoverCarriesTheDepositAndTheLockLast) {
+  auto cache = MakeSealedCache({8192});
+  ASSERT_TRUE(cache.ok()) << cache.status().ToString();
+  weightcache::testing::TempDir dir;
+  const UniqueFd lock(::open(dir.Join("x.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  ASSERT_TRUE(lock);
+  auto frame = EncodeHandover(cache->Info());
+  ASSERT_TRUE(frame.ok()) << frame.status().ToString();
+  EXPECT_EQ(wire::GetU16(frame->data() + 4), kHandoffVersion);
+  EXPECT_EQ(wire::GetU16(frame->data() + 6), 40);
+  EXPECT_EQ(wire::GetU32(frame->data() + 12), 3u);  // manifest, 1 allocation, the lock
+  ExpectError(DecodeFrameHeader(*frame, Expect::kRequest).status(), StatusCode::kProtocol,
+              "unexpected Handover frame: expected a request");
+  std::vector<int> fds = AllFds(*cache);
+  fds.push_back(lock.get());
+  auto received = ThroughSocket(*frame, fds);
+  ASSERT_TRUE(received.ok()) << received.status().ToString();
+  auto handoff = DecodeHandoff(std::move(received).value());
+  ASSERT_TRUE(handoff.ok()) << handoff.status().ToString();
+  ASSERT_TRUE(handoff->lock);
+  struct stat mine {
+  }, theirs{};
+  ASSERT_EQ(::fstat(lock.get(), &mine), 0);
+  ASSERT_EQ(::fstat(handoff->lock.get(), &theirs), 0);
+  EXPECT_EQ(mine.st_ino, theirs.st_ino);
+  ASSERT_EQ(handoff->allocations.size(), 1u);
+  EXPECT_EQ(ReadWhole(handoff->allocations[0].get()), cache->contents[0]);
+
+  // Without the lock the fd count is one short; a memfd for the lock is no lock file.
+  auto short_frame = *EncodeHandover(cache->Info());
+  short_frame[12] = 2;
+  auto without = ThroughSocket(short_frame, AllFds(*cache));
+  ASSERT_TRUE(without.ok()) << without.status().ToString();
+  ExpectError(DecodeHandoff(std::move(without).value()).status(), StatusCode::kProtocol,
+              "Handover carries 2 fds for 1 allocations (expected the manifest memfd + one per "
+              "allocation + the lock)");
+  std::vector<int> pipe_lock = AllFds(*cache);
+  int p[2];
+  ASSERT_EQ(::pipe2(p, O_CLOEXEC), 0);
+  const UniqueFd read_end(p[0]), write_end(p[1]);
+  pipe_lock.push_back(read_end.get());
+  auto piped = ThroughSocket(*EncodeHandover(cache->Info()), pipe_lock);
+  ASSERT_TRUE(piped.ok());
+  ExpectError(DecodeHandoff(std::move(piped).value()).status(), StatusCode::kProtocol,
+              "Handover: the lock fd is not a regular file");
+
+  auto done = EncodeEmptyHandoff(MessageType::kHandoverDone);
+  ASSERT_TRUE(done.ok());
+  EXPECT_TRUE(DecodeFrameHeader(*done, Expect::kKeeperReply).ok());
+  ExpectError(DecodeFrameHeader(*done, Expect::kReply).status(), StatusCode::kProtocol,
+              "unexpected HandoverDone frame: expected a reply");
 }
 
 // Each hostile deposit is refused by its own check, and nothing of it is held.

@@ -170,6 +170,27 @@ TEST_F(MessagesTest, StopReplyAndErrorRoundTrip) {
   EXPECT_EQ(err->message, "tp_rank differs");
 }
 
+TEST_F(MessagesTest, UpgradeAndItsReplyRoundTripAndRefuseWhatIsNoPathOrNoPid) {
+  Frame u =
+      Transfer(EncodeUpgradeRequest(UpgradeRequest{"/opt/wc/bin/weightcache"}), Expect::kRequest);
+  EXPECT_EQ(u.type, MessageType::kUpgrade);
+  auto request = DecodeUpgradeRequest(u.payload);
+  ASSERT_TRUE(request.ok()) << request.status().ToString();
+  EXPECT_EQ(request->binary, "/opt/wc/bin/weightcache");
+  ExpectProtocolError(DecodeUpgradeRequest(Bytes(R"({"binary":"a\u0000b"})")).status(),
+                      "Upgrade: field 'binary' is not a path");
+  ExpectProtocolError(DecodeUpgradeRequest(Bytes(R"({"binary":"x","extra":1})")).status(), "extra");
+
+  Frame r = Transfer(EncodeUpgradeReply(UpgradeReply{4242, 27074}), Expect::kReply);
+  EXPECT_EQ(r.type, MessageType::kUpgradeReply);
+  auto reply = DecodeUpgradeReply(r.payload);
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  EXPECT_EQ(reply->successor_pid, 4242);
+  EXPECT_EQ(reply->handover_us, 27074u);
+  ExpectProtocolError(DecodeUpgradeReply(Bytes(R"({"successor_pid":0,"handover_us":1})")).status(),
+                      "UpgradeReply: successor_pid must be positive");
+}
+
 TEST_F(MessagesTest, AttachReplyCarriesManifestMemfdAndAllocationMemfds) {
   auto m0 = weightcache::testing::MemfdWith(std::string(64, 'A'));
   auto m1 = weightcache::testing::MemfdWith(std::string(32, 'B'));
