@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/signalfd.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <iostream>
@@ -14,7 +15,25 @@ std::map<CLI::App*, CommandAction>& Actions() {
   static std::map<CLI::App*, CommandAction> actions;
   return actions;
 }
+std::vector<std::string>& MutableCommandLine() {
+  static std::vector<std::string> command_line;
+  return command_line;
+}
 }  // namespace
+
+void SetCommandLine(int argc, const char* const* argv) {
+  MutableCommandLine().assign(argv, argv + argc);
+}
+
+const std::vector<std::string>& CommandLine() { return MutableCommandLine(); }
+
+Result<std::string> SelfExe() {
+  std::string buf(4096, '\0');
+  ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
+  if (n <= 0) return IoError("readlink /proc/self/exe", errno);
+  buf.resize(static_cast<size_t>(n));
+  return buf;
+}
 
 int ExitCodeFor(const Status& status) { return weightcache::ExitCodeFor(status.code()); }
 

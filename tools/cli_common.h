@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "common/unique_fd.h"
 #include "weightcache/status.h"
@@ -23,6 +24,15 @@ int Fail(std::string_view command, const Status& status);
 // the mask — and returns a signalfd for them; ignores SIGPIPE (a vanished peer or a closed
 // stderr pipe must not kill the process; sends use MSG_NOSIGNAL too).
 Result<UniqueFd> TakeShutdownSignals();
+
+// The process's command line, recorded by main() before parsing: `serve --detach` runs the
+// same command line, less --detach, as its daemon.
+void SetCommandLine(int argc, const char* const* argv);
+const std::vector<std::string>& CommandLine();
+
+// The absolute path of this binary (/proc/self/exe): the program `launch` and `serve
+// --detach` spawn.
+Result<std::string> SelfExe();
 
 // Each subcommand registers itself on the root app and sets the action run when it is chosen.
 // The action returns the process exit code.

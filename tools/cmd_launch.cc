@@ -59,14 +59,6 @@ Status MakePrivateDirWithParents(const std::string& path) {
   return identity::EnsurePrivateDir(path);
 }
 
-Result<std::string> SelfExe() {
-  std::string buf(4096, '\0');
-  ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
-  if (n <= 0) return IoError("readlink /proc/self/exe", errno);
-  buf.resize(static_cast<size_t>(n));
-  return buf;
-}
-
 // Blocks the stop signals in this (the only) thread and returns a signalfd for them. The
 // daemons are spawned with an empty mask, so they still receive what we send them.
 Result<UniqueFd> StopSignalFd() {

@@ -30,6 +30,7 @@ int main(int argc, char** argv) {
   cli::RegisterDevicesCommand(root);
   cli::RegisterKeeperCommand(root);
 
+  cli::SetCommandLine(argc, argv);
   try {
     root.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
