@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "integration/daemon_process.h"
 #include "support/test_env.h"
@@ -38,6 +39,28 @@ bool HasChildren() {
 }
 
 bool Alive(pid_t pid) { return std::filesystem::exists("/proc/" + std::to_string(pid)); }
+
+// The state letter of `pid` (field 3 of /proc/<pid>/stat: R, S, Z, ...), 0 when it is gone.
+char StateOf(pid_t pid) {
+  std::error_code ec;
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  if (!std::filesystem::exists(path, ec)) return 0;
+  const std::string stat = ReadFile(path);
+  const size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? 0 : stat[paren + 2];
+}
+
+// Waits (up to 30 s) until `pid` has exited: gone, or a zombie of its new parent (the lock
+// `stop` waits for is released just before the process ends; who reaps it is init's
+// business, not ours).
+bool WaitExited(pid_t pid) {
+  for (int i = 0; i < 3000; ++i) {
+    const char state = StateOf(pid);
+    if (state == 0 || state == 'Z') return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return false;
+}
 
 // The parent pid of `pid` (field 4 of /proc/<pid>/stat), -1 when it is gone.
 pid_t ParentOf(pid_t pid) {
@@ -138,7 +161,7 @@ TEST_F(DetachTest, DetachedDaemonTakesAPublisherServesAttachesAndStops) {
   const CommandResult stopped =
       RunCommand({CliPath(), "stop", "--socket", socket_, "--timeout", "30"});
   ASSERT_EQ(stopped.exit_code, 0) << stopped.err;
-  EXPECT_FALSE(Alive(pid));
+  EXPECT_TRUE(WaitExited(pid));
   EXPECT_FALSE(std::filesystem::exists(socket_));
   socket_.clear();
   EXPECT_FALSE(HasChildren());
@@ -172,7 +195,7 @@ TEST_F(DetachTest, ADaemonThatFailsToStartReportsItsOwnExitCode) {
   EXPECT_EQ(out["exit_code"], 8);
   EXPECT_THAT(r.err, HasSubstr("memory budget"));
   const pid_t pid = out["daemons"][0]["pid"];
-  EXPECT_FALSE(Alive(pid));
+  EXPECT_TRUE(WaitExited(pid));
   EXPECT_FALSE(HasChildren());
   EXPECT_EQ(OpenFdCount(), fds_before);
   EXPECT_TRUE(FindSockets(runtime_).empty());
