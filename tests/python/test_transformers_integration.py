@@ -63,7 +63,7 @@ def test_first_start_publishes_second_attaches_with_identical_logits(tiny_llama,
     params = dict(second.named_parameters())
     assert set(params) == set(att.names())
     for name, p in params.items():
-        assert p.data_ptr() == att[name].data_ptr(), name
+        assert p.data_ptr() == att[name].data_ptr, name
     meta = json.loads(att.metadata)
     assert meta["format"] == wct.METADATA_FORMAT
     assert meta["model_class"] == "AutoModelForCausalLM"
