@@ -85,3 +85,31 @@ def test_published_tensors_of_another_config_are_a_mismatch_naming_the_field(tin
 def test_no_daemon_and_no_checkpoint_is_a_clear_error(daemons, tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         _load(str(tmp_path), daemons)
+
+
+def test_tied_embeddings_are_published_once_and_attached_shared(tmp_path, daemons):
+    model_dir = example.write_tiny_llama(str(tmp_path / "tied-llama"), tie_word_embeddings=True)
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    first = _load(model_dir, daemons)
+    assert first.lm_head.weight.data_ptr() == first.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        want = first(ids).logits
+    second = _load(model_dir, daemons)
+    att = second.weightcache_attachment
+    # One region under both names: the attach maps them onto the same bytes.
+    assert att["lm_head.weight"].data_ptr == att["model.embed_tokens.weight"].data_ptr
+    assert second.lm_head.weight.data_ptr() == second.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        assert torch.equal(second(ids).logits, want)
+
+
+def test_the_example_prints_the_same_logits_from_both_starts(daemons):
+    example_py = Path(example.__file__)
+    out = subprocess.run([sys.executable, str(example_py), "--demo", "--tag", "py-example-v1",
+                          "--runtime-dir", daemons], check=True, stdout=subprocess.PIPE,
+                         text=True, timeout=300).stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith("start ")]
+    assert len(lines) == 2, out
+    assert "loaded, fused and published as published:py-example-v1" in lines[0]
+    assert "attached published:py-example-v1" in lines[1]
+    assert lines[0].split("logits")[1] == lines[1].split("logits")[1]
