@@ -113,3 +113,23 @@ def test_the_example_prints_the_same_logits_from_both_starts(daemons):
     assert "loaded, fused and published as published:py-example-v1" in lines[0]
     assert "attached published:py-example-v1" in lines[1]
     assert lines[0].split("logits")[1] == lines[1].split("logits")[1]
+
+
+def test_a_published_model_starts_without_its_checkpoint(tiny_llama, daemons, tmp_path):
+    ids = torch.tensor([[2, 3, 5, 7, 11]])
+    first = _load(tiny_llama, daemons)
+    with torch.no_grad():
+        want = first(ids).logits
+    # The checkpoint is gone: the config comes from the published cache's metadata.
+    shutil.rmtree(tiny_llama)
+    second = _load(tiny_llama, daemons)
+    with torch.no_grad():
+        assert torch.equal(second(ids).logits, want)
+
+
+def test_no_daemon_and_no_checkpoint_names_both(daemons, tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError) as e:
+        _load(str(missing), daemons, model_id="no-such-model")
+    assert str(missing) in str(e.value)
+    assert f"no daemon serves published:{TAG} for model_id 'no-such-model'" in str(e.value)

@@ -98,6 +98,21 @@ def _check_metadata(raw: bytes, model_class: str, config: Any, source: str,
             daemon_socket=socket_path, socket_path=socket_path)
 
 
+def _config_from_metadata(raw: bytes, source: str) -> Any:
+    """The transformers config a published cache was made from (its metadata's)."""
+    from transformers import AutoConfig
+
+    try:
+        published = json.loads(bytes(raw).decode())
+        fields = dict(published["config"])
+        model_type = fields.pop("model_type")
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise ValueError(f"{source}: no checkpoint dir was given and the cache's metadata holds "
+                         f"no transformers config ({METADATA_FORMAT}); pass the checkpoint "
+                         f"dir") from None
+    return AutoConfig.for_model(model_type, **fields)
+
+
 @contextlib.contextmanager
 def _parameters_on_meta(torch: Any) -> Iterator[None]:
     """Modules built inside get their parameters on the meta device (no memory, no init) and
@@ -202,25 +217,29 @@ def load(
             raise TypeError(f"load() sets {key} itself; it is not a keyword of load()")
     from transformers import AutoConfig
 
-    model_dir = _resolve_dir(model_dir_or_id)
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise FileNotFoundError(f"{model_dir}: no config.json (a transformers checkpoint "
-                                f"directory, written by save_pretrained, is expected)")
-    config = AutoConfig.from_pretrained(model_dir)
-    model_cls = _model_class(config, model_class)
-    class_name = getattr(model_cls, "__name__", str(model_cls))
-    identity.setdefault("model_id", os.path.basename(os.path.normpath(model_dir)))
+    name = os.fspath(model_dir_or_id)
+    local = os.path.isdir(name)
+    identity.setdefault("model_id", os.path.basename(os.path.normpath(name)))
+    why = "no publish_tag"
 
     if publish_tag is not None:
         source = published_source(publish_tag)
         try:
-            sd = weightcache.load_state_dict(model_dir, device, tier=tier, source=source,
+            sd = weightcache.load_state_dict(name, device, tier=tier, source=source,
                                              on_missing="error", wait_timeout=wait_timeout,
                                              **identity)
-        except (NoDaemonError, DaemonTimeoutError):
+        except (NoDaemonError, DaemonTimeoutError) as e:
             sd = None  # nobody serves it yet (or its publisher is still at work)
+            why = str(e)
         if sd is not None:
             att = sd.attachment
+            if local and os.path.isfile(os.path.join(name, "config.json")):
+                config = AutoConfig.from_pretrained(name)
+            else:
+                # No checkpoint here: the published cache carries the config it was made from.
+                config = _config_from_metadata(att.metadata, source)
+            model_cls = _model_class(config, model_class)
+            class_name = getattr(model_cls, "__name__", str(model_cls))
             _check_metadata(att.metadata, class_name, config, source, att.socket_path)
             model = _skeleton(model_cls, config, torch_dtype)
             if build is not None:
@@ -235,6 +254,20 @@ def load(
             model.weightcache_attachment = att  # the mapping lives as long as the model
             return model
 
+    try:
+        model_dir = _resolve_dir(name)
+    except FileNotFoundError as e:
+        if publish_tag is None:
+            raise
+        raise FileNotFoundError(f"{e}; and no daemon serves {published_source(publish_tag)} "
+                                f"for model_id {identity['model_id']!r}: {why}") from None
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"{model_dir}: no config.json (a transformers checkpoint "
+                                f"directory, written by save_pretrained, is expected)")
+    config = AutoConfig.from_pretrained(model_dir)
+    model_cls = _model_class(config, model_class)
+    class_name = getattr(model_cls, "__name__", str(model_cls))
+
     # The checkpoint: attached when a `serve --model` daemon serves it, else read from disk;
     # copied into this process either way (post_process may change it in place).
     # on_mismatch="fallback": a daemon of this model_id that holds other tensors (the published
@@ -244,7 +277,7 @@ def load(
                                      **{k: v for k, v in identity.items() if k != "model_id"})
     model = _skeleton(model_cls, config, torch_dtype)
     with torch.no_grad():
-        owned = {name: t.clone() for name, t in sd.items()}
+        owned = {key: t.clone() for key, t in sd.items()}
     del sd
     model.load_state_dict(owned, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
