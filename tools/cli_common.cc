@@ -6,8 +6,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <filesystem>
 #include <iostream>
 #include <map>
+
+#include "identity/paths.h"
 
 namespace weightcache::cli {
 namespace {
@@ -33,6 +36,15 @@ Result<std::string> SelfExe() {
   if (n <= 0) return IoError("readlink /proc/self/exe", errno);
   buf.resize(static_cast<size_t>(n));
   return buf;
+}
+
+Status MakePrivateDirWithParents(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+  if (ec) {
+    return IoError("creating " + std::filesystem::path(path).parent_path().string(), ec.value());
+  }
+  return identity::EnsurePrivateDir(path);
 }
 
 int ExitCodeFor(const Status& status) { return weightcache::ExitCodeFor(status.code()); }

@@ -52,13 +52,6 @@ std::string SafeName(std::string s) {
   return s.empty() ? "job" : s;
 }
 
-Status MakePrivateDirWithParents(const std::string& path) {
-  std::error_code ec;
-  fs::create_directories(fs::path(path).parent_path(), ec);
-  if (ec) return IoError("creating " + fs::path(path).parent_path().string(), ec.value());
-  return identity::EnsurePrivateDir(path);
-}
-
 // Blocks the stop signals in this (the only) thread and returns a signalfd for them. The
 // daemons are spawned with an empty mask, so they still receive what we send them.
 Result<UniqueFd> StopSignalFd() {

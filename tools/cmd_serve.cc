@@ -119,12 +119,17 @@ daemon::KeeperLinkOptions KeeperOptionsFor(const ServeArgs& args) {
 // --detach's daemon log: --log-file, else <runtime>/<namespace>/logs/serve-<digest16>.log
 // (launch's log dir), or <socket>.log beside an explicit socket.
 Result<std::string> DetachedLogPath(const ServeArgs& args, const identity::ResolvedIdentity& id) {
-  if (!args.log_file.empty()) return std::filesystem::absolute(args.log_file).string();
+  std::error_code ec;
+  if (!args.log_file.empty()) {
+    std::filesystem::path path = std::filesystem::absolute(args.log_file, ec);
+    if (ec) return IoError("--log-file " + args.log_file, ec.value());
+    return path.string();
+  }
   if (id.paths.namespace_dir.empty()) return id.paths.socket + ".log";
   const std::string dir = id.paths.namespace_dir + "/logs";
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return IoError("creating " + dir, ec.value());
+  for (const std::string& d : {id.paths.runtime_dir, id.paths.namespace_dir, dir}) {
+    WEIGHTCACHE_RETURN_IF_ERROR(MakePrivateDirWithParents(d));
+  }
   return dir + "/serve-" + id.config.ShortDigest() + ".log";
 }
 
