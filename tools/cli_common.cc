@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <string>
+#include <vector>
 
 #include "identity/paths.h"
 
@@ -18,25 +20,7 @@ std::map<CLI::App*, CommandAction>& Actions() {
   static std::map<CLI::App*, CommandAction> actions;
   return actions;
 }
-std::vector<std::string>& MutableCommandLine() {
-  static std::vector<std::string> command_line;
-  return command_line;
-}
 }  // namespace
-
-void SetCommandLine(int argc, const char* const* argv) {
-  MutableCommandLine().assign(argv, argv + argc);
-}
-
-const std::vector<std::string>& CommandLine() { return MutableCommandLine(); }
-
-Result<std::string> SelfExe() {
-  std::string buf(4096, '\0');
-  ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
-  if (n <= 0) return IoError("readlink /proc/self/exe", errno);
-  buf.resize(static_cast<size_t>(n));
-  return buf;
-}
 
 Status MakePrivateDirWithParents(const std::string& path) {
   std::error_code ec;
@@ -78,5 +62,16 @@ int RunSelected(CLI::App& root) {
   std::cerr << root.help() << std::endl;
   return kExitUsage;
 }
+
+namespace {
+std::vector<std::string>& ProgramArgsStorage() {
+  static std::vector<std::string> args;
+  return args;
+}
+}  // namespace
+
+void RecordProgramArgs(int argc, char** argv) { ProgramArgsStorage().assign(argv, argv + argc); }
+
+const std::vector<std::string>& ProgramArgs() { return ProgramArgsStorage(); }
 
 }  // namespace weightcache::cli

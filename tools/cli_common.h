@@ -25,15 +25,6 @@ int Fail(std::string_view command, const Status& status);
 // stderr pipe must not kill the process; sends use MSG_NOSIGNAL too).
 Result<UniqueFd> TakeShutdownSignals();
 
-// The process's command line, recorded by main() before parsing: `serve --detach` runs the
-// same command line, less --detach, as its daemon.
-void SetCommandLine(int argc, const char* const* argv);
-const std::vector<std::string>& CommandLine();
-
-// The absolute path of this binary (/proc/self/exe): the program `launch` and `serve
-// --detach` spawn.
-Result<std::string> SelfExe();
-
 // Creates `path`'s parents as needed, then `path` itself as a private dir (0700, ours:
 // identity::EnsurePrivateDir, the runtime dir's rule): the logs of `launch` and `serve
 // --detach`, and the runtime and namespace dirs they go under.
@@ -44,6 +35,11 @@ Status MakePrivateDirWithParents(const std::string& path);
 using CommandAction = std::function<int()>;
 void SetAction(CLI::App* sub, CommandAction action);
 int RunSelected(CLI::App& root);
+
+// The command line this process was started with (main records it before parsing): what an
+// upgrade's successor is started with again (`serve`, docs/upgrade.md).
+void RecordProgramArgs(int argc, char** argv);
+const std::vector<std::string>& ProgramArgs();
 
 // Registration functions, one per cmd_<name>.cc.
 void RegisterAttachCommand(CLI::App& root);
@@ -58,5 +54,6 @@ void RegisterDevicesCommand(CLI::App& root);
 void RegisterShardPlanCommand(CLI::App& root);
 void RegisterPublishCommand(CLI::App& root);
 void RegisterKeeperCommand(CLI::App& root);
+void RegisterUpgradeCommand(CLI::App& root);
 
 }  // namespace weightcache::cli

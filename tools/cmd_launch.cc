@@ -22,6 +22,7 @@
 #include "launcher/placement.h"
 #include "launcher/serve_daemons.h"
 #include "os/lock_file.h"
+#include "os/read_file.h"
 #include "sharding/rules.h"
 
 namespace weightcache::cli {
@@ -117,7 +118,7 @@ int RunLaunch(const LaunchArgs& args) {
   files.log_dir =
       args.log_dir.empty() ? namespace_dir + "/logs" : fs::absolute(args.log_dir).string();
   if (Status s = MakePrivateDirWithParents(files.log_dir); !s.ok()) return Fail(kCmd, s);
-  auto exe = SelfExe();
+  auto exe = os::SelfExecutable();
   if (!exe.ok()) return Fail(kCmd, exe.status());
   files.exe = *exe;
   // The daemons resolve file flags against their own working directory; make them absolute.

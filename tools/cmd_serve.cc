@@ -29,9 +29,11 @@
 #include "daemon/daemon.h"
 #include "identity/resolve.h"
 #include "identity_flags.h"
+#include "launcher/child_process.h"
 #include "launcher/launcher.h"
 #include "launcher/serve_daemons.h"
 #include "os/lock_file.h"
+#include "os/read_file.h"
 #include "os/syscalls.h"
 #include "sharding/planner.h"
 
@@ -57,7 +59,45 @@ struct ServeArgs {
   bool json = false;
   double ready_timeout_s = 600;
   std::string log_file;
+  int handover_fd = -1;  // an upgrade's successor: the channel from the old daemon
+  double upgrade_timeout_s = 60;
 };
+
+// The successor of an Upgrade (docs/upgrade.md): started with our own command line, minus any
+// --handover-fd of our own, plus the channel; in our session, with our standard streams, so
+// that its log lines go where ours went.
+class SpawnedSuccessor : public daemon::Successor {
+ public:
+  explicit SpawnedSuccessor(launcher::ChildProcess child) : child_(std::move(child)) {}
+  pid_t pid() const override { return child_.pid(); }
+  void Release() override { child_.Detach(); }
+
+ private:
+  launcher::ChildProcess child_;
+};
+
+Result<std::unique_ptr<daemon::Successor>> StartSuccessor(const std::string& binary, int channel) {
+  launcher::SpawnOptions spawn;
+  spawn.argv.push_back(binary);
+  const std::vector<std::string>& ours = ProgramArgs();
+  for (size_t i = 1; i < ours.size(); ++i) {
+    if (ours[i] == "--handover-fd") {
+      ++i;
+      continue;
+    }
+    if (ours[i].rfind("--handover-fd=", 0) == 0) continue;
+    spawn.argv.push_back(ours[i]);
+  }
+  spawn.argv.push_back("--handover-fd");
+  spawn.argv.push_back(std::to_string(daemon::kHandoverChannelFd));
+  spawn.in = launcher::Stdio::kInherit;
+  spawn.out = launcher::Stdio::kInherit;
+  spawn.err = launcher::Stdio::kInherit;
+  spawn.session = launcher::Session::kInherit;
+  spawn.pass_fds.emplace_back(channel, daemon::kHandoverChannelFd);
+  WEIGHTCACHE_ASSIGN_OR_RETURN(launcher::ChildProcess child, launcher::ChildProcess::Spawn(spawn));
+  return std::unique_ptr<daemon::Successor>(new SpawnedSuccessor(std::move(child)));
+}
 
 std::chrono::milliseconds Millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
@@ -142,7 +182,7 @@ Result<std::string> DetachedLogPath(const ServeArgs& args, const identity::Resol
 // quoted; one that does not answer within --ready-timeout is stopped (exit 6).
 int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id, int signal_fd) {
   constexpr std::string_view kCmd = "serve";
-  auto exe = SelfExe();
+  auto exe = os::SelfExecutable();
   if (!exe.ok()) return Fail(kCmd, exe.status());
   auto log = DetachedLogPath(args, id);
   if (!log.ok()) return Fail(kCmd, log.status());
@@ -153,7 +193,7 @@ int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id, int sign
   spec.socket_path = id.paths.socket;
   spec.lock_path = id.paths.lock;
   spec.spawn.argv.push_back(*exe);
-  const std::vector<std::string>& line = CommandLine();
+  const std::vector<std::string>& line = ProgramArgs();
   for (size_t i = 1; i < line.size(); ++i) {
     if (line[i] != "--detach") spec.spawn.argv.push_back(line[i]);
   }
@@ -200,6 +240,43 @@ int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id, int sign
     std::cerr << "weightcache " << kCmd << ": " << report.status.ToString() << std::endl;
   }
   return code;
+}
+
+// An upgrade's successor: receive and validate the handover, publish the socket over the old
+// daemon's, confirm. Any failure goes back to the old daemon (which serves on) and is ours.
+Result<std::unique_ptr<daemon::Daemon>> TakeOver(const ServeArgs& args,
+                                                 const identity::ResolvedIdentity& id,
+                                                 const daemon::DaemonOptions& options) {
+  const UniqueFd channel(args.handover_fd);
+  std::optional<daemon::GpuAdoptContext> gpu;
+  if (options.config.tier == Tier::kGpu && options.device.has_value()) {
+    auto driver = options.env.load_driver();
+    if (driver.ok()) gpu = daemon::GpuAdoptContext{*driver, *options.device};
+  }
+  const std::string model_path =
+      identity::IsPublishedSource(options.config.source) ? "" : options.model_path;
+  auto taken =
+      daemon::ReceiveHandover(channel.get(), id.paths, options.config, model_path, options.keeper,
+                              gpu ? &*gpu : nullptr, std::chrono::seconds(30));
+  if (!taken.ok()) {
+    daemon::RefuseHandover(channel.get(), taken.status());
+    Status status = taken.status();
+    return status.Context("taking over the cache");
+  }
+  const int64_t predecessor = taken->predecessor_pid;
+  auto daemon = daemon::Daemon::CreateFromHandover(options, std::move(taken).value());
+  if (!daemon.ok()) {
+    daemon::RefuseHandover(channel.get(), daemon.status());
+    return daemon;
+  }
+  Status confirmed = daemon::ConfirmHandover(channel.get());
+  if (!confirmed.ok()) {
+    // It died after handing over (kill -9 mid-handoff): we hold the lock and serve anyway.
+    LOG_WARN << "the old daemon (pid " << predecessor
+             << ") did not take the confirmation: " << confirmed.ToString();
+  }
+  LOG_INFO << "took over from pid " << predecessor << " (upgrade)";
+  return daemon;
 }
 
 int Run(ServeArgs& args) {
@@ -252,7 +329,15 @@ int Run(ServeArgs& args) {
     return Fail(kCmd, InvalidArgument("--replace needs --source published:<tag>"));
   }
   options.keeper = KeeperOptionsFor(args);
-  if (args.detach) return Detach(args, *id, signals->get());
+  if (args.detach) {
+    if (args.handover_fd >= 0) {
+      return Fail(kCmd, InvalidArgument("--detach and --handover-fd exclude each other"));
+    }
+    return Detach(args, *id, signals->get());
+  }
+  options.start_successor = StartSuccessor;
+  options.upgrade_timeout = Millis(args.upgrade_timeout_s);
+  if (auto self = os::SelfExecutable(); self.ok()) options.self_binary = *self;
 
   // One fd per client: take every fd the hard limit allows (the soft default of 1024 is a
   // select()-era guess). A daemon that still runs out pauses accepting (docs/daemon.md).
@@ -263,7 +348,10 @@ int Run(ServeArgs& args) {
     LOG_DEBUG << "RLIMIT_NOFILE soft limit raised to the hard limit, " << fd_limit->soft;
   }
 
-  auto daemon = daemon::Daemon::Create(options);
+  Result<std::unique_ptr<daemon::Daemon>> daemon = [&] {
+    if (args.handover_fd < 0) return daemon::Daemon::Create(options);
+    return TakeOver(args, *id, options);
+  }();
   if (!daemon.ok()) return Fail(kCmd, daemon.status());
 
   {
@@ -374,6 +462,14 @@ void RegisterServeCommand(CLI::App& root) {
   sub->add_option("--log-file", args->log_file,
                   "with --detach: the daemon's log (default "
                   "<runtime>/<namespace>/logs/serve-<digest>.log)");
+  sub->add_option("--upgrade-timeout", args->upgrade_timeout_s,
+                  "seconds an upgrade's successor has to validate the handover and take over "
+                  "before it is killed and this daemon serves on (default 60; docs/upgrade.md)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--handover-fd", args->handover_fd,
+                  "internal: set by `weightcache upgrade` on the successor it starts (the "
+                  "channel the old daemon hands the cache over on)")
+      ->check(CLI::Range(3, 1 << 20));
   SetAction(sub, [args] { return Run(*args); });
 }
 

@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
       "weightcache: keep LLM weights resident in GPU memory so engines restart in "
       "milliseconds.\nSee `weightcache <command> --help` for each command.",
       "weightcache"};
+  cli::RecordProgramArgs(argc, argv);
   root.require_subcommand(1);
   root.set_version_flag("--version", "weightcache 0.1.0");
 
@@ -26,11 +27,11 @@ int main(int argc, char** argv) {
   cli::RegisterShardPlanCommand(root);
   cli::RegisterLsCommand(root);
   cli::RegisterStopCommand(root);
+  cli::RegisterUpgradeCommand(root);
   cli::RegisterPathsCommand(root);
   cli::RegisterDevicesCommand(root);
   cli::RegisterKeeperCommand(root);
 
-  cli::SetCommandLine(argc, argv);
   try {
     root.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -114,7 +114,16 @@ struct Probe {
   int64_t pid = 0;
   protocol::HelloReply hello;
   bool attach_pending = false;  // an Attach was sent behind the Hello; its reply is unread
+  // Refused although the lock was held: the instant of an upgrade's takeover (worth a retry).
+  bool refused_while_locked = false;
 };
+
+// An upgrade's takeover (docs/upgrade.md): the successor renames its socket over the old
+// daemon's, which then closes its listener. For an instant a connect may still reach that
+// listener — refused, or reset before the Hello is answered — while the lock is held
+// throughout. Discover probes again, this often, within the answer deadline.
+constexpr int kTakeoverRetries = 50;
+constexpr std::chrono::milliseconds kTakeoverRetryInterval{2};
 
 std::string DescribeUids(const std::vector<uid_t>& uids) {
   std::string out;
@@ -183,6 +192,7 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
     if (conn.status().sys_errno() == ECONNREFUSED) {
       probe.state = SocketState::kStale;
       probe.why = "nobody listens at " + socket;
+      probe.refused_while_locked = true;
       return probe;
     }
     return conn.status().Context("connecting to " + socket);
@@ -381,9 +391,22 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
   os::SysCalls& sys = *env.syscalls;
   const Deadlines deadlines(policy);
   const std::string& socket = id.paths.socket;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(
-      Probe probe, ProbeSocket(socket, id.paths.lock, id.config, policy, id.trusted_uids, deadlines,
-                               Pipeline::kHelloThenAttach, sys));
+  auto probe_once = [&] {
+    return ProbeSocket(socket, id.paths.lock, id.config, policy, id.trusted_uids, deadlines,
+                       Pipeline::kHelloThenAttach, sys);
+  };
+  const auto at_takeover = [&](const Result<Probe>& p) {
+    if (p.ok()) return p->refused_while_locked;
+    const int err = p.status().sys_errno();
+    return (err == ECONNRESET || err == EPIPE) && os::IsLockHeld(id.paths.lock);
+  };
+  Result<Probe> probed = probe_once();
+  for (int retry = 0; retry < kTakeoverRetries && at_takeover(probed) && !deadlines.AnswerPassed();
+       ++retry) {
+    std::this_thread::sleep_for(kTakeoverRetryInterval);
+    probed = probe_once();
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(Probe probe, std::move(probed));
   if (probe.state == SocketState::kHung) return Missing(probe.why, StatusCode::kTimeout);
   if (probe.state != SocketState::kLive) {
     if (!id.paths.explicit_socket) {

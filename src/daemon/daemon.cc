@@ -6,6 +6,7 @@
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -48,6 +49,7 @@ struct Daemon::Connection {
   uint64_t id = 0;                 // unique for the daemon's life (fd numbers are reused)
   bool publishing = false;         // its arena is out or being committed: never idle-closed
   bool committing = false;         // its PublishCommit is being verified: unread until answered
+  bool upgrading = false;          // its Upgrade awaits the successor: never idle-closed
   bool close_after_flush = false;  // after an error that ends this connection
   uint32_t armed = 0;              // the epoll mask currently registered
   Clock::time_point last_request;  // the accept, then each complete request
@@ -144,15 +146,33 @@ Result<std::unique_ptr<Daemon>> Daemon::Create(DaemonOptions options) {
     Status status = lock.status();
     return status.Context("cache " + paths.socket);
   }
+  return Publish(std::move(options), std::move(lock).value());
+}
 
+Result<std::unique_ptr<Daemon>> Daemon::CreateFromHandover(DaemonOptions options, TakenOver taken) {
+  const bool shared = !options.allow_uids.empty() || !options.allow_gids.empty();
+  WEIGHTCACHE_RETURN_IF_ERROR(identity::EnsureCacheDirs(
+      options.paths, ::geteuid(),
+      shared ? identity::DirAccess::kShared : identity::DirAccess::kPrivate));
+  os::LockFile lock = std::move(taken.lock);
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::unique_ptr<Daemon> daemon,
+                               Publish(std::move(options), std::move(lock)));
+  daemon->taken_over_.emplace(std::move(taken));
+  return daemon;
+}
+
+Result<std::unique_ptr<Daemon>> Daemon::Publish(DaemonOptions options, os::LockFile lock) {
+  const identity::CachePaths& paths = options.paths;
+  const bool shared = !options.allow_uids.empty() || !options.allow_gids.empty();
   struct stat st {};
   if (::lstat(paths.socket.c_str(), &st) == 0) {
     if (!S_ISSOCK(st.st_mode)) {
       return InvalidArgument(paths.socket + " exists and is not a socket; refusing to replace it");
     }
-    // Lock held by us, so nobody serves it: a crashed daemon's leftover. ListenUnix renames
-    // over it atomically, so clients never see the path missing.
-    LOG_INFO << "replacing stale socket " << paths.socket << " (its lock was free)";
+    // Lock held by us, so nobody serves it: a crashed daemon's leftover (or, in an upgrade,
+    // the live socket of the daemon that handed us its lock). ListenUnix renames over it
+    // atomically, so clients never see the path missing.
+    LOG_INFO << "replacing socket " << paths.socket << " (its lock is ours)";
   }
   auto listen_fd = os::ListenUnix(paths.socket, shared ? 0666 : 0600, os::Blocking::kNonBlocking);
   if (!listen_fd.ok()) {
@@ -166,9 +186,10 @@ Result<std::unique_ptr<Daemon>> Daemon::Create(DaemonOptions options) {
   UniqueFd wakeup(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wakeup) return IoError("eventfd", errno);
 
-  return std::unique_ptr<Daemon>(new Daemon(std::move(options), std::move(lock).value(),
-                                            std::move(socket), std::move(epoll),
-                                            std::move(wakeup)));
+  auto daemon = std::unique_ptr<Daemon>(new Daemon(
+      std::move(options), std::move(lock), std::move(socket), std::move(epoll), std::move(wakeup)));
+  daemon->socket_mode_ = shared ? 0666 : 0600;
+  return daemon;
 }
 
 Daemon::Daemon(DaemonOptions options, os::LockFile lock, PublishedSocket socket, UniqueFd epoll,
@@ -351,9 +372,17 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
   if (signal_fd >= 0) {
     WEIGHTCACHE_RETURN_IF_ERROR(EpollCtl(epoll_.get(), EPOLL_CTL_ADD, signal_fd, EPOLLIN));
   }
-  const int listen_fd = socket_.fd();
   load_start_ = Clock::now();
-  if (identity::IsPublishedSource(options_.config.source)) {
+  if (taken_over_) {
+    // An upgrade's successor: the cache is the one handed over, validated (upgrade.h).
+    Status installed = InstallStore(std::move(taken_over_->store));
+    if (!installed.ok()) return installed;
+    if (events_.on_adopted) {
+      events_.on_adopted("handed over by pid " + std::to_string(taken_over_->predecessor_pid) +
+                         ", checksums of " + taken_over_->verified + " verified");
+    }
+    if (events_.on_ready) events_.on_ready(store_->summary(), SecondsSince(load_start_));
+  } else if (identity::IsPublishedSource(options_.config.source)) {
     state_ = CacheState::kAwaiting;  // nothing to load: the publisher brings the weights
     LOG_INFO << "awaiting the publisher of " << options_.config.source;
   } else {
@@ -371,6 +400,20 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
                                         [](const auto& c) { return !c.second->outbox.empty(); });
       if (flushed || now >= *drain_until_) break;
     }
+    if (handed_over_until_) {
+      // Our connections are served when each has attached (or closed) with its replies sent:
+      // the backlog accepted at the handover asked for nothing else.
+      const bool served = std::all_of(connections_.begin(), connections_.end(), [](const auto& c) {
+        return c.second->attached && c.second->outbox.empty();
+      });
+      if (served || now >= *handed_over_until_) break;
+    }
+    if (upgrade_ && now >= upgrade_->deadline) {
+      FinishUpgrade(Status(StatusCode::kTimeout,
+                           "successor pid " + std::to_string(upgrade_->successor->pid()) +
+                               " did not take over within " +
+                               std::to_string(options_.upgrade_timeout.count()) + " ms"));
+    }
     if (accept_paused_until_ && now >= *accept_paused_until_) ResumeAccepting();
     if (sweep_at_ && now >= *sweep_at_) {
       sweep_at_.reset();
@@ -382,6 +425,8 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
     };
     if (state_ == CacheState::kFailed) wake_by(linger_until_);
     if (state_ == CacheState::kDraining) wake_by(drain_until_);
+    wake_by(handed_over_until_);
+    if (upgrade_) wake_by(upgrade_->deadline);
     wake_by(accept_paused_until_);
     wake_by(sweep_at_);
     int timeout_ms = -1;
@@ -396,8 +441,10 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
     }
     for (int i = 0; i < n; ++i) {
       const int fd = ready[i].data.fd;
-      if (fd == listen_fd && state_ != CacheState::kDraining) {
+      if (fd == socket_.fd() && state_ != CacheState::kDraining) {
         AcceptAll();
+      } else if (upgrade_ && fd == upgrade_->channel.get()) {
+        OnUpgradeChannel();
       } else if (fd == wakeup_.get()) {
         OnLoaderWakeup();
       } else if (fd == signal_fd) {
@@ -414,13 +461,15 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
     }
   }
 
-  LOG_INFO << "drained; closing " << connections_.size() << " connection(s)";
+  LOG_INFO << (handed_over_until_ ? "handed over" : "drained") << "; closing "
+           << connections_.size() << " connection(s)";
   connections_.clear();
   StopLoader();
   socket_.Withdraw();
-  // Run ends only by a drain, and a drain is always deliberate (Stop, SIGTERM/SIGINT, a
-  // failed load's linger): the kept memory goes. A crash never gets here.
-  DropKeeperAtStop();
+  // Run ends by a drain or a handover. A drain is always deliberate (Stop, SIGTERM/SIGINT, a
+  // failed load's linger): the kept memory goes. A crash never gets here. A handover keeps
+  // it: the successor serves the same memory, which the keeper goes on holding for it.
+  if (!handed_over_until_) DropKeeperAtStop();
   // A load that finished while draining still decides nothing: only a failure recorded
   // before the drain makes the exit non-zero.
   return failure_;
@@ -504,6 +553,9 @@ void Daemon::OnSignal(int signal_fd) {
 
 void Daemon::BeginDrain(std::string_view reason) {
   if (state_ == CacheState::kDraining) return;
+  // An upgrade in progress ends first: its successor may already listen at our path, which
+  // the drain below unlinks.
+  if (upgrade_) FinishUpgrade(Status(StatusCode::kUnavailable, "the daemon is draining"));
   LOG_INFO << "draining: " << reason;
   if (events_.on_draining) events_.on_draining(reason);
   state_ = CacheState::kDraining;
@@ -667,7 +719,7 @@ bool Daemon::Sweep(Clock::time_point now) {
       }
       again = true;
     }
-    if (!conn.attached && !conn.publishing && !conn.close_after_flush) {
+    if (!conn.attached && !conn.publishing && !conn.upgrading && !conn.close_after_flush) {
       if (now - conn.last_request >= options_.handshake_timeout) {
         LOG_WARN << "closing connection of " << conn.Describe() << ": no "
                  << (conn.hello_seen ? "further " : "") << "request within "
@@ -852,6 +904,9 @@ void Daemon::HandleFrame(Connection& conn, const protocol::Frame& frame) {
     case MessageType::kStop:
       if (DecodeEmptyRequest(conn, frame)) HandleStop(conn);
       return;
+    case MessageType::kUpgrade:
+      HandleUpgrade(conn, frame.payload);
+      return;
     case MessageType::kPublishBegin:
       HandlePublishBegin(conn, frame.payload);
       return;
@@ -974,6 +1029,164 @@ void Daemon::HandleStop(Connection& conn) {
   reply.clients = clients_;
   QueueFrame(conn, protocol::EncodeStopReply(reply));
   stop_requested_by_ = conn.Describe();
+}
+
+// ---- upgrade (docs/upgrade.md) -----------------------------------------------------------------
+
+namespace {
+
+// A successor whose channel failed (EOF, EPIPE): it exited or crashed before taking over.
+Status SuccessorGone(pid_t pid, const Status& how) {
+  const bool closed = how.code() == StatusCode::kUnavailable || how.code() == StatusCode::kIo;
+  return Status(closed ? StatusCode::kInternal : how.code(),
+                "successor pid " + std::to_string(pid) +
+                    " ended the handover without taking over (" + how.message() + ")");
+}
+
+}  // namespace
+
+void Daemon::HandleUpgrade(Connection& conn, std::span<const uint8_t> payload) {
+  auto request = protocol::DecodeUpgradeRequest(payload);
+  if (!request.ok()) {
+    CloseWithError(conn, request.status(),
+                   "bad Upgrade from " + conn.Describe() + ": " + request.status().ToString());
+    return;
+  }
+  // Only the daemon's own uid: the successor runs as this daemon, with its memory.
+  if (conn.peer.uid != ::geteuid()) {
+    LOG_WARN << "refused Upgrade from " << conn.Describe();
+    QueueError(conn, PermissionDenied("Upgrade refused for " + conn.Describe() + ": only uid " +
+                                      std::to_string(::geteuid()) +
+                                      " (the daemon's owner) may upgrade it"));
+    return;
+  }
+  Status refused = Status::Ok();
+  if (!options_.start_successor) {
+    refused = Status(StatusCode::kUnavailable,
+                     "this daemon was not started by `weightcache serve`: it has no binary to "
+                     "start a successor from");
+  } else if (upgrade_) {
+    refused =
+        Status(StatusCode::kUnavailable, "an upgrade is in progress (successor pid " +
+                                             std::to_string(upgrade_->successor->pid()) + ")");
+  } else if (state_ != CacheState::kReady || !store_) {
+    refused = Status(StatusCode::kUnavailable,
+                     "cache " + options_.config.ShortDigest() + " is " +
+                         std::string(protocol::CacheStateName(state_)) +
+                         ": only a ready cache is handed over (a loading daemon restarts "
+                         "as fast as its successor would load)");
+  } else if (publication_ || committing_conn_ != 0) {
+    refused = Status(StatusCode::kUnavailable,
+                     "a publish is in progress (pid " + std::to_string(publisher_pid_) + ")");
+  }
+  if (!refused.ok()) {
+    QueueError(conn, refused);
+    return;
+  }
+  const std::string binary = request->binary.empty() ? options_.self_binary : request->binary;
+  auto fail = [&](const Status& why) {
+    LOG_WARN << "upgrade requested by " << conn.Describe() << " failed: " << why.ToString();
+    QueueError(conn, why);
+  };
+  int pair[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
+    return fail(IoError("socketpair for the upgrade channel", errno));
+  }
+  UniqueFd ours(pair[0]);
+  UniqueFd theirs(pair[1]);
+  const auto started = Clock::now();
+  auto successor = options_.start_successor(binary, theirs.get());
+  if (!successor.ok()) {
+    Status status = successor.status();
+    return fail(status.Context("starting successor " + binary));
+  }
+  theirs.Reset();  // the successor has its own copy: its exit is our EOF
+  LOG_INFO << "upgrade requested by " << conn.Describe() << ": successor pid "
+           << (*successor)->pid() << " (" << binary << ") takes the handover";
+  upgrade_.emplace(PendingUpgrade{std::move(successor).value(), std::move(ours), conn.id, started,
+                                  started + options_.upgrade_timeout});
+  conn.upgrading = true;
+  Status sent = SendHandover(upgrade_->channel.get(), options_.config, *store_, lock_.fd(),
+                             std::chrono::milliseconds(5'000));
+  if (!sent.ok()) return FinishUpgrade(SuccessorGone(upgrade_->successor->pid(), sent));
+  Status added = EpollCtl(epoll_.get(), EPOLL_CTL_ADD, upgrade_->channel.get(), EPOLLIN);
+  if (!added.ok()) FinishUpgrade(added);
+}
+
+void Daemon::OnUpgradeChannel() {
+  auto frame = protocol::ReadFrame(upgrade_->channel.get(), protocol::Expect::kKeeperReply,
+                                   os::Deadline::After(std::chrono::milliseconds(1'000)));
+  if (!frame.ok()) return FinishUpgrade(SuccessorGone(upgrade_->successor->pid(), frame.status()));
+  if (frame->type == MessageType::kError) {
+    auto error = protocol::DecodeError(frame->payload);
+    if (!error.ok()) return FinishUpgrade(error.status());
+    return FinishUpgrade(Status(error->code, "successor pid " +
+                                                 std::to_string(upgrade_->successor->pid()) +
+                                                 " refused the handover: " + error->message));
+  }
+  if (frame->type != MessageType::kHandoverDone ||
+      !protocol::CheckEmptyHandoff(frame->type, frame->payload).ok()) {
+    return FinishUpgrade(
+        ProtocolError("successor pid " + std::to_string(upgrade_->successor->pid()) + " sent " +
+                      protocol::MessageTypeName(frame->type) + " instead of HandoverDone"));
+  }
+  FinishUpgrade(Status::Ok());
+}
+
+void Daemon::FinishUpgrade(Status result) {
+  PendingUpgrade upgrade = std::move(*upgrade_);
+  upgrade_.reset();
+  (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, upgrade.channel.get(), nullptr);
+  const pid_t pid = upgrade.successor->pid();
+  Connection* requester = nullptr;
+  for (auto& [fd, conn] : connections_) {
+    if (conn->id == upgrade.requester) requester = conn.get();
+  }
+  if (requester != nullptr) {
+    requester->upgrading = false;
+    requester->last_request = Clock::now();
+  }
+  if (!result.ok()) {
+    upgrade.successor.reset();  // killed and reaped: it can no longer touch the path
+    // It may have renamed its socket over ours before it died: publish ours again (we hold
+    // the lock, so the path is ours), after taking what waits in our backlog.
+    AcceptAll();
+    auto listen_fd =
+        os::ListenUnix(options_.paths.socket, socket_mode_, os::Blocking::kNonBlocking);
+    if (listen_fd.ok()) {
+      (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, socket_.fd(), nullptr);
+      socket_.ReplaceFd(std::move(listen_fd).value());
+      if (!accept_paused_until_) (void)EpollCtl(epoll_.get(), EPOLL_CTL_ADD, socket_.fd(), EPOLLIN);
+    } else {
+      LOG_ERROR << "re-publishing " << options_.paths.socket
+                << " after the failed upgrade: " << listen_fd.status().ToString();
+    }
+    LOG_WARN << "upgrade failed, serving on: " << result.ToString();
+    if (requester != nullptr) {
+      QueueError(*requester, result);
+      FlushAndRearm(*requester);
+    }
+    return;
+  }
+  const auto took =
+      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - upgrade.started);
+  upgrade.successor->Release();
+  LOG_INFO << "handed over to successor pid " << pid << " in " << took.count() / 1000.0
+           << " ms; serving what waits in the backlog, then exiting";
+  if (requester != nullptr) {
+    protocol::UpgradeReply reply;
+    reply.successor_pid = pid;
+    reply.handover_us = static_cast<uint64_t>(took.count());
+    QueueFrame(*requester, protocol::EncodeUpgradeReply(reply));
+    requester->close_after_flush = true;
+    FlushAndRearm(*requester);
+  }
+  // The path is the successor's: whoever connected before its rename is in our backlog.
+  AcceptAll();
+  (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, socket_.fd(), nullptr);
+  socket_.Abandon();
+  accept_paused_until_.reset();
+  handed_over_until_ = Clock::now() + options_.drain_timeout;
 }
 
 // ---- publishing (docs/publish.md) -------------------------------------------------------------

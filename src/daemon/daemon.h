@@ -19,6 +19,12 @@
 //            the failed linger: state `draining`, stop accepting, unlink the socket, cancel
 //            the loader, flush pending replies (bounded by drain_timeout), close everyone,
 //            drop the keeper (a drain is deliberate: the kept memory goes; a crash keeps it).
+//   handover an Upgrade request from the owner (upgrade.h, docs/upgrade.md): a successor is
+//            started and sent the store and the lock; once it answers HandoverDone (its socket
+//            renamed over ours), we accept our backlog, stop listening without unlinking the
+//            path, serve those connections until they attached, and Run returns OK keeping
+//            the keeper. A successor that fails is killed, our socket re-published, and we
+//            serve on.
 //   destroy  releases the lock (after the socket is gone, so a successor never sees our
 //            socket with its lock free while we still answer on it).
 //
@@ -61,6 +67,7 @@
 #include "common/unique_handle.h"
 #include "daemon/keeper_link.h"
 #include "daemon/publish_store.h"
+#include "daemon/upgrade.h"
 #include "daemon/weight_store.h"
 #include "identity/cache_config.h"
 #include "identity/device_inventory.h"
@@ -124,6 +131,13 @@ struct DaemonOptions {
   // as long as it lives): its connection is closed and the state stays as it was
   // (`serve --publish-timeout`, docs/publish.md).
   std::chrono::milliseconds publish_timeout{600'000};
+  // Upgrade (docs/upgrade.md): how a successor process is started (`serve` sets it; unset,
+  // an Upgrade request is refused: an in-process daemon has no binary to start), the binary an
+  // Upgrade without one starts (this daemon's executable as it was at its start), and how long
+  // the successor has to validate and take over before it is killed and we serve on.
+  StartSuccessor start_successor;
+  std::string self_binary;
+  std::chrono::milliseconds upgrade_timeout{60'000};
 };
 
 // Called on the Run thread (never the loader's), for the CLI's log lines.
@@ -143,6 +157,10 @@ class Daemon {
   using Clock = std::chrono::steady_clock;
 
   static Result<std::unique_ptr<Daemon>> Create(DaemonOptions options);
+  // A successor's daemon (upgrade.h): it owns the lock and the store it took over, publishes
+  // the socket (renaming over the old daemon's: from then on new clients reach it) and Run
+  // serves `ready` at once, loading nothing.
+  static Result<std::unique_ptr<Daemon>> CreateFromHandover(DaemonOptions options, TakenOver taken);
   ~Daemon();
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
@@ -176,6 +194,13 @@ class Daemon {
       path_.Reset();
       fd_.Reset();
     }
+    // A successor serves at the path now: stop listening, leave the path to it.
+    void Abandon() {
+      (void)path_.Release();
+      fd_.Reset();
+    }
+    // Listen on `fd` from now on (the path was re-published over a dead successor's).
+    void ReplaceFd(UniqueFd fd) { fd_ = std::move(fd); }
 
    private:
     UniqueFd fd_;
@@ -186,6 +211,8 @@ class Daemon {
 
   Daemon(DaemonOptions options, os::LockFile lock, PublishedSocket socket, UniqueFd epoll,
          UniqueFd wakeup);
+  // Create's part after the lock: the socket, epoll and the eventfd.
+  static Result<std::unique_ptr<Daemon>> Publish(DaemonOptions options, os::LockFile lock);
 
   void LoaderMain();
   // The load proper (checkpoint open, fingerprint check, the tier's loader); `memory` gets the
@@ -207,6 +234,15 @@ class Daemon {
   void HandleStatus(Connection& conn);
   void HandleAttach(Connection& conn);
   void HandleStop(Connection& conn);
+  // Upgrade (docs/upgrade.md): start the successor and send it the handover; its answer on
+  // the channel ends the upgrade (OnUpgradeChannel), or the upgrade deadline does.
+  void HandleUpgrade(Connection& conn, std::span<const uint8_t> payload);
+  void OnUpgradeChannel();
+  // Success: answer the requester, accept the backlog, leave the socket path to the
+  // successor and end the loop once the connections are served (keeping the keeper). Failure:
+  // kill and reap the successor, re-publish our socket (it may have renamed its own over it),
+  // answer the requester with the reason, and serve on.
+  void FinishUpgrade(Status result);
   // Publishing (docs/publish.md): one publisher at a time, host tier.
   void HandlePublishBegin(Connection& conn, std::span<const uint8_t> payload);
   void HandlePublishCommit(Connection& conn, std::span<const uint8_t> payload);
@@ -307,6 +343,21 @@ class Daemon {
   Mutex commit_mu_;
   std::optional<Result<WeightStore>> commit_result_ WEIGHTCACHE_GUARDED_BY(commit_mu_);
   std::thread committer_;
+
+  // The upgrade in progress (HandleUpgrade .. FinishUpgrade).
+  struct PendingUpgrade {
+    std::unique_ptr<Successor> successor;
+    UniqueFd channel;
+    uint64_t requester = 0;  // the Upgrade's connection id (it may close meanwhile)
+    Clock::time_point started;
+    Clock::time_point deadline;
+  };
+  std::optional<PendingUpgrade> upgrade_;
+  mode_t socket_mode_ = 0600;  // what a re-published socket gets
+  // Handed over: the successor serves; the loop ends once our connections are served.
+  std::optional<Clock::time_point> handed_over_until_;
+  // A successor's daemon: the store it took over, installed when Run starts.
+  std::optional<TakenOver> taken_over_;
 };
 
 }  // namespace weightcache::daemon

@@ -22,24 +22,6 @@ keeper::KeeperPaths PathsOf(const identity::CachePaths& paths) {
   return {paths.keeper_socket, paths.keeper_lock};
 }
 
-// The checkpoint as it is now, by its headers and the stat of its files (no tensor byte is
-// read): the same fingerprint and files the identity was computed from, or why not.
-Status CheckCheckpointUnchanged(const identity::CacheConfig& config,
-                                const std::string& model_path) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint now,
-                               checkpoint::Checkpoint::Open(model_path));
-  if (now.fingerprint() != config.checkpoint_fingerprint) {
-    return InvalidCheckpoint("checkpoint " + model_path + " has fingerprint " + now.fingerprint() +
-                             ", the kept cache was loaded from " + config.checkpoint_fingerprint);
-  }
-  if (now.files_digest() != config.checkpoint_files) {
-    return InvalidCheckpoint("checkpoint " + model_path + " files changed (checkpoint_files " +
-                             now.files_digest() + ", the kept cache's " + config.checkpoint_files +
-                             ")");
-  }
-  return Status::Ok();
-}
-
 // Gpu tier: each withdrawn fd imported and mapped here (which checks it is a VMM allocation
 // of this device of the manifest's size), and the checksum kernel over it.
 struct GpuVerifier {
@@ -83,14 +65,30 @@ struct GpuVerifier {
   }
 };
 
+}  // namespace
+
+Status CheckCheckpointUnchanged(const identity::CacheConfig& config,
+                                const std::string& model_path) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint now,
+                               checkpoint::Checkpoint::Open(model_path));
+  if (now.fingerprint() != config.checkpoint_fingerprint) {
+    return InvalidCheckpoint("checkpoint " + model_path + " has fingerprint " + now.fingerprint() +
+                             ", the kept cache was loaded from " + config.checkpoint_fingerprint);
+  }
+  if (now.files_digest() != config.checkpoint_files) {
+    return InvalidCheckpoint("checkpoint " + model_path + " files changed (checkpoint_files " +
+                             now.files_digest() + ", the kept cache's " + config.checkpoint_files +
+                             ")");
+  }
+  return Status::Ok();
+}
+
 std::string DescribeVerified(const protocol::AdoptOptions& adopt, size_t tensors) {
   if (adopt.checksums == protocol::ChecksumCheck::kFull || tensors <= adopt.sample_tensors) {
     return "all " + std::to_string(tensors) + " tensors";
   }
   return std::to_string(adopt.sample_tensors) + " of " + std::to_string(tensors) + " tensors";
 }
-
-}  // namespace
 
 Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& handoff,
                         const protocol::AdoptOptions& adopt) {

@@ -95,6 +95,14 @@ Status DropCacheKeeper(const identity::CachePaths& paths, const KeeperLinkOption
 Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& handoff,
                         const protocol::AdoptOptions& adopt);
 
+// The checkpoint as it is now, by its headers and the stat of its files (no tensor byte is
+// read): the same fingerprint and files the identity was computed from, or kInvalidCheckpoint
+// saying what changed.
+Status CheckCheckpointUnchanged(const identity::CacheConfig& config, const std::string& model_path);
+
+// "all 291 tensors" / "64 of 291 tensors": what `adopt` checks of a manifest of `tensors`.
+std::string DescribeVerified(const protocol::AdoptOptions& adopt, size_t tensors);
+
 // The WeightStore a validated handoff describes: its manifest memfd and allocation fds, the
 // totals from its manifest.
 WeightStore StoreFromHandoff(protocol::Handoff handoff);

@@ -14,6 +14,7 @@
 #include "common/unique_fd.h"
 #include "os/fd_passing.h"
 #include "os/lock_file.h"
+#include "os/read_file.h"
 #include "os/unix_socket.h"
 #include "protocol/messages.h"
 
@@ -51,13 +52,6 @@ Result<Frame> Exchange(const std::string& socket, Result<std::vector<uint8_t>> r
 // What the keeper's would-be process reports when exec fails (a status code, then why).
 constexpr std::string_view kExecFailed = "10 exec of the keeper program failed\n";
 
-Result<std::string> SelfExe() {
-  char buf[PATH_MAX];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n < 0) return IoError("readlink /proc/self/exe", errno);
-  return std::string(buf, static_cast<size_t>(n));
-}
-
 // The keeper's word on its start, from its ready pipe: "0 <pid>" or "<code> <message>".
 Result<pid_t> ParseReady(const std::string& text, const std::string& socket) {
   const size_t space = text.find(' ');
@@ -93,7 +87,7 @@ Result<pid_t> ParseReady(const std::string& text, const std::string& socket) {
 Result<pid_t> SpawnKeeper(const SpawnOptions& options) {
   std::string program = options.program;
   if (program.empty()) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(program, SelfExe());
+    WEIGHTCACHE_ASSIGN_OR_RETURN(program, os::SelfExecutable());
   }
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return IoError("pipe2", errno);

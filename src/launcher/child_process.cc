@@ -133,6 +133,13 @@ Result<ChildProcess> ChildProcess::Spawn(const SpawnOptions& options) {
     if (streams[i] == Stdio::kPipe) source = child_end[i].get();
     if (source >= 0) posix_spawn_file_actions_adddup2(&a.actions, source, i);
   }
+  for (const auto& [source, target] : options.pass_fds) {
+    if (source < 0 || target <= STDERR_FILENO) {
+      return InvalidArgument("pass_fds: fd " + std::to_string(source) + " onto " +
+                             std::to_string(target) + " (targets start at 3)");
+    }
+    posix_spawn_file_actions_adddup2(&a.actions, source, target);
+  }
   sigset_t empty;
   sigset_t all;
   sigemptyset(&empty);

@@ -29,6 +29,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/unique_fd.h"
@@ -67,6 +68,9 @@ struct SpawnOptions {
   Stdio out = Stdio::kLog;
   Stdio err = Stdio::kLog;
   Session session = Session::kNew;
+  // Further fds the child gets: {parent fd, the child's fd number} (>= 3), dup2'ed after the
+  // standard streams; the parent's fd stays CLOEXEC (an upgrade's handover channel).
+  std::vector<std::pair<int, int>> pass_fds;
 };
 
 // The parent's ends of the streams spawned as Stdio::kPipe (the others stay invalid), CLOEXEC.

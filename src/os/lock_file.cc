@@ -39,6 +39,18 @@ Result<bool> TrySetLock(int fd, const std::string& path) {
 // Whether `pid` names a live process (EPERM: it lives, under another uid).
 bool Alive(pid_t pid) { return ::kill(pid, 0) == 0 || errno == EPERM; }
 
+// We own the lock: record our pid. The file may hold a former owner's pid, so truncate first.
+// 0644 whatever mode an older file had (best effort: only its owner may change it).
+Status RecordOwner(int fd, const std::string& path) {
+  (void)::fchmod(fd, 0644);
+  std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd, 0) != 0) return IoError("truncate lock file " + path, errno);
+  if (::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    return IoError("write pid into lock file " + path, errno);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<LockFile> LockFile::TryAcquire(const std::string& path) {
@@ -63,14 +75,24 @@ Result<LockFile> LockFile::TryAcquire(const std::string& path) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
     // The owner may also have exited meanwhile: the next TrySetLock then takes the lock.
   }
-  // We own the lock: record our pid. The file may hold a dead owner's pid, so truncate first.
-  // 0644 whatever mode an older file had (best effort: only its owner may change it).
-  (void)::fchmod(fd.get(), 0644);
-  std::string pid = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(fd.get(), 0) != 0) return IoError("truncate lock file " + path, errno);
-  if (::pwrite(fd.get(), pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
-    return IoError("write pid into lock file " + path, errno);
+  WEIGHTCACHE_RETURN_IF_ERROR(RecordOwner(fd.get(), path));
+  return LockFile(std::move(fd), path);
+}
+
+Result<LockFile> LockFile::Adopt(UniqueFd fd, const std::string& path) {
+  struct stat given {};
+  struct stat named {};
+  if (::fstat(fd.get(), &given) != 0) return IoError("fstat of the lock fd for " + path, errno);
+  if (::lstat(path.c_str(), &named) != 0) return IoError("lstat lock file " + path, errno);
+  if (!S_ISREG(given.st_mode) || given.st_dev != named.st_dev || given.st_ino != named.st_ino) {
+    return ProtocolError("the lock fd handed over is not lock file " + path);
   }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(bool taken, TrySetLock(fd.get(), path));
+  if (!taken) {
+    return Status(StatusCode::kAlreadyServed,
+                  "the lock fd handed over does not hold lock " + path + " (another does)");
+  }
+  WEIGHTCACHE_RETURN_IF_ERROR(RecordOwner(fd.get(), path));
   return LockFile(std::move(fd), path);
 }
 

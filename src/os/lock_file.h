@@ -43,6 +43,12 @@ inline constexpr std::chrono::milliseconds kOwnerPidWait{2000};
 class LockFile {
  public:
   static Result<LockFile> TryAcquire(const std::string& path);
+  // Takes over a lock another process passed us (an upgrade's handover, docs/upgrade.md):
+  // `fd` must be an open file description of `path` (same device and inode: kProtocol
+  // otherwise) that holds the lock (F_OFD_SETLK on it succeeds: the description that holds a
+  // lock may take it again; kAlreadyServed when another one holds it). Records our pid. The
+  // lock is then shared with the sender until it closes its fd, which it does by exiting.
+  static Result<LockFile> Adopt(UniqueFd fd, const std::string& path);
 
   LockFile(LockFile&&) noexcept = default;
   LockFile& operator=(LockFile&&) noexcept = default;

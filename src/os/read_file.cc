@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 
 #include "common/unique_fd.h"
 #include "os/regular_file.h"
@@ -36,6 +37,13 @@ Result<std::string> ReadSmallFile(const std::string& path, size_t max_bytes,
     data.append(buf, static_cast<size_t>(n));
   }
   return data;
+}
+
+Result<std::string> SelfExecutable() {
+  char buf[PATH_MAX];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n < 0) return IoError("readlink /proc/self/exe", errno);
+  return std::string(buf, static_cast<size_t>(n));
 }
 
 }  // namespace weightcache::os

@@ -18,4 +18,8 @@ namespace weightcache::os {
 Result<std::string> ReadSmallFile(const std::string& path, size_t max_bytes,
                                   StatusCode refuse_code = StatusCode::kInvalidArgument);
 
+// The path of this process's executable (/proc/self/exe), as it was when the process started:
+// what the keeper and an upgrade's successor are started from by default.
+Result<std::string> SelfExecutable();
+
 }  // namespace weightcache::os

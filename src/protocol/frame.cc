@@ -105,14 +105,22 @@ std::string MessageTypeName(MessageType type) {
       return "Drop";
     case MessageType::kDropReply:
       return "DropReply";
+    case MessageType::kUpgrade:
+      return "Upgrade";
+    case MessageType::kUpgradeReply:
+      return "UpgradeReply";
+    case MessageType::kHandover:
+      return "Handover";
+    case MessageType::kHandoverDone:
+      return "HandoverDone";
   }
   return "type " + std::to_string(static_cast<uint16_t>(type));
 }
 
 bool IsKnownMessageType(uint16_t type) {
   return (type >= static_cast<uint16_t>(MessageType::kHello) &&
-          type <= static_cast<uint16_t>(MessageType::kPublishCommitted)) ||
-         (type >= kFirstHandoffType && type <= static_cast<uint16_t>(MessageType::kDropReply));
+          type <= static_cast<uint16_t>(MessageType::kUpgradeReply)) ||
+         (type >= kFirstHandoffType && type <= static_cast<uint16_t>(MessageType::kHandoverDone));
 }
 
 bool IsHandoffType(MessageType type) { return static_cast<uint16_t>(type) >= kFirstHandoffType; }
@@ -122,7 +130,8 @@ bool IsRequest(MessageType type) {
          type == MessageType::kAttach || type == MessageType::kStop ||
          type == MessageType::kPublishBegin || type == MessageType::kPublishCommit ||
          type == MessageType::kDeposit || type == MessageType::kWithdraw ||
-         type == MessageType::kQuery || type == MessageType::kDrop;
+         type == MessageType::kQuery || type == MessageType::kDrop ||
+         type == MessageType::kUpgrade || type == MessageType::kHandover;
 }
 
 // The replies that carry an arena's fds (the manifest memfd first, then one per allocation).
@@ -140,10 +149,11 @@ uint64_t MaxPayloadFor(MessageType type) {
   return kMaxControlReplyPayload;
 }
 
-// An arena's fds travel on the attach and publish replies and on the keeper's deposit and
-// withdraw reply; no other frame takes any.
+// An arena's fds travel on the attach and publish replies, on the keeper's deposit and
+// withdraw reply, and on an upgrade's handover; no other frame takes any.
 uint32_t MaxFdsFor(MessageType type) {
-  return CarriesArena(type) || type == MessageType::kDeposit || type == MessageType::kWithdrawReply
+  return CarriesArena(type) || type == MessageType::kDeposit ||
+                 type == MessageType::kWithdrawReply || type == MessageType::kHandover
              ? kMaxFdsPerFrame
              : 0;
 }

@@ -78,6 +78,8 @@ enum class MessageType : uint16_t {
   kPublishArena = 11,      // daemon → client: the arena to fill (AttachReply's layout, fds)
   kPublishCommit = 12,     // client → daemon: the checksums; the daemon verifies and seals
   kPublishCommitted = 13,  // daemon → client: the cache is ready with the published tensors
+  kUpgrade = 14,           // owner → daemon: hand the cache to a successor (docs/upgrade.md)
+  kUpgradeReply = 15,      // daemon → owner: the successor serves (its pid), or an Error
 
   // Keeper handoff (handoff.h), from kFirstHandoffType up: daemon types stay below 32.
   kDeposit = 32,
@@ -88,6 +90,9 @@ enum class MessageType : uint16_t {
   kQueryReply = 37,
   kDrop = 38,
   kDropReply = 39,
+  // Upgrade handover (docs/upgrade.md), on the socketpair between a daemon and its successor.
+  kHandover = 40,  // daemon → successor: a Deposit's payload; fds: manifest, allocations, lock
+  kHandoverDone = 41,  // successor → daemon: empty; the successor serves at the socket path
 };
 
 // "Hello", "AttachReply", ...; "type <n>" for values outside the enum.

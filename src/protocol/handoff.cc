@@ -63,7 +63,14 @@ Result<std::vector<uint8_t>> EncodeInfo(MessageType type, const DepositInfo& inf
   wire::PutU32(payload, static_cast<uint32_t>(info.config_json.size()));
   wire::PutU32(payload, 0);
   payload.insert(payload.end(), info.config_json.begin(), info.config_json.end());
-  return EncodeFrame(type, payload, 1 + info.allocation_count);
+  // A Handover carries the lock's fd after the allocations': one fd fewer for them.
+  const uint32_t extra = type == MessageType::kHandover ? 1 : 0;
+  if (info.allocation_count + 1 + extra > kMaxFdsPerFrame) {
+    return InvalidArgument(name + ": " + std::to_string(info.allocation_count) +
+                           " allocations and the lock do not fit one frame's " +
+                           std::to_string(kMaxFdsPerFrame) + " fds");
+  }
+  return EncodeFrame(type, payload, 1 + info.allocation_count + extra);
 }
 
 Result<DepositInfo> DecodeInfo(MessageType type, std::span<const uint8_t> payload) {
@@ -167,17 +174,29 @@ Status CheckHostAllocationFd(int fd, uint64_t size, uint32_t index) {
 }
 
 Result<Handoff> DecodeHandoff(Frame frame, const FdCheck& gpu_fd_check) {
-  if (frame.type != MessageType::kDeposit && frame.type != MessageType::kWithdrawReply) {
-    return ProtocolError("expected a Deposit or WithdrawReply, got " + MessageTypeName(frame.type));
+  if (frame.type != MessageType::kDeposit && frame.type != MessageType::kWithdrawReply &&
+      frame.type != MessageType::kHandover) {
+    return ProtocolError("expected a Deposit, WithdrawReply or Handover, got " +
+                         MessageTypeName(frame.type));
   }
   const std::string name = MessageTypeName(frame.type);
   WEIGHTCACHE_ASSIGN_OR_RETURN(DepositInfo info, DecodeInfo(frame.type, frame.payload));
-  if (frame.fds.size() != 1 + size_t{info.allocation_count}) {
+  const bool handover = frame.type == MessageType::kHandover;
+  if (frame.fds.size() != 1 + size_t{info.allocation_count} + (handover ? 1 : 0)) {
     return ProtocolError(name + " carries " + std::to_string(frame.fds.size()) + " fds for " +
                          std::to_string(info.allocation_count) +
-                         " allocations (expected the manifest memfd + one per allocation)");
+                         " allocations (expected the manifest memfd + one per allocation" +
+                         (handover ? " + the lock" : "") + ")");
   }
   Handoff handoff;
+  if (handover) {
+    handoff.lock = std::move(frame.fds.back());
+    frame.fds.pop_back();
+    struct stat st {};
+    if (::fstat(handoff.lock.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+      return ProtocolError(name + ": the lock fd is not a regular file");
+    }
+  }
   handoff.info = std::move(info);
   handoff.manifest_fd = std::move(frame.fds[0]);
   auto manifest = MapManifestMemfd(handoff.manifest_fd.get(), handoff.info.manifest_size);
@@ -252,6 +271,10 @@ Result<std::vector<uint8_t>> EncodeDeposit(const DepositInfo& info) {
 
 Result<std::vector<uint8_t>> EncodeWithdrawReply(const DepositInfo& info) {
   return EncodeInfo(MessageType::kWithdrawReply, info);
+}
+
+Result<std::vector<uint8_t>> EncodeHandover(const DepositInfo& info) {
+  return EncodeInfo(MessageType::kHandover, info);
 }
 
 Result<std::vector<uint8_t>> EncodeWithdraw(std::string_view config_digest) {
@@ -358,7 +381,8 @@ Result<KeeperQuery> DecodeQueryReply(std::span<const uint8_t> payload) {
 
 Result<std::vector<uint8_t>> EncodeEmptyHandoff(MessageType type) {
   if (type != MessageType::kDepositReply && type != MessageType::kQuery &&
-      type != MessageType::kDrop && type != MessageType::kDropReply) {
+      type != MessageType::kDrop && type != MessageType::kDropReply &&
+      type != MessageType::kHandoverDone) {
     return InvalidArgument(MessageTypeName(type) + " is not an empty handoff message");
   }
   return EncodeFrame(type, {});

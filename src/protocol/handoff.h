@@ -12,6 +12,9 @@
 //   QueryReply     keeper → peer        KeeperQuery payload
 //   Drop           owner → keeper       empty; the keeper replies DropReply, closes its fds
 //   DropReply      keeper → owner       empty                             and exits
+//   Handover       daemon → successor   DepositInfo payload; fds: the Deposit's, then the
+//                                       identity lock's (an upgrade, docs/upgrade.md)
+//   HandoverDone   successor → daemon   empty: the successor serves at the socket path
 // Refusals are the daemon protocol's Error frame (frozen across versions).
 //
 // The per-allocation sizes and per-tensor checksums of a deposit are the manifest's (the
@@ -73,6 +76,7 @@ struct Handoff {
   UniqueFd manifest_fd;
   Manifest manifest;
   std::vector<UniqueFd> allocations;
+  UniqueFd lock;  // a Handover's: the identity lock's open file description (else invalid)
 
   Tier tier() const { return manifest.tier(); }
   uint64_t bytes() const;  // the sum of the allocation sizes
@@ -114,6 +118,8 @@ Status CheckAdoptable(const Handoff& handoff, const AdoptOptions& options);
 // kMaxAllocations or a config JSON that does not fit the frame.
 Result<std::vector<uint8_t>> EncodeDeposit(const DepositInfo& info);
 Result<std::vector<uint8_t>> EncodeWithdrawReply(const DepositInfo& info);
+// Send with Handoff::frame_fds() and then the lock's fd: 2 + allocation_count fds.
+Result<std::vector<uint8_t>> EncodeHandover(const DepositInfo& info);
 
 Result<std::vector<uint8_t>> EncodeWithdraw(std::string_view config_digest);
 // The digest a Withdraw asks for (64 lowercase hex).
@@ -136,7 +142,7 @@ struct KeeperQuery {
 Result<std::vector<uint8_t>> EncodeQueryReply(const KeeperQuery& query);
 Result<KeeperQuery> DecodeQueryReply(std::span<const uint8_t> payload);
 
-// DepositReply, Query, Drop and DropReply carry no payload.
+// DepositReply, Query, Drop, DropReply and HandoverDone carry no payload.
 Result<std::vector<uint8_t>> EncodeEmptyHandoff(MessageType type);
 // kProtocol "<type>: payload must be empty (N bytes)" unless `payload` is empty.
 Status CheckEmptyHandoff(MessageType type, std::span<const uint8_t> payload);

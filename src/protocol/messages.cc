@@ -575,6 +575,40 @@ Result<StopReply> DecodeStopReply(std::span<const uint8_t> payload) {
   return msg;
 }
 
+// ---- Upgrade ----------------------------------------------------------------------------------
+
+Result<std::vector<uint8_t>> EncodeUpgradeRequest(const UpgradeRequest& msg) {
+  return EncodeJson(MessageType::kUpgrade, json{{"binary", msg.binary}});
+}
+
+Result<UpgradeRequest> DecodeUpgradeRequest(std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("Upgrade", payload));
+  Fields f("Upgrade", obj);
+  UpgradeRequest msg;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.binary, f.String("binary"));
+  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  if (msg.binary.size() > 4096 || msg.binary.find('\0') != std::string::npos) {
+    return ProtocolError("Upgrade: field 'binary' is not a path");
+  }
+  return msg;
+}
+
+Result<std::vector<uint8_t>> EncodeUpgradeReply(const UpgradeReply& msg) {
+  return EncodeJson(MessageType::kUpgradeReply,
+                    json{{"successor_pid", msg.successor_pid}, {"handover_us", msg.handover_us}});
+}
+
+Result<UpgradeReply> DecodeUpgradeReply(std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("UpgradeReply", payload));
+  Fields f("UpgradeReply", obj);
+  UpgradeReply msg;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.successor_pid, f.I64("successor_pid"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.handover_us, f.U64("handover_us"));
+  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  if (msg.successor_pid <= 0) return ProtocolError("UpgradeReply: successor_pid must be positive");
+  return msg;
+}
+
 // ---- Error ------------------------------------------------------------------------------------
 
 Result<std::vector<uint8_t>> EncodeError(const Status& status) {

@@ -95,6 +95,17 @@ struct StopReply {
   uint32_t clients = 0;  // clients attached when the stop was accepted
 };
 
+// Upgrade request (docs/upgrade.md): the daemon starts `binary` (empty: its own executable
+// as it was at its start) as its successor and hands the cache over. Owner uid only.
+struct UpgradeRequest {
+  std::string binary;
+};
+// Sent once the successor serves at the socket path (or an Error: the daemon keeps serving).
+struct UpgradeReply {
+  int64_t successor_pid = 0;
+  uint64_t handover_us = 0;  // from the successor's start to its HandoverDone
+};
+
 // Any request may be answered with an Error (the daemon keeps the connection open unless the
 // request itself was malformed).
 struct ErrorReply {
@@ -128,6 +139,11 @@ Result<AttachReply> DecodeAttachReply(Frame frame, RecordCheck check = RecordChe
 
 Result<std::vector<uint8_t>> EncodeStopReply(const StopReply& msg);
 Result<StopReply> DecodeStopReply(std::span<const uint8_t> payload);
+
+Result<std::vector<uint8_t>> EncodeUpgradeRequest(const UpgradeRequest& msg);
+Result<UpgradeRequest> DecodeUpgradeRequest(std::span<const uint8_t> payload);
+Result<std::vector<uint8_t>> EncodeUpgradeReply(const UpgradeReply& msg);
+Result<UpgradeReply> DecodeUpgradeReply(std::span<const uint8_t> payload);
 
 // ---- publishing (docs/publish.md) ----
 

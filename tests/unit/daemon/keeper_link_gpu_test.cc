@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "cuda/checksum_gpu.h"
 #include "daemon/keeper_link.h"
 #include "daemon/weight_store.h"
 #include "identity/resolve.h"
@@ -98,6 +99,7 @@ class KeeperLinkGpuTest : public ::testing::Test {
 };
 
 TEST_F(KeeperLinkGpuTest, EveryWithdrawnFdIsImportedAndEveryTensorChecksummedThenReleased) {
+  if (!cuda::GpuChecksumKernelBuilt()) GTEST_SKIP() << "built without the GPU checksum kernel";
   protocol::Handoff handoff = Withdrawn();
   ASSERT_EQ(handoff.manifest.tensor_count(), checkpoint_->tensors().size());
   const int fds_before = CountOpenFds();
@@ -128,6 +130,7 @@ TEST_F(KeeperLinkGpuTest, EveryWithdrawnFdIsImportedAndEveryTensorChecksummedThe
 }
 
 TEST_F(KeeperLinkGpuTest, AChecksumTheMemoryDoesNotHaveIsRefusedNamingTheTensor) {
+  if (!cuda::GpuChecksumKernelBuilt()) GTEST_SKIP() << "built without the GPU checksum kernel";
   protocol::Handoff good = Withdrawn();
   std::vector<protocol::TensorEntry> tensors;
   for (size_t i = 0; i < good.manifest.tensor_count(); ++i) {
@@ -148,6 +151,24 @@ TEST_F(KeeperLinkGpuTest, AChecksumTheMemoryDoesNotHaveIsRefusedNamingTheTensor)
       << verified.ToString();
   EXPECT_NE(verified.message().find("in memory"), std::string::npos) << verified.ToString();
   EXPECT_EQ(fake_->live_mappings(), mappings_before);
+}
+
+// A build without the kernel cannot check kept memory, so it adopts nothing: the refusal names
+// the kernel, and what was imported to check it is released.
+TEST_F(KeeperLinkGpuTest, WithoutTheKernelTheAdoptionIsRefusedNamingItAndLeaksNothing) {
+  if (cuda::GpuChecksumKernelBuilt()) GTEST_SKIP() << "built with the GPU checksum kernel";
+  protocol::Handoff handoff = Withdrawn();
+  const int fds_before = CountOpenFds();
+  const int mappings_before = fake_->live_mappings();
+  const int handles_before = fake_->live_handles();
+  Status verified = daemon::VerifyGpuHandoff(gpu_, handoff, {});
+  EXPECT_EQ(verified.code(), StatusCode::kUnavailable) << verified.ToString();
+  EXPECT_NE(verified.ToString().find("the checksum kernel"), std::string::npos)
+      << verified.ToString();
+  EXPECT_EQ(fake_->CallCount("cuLaunchKernel"), 0);
+  EXPECT_EQ(fake_->live_mappings(), mappings_before);
+  EXPECT_EQ(fake_->live_handles(), handles_before);
+  EXPECT_EQ(CountOpenFds(), fds_before);
 }
 
 TEST_F(KeeperLinkGpuTest, AnImportTheDriverRefusesFailsTheAdoptionAndLeaksNothing) {
