@@ -3,12 +3,16 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/signalfd.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <string>
 #include <vector>
+
+#include "identity/paths.h"
 
 namespace weightcache::cli {
 namespace {
@@ -17,6 +21,15 @@ std::map<CLI::App*, CommandAction>& Actions() {
   return actions;
 }
 }  // namespace
+
+Status MakePrivateDirWithParents(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+  if (ec) {
+    return IoError("creating " + std::filesystem::path(path).parent_path().string(), ec.value());
+  }
+  return identity::EnsurePrivateDir(path);
+}
 
 int ExitCodeFor(const Status& status) { return weightcache::ExitCodeFor(status.code()); }
 

@@ -22,6 +22,7 @@
 #include "launcher/placement.h"
 #include "launcher/serve_daemons.h"
 #include "os/lock_file.h"
+#include "os/read_file.h"
 #include "sharding/rules.h"
 
 namespace weightcache::cli {
@@ -50,21 +51,6 @@ std::string SafeName(std::string s) {
     if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') c = '_';
   }
   return s.empty() ? "job" : s;
-}
-
-Status MakePrivateDirWithParents(const std::string& path) {
-  std::error_code ec;
-  fs::create_directories(fs::path(path).parent_path(), ec);
-  if (ec) return IoError("creating " + fs::path(path).parent_path().string(), ec.value());
-  return identity::EnsurePrivateDir(path);
-}
-
-Result<std::string> SelfExe() {
-  std::string buf(4096, '\0');
-  ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
-  if (n <= 0) return IoError("readlink /proc/self/exe", errno);
-  buf.resize(static_cast<size_t>(n));
-  return buf;
 }
 
 // Blocks the stop signals in this (the only) thread and returns a signalfd for them. The
@@ -132,7 +118,7 @@ int RunLaunch(const LaunchArgs& args) {
   files.log_dir =
       args.log_dir.empty() ? namespace_dir + "/logs" : fs::absolute(args.log_dir).string();
   if (Status s = MakePrivateDirWithParents(files.log_dir); !s.ok()) return Fail(kCmd, s);
-  auto exe = SelfExe();
+  auto exe = os::SelfExecutable();
   if (!exe.ok()) return Fail(kCmd, exe.status());
   files.exe = *exe;
   // The daemons resolve file flags against their own working directory; make them absolute.

@@ -6,12 +6,16 @@
 // not touch: signals (blocked in every thread, read through a signalfd by the event loop),
 // SIGPIPE, and the human-facing log lines (what is served, progress, ready/failed).
 //
-// Exit codes: 0 clean stop; 2 usage; 5 invalid checkpoint; 7 already served (the message
-// names the owner's pid); otherwise the failed load's code (1 for I/O, budget, CUDA).
+// --detach runs this same command line as a background daemon through the launcher (Detach).
+//
+// Exit codes: 0 clean stop (--detach: the daemon serves); 2 usage; 5 invalid checkpoint; 7 already
+// served (the message names the owner's pid); otherwise the failed load's code (1 for I/O, budget,
+// CUDA).
 #include <unistd.h>
 
 #include <cinttypes>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -26,6 +30,9 @@
 #include "identity/resolve.h"
 #include "identity_flags.h"
 #include "launcher/child_process.h"
+#include "launcher/launcher.h"
+#include "launcher/serve_daemons.h"
+#include "os/lock_file.h"
 #include "os/read_file.h"
 #include "os/syscalls.h"
 #include "sharding/planner.h"
@@ -47,6 +54,11 @@ struct ServeArgs {
   bool replace = false;
   bool no_keeper = false;
   std::string adopt_verify = "sample";
+  // --detach: start the daemon in the background, return once it serves (docs/daemon.md).
+  bool detach = false;
+  bool json = false;
+  double ready_timeout_s = 600;
+  std::string log_file;
   int handover_fd = -1;  // an upgrade's successor: the channel from the old daemon
   double upgrade_timeout_s = 60;
 };
@@ -144,6 +156,92 @@ daemon::KeeperLinkOptions KeeperOptionsFor(const ServeArgs& args) {
   return keeper;
 }
 
+// --detach's daemon log: --log-file, else <runtime>/<namespace>/logs/serve-<digest16>.log
+// (launch's log dir), or <socket>.log beside an explicit socket.
+Result<std::string> DetachedLogPath(const ServeArgs& args, const identity::ResolvedIdentity& id) {
+  std::error_code ec;
+  if (!args.log_file.empty()) {
+    std::filesystem::path path = std::filesystem::absolute(args.log_file, ec);
+    if (ec) return IoError("--log-file " + args.log_file, ec.value());
+    return path.string();
+  }
+  if (id.paths.namespace_dir.empty()) return id.paths.socket + ".log";
+  const std::string dir = id.paths.namespace_dir + "/logs";
+  for (const std::string& d : {id.paths.runtime_dir, id.paths.namespace_dir, dir}) {
+    WEIGHTCACHE_RETURN_IF_ERROR(MakePrivateDirWithParents(d));
+  }
+  return dir + "/serve-" + id.config.ShortDigest() + ".log";
+}
+
+// `serve --detach`: this same command line, less --detach, runs as a daemon in a new session
+// (stdin /dev/null, stdout and stderr to its log), spawned and polled by the launcher, the one
+// home of both: done when the daemon answers `ready`, or `awaiting` for a published source (it
+// can take its publisher then); the daemon is then left running and this process exits 0,
+// printing the socket and pid (--json: launch's summary). A daemon that exits first makes this
+// exit with its exit code (7 already served, 5 invalid checkpoint, ...), its last error line
+// quoted; one that does not answer within --ready-timeout is stopped (exit 6).
+int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id, int signal_fd) {
+  constexpr std::string_view kCmd = "serve";
+  auto exe = os::SelfExecutable();
+  if (!exe.ok()) return Fail(kCmd, exe.status());
+  auto log = DetachedLogPath(args, id);
+  if (!log.ok()) return Fail(kCmd, log.status());
+
+  launcher::DaemonSpec spec;
+  spec.name = "serve " + id.config.ShortDigest();
+  if (id.device) spec.placement.device_uuid = id.device->uuid;
+  spec.socket_path = id.paths.socket;
+  spec.lock_path = id.paths.lock;
+  spec.spawn.argv.push_back(*exe);
+  const std::vector<std::string>& line = ProgramArgs();
+  for (size_t i = 1; i < line.size(); ++i) {
+    if (line[i] != "--detach") spec.spawn.argv.push_back(line[i]);
+  }
+  spec.spawn.log_path = *log;
+
+  launcher::LaunchOptions options;
+  options.mode = launcher::SupervisionMode::kExitWhenReady;
+  options.ready_timeout = Millis(args.ready_timeout_s);
+  std::vector<launcher::DaemonSpec> specs;
+  specs.push_back(std::move(spec));
+  auto l = launcher::Launcher::Create(
+      std::move(specs), options,
+      [](const std::string& socket) {
+        return launcher::ProbeDaemonState(socket, std::chrono::milliseconds(500),
+                                          launcher::AwaitingIs::kReady);
+      },
+      [](const std::string& lock) -> Result<bool> { return os::IsLockHeld(lock); });
+  if (!l.ok()) return Fail(kCmd, l.status());
+  launcher::LaunchReport report = l->Run(signal_fd);
+
+  int code = report.status.ok() ? kExitOk : ExitCodeFor(report.status);
+  if (!report.status.ok() && !report.daemons.empty()) {
+    const auto& exit = report.daemons.front().exit;
+    // The daemon's own exit code (it applied the one table where the error was found), and
+    // the status code of that exit code's row for --json, where the row is the only one.
+    if (exit && exit->exited() && exit->exit_code != kExitOk && exit->exit_code != code) {
+      code = exit->exit_code;
+      for (const StatusCodeInfo& row : kStatusCodeTable) {
+        if (row.exit_code == code && code != kExitError) {
+          report.status = Status(row.code, report.status.message());
+          break;
+        }
+      }
+    }
+  }
+  if (args.json) {
+    std::cout << launcher::LaunchSummaryJson(report, code) << std::endl;
+  } else if (report.status.ok()) {
+    const auto& d = report.daemons.front();
+    std::cout << "socket " << d.socket_path << "\npid " << d.pid << "\nlog " << d.log_path
+              << std::endl;
+  }
+  if (!report.status.ok()) {
+    std::cerr << "weightcache " << kCmd << ": " << report.status.ToString() << std::endl;
+  }
+  return code;
+}
+
 // An upgrade's successor: receive and validate the handover, publish the socket over the old
 // daemon's, confirm. Any failure goes back to the old daemon (which serves on) and is ours.
 Result<std::unique_ptr<daemon::Daemon>> TakeOver(const ServeArgs& args,
@@ -231,6 +329,12 @@ int Run(ServeArgs& args) {
     return Fail(kCmd, InvalidArgument("--replace needs --source published:<tag>"));
   }
   options.keeper = KeeperOptionsFor(args);
+  if (args.detach) {
+    if (args.handover_fd >= 0) {
+      return Fail(kCmd, InvalidArgument("--detach and --handover-fd exclude each other"));
+    }
+    return Detach(args, *id, signals->get());
+  }
   options.start_successor = StartSuccessor;
   options.upgrade_timeout = Millis(args.upgrade_timeout_s);
   if (auto self = os::SelfExecutable(); self.ok()) options.self_binary = *self;
@@ -346,6 +450,18 @@ void RegisterServeCommand(CLI::App& root) {
                   "over the cache, the default: sealed memory cannot change, and the time stays "
                   "flat in the cache's size) or full (every tensor)")
       ->check(CLI::IsMember({"sample", "full"}));
+  sub->add_flag("--detach", args->detach,
+                "start the daemon in the background and exit 0 once it serves (`ready`, or "
+                "`awaiting` its publisher for --source published:<tag>), printing its socket, "
+                "pid and log; a daemon that fails first makes this exit with its exit code");
+  sub->add_flag("--json", args->json, "with --detach: print launch's JSON summary");
+  sub->add_option("--ready-timeout", args->ready_timeout_s,
+                  "with --detach: seconds the daemon may take to serve before it is stopped "
+                  "(exit 6; default 600)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--log-file", args->log_file,
+                  "with --detach: the daemon's log (default "
+                  "<runtime>/<namespace>/logs/serve-<digest>.log)");
   sub->add_option("--upgrade-timeout", args->upgrade_timeout_s,
                   "seconds an upgrade's successor has to validate the handover and take over "
                   "before it is killed and this daemon serves on (default 60; docs/upgrade.md)")

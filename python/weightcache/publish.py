@@ -14,10 +14,11 @@ onto the one region. Host tier only for now.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ._weightcache import AttachOptions
 from ._weightcache import _publish
+from .spawn import serve_detached
 
 # The identity keywords publish() accepts: attach()'s, less the attach policies.
 _PUBLISH_KEYS = (
@@ -71,8 +72,13 @@ def _metadata_bytes(metadata: Any) -> bytes:
 
 
 def _run(entries: List[Tuple[str, Any, str, str]], tier: str, device: Any, source: str,
-         metadata: Any, timeout: float, identity: Dict[str, Any], caller: str) -> int:
+         metadata: Any, timeout: float, identity: Dict[str, Any], caller: str,
+         spawn: Union[bool, Sequence[str]] = False) -> int:
     options = _options(tier, device, source, identity, caller)
+    if spawn is not False:
+        # `serve --detach` first (spawn.py); a daemon already serving the identity is used.
+        serve_detached(source=source, tier=tier, device=device, identity=identity,
+                       extra_args=() if spawn is True else tuple(spawn))
     return _publish(options, entries, _metadata_bytes(metadata), float(timeout))
 
 
@@ -84,6 +90,7 @@ def publish(
     device: Any = None,
     metadata: Optional[Any] = None,
     timeout: float = 60.0,
+    spawn: Union[bool, Sequence[str]] = False,
     **identity: Any,
 ) -> int:
     """Publish `tensors` (name → contiguous array: NumPy for the host tier) into the daemon
@@ -93,14 +100,16 @@ def publish(
     ``Attachment.metadata``, at most 64 KiB. timeout: seconds for each exchange with the daemon
     (the commit's check reads every byte). identity: attach()'s identity keywords (model_id,
     revision, tp_size, tp_rank, ..., runtime_dir, namespace, socket). Every tensor gets a region
-    of its own (publish_state_dict publishes tied tensors once).
+    of its own (publish_state_dict publishes tied tensors once). spawn: True (or a list of
+    extra `serve` flags, e.g. ["--replace"]) starts the daemon first with ``weightcache serve
+    ... --detach`` (weightcache.spawn), unless one already serves this identity.
 
     Raises ValueError for a non-contiguous tensor or one outside host memory (naming it),
     TypeError for an unsupported dtype, and the weightcache.errors exception of a refusal
     (NoDaemonError, AlreadyServedError, UnavailableError, InvalidArgumentError, ...).
     """
     entries = [(name, t, _dtype_name(name, t), "") for name, t in tensors.items()]
-    return _run(entries, tier, device, source, metadata, timeout, identity, "publish")
+    return _run(entries, tier, device, source, metadata, timeout, identity, "publish", spawn)
 
 
 def _storage_key(tensor: Any) -> Optional[Tuple[Any, ...]]:
@@ -123,6 +132,7 @@ def publish_state_dict(
     device: Any = None,
     metadata: Optional[Any] = None,
     timeout: float = 60.0,
+    spawn: Union[bool, Sequence[str]] = False,
     **identity: Any,
 ) -> int:
     """publish() for a model's state dict: tied or shared tensors (the same memory at the same
@@ -130,6 +140,7 @@ def publish_state_dict(
     once, under the first name in the dict's order, and every other name is an alias of it —
     an attach returns tensors that share that one region. Tensors that only overlap (views at
     other offsets or shapes) are published as copies of their own. Returns the name count.
+    spawn: as publish().
     """
     first: Dict[Tuple[Any, ...], str] = {}
     entries = []
@@ -142,4 +153,5 @@ def publish_state_dict(
             if alias_of == name:
                 alias_of = ""
         entries.append((name, t, dtype, alias_of))
-    return _run(entries, tier, device, source, metadata, timeout, identity, "publish_state_dict")
+    return _run(entries, tier, device, source, metadata, timeout, identity, "publish_state_dict",
+                spawn)

@@ -46,7 +46,7 @@ std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& pla
 }
 
 Result<ProbeReport> ProbeDaemonState(const std::string& socket_path,
-                                     std::chrono::milliseconds timeout) {
+                                     std::chrono::milliseconds timeout, AwaitingIs awaiting) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Connection conn,
                                protocol::Connection::Connect(socket_path, timeout));
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::StatusReply reply,
@@ -57,8 +57,11 @@ Result<ProbeReport> ProbeDaemonState(const std::string& socket_path,
   r.reason = reply.failure_reason;
   switch (reply.state) {
     case protocol::CacheState::kLoading:
-    case protocol::CacheState::kAwaiting:  // a published cache: not ready until its publisher
       r.state = ProbeReport::State::kLoading;
+      break;
+    case protocol::CacheState::kAwaiting:  // a published cache waiting for its publisher
+      r.state = awaiting == AwaitingIs::kReady ? ProbeReport::State::kReady
+                                               : ProbeReport::State::kLoading;
       break;
     case protocol::CacheState::kReady:
       r.state = ProbeReport::State::kReady;

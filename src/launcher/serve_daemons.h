@@ -55,10 +55,16 @@ struct JobFiles {
 std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& plan,
                                          const ServeFlags& flags, const JobFiles& files);
 
+// What a published cache's `awaiting` (its daemon waits for a publisher) counts as: `launch`
+// waits for the publish (kLoading); `serve --detach` is done once the daemon can take its
+// publisher (kReady).
+enum class AwaitingIs { kLoading, kReady };
+
 // The daemon's state through a protocol Status request; connect and reply bounded by
 // `timeout`. Errors as Connection reports them (kNotFound: no socket yet, …).
 Result<ProbeReport> ProbeDaemonState(const std::string& socket_path,
-                                     std::chrono::milliseconds timeout);
+                                     std::chrono::milliseconds timeout,
+                                     AwaitingIs awaiting = AwaitingIs::kLoading);
 
 // The socket under <runtime_dir>/<namespace_name>/*/ whose lock is held and records `pid` as
 // its owner.
