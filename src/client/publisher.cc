@@ -160,10 +160,9 @@ Status CheckDaemonDevice(Publisher::Impl& impl, const identity::DeviceInfo& ours
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::StatusReply status,
                                protocol::DecodeStatusReply(frame.payload));
   if (status.device_uuid != ours.uuid) {
-    return Status(StatusCode::kMismatch,
-                  impl.who + " serves GPU " + status.device_uuid +
-                      ", but this publisher's device is " + ours.uuid +
-                      ": publish from a process on the daemon's GPU");
+    return Status(StatusCode::kMismatch, impl.who + " serves GPU " + status.device_uuid +
+                                             ", but this publisher's device is " + ours.uuid +
+                                             ": publish from a process on the daemon's GPU");
   }
   return Status::Ok();
 }

@@ -13,8 +13,8 @@
 namespace weightcache::client {
 
 struct PublisherAccess {
-  static Result<Publisher> Begin(const PublishOptions& options,
-                                 std::span<const PublishTensor> plan, const identity::Env& env);
+  static Result<Publisher> Begin(const PublishOptions& options, std::span<const PublishTensor> plan,
+                                 const identity::Env& env);
 };
 
 }  // namespace weightcache::client

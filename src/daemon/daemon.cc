@@ -1073,8 +1073,7 @@ void Daemon::HandlePublishBegin(Connection& conn, std::span<const uint8_t> paylo
   LOG_INFO << "publishing: " << conn.Describe() << " plans " << publication_->plan.tensors.size()
            << " tensors, " << FormatBytes(publication_->tensor_bytes) << " in "
            << publication_->ArenaFds().size() << " " << TierName(publication_->tier)
-           << " allocation(s), metadata "
-           << publication_->plan.metadata.size() << " bytes";
+           << " allocation(s), metadata " << publication_->plan.metadata.size() << " bytes";
 }
 
 void Daemon::HandlePublishCommit(Connection& conn, std::span<const uint8_t> payload) {
@@ -1097,7 +1096,7 @@ void Daemon::HandlePublishCommit(Connection& conn, std::span<const uint8_t> payl
   conn.committing = true;  // read nothing more from it until the commit is answered
   committing_conn_ = conn.id;
   commit_start_ = Clock::now();
-  LOG_INFO << "publish commit from " << conn.Describe() << ": sealing and checking "
+  LOG_INFO << "publish commit from " << conn.Describe() << ": checking "
            << FormatBytes(pub.tensor_bytes);
   committer_ =
       std::thread([this, pub = std::move(pub), checksums = std::move(commit->checksums)]() mutable {

@@ -35,8 +35,8 @@ Result<ManifestFile> PublicationManifest(const Publication& pub,
     e.checksum = checksums.empty() ? 0 : checksums[i];
     entries.push_back(e);
   }
-  auto manifest = protocol::EncodeManifest(pub.tier, pub.allocation_sizes, entries,
-                                           pub.plan.metadata);
+  auto manifest =
+      protocol::EncodeManifest(pub.tier, pub.allocation_sizes, entries, pub.plan.metadata);
   if (!manifest.ok()) {
     Status status = manifest.status();
     return status.Context("building the manifest of the published arena");
@@ -48,7 +48,6 @@ Result<ManifestFile> PublicationManifest(const Publication& pub,
   }
   return ManifestFile{std::move(fd).value(), manifest->size()};
 }
-
 
 // The plan laid out at `granularity`: an alias takes its target's placement, only tensors with
 // bytes of their own are planned.
@@ -107,8 +106,8 @@ Status CreateGpuArena(Publication& pub, const GpuPublishTarget& gpu, uint64_t me
   auto arena = cuda::ExportedArena::Create(api, *device, pub.layout.allocation_bytes);
   if (!arena.ok()) {
     Status status = arena.status();
-    return status.Context("gpu tier publish: allocating " +
-                          std::to_string(pub.layout.total_bytes) + " bytes on " + gpu.device.uuid);
+    return status.Context("gpu tier publish: allocating " + std::to_string(pub.layout.total_bytes) +
+                          " bytes on " + gpu.device.uuid);
   }
   for (const cuda::ExportedAllocation& a : arena->allocations()) {
     pub.allocation_sizes.push_back(a.size);

@@ -76,7 +76,6 @@ Result<Publication> CreatePublication(Tier tier, protocol::PublishBegin plan,
 // '<name>' (plan index i): the publisher's checksum … but the arena holds …", the first such
 // tensor in plan order); host: kPermissionDenied/kIo from the seal, with the unmap hint; gpu:
 // the driver's error of the checksum pass; the store otherwise.
-Result<WeightStore> CommitPublication(Publication publication,
-                                      std::span<const uint64_t> checksums);
+Result<WeightStore> CommitPublication(Publication publication, std::span<const uint64_t> checksums);
 
 }  // namespace weightcache::daemon
