@@ -207,7 +207,7 @@ class Daemon {
   void HandleStatus(Connection& conn);
   void HandleAttach(Connection& conn);
   void HandleStop(Connection& conn);
-  // Publishing (docs/publish.md): one publisher at a time, either tier.
+  // Publishing (docs/publish.md): one publisher at a time, host tier.
   void HandlePublishBegin(Connection& conn, std::span<const uint8_t> payload);
   void HandlePublishCommit(Connection& conn, std::span<const uint8_t> payload);
   // Why a PublishBegin cannot start now (state, another publisher), or OK.
