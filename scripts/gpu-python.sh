@@ -216,6 +216,57 @@ PY
 fi
 ((model_ok)) || ok=0
 
+# 4b. publishing (issue 13): a fused/fp8 Llama published to a gpu-tier published daemon, a fresh
+#     process attaches it (logits bit-identical, no copy); PUBLISH_BIG=1 adds the 16 GB publish
+#     timing (a measurement, printed, not a check). Its own PASS/FAIL line.
+if [[ -n ${uuid:-} ]]; then
+  plog=$OUT/python-publish.log
+  : >"$plog"
+  pcheck=$root/tests/python/gpu_publish_check.py
+  publish_ok=1
+  pruntime=$work/run-publish
+  mkdir -p -m 700 "$pruntime"
+  pstep() {  # name, command...
+    echo "==== $1" >>"$plog"
+    shift
+    "$@" >>"$plog" 2>&1 || { publish_ok=0; return 1; }
+  }
+  "$WEIGHTCACHE_CLI" serve --source published:fused-fp8 --model-id llama-fused-fp8 --tier gpu \
+    --device "$uuid" --runtime-dir "$pruntime" >"$OUT/python-publish-serve.log" 2>&1 &
+  daemon_pid=$!
+  for _ in $(seq 1 100); do
+    compgen -G "$pruntime/default/$uuid/*.sock" >/dev/null && break
+    sleep 0.1
+  done
+  pstep publish "$py" "$pcheck" publish --runtime-dir "$pruntime" --tag fused-fp8 \
+    --out "$work/publish-logits.pt" &&
+    pstep attach "$py" "$pcheck" attach --runtime-dir "$pruntime" --tag fused-fp8 \
+      --reference "$work/publish-logits.pt"
+  kill "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null
+  daemon_pid=
+  if ((publish_ok)) && [[ -n ${PUBLISH_BIG:-} ]]; then
+    "$WEIGHTCACHE_CLI" serve --source published:big --model-id llama-fused-fp8 --tier gpu \
+      --device "$uuid" --runtime-dir "$pruntime" >"$OUT/python-publish-big-serve.log" 2>&1 &
+    daemon_pid=$!
+    for _ in $(seq 1 100); do
+      (($(compgen -G "$pruntime/default/$uuid/*.sock" | wc -l) >= 1)) && break
+      sleep 0.1
+    done
+    sleep 0.5
+    pstep big "$py" "$pcheck" big --runtime-dir "$pruntime" --tag big &&
+      say "python publish 16 GB: $(grep -E '^\{"bytes"' "$plog" | tail -1)"
+    kill "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null
+    daemon_pid=
+  fi
+  if ((publish_ok)); then
+    say "python publish: PASS $(grep -E '^\{"attached"' "$plog" | tail -1)"
+  else
+    say "python publish: FAIL (see python-publish.log)"
+    tail -n 15 "$plog" | tee -a "$summary"
+    ok=0
+  fi
+fi
+
 # 5. bench/py_attach_bench.py (issue 14): attach + names(), load_state_dict and a fresh
 #    process attaching with only --model (fingerprint cache cold and warm), gpu tier on device
 #    0, then one line per target (value, target, met / NOT met). A measurement, not a check:

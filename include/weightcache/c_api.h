@@ -140,12 +140,14 @@ int wc_attachment_daemon_alive(const wc_attachment* attachment);
 wc_status_code wc_attachment_on_daemon_gone(wc_attachment* attachment, wc_daemon_gone_fn fn,
                                             void* user_data, wc_error* err);
 
-/* ---- publishing (weightcache/publisher.h, docs/publish.md; host tier) ----
+/* ---- publishing (weightcache/publisher.h, docs/publish.md; host and gpu tiers) ----
  * A publisher names its daemon with the identity fields of wc_attach_options (source must be
  * "published:<tag>"; model_dir is not needed; on_missing, on_mismatch, wait_timeout_ms and
  * fallback_threads are not used). wc_publish_begin borrows every string and array for its
  * own duration; the returned wc_publisher owns the arena's writable mapping, whose tensor
- * bytes wc_publisher_data hands out (valid until wc_publisher_commit or wc_publisher_free).
+ * bytes wc_publisher_data hands out (valid until wc_publisher_commit or wc_publisher_free):
+ * host memory on the host tier, a CUDA device pointer of the daemon's GPU on the gpu tier
+ * (wc_publisher_tier says which; wc_publisher_copy_in copies into either).
  * Freeing a publisher before its commit abandons the publish (the daemon frees the arena). */
 typedef struct wc_publish_tensor {
   const char* name;
@@ -165,9 +167,15 @@ typedef struct wc_publisher wc_publisher;
 wc_status_code wc_publish_begin(const wc_attach_options* identity, const char* metadata,
                                 int64_t timeout_ms, const wc_publish_tensor* tensors, size_t count,
                                 wc_publisher** out, wc_error* err);
-/* The writable bytes of plan tensor `index` (plan order) and their size; NULL (and *nbytes 0)
- * for an index out of range, after the commit, or for a tensor of 0 bytes. */
+/* Where plan tensor `index` (plan order) goes and its size: a host address (WC_TIER_HOST) or a
+ * CUDA device pointer (WC_TIER_GPU, never to be dereferenced on the host); NULL (and *nbytes
+ * 0) for an index out of range, after the commit, or for a tensor of 0 bytes. */
 void* wc_publisher_data(const wc_publisher* publisher, size_t index, uint64_t* nbytes);
+wc_tier wc_publisher_tier(const wc_publisher* publisher);
+/* Copies nbytes (the tensor's size exactly) from `source` into plan tensor `index`: memcpy on
+ * the host tier; cuMemcpy on the gpu tier, synchronous, from host or device memory. */
+wc_status_code wc_publisher_copy_in(wc_publisher* publisher, size_t index, const void* source,
+                                    uint64_t nbytes, wc_error* err);
 /* Checksums, unmaps the arena, commits; WC_OK once the daemon is ready with the tensors. */
 wc_status_code wc_publisher_commit(wc_publisher* publisher, wc_error* err);
 void wc_publisher_free(wc_publisher* publisher); /* NULL is a no-op */

@@ -9,8 +9,10 @@
 //    entry, `dtype` the safetensors spelling the Python side chose. An entry with alias_of set
 //    shares its target's bytes: it is planned (same dtype, shape, bytes) but not copied.
 //  * Every array must be C-contiguous (a ValueError names the tensor: no silent copy) and lie
-//    where the tier's arena can be written from this process: host memory for the host tier.
-//    The gpu tier raises NotImplementedError (docs/publish.md, "Not done yet").
+//    where the tier's arena can be written from this process: host memory for the host tier;
+//    CUDA device memory (any device: cuMemcpy with unified addressing) or host memory for the
+//    gpu tier. The copies are Publisher::CopyIn, synchronous; the caller has synchronized the
+//    streams that produced the arrays (weightcache.publish does for torch).
 //  * Nothing is sent before every array is checked. Begin, the copies and Commit run with the
 //    GIL released; the arrays stay referenced by `tensors` meanwhile. A refused publish
 //    raises the weightcache.errors exception of its status (errors.from_status), the daemon
@@ -21,7 +23,6 @@
 #include <nanobind/stl/tuple.h>
 
 #include <chrono>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -61,11 +62,7 @@ bool CContiguous(const HostArray& a) {
 
 size_t Publish(const AttachOptions& options, const nb::list& tensors, const nb::bytes& metadata,
                double timeout_s) {
-  if (options.identity.tier != Tier::kHost) {
-    throw nb::builtin_exception(nb::exception_type::runtime_error,
-                                "publishing to the gpu tier from Python is not implemented yet "
-                                "(host tier only, docs/publish.md)");
-  }
+  const Tier tier = options.identity.tier;
   PublishOptions o;
   o.identity = options.identity;
   o.metadata.assign(metadata.c_str(), metadata.size());
@@ -84,10 +81,19 @@ size_t Publish(const AttachOptions& options, const nb::list& tensors, const nb::
                             ") is not an array (DLPack or the buffer protocol)")
                                .c_str());
     }
-    if (a.device_type() != nb::device::cpu::value) {
+    const bool on_host = a.device_type() == nb::device::cpu::value ||
+                         a.device_type() == nb::device::cuda_host::value;
+    if (tier == Tier::kHost && !on_host) {
       throw nb::value_error(("tensor '" + name +
                              "' is not in host memory: the host tier is published from host "
                              "arrays (move it to the CPU first)")
+                                .c_str());
+    }
+    if (tier == Tier::kGpu && !on_host && a.device_type() != nb::device::cuda::value &&
+        a.device_type() != nb::device::cuda_managed::value) {
+      throw nb::value_error(("tensor '" + name +
+                             "' is neither in CUDA device memory nor in host memory: the gpu "
+                             "tier copies from either")
                                 .c_str());
     }
     if (!CContiguous(a)) {
@@ -114,10 +120,16 @@ size_t Publish(const AttachOptions& options, const nb::list& tensors, const nb::
     } else {
       for (size_t i = 0; i < plan.size(); ++i) {
         if (!plan[i].alias_of.empty() || plan[i].nbytes == 0) continue;
-        std::memcpy(publisher->Data(i).data(), arrays[i].data(), plan[i].nbytes);
+        Status copied = publisher->CopyIn(i, arrays[i].data(), plan[i].nbytes);
+        if (!copied.ok()) {
+          failed = copied;
+          break;
+        }
       }
-      Status committed = publisher->Commit();
-      if (!committed.ok()) failed = committed;
+      if (!failed) {
+        Status committed = publisher->Commit();
+        if (!committed.ok()) failed = committed;
+      }
     }
   }
   if (failed) RaisePublishError(*failed);

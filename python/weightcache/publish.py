@@ -8,7 +8,12 @@
 publish() copies every tensor into the daemon's arena (one region each); publish_state_dict()
 publishes tied tensors (one storage under several names: same address, dtype, shape and
 strides) once, the other names as aliases of the first, so that every attach maps all of them
-onto the one region. Host tier only for now.
+onto the one region.
+
+Tiers: the host tier copies from host arrays (NumPy, CPU torch tensors); the gpu tier copies
+into the daemon's VMM arena on its GPU from CUDA tensors (torch, CuPy: any device, by DLPack's
+device pointer) or from host arrays (a CPU tensor is allowed: the copy reads host memory). A
+gpu-tier publish must run in a process whose device (``device=``) is the daemon's GPU.
 """
 
 from __future__ import annotations
@@ -79,7 +84,23 @@ def _run(entries: List[Tuple[str, Any, str, str]], tier: str, device: Any, sourc
         # `serve --detach` first (spawn.py); a daemon already serving the identity is used.
         serve_detached(source=source, tier=tier, device=device, identity=identity,
                        extra_args=() if spawn is True else tuple(spawn))
+    _synchronize_producers(entries)
     return _publish(options, entries, _metadata_bytes(metadata), float(timeout))
+
+
+def _synchronize_producers(entries: List[Tuple[str, Any, str, str]]) -> None:
+    """The copies run on the driver's legacy default stream: torch's pending work on the CUDA
+    tensors' devices (a non-blocking stream of its own may still be writing them) is waited
+    for first."""
+    devices = set()
+    for _, t, _, _ in entries:
+        device = getattr(t, "device", None)
+        if getattr(device, "type", None) == "cuda":
+            devices.add(device)
+    if devices:
+        import torch  # only reached with torch CUDA tensors, so torch is there
+        for device in devices:
+            torch.cuda.synchronize(device)
 
 
 def publish(
@@ -93,7 +114,8 @@ def publish(
     spawn: Union[bool, Sequence[str]] = False,
     **identity: Any,
 ) -> int:
-    """Publish `tensors` (name → contiguous array: NumPy for the host tier) into the daemon
+    """Publish `tensors` (name → contiguous array: NumPy or CPU torch for the host tier; CUDA
+    tensors, or host arrays, for the gpu tier) into the daemon
     started with ``serve --source <source>`` for this identity; returns the tensor count.
 
     source: "published:<tag>". metadata: bytes (or str) served to every attaching client as
@@ -104,7 +126,8 @@ def publish(
     extra `serve` flags, e.g. ["--replace"]) starts the daemon first with ``weightcache serve
     ... --detach`` (weightcache.spawn), unless one already serves this identity.
 
-    Raises ValueError for a non-contiguous tensor or one outside host memory (naming it),
+    Raises ValueError for a non-contiguous tensor or one outside the memory the tier copies
+    from (naming it),
     TypeError for an unsupported dtype, and the weightcache.errors exception of a refusal
     (NoDaemonError, AlreadyServedError, UnavailableError, InvalidArgumentError, ...).
     """

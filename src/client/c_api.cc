@@ -243,9 +243,23 @@ wc_status_code wc_publish_begin(const wc_attach_options* identity, const char* m
 }
 
 void* wc_publisher_data(const wc_publisher* p, size_t index, uint64_t* nbytes) {
-  const std::span<uint8_t> data = p == nullptr ? std::span<uint8_t>() : p->publisher.Data(index);
-  if (nbytes != nullptr) *nbytes = data.size();
-  return data.empty() ? nullptr : data.data();
+  const weightcache::Publisher::Destination d =
+      p == nullptr ? weightcache::Publisher::Destination{} : p->publisher.DestinationOf(index);
+  if (nbytes != nullptr) *nbytes = d.size;
+  return d.size == 0 ? nullptr : reinterpret_cast<void*>(d.address);
+}
+
+wc_tier wc_publisher_tier(const wc_publisher* p) {
+  return p != nullptr && p->publisher.tier() == weightcache::Tier::kGpu ? WC_TIER_GPU
+                                                                        : WC_TIER_HOST;
+}
+
+wc_status_code wc_publisher_copy_in(wc_publisher* p, size_t index, const void* source,
+                                    uint64_t nbytes, wc_error* err) {
+  if (p == nullptr) {
+    return Report(weightcache::InvalidArgument("wc_publisher_copy_in: NULL publisher"), err);
+  }
+  return Report(p->publisher.CopyIn(index, source, nbytes), err);
 }
 
 wc_status_code wc_publisher_commit(wc_publisher* p, wc_error* err) {

@@ -60,6 +60,9 @@ class ExportedArena {
   ~ExportedArena() = default;
 
   CUdevice device() const { return context_.device(); }
+  // The retained primary context: current on whichever thread uses the mappings.
+  CUcontext context() const { return context_.get(); }
+  const DriverApi* api() const { return context_.api(); }
   CUdeviceptr base() const { return va_.base(); }
   uint64_t total_bytes() const { return va_.size(); }
   uint64_t granularity() const { return granularity_; }

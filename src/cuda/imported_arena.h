@@ -80,6 +80,9 @@ class ImportedArena {
   ~ImportedArena() = default;
 
   CUdevice device() const { return context_.device(); }
+  // The retained primary context: current on whichever thread uses the mappings.
+  CUcontext context() const { return context_.get(); }
+  const DriverApi* api() const { return context_.api(); }
   CUdeviceptr base() const { return va_.base(); }
   uint64_t total_bytes() const { return va_.size(); }
   std::span<const ImportedAllocation> allocations() const { return table_; }

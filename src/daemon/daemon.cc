@@ -1219,10 +1219,6 @@ Status Daemon::CanPublish(const Connection& conn) const {
                            "\": only a daemon started with --source published:<tag> takes a "
                            "publish");
   }
-  if (options_.config.tier != Tier::kHost) {
-    return InvalidArgument("publishing to the " + std::string(TierName(options_.config.tier)) +
-                           " tier is not implemented yet (host tier only, docs/publish.md)");
-  }
   if (publication_ || committing_conn_ != 0) {
     return Status(StatusCode::kUnavailable,
                   "cache " + options_.config.ShortDigest() + " is being published by pid " +
@@ -1241,6 +1237,22 @@ Status Daemon::CanPublish(const Connection& conn) const {
                                                 std::string(protocol::CacheStateName(state_)));
   }
   return Status::Ok();
+}
+
+Result<Publication> Daemon::CreateArenaFor(protocol::PublishBegin plan) {
+  const Tier tier = options_.config.tier;
+  if (tier != Tier::kGpu) {
+    return CreatePublication(tier, std::move(plan), options_.load.cache_name,
+                             options_.load.memory_budget, nullptr);
+  }
+  // The gpu tier: a VMM arena on the daemon's own device, through the Env's driver (the load's
+  // seam). Creating it makes the device's primary context current on this thread.
+  if (!options_.device.has_value()) return InternalError("gpu tier publish without a device");
+  auto driver = options_.env.load_driver();
+  if (!driver.ok()) return driver.status().Context("gpu tier publish");
+  GpuPublishTarget target{*driver, *options_.device};
+  return CreatePublication(tier, std::move(plan), options_.load.cache_name,
+                           options_.load.memory_budget, &target);
 }
 
 void Daemon::HandlePublishBegin(Connection& conn, std::span<const uint8_t> payload) {
@@ -1264,14 +1276,11 @@ void Daemon::HandlePublishBegin(Connection& conn, std::span<const uint8_t> paylo
   }
   Status refused = CanPublish(conn);
   if (refused.ok()) refused = protocol::ValidatePublishPlan(*plan);
-  Result<HostPublication> pub = refused;
-  if (refused.ok()) {
-    pub = CreateHostPublication(std::move(plan).value(), options_.load.cache_name,
-                                options_.load.memory_budget);
-  }
+  Result<Publication> pub = refused;
+  if (refused.ok()) pub = CreateArenaFor(std::move(plan).value());
   Result<std::vector<uint8_t>> frame =
       pub.ok() ? protocol::EncodePublishArena(pub->arena_manifest.size,
-                                              static_cast<uint32_t>(pub->memfds.size()))
+                                              static_cast<uint32_t>(pub->ArenaFds().size()))
                : Result<std::vector<uint8_t>>(pub.status());
   if (!frame.ok()) {
     LOG_WARN << "PublishBegin from " << conn.Describe()
@@ -1289,15 +1298,16 @@ void Daemon::HandlePublishBegin(Connection& conn, std::span<const uint8_t> paylo
     bytes_total_.store(publication_->tensor_bytes);
     bytes_done_.store(0);
   }
-  // The manifest memfd first, then one writable memfd per allocation (the AttachReply layout).
+  // The manifest memfd first, then one writable fd per allocation (the AttachReply layout):
+  // memfds, or the gpu arena's exported VMM fds.
   std::vector<int> fds{publication_->arena_manifest.fd.get()};
-  for (const UniqueFd& fd : publication_->memfds) fds.push_back(fd.get());
+  for (int fd : publication_->ArenaFds()) fds.push_back(fd);
   QueueFrame(conn, std::move(frame), std::move(fds));
   conn.fds_sent = true;
   LOG_INFO << "publishing: " << conn.Describe() << " plans " << publication_->plan.tensors.size()
            << " tensors, " << FormatBytes(publication_->tensor_bytes) << " in "
-           << publication_->memfds.size() << " memfd(s), metadata "
-           << publication_->plan.metadata.size() << " bytes";
+           << publication_->ArenaFds().size() << " " << TierName(publication_->tier)
+           << " allocation(s), metadata " << publication_->plan.metadata.size() << " bytes";
 }
 
 void Daemon::HandlePublishCommit(Connection& conn, std::span<const uint8_t> payload) {
@@ -1314,17 +1324,17 @@ void Daemon::HandlePublishCommit(Connection& conn, std::span<const uint8_t> payl
                    "bad PublishCommit from " + conn.Describe() + ": " + commit.status().ToString());
     return;  // closing the connection abandons the publication
   }
-  HostPublication pub = std::move(*publication_);
+  Publication pub = std::move(*publication_);
   publication_.reset();
   publisher_fd_ = -1;
   conn.committing = true;  // read nothing more from it until the commit is answered
   committing_conn_ = conn.id;
   commit_start_ = Clock::now();
-  LOG_INFO << "publish commit from " << conn.Describe() << ": sealing and checking "
+  LOG_INFO << "publish commit from " << conn.Describe() << ": checking "
            << FormatBytes(pub.tensor_bytes);
   committer_ =
       std::thread([this, pub = std::move(pub), checksums = std::move(commit->checksums)]() mutable {
-        Result<WeightStore> store = CommitHostPublication(std::move(pub), checksums);
+        Result<WeightStore> store = CommitPublication(std::move(pub), checksums);
         {
           MutexLock lock(commit_mu_);
           commit_result_.emplace(std::move(store));

@@ -253,9 +253,12 @@ class Daemon {
   void HandlePublishCommit(Connection& conn, std::span<const uint8_t> payload);
   // Why a PublishBegin cannot start now (state, another publisher), or OK.
   Status CanPublish(const Connection& conn) const;
-  // Drops the publication in progress (its memfds close); the state stays what it was.
+  // The arena of a plan on this cache's tier (CreatePublication; gpu: its driver and device).
+  Result<Publication> CreateArenaFor(protocol::PublishBegin plan);
+  // Drops the publication in progress (its memfds close, or its VMM arena is destroyed); the
+  // state stays what it was.
   void AbandonPublication(std::string_view why);
-  // The committer thread's result (CommitHostPublication): installs the store or refuses the
+  // The committer thread's result (CommitPublication): installs the store or refuses the
   // commit, answers the publisher if its connection is still open.
   void OnCommitDone();
   // Serves `store` from now on (a load's, or a publish's commit, which may replace a ready
@@ -308,7 +311,7 @@ class Daemon {
   // fds; released once every outbox is empty.
   std::vector<WeightStore> retired_stores_;
   // The publish in progress: its arena and the connection (fd) and pid of its publisher.
-  std::optional<HostPublication> publication_;
+  std::optional<Publication> publication_;
   int publisher_fd_ = -1;
   int64_t publisher_pid_ = 0;
   int64_t published_by_ = 0;         // the pid whose commit made the current store

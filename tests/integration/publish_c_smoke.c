@@ -22,6 +22,7 @@ int wc_c_publish_then_attach(const char* runtime_dir, char* msg, size_t len) {
   uint64_t scale_data = 0; /* wc_tensor.data of c.scale, which c.tied aliases */
   uint64_t nbytes = 0;
   unsigned char* data;
+  unsigned char copy[12];
   size_t i;
   wc_attach_options_init(&options);
   options.model_id = "fused-llama";
@@ -65,6 +66,19 @@ int wc_c_publish_then_attach(const char* runtime_dir, char* msg, size_t len) {
   }
   if (wc_publisher_data(p, 3, &nbytes) != NULL || nbytes != 0) {
     snprintf(msg, len, "an out-of-range index has data");
+    wc_publisher_free(p);
+    return 3;
+  }
+  if (wc_publisher_tier(p) != WC_TIER_HOST) {
+    snprintf(msg, len, "wc_publisher_tier is not WC_TIER_HOST");
+    wc_publisher_free(p);
+    return 3;
+  }
+  /* c.scale again through wc_publisher_copy_in (the same bytes), and a wrong size refused. */
+  memset(copy, 0x41, sizeof copy);
+  if (wc_publisher_copy_in(p, 1, copy, 12, &err) != WC_OK ||
+      wc_publisher_copy_in(p, 1, copy, 11, &err) != WC_INVALID_ARGUMENT) {
+    snprintf(msg, len, "wc_publisher_copy_in: %s", err.message);
     wc_publisher_free(p);
     return 3;
   }

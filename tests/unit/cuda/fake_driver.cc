@@ -288,6 +288,14 @@ FakeDriver::FakeDriver(uint64_t granularity, int device_count)
     const CUresult rc = g_fake->MemcpyAsync(reinterpret_cast<void*>(dst), src, n, nullptr);
     return rc != CUDA_SUCCESS ? rc : g_fake->StreamSynchronize(nullptr);
   };
+  // The unified-addressing copy (a published tensor from any pointer): as cuMemcpyHtoD, the
+  // source being host memory in the fake.
+  api_.cuMemcpy = [](CUdeviceptr dst, CUdeviceptr src, size_t n) -> CUresult {
+    WC_HOOK("cuMemcpy");
+    const CUresult rc = g_fake->MemcpyAsync(reinterpret_cast<void*>(dst),
+                                            reinterpret_cast<const void*>(src), n, nullptr);
+    return rc != CUDA_SUCCESS ? rc : g_fake->StreamSynchronize(nullptr);
+  };
   // Modules and kernels.
   api_.cuModuleLoadData = [](CUmodule* m, const void* image) -> CUresult {
     WC_HOOK("cuModuleLoadData");
