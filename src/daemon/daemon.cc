@@ -1146,7 +1146,7 @@ void Daemon::OnUpgradeChannel() {
   FinishUpgrade(Status::Ok());
 }
 
-void Daemon::FinishUpgrade(Status result) {
+void Daemon::FinishUpgrade(const Status& result) {
   PendingUpgrade upgrade = std::move(*upgrade_);
   upgrade_.reset();
   (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, upgrade.channel.get(), nullptr);

@@ -244,7 +244,7 @@ class Daemon {
   // successor and end the loop once the connections are served (keeping the keeper). Failure:
   // kill and reap the successor, re-publish our socket (it may have renamed its own over it),
   // answer the requester with the reason, and serve on.
-  void FinishUpgrade(Status result);
+  void FinishUpgrade(const Status& result);
   // The end of the handover's accept grace: the backlog taken, the listener closed, the path
   // left to the successor.
   void StopListeningAfterHandover();
