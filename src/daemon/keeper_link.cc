@@ -189,6 +189,16 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
   return adopted;
 }
 
+protocol::DepositInfo DescribeStore(const identity::CacheConfig& config, const WeightStore& store) {
+  protocol::DepositInfo info;
+  info.config_digest = config.Digest();
+  info.config_json = config.ToJson().dump();
+  info.depositor_pid = ::getpid();
+  info.manifest_size = store.summary().manifest.size;
+  info.allocation_count = static_cast<uint32_t>(store.fds().size());
+  return info;
+}
+
 Status DepositWithKeeper(const identity::CachePaths& paths, const identity::CacheConfig& config,
                          const WeightStore& store, const KeeperLinkOptions& options) {
   if (!options.enabled || paths.keeper_socket.empty()) return Status::Ok();
@@ -202,12 +212,7 @@ Status DepositWithKeeper(const identity::CachePaths& paths, const identity::Cach
     Status status = pid.status();
     return status.Context("starting the keeper");
   }
-  protocol::DepositInfo info;
-  info.config_digest = config.Digest();
-  info.config_json = config.ToJson().dump();
-  info.depositor_pid = ::getpid();
-  info.manifest_size = store.summary().manifest.size;
-  info.allocation_count = static_cast<uint32_t>(store.fds().size());
+  const protocol::DepositInfo info = DescribeStore(config, store);
   const std::vector<int> fds = store.fds();
   Status deposited = keeper::DepositToKeeper(
       paths.keeper_socket, info, store.summary().manifest.fd.get(), fds, options.timeout);

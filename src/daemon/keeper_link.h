@@ -95,6 +95,9 @@ Status DropCacheKeeper(const identity::CachePaths& paths, const KeeperLinkOption
 Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& handoff,
                         const protocol::AdoptOptions& adopt);
 
+// What a deposit or an upgrade's handover says about `store` of `config`, sent by this process.
+protocol::DepositInfo DescribeStore(const identity::CacheConfig& config, const WeightStore& store);
+
 // The checkpoint as it is now, by its headers and the stat of its files (no tensor byte is
 // read): the same fingerprint and files the identity was computed from, or kInvalidCheckpoint
 // saying what changed.

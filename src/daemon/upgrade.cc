@@ -15,13 +15,8 @@ namespace weightcache::daemon {
 
 Status SendHandover(int channel, const identity::CacheConfig& config, const WeightStore& store,
                     int lock_fd, std::chrono::milliseconds timeout) {
-  protocol::DepositInfo info;
-  info.config_digest = config.Digest();
-  info.config_json = config.ToJson().dump();
-  info.depositor_pid = ::getpid();
-  info.manifest_size = store.summary().manifest.size;
-  info.allocation_count = static_cast<uint32_t>(store.fds().size());
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> frame, protocol::EncodeHandover(info));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> frame,
+                               protocol::EncodeHandover(DescribeStore(config, store)));
   std::vector<int> fds;
   fds.reserve(store.fds().size() + 2);
   fds.push_back(store.summary().manifest.fd.get());

@@ -9,7 +9,6 @@
 // ("keeper_gpu_test: adopted ready in … s") for docs/benchmarks.md.
 #include <gtest/gtest.h>
 
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -33,17 +32,6 @@ constexpr char kNamespace[] = "default";
   auto lhs##_result_ = (expr);                                          \
   ASSERT_TRUE(lhs##_result_.ok()) << lhs##_result_.status().ToString(); \
   auto lhs = std::move(lhs##_result_).value()
-
-uint64_t ReadChars(pid_t pid) {
-  std::ifstream io("/proc/" + std::to_string(pid) + "/io");
-  std::string key;
-  uint64_t value = 0;
-  while (io >> key >> value) {
-    if (key == "rchar:") return value;
-  }
-  ADD_FAILURE() << "no rchar in /proc/" << pid << "/io";
-  return 0;
-}
 
 class KeeperGpuTest : public ::testing::Test {
  protected:
@@ -110,7 +98,7 @@ TEST_F(KeeperGpuTest, Kill9WithAnEngineAttachedThenRestartReadoptsVerifiedWithou
       std::string::npos)
       << log;
   std::cout << "keeper_gpu_test: " << log.substr(ready, log.find('\n', ready) - ready) << std::endl;
-  EXPECT_LT(ReadChars(second->pid()), model_.total_bytes / 4) << log;
+  EXPECT_LT(ProcessReadChars(second->pid()), model_.total_bytes / 4) << log;
 
   // The engine that held its tensors through the crash still reads correct bytes; a second
   // engine attaches to the adopted cache and reads the same.
@@ -173,7 +161,7 @@ TEST_F(KeeperGpuTest, UpgradeWithAnEngineAttachedHandsOverVerifiedWithoutReading
       std::string::npos)
       << log;
   std::cout << "keeper_gpu_test: " << log.substr(ready, log.find('\n', ready) - ready) << std::endl;
-  EXPECT_LT(ReadChars(successor), model_.total_bytes / 4) << log;
+  EXPECT_LT(ProcessReadChars(successor), model_.total_bytes / 4) << log;
 
   ASSERT_TRUE((*holder)->WriteLine("read").ok());
   ASSERT_OK_AND_MOVE(after, (*holder)->ReadJson());

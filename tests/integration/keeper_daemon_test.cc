@@ -17,7 +17,6 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -39,18 +38,6 @@ using namespace std::chrono_literals;
 using protocol::CacheState;
 
 constexpr auto kTimeout = std::chrono::milliseconds(10'000);
-
-// /proc/PID/io's rchar: the bytes every read-like call of the process returned.
-uint64_t ReadChars(pid_t pid) {
-  std::ifstream io("/proc/" + std::to_string(pid) + "/io");
-  std::string key;
-  uint64_t value = 0;
-  while (io >> key >> value) {
-    if (key == "rchar:") return value;
-  }
-  ADD_FAILURE() << "no rchar in /proc/" << pid << "/io";
-  return 0;
-}
 
 // The memfds process `pid` holds open (/proc/PID/fd links to "/memfd:…"): a host-tier daemon
 // holds its store's (the manifest and one per allocation), and an fd of a withdrawal that
@@ -184,12 +171,12 @@ class KeeperDaemonTest : public ::testing::Test {
   // tensor bytes).
   void ExpectAdopted(ServeProcess& serve) {
     EXPECT_NE(serve.Log().find("ready: adopted"), std::string::npos) << serve.Log();
-    EXPECT_LT(ReadChars(serve.pid()), tensor_bytes_ / 4) << serve.Log();
+    EXPECT_LT(ProcessReadChars(serve.pid()), tensor_bytes_ / 4) << serve.Log();
   }
   // The daemon loaded (no adoption, and it read at least every tensor byte).
   void ExpectLoaded(ServeProcess& serve) {
     EXPECT_EQ(serve.Log().find("ready: adopted"), std::string::npos) << serve.Log();
-    EXPECT_GE(ReadChars(serve.pid()), tensor_bytes_) << serve.Log();
+    EXPECT_GE(ProcessReadChars(serve.pid()), tensor_bytes_) << serve.Log();
   }
 
   CommandResult Cli(std::vector<std::string> args) {

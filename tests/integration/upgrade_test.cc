@@ -39,17 +39,6 @@ using protocol::CacheState;
 
 constexpr auto kTimeout = std::chrono::milliseconds(15'000);
 
-uint64_t ReadChars(pid_t pid) {
-  std::ifstream io("/proc/" + std::to_string(pid) + "/io");
-  std::string key;
-  uint64_t value = 0;
-  while (io >> key >> value) {
-    if (key == "rchar:") return value;
-  }
-  ADD_FAILURE() << "no rchar in /proc/" << pid << "/io";
-  return 0;
-}
-
 // The fds this process has open (of the first 4096).
 int OpenFds() {
   int n = 0;
@@ -196,7 +185,7 @@ TEST_F(UpgradeTest, TheSuccessorServesTheSameMemoryWithoutReadingTheCheckpoint) 
   EXPECT_EQ(ServerPid(socket), successor);
   EXPECT_EQ(os::ReadLockOwner(identity::LockPathFor(socket)), successor);
   EXPECT_TRUE(os::IsLockHeld(identity::LockPathFor(socket)));
-  EXPECT_LT(ReadChars(successor), tensor_bytes_ / 4) << old->Log();
+  EXPECT_LT(ProcessReadChars(successor), tensor_bytes_ / 4) << old->Log();
   EXPECT_TRUE(WaitForLog(*old, "took over from pid " + std::to_string(old->pid()))) << old->Log();
   EXPECT_TRUE(WaitForLog(*old, "ready: adopted 12 tensors")) << old->Log();
   auto after = AttachFirstBytes(socket);

@@ -66,4 +66,15 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
+uint64_t ProcessReadChars(pid_t pid) {
+  std::ifstream io("/proc/" + std::to_string(pid) + "/io");
+  std::string key;
+  uint64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "rchar:") return value;
+  }
+  ADD_FAILURE() << "no rchar in /proc/" << pid << "/io";
+  return 0;
+}
+
 }  // namespace weightcache::testing

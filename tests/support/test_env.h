@@ -1,6 +1,9 @@
 // Test support shared by every tier: temp dirs, the real CLI binary, the real Python.
 #pragma once
 
+#include <sys/types.h>
+
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -33,6 +36,11 @@ struct CommandResult {
 // Run argv[0] with argv (no shell), with extra "K=V" environment entries, and capture output.
 CommandResult RunCommand(const std::vector<std::string>& argv,
                          const std::vector<std::string>& extra_env = {});
+
+// /proc/PID/io's rchar: the bytes every read-like call of process `pid` returned, whatever
+// the file (a test failure and 0 when it cannot be read). How the keeper and upgrade tests
+// prove that a daemon served without reading its checkpoint.
+uint64_t ProcessReadChars(pid_t pid);
 
 // Write a file (test fixtures); aborts the test on failure.
 void WriteFile(const std::string& path, const std::string& contents);
