@@ -10,6 +10,7 @@
 
 #include "client/discovery.h"
 #include "identity/paths.h"
+#include "keeper/keeper_client.h"
 #include "protocol/frame.h"
 #include "protocol/wire.h"
 #include "support/test_env.h"
@@ -153,6 +154,22 @@ Result<protocol::ErrorReply> DecodeErrorFrame(const std::string& bytes) {
     return ProtocolError("truncated Error frame");
   }
   return protocol::DecodeError(data.subspan(protocol::kFrameHeaderSize, header.payload_length));
+}
+
+std::vector<std::string> HostServeArgs(const std::string& model_dir, const std::string& runtime_dir,
+                                       std::vector<std::string> extra) {
+  std::vector<std::string> args = {"--model", model_dir,       "--model-id", "tiny",      "--tier",
+                                   "host",    "--runtime-dir", runtime_dir,  "--threads", "2"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+void DropAllKeepers(const std::string& runtime_dir, std::chrono::milliseconds timeout) {
+  auto keepers = identity::ListAllKeeperSockets(runtime_dir);
+  if (!keepers.ok()) return;
+  for (const auto& k : *keepers) {
+    (void)keeper::DropKeeper({k.socket, identity::LockPathFor(k.socket)}, timeout);
+  }
 }
 
 }  // namespace weightcache::testing

@@ -45,6 +45,14 @@ class ServeProcess {
   TestChild child_;
 };
 
+// `serve` flags of a small host-tier cache of `model_dir` (model id "tiny", 2 reader threads)
+// under `runtime_dir`, then `extra`.
+std::vector<std::string> HostServeArgs(const std::string& model_dir, const std::string& runtime_dir,
+                                       std::vector<std::string> extra = {});
+
+// Drops every keeper under `runtime_dir` (a test's leftovers: their memory is freed).
+void DropAllKeepers(const std::string& runtime_dir, std::chrono::milliseconds timeout);
+
 // Writes a checkpoint with the real safetensors library into `dir`; returns `dir`.
 std::string MakeCheckpoint(const std::string& dir, int tensors, int shards = 1, int seed = 1,
                            int max_elems = 65536);

@@ -30,11 +30,7 @@ class ServeTest : public ::testing::Test {
     runtime_ = dir_.Join("run");
   }
   std::vector<std::string> Args(std::vector<std::string> extra = {}) const {
-    std::vector<std::string> args = {"--model",   model_, "--model-id",    "tiny",
-                                     "--tier",    "host", "--runtime-dir", runtime_,
-                                     "--threads", "2"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    return args;
+    return HostServeArgs(model_, runtime_, std::move(extra));
   }
   std::unique_ptr<ServeProcess> Start(std::vector<std::string> extra = {},
                                       const std::string& log = "serve.log") {

@@ -93,19 +93,11 @@ class KeeperDaemonTest : public ::testing::Test {
   }
   void TearDown() override {
     // Whatever a test left: its keepers go (they would also exit once the dir is removed).
-    auto keepers = identity::ListAllKeeperSockets(runtime_);
-    if (!keepers.ok()) return;
-    for (const auto& k : *keepers) {
-      (void)keeper::DropKeeper({k.socket, identity::LockPathFor(k.socket)}, kTimeout);
-    }
+    DropAllKeepers(runtime_, kTimeout);
   }
 
   std::vector<std::string> Args(std::vector<std::string> extra = {}) const {
-    std::vector<std::string> args = {"--model",   model_, "--model-id",    "tiny",
-                                     "--tier",    "host", "--runtime-dir", runtime_,
-                                     "--threads", "2"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    return args;
+    return HostServeArgs(model_, runtime_, std::move(extra));
   }
   std::unique_ptr<ServeProcess> Start(const std::string& log, std::vector<std::string> extra = {}) {
     auto p = ServeProcess::Start(Args(std::move(extra)), dir_.Join(log));

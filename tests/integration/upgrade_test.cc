@@ -90,19 +90,11 @@ class UpgradeTest : public ::testing::Test {
     for (pid_t pid : successors_) {
       if (Alive(pid)) ::kill(pid, SIGKILL);
     }
-    auto keepers = identity::ListAllKeeperSockets(runtime_);
-    if (!keepers.ok()) return;
-    for (const auto& k : *keepers) {
-      (void)keeper::DropKeeper({k.socket, identity::LockPathFor(k.socket)}, kTimeout);
-    }
+    DropAllKeepers(runtime_, kTimeout);
   }
 
   std::vector<std::string> Args(std::vector<std::string> extra = {}) const {
-    std::vector<std::string> args = {"--model",   model_, "--model-id",    "tiny",
-                                     "--tier",    "host", "--runtime-dir", runtime_,
-                                     "--threads", "2"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    return args;
+    return HostServeArgs(model_, runtime_, std::move(extra));
   }
   std::string StartReady(std::unique_ptr<ServeProcess>& serve,
                          std::vector<std::string> extra = {}) {
