@@ -67,6 +67,20 @@ class KeeperGpuTest : public ::testing::Test {
     EXPECT_EQ(report["check"]["bytes_checked"].get<uint64_t>(), model_.total_bytes);
   }
 
+  // The engine that held its tensors (`holder`, which attached as `attached`) still reads
+  // correct bytes, and a second engine attaches to the cache now served and reads the same.
+  void ExpectHolderAndAFreshEngineRead(PipedChild& holder, const nlohmann::json& attached) {
+    ASSERT_TRUE(holder.WriteLine("read").ok());
+    ASSERT_OK_AND_MOVE(after, holder.ReadJson());
+    ExpectBytesCorrect(after);
+    auto fresh = PipedChild::Spawn(Helper(), {}, dir_.Join("fresh.err"));
+    ASSERT_TRUE(fresh.ok());
+    ASSERT_OK_AND_MOVE(f, (*fresh)->ReadJson());
+    EXPECT_EQ(f["source"], "daemon") << f.dump();
+    ExpectBytesCorrect(f);
+    EXPECT_EQ(f["check"]["digest"], attached["check"]["digest"]);
+  }
+
   TempDir dir_;
   TestModel model_;
   std::string uuid_;
@@ -102,15 +116,8 @@ TEST_F(KeeperGpuTest, Kill9WithAnEngineAttachedThenRestartReadoptsVerifiedWithou
 
   // The engine that held its tensors through the crash still reads correct bytes; a second
   // engine attaches to the adopted cache and reads the same.
-  ASSERT_TRUE((*holder)->WriteLine("read").ok());
-  ASSERT_OK_AND_MOVE(after, (*holder)->ReadJson());
-  ExpectBytesCorrect(after);
-  auto fresh = PipedChild::Spawn(Helper(), {}, dir_.Join("fresh.err"));
-  ASSERT_TRUE(fresh.ok());
-  ASSERT_OK_AND_MOVE(f, (*fresh)->ReadJson());
-  EXPECT_EQ(f["source"], "daemon") << f.dump();
-  ExpectBytesCorrect(f);
-  EXPECT_EQ(f["check"]["digest"], attached["check"]["digest"]);
+  ExpectHolderAndAFreshEngineRead(**holder, attached);
+  if (HasFatalFailure()) return;
   JsonRun verify =
       RunJson({CliPath(), "attach", "--model", model_.dir, "--model-id", kModelId, "--tier", "gpu",
                "--device", "0", "--runtime-dir", runtime(), "--json", "--verify"});
@@ -163,15 +170,8 @@ TEST_F(KeeperGpuTest, UpgradeWithAnEngineAttachedHandsOverVerifiedWithoutReading
   std::cout << "keeper_gpu_test: " << log.substr(ready, log.find('\n', ready) - ready) << std::endl;
   EXPECT_LT(ProcessReadChars(successor), model_.total_bytes / 4) << log;
 
-  ASSERT_TRUE((*holder)->WriteLine("read").ok());
-  ASSERT_OK_AND_MOVE(after, (*holder)->ReadJson());
-  ExpectBytesCorrect(after);
-  auto fresh = PipedChild::Spawn(Helper(), {}, dir_.Join("fresh.err"));
-  ASSERT_TRUE(fresh.ok());
-  ASSERT_OK_AND_MOVE(f, (*fresh)->ReadJson());
-  EXPECT_EQ(f["source"], "daemon") << f.dump();
-  ExpectBytesCorrect(f);
-  EXPECT_EQ(f["check"]["digest"], attached["check"]["digest"]);
+  ExpectHolderAndAFreshEngineRead(**holder, attached);
+  if (HasFatalFailure()) return;
 
   JsonRun stop = RunJson({CliPath(), "stop", "--socket", socket});
   EXPECT_EQ(stop.exit_code, 0) << stop.err;
