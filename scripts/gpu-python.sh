@@ -13,6 +13,8 @@
 #    model built on the meta device gets its weights from weightcache.load_state_dict
 #    (assign=True, zero-copy) and generates 32 tokens that must equal the reference; the
 #    client's GPU memory must show no second copy of the weights;
+# 3b. crash survival (issue 15): gpu_model_check.py keeper (engine A survives its daemon's
+#    kill -9, the restart adopts the kept memory, engine B attaches; both equal the reference);
 # 4. the same model sharded (issue 12): for TP = 2 and 4, that many `serve --tp-size N
 #    --tp-rank r` daemons on device 0; each rank attached holds only its slices, its disk
 #    fallback gives the same bytes, and the state dict reassembled from the slices equals the
@@ -172,6 +174,14 @@ else
   grep -E '^\{"tokens_equal"' "$log" | tail -1 >"$OUT/python-model.json"
   kill "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null
   daemon_pid=
+  # 3b. crash survival (issue 15): engine A attached while its daemon is killed with SIGKILL; a
+  #     restarted daemon re-adopts the kept memory; A and a fresh engine B give the reference.
+  if [[ -f $work/reference.json ]]; then
+    mkdir -p -m 700 "$work/run-keeper"
+    step keeper "$py" "$check" keeper --model "$model" --reference "$work/reference.json" \
+      --runtime-dir "$work/run-keeper" --cli "$WEIGHTCACHE_CLI" --device "$uuid" &&
+      say "python keeper: PASS $(grep -E '^\{"keeper_check"' "$log" | tail -1)"
+  fi
   # 4. sharded: N rank daemons on this one GPU, a runtime dir per N.
   if [[ -f $work/reference.json ]]; then
     for tp in 2 4; do

@@ -21,6 +21,7 @@
 #                      the sharded load's times, ratio and per-rank memory vs bound)
 # Knobs: OUT (default ./gpu-out), BUILD_DIR (build-gpu), DEPS (.deps/usr), JOBS (nproc),
 #        TARGETS (build only these, for a dry run), SKIP_BENCH=1, SUITE=full|quick,
+#        SKIP_CPU_TIERS=1 (full without the unit, integration and adversarial tiers),
 #        BENCHES (only these benches, e.g. "shard_bench gpu_attach_bench"; default all),
 #        BENCH_WORK (scratch for the benches' checkpoints; default a temp dir, removed).
 # Exit status: non-zero if the build or any test fails, or a benchmark fails or times out.
@@ -145,7 +146,7 @@ run_ctest() {  # label [extra ctest args]
 run_ctest gpu -V -j 1
 reason=$(grep -E "^[0-9]+: .*Skipped$" -A1 "$OUT/tests.log" | grep -vE "Skipped$|^--" | head -1)
 [[ -n $reason ]] && say "  first gpu skip reason: ${reason#*: }"
-if [[ $suite == full ]]; then
+if [[ $suite == full && -z ${SKIP_CPU_TIERS:-} ]]; then
   run_ctest unit
   # The CPU tiers again on this machine's cores and kernel: real daemons, launches and hostile
   # clients, whose timing differs from CI's 2 cores.
@@ -200,6 +201,10 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
   # Issue 12: a Llama-3-8B-shaped checkpoint (16 GB) loaded whole by one daemon vs by 4 TP
   # rank daemons on the same GPU; each rank's GPU memory against its bound (docs/benchmarks.md).
   run_bench 240 shard_bench --work "$work/shard" --reps 3
+  # Issue 15: the same checkpoint; after kill -9, the restarted daemon's time to ready on the
+  # memory its keeper held; the unavailable window of `weightcache upgrade` under 8 clients
+  # attaching in a loop (docs/benchmarks.md).
+  run_bench 180 restart_bench --work "$work/restart" --reps 3 --clients 8
   [[ -z ${BENCH_WORK:-} ]] && rm -rf "$work"
 
   if grep -q '"error"' "$OUT/bench.jsonl"; then
@@ -312,6 +317,19 @@ for line in open(sys.argv[1]):
                  ", ".join(f"rank {r.get('rank')} {mib(r.get('used_bytes'))}"
                            f"/{mib(r.get('bound_bytes'))}" for r in ranks) +
                  f", within_memory_bound={j.get('within_memory_bound')}")
+    elif b == "restart":
+        # The phases' details (each restart's ready line, each upgrade's windows) stay in
+        # bench.jsonl; the floor and result lines are the headline.
+        if j.get("phase") == "floor":
+            items = [("context_process_median_ms", j.get("median_ms"))]
+        elif j.get("phase") == "result":
+            items = [("bytes", j.get("bytes")), ("adopt_verify", j.get("adopt_verify")),
+                     ("restart_ready_ms", j.get("restart_ready_ms")),
+                     ("within_ready_target", j.get("within_ready_target")),
+                     ("upgrade_window_ms", j.get("upgrade_window_ms")),
+                     ("within_window_target", j.get("within_window_target"))]
+        else:
+            continue
     else:
         items = list(j.items())[:8]
     print("  " + b + ": " + ", ".join(f"{k}={fmt(v)}" for k, v in items if v is not None))

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -68,9 +69,20 @@ std::vector<std::string>& ProgramArgsStorage() {
   static std::vector<std::string> args;
   return args;
 }
+std::chrono::steady_clock::time_point& StartTime() {
+  static std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  return start;
+}
 }  // namespace
 
-void RecordProgramArgs(int argc, char** argv) { ProgramArgsStorage().assign(argv, argv + argc); }
+void RecordProgramArgs(int argc, char** argv) {
+  StartTime() = std::chrono::steady_clock::now();
+  ProgramArgsStorage().assign(argv, argv + argc);
+}
+
+double SecondsSinceStart() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - StartTime()).count();
+}
 
 const std::vector<std::string>& ProgramArgs() { return ProgramArgsStorage(); }
 

@@ -38,8 +38,11 @@ int RunSelected(CLI::App& root);
 
 // The command line this process was started with (main records it before parsing): what an
 // upgrade's successor is started with again (`serve`, docs/upgrade.md).
+// It also notes the time, for SecondsSinceStart: a ready line says how long the whole process
+// took (an adopted cache's figure is mostly the CUDA driver's start, not the adoption).
 void RecordProgramArgs(int argc, char** argv);
 const std::vector<std::string>& ProgramArgs();
+double SecondsSinceStart();
 
 // Registration functions, one per cmd_<name>.cc.
 void RegisterAttachCommand(CLI::App& root);

@@ -382,8 +382,9 @@ int Run(ServeArgs& args) {
     if (!adopted.empty()) {
       LOG_INFO << "ready: adopted " << s.tensor_count << " tensors, "
                << daemon::FormatBytes(s.tensor_bytes) << " ("
-               << daemon::FormatBytes(s.resident_bytes) << " resident) in " << seconds << " s, "
-               << adopted << "; no checkpoint byte read";
+               << daemon::FormatBytes(s.resident_bytes) << " resident) in " << seconds << " s ("
+               << SecondsSinceStart() << " s since serve started), " << adopted
+               << "; no checkpoint byte read";
       return;
     }
     LOG_INFO << "ready: " << s.tensor_count << " tensors, " << daemon::FormatBytes(s.tensor_bytes)

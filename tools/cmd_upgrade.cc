@@ -11,6 +11,7 @@
 // the identity; 1 a checksum the memory does not have) — the old daemon then serves on.
 #include <iostream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "cli_common.h"
@@ -60,8 +61,10 @@ int Run(UpgradeArgs& args) {
   auto decoded = protocol::DecodeUpgradeReply(reply->payload);
   if (!decoded.ok()) return Fail(kCmd, decoded.status());
   if (args.json) {
-    std::cout << "{\"socket\": \"" << socket << "\", \"successor_pid\": " << decoded->successor_pid
-              << ", \"handover_us\": " << decoded->handover_us << "}" << std::endl;
+    const nlohmann::json out = {{"socket", socket},
+                                {"successor_pid", decoded->successor_pid},
+                                {"handover_us", decoded->handover_us}};
+    std::cout << out.dump() << std::endl;
   } else {
     std::cerr << "weightcache upgrade: " << socket << ": served by successor pid "
               << decoded->successor_pid << " (handover took " << decoded->handover_us / 1000.0

@@ -224,7 +224,8 @@ void Daemon::LoaderMain() {
   if (std::optional<AdoptedStore> adopted = AdoptKept()) {
     std::string how = "from keeper pid " + std::to_string(adopted->keeper_pid) +
                       " (loaded by pid " + std::to_string(adopted->depositor_pid) +
-                      "), checksums of " + adopted->verified + " verified";
+                      "), checksums of " + adopted->verified + " verified (" + adopted->timings +
+                      ")";
     {
       MutexLock lock(result_mu_);
       load_result_.emplace(std::move(adopted->store));

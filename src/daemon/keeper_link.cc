@@ -4,7 +4,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <cstdio>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -17,6 +21,15 @@
 
 namespace weightcache::daemon {
 namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string FormatMillis(Clock::duration d) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f ms",
+                std::chrono::duration<double, std::milli>(d).count());
+  return text;
+}
 
 keeper::KeeperPaths PathsOf(const identity::CachePaths& paths) {
   return {paths.keeper_socket, paths.keeper_lock};
@@ -147,8 +160,16 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
     return reject(Status(StatusCode::kMismatch, "keeper holds cache " + (*query)->config_digest +
                                                     ", this daemon serves " + config.Digest()));
   }
+  std::string timings;
+  auto step_done = [&timings, start = Clock::now()](std::string_view step) mutable {
+    const auto now = Clock::now();
+    timings += std::string(timings.empty() ? "" : ", ") + std::string(step) + " " +
+               FormatMillis(now - start);
+    start = now;
+  };
   Status unchanged = CheckCheckpointUnchanged(config, model_path);
   if (!unchanged.ok()) return reject(unchanged);
+  step_done("checkpoint check");
 
   protocol::AdoptOptions adopt;
   adopt.expected_digest = config.Digest();
@@ -179,13 +200,15 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
   if (!withdrawn.ok()) return reject(withdrawn.status());
   if (!withdrawn->has_value()) return std::nullopt;  // the keeper went away meanwhile
   protocol::Handoff handoff = std::move(**withdrawn);
+  step_done("withdrawal");
   if (config.tier == Tier::kGpu) {
     Status verified = VerifyGpuHandoff(*gpu, handoff, adopt);
     if (!verified.ok()) return reject(verified);
+    step_done("import and checksums");
   }
   const std::string verified = DescribeVerified(adopt, handoff.manifest.tensor_count());
   AdoptedStore adopted{StoreFromHandoff(std::move(handoff)), (*query)->keeper_pid,
-                       (*query)->depositor_pid, verified};
+                       (*query)->depositor_pid, verified, std::move(timings)};
   return adopted;
 }
 

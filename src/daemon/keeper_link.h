@@ -65,6 +65,9 @@ struct AdoptedStore {
   int64_t keeper_pid = 0;
   int64_t depositor_pid = 0;  // the daemon that loaded it
   std::string verified;       // "64 of 291 tensors" / "all 291 tensors"
+  // Where the adoption's time went, for the ready line: "checkpoint check 0.3 ms, withdrawal
+  // 1.1 ms, import and checksums 14.2 ms" (the last only on the gpu tier).
+  std::string timings;
 };
 
 // The kept cache of `paths`, validated (the rules above), or std::nullopt: no keeper, keeper

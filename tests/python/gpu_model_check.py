@@ -20,6 +20,15 @@
                                    full state dict from the slices (Tensor.slice: dim, offset,
                                    length), requires every tensor equal to the checkpoint's, then
                                    builds the model from it: tokens and logits equal to disk.
+  keeper --model DIR --reference F --runtime-dir R --cli PATH --device UUID
+                                   (issue 15) starts `serve --tier gpu --adopt-verify full`;
+                                   engine A (this process) attaches and generates; the daemon is
+                                   killed with SIGKILL while A holds its tensors; a new `serve`
+                                   must re-adopt the kept memory ("ready: adopted", every
+                                   tensor checksummed by the GPU kernel) reading no more than the
+                                   headers (/proc/PID/io rchar); A generates again, and engine B
+                                   (a fresh process: `attach` above) attaches to the adopted
+                                   cache; both must give the reference's tokens and logits.
 
 Weights not in the checkpoint: rotary inv_freq (a non-persistent buffer) is recomputed on the
 GPU by re-creating the rotary module; tied embeddings are re-tied (model.tie_weights()).
@@ -356,6 +365,92 @@ def cmd_shard_attach(args):
         sys.exit(1)
 
 
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.01)
+
+
+def read_chars(pid: int) -> int:
+    for line in open(f"/proc/{pid}/io"):
+        key, value = line.split(":")
+        if key == "rchar":
+            return int(value)
+    raise RuntimeError(f"no rchar in /proc/{pid}/io")
+
+
+def cmd_keeper(args):
+    import signal
+    import subprocess
+
+    import torch
+
+    import weightcache
+
+    serve = [args.cli, "serve", "--model", args.model, "--tier", "gpu", "--device", args.device,
+             "--runtime-dir", args.runtime_dir, "--adopt-verify", "full"]
+    logs = [os.path.join(args.runtime_dir, f"serve-{i}.log") for i in (1, 2)]
+    first = subprocess.Popen(serve, stdout=open(logs[0], "w"), stderr=subprocess.STDOUT)
+    second = None
+    try:
+        import glob
+
+        socket_glob = os.path.join(args.runtime_dir, "default", args.device, "*.sock")
+        wait_for(lambda: glob.glob(socket_glob) or first.poll() is not None, 30,
+                 "the daemon published no socket in 30 s")
+        torch.cuda.set_device(0)
+        sd = weightcache.load_state_dict(args.model, device="cuda:0", on_missing="error",
+                                         runtime_dir=args.runtime_dir)
+        att = sd.attachment
+        assert att.source == "daemon" and att.daemon_pid == first.pid, att.source_reason
+        engine_a = build_model(sd, args.model, torch)
+        failures, before = compare_to_reference(engine_a, args.reference, torch)
+
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = subprocess.Popen(serve, stdout=open(logs[1], "w"), stderr=subprocess.STDOUT)
+        wait_for(lambda: "ready:" in open(logs[1]).read() or second.poll() is not None, 60,
+                 "the restarted daemon is not ready after 60 s")
+        log = open(logs[1]).read()
+        ready = next((line for line in log.splitlines() if "ready:" in line), "")
+        if "ready: adopted" not in ready or f"checksums of all {len(att)} tensors" not in ready:
+            failures.append(f"the restarted daemon did not adopt every tensor verified: {log}")
+        rchar = read_chars(second.pid)
+        if rchar >= att.total_bytes // 4:
+            failures.append(f"the restarted daemon read {rchar} B, a load's worth")
+
+        # Engine A, still holding the killed daemon's memory, and engine B, a fresh process
+        # attached to the adopted cache: both give the reference's output.
+        a_failures, after = compare_to_reference(engine_a, args.reference, torch)
+        failures += [f"engine A after the restart: {f}" for f in a_failures]
+        b = subprocess.run([sys.executable, __file__, "attach", "--model", args.model,
+                            "--reference", args.reference, "--runtime-dir", args.runtime_dir],
+                           capture_output=True, text=True)
+        if b.returncode != 0:
+            failures.append(f"engine B failed: {b.stderr[-2000:]}")
+        engine_b = json.loads(b.stdout.strip().splitlines()[-1]) if b.stdout.strip() else {}
+        if engine_b.get("daemon_pid") not in (None, second.pid):
+            failures.append(f"engine B attached to pid {engine_b.get('daemon_pid')}, "
+                            f"not the restarted daemon {second.pid}")
+        print(json.dumps({"keeper_check": {
+            "engine_a_before": {k: before[k] for k in ("tokens_equal", "logits_equal")},
+            "engine_a_after": {k: after[k] for k in ("tokens_equal", "logits_equal")},
+            "engine_b": {k: engine_b.get(k) for k in ("tokens_equal", "logits_equal",
+                                                       "daemon_pid")},
+            "ready_line": ready, "restarted_read_chars": rchar,
+            "weight_bytes": att.total_bytes}}))
+        if failures:
+            print("FAIL: " + "; ".join(failures), file=sys.stderr)
+            sys.exit(1)
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.terminate()  # a deliberate stop: the keeper drops the memory
+                p.wait()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -373,9 +468,15 @@ def main():
     sa.add_argument("--reference", required=True)
     sa.add_argument("--runtime-dir", required=True)
     sa.add_argument("--tp", type=int, required=True)
+    k = sub.add_parser("keeper")
+    k.add_argument("--model", required=True)
+    k.add_argument("--reference", required=True)
+    k.add_argument("--runtime-dir", required=True)
+    k.add_argument("--cli", required=True)
+    k.add_argument("--device", required=True)
     args = p.parse_args()
     {"make": cmd_make, "reference": cmd_reference, "attach": cmd_attach,
-     "shard-attach": cmd_shard_attach}[args.cmd](args)
+     "shard-attach": cmd_shard_attach, "keeper": cmd_keeper}[args.cmd](args)
 
 
 if __name__ == "__main__":
