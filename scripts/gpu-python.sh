@@ -57,8 +57,15 @@ export CMAKE_ARGS="-DCMAKE_PREFIX_PATH=$deps -DCMAKE_CXX_FLAGS=-g\ -isystem\ $de
 -DOPENSSL_CRYPTO_LIBRARY=$deps/lib/$arch/libcrypto.a -DOPENSSL_SSL_LIBRARY=$deps/lib/$arch/libssl.a \
 -Dnlohmann_json_DIR=$deps/share/cmake/nlohmann_json -DCLI11_DIR=$deps/share/cmake/CLI11 \
 -DXXHASH_INCLUDE_DIR=$deps/include"
+# With nvcc, the GPU checksum kernel too (pyproject.toml defaults it OFF): a gpu-tier publish
+# and `verify` need it.
+kernels=()
+command -v nvcc >/dev/null &&
+  kernels=(--config-settings=cmake.define.WEIGHTCACHE_BUILD_KERNELS=ON
+    --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES=90)
 if "$py" -m pip install --no-build-isolation --no-deps --no-index -v --target "$prefix" \
-    --config-settings=build-dir="$root/build-python-gpu/build" . >"$OUT/python-build.log" 2>&1; then
+    --config-settings=build-dir="$root/build-python-gpu/build" "${kernels[@]}" . \
+    >"$OUT/python-build.log" 2>&1; then
   say "python build: ok ($(($(date +%s) - start)) s, $("$py" -c 'import nanobind; print("nanobind", nanobind.__version__)'))"
 else
   say "python build: FAILED — last lines of python-build.log:"
@@ -177,9 +184,10 @@ else
   # 3b. crash survival (issue 15): engine A attached while its daemon is killed with SIGKILL; a
   #     restarted daemon re-adopts the kept memory; A and a fresh engine B give the reference.
   if [[ -f $work/reference.json ]]; then
-    mkdir -p -m 700 "$work/run-keeper"
+    # Short: the keeper's socket (<cache socket>.keeper.sock) must fit the 107-byte sun_path.
+    keeper_runtime=$(mktemp -d /tmp/wck.XXXXXX)
     step keeper "$py" "$check" keeper --model "$model" --reference "$work/reference.json" \
-      --runtime-dir "$work/run-keeper" --cli "$WEIGHTCACHE_CLI" --device "$uuid" &&
+      --runtime-dir "$keeper_runtime" --cli "$WEIGHTCACHE_CLI" --device "$uuid" &&
       say "python keeper: PASS $(grep -E '^\{"keeper_check"' "$log" | tail -1)"
   fi
   # 4. sharded: N rank daemons on this one GPU, a runtime dir per N.
