@@ -78,7 +78,9 @@ def forward(w, torch):
     ids = torch.tensor(PROMPT, device="cuda:0")
     n = ids.numel()
     pos = torch.arange(n, device="cuda:0", dtype=torch.float32)
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device="cuda:0").float() / hd))
+    # transformers 5 keeps it in rope_parameters; older releases as an attribute.
+    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device="cuda:0").float() / hd))
     freqs = torch.outer(pos, inv)
     cos = torch.cat([freqs, freqs], -1).cos().to(torch.bfloat16)
     sin = torch.cat([freqs, freqs], -1).sin().to(torch.bfloat16)
