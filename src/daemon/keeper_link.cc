@@ -7,10 +7,12 @@
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "checkpoint/checkpoint.h"
 #include "common/logging.h"
@@ -65,16 +67,19 @@ struct GpuVerifier {
     return Status::Ok();
   }
 
-  Result<uint64_t> Checksum(uint32_t index, uint64_t offset, uint64_t nbytes) const {
+  // Every range in one kernel launch: one synchronization for all the tensors checked.
+  Result<std::vector<uint64_t>> Checksums(std::span<const protocol::ChecksumRange> ranges) const {
     const auto allocations = arena->allocations();
-    if (index >= allocations.size() || offset > allocations[index].size ||
-        nbytes > allocations[index].size - offset) {
-      return ProtocolError("tensor range outside allocation " + std::to_string(index));
+    std::vector<cuda::DeviceRange> device_ranges;
+    device_ranges.reserve(ranges.size());
+    for (const protocol::ChecksumRange& r : ranges) {
+      if (r.allocation >= allocations.size() || r.offset > allocations[r.allocation].size ||
+          r.nbytes > allocations[r.allocation].size - r.offset) {
+        return ProtocolError("tensor range outside allocation " + std::to_string(r.allocation));
+      }
+      device_ranges.push_back({allocations[r.allocation].ptr + r.offset, r.nbytes});
     }
-    const cuda::DeviceRange range{allocations[index].ptr + offset, nbytes};
-    WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint64_t> sums,
-                                 kernel->Checksums(/*stream=*/nullptr, {&range, 1}));
-    return sums.at(0);
+    return kernel->Checksums(/*stream=*/nullptr, device_ranges);
   }
 };
 
@@ -111,8 +116,8 @@ Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& han
   GpuVerifier verifier;
   WEIGHTCACHE_RETURN_IF_ERROR(verifier.Open(gpu, handoff));
   protocol::AdoptOptions checked = adopt;
-  checked.gpu_checksum = [&verifier](uint32_t index, uint64_t offset, uint64_t nbytes) {
-    return verifier.Checksum(index, offset, nbytes);
+  checked.gpu_checksum = [&verifier](std::span<const protocol::ChecksumRange> ranges) {
+    return verifier.Checksums(ranges);
   };
   return protocol::CheckAdoptable(handoff, checked);
 }
@@ -192,7 +197,8 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
     };
     withdraw_adopt.checksums = protocol::ChecksumCheck::kSample;
     withdraw_adopt.sample_tensors = 0;
-    withdraw_adopt.gpu_checksum = [](uint32_t, uint64_t, uint64_t) -> Result<uint64_t> {
+    withdraw_adopt.gpu_checksum =
+        [](std::span<const protocol::ChecksumRange>) -> Result<std::vector<uint64_t>> {
       return InternalError("no checksum at withdrawal");
     };
   }

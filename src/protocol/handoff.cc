@@ -245,16 +245,29 @@ Status CheckAdoptable(const Handoff& handoff, const AdoptOptions& options) {
       maps.push_back(std::move(region).value());
     }
   }
-  for (size_t i :
-       TensorsToCheck(manifest.tensor_count(), options.checksums, options.sample_tensors)) {
-    const TensorRecord r = manifest.record(i);
-    uint64_t sum = 0;
-    if (handoff.tier() == Tier::kHost) {
-      sum = TensorChecksum(static_cast<const uint8_t*>(maps[r.allocation].data()) + r.offset,
-                           r.nbytes);
-    } else {
-      WEIGHTCACHE_ASSIGN_OR_RETURN(sum, options.gpu_checksum(r.allocation, r.offset, r.nbytes));
+  const std::vector<size_t> checked =
+      TensorsToCheck(manifest.tensor_count(), options.checksums, options.sample_tensors);
+  std::vector<uint64_t> gpu_sums;
+  if (handoff.tier() == Tier::kGpu) {
+    std::vector<ChecksumRange> ranges;
+    ranges.reserve(checked.size());
+    for (size_t i : checked) {
+      const TensorRecord r = manifest.record(i);
+      ranges.push_back({r.allocation, r.offset, r.nbytes});
     }
+    WEIGHTCACHE_ASSIGN_OR_RETURN(gpu_sums, options.gpu_checksum(ranges));
+    if (gpu_sums.size() != ranges.size()) {
+      return InternalError("the checksum function returned " + std::to_string(gpu_sums.size()) +
+                           " checksums for " + std::to_string(ranges.size()) + " tensors");
+    }
+  }
+  for (size_t k = 0; k < checked.size(); ++k) {
+    const TensorRecord r = manifest.record(checked[k]);
+    const uint64_t sum =
+        handoff.tier() == Tier::kHost
+            ? TensorChecksum(static_cast<const uint8_t*>(maps[r.allocation].data()) + r.offset,
+                             r.nbytes)
+            : gpu_sums[k];
     if (sum != r.checksum) {
       return ProtocolError("tensor '" + std::string(r.name) + "' (allocation " +
                            std::to_string(r.allocation) + ", offset " + std::to_string(r.offset) +

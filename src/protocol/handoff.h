@@ -99,9 +99,15 @@ enum class ChecksumCheck {
   kSample,  // AdoptOptions::sample_tensors tensors spread evenly over the name order
 };
 
-// The checksum of `nbytes` at `offset` of allocation `index` (the gpu tier's kernel).
-using ChecksumFn =
-    std::function<Result<uint64_t>(uint32_t index, uint64_t offset, uint64_t nbytes)>;
+// `nbytes` at `offset` of allocation `allocation`: one tensor for the checksum function.
+struct ChecksumRange {
+  uint32_t allocation = 0;
+  uint64_t offset = 0;
+  uint64_t nbytes = 0;
+};
+// The checksums of every range, in order, in ONE call (the gpu tier's kernel: one launch and
+// one synchronization for all the tensors checked, not one per tensor).
+using ChecksumFn = std::function<Result<std::vector<uint64_t>>(std::span<const ChecksumRange>)>;
 
 struct AdoptOptions {
   std::string expected_digest;  // the withdrawer's CacheConfig digest
