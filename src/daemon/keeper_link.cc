@@ -109,12 +109,13 @@ std::string DescribeVerified(const protocol::AdoptOptions& adopt, size_t tensors
 }
 
 Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& handoff,
-                        const protocol::AdoptOptions& adopt) {
+                        const protocol::AdoptOptions& adopt, const StepDone& step_done) {
   if (gpu.driver == nullptr) {
     return InternalError("gpu tier: no CUDA driver to check the kept allocations");
   }
   GpuVerifier verifier;
   WEIGHTCACHE_RETURN_IF_ERROR(verifier.Open(gpu, handoff));
+  if (step_done) step_done("context and import");
   protocol::AdoptOptions checked = adopt;
   checked.gpu_checksum = [&verifier](std::span<const protocol::ChecksumRange> ranges) {
     return verifier.Checksums(ranges);
@@ -166,7 +167,8 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
                                                     ", this daemon serves " + config.Digest()));
   }
   std::string timings;
-  auto step_done = [&timings, start = Clock::now()](std::string_view step) mutable {
+  Clock::time_point start = Clock::now();
+  auto step_done = [&timings, &start](std::string_view step) {
     const auto now = Clock::now();
     timings += std::string(timings.empty() ? "" : ", ") + std::string(step) + " " +
                FormatMillis(now - start);
@@ -208,9 +210,9 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
   protocol::Handoff handoff = std::move(**withdrawn);
   step_done("withdrawal");
   if (config.tier == Tier::kGpu) {
-    Status verified = VerifyGpuHandoff(*gpu, handoff, adopt);
+    Status verified = VerifyGpuHandoff(*gpu, handoff, adopt, step_done);
     if (!verified.ok()) return reject(verified);
-    step_done("import and checksums");
+    step_done("checksums");
   }
   const std::string verified = DescribeVerified(adopt, handoff.manifest.tensor_count());
   AdoptedStore adopted{StoreFromHandoff(std::move(handoff)), (*query)->keeper_pid,
