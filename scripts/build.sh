@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Configure and build weightcache into ${BUILD_DIR:-build}. Installs missing deps first.
-#   SANITIZE=address,undefined  BUILD_KERNELS=OFF  BUILD_BENCH=OFF  JOBS=N  are honoured.
+#   SANITIZE=address,undefined  BUILD_KERNELS=OFF  BUILD_BENCH=OFF  BUILD_TESTS=OFF  JOBS=N
+#   TARGETS="weightcache ..." (default: everything)  are honoured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/local/cuda/bin"
@@ -8,5 +9,8 @@ scripts/setup-deps.sh
 build=${BUILD_DIR:-build}
 cmake -S . -B "$build" -G Ninja -DWEIGHTCACHE_SANITIZE="${SANITIZE:-}" \
       -DWEIGHTCACHE_BUILD_KERNELS="${BUILD_KERNELS:-ON}" \
-      -DWEIGHTCACHE_BUILD_BENCH="${BUILD_BENCH:-ON}" >/dev/null
-cmake --build "$build" -j "${JOBS:-$(nproc)}"
+      -DWEIGHTCACHE_BUILD_BENCH="${BUILD_BENCH:-ON}" \
+      -DWEIGHTCACHE_BUILD_TESTS="${BUILD_TESTS:-ON}" >/dev/null
+targets=()
+for t in ${TARGETS:-}; do targets+=(--target "$t"); done
+cmake --build "$build" -j "${JOBS:-$(nproc)}" "${targets[@]}"

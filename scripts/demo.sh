@@ -5,9 +5,15 @@
 # and stop it. With a GPU:  TIER=gpu DEVICE=0 scripts/demo.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/build.sh
-wc=${BUILD_DIR:-build}/tools/weightcache
 tier=${TIER:-host}
+# Only the CLI (no tests, no benchmarks), in its own build dir; the GPU checksum kernel only
+# for the gpu tier (`attach --verify` checks gpu memory with it). scripts/test.sh builds the rest.
+build=${BUILD_DIR:-build-demo}
+kernels=OFF
+[[ $tier == gpu ]] && kernels=ON
+BUILD_DIR=$build BUILD_TESTS=OFF BUILD_BENCH=OFF BUILD_KERNELS=$kernels TARGETS=weightcache \
+  scripts/build.sh
+wc=$build/tools/weightcache
 device_flags=()
 [[ -n ${DEVICE:-} ]] && device_flags=(--device "$DEVICE")
 
