@@ -346,7 +346,9 @@ int Run(ServeArgs& args) {
   auto notify = [&service_manager](const std::string& state) {
     if (!service_manager) return;
     Status sent = service_manager->Notify(state, {});
-    if (!sent.ok()) LOG_WARN << "sd_notify: " << sent.ToString();
+    if (!sent.ok()) {
+      LOG_WARN << "sd_notify: " << sent.ToString();
+    }
   };
   if (args.detach) {
     if (args.handover_fd >= 0) {

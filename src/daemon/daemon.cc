@@ -308,7 +308,7 @@ void Daemon::DepositLoaded(const WeightStore& store) {
 
 void Daemon::DropKeeperAtStop() {
   if (options_.fd_store) {
-    Status removed = options_.fd_store->Remove();
+    Status removed = options_.fd_store->Remove(store_ ? store_->fds().size() : 0);
     if (removed.ok()) {
       LOG_INFO << "removed from the fd store: the cache's memory is freed once no client maps it";
     } else {
@@ -584,7 +584,9 @@ void Daemon::OnSignal(int signal_fd) {
       // with its own arguments (docs/upgrade.md, "SIGUSR2").
       const std::string by = "SIGUSR2 from pid " + std::to_string(info.ssi_pid);
       Status started = StartUpgrade(options_.self_binary, by, /*requester=*/0);
-      if (!started.ok()) LOG_WARN << by << " ignored: " << started.ToString();
+      if (!started.ok()) {
+        LOG_WARN << by << " ignored: " << started.ToString();
+      }
       continue;
     }
     if (signo == SIGHUP) {

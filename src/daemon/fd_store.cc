@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -170,7 +171,9 @@ std::optional<AdoptedStore> FdStore::Adopt(const identity::CacheConfig& config,
     LOG_WARN << "not adopting the cache from the service manager's fd store: " << why.ToString()
              << "; removing it from the store and loading from the checkpoint";
     Status removed = Remove();
-    if (!removed.ok()) LOG_WARN << "FDSTOREREMOVE failed: " << removed.ToString();
+    if (!removed.ok()) {
+      LOG_WARN << "FDSTOREREMOVE failed: " << removed.ToString();
+    }
     return std::nullopt;
   };
   auto frame = FrameFromNamedFds(std::move(named), &max_allocations_);
@@ -189,12 +192,10 @@ std::optional<AdoptedStore> FdStore::Adopt(const identity::CacheConfig& config,
   protocol::AdoptOptions adopt;
   adopt.checksums = verify.verify;
   adopt.sample_tensors = verify.sample_tensors;
-  AdoptedStore adopted;
-  adopted.verified = DescribeVerified(adopt, handoff->manifest.tensor_count());
-  adopted.depositor_pid = handoff->info.depositor_pid;
-  adopted.timings = std::move(timings);
-  adopted.store = StoreFromHandoff(std::move(handoff).value());
-  return adopted;
+  std::string verified = DescribeVerified(adopt, handoff->manifest.tensor_count());
+  const int64_t depositor = handoff->info.depositor_pid;
+  return AdoptedStore{StoreFromHandoff(std::move(handoff).value()), /*keeper_pid=*/0, depositor,
+                      std::move(verified), std::move(timings)};
 }
 
 Status FdStore::Deposit(const identity::CacheConfig& config, const WeightStore& store) {
@@ -218,7 +219,8 @@ Status FdStore::Deposit(const identity::CacheConfig& config, const WeightStore& 
   return Status::Ok();
 }
 
-Status FdStore::Remove() {
+Status FdStore::Remove(size_t allocations) {
+  max_allocations_ = std::max(max_allocations_, allocations);
   Status first = Status::Ok();
   auto remove = [&](std::string_view name) {
     Status sent = env_.manager->Notify("FDSTOREREMOVE=1\nFDNAME=" + std::string(name), {});

@@ -88,8 +88,10 @@ class FdStore {
   // Deposits a complete store (one FDSTORE=1 message per fd, the deposit description first).
   Status Deposit(const identity::CacheConfig& config, const WeightStore& store);
 
-  // FDSTOREREMOVE=1 for every name this daemon deposited or was passed.
-  Status Remove();
+  // FDSTOREREMOVE=1 for every name this daemon deposited or was passed, and for the names of a
+  // store of `allocations` allocations (an upgrade's successor serves a store it neither
+  // deposited nor was passed).
+  Status Remove(size_t allocations = 0);
 
   Status Notify(std::string_view state) { return env_.manager->Notify(state, {}); }
 

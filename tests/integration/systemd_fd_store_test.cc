@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -56,7 +57,7 @@ class FakeServiceManager {
  public:
   explicit FakeServiceManager(std::string path) : path_(std::move(path)) {
     socket_ = UniqueFd(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
-    EXPECT_TRUE(socket_.valid());
+    EXPECT_GE(socket_.get(), 0);
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
     EXPECT_LT(path_.size(), sizeof(addr.sun_path));
@@ -149,6 +150,7 @@ class SystemdFdStoreTest : public ::testing::Test {
     tensor_bytes_ = ckpt->total_bytes();
     manager_ = std::make_unique<FakeServiceManager>(dir_.Join("notify"));
   }
+  void TearDown() override { DropAllKeepers(runtime_, kTimeout); }  // the detached daemon's
 
   // `serve` as the unit starts it, with the fd store's fds passed (a restart) or none.
   std::optional<launcher::ChildProcess> Serve(const std::string& log, bool pass_store) {
@@ -327,6 +329,40 @@ TEST_F(SystemdFdStoreTest, AChangedCheckpointIsNotAdoptedTheStoreIsEmptiedAndThe
   const std::string socket = SocketOf();
   EXPECT_NE(socket, old_socket);
   ExpectEqualBytes(socket);
+}
+
+TEST_F(SystemdFdStoreTest, LauncherChildrenGetAnEmptyNotifySocketAndNeverNotify) {
+  // `serve --detach` starts its daemon through the launcher: under a service manager, the
+  // daemon must not speak for the unit (no READY=1, no FDSTORE=1): it sees an empty
+  // NOTIFY_SOCKET and keeps its cache with a keeper.
+  std::vector<std::string> args = {CliPath(), "serve"};
+  for (const auto& a : HostServeArgs(model_, runtime_)) args.push_back(a);
+  args.emplace_back("--detach");
+  args.emplace_back("--json");
+  const CommandResult r = RunCommand(args, {"NOTIFY_SOCKET=" + manager_->path()});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const auto out = nlohmann::json::parse(r.out);
+  ASSERT_EQ(out["daemons"].size(), 1u) << r.out;
+  const pid_t pid = out["daemons"][0]["pid"];
+  const std::string socket = out["daemons"][0]["socket"];
+  EXPECT_EQ(out["daemons"][0]["state"], "ready") << r.out;
+
+  const std::string environ = ReadFile("/proc/" + std::to_string(pid) + "/environ");
+  std::vector<std::string> notify_entries;
+  for (size_t at = 0; at < environ.size();) {
+    const size_t end = environ.find('\0', at);
+    const std::string entry = environ.substr(at, end - at);
+    if (entry.rfind("NOTIFY_SOCKET=", 0) == 0) notify_entries.push_back(entry);
+    if (end == std::string::npos) break;
+    at = end + 1;
+  }
+  EXPECT_EQ(notify_entries, std::vector<std::string>{"NOTIFY_SOCKET="}) << environ;
+  manager_->Drain();  // ready: a deposit or READY=1 would be queued by now
+  EXPECT_EQ(manager_->Log().find("FDSTORE"), std::string::npos) << manager_->Log();
+  EXPECT_EQ(manager_->Log().find("READY"), std::string::npos) << manager_->Log();
+
+  const CommandResult stop = RunCommand({CliPath(), "stop", "--socket", socket});
+  EXPECT_EQ(stop.exit_code, 0) << stop.err;
 }
 
 }  // namespace
