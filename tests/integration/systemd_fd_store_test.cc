@@ -19,8 +19,8 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -159,11 +159,14 @@ class SystemdFdStoreTest : public ::testing::Test {
     for (const auto& a : HostServeArgs(model_, runtime_)) spawn.argv.push_back(a);
     spawn.log_path = dir_.Join(log);
     spawn.env_overrides = {"NOTIFY_SOCKET=" + manager_->path(), "WEIGHTCACHE_LOG_LEVEL=info"};
+    std::vector<UniqueFd> high;  // the stored fds above any target number: the spawn's dup2
+                                 // to 3… must not overwrite a source it has yet to copy
     if (pass_store) {
       std::string names;
       int target = 3;
       for (const auto& [name, fd] : manager_->store()) {
-        spawn.pass_fds.emplace_back(fd.get(), target++);
+        high.emplace_back(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 512));
+        spawn.pass_fds.emplace_back(high.back().get(), target++);
         names += (names.empty() ? "" : ":") + name;
       }
       spawn.env_overrides.push_back("LISTEN_FDS=" + std::to_string(target - 3));
