@@ -126,7 +126,7 @@ class UpgradeTest : public ::testing::Test {
   }
   // A successor binary that runs `prelude` (sh) and then, unless it exits, the real one.
   std::string Wrapper(const std::string& name, const std::string& prelude) {
-    const std::string path = dir_.Join(name);
+    std::string path = dir_.Join(name);
     std::ofstream(path) << "#!/bin/sh\n" << prelude << "\nexec '" << CliPath() << "' \"$@\"\n";
     ::chmod(path.c_str(), 0755);
     return path;
@@ -337,6 +337,7 @@ TEST_F(UpgradeTest, SixtyFourClientsAttachingInALoopNeverFailThroughTheHandover)
   std::string first_failure;
   std::mutex failure_mu;
   std::vector<std::thread> clients;
+  clients.reserve(64);
   for (int i = 0; i < 64; ++i) {
     clients.emplace_back([&] {
       while (!stop.load()) {
