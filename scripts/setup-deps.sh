@@ -4,7 +4,7 @@
 set -euo pipefail
 debs=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
       nlohmann-json3-dev libcli11-dev libxxhash-dev libssl-dev libgtest-dev libgmock-dev
-      python3 python3-pip)
+      python3 python3-pip pkg-config libsystemd-dev)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -39,12 +39,13 @@ int Fail(std::string_view command, const Status& status) {
   return ExitCodeFor(status);
 }
 
-Result<UniqueFd> TakeShutdownSignals() {
+Result<UniqueFd> TakeShutdownSignals(UpgradeSignal upgrade) {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGHUP);
+  if (upgrade == UpgradeSignal::kYes) sigaddset(&set, SIGUSR2);
   if (int rc = pthread_sigmask(SIG_BLOCK, &set, nullptr); rc != 0) {
     return IoError("pthread_sigmask", rc);
   }

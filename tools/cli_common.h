@@ -22,8 +22,10 @@ int Fail(std::string_view command, const Status& status);
 // For a command that runs until told to stop (serve, keeper): blocks SIGTERM, SIGINT and
 // SIGHUP in this thread — call it before any other thread exists, so every thread inherits
 // the mask — and returns a signalfd for them; ignores SIGPIPE (a vanished peer or a closed
-// stderr pipe must not kill the process; sends use MSG_NOSIGNAL too).
-Result<UniqueFd> TakeShutdownSignals();
+// stderr pipe must not kill the process; sends use MSG_NOSIGNAL too). `upgrade` adds SIGUSR2
+// (serve: SIGUSR2 starts an upgrade, docs/upgrade.md).
+enum class UpgradeSignal { kNo, kYes };
+Result<UniqueFd> TakeShutdownSignals(UpgradeSignal upgrade = UpgradeSignal::kNo);
 
 // Creates `path`'s parents as needed, then `path` itself as a private dir (0700, ours:
 // identity::EnsurePrivateDir, the runtime dir's rule): the logs of `launch` and `serve

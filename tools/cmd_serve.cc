@@ -294,7 +294,7 @@ int Run(ServeArgs& args) {
   // Before anything can start a thread: resolving a gpu identity loads the CUDA driver, whose
   // cuInit starts threads of its own, and a thread that does not block the stop signals would
   // take SIGTERM's default action (death) instead of the signalfd getting it.
-  auto signals = TakeShutdownSignals();
+  auto signals = TakeShutdownSignals(UpgradeSignal::kYes);
   if (!signals.ok()) return Fail(kCmd, signals.status());
 
   auto id = identity::ResolveIdentity(args.identity);
@@ -329,6 +329,27 @@ int Run(ServeArgs& args) {
     return Fail(kCmd, InvalidArgument("--replace needs --source published:<tag>"));
   }
   options.keeper = KeeperOptionsFor(args);
+  // Under systemd (NOTIFY_SOCKET): readiness through sd_notify, and the service manager's fd
+  // store keeps the cache instead of a keeper (docs/keeper.md, "Under systemd"): the manager
+  // already outlives us, and a keeper would be a second owner of the same memory.
+  std::shared_ptr<daemon::ServiceManager> service_manager;
+  if (auto service = daemon::ServiceManagerFromEnvironment(); !service.ok()) {
+    LOG_WARN << service.status().message() << "; the keeper keeps the cache";
+  } else if (service->has_value()) {
+    service_manager = (*service)->manager;
+    if (!args.detach && !identity::IsPublishedSource(options.config.source)) {
+      options.fd_store = std::make_shared<daemon::FdStore>(std::move(**service));
+      options.keeper.enabled = false;
+      LOG_INFO << "under a service manager (NOTIFY_SOCKET): the cache is kept in its fd store";
+    }
+  }
+  auto notify = [&service_manager](const std::string& state) {
+    if (!service_manager) return;
+    Status sent = service_manager->Notify(state, {});
+    if (!sent.ok()) {
+      LOG_WARN << "sd_notify: " << sent.ToString();
+    }
+  };
   if (args.detach) {
     if (args.handover_fd >= 0) {
       return Fail(kCmd, InvalidArgument("--detach and --handover-fd exclude each other"));
@@ -379,6 +400,10 @@ int Run(ServeArgs& args) {
   };
   events.on_ready = [&](const daemon::StoreSummary& s, double seconds) {
     progress.EndLine();
+    // MAINPID: an upgrade's successor (NotifyAccess=all in the unit) becomes the main process.
+    notify("READY=1\nMAINPID=" + std::to_string(::getpid()) +
+           "\nSTATUS=ready: " + std::to_string(s.tensor_count) + " tensors, " +
+           daemon::FormatBytes(s.tensor_bytes) + (adopted.empty() ? "" : ", adopted " + adopted));
     if (!adopted.empty()) {
       LOG_INFO << "ready: adopted " << s.tensor_count << " tensors, "
                << daemon::FormatBytes(s.tensor_bytes) << " ("
@@ -391,8 +416,16 @@ int Run(ServeArgs& args) {
              << " (" << daemon::FormatBytes(s.resident_bytes) << " resident) in " << seconds
              << " s, " << Rate(s.tensor_bytes, seconds);
   };
-  events.on_failed = [&](const Status&) { progress.EndLine(); };
-  events.on_draining = [&](std::string_view) { progress.EndLine(); };
+  events.on_failed = [&](const Status& why) {
+    progress.EndLine();
+    notify("STATUS=failed: " + why.ToString());
+  };
+  events.on_draining = [&](std::string_view reason) {
+    progress.EndLine();
+    notify("STOPPING=1\nSTATUS=draining: " + std::string(reason));
+  };
+  notify("STATUS=loading " + options.config.model_id + " (digest " + options.config.ShortDigest() +
+         ")");
 
   Status result = (*daemon)->Run(signals->get(), events);
   daemon->reset();  // withdraw the socket, then release the lock, before we report

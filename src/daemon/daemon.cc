@@ -222,10 +222,11 @@ void Daemon::StopLoader() {
 
 void Daemon::LoaderMain() {
   if (std::optional<AdoptedStore> adopted = AdoptKept()) {
-    std::string how = "from keeper pid " + std::to_string(adopted->keeper_pid) +
-                      " (loaded by pid " + std::to_string(adopted->depositor_pid) +
-                      "), checksums of " + adopted->verified + " verified (" + adopted->timings +
-                      ")";
+    std::string how =
+        (adopted->keeper_pid != 0 ? "from keeper pid " + std::to_string(adopted->keeper_pid)
+                                  : std::string("from the service manager's fd store")) +
+        " (loaded by pid " + std::to_string(adopted->depositor_pid) + "), checksums of " +
+        adopted->verified + " verified (" + adopted->timings + ")";
     {
       MutexLock lock(result_mu_);
       load_result_.emplace(std::move(adopted->store));
@@ -255,6 +256,15 @@ void Daemon::LoaderMain() {
 
 std::optional<AdoptedStore> Daemon::AdoptKept() {
   const KeeperLinkOptions& keeper = options_.keeper;
+  if (options_.fd_store) {
+    std::optional<GpuAdoptContext> gpu;
+    if (options_.config.tier == Tier::kGpu && options_.device.has_value()) {
+      auto driver = options_.env.load_driver();
+      if (driver.ok()) gpu = GpuAdoptContext{*driver, *options_.device};
+    }
+    return options_.fd_store->Adopt(options_.config, options_.model_path, keeper,
+                                    gpu ? &*gpu : nullptr);
+  }
   if (!keeper.enabled) {
     LOG_INFO << "no keeper (--no-keeper): a crash of this daemon loses the loaded memory";
     return std::nullopt;
@@ -274,6 +284,17 @@ std::optional<AdoptedStore> Daemon::AdoptKept() {
 }
 
 void Daemon::DepositLoaded(const WeightStore& store) {
+  if (options_.fd_store) {
+    Status deposited = options_.fd_store->Deposit(options_.config, store);
+    if (!deposited.ok()) {
+      LOG_WARN << "serving without the fd store: " << deposited.ToString()
+               << " (a crash of this daemon loses the loaded memory)";
+      return;
+    }
+    LOG_INFO << "deposited in the service manager's fd store: a crash of this daemon keeps the "
+                "memory for its restart";
+    return;
+  }
   if (!options_.keeper.enabled || options_.paths.keeper_socket.empty()) return;
   Status deposited = DepositWithKeeper(options_.paths, options_.config, store, options_.keeper);
   if (!deposited.ok()) {
@@ -286,6 +307,15 @@ void Daemon::DepositLoaded(const WeightStore& store) {
 }
 
 void Daemon::DropKeeperAtStop() {
+  if (options_.fd_store) {
+    Status removed = options_.fd_store->Remove(store_ ? store_->fds().size() : 0);
+    if (removed.ok()) {
+      LOG_INFO << "removed from the fd store: the cache's memory is freed once no client maps it";
+    } else {
+      LOG_WARN << "FDSTOREREMOVE failed: " << removed.ToString();
+    }
+    return;
+  }
   if (!options_.keeper.enabled || options_.paths.keeper_socket.empty() ||
       identity::IsPublishedSource(options_.config.source)) {
     return;
@@ -549,6 +579,16 @@ void Daemon::OnSignal(int signal_fd) {
   signalfd_siginfo info{};
   while (::read(signal_fd, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
     const int signo = static_cast<int>(info.ssi_signo);
+    if (signo == SIGUSR2) {
+      // The same upgrade as `weightcache upgrade`, its successor this daemon's own binary
+      // with its own arguments (docs/upgrade.md, "SIGUSR2").
+      const std::string by = "SIGUSR2 from pid " + std::to_string(info.ssi_pid);
+      Status started = StartUpgrade(options_.self_binary, by, /*requester=*/0);
+      if (!started.ok()) {
+        LOG_WARN << by << " ignored: " << started.ToString();
+      }
+      continue;
+    }
     if (signo == SIGHUP) {
       // The identity of a daemon is fixed for its life: there is nothing to reload, and a
       // daemon started from a terminal should survive that terminal going away.
@@ -1074,33 +1114,40 @@ void Daemon::HandleUpgrade(Connection& conn, std::span<const uint8_t> payload) {
                                       " (the daemon's owner) may upgrade it"));
     return;
   }
-  Status refused = Status::Ok();
-  if (!options_.start_successor) {
-    refused = Status(StatusCode::kUnavailable,
-                     "this daemon was not started by `weightcache serve`: it has no binary to "
-                     "start a successor from");
-  } else if (upgrade_) {
-    refused =
-        Status(StatusCode::kUnavailable, "an upgrade is in progress (successor pid " +
-                                             std::to_string(upgrade_->successor->pid()) + ")");
-  } else if (state_ != CacheState::kReady || !store_) {
-    refused = Status(StatusCode::kUnavailable,
-                     "cache " + options_.config.ShortDigest() + " is " +
-                         std::string(protocol::CacheStateName(state_)) +
-                         ": only a ready cache is handed over (a loading daemon restarts "
-                         "as fast as its successor would load)");
-  } else if (publication_ || committing_conn_ != 0) {
-    refused = Status(StatusCode::kUnavailable,
-                     "a publish is in progress (pid " + std::to_string(publisher_pid_) + ")");
-  }
-  if (!refused.ok()) {
-    QueueError(conn, refused);
+  const std::string binary = request->binary.empty() ? options_.self_binary : request->binary;
+  Status started = StartUpgrade(binary, conn.Describe(), conn.id);
+  if (!started.ok()) {
+    QueueError(conn, started);
     return;
   }
-  const std::string binary = request->binary.empty() ? options_.self_binary : request->binary;
+  if (upgrade_) conn.upgrading = true;
+}
+
+Status Daemon::StartUpgrade(const std::string& binary, const std::string& requested_by,
+                            uint64_t requester) {
+  if (!options_.start_successor) {
+    return Status(StatusCode::kUnavailable,
+                  "this daemon was not started by `weightcache serve`: it has no binary to "
+                  "start a successor from");
+  }
+  if (upgrade_) {
+    return Status(StatusCode::kUnavailable, "an upgrade is in progress (successor pid " +
+                                                std::to_string(upgrade_->successor->pid()) + ")");
+  }
+  if (state_ != CacheState::kReady || !store_) {
+    return Status(StatusCode::kUnavailable,
+                  "cache " + options_.config.ShortDigest() + " is " +
+                      std::string(protocol::CacheStateName(state_)) +
+                      ": only a ready cache is handed over (a loading daemon restarts "
+                      "as fast as its successor would load)");
+  }
+  if (publication_ || committing_conn_ != 0) {
+    return Status(StatusCode::kUnavailable,
+                  "a publish is in progress (pid " + std::to_string(publisher_pid_) + ")");
+  }
   auto fail = [&](const Status& why) {
-    LOG_WARN << "upgrade requested by " << conn.Describe() << " failed: " << why.ToString();
-    QueueError(conn, why);
+    LOG_WARN << "upgrade requested by " << requested_by << " failed: " << why.ToString();
+    return why;
   };
   int pair[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
@@ -1115,16 +1162,19 @@ void Daemon::HandleUpgrade(Connection& conn, std::span<const uint8_t> payload) {
     return fail(status.Context("starting successor " + binary));
   }
   theirs.Reset();  // the successor has its own copy: its exit is our EOF
-  LOG_INFO << "upgrade requested by " << conn.Describe() << ": successor pid "
-           << (*successor)->pid() << " (" << binary << ") takes the handover";
-  upgrade_.emplace(PendingUpgrade{std::move(successor).value(), std::move(ours), conn.id, started,
+  LOG_INFO << "upgrade requested by " << requested_by << ": successor pid " << (*successor)->pid()
+           << " (" << binary << ") takes the handover";
+  upgrade_.emplace(PendingUpgrade{std::move(successor).value(), std::move(ours), requester, started,
                                   started + options_.upgrade_timeout});
-  conn.upgrading = true;
   Status sent = SendHandover(upgrade_->channel.get(), options_.config, *store_, lock_.fd(),
                              std::chrono::milliseconds(5'000));
-  if (!sent.ok()) return FinishUpgrade(SuccessorGone(upgrade_->successor->pid(), sent));
+  if (!sent.ok()) {
+    FinishUpgrade(SuccessorGone(upgrade_->successor->pid(), sent));
+    return Status::Ok();  // FinishUpgrade answered the requester
+  }
   Status added = EpollCtl(epoll_.get(), EPOLL_CTL_ADD, upgrade_->channel.get(), EPOLLIN);
   if (!added.ok()) FinishUpgrade(added);
+  return Status::Ok();
 }
 
 void Daemon::OnUpgradeChannel() {

@@ -65,6 +65,7 @@
 #include "common/mutex.h"
 #include "common/unique_fd.h"
 #include "common/unique_handle.h"
+#include "daemon/fd_store.h"
 #include "daemon/keeper_link.h"
 #include "daemon/publish_store.h"
 #include "daemon/upgrade.h"
@@ -126,6 +127,10 @@ struct DaemonOptions {
   // holds one that validates, deposited with it at `ready`, and dropped by a deliberate stop
   // (a Stop request, SIGTERM, SIGINT). A published cache has no keeper.
   KeeperLinkOptions keeper;
+  // Under systemd (fd_store.h, docs/keeper.md "Under systemd"): the service manager's fd store
+  // takes the keeper's place (re-adopt at start, deposit a complete load, remove at a
+  // deliberate stop); keeper.verify still says what adoption checks. Null: the keeper.
+  std::shared_ptr<FdStore> fd_store;
   // A publisher that has not sent its PublishCommit this long after its PublishBegin loses
   // its arena (a stalled or stopped process would otherwise hold the slot and the memory for
   // as long as it lives): its connection is closed and the state stays as it was
@@ -165,7 +170,8 @@ class Daemon {
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
 
-  // `signal_fd`: a signalfd for SIGTERM, SIGINT and SIGHUP (borrowed), or -1 (tests).
+  // `signal_fd`: a signalfd for SIGTERM, SIGINT, SIGHUP and SIGUSR2 (an upgrade; borrowed), or
+  // -1 (tests).
   Status Run(int signal_fd, DaemonEvents events = {});
 
   const DaemonOptions& options() const { return options_; }
@@ -239,6 +245,10 @@ class Daemon {
   // Upgrade (docs/upgrade.md): start the successor and send it the handover; its answer on
   // the channel ends the upgrade (OnUpgradeChannel), or the upgrade deadline does.
   void HandleUpgrade(Connection& conn, std::span<const uint8_t> payload);
+  // Starts the successor and sends it the handover (an Upgrade request, or SIGUSR2 with
+  // `requester` 0: no connection to answer). An error refuses before anything started.
+  Status StartUpgrade(const std::string& binary, const std::string& requested_by,
+                      uint64_t requester);
   void OnUpgradeChannel();
   // Success: answer the requester, accept the backlog, leave the socket path to the
   // successor and end the loop once the connections are served (keeping the keeper). Failure:

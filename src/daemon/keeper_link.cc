@@ -123,6 +123,43 @@ Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& han
   return protocol::CheckAdoptable(handoff, checked);
 }
 
+Status ValidateKeptHandoff(const protocol::Handoff& handoff, const identity::CacheConfig& config,
+                           const std::string& model_path, const KeeperLinkOptions& options,
+                           const GpuAdoptContext* gpu, std::string* timings) {
+  auto start = Clock::now();
+  auto step_done = [&](std::string_view step) {
+    const auto now = Clock::now();
+    if (timings != nullptr) {
+      *timings += std::string(timings->empty() ? "" : ", ") + std::string(step) + " " +
+                  FormatMillis(now - start);
+    }
+    start = now;
+  };
+  protocol::AdoptOptions adopt;
+  adopt.expected_digest = config.Digest();
+  adopt.checksums = options.verify;
+  adopt.sample_tensors = options.sample_tensors;
+  if (handoff.info.config_digest != adopt.expected_digest) {
+    return Status(StatusCode::kMismatch, "the kept memory is cache " + handoff.info.config_digest +
+                                             ", this daemon serves " + adopt.expected_digest);
+  }
+  if (!model_path.empty()) {
+    WEIGHTCACHE_RETURN_IF_ERROR(CheckCheckpointUnchanged(config, model_path));
+    step_done("checkpoint check");
+  }
+  if (handoff.tier() == Tier::kGpu) {
+    if (gpu == nullptr) {
+      return InternalError("gpu tier: no CUDA driver to check the kept allocations");
+    }
+    WEIGHTCACHE_RETURN_IF_ERROR(VerifyGpuHandoff(*gpu, handoff, adopt, step_done));
+    step_done("checksums");
+  } else {
+    WEIGHTCACHE_RETURN_IF_ERROR(protocol::CheckAdoptable(handoff, adopt));
+    step_done("checksums");
+  }
+  return Status::Ok();
+}
+
 WeightStore StoreFromHandoff(protocol::Handoff handoff) {
   StoreSummary summary;
   summary.manifest.size = handoff.info.manifest_size;
@@ -166,54 +203,40 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
     return reject(Status(StatusCode::kMismatch, "keeper holds cache " + (*query)->config_digest +
                                                     ", this daemon serves " + config.Digest()));
   }
-  std::string timings;
-  Clock::time_point start = Clock::now();
-  auto step_done = [&timings, &start](std::string_view step) {
-    const auto now = Clock::now();
-    timings += std::string(timings.empty() ? "" : ", ") + std::string(step) + " " +
-               FormatMillis(now - start);
-    start = now;
-  };
-  Status unchanged = CheckCheckpointUnchanged(config, model_path);
-  if (!unchanged.ok()) return reject(unchanged);
-  step_done("checkpoint check");
-
+  // The withdrawal decodes the fds (kinds, sizes, seals, manifest) and runs no checksum (a
+  // sample of 0): ValidateKeptHandoff below is the one check of what was kept.
   protocol::AdoptOptions adopt;
   adopt.expected_digest = config.Digest();
   adopt.checksums = options.verify;
   adopt.sample_tensors = options.sample_tensors;
-  // Gpu tier: a VMM fd says nothing about itself without the driver. The withdrawal only
-  // checks that each is an open fd and runs no checksum (a sample of 0); VerifyGpuHandoff then
-  // imports them and runs the checksums with the kernel.
-  protocol::FdCheck gpu_fd_check;
   protocol::AdoptOptions withdraw_adopt = adopt;
+  withdraw_adopt.checksums = protocol::ChecksumCheck::kSample;
+  withdraw_adopt.sample_tensors = 0;
+  protocol::FdCheck gpu_fd_check;
   if (config.tier == Tier::kGpu) {
     if (gpu == nullptr || gpu->driver == nullptr) {
       return reject(InternalError("gpu tier: no CUDA driver to check the kept allocations"));
     }
+    // A VMM fd says nothing about itself without the driver: VerifyGpuHandoff imports it.
     gpu_fd_check = [](int fd, uint64_t /*size*/, uint32_t index) -> Status {
       if (::fcntl(fd, F_GETFD) < 0) {
         return ProtocolError("kept allocation " + std::to_string(index) + " is not an open fd");
       }
       return Status::Ok();
     };
-    withdraw_adopt.checksums = protocol::ChecksumCheck::kSample;
-    withdraw_adopt.sample_tensors = 0;
     withdraw_adopt.gpu_checksum =
         [](std::span<const protocol::ChecksumRange>) -> Result<std::vector<uint64_t>> {
       return InternalError("no checksum at withdrawal");
     };
   }
+  const auto withdraw_start = Clock::now();
   auto withdrawn = keeper::TryWithdraw(kp, withdraw_adopt, options.timeout, gpu_fd_check);
   if (!withdrawn.ok()) return reject(withdrawn.status());
   if (!withdrawn->has_value()) return std::nullopt;  // the keeper went away meanwhile
   protocol::Handoff handoff = std::move(**withdrawn);
-  step_done("withdrawal");
-  if (config.tier == Tier::kGpu) {
-    Status verified = VerifyGpuHandoff(*gpu, handoff, adopt, step_done);
-    if (!verified.ok()) return reject(verified);
-    step_done("checksums");
-  }
+  std::string timings = "withdrawal " + FormatMillis(Clock::now() - withdraw_start);
+  Status valid = ValidateKeptHandoff(handoff, config, model_path, options, gpu, &timings);
+  if (!valid.ok()) return reject(valid);
   const std::string verified = DescribeVerified(adopt, handoff.manifest.tensor_count());
   AdoptedStore adopted{StoreFromHandoff(std::move(handoff)), (*query)->keeper_pid,
                        (*query)->depositor_pid, verified, std::move(timings)};

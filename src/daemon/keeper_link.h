@@ -104,6 +104,17 @@ using StepDone = std::function<void(std::string_view step)>;
 Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& handoff,
                         const protocol::AdoptOptions& adopt, const StepDone& step_done = nullptr);
 
+// The one validation of kept memory, shared by the keeper's withdrawal, the upgrade's handover
+// and the service manager's fd store (fd_store.h), after protocol::DecodeHandoff checked the fds'
+// kinds, sizes and seals and the manifest: the handoff's config digest equals `config`'s
+// (kMismatch naming both); the checkpoint is unchanged (CheckCheckpointUnchanged; skipped when
+// `model_path` is empty: a published cache); the manifest's checksums match the memory, a sample
+// or every tensor as `options.verify` says (gpu tier: VerifyGpuHandoff, `gpu` required).
+// `timings`, when given, gets the steps' times appended ("checkpoint check 0.3 ms, ...").
+Status ValidateKeptHandoff(const protocol::Handoff& handoff, const identity::CacheConfig& config,
+                           const std::string& model_path, const KeeperLinkOptions& options,
+                           const GpuAdoptContext* gpu, std::string* timings = nullptr);
+
 // What a deposit or an upgrade's handover says about `store` of `config`, sent by this process.
 protocol::DepositInfo DescribeStore(const identity::CacheConfig& config, const WeightStore& store);
 

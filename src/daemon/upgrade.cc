@@ -71,14 +71,9 @@ Result<TakenOver> ReceiveHandover(int channel, const identity::CachePaths& paths
   // flags, a build that derives it otherwise) has other paths, the lock file included.
   auto lock = os::LockFile::Adopt(std::move(handoff.lock), paths.lock);
   if (!lock.ok()) return lock.status();
-  if (!model_path.empty()) {
-    WEIGHTCACHE_RETURN_IF_ERROR(CheckCheckpointUnchanged(config, model_path));
-  }
-  if (gpu_tier) {
-    WEIGHTCACHE_RETURN_IF_ERROR(VerifyGpuHandoff(*gpu, handoff, adopt));
-  } else {
-    WEIGHTCACHE_RETURN_IF_ERROR(protocol::CheckAdoptable(handoff, adopt));
-  }
+  // The checkpoint as it is now and the checksums: the keeper's and the fd store's one check.
+  WEIGHTCACHE_RETURN_IF_ERROR(
+      ValidateKeptHandoff(handoff, config, model_path, verify, gpu_tier ? gpu : nullptr));
   const std::string verified = DescribeVerified(adopt, handoff.manifest.tensor_count());
   const int64_t predecessor = handoff.info.depositor_pid;
   return TakenOver{std::move(lock).value(), StoreFromHandoff(std::move(handoff)), predecessor,

@@ -145,7 +145,12 @@ Status Launcher::SpawnDaemon(size_t index) {
                   "starting " + d.spec.name +
                       (d.restarts > 0 ? " (restart " + std::to_string(d.restarts) + ")" : "") +
                       ": " + argv_text);
-  auto child = ChildProcess::Spawn(d.spec.spawn);
+  // A launcher run by a service manager (NOTIFY_SOCKET) is the unit's main process: its
+  // daemons must not notify in its name (a READY=1 or FDSTORE=1 of one daemon would speak for
+  // the whole unit), so they get an empty NOTIFY_SOCKET, which `serve` reads as "no manager".
+  SpawnOptions spawn = d.spec.spawn;
+  spawn.env_overrides.emplace_back("NOTIFY_SOCKET=");
+  auto child = ChildProcess::Spawn(spawn);
   if (!child.ok()) {
     Status s = child.status();
     return s.Context("starting daemon " + d.spec.name);

@@ -126,7 +126,7 @@ class UpgradeTest : public ::testing::Test {
   }
   // A successor binary that runs `prelude` (sh) and then, unless it exits, the real one.
   std::string Wrapper(const std::string& name, const std::string& prelude) {
-    const std::string path = dir_.Join(name);
+    std::string path = dir_.Join(name);
     std::ofstream(path) << "#!/bin/sh\n" << prelude << "\nexec '" << CliPath() << "' \"$@\"\n";
     ::chmod(path.c_str(), 0755);
     return path;
@@ -194,6 +194,54 @@ TEST_F(UpgradeTest, TheSuccessorServesTheSameMemoryWithoutReadingTheCheckpoint) 
   EXPECT_EQ(stop.exit_code, 0) << stop.err;
   EXPECT_TRUE(WaitGone(successor, kTimeout));
   EXPECT_FALSE(os::IsLockHeld(identity::LockPathFor(socket)));
+}
+
+TEST_F(UpgradeTest, SigusrTwoStartsTheSameUpgradeAndAnAttachedClientKeepsItsBytes) {
+  std::unique_ptr<ServeProcess> old;
+  const std::string socket = StartReady(old);
+  ASSERT_FALSE(socket.empty());
+  AttachOptions o;
+  o.identity.model_dir = model_;
+  o.identity.model_id = "tiny";
+  o.identity.tier = Tier::kHost;
+  o.identity.runtime_dir = runtime_;
+  o.identity.socket = socket;
+  o.on_missing = OnMissing::kError;
+  o.wait_timeout = 5s;
+  auto attached = Attachment::Attach(o);  // held through the handover
+  ASSERT_TRUE(attached.ok()) << attached.status().ToString();
+  ASSERT_EQ(attached->source(), AttachSource::kDaemon) << attached->source_reason();
+  auto bytes_of = [](const Attachment& a) {
+    std::string all;
+    for (const Tensor& t : a.tensors()) {
+      all.append(static_cast<const char*>(t.host_ptr()), t.nbytes);
+    }
+    return all;
+  };
+  const std::string before = bytes_of(*attached);
+
+  old->Signal(SIGUSR2);
+  // The successor is this binary with the old daemon's own arguments; the old one exits 0.
+  EXPECT_EQ(old->WaitExit(kTimeout), 0) << old->Log();
+  EXPECT_NE(old->Log().find("upgrade requested by SIGUSR2 from pid " + std::to_string(::getpid())),
+            std::string::npos)
+      << old->Log();
+  const pid_t successor = ServerPid(socket);
+  ASSERT_GT(successor, 0);
+  successors_.push_back(successor);
+  EXPECT_NE(successor, old->pid());
+  EXPECT_TRUE(WaitForLog(*old, "took over from pid " + std::to_string(old->pid()))) << old->Log();
+  EXPECT_LT(ProcessReadChars(successor), tensor_bytes_ / 4) << old->Log();
+  // The attached client reads the same bytes through its old mappings, and a new attach
+  // (served by the successor) gets them too.
+  EXPECT_EQ(bytes_of(*attached), before);
+  auto again = Attachment::Attach(o);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(bytes_of(*again), before);
+
+  const CommandResult stop = Cli({"stop", "--socket", socket});
+  EXPECT_EQ(stop.exit_code, 0) << stop.err;
+  EXPECT_TRUE(WaitGone(successor, kTimeout));
 }
 
 TEST_F(UpgradeTest, ASuccessorThatExitsLeavesTheOldDaemonServing) {
@@ -289,6 +337,7 @@ TEST_F(UpgradeTest, SixtyFourClientsAttachingInALoopNeverFailThroughTheHandover)
   std::string first_failure;
   std::mutex failure_mu;
   std::vector<std::thread> clients;
+  clients.reserve(64);
   for (int i = 0; i < 64; ++i) {
     clients.emplace_back([&] {
       while (!stop.load()) {
