@@ -45,6 +45,7 @@ struct Daemon::Connection {
   std::deque<protocol::FrameWriter> outbox;
   bool hello_seen = false;
   bool hello_matched = false;
+  Clock::time_point hello_at;  // the last Hello (the attach duration's start)
   bool attached = false;
   uint64_t id = 0;                 // unique for the daemon's life (fd numbers are reused)
   bool publishing = false;         // its arena is out or being committed: never idle-closed
@@ -204,7 +205,26 @@ Daemon::Daemon(DaemonOptions options, os::LockFile lock, PublishedSocket socket,
       lock_(std::move(lock)),
       socket_(std::move(socket)),
       epoll_(std::move(epoll)),
-      wakeup_(std::move(wakeup)) {}
+      wakeup_(std::move(wakeup)) {
+  if (!options_.metrics) {
+    options_.metrics = std::make_shared<DaemonMetrics>(
+        MetricsIdentity{options_.device_key, options_.config.model_id,
+                        std::string(TierName(options_.config.tier))});
+  }
+}
+
+void Daemon::SyncMetrics() {
+  DaemonMetrics& m = *options_.metrics;
+  m.SetState(state_);
+  m.SetClients(clients_);
+  m.SetCacheBytes(store_ ? store_->summary().resident_bytes : 0);
+  if (state_ == CacheState::kLoading) m.SetLoadProgress(bytes_done_.load(), bytes_total_.load());
+}
+
+void Daemon::RecordAttach(const Connection& conn, AttachResult result) {
+  std::chrono::duration<double> seconds = Clock::now() - conn.hello_at;
+  options_.metrics->RecordAttach(result, conn.hello_seen ? seconds.count() : 0);
+}
 
 Daemon::~Daemon() {
   StopLoader();
@@ -398,6 +418,7 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
 
   epoll_event ready[64];
   while (true) {
+    SyncMetrics();
     const auto now = Clock::now();
     if (linger_until_ && state_ == CacheState::kFailed && now >= *linger_until_) {
       BeginDrain("the failed load's linger time is over");
@@ -511,6 +532,7 @@ void Daemon::OnLoaderWakeup() {
   if (!result->ok()) return Fail(result->status());
   Status installed = InstallStore(std::move(*result).value());
   if (!installed.ok()) return Fail(installed);
+  options_.metrics->RecordLoadDone(bytes_total_.load(), seconds);
   if (events_.on_progress) {
     events_.on_progress(bytes_total_.load(), bytes_total_.load(), seconds);
   }
@@ -856,7 +878,10 @@ void Daemon::FlushAndRearm(Connection& conn) {
 void Daemon::CloseConnection(int fd) {
   auto it = connections_.find(fd);
   if (it == connections_.end()) return;
-  if (it->second->attached) --clients_;
+  if (it->second->attached) {
+    --clients_;
+    options_.metrics->SetClients(clients_);
+  }
   if (fd == publisher_fd_) {
     AbandonPublication("its publisher (pid " + std::to_string(publisher_pid_) +
                        ") closed the connection before PublishCommit");
@@ -972,6 +997,8 @@ void Daemon::HandleHello(Connection& conn, std::span<const uint8_t> payload) {
   reply.match = reply.differences.empty();
   conn.hello_seen = true;
   conn.hello_matched = reply.match;
+  conn.hello_at = Clock::now();
+  if (!reply.match) RecordAttach(conn, AttachResult::kMismatch);
   LOG_DEBUG << "Hello from " << conn.Describe() << " (" << hello->client_name << "): "
             << (reply.match ? "match"
                             : std::to_string(reply.differences.size()) + " differing field(s)");
@@ -988,6 +1015,7 @@ void Daemon::HandleAttach(Connection& conn) {
     // or probing; end the conversation.
     Status status =
         ProtocolError("Attach before a Hello (cache " + options_.config.ShortDigest() + ")");
+    RecordAttach(conn, AttachResult::kError);
     CloseWithError(conn, status, conn.Describe() + ": " + status.message());
     return;
   }
@@ -1011,19 +1039,24 @@ void Daemon::HandleAttach(Connection& conn) {
     } else if (state_ == CacheState::kAwaiting) {
       why += " its publisher (" + options_.config.source + ")";
     }
+    RecordAttach(conn, AttachResult::kUnavailable);
     QueueError(conn, Status(StatusCode::kUnavailable, why));
     return;
   }
   // The manifest memfd first, then one fd per allocation (docs/protocol.md §4).
   std::vector<int> fds = store_->fds();
   fds.insert(fds.begin(), store_->summary().manifest.fd.get());
-  QueueFrame(conn, attach_frame_, std::move(fds));
-  conn.fds_sent = true;
+  // Counted before the reply is queued (it may be flushed at once), so a client that has its
+  // AttachReply finds itself in the metrics.
+  RecordAttach(conn, AttachResult::kDaemon);
   if (!conn.attached) {
     conn.attached = true;
     ++clients_;
+    options_.metrics->SetClients(clients_);
     LOG_INFO << "attached: " << conn.Describe() << " (" << clients_ << " client(s))";
   }
+  QueueFrame(conn, attach_frame_, std::move(fds));
+  conn.fds_sent = true;
 }
 
 void Daemon::HandleStop(Connection& conn) {
