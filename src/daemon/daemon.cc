@@ -46,6 +46,7 @@ struct Daemon::Connection {
   bool hello_seen = false;
   bool hello_matched = false;
   Clock::time_point hello_at;  // the last Hello (the attach duration's start)
+  bool mismatch_counted = false;  // this Hello's mismatch is in the metrics already
   bool attached = false;
   uint64_t id = 0;                 // unique for the daemon's life (fd numbers are reused)
   bool publishing = false;         // its arena is out or being committed: never idle-closed
@@ -933,6 +934,9 @@ void Daemon::HandleFrame(Connection& conn, const protocol::Frame& frame) {
     case MessageType::kStatus:
       if (DecodeEmptyRequest(conn, frame)) HandleStatus(conn);
       return;
+    case MessageType::kMetrics:
+      if (DecodeEmptyRequest(conn, frame)) HandleMetrics(conn);
+      return;
     case MessageType::kAttach:
       if (DecodeEmptyRequest(conn, frame)) HandleAttach(conn);
       return;
@@ -998,7 +1002,10 @@ void Daemon::HandleHello(Connection& conn, std::span<const uint8_t> payload) {
   conn.hello_seen = true;
   conn.hello_matched = reply.match;
   conn.hello_at = Clock::now();
-  if (!reply.match) RecordAttach(conn, AttachResult::kMismatch);
+  // A miss for this cache: a client of the same model whose config differs (the client's
+  // sibling scan, docs/client.md). A Hello of another model id (`ls`'s observer) is no attach.
+  conn.mismatch_counted = !reply.match && theirs->model_id == options_.config.model_id;
+  if (conn.mismatch_counted) RecordAttach(conn, AttachResult::kMismatch);
   LOG_DEBUG << "Hello from " << conn.Describe() << " (" << hello->client_name << "): "
             << (reply.match ? "match"
                             : std::to_string(reply.differences.size()) + " differing field(s)");
@@ -1007,6 +1014,20 @@ void Daemon::HandleHello(Connection& conn, std::span<const uint8_t> payload) {
 
 void Daemon::HandleStatus(Connection& conn) {
   QueueFrame(conn, protocol::EncodeStatusReply(MakeStatusReply()));
+}
+
+void Daemon::HandleMetrics(Connection& conn) {
+  const DaemonMetrics& m = *options_.metrics;
+  protocol::MetricsReply reply;
+  reply.hits = m.hits();
+  reply.misses = m.misses();
+  reply.attaches_daemon = m.attaches(AttachResult::kDaemon);
+  reply.attaches_mismatch = m.attaches(AttachResult::kMismatch);
+  reply.attaches_unavailable = m.attaches(AttachResult::kUnavailable);
+  reply.attaches_error = m.attaches(AttachResult::kError);
+  reply.last_attach_unix_ms = static_cast<uint64_t>(std::max<int64_t>(m.last_attach_unix_ms(), 0));
+  reply.clients = clients_;
+  QueueFrame(conn, protocol::EncodeMetricsReply(reply));
 }
 
 void Daemon::HandleAttach(Connection& conn) {
@@ -1024,6 +1045,8 @@ void Daemon::HandleAttach(Connection& conn) {
     // after a Hello that did not match, the Attach is refused as an application error; the
     // client has the HelloReply with the differences and reports those.
     LOG_DEBUG << conn.Describe() << ": Attach after a non-matching Hello refused";
+    if (!conn.mismatch_counted) RecordAttach(conn, AttachResult::kMismatch);
+    conn.mismatch_counted = true;
     QueueError(conn, Status(StatusCode::kMismatch,
                             "Attach refused: the Hello's config does not match this cache (" +
                                 options_.config.ShortDigest() + ")"));

@@ -239,6 +239,7 @@ class Daemon {
   void HandleFrame(Connection& conn, const protocol::Frame& frame);
   void HandleHello(Connection& conn, std::span<const uint8_t> payload);
   void HandleStatus(Connection& conn);
+  void HandleMetrics(Connection& conn);
   void HandleAttach(Connection& conn);
   void HandleStop(Connection& conn);
   // Upgrade (docs/upgrade.md): start the successor and send it the handover; its answer on

@@ -156,10 +156,6 @@ uint64_t DaemonMetrics::attaches(AttachResult result) const {
   return attaches_.at(static_cast<size_t>(result)).load(kRelaxed);
 }
 
-double DaemonMetrics::last_attach_unix() const {
-  return static_cast<double>(last_attach_unix_ms_.load(kRelaxed)) / 1e3;
-}
-
 std::string DaemonMetrics::Render() const {
   std::string out;
   auto as_double = [](const std::atomic<uint64_t>& a) {

@@ -83,8 +83,8 @@ class DaemonMetrics {
   uint64_t hits() const { return hits_.load(std::memory_order_relaxed); }
   uint64_t misses() const { return misses_.load(std::memory_order_relaxed); }
   uint64_t clients() const { return clients_.load(std::memory_order_relaxed); }
-  // Unix time (seconds) of the last successful attach, 0 if none.
-  double last_attach_unix() const;
+  // Unix time (milliseconds) of the last attach served, 0 if none.
+  int64_t last_attach_unix_ms() const { return last_attach_unix_ms_.load(std::memory_order_relaxed); }
 
   // The whole exposition, every line ending in '\n'.
   std::string Render() const;

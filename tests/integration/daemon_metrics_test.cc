@@ -15,6 +15,8 @@
 #include <regex>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "checkpoint/checkpoint.h"
 #include "common/unique_fd.h"
 #include "integration/daemon_process.h"
@@ -89,6 +91,8 @@ class MetricsTest : public ::testing::Test {
     model_ = MakeCheckpoint(dir_.Join("model"), 12, 1, 3, 4096);
     runtime_ = dir_.Join("run");
   }
+  // A daemon killed by a failed assertion leaves its keeper holding the cache: drop it.
+  void TearDown() override { DropAllKeepers(runtime_, 5s); }
 
   // A connection that said Hello with `config` and, if it matched, attached.
   Result<protocol::Connection> HelloAndAttach(const std::string& socket,
@@ -207,6 +211,40 @@ TEST_F(MetricsTest, CountsAKnownSequenceOfAttachesAndSurvivesHostileScrapers) {
                 .rfind("HTTP/1.1 431 Request Header Fields Too Large\r\n", 0),
             0u);
 
+  // `status --json` and `ls --json` carry the same counters, fetched with the Metrics request.
+  auto st = RunCommand({CliPath(), "status", "--json", "--runtime-dir", runtime_});
+  ASSERT_EQ(st.exit_code, 0) << st.err;
+  auto sj = nlohmann::json::parse(st.out);
+  ASSERT_EQ(sj["devices"].size(), 1u) << st.out;
+  const auto& dev = sj["devices"][0];
+  EXPECT_EQ(dev["device"], "host");
+  EXPECT_TRUE(dev["budget_bytes"].is_null());  // until the budget ledger fills it
+  EXPECT_TRUE(dev["used_bytes"].is_null());
+  EXPECT_TRUE(dev["free_bytes"].is_null());
+  ASSERT_EQ(dev["caches"].size(), 1u);
+  const auto& cache = dev["caches"][0];
+  EXPECT_EQ(cache["cache_state"], "host");
+  EXPECT_EQ(cache["hits"], 2);
+  EXPECT_EQ(cache["misses"], 1);
+  EXPECT_EQ(cache["clients"], 2);
+  EXPECT_GT(cache["last_attach_unix_ms"].get<uint64_t>(), uint64_t{1'600'000'000'000});
+  EXPECT_EQ(dev["lru"], nlohmann::json::array({config.Digest()}));
+  auto ls = RunCommand({CliPath(), "ls", "--json", "--runtime-dir", runtime_});
+  ASSERT_EQ(ls.exit_code, 0) << ls.err;
+  auto lj = nlohmann::json::parse(ls.out);
+  EXPECT_EQ(lj["caches"][0]["hits"], 2) << ls.out;
+  EXPECT_EQ(lj["caches"][0]["misses"], 1) << ls.out;
+  // Neither listing counted itself as an attach (their Hello is of another model id).
+  auto text = RunCommand({CliPath(), "status", "--runtime-dir", runtime_});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("device host (namespace default): budget -, used -, free -"),
+            std::string::npos)
+      << text.out;
+  EXPECT_NE(text.out.find("LRU (least recently attached first): " +
+                          config.Digest().substr(0, 16)),
+            std::string::npos)
+      << text.out;
+
   auto third = HelloAndAttach(*socket, config, &matched);
   ASSERT_TRUE(third.ok()) << third.status().ToString();
   EXPECT_TRUE(matched);
@@ -248,6 +286,60 @@ TEST_F(MetricsTest, ServesOnAUnixSocketAndRefusesABadAddressBeforeLoading) {
   EXPECT_EQ(bad.exit_code, 2) << bad.err;
   EXPECT_NE(bad.err.find("--metrics-addr"), std::string::npos) << bad.err;
   EXPECT_NE(bad.err.find("0..65535"), std::string::npos) << bad.err;
+}
+
+// `status`: two caches on one device in LRU order (least recently attached first), which an
+// attach reorders.
+TEST_F(MetricsTest, StatusListsCachesLeastRecentlyAttachedFirst) {
+  const std::string model_b = MakeCheckpoint(dir_.Join("model-b"), 6, 1, 9, 4096);
+  auto a = ServeProcess::Start(HostServeArgs(model_, runtime_), dir_.Join("a.log"));
+  auto b = ServeProcess::Start(HostServeArgs(model_b, runtime_), dir_.Join("b.log"));
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const identity::CacheConfig config_a = ConfigFor(model_, "tiny");
+  const identity::CacheConfig config_b = ConfigFor(model_b, "tiny");
+  auto socket_of = [&](const identity::CacheConfig& c) {
+    for (const auto& s : FindSockets(runtime_)) {
+      if (s.find(c.ShortDigest()) != std::string::npos) return s;
+    }
+    return std::string();
+  };
+  auto ready = [&](const std::string& socket) {
+    for (int i = 0; i < 3000; ++i) {
+      auto st = QueryStatus(socket);
+      if (st.ok() && st->state == CacheState::kReady) return true;
+      std::this_thread::sleep_for(10ms);
+    }
+    return false;
+  };
+  std::string sa;
+  std::string sb;
+  for (int i = 0; i < 3000 && (sa.empty() || sb.empty()); ++i) {
+    sa = socket_of(config_a);
+    sb = socket_of(config_b);
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_TRUE(ready(sa)) << a->Log();
+  ASSERT_TRUE(ready(sb)) << b->Log();
+  auto lru = [&] {
+    auto st = RunCommand({CliPath(), "status", "--json", "--runtime-dir", runtime_});
+    EXPECT_EQ(st.exit_code, 0) << st.err;
+    return nlohmann::json::parse(st.out)["devices"][0]["lru"];
+  };
+  bool matched = false;
+  auto attach_b = HelloAndAttach(sb, config_b, &matched);
+  ASSERT_TRUE(attach_b.ok() && matched);
+  // a never attached: first to go.
+  EXPECT_EQ(lru(), nlohmann::json::array({config_a.Digest(), config_b.Digest()}));
+  // Attach times are in milliseconds: let the clock pass b's before attaching to a.
+  std::this_thread::sleep_for(5ms);
+  auto attach_a = HelloAndAttach(sa, config_a, &matched);
+  ASSERT_TRUE(attach_a.ok() && matched);
+  EXPECT_EQ(lru(), nlohmann::json::array({config_b.Digest(), config_a.Digest()}));
+  a->Signal(SIGTERM);
+  b->Signal(SIGTERM);
+  EXPECT_EQ(a->WaitExit(30s), 0) << a->Log();
+  EXPECT_EQ(b->WaitExit(30s), 0) << b->Log();
 }
 
 // A real Prometheus (Debian's `prometheus`) scrapes the daemon every second; its HTTP API

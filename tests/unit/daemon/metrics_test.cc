@@ -54,7 +54,7 @@ TEST(DaemonMetrics, CountsAttachesByResultWithHitsAndMisses) {
   m.RecordAttach(AttachResult::kError);
   EXPECT_EQ(m.hits(), 2u);
   EXPECT_EQ(m.misses(), 2u);
-  EXPECT_GT(m.last_attach_unix(), 1.6e9);
+  EXPECT_GT(m.last_attach_unix_ms(), int64_t{1'600'000'000'000});
   std::string text = m.Render();
   EXPECT_TRUE(HasLine(text, "# TYPE weightcache_attaches_total counter")) << text;
   EXPECT_TRUE(HasLine(text, R"(weightcache_attaches_total{result="daemon"} 2)")) << text;
