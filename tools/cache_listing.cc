@@ -69,7 +69,8 @@ nlohmann::json Describe(const identity::SocketEntry& entry, std::chrono::millise
     if (metrics.ok()) {
       row["hits"] = metrics->hits;
       row["misses"] = metrics->misses;
-      if (metrics->last_attach_unix_ms > 0) row["last_attach_unix_ms"] = metrics->last_attach_unix_ms;
+      if (metrics->last_attach_unix_ms > 0)
+        row["last_attach_unix_ms"] = metrics->last_attach_unix_ms;
     }
     return Status::Ok();
   };
@@ -125,14 +126,13 @@ void AddKeeper(nlohmann::json& row, std::chrono::milliseconds timeout) {
 }  // namespace
 
 Result<CacheListing> ListCaches(const ListOptions& options) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(auto runtime, identity::ResolveRuntimeDir(options.runtime_dir,
-                                                                        identity::ProcessEnv()));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      auto runtime, identity::ResolveRuntimeDir(options.runtime_dir, identity::ProcessEnv()));
   WEIGHTCACHE_ASSIGN_OR_RETURN(auto entries, identity::ListAllCacheSockets(runtime.path));
   CacheListing listing;
   listing.runtime_dir = runtime.path;
-  listing.namespace_name = options.namespace_name.empty()
-                               ? std::string(identity::kDefaultNamespace)
-                               : options.namespace_name;
+  listing.namespace_name = options.namespace_name.empty() ? std::string(identity::kDefaultNamespace)
+                                                          : options.namespace_name;
   const std::string& ns = listing.namespace_name;
   const auto timeout = options.timeout;
   nlohmann::json& rows = listing.rows;

@@ -56,7 +56,8 @@ nlohmann::json LruOrder(const std::vector<nlohmann::json>& caches) {
     return a->value("socket", std::string()) < b->value("socket", std::string());
   });
   nlohmann::json order = nlohmann::json::array();
-  for (const auto* c : ready) order.push_back(c->value("digest", c->value("socket", std::string())));
+  for (const auto* c : ready)
+    order.push_back(c->value("digest", c->value("socket", std::string())));
   return order;
 }
 
@@ -108,10 +109,10 @@ int Run(const StatusArgs& args) {
               << std::endl;
     return kExitOk;
   }
-  const uint64_t now_ms = static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(
-          std::chrono::system_clock::now().time_since_epoch())
-          .count());
+  const uint64_t now_ms =
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count());
   std::ostringstream out;
   for (const auto& d : devices) {
     auto bytes = [](const nlohmann::json& v) {

@@ -45,7 +45,7 @@ struct Daemon::Connection {
   std::deque<protocol::FrameWriter> outbox;
   bool hello_seen = false;
   bool hello_matched = false;
-  Clock::time_point hello_at;  // the last Hello (the attach duration's start)
+  Clock::time_point hello_at;     // the last Hello (the attach duration's start)
   bool mismatch_counted = false;  // this Hello's mismatch is in the metrics already
   bool attached = false;
   uint64_t id = 0;                 // unique for the daemon's life (fd numbers are reused)

@@ -144,8 +144,7 @@ void DaemonMetrics::RecordLoadDone(uint64_t bytes, double seconds) {
   load_total_.store(bytes, kRelaxed);
   load_duration_ns_.store(ToNanos(seconds), kRelaxed);
   double rate = seconds > 0 ? static_cast<double>(bytes) / seconds : 0;
-  load_bytes_per_second_.store(rate >= 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(rate),
-                               kRelaxed);
+  load_bytes_per_second_.store(rate >= 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(rate), kRelaxed);
 }
 
 void DaemonMetrics::RecordEviction() { evictions_.fetch_add(1, kRelaxed); }
@@ -174,8 +173,8 @@ std::string DaemonMetrics::Render() const {
          "clients).");
   for (size_t i = 0; i < kAttachResultCount; ++i) {
     auto result = static_cast<AttachResult>(i);
-    Sample(out, "weightcache_attaches_total",
-           "{" + Label("result", AttachResultName(result)) + "}", as_double(attaches_.at(i)));
+    Sample(out, "weightcache_attaches_total", "{" + Label("result", AttachResultName(result)) + "}",
+           as_double(attaches_.at(i)));
   }
 
   Family(out, "weightcache_attach_duration_seconds", "histogram",

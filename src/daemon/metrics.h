@@ -84,7 +84,9 @@ class DaemonMetrics {
   uint64_t misses() const { return misses_.load(std::memory_order_relaxed); }
   uint64_t clients() const { return clients_.load(std::memory_order_relaxed); }
   // Unix time (milliseconds) of the last attach served, 0 if none.
-  int64_t last_attach_unix_ms() const { return last_attach_unix_ms_.load(std::memory_order_relaxed); }
+  int64_t last_attach_unix_ms() const {
+    return last_attach_unix_ms_.load(std::memory_order_relaxed);
+  }
 
   // The whole exposition, every line ending in '\n'.
   std::string Render() const;

@@ -75,8 +75,8 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Create(MetricsServerOption
     WEIGHTCACHE_ASSIGN_OR_RETURN(os::TcpListener tcp, os::ListenTcp(*where));
     listener = std::move(tcp.fd);
     port = tcp.port;
-    std::string host = where->host.find(':') != std::string::npos ? "[" + where->host + "]"
-                                                                   : where->host;
+    std::string host =
+        where->host.find(':') != std::string::npos ? "[" + where->host + "]" : where->host;
     endpoint = "http://" + host + ":" + std::to_string(port) + "/metrics";
   }
   UniqueFd wakeup(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -107,7 +107,9 @@ MetricsServer::~MetricsServer() {
   if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
 }
 
-void MetricsServer::Start() { thread_ = std::thread([this] { Main(); }); }
+void MetricsServer::Start() {
+  thread_ = std::thread([this] { Main(); });
+}
 
 std::string MetricsServer::Respond(const std::string& head) {
   auto line_end = head.find("\r\n");
@@ -233,7 +235,11 @@ void MetricsServer::Main() {
         }
         if (!accepted->has_value()) break;
         if (conns.size() >= options_.max_connections) continue;  // closed at once
-        conns.push_back(Conn{std::move(**accepted), Conn::Phase::kReading, {}, {}, 0,
+        conns.push_back(Conn{std::move(**accepted),
+                             Conn::Phase::kReading,
+                             {},
+                             {},
+                             0,
                              now + options_.request_timeout});
       }
     }

@@ -45,8 +45,7 @@ class MetricsServer {
  public:
   using Render = std::function<std::string()>;
 
-  static Result<std::unique_ptr<MetricsServer>> Create(MetricsServerOptions options,
-                                                       Render render);
+  static Result<std::unique_ptr<MetricsServer>> Create(MetricsServerOptions options, Render render);
   ~MetricsServer();
   MetricsServer(const MetricsServer&) = delete;
   MetricsServer& operator=(const MetricsServer&) = delete;

@@ -20,8 +20,8 @@ Result<HostPort> SplitHostPort(const std::string& text) {
     out.host = out.host.substr(1, out.host.size() - 2);
   }
   std::string port = text.substr(colon + 1);
-  if (port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos ||
-      std::stoul(port) > 65535) {
+  if (port.empty() || port.size() > 5 ||
+      port.find_first_not_of("0123456789") != std::string::npos || std::stoul(port) > 65535) {
     return InvalidArgument("\"" + text + "\": the port must be a number 0..65535");
   }
   if (out.host.empty()) return InvalidArgument("\"" + text + "\" has no host");

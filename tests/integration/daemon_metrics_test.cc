@@ -12,10 +12,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <thread>
-
-#include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.h"
 #include "common/unique_fd.h"
@@ -96,8 +95,7 @@ class MetricsTest : public ::testing::Test {
 
   // A connection that said Hello with `config` and, if it matched, attached.
   Result<protocol::Connection> HelloAndAttach(const std::string& socket,
-                                              const identity::CacheConfig& config,
-                                              bool* matched) {
+                                              const identity::CacheConfig& config, bool* matched) {
     auto conn = protocol::Connection::Connect(socket, 2s);
     if (!conn.ok()) return conn.status();
     protocol::Hello hello;
@@ -120,8 +118,7 @@ class MetricsTest : public ::testing::Test {
 
 TEST_F(MetricsTest, CountsAKnownSequenceOfAttachesAndSurvivesHostileScrapers) {
   auto serve = ServeProcess::Start(
-      HostServeArgs(model_, runtime_,
-                    {"--metrics-addr", "127.0.0.1:0", "--metrics-timeout", "1"}),
+      HostServeArgs(model_, runtime_, {"--metrics-addr", "127.0.0.1:0", "--metrics-timeout", "1"}),
       dir_.Join("serve.log"));
   ASSERT_NE(serve, nullptr);
   auto socket = WaitForState(*serve, runtime_, CacheState::kReady);
@@ -240,8 +237,7 @@ TEST_F(MetricsTest, CountsAKnownSequenceOfAttachesAndSurvivesHostileScrapers) {
   EXPECT_NE(text.out.find("device host (namespace default): budget -, used -, free -"),
             std::string::npos)
       << text.out;
-  EXPECT_NE(text.out.find("LRU (least recently attached first): " +
-                          config.Digest().substr(0, 16)),
+  EXPECT_NE(text.out.find("LRU (least recently attached first): " + config.Digest().substr(0, 16)),
             std::string::npos)
       << text.out;
 
@@ -376,10 +372,11 @@ TEST_F(MetricsTest, ARealPrometheusScrapesTheEndpoint) {
     web_port = ntohs(addr.sin_port);
   }
   const std::string config_path = dir_.Join("prometheus.yml");
-  WriteFile(config_path, "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-                         "scrape_configs:\n  - job_name: weightcache\n    static_configs:\n"
-                         "      - targets: ['127.0.0.1:" +
-                             std::to_string(port) + "']\n");
+  WriteFile(config_path,
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+            "scrape_configs:\n  - job_name: weightcache\n    static_configs:\n"
+            "      - targets: ['127.0.0.1:" +
+                std::to_string(port) + "']\n");
   ChildSpec spec;
   spec.argv = {prometheus, "--config.file=" + config_path,
                "--storage.tsdb.path=" + dir_.Join("tsdb"),
@@ -412,14 +409,12 @@ TEST_F(MetricsTest, ARealPrometheusScrapesTheEndpoint) {
   ASSERT_TRUE(found) << last << "\n" << prom->Log();
   EXPECT_NE(last.find(R"("status":"success")"), std::string::npos) << last;
   // Each series: its labels, then the [time, "value"] pair.
-  EXPECT_TRUE(std::regex_search(
-      last, std::regex(R"("result":"daemon"\},"value":\[[0-9.]+,"1"\])")))
+  EXPECT_TRUE(std::regex_search(last, std::regex(R"("result":"daemon"\},"value":\[[0-9.]+,"1"\])")))
       << last;
-  EXPECT_TRUE(std::regex_search(
-      last, std::regex(R"("result":"mismatch"\},"value":\[[0-9.]+,"1"\])")))
+  EXPECT_TRUE(
+      std::regex_search(last, std::regex(R"("result":"mismatch"\},"value":\[[0-9.]+,"1"\])")))
       << last;
-  EXPECT_TRUE(std::regex_search(
-      last, std::regex(R"("result":"error"\},"value":\[[0-9.]+,"0"\])")))
+  EXPECT_TRUE(std::regex_search(last, std::regex(R"("result":"error"\},"value":\[[0-9.]+,"0"\])")))
       << last;
   EXPECT_NE(last.find(R"("job":"weightcache")"), std::string::npos) << last;
   serve->Signal(SIGTERM);

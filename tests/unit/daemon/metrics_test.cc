@@ -37,11 +37,14 @@ TEST(DaemonMetrics, RendersTheIdentityLabelsEscaped) {
   DaemonMetrics m({"GPU-1234", "org/\"odd\"\nmodel", "gpu"});
   m.SetCacheBytes(4096);
   std::string text = m.Render();
-  EXPECT_TRUE(HasLine(text, "# HELP weightcache_cache_bytes Bytes of weights the cache holds, by "
-                            "device, model and tier."))
+  EXPECT_TRUE(HasLine(text,
+                      "# HELP weightcache_cache_bytes Bytes of weights the cache holds, by "
+                      "device, model and tier."))
       << text;
   EXPECT_TRUE(HasLine(text, "# TYPE weightcache_cache_bytes gauge")) << text;
-  EXPECT_TRUE(HasLine(text, R"(weightcache_cache_bytes{device="GPU-1234",model="org/\"odd\"\nmodel",tier="gpu"} 4096)"))
+  EXPECT_TRUE(HasLine(
+      text,
+      R"(weightcache_cache_bytes{device="GPU-1234",model="org/\"odd\"\nmodel",tier="gpu"} 4096)"))
       << text;
 }
 
