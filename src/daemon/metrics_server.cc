@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <list>
-#include <optional>
 #include <utility>
 #include <vector>
 
@@ -142,14 +141,14 @@ void MetricsServer::Main() {
   std::list<Conn> conns;
   std::vector<char> buffer(4096);
   // A failed accept (no fds) pauses the listener briefly instead of spinning on it.
-  std::optional<Clock::time_point> accept_paused_until;
+  Clock::time_point accept_paused_until{};  // in the past: accepting
   while (true) {
     auto now = Clock::now();
-    if (accept_paused_until && now >= *accept_paused_until) accept_paused_until.reset();
+    const bool paused = now < accept_paused_until;
     std::vector<pollfd> fds;
     fds.push_back({wakeup_.get(), POLLIN, 0});
-    fds.push_back({listener_.get(), static_cast<short>(accept_paused_until ? 0 : POLLIN), 0});
-    auto next = accept_paused_until.value_or(now + std::chrono::seconds(60));
+    fds.push_back({listener_.get(), static_cast<short>(paused ? 0 : POLLIN), 0});
+    auto next = paused ? accept_paused_until : now + std::chrono::seconds(60);
     for (auto& c : conns) {
       short events = c.phase == Conn::Phase::kWriting ? POLLOUT : POLLIN;
       fds.push_back({c.fd.get(), events, 0});
