@@ -366,8 +366,7 @@ int Run(ServeArgs& args) {
       // An upgrade's successor: the old daemon still listens there until it exits.
       LOG_WARN << "metrics not served: " << server.status().ToString();
     } else {
-      Status status = server.status();
-      return Fail(kCmd, status.Context("--metrics-addr"));
+      return Fail(kCmd, server.status());
     }
   }
 

@@ -62,7 +62,12 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Create(MetricsServerOption
   std::string endpoint;
   uint16_t port = 0;
   if (!options.address.empty() && options.address.front() == '/') {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(listener, os::ListenUnix(options.address, 0600));
+    auto unix_listener = os::ListenUnix(options.address, 0600);
+    if (!unix_listener.ok()) {
+      Status status = unix_listener.status();
+      return status.Context("--metrics-addr");
+    }
+    listener = std::move(unix_listener).value();
     unix_path = options.address;
     endpoint = "unix:" + unix_path;
   } else {
@@ -71,9 +76,13 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Create(MetricsServerOption
       Status status = where.status();
       return status.Context("--metrics-addr (HOST:PORT or an absolute Unix socket path)");
     }
-    WEIGHTCACHE_ASSIGN_OR_RETURN(os::TcpListener tcp, os::ListenTcp(*where));
-    listener = std::move(tcp.fd);
-    port = tcp.port;
+    auto tcp = os::ListenTcp(*where);
+    if (!tcp.ok()) {
+      Status status = tcp.status();
+      return status.Context("--metrics-addr");
+    }
+    listener = std::move(tcp->fd);
+    port = tcp->port;
     std::string host =
         where->host.find(':') != std::string::npos ? "[" + where->host + "]" : where->host;
     endpoint = "http://" + host + ":" + std::to_string(port) + "/metrics";
