@@ -103,8 +103,13 @@ std::string FormatSampleValue(double value) {
   if (value == std::trunc(value) && std::fabs(value) < 9007199254740992.0) {
     return std::to_string(static_cast<int64_t>(value));
   }
+  // The shortest round-tripping digits, without an exponent in the range people read
+  // ("0.0001", not "1e-04"), as Prometheus' own clients print bucket bounds.
+  const double magnitude = std::fabs(value);
+  const auto format =
+      magnitude >= 1e-6 && magnitude < 1e15 ? std::chars_format::fixed : std::chars_format::general;
   std::array<char, 64> buffer{};
-  auto [end, ec] = std::to_chars(buffer.data(), buffer.data() + buffer.size(), value);
+  auto [end, ec] = std::to_chars(buffer.data(), buffer.data() + buffer.size(), value, format);
   return std::string(buffer.data(), ec == std::errc() ? end : buffer.data());
 }
 

@@ -28,6 +28,9 @@ TEST(MetricsFormat, FormatsSampleValues) {
   EXPECT_EQ(FormatSampleValue(1099511627776.0), "1099511627776");
   EXPECT_EQ(FormatSampleValue(0.00025), "0.00025");
   EXPECT_EQ(FormatSampleValue(2.5), "2.5");
+  EXPECT_EQ(FormatSampleValue(0.0001), "0.0001");
+  EXPECT_EQ(FormatSampleValue(1e-9), "1e-09");
+  EXPECT_EQ(FormatSampleValue(1.5e300), "1.5e+300");
   EXPECT_EQ(FormatSampleValue(1.0 / 0.0), "+Inf");
   EXPECT_EQ(FormatSampleValue(-1.0 / 0.0), "-Inf");
   EXPECT_EQ(FormatSampleValue(0.0 / 0.0), "NaN");
