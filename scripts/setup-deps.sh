@@ -4,7 +4,8 @@
 set -euo pipefail
 debs=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
       nlohmann-json3-dev libcli11-dev libxxhash-dev libssl-dev libgtest-dev libgmock-dev
-      python3 python3-pip pkg-config libsystemd-dev)
+      python3 python3-pip pkg-config libsystemd-dev
+      prometheus)  # the metrics test's real Prometheus server (docs/metrics.md)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -19,6 +20,8 @@ py_missing=()
 python3 -c 'import safetensors' 2>/dev/null || py_missing+=(safetensors)
 python3 -c 'import numpy' 2>/dev/null || py_missing+=(numpy)
 python3 -c 'import pytest' 2>/dev/null || py_missing+=(pytest)
+# tests/python/test_metrics.py parses the exposition with the reference parser.
+python3 -c 'import prometheus_client' 2>/dev/null || py_missing+=(prometheus_client)
 # The Python package (pip install .): nanobind pinned to the release the committed stubs
 # (python/weightcache/_weightcache.pyi) were generated with.
 python3 -c 'import nanobind; assert nanobind.__version__.startswith("3.1.")' 2>/dev/null ||

@@ -53,6 +53,7 @@ void RegisterInspectCommand(CLI::App& root);
 void RegisterServeCommand(CLI::App& root);
 void RegisterLaunchCommand(CLI::App& root);
 void RegisterLsCommand(CLI::App& root);
+void RegisterStatusCommand(CLI::App& root);
 void RegisterStopCommand(CLI::App& root);
 void RegisterPathsCommand(CLI::App& root);
 void RegisterDevicesCommand(CLI::App& root);

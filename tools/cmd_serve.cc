@@ -27,6 +27,7 @@
 #include "common/unique_fd.h"
 #include "daemon/byte_size.h"
 #include "daemon/daemon.h"
+#include "daemon/metrics_server.h"
 #include "identity/resolve.h"
 #include "identity_flags.h"
 #include "launcher/child_process.h"
@@ -61,6 +62,8 @@ struct ServeArgs {
   std::string log_file;
   int handover_fd = -1;  // an upgrade's successor: the channel from the old daemon
   double upgrade_timeout_s = 60;
+  std::string metrics_addr;  // --metrics-addr: HOST:PORT or a Unix socket path (docs/metrics.md)
+  double metrics_timeout_s = 5;
 };
 
 // The successor of an Upgrade (docs/upgrade.md): started with our own command line, minus any
@@ -369,6 +372,25 @@ int Run(ServeArgs& args) {
     LOG_DEBUG << "RLIMIT_NOFILE soft limit raised to the hard limit, " << fd_limit->soft;
   }
 
+  options.metrics = std::make_shared<daemon::DaemonMetrics>(daemon::MetricsIdentity{
+      id->device_key, id->config.model_id, std::string(TierName(id->config.tier))});
+  std::unique_ptr<daemon::MetricsServer> metrics_server;
+  if (!args.metrics_addr.empty()) {
+    daemon::MetricsServerOptions metrics_options;
+    metrics_options.address = args.metrics_addr;
+    metrics_options.request_timeout = Millis(args.metrics_timeout_s);
+    auto server = daemon::MetricsServer::Create(
+        metrics_options, [metrics = options.metrics] { return metrics->Render(); });
+    if (server.ok()) {
+      metrics_server = std::move(server).value();
+    } else if (args.handover_fd >= 0) {
+      // An upgrade's successor: the old daemon still listens there until it exits.
+      LOG_WARN << "metrics not served: " << server.status().ToString();
+    } else {
+      return Fail(kCmd, server.status());
+    }
+  }
+
   Result<std::unique_ptr<daemon::Daemon>> daemon = [&] {
     if (args.handover_fd < 0) return daemon::Daemon::Create(options);
     return TakeOver(args, *id, options);
@@ -389,6 +411,11 @@ int Run(ServeArgs& args) {
              << TierName(options.config.tier) << ", device " << device << ", digest "
              << options.config.ShortDigest() << ", socket " << options.paths.socket << ", pid "
              << ::getpid();
+  }
+
+  if (metrics_server) {
+    metrics_server->Start();
+    LOG_INFO << "metrics at " << metrics_server->endpoint();
   }
 
   ProgressPrinter progress;
@@ -504,6 +531,13 @@ void RegisterServeCommand(CLI::App& root) {
                   "internal: set by `weightcache upgrade` on the successor it starts (the "
                   "channel the old daemon hands the cache over on)")
       ->check(CLI::Range(3, 1 << 20));
+  sub->add_option("--metrics-addr", args->metrics_addr,
+                  "serve Prometheus metrics (GET /metrics) on HOST:PORT (port 0: a free one, "
+                  "printed at start) or on an absolute Unix socket path (docs/metrics.md)");
+  sub->add_option("--metrics-timeout", args->metrics_timeout_s,
+                  "seconds a scraper has to send its request, and then to take the response, "
+                  "before its connection is closed (default 5)")
+      ->check(CLI::PositiveNumber);
   SetAction(sub, [args] { return Run(*args); });
 }
 

@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   cli::RegisterInspectCommand(root);
   cli::RegisterShardPlanCommand(root);
   cli::RegisterLsCommand(root);
+  cli::RegisterStatusCommand(root);
   cli::RegisterStopCommand(root);
   cli::RegisterUpgradeCommand(root);
   cli::RegisterPathsCommand(root);

@@ -45,6 +45,8 @@ struct Daemon::Connection {
   std::deque<protocol::FrameWriter> outbox;
   bool hello_seen = false;
   bool hello_matched = false;
+  Clock::time_point hello_at;     // the last Hello (the attach duration's start)
+  bool mismatch_counted = false;  // this Hello's mismatch is in the metrics already
   bool attached = false;
   uint64_t id = 0;                 // unique for the daemon's life (fd numbers are reused)
   bool publishing = false;         // its arena is out or being committed: never idle-closed
@@ -204,7 +206,26 @@ Daemon::Daemon(DaemonOptions options, os::LockFile lock, PublishedSocket socket,
       lock_(std::move(lock)),
       socket_(std::move(socket)),
       epoll_(std::move(epoll)),
-      wakeup_(std::move(wakeup)) {}
+      wakeup_(std::move(wakeup)) {
+  if (!options_.metrics) {
+    options_.metrics = std::make_shared<DaemonMetrics>(
+        MetricsIdentity{options_.device_key, options_.config.model_id,
+                        std::string(TierName(options_.config.tier))});
+  }
+}
+
+void Daemon::SyncMetrics() {
+  DaemonMetrics& m = *options_.metrics;
+  m.SetState(state_);
+  m.SetClients(clients_);
+  m.SetCacheBytes(store_ ? store_->summary().resident_bytes : 0);
+  if (state_ == CacheState::kLoading) m.SetLoadProgress(bytes_done_.load(), bytes_total_.load());
+}
+
+void Daemon::RecordAttach(const Connection& conn, AttachResult result) {
+  std::chrono::duration<double> seconds = Clock::now() - conn.hello_at;
+  options_.metrics->RecordAttach(result, conn.hello_seen ? seconds.count() : 0);
+}
 
 Daemon::~Daemon() {
   StopLoader();
@@ -428,6 +449,7 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
 
   epoll_event ready[64];
   while (true) {
+    SyncMetrics();
     const auto now = Clock::now();
     if (linger_until_ && state_ == CacheState::kFailed && now >= *linger_until_) {
       BeginDrain("the failed load's linger time is over");
@@ -541,6 +563,7 @@ void Daemon::OnLoaderWakeup() {
   if (!result->ok()) return Fail(result->status());
   Status installed = InstallStore(std::move(*result).value());
   if (!installed.ok()) return Fail(installed);
+  options_.metrics->RecordLoadDone(bytes_total_.load(), seconds);
   if (events_.on_progress) {
     events_.on_progress(bytes_total_.load(), bytes_total_.load(), seconds);
   }
@@ -896,7 +919,10 @@ void Daemon::FlushAndRearm(Connection& conn) {
 void Daemon::CloseConnection(int fd) {
   auto it = connections_.find(fd);
   if (it == connections_.end()) return;
-  if (it->second->attached) --clients_;
+  if (it->second->attached) {
+    --clients_;
+    options_.metrics->SetClients(clients_);
+  }
   if (fd == publisher_fd_) {
     AbandonPublication("its publisher (pid " + std::to_string(publisher_pid_) +
                        ") closed the connection before PublishCommit");
@@ -947,6 +973,9 @@ void Daemon::HandleFrame(Connection& conn, const protocol::Frame& frame) {
       return;
     case MessageType::kStatus:
       if (DecodeEmptyRequest(conn, frame)) HandleStatus(conn);
+      return;
+    case MessageType::kMetrics:
+      if (DecodeEmptyRequest(conn, frame)) HandleMetrics(conn);
       return;
     case MessageType::kAttach:
       if (DecodeEmptyRequest(conn, frame)) HandleAttach(conn);
@@ -1012,6 +1041,11 @@ void Daemon::HandleHello(Connection& conn, std::span<const uint8_t> payload) {
   reply.match = reply.differences.empty();
   conn.hello_seen = true;
   conn.hello_matched = reply.match;
+  conn.hello_at = Clock::now();
+  // A miss for this cache: a client of the same model whose config differs (the client's
+  // sibling scan, docs/client.md). A Hello of another model id (`ls`'s observer) is no attach.
+  conn.mismatch_counted = !reply.match && theirs->model_id == options_.config.model_id;
+  if (conn.mismatch_counted) RecordAttach(conn, AttachResult::kMismatch);
   LOG_DEBUG << "Hello from " << conn.Describe() << " (" << hello->client_name << "): "
             << (reply.match ? "match"
                             : std::to_string(reply.differences.size()) + " differing field(s)");
@@ -1022,12 +1056,27 @@ void Daemon::HandleStatus(Connection& conn) {
   QueueFrame(conn, protocol::EncodeStatusReply(MakeStatusReply()));
 }
 
+void Daemon::HandleMetrics(Connection& conn) {
+  const DaemonMetrics& m = *options_.metrics;
+  protocol::MetricsReply reply;
+  reply.hits = m.hits();
+  reply.misses = m.misses();
+  reply.attaches_daemon = m.attaches(AttachResult::kDaemon);
+  reply.attaches_mismatch = m.attaches(AttachResult::kMismatch);
+  reply.attaches_unavailable = m.attaches(AttachResult::kUnavailable);
+  reply.attaches_error = m.attaches(AttachResult::kError);
+  reply.last_attach_unix_ms = static_cast<uint64_t>(std::max<int64_t>(m.last_attach_unix_ms(), 0));
+  reply.clients = clients_;
+  QueueFrame(conn, protocol::EncodeMetricsReply(reply));
+}
+
 void Daemon::HandleAttach(Connection& conn) {
   if (!conn.hello_seen) {
     // Out of sequence: the protocol requires a Hello first, so this client is either broken
     // or probing; end the conversation.
     Status status =
         ProtocolError("Attach before a Hello (cache " + options_.config.ShortDigest() + ")");
+    RecordAttach(conn, AttachResult::kError);
     CloseWithError(conn, status, conn.Describe() + ": " + status.message());
     return;
   }
@@ -1036,6 +1085,8 @@ void Daemon::HandleAttach(Connection& conn) {
     // after a Hello that did not match, the Attach is refused as an application error; the
     // client has the HelloReply with the differences and reports those.
     LOG_DEBUG << conn.Describe() << ": Attach after a non-matching Hello refused";
+    if (!conn.mismatch_counted) RecordAttach(conn, AttachResult::kMismatch);
+    conn.mismatch_counted = true;
     QueueError(conn, Status(StatusCode::kMismatch,
                             "Attach refused: the Hello's config does not match this cache (" +
                                 options_.config.ShortDigest() + ")"));
@@ -1051,19 +1102,24 @@ void Daemon::HandleAttach(Connection& conn) {
     } else if (state_ == CacheState::kAwaiting) {
       why += " its publisher (" + options_.config.source + ")";
     }
+    RecordAttach(conn, AttachResult::kUnavailable);
     QueueError(conn, Status(StatusCode::kUnavailable, why));
     return;
   }
   // The manifest memfd first, then one fd per allocation (docs/protocol.md §4).
   std::vector<int> fds = store_->fds();
   fds.insert(fds.begin(), store_->summary().manifest.fd.get());
-  QueueFrame(conn, attach_frame_, std::move(fds));
-  conn.fds_sent = true;
+  // Counted before the reply is queued (it may be flushed at once), so a client that has its
+  // AttachReply finds itself in the metrics.
+  RecordAttach(conn, AttachResult::kDaemon);
   if (!conn.attached) {
     conn.attached = true;
     ++clients_;
+    options_.metrics->SetClients(clients_);
     LOG_INFO << "attached: " << conn.Describe() << " (" << clients_ << " client(s))";
   }
+  QueueFrame(conn, attach_frame_, std::move(fds));
+  conn.fds_sent = true;
 }
 
 void Daemon::HandleStop(Connection& conn) {

@@ -67,6 +67,7 @@
 #include "common/unique_handle.h"
 #include "daemon/fd_store.h"
 #include "daemon/keeper_link.h"
+#include "daemon/metrics.h"
 #include "daemon/publish_store.h"
 #include "daemon/upgrade.h"
 #include "daemon/weight_store.h"
@@ -143,6 +144,9 @@ struct DaemonOptions {
   StartSuccessor start_successor;
   std::string self_binary;
   std::chrono::milliseconds upgrade_timeout{60'000};
+  // The counters `serve --metrics-addr` exposes (metrics.h, docs/metrics.md), shared with the
+  // metrics server's thread. Unset, the daemon keeps its own (nothing reads them but tests).
+  std::shared_ptr<DaemonMetrics> metrics;
 };
 
 // Called on the Run thread (never the loader's), for the CLI's log lines.
@@ -175,6 +179,7 @@ class Daemon {
   Status Run(int signal_fd, DaemonEvents events = {});
 
   const DaemonOptions& options() const { return options_; }
+  const DaemonMetrics& metrics() const { return *options_.metrics; }
 
  private:
   // The release rule of the published path, for UniqueHandle: unlink it (we hold the lock, so
@@ -240,6 +245,7 @@ class Daemon {
   void HandleFrame(Connection& conn, const protocol::Frame& frame);
   void HandleHello(Connection& conn, std::span<const uint8_t> payload);
   void HandleStatus(Connection& conn);
+  void HandleMetrics(Connection& conn);
   void HandleAttach(Connection& conn);
   void HandleStop(Connection& conn);
   // Upgrade (docs/upgrade.md): start the successor and send it the handover; its answer on
@@ -303,6 +309,11 @@ class Daemon {
   protocol::StatusReply MakeStatusReply() const;
   // Joins the loader (cancelled) and the committer (bounded: one pass over the arena).
   void StopLoader();
+  // Copies the loop's state (state, clients, bytes, load progress) into the metrics: once per
+  // loop iteration, so the metrics thread never reads the loop's members.
+  void SyncMetrics();
+  // A Hello or Attach ended in `result` (the duration: from the connection's Hello).
+  void RecordAttach(const Connection& conn, AttachResult result);
 
   // Resources in acquisition order (destroyed in reverse: socket unlinked before the lock
   // is released).

@@ -53,4 +53,10 @@ Result<StopReply> Connection::Stop(os::Deadline deadline) {
   return DecodeStopReply(reply.payload);
 }
 
+Result<MetricsReply> Connection::QueryMetrics(os::Deadline deadline) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> request, EncodeMetricsRequest());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(Frame reply, Call(request, MessageType::kMetricsReply, deadline));
+  return DecodeMetricsReply(reply.payload);
+}
+
 }  // namespace weightcache::protocol

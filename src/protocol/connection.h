@@ -40,6 +40,7 @@ class Connection {
   Result<StatusReply> QueryStatus(os::Deadline deadline);
   Result<AttachReply> Attach(os::Deadline deadline);
   Result<StopReply> Stop(os::Deadline deadline);
+  Result<MetricsReply> QueryMetrics(os::Deadline deadline);
 
   // Sends an encoded request frame and returns the reply frame, which is of type `expected`
   // (an Error reply is returned as its Status).

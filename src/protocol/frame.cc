@@ -111,6 +111,10 @@ std::string MessageTypeName(MessageType type) {
       return "UpgradeReply";
     case MessageType::kHandover:
       return "Handover";
+    case MessageType::kMetrics:
+      return "Metrics";
+    case MessageType::kMetricsReply:
+      return "MetricsReply";
     case MessageType::kHandoverDone:
       return "HandoverDone";
   }
@@ -119,7 +123,7 @@ std::string MessageTypeName(MessageType type) {
 
 bool IsKnownMessageType(uint16_t type) {
   return (type >= static_cast<uint16_t>(MessageType::kHello) &&
-          type <= static_cast<uint16_t>(MessageType::kUpgradeReply)) ||
+          type <= static_cast<uint16_t>(MessageType::kMetricsReply)) ||
          (type >= kFirstHandoffType && type <= static_cast<uint16_t>(MessageType::kHandoverDone));
 }
 
@@ -131,7 +135,8 @@ bool IsRequest(MessageType type) {
          type == MessageType::kPublishBegin || type == MessageType::kPublishCommit ||
          type == MessageType::kDeposit || type == MessageType::kWithdraw ||
          type == MessageType::kQuery || type == MessageType::kDrop ||
-         type == MessageType::kUpgrade || type == MessageType::kHandover;
+         type == MessageType::kUpgrade || type == MessageType::kHandover ||
+         type == MessageType::kMetrics;
 }
 
 // The replies that carry an arena's fds (the manifest memfd first, then one per allocation).

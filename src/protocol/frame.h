@@ -80,6 +80,8 @@ enum class MessageType : uint16_t {
   kPublishCommitted = 13,  // daemon → client: the cache is ready with the published tensors
   kUpgrade = 14,           // owner → daemon: hand the cache to a successor (docs/upgrade.md)
   kUpgradeReply = 15,      // daemon → owner: the successor serves (its pid), or an Error
+  kMetrics = 16,           // client → daemon: empty; the attach counters (`weightcache status`)
+  kMetricsReply = 17,      // daemon → client: hits, misses, attaches by result, last attach
 
   // Keeper handoff (handoff.h), from kFirstHandoffType up: daemon types stay below 32.
   kDeposit = 32,

@@ -560,6 +560,40 @@ Result<PublishCommitted> DecodePublishCommitted(std::span<const uint8_t> payload
   return msg;
 }
 
+// ---- Metrics ----------------------------------------------------------------------------------
+
+Result<std::vector<uint8_t>> EncodeMetricsRequest() {
+  return EncodeFrame(MessageType::kMetrics, {});
+}
+
+Result<std::vector<uint8_t>> EncodeMetricsReply(const MetricsReply& msg) {
+  return EncodeJson(MessageType::kMetricsReply,
+                    json{{"hits", msg.hits},
+                         {"misses", msg.misses},
+                         {"attaches_daemon", msg.attaches_daemon},
+                         {"attaches_mismatch", msg.attaches_mismatch},
+                         {"attaches_unavailable", msg.attaches_unavailable},
+                         {"attaches_error", msg.attaches_error},
+                         {"last_attach_unix_ms", msg.last_attach_unix_ms},
+                         {"clients", msg.clients}});
+}
+
+Result<MetricsReply> DecodeMetricsReply(std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("MetricsReply", payload));
+  Fields f("MetricsReply", obj);
+  MetricsReply msg;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.hits, f.U64("hits"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.misses, f.U64("misses"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.attaches_daemon, f.U64("attaches_daemon"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.attaches_mismatch, f.U64("attaches_mismatch"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.attaches_unavailable, f.U64("attaches_unavailable"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.attaches_error, f.U64("attaches_error"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.last_attach_unix_ms, f.U64("last_attach_unix_ms"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.clients, f.U32("clients"));
+  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  return msg;
+}
+
 // ---- StopReply --------------------------------------------------------------------------------
 
 Result<std::vector<uint8_t>> EncodeStopReply(const StopReply& msg) {

@@ -106,6 +106,19 @@ struct UpgradeReply {
   uint64_t handover_us = 0;  // from the successor's start to its HandoverDone
 };
 
+// Metrics request: empty payload. The daemon's attach counters (daemon/metrics.h), for
+// `weightcache status`; the same values its --metrics-addr endpoint exposes.
+struct MetricsReply {
+  uint64_t hits = 0;    // attaches served
+  uint64_t misses = 0;  // mismatch + unavailable
+  uint64_t attaches_daemon = 0;
+  uint64_t attaches_mismatch = 0;
+  uint64_t attaches_unavailable = 0;
+  uint64_t attaches_error = 0;
+  uint64_t last_attach_unix_ms = 0;  // 0: never attached
+  uint32_t clients = 0;
+};
+
 // Any request may be answered with an Error (the daemon keeps the connection open unless the
 // request itself was malformed).
 struct ErrorReply {
@@ -136,6 +149,10 @@ Result<std::vector<uint8_t>> EncodeAttachReply(uint64_t manifest_size, uint32_t 
 // `check`: RecordCheck::kDeferred leaves the manifest's records to the consumer
 // (Manifest::ValidateRecords), which then must run it before reading a record.
 Result<AttachReply> DecodeAttachReply(Frame frame, RecordCheck check = RecordCheck::kNow);
+
+Result<std::vector<uint8_t>> EncodeMetricsRequest();
+Result<std::vector<uint8_t>> EncodeMetricsReply(const MetricsReply& msg);
+Result<MetricsReply> DecodeMetricsReply(std::span<const uint8_t> payload);
 
 Result<std::vector<uint8_t>> EncodeStopReply(const StopReply& msg);
 Result<StopReply> DecodeStopReply(std::span<const uint8_t> payload);

@@ -170,6 +170,41 @@ TEST_F(MessagesTest, StopReplyAndErrorRoundTrip) {
   EXPECT_EQ(err->message, "tp_rank differs");
 }
 
+TEST_F(MessagesTest, MetricsAndItsReplyRoundTripAndRefuseNegativeCounters) {
+  Frame req = Transfer(EncodeMetricsRequest(), Expect::kRequest);
+  EXPECT_EQ(req.type, MessageType::kMetrics);
+  EXPECT_TRUE(req.payload.empty());
+  MetricsReply m;
+  m.hits = 7;
+  m.misses = 2;
+  m.attaches_daemon = 7;
+  m.attaches_mismatch = 1;
+  m.attaches_unavailable = 1;
+  m.attaches_error = 3;
+  m.last_attach_unix_ms = 1'700'000'000'123;
+  m.clients = 4;
+  Frame f = Transfer(EncodeMetricsReply(m), Expect::kReply);
+  EXPECT_EQ(f.type, MessageType::kMetricsReply);
+  auto back = DecodeMetricsReply(f.payload);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->hits, 7u);
+  EXPECT_EQ(back->misses, 2u);
+  EXPECT_EQ(back->attaches_daemon, 7u);
+  EXPECT_EQ(back->attaches_mismatch, 1u);
+  EXPECT_EQ(back->attaches_unavailable, 1u);
+  EXPECT_EQ(back->attaches_error, 3u);
+  EXPECT_EQ(back->last_attach_unix_ms, 1'700'000'000'123u);
+  EXPECT_EQ(back->clients, 4u);
+  ExpectProtocolError(
+      DecodeMetricsReply(Bytes(R"({"hits":-1,"misses":0,"attaches_daemon":0,)"
+                               R"("attaches_mismatch":0,"attaches_unavailable":0,)"
+                               R"("attaches_error":0,"last_attach_unix_ms":0,"clients":0})"))
+          .status(),
+      "MetricsReply: field 'hits' must be a non-negative integer");
+  EXPECT_EQ(MessageTypeName(MessageType::kMetrics), "Metrics");
+  EXPECT_EQ(MessageTypeName(MessageType::kMetricsReply), "MetricsReply");
+}
+
 TEST_F(MessagesTest, UpgradeAndItsReplyRoundTripAndRefuseWhatIsNoPathOrNoPid) {
   Frame u =
       Transfer(EncodeUpgradeRequest(UpgradeRequest{"/opt/wc/bin/weightcache"}), Expect::kRequest);

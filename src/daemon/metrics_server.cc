@@ -1,0 +1,257 @@
+#include "daemon/metrics_server.h"
+
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <list>
+#include <utility>
+#include <vector>
+
+#include "common/logging.h"
+#include "os/tcp_socket.h"
+#include "os/unix_socket.h"
+
+namespace weightcache::daemon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::string_view kExpositionType = "text/plain; version=0.0.4; charset=utf-8";
+constexpr std::string_view kTextType = "text/plain; charset=utf-8";
+
+std::string Plain(std::string_view status, std::string_view body,
+                  std::string_view extra_headers = {}) {
+  return HttpResponse(status, kTextType, body, extra_headers);
+}
+
+}  // namespace
+
+std::string HttpResponse(std::string_view status, std::string_view content_type,
+                         std::string_view body, std::string_view extra_headers, bool head_only) {
+  std::string out = "HTTP/1.1 ";
+  out += status;
+  out += "\r\nContent-Type: ";
+  out += content_type;
+  out += "\r\nContent-Length: " + std::to_string(body.size());
+  out += "\r\nConnection: close\r\n";
+  out += extra_headers;
+  out += "\r\n";
+  if (!head_only) out += body;
+  return out;
+}
+
+// One scraper's connection: reading its request head, then writing the response, then
+// lingering (our side shut, its leftovers read and dropped) until it closes.
+struct MetricsServer::Conn {
+  enum class Phase { kReading, kWriting, kLingering };
+  UniqueFd fd;
+  Phase phase = Phase::kReading;
+  std::string in;
+  std::string out;
+  size_t sent = 0;
+  Clock::time_point deadline;
+};
+
+Result<std::unique_ptr<MetricsServer>> MetricsServer::Create(MetricsServerOptions options,
+                                                             Render render) {
+  UniqueFd listener;
+  std::string unix_path;
+  std::string endpoint;
+  uint16_t port = 0;
+  if (!options.address.empty() && options.address.front() == '/') {
+    auto unix_listener = os::ListenUnix(options.address, 0600);
+    if (!unix_listener.ok()) {
+      Status status = unix_listener.status();
+      return status.Context("--metrics-addr");
+    }
+    listener = std::move(unix_listener).value();
+    unix_path = options.address;
+    endpoint = "unix:" + unix_path;
+  } else {
+    auto where = os::SplitHostPort(options.address);
+    if (!where.ok()) {
+      Status status = where.status();
+      return status.Context("--metrics-addr (HOST:PORT or an absolute Unix socket path)");
+    }
+    auto tcp = os::ListenTcp(*where);
+    if (!tcp.ok()) {
+      Status status = tcp.status();
+      return status.Context("--metrics-addr");
+    }
+    listener = std::move(tcp->fd);
+    port = tcp->port;
+    std::string host =
+        where->host.find(':') != std::string::npos ? "[" + where->host + "]" : where->host;
+    endpoint = "http://" + host + ":" + std::to_string(port) + "/metrics";
+  }
+  UniqueFd wakeup(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wakeup) return IoError("eventfd for the metrics server", errno);
+  auto server = std::unique_ptr<MetricsServer>(new MetricsServer(
+      std::move(options), std::move(render), std::move(listener), std::move(wakeup), unix_path));
+  server->endpoint_ = std::move(endpoint);
+  server->port_ = port;
+  return server;
+}
+
+MetricsServer::MetricsServer(MetricsServerOptions options, Render render, UniqueFd listener,
+                             UniqueFd wakeup, std::string unix_path)
+    : options_(std::move(options)),
+      render_(std::move(render)),
+      listener_(std::move(listener)),
+      wakeup_(std::move(wakeup)),
+      unix_path_(std::move(unix_path)) {}
+
+MetricsServer::~MetricsServer() {
+  if (thread_.joinable()) {
+    uint64_t one = 1;
+    // The eventfd is non-blocking and far from its limit: this write cannot fail in a way
+    // that matters (the thread also polls it with a timeout).
+    (void)::write(wakeup_.get(), &one, sizeof(one));
+    thread_.join();
+  }
+  if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
+}
+
+void MetricsServer::Start() {
+  thread_ = std::thread([this] { Main(); });
+}
+
+std::string MetricsServer::Respond(const std::string& head) {
+  auto line_end = head.find("\r\n");
+  std::string line = head.substr(0, line_end);
+  auto sp1 = line.find(' ');
+  auto sp2 = sp1 == std::string::npos ? std::string::npos : line.find(' ', sp1 + 1);
+  if (sp1 == std::string::npos || sp2 == std::string::npos ||
+      line.find(' ', sp2 + 1) != std::string::npos) {
+    return Plain("400 Bad Request", "malformed request line\n");
+  }
+  std::string method = line.substr(0, sp1);
+  std::string target = line.substr(sp1 + 1, sp2 - sp1 - 1);
+  std::string version = line.substr(sp2 + 1);
+  bool token = !method.empty() && std::all_of(method.begin(), method.end(),
+                                              [](char c) { return c >= 'A' && c <= 'Z'; });
+  if (!token || target.empty() || (version != "HTTP/1.1" && version != "HTTP/1.0")) {
+    return Plain("400 Bad Request", "malformed request line\n");
+  }
+  if (method != "GET" && method != "HEAD") {
+    return Plain("405 Method Not Allowed", "only GET and HEAD are served\n",
+                 "Allow: GET, HEAD\r\n");
+  }
+  std::string path = target.substr(0, target.find('?'));
+  if (path != "/metrics") return Plain("404 Not Found", "only /metrics is served\n");
+  return HttpResponse("200 OK", kExpositionType, render_(), {}, method == "HEAD");
+}
+
+void MetricsServer::Main() {
+  os::SysCalls& sys = *options_.sys;
+  std::list<Conn> conns;
+  std::vector<char> buffer(4096);
+  // A failed accept (no fds) pauses the listener briefly instead of spinning on it.
+  Clock::time_point accept_paused_until{};  // in the past: accepting
+  while (true) {
+    auto now = Clock::now();
+    const bool paused = now < accept_paused_until;
+    std::vector<pollfd> fds;
+    fds.push_back({wakeup_.get(), POLLIN, 0});
+    fds.push_back({listener_.get(), static_cast<short>(paused ? 0 : POLLIN), 0});
+    auto next = paused ? accept_paused_until : now + std::chrono::seconds(60);
+    for (auto& c : conns) {
+      short events = c.phase == Conn::Phase::kWriting ? POLLOUT : POLLIN;
+      fds.push_back({c.fd.get(), events, 0});
+      next = std::min(next, c.deadline);
+    }
+    auto wait = std::chrono::ceil<std::chrono::milliseconds>(next - now).count();
+    int rc = sys.Poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(wait, 0)));
+    if (rc < 0 && errno != EINTR) {
+      LOG_WARN << "metrics server: poll failed: " << IoError("poll", errno).ToString();
+      return;
+    }
+    if (rc > 0 && (fds[0].revents & POLLIN) != 0) return;  // stopping
+    now = Clock::now();
+
+    // Per connection, by its poll slot (connections accepted below are not in this round).
+    size_t slot = 2;
+    for (auto it = conns.begin(); it != conns.end(); ++slot) {
+      Conn& c = *it;
+      short revents = rc > 0 ? fds[slot].revents : 0;
+      bool drop = false;
+      if (revents != 0 && c.phase != Conn::Phase::kWriting) {
+        iovec iov{buffer.data(), buffer.size()};
+        msghdr msg{};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        ssize_t n = sys.RecvMsg(c.fd.get(), &msg, MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+          drop = true;  // the peer closed (or reset) its side
+        } else if (n > 0 && c.phase == Conn::Phase::kReading) {
+          c.in.append(buffer.data(), static_cast<size_t>(n));
+          auto end = c.in.find("\r\n\r\n");
+          if (end != std::string::npos && end + 4 <= options_.max_request_bytes) {
+            c.out = Respond(c.in.substr(0, end + 2));
+          } else if (c.in.size() >= options_.max_request_bytes) {
+            c.out = Plain("431 Request Header Fields Too Large",
+                          "the request is larger than " +
+                              std::to_string(options_.max_request_bytes) + " bytes\n");
+          }
+          if (!c.out.empty()) {
+            c.phase = Conn::Phase::kWriting;
+            c.in.clear();
+            c.deadline = now + options_.request_timeout;
+          }
+        }
+      } else if (revents != 0) {  // writing
+        iovec iov{c.out.data() + c.sent, c.out.size() - c.sent};
+        msghdr msg{};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        ssize_t n = sys.SendMsg(c.fd.get(), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n < 0 && errno != EAGAIN && errno != EINTR) {
+          drop = true;
+        } else if (n > 0) {
+          c.sent += static_cast<size_t>(n);
+        }
+        if (!drop && c.sent == c.out.size()) {
+          // Shut our side and read what the peer still sends until it closes, so that its
+          // unread request bytes do not turn our close into a reset that loses the response.
+          (void)::shutdown(c.fd.get(), SHUT_WR);
+          c.phase = Conn::Phase::kLingering;
+          c.deadline = now + options_.request_timeout;
+        }
+      }
+      if (!drop && now >= c.deadline) {
+        if (c.phase == Conn::Phase::kReading) {
+          c.out = Plain("408 Request Timeout", "the request did not arrive in time\n");
+          c.phase = Conn::Phase::kWriting;
+          c.deadline = now + options_.request_timeout;
+        } else {
+          drop = true;  // a response the peer does not take, or a peer that never closes
+        }
+      }
+      it = drop ? conns.erase(it) : std::next(it);
+    }
+
+    if (rc > 0 && (fds[1].revents & POLLIN) != 0) {
+      while (true) {
+        auto accepted = os::AcceptConnection(listener_.get(), os::Blocking::kNonBlocking, sys);
+        if (!accepted.ok()) {
+          LOG_DEBUG << "metrics server: " << accepted.status().ToString();
+          accept_paused_until = now + std::chrono::milliseconds(100);
+          break;
+        }
+        if (!accepted->has_value()) break;
+        if (conns.size() >= options_.max_connections) continue;  // closed at once
+        conns.push_back(Conn{std::move(**accepted),
+                             Conn::Phase::kReading,
+                             {},
+                             {},
+                             0,
+                             now + options_.request_timeout});
+      }
+    }
+  }
+}
+
+}  // namespace weightcache::daemon

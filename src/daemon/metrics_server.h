@@ -1,0 +1,81 @@
+// MetricsServer — `serve --metrics-addr`: a small, strict HTTP/1.1 responder for
+// `GET /metrics` (Prometheus text exposition, daemon/metrics.h), on its own thread.
+//
+// Contract:
+//  * Address: "HOST:PORT" (TCP; port 0 picks a free one, see port()) or an absolute path (a
+//    Unix socket, published 0600 like the daemon's). Create binds and listens, so a bad or
+//    busy address fails `serve` before anything is loaded.
+//  * Start runs the thread; the destructor stops and joins it (an eventfd wakes its poll),
+//    closing every connection. The `render` callback runs on that thread and must be
+//    thread-safe (DaemonMetrics::Render is).
+//  * Each connection: one request, one response, then close (`Connection: close`). The
+//    request head (up to the blank line) must arrive within `request_timeout` (else 408) and
+//    fit in `max_request_bytes` (else 431); a request line that is not `METHOD TARGET
+//    HTTP/1.x` gets 400; a method other than GET or HEAD gets 405 (with `Allow: GET, HEAD`);
+//    a target other than /metrics gets 404. A response not taken by the peer within
+//    `request_timeout` is dropped. At most `max_connections` are open; more are accepted and
+//    closed at once. Nothing here ever blocks: a slow or hostile scraper costs this thread a
+//    slot until its timeout and never touches the daemon's socket loop.
+//  * Socket traffic goes through os::SysCalls (accept4, poll, recvmsg, sendmsg).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "common/unique_fd.h"
+#include "os/syscalls.h"
+#include "weightcache/status.h"
+
+namespace weightcache::daemon {
+
+struct MetricsServerOptions {
+  std::string address;  // "HOST:PORT" or an absolute Unix socket path
+  std::chrono::milliseconds request_timeout{5'000};
+  size_t max_request_bytes = 8192;
+  size_t max_connections = 16;
+  os::SysCalls* sys = &os::SysCalls::Default();
+};
+
+class MetricsServer {
+ public:
+  using Render = std::function<std::string()>;
+
+  static Result<std::unique_ptr<MetricsServer>> Create(MetricsServerOptions options, Render render);
+  ~MetricsServer();
+  MetricsServer(const MetricsServer&) = delete;
+  MetricsServer& operator=(const MetricsServer&) = delete;
+
+  void Start();
+  // Where it listens, for the log line: "http://127.0.0.1:9400/metrics" or "unix:/path".
+  const std::string& endpoint() const { return endpoint_; }
+  uint16_t port() const { return port_; }  // TCP only (0 for a Unix socket)
+
+ private:
+  struct Conn;
+  MetricsServer(MetricsServerOptions options, Render render, UniqueFd listener, UniqueFd wakeup,
+                std::string unix_path);
+  void Main();
+  // A complete (or refused) request head: the response to send.
+  std::string Respond(const std::string& head);
+
+  MetricsServerOptions options_;
+  Render render_;
+  UniqueFd listener_;
+  UniqueFd wakeup_;
+  std::string unix_path_;  // unlinked at destruction
+  std::string endpoint_;
+  uint16_t port_ = 0;
+  std::thread thread_;
+};
+
+// The HTTP response `status` ("404 Not Found") with a text body and Connection: close.
+std::string HttpResponse(std::string_view status, std::string_view content_type,
+                         std::string_view body, std::string_view extra_headers = {},
+                         bool head_only = false);
+
+}  // namespace weightcache::daemon

@@ -1,0 +1,47 @@
+// ListCaches — the one scan of a runtime dir's caches, shared by `ls` and `status`: every
+// cache socket (of one namespace, or all) as a JSON row with its identity, tier, state, bytes,
+// clients, pid, its attach counters (hits, misses, last attach: the Metrics request), and its
+// keeper; orphaned keepers as rows of their own. A stale socket is listed as such and never
+// queried; a daemon that does not answer is listed with the error; a daemon too old for the
+// Metrics request has no counters in its row.
+#pragma once
+
+#include <chrono>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "weightcache/status.h"
+
+namespace weightcache::cli {
+
+struct ListOptions {
+  std::string runtime_dir;     // as given (--runtime-dir), resolved by ListCaches
+  std::string namespace_name;  // empty: the default namespace
+  bool all_namespaces = false;
+  std::chrono::milliseconds timeout{2000};  // per daemon
+};
+
+struct CacheListing {
+  std::string runtime_dir;  // resolved
+  std::string namespace_name;
+  nlohmann::json rows = nlohmann::json::array();
+};
+
+Result<CacheListing> ListCaches(const ListOptions& options);
+
+// A device's memory budget as the budget ledger records it.
+struct DeviceBudget {
+  uint64_t budget_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t free_bytes = 0;
+};
+using DeviceBudgetView = std::optional<DeviceBudget>;
+
+// The budget of the device whose dir (<runtime>/<namespace>/<device key>) is `device_dir`.
+// Filled by the budget ledger (docs/budget.md); until it lands, std::nullopt, which `status`
+// prints as null / "-".
+DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir);
+
+}  // namespace weightcache::cli

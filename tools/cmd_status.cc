@@ -1,0 +1,173 @@
+// `weightcache status`: per device, its memory budget (budget, used, free) and each of its
+// caches: tier and state (gpu / host when ready; loading, awaiting, failed, draining, stale,
+// orphan otherwise), bytes, clients, last attach, hits and misses; then the device's LRU order
+// (least recently attached first: the order in which the budget ledger picks caches to make
+// room). One scan with `ls` (ListCaches, cache_listing.h). The budget fields are null / "-"
+// until the budget ledger fills ReadDeviceBudget.
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cache_listing.h"
+#include "cli_common.h"
+#include "common/terminal_text.h"
+#include "daemon/byte_size.h"
+
+namespace weightcache::cli {
+namespace {
+
+struct StatusArgs {
+  bool json = false;
+  std::string namespace_name;
+  bool all_namespaces = false;
+  std::string runtime_dir;
+  double timeout_s = 2;
+};
+
+// "gpu" or "host" for a ready cache (where its bytes are), else its state.
+std::string CacheState(const nlohmann::json& row) {
+  std::string state = row.value("state", std::string("-"));
+  if (state == "ready") return row.value("tier", state);
+  return state;
+}
+
+// Least recently attached first; never attached before any attached; the socket breaks ties.
+// Only caches that hold memory (ready) are in the order.
+nlohmann::json LruOrder(const std::vector<nlohmann::json>& caches) {
+  std::vector<const nlohmann::json*> ready;
+  for (const auto& c : caches) {
+    if (c.value("state", std::string()) == "ready") ready.push_back(&c);
+  }
+  auto last = [](const nlohmann::json* c) {
+    auto it = c->find("last_attach_unix_ms");
+    return it != c->end() && it->is_number_unsigned() ? it->get<uint64_t>() : uint64_t{0};
+  };
+  std::sort(ready.begin(), ready.end(), [&](const nlohmann::json* a, const nlohmann::json* b) {
+    if (last(a) != last(b)) return last(a) < last(b);
+    return a->value("socket", std::string()) < b->value("socket", std::string());
+  });
+  nlohmann::json order = nlohmann::json::array();
+  for (const auto* c : ready)
+    order.push_back(c->value("digest", c->value("socket", std::string())));
+  return order;
+}
+
+std::string Ago(const nlohmann::json& row, uint64_t now_ms) {
+  auto it = row.find("last_attach_unix_ms");
+  if (it == row.end() || !it->is_number_unsigned()) return "-";
+  const uint64_t at = it->get<uint64_t>();
+  return std::to_string(now_ms > at ? (now_ms - at) / 1000 : 0) + "s ago";
+}
+
+int Run(const StatusArgs& args) {
+  constexpr std::string_view kCmd = "status";
+  ListOptions options;
+  options.runtime_dir = args.runtime_dir;
+  options.namespace_name = args.namespace_name;
+  options.all_namespaces = args.all_namespaces;
+  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000));
+  auto listing = ListCaches(options);
+  if (!listing.ok()) return Fail(kCmd, listing.status());
+
+  std::map<std::pair<std::string, std::string>, std::vector<nlohmann::json>> by_device;
+  for (const auto& row : listing->rows) {
+    by_device[{row.value("namespace", std::string()), row.value("device", std::string())}]
+        .push_back(row);
+  }
+  nlohmann::json devices = nlohmann::json::array();
+  for (auto& [key, caches] : by_device) {
+    const auto& [ns, device] = key;
+    DeviceBudgetView budget =
+        ReadDeviceBudget(std::filesystem::path(listing->runtime_dir) / ns / device);
+    nlohmann::json d = {{"namespace", ns}, {"device", device}};
+    d["budget_bytes"] = budget ? nlohmann::json(budget->budget_bytes) : nlohmann::json(nullptr);
+    d["used_bytes"] = budget ? nlohmann::json(budget->used_bytes) : nlohmann::json(nullptr);
+    d["free_bytes"] = budget ? nlohmann::json(budget->free_bytes) : nlohmann::json(nullptr);
+    for (auto& c : caches) c["cache_state"] = CacheState(c);
+    d["caches"] = caches;
+    d["lru"] = LruOrder(caches);
+    devices.push_back(std::move(d));
+  }
+
+  if (args.json) {
+    std::cout << nlohmann::json{{"runtime_dir", listing->runtime_dir}, {"devices", devices}}.dump(2)
+              << std::endl;
+    return kExitOk;
+  }
+  if (devices.empty()) {
+    std::cout << "no caches under " << EscapeForTerminal(listing->runtime_dir)
+              << (args.all_namespaces ? "" : " (namespace " + listing->namespace_name + ")")
+              << std::endl;
+    return kExitOk;
+  }
+  const uint64_t now_ms =
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count());
+  std::ostringstream out;
+  for (const auto& d : devices) {
+    auto bytes = [](const nlohmann::json& v) {
+      return v.is_number_unsigned() ? daemon::FormatBytes(v.get<uint64_t>()) : std::string("-");
+    };
+    out << "device " << EscapeForTerminal(d["device"].get<std::string>()) << " (namespace "
+        << EscapeForTerminal(d["namespace"].get<std::string>()) << "): budget "
+        << bytes(d["budget_bytes"]) << ", used " << bytes(d["used_bytes"]) << ", free "
+        << bytes(d["free_bytes"]) << "\n";
+    out << "  " << std::left << std::setw(24) << "MODEL" << std::setw(14) << "STATE"
+        << std::setw(12) << "BYTES" << std::setw(8) << "CLIENTS" << std::setw(13) << "LAST ATTACH"
+        << std::setw(8) << "HITS" << std::setw(8) << "MISSES" << std::setw(8) << "PID"
+        << "DIGEST\n";
+    for (const auto& r : d["caches"]) {
+      auto str = [&](const char* key) {
+        auto it = r.find(key);
+        if (it == r.end() || it->is_null()) return std::string("-");
+        // Every cell comes from a daemon's reply: escaped (common/terminal_text.h).
+        return EscapeForTerminal(it->is_string() ? it->get<std::string>() : it->dump());
+      };
+      std::string digest = str("digest");
+      if (digest.size() > 16) digest.resize(16);
+      out << "  " << std::left << std::setw(24) << str("model_id") << std::setw(14)
+          << str("cache_state") << std::setw(12)
+          << (r.contains("bytes") ? daemon::FormatBytes(r["bytes"].get<uint64_t>()) : "-")
+          << std::setw(8) << str("clients") << std::setw(13) << Ago(r, now_ms) << std::setw(8)
+          << str("hits") << std::setw(8) << str("misses") << std::setw(8) << str("pid") << digest
+          << "\n";
+      if (r.contains("error")) out << "    error: " << str("error") << "\n";
+    }
+    out << "  LRU (least recently attached first):";
+    if (d["lru"].empty()) out << " -";
+    for (const auto& digest : d["lru"]) {
+      out << " " << EscapeForTerminal(digest.get<std::string>().substr(0, 16));
+    }
+    out << "\n";
+  }
+  std::cout << out.str() << std::flush;
+  return kExitOk;
+}
+
+}  // namespace
+
+void RegisterStatusCommand(CLI::App& root) {
+  auto args = std::make_shared<StatusArgs>();
+  CLI::App* sub = root.add_subcommand(
+      "status", "Per device: the memory budget, each cache's state, hits and misses, LRU order");
+  sub->add_flag("--json", args->json, "print one JSON object");
+  auto* ns = sub->add_option("--namespace", args->namespace_name,
+                             "only this namespace (default: default)");
+  sub->add_flag("--all-namespaces", args->all_namespaces, "every namespace")->excludes(ns);
+  sub->add_option("--runtime-dir", args->runtime_dir, "runtime dir");
+  sub->add_option("--timeout", args->timeout_s, "seconds to wait for each daemon's answer")
+      ->check(CLI::PositiveNumber);
+  SetAction(sub, [args] { return Run(*args); });
+}
+
+}  // namespace weightcache::cli
