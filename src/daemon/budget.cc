@@ -209,7 +209,7 @@ int64_t NowUnixMs() {
       .count();
 }
 
-BudgetLedger::BudgetLedger(std::string device_dir, BudgetLedgerOptions options)
+BudgetLedger::BudgetLedger(const std::string& device_dir, BudgetLedgerOptions options)
     : path_(identity::BudgetLedgerPath(device_dir)),
       lock_path_(identity::BudgetLedgerLockPath(device_dir)),
       options_(std::move(options)) {}

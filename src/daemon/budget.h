@@ -84,7 +84,7 @@ struct BudgetLedgerOptions {
 
 class BudgetLedger {
  public:
-  explicit BudgetLedger(std::string device_dir, BudgetLedgerOptions options = {});
+  explicit BudgetLedger(const std::string& device_dir, BudgetLedgerOptions options = {});
 
   // Under the lock: read (a missing file is an empty ledger), drop the entries whose owner is
   // gone, run `update` on the rest (its error aborts without writing), write back if the

@@ -162,7 +162,7 @@ TEST(BudgetLedger, ACorruptLedgerIsAnErrorNamingTheFileAndIsLeftAsItWas) {
     auto read = ledger.Read();
     ASSERT_FALSE(read.ok());
     EXPECT_EQ(read.status().code(), StatusCode::kInvalidArgument);
-    const std::string& message = read.status().message();
+    const std::string message = read.status().message();
     EXPECT_NE(message.find("budget ledger " + ledger.path() + " is corrupt"), std::string::npos)
         << message;
     EXPECT_NE(message.find(c.why), std::string::npos) << message;
@@ -206,7 +206,7 @@ TEST(BudgetLedger, UpdatesFromSeparateProcessesAreSerializedByTheLock) {
   auto read = ledger.Read();
   ASSERT_TRUE(read.ok()) << read.status().ToString();
   ASSERT_EQ(read->entries.size(), 1u);
-  EXPECT_EQ(read->entries[0].bytes, uint64_t{kChildren * kUpdates});
+  EXPECT_EQ(read->entries[0].bytes, static_cast<uint64_t>(kChildren) * kUpdates);
 }
 
 TEST(BudgetLedger, AWriterKilledMidUpdateLeavesThePreviousLedgerAndNoLock) {
