@@ -7,6 +7,8 @@
 #include <chrono>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
 #include <utility>
 
 #include "daemon/byte_size.h"
@@ -297,6 +299,79 @@ AdmissionPlan PlanAdmission(const Ledger& ledger, BudgetTier tier, uint64_t budg
                  "with no clients and not pinned are evicted)" +
                  (holders.empty() ? std::string() : ": held by " + holders);
   return plan;
+}
+
+Result<BudgetConfig> ReadBudgetConfig(const std::string& path) {
+  constexpr size_t kMaxConfigBytes = 64 << 10;
+  BudgetConfig config;
+  auto text = os::ReadSmallFile(path, kMaxConfigBytes);
+  if (!text.ok()) {
+    if (text.status().code() == StatusCode::kNotFound) return config;
+    return Status(text.status()).Context("reading the budget config");
+  }
+  auto trim = [](std::string_view s) {
+    const size_t b = s.find_first_not_of(" \t\r");
+    if (b == std::string_view::npos) return std::string_view();
+    const size_t e = s.find_last_not_of(" \t\r");
+    return s.substr(b, e - b + 1);
+  };
+  std::string_view rest = *text;
+  int line_no = 0;
+  while (!rest.empty()) {
+    const size_t nl = rest.find('\n');
+    std::string_view line = rest.substr(0, nl);
+    rest = nl == std::string_view::npos ? std::string_view() : rest.substr(nl + 1);
+    ++line_no;
+    if (const size_t hash = line.find('#'); hash != std::string_view::npos) {
+      line = line.substr(0, hash);
+    }
+    line = trim(line);
+    if (line.empty()) continue;
+    const size_t eq = line.find('=');
+    const std::string where = path + " line " + std::to_string(line_no);
+    if (eq == std::string_view::npos) {
+      return InvalidArgument(where + ": expected `key = value`, got '" + std::string(line) + "'");
+    }
+    const std::string_view key = trim(line.substr(0, eq));
+    const std::string value(trim(line.substr(eq + 1)));
+    if (value.empty()) return InvalidArgument(where + ": " + std::string(key) + " has no value");
+    if (key == "gpu_budget") {
+      config.gpu_budget = value;
+    } else if (key == "host_budget") {
+      config.host_budget = value;
+    } else {
+      return InvalidArgument(where + ": unknown key '" + std::string(key) +
+                             "' (known: gpu_budget, host_budget)");
+    }
+  }
+  return config;
+}
+
+Status AdmitAndRegister(BudgetLedger& ledger, const LedgerEntry& self, uint64_t budget) {
+  return ledger
+      .Update([&](Ledger& now) {
+        const AdmissionPlan plan = PlanAdmission(now, self.tier, budget, self.bytes, self.socket);
+        if (!plan.fits) return Status(StatusCode::kOutOfMemory, plan.refusal);
+        if (!plan.victims.empty()) {
+          std::string victims;
+          for (const LedgerEntry& v : plan.victims) {
+            victims += (victims.empty() ? "" : "; ") + Describe(v);
+          }
+          return Status(StatusCode::kOutOfMemory,
+                        "the " + std::string(BudgetTierName(self.tier)) + " budget is " +
+                            FormatBytes(budget) + "; this cache needs " + FormatBytes(self.bytes) +
+                            ", " + FormatBytes(plan.held) +
+                            " is held; room needs stopping the idle caches " + victims +
+                            " (eviction is not automatic yet: stop them with `weightcache stop`)");
+        }
+        if (LedgerEntry* mine = now.Find(self.socket)) {
+          *mine = self;
+        } else {
+          now.entries.push_back(self);
+        }
+        return Status::Ok();
+      })
+      .status();
 }
 
 }  // namespace weightcache::daemon

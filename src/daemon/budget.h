@@ -122,4 +122,21 @@ struct AdmissionPlan {
 AdmissionPlan PlanAdmission(const Ledger& ledger, BudgetTier tier, uint64_t budget, uint64_t need,
                             std::string_view self_socket);
 
+// The device's budget file, identity::BudgetConfigPath (docs/budget.md): lines
+// `gpu_budget = 40G` (bytes or N% of the device's memory) and `host_budget = 16G`; blank lines
+// and `#` comments are ignored. A missing file is an empty config; an unknown key or a line
+// without `=` is kInvalidArgument naming the file and the line. Values are checked by the
+// caller (ParseByteSizeOrPercent), which knows the device's total.
+struct BudgetConfig {
+  std::string gpu_budget;   // "" = no gpu budget
+  std::string host_budget;  // "" = no host budget
+};
+Result<BudgetConfig> ReadBudgetConfig(const std::string& path);
+
+// Admission of `self` under `budget` bytes of its tier, under the ledger's lock: when the plan
+// fits with no victim, `self` is registered and Ok is returned. Otherwise kOutOfMemory with the
+// plan's refusal (budget, need, holders with their clients); evicting idle victims is not done
+// here yet, so a plan that would need victims is refused too, naming them.
+Status AdmitAndRegister(BudgetLedger& ledger, const LedgerEntry& self, uint64_t budget);
+
 }  // namespace weightcache::daemon
