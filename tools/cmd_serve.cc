@@ -9,8 +9,8 @@
 // --detach runs this same command line as a background daemon through the launcher (Detach).
 //
 // Exit codes: 0 clean stop (--detach: the daemon serves); 2 usage; 5 invalid checkpoint; 7 already
-// served (the message names the owner's pid); otherwise the failed load's code (1 for I/O, budget,
-// CUDA).
+// served (the message names the owner's pid); 8 no room under the device's budget (docs/budget.md);
+// otherwise the failed load's code (1 for I/O, budget, CUDA).
 #include <unistd.h>
 
 #include <cinttypes>
