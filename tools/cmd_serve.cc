@@ -347,6 +347,26 @@ void LeaveBudget(daemon::BudgetLedger* ledger, const std::string& socket) {
   }
 }
 
+// Our entry's clients and LRU time, on every change of the client count (docs/budget.md).
+void UpdateBudgetClients(daemon::BudgetLedger* ledger, const std::string& socket,
+                         uint32_t clients) {
+  if (ledger == nullptr) return;
+  const pid_t self = ::getpid();
+  Status updated = ledger
+                       ->Update([&](daemon::Ledger& now) {
+                         daemon::LedgerEntry* mine = now.Find(socket);
+                         if (mine != nullptr && mine->pid == self) {
+                           mine->clients = clients;
+                           mine->last_used_ms = daemon::NowUnixMs();
+                         }
+                         return Status::Ok();
+                       })
+                       .status();
+  if (!updated.ok()) {
+    LOG_WARN << "updating the budget ledger: " << updated.ToString();
+  }
+}
+
 int Run(ServeArgs& args) {
   constexpr std::string_view kCmd = "serve";
   if (args.identity.tier == Tier::kGpu && args.identity.device.empty()) {
@@ -467,6 +487,9 @@ int Run(ServeArgs& args) {
   };
   events.on_failed = [&](const Status&) { progress.EndLine(); };
   events.on_draining = [&](std::string_view) { progress.EndLine(); };
+  events.on_clients = [&](uint32_t clients) {
+    UpdateBudgetClients(budget_ledger->get(), options.paths.socket, clients);
+  };
 
   Status result = (*daemon)->Run(signals->get(), events);
   daemon->reset();  // withdraw the socket, then release the lock, before we report

@@ -856,7 +856,10 @@ void Daemon::FlushAndRearm(Connection& conn) {
 void Daemon::CloseConnection(int fd) {
   auto it = connections_.find(fd);
   if (it == connections_.end()) return;
-  if (it->second->attached) --clients_;
+  if (it->second->attached) {
+    --clients_;
+    if (events_.on_clients) events_.on_clients(clients_);
+  }
   if (fd == publisher_fd_) {
     AbandonPublication("its publisher (pid " + std::to_string(publisher_pid_) +
                        ") closed the connection before PublishCommit");
@@ -1017,13 +1020,15 @@ void Daemon::HandleAttach(Connection& conn) {
   // The manifest memfd first, then one fd per allocation (docs/protocol.md §4).
   std::vector<int> fds = store_->fds();
   fds.insert(fds.begin(), store_->summary().manifest.fd.get());
-  QueueFrame(conn, attach_frame_, std::move(fds));
-  conn.fds_sent = true;
+  // Counted before the reply is queued: once a client has its reply, the count includes it.
   if (!conn.attached) {
     conn.attached = true;
     ++clients_;
     LOG_INFO << "attached: " << conn.Describe() << " (" << clients_ << " client(s))";
+    if (events_.on_clients) events_.on_clients(clients_);
   }
+  QueueFrame(conn, attach_frame_, std::move(fds));
+  conn.fds_sent = true;
 }
 
 void Daemon::HandleStop(Connection& conn) {

@@ -16,6 +16,8 @@
 #include "daemon/byte_size.h"
 #include "identity/paths.h"
 #include "integration/daemon_process.h"
+#include "os/syscalls.h"
+#include "protocol/connection.h"
 #include "support/test_env.h"
 
 namespace weightcache::testing {
@@ -173,6 +175,44 @@ TEST_F(BudgetTest, BudgetConfIsReadWhenNoFlagIsGiven) {
   CommandResult c = ServeRefused(1, {});
   EXPECT_EQ(c.exit_code, 2) << c.err;
   EXPECT_NE(c.err.find(conf + " line 2: unknown key 'bogus'"), std::string::npos) << c.err;
+}
+
+TEST_F(BudgetTest, AttachedClientIsCountedAndProtectsItsCache) {
+  const std::string budget = std::to_string(bytes_[0] + bytes_[1] - 1);
+  auto a = Serve(0, {"--host-budget", budget});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  const int64_t admitted = ReadLedger(DeviceDir(*socket)).entries.at(0).last_used_ms;
+  {
+    auto conn = protocol::Connection::Connect(*socket, 2s);
+    ASSERT_TRUE(conn.ok()) << conn.status().ToString();
+    protocol::Hello hello;
+    hello.config = ConfigFor(models_[0], "m0").ToJson();
+    auto hr = conn->SendHello(hello, os::Deadline::After(5s));
+    ASSERT_TRUE(hr.ok() && hr->match);
+    auto reply = conn->Attach(os::Deadline::After(5s));
+    ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+    daemon::Ledger ledger = ReadLedger(DeviceDir(*socket));
+    ASSERT_EQ(ledger.entries.size(), 1u);
+    EXPECT_EQ(ledger.entries[0].clients, 1u);
+    EXPECT_GE(ledger.entries[0].last_used_ms, admitted);
+    CommandResult b = ServeRefused(1, {"--host-budget", budget});
+    EXPECT_EQ(b.exit_code, 8) << b.err;
+    EXPECT_NE(b.err.find(*socket + " " + daemon::FormatBytes(bytes_[0]) + " (pid " +
+                         std::to_string(a->pid()) + ", 1 client)"),
+              std::string::npos)
+        << b.err;
+    EXPECT_NE(b.err.find("nothing more can be freed"), std::string::npos) << b.err;
+  }
+  // The client is gone: the daemon counts it out (polled: it sees the hang-up on its loop).
+  StatusWait wait;
+  wait.sockets = [&] { return std::vector<std::string>{*socket}; };
+  wait.reached = [](const protocol::StatusReply& r) { return r.clients == 0; };
+  wait.what = "0 clients";
+  ASSERT_TRUE(WaitForStatus(a->child(), wait).ok());
+  daemon::Ledger ledger = ReadLedger(DeviceDir(*socket));
+  ASSERT_EQ(ledger.entries.size(), 1u);
+  EXPECT_EQ(ledger.entries[0].clients, 0u);
 }
 
 }  // namespace
