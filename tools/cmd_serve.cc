@@ -9,8 +9,8 @@
 // --detach runs this same command line as a background daemon through the launcher (Detach).
 //
 // Exit codes: 0 clean stop (--detach: the daemon serves); 2 usage; 5 invalid checkpoint; 7 already
-// served (the message names the owner's pid); otherwise the failed load's code (1 for I/O, budget,
-// CUDA).
+// served (the message names the owner's pid); 8 no room under the device's budget (docs/budget.md);
+// otherwise the failed load's code (1 for I/O, budget, CUDA).
 #include <unistd.h>
 
 #include <cinttypes>
@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,7 @@
 #include "cli_common.h"
 #include "common/logging.h"
 #include "common/unique_fd.h"
+#include "daemon/budget.h"
 #include "daemon/byte_size.h"
 #include "daemon/daemon.h"
 #include "daemon/metrics_server.h"
@@ -46,6 +48,9 @@ struct ServeArgs {
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;
   std::string memory_budget;
+  std::string gpu_budget;  // the device's budget (docs/budget.md); "" = budget.conf, if any
+  std::string host_budget;
+  bool pin = false;  // never evicted to make room for another cache
   int threads = 16;
   double failed_linger_s = 30;
   double handshake_timeout_s = 10;
@@ -282,6 +287,89 @@ Result<std::unique_ptr<daemon::Daemon>> TakeOver(const ServeArgs& args,
   return daemon;
 }
 
+// The budget of this cache's tier on its device: the flag, else the device's budget.conf, else
+// none (std::nullopt). kInvalidArgument for a value that does not parse.
+Result<std::optional<uint64_t>> TierBudget(const ServeArgs& args,
+                                           const identity::ResolvedIdentity& id) {
+  const bool gpu = id.config.tier == Tier::kGpu;
+  std::string text = gpu ? args.gpu_budget : args.host_budget;
+  std::string from = gpu ? "--gpu-budget" : "--host-budget";
+  if (text.empty()) {
+    const std::string conf = identity::BudgetConfigPath(id.paths.device_dir);
+    WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::BudgetConfig config, daemon::ReadBudgetConfig(conf));
+    text = gpu ? config.gpu_budget : config.host_budget;
+    from = conf + (gpu ? " gpu_budget" : " host_budget");
+  }
+  if (text.empty()) return std::optional<uint64_t>();
+  auto bytes = gpu ? daemon::ParseByteSizeOrPercent(text, id.device ? id.device->memory_bytes : 0)
+                   : daemon::ParseByteSize(text);
+  if (!bytes.ok()) return Status(bytes.status()).Context(from);
+  return std::optional<uint64_t>(*bytes);
+}
+
+// Admission under the device's budget (docs/budget.md): registers this cache in the device's
+// ledger, or fails kOutOfMemory naming the budget, the need and the holders. Returns the
+// ledger to unregister from at stop (nullptr: no budget applies).
+Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(
+    const ServeArgs& args, const identity::ResolvedIdentity& id) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<uint64_t> budget, TierBudget(args, id));
+  if (!budget.has_value()) return std::unique_ptr<daemon::BudgetLedger>();
+  if (identity::IsPublishedSource(id.config.source)) {
+    return InvalidArgument(
+        "a budget needs --model (a published cache's size is not known up front)");
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint ckpt,
+                               checkpoint::Checkpoint::Open(args.identity.model_dir));
+  const daemon::BudgetTier tier =
+      id.config.tier == Tier::kGpu ? daemon::BudgetTier::kGpu : daemon::BudgetTier::kHost;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(
+      daemon::LedgerEntry self,
+      daemon::SelfEntry(id.paths.socket, ckpt.total_bytes(), tier, args.pin));
+  self.last_used_ms = daemon::NowUnixMs();
+  auto ledger = std::make_unique<daemon::BudgetLedger>(id.paths.device_dir);
+  WEIGHTCACHE_RETURN_IF_ERROR(daemon::AdmitAndRegister(*ledger, self, *budget));
+  LOG_INFO << "admitted under the " << daemon::BudgetTierName(tier) << " budget of "
+           << daemon::FormatBytes(*budget) << ": " << daemon::FormatBytes(self.bytes);
+  return ledger;
+}
+
+// Our own entry leaves the ledger at stop (an upgrade's successor registered its own pid).
+void LeaveBudget(daemon::BudgetLedger* ledger, const std::string& socket) {
+  if (ledger == nullptr) return;
+  const pid_t self = ::getpid();
+  Status removed = ledger
+                       ->Update([&](daemon::Ledger& now) {
+                         std::erase_if(now.entries, [&](const daemon::LedgerEntry& e) {
+                           return e.socket == socket && e.pid == self;
+                         });
+                         return Status::Ok();
+                       })
+                       .status();
+  if (!removed.ok()) {
+    LOG_WARN << "leaving the budget ledger: " << removed.ToString();
+  }
+}
+
+// Our entry's clients and LRU time, on every change of the client count (docs/budget.md).
+void UpdateBudgetClients(daemon::BudgetLedger* ledger, const std::string& socket,
+                         uint32_t clients) {
+  if (ledger == nullptr) return;
+  const pid_t self = ::getpid();
+  Status updated = ledger
+                       ->Update([&](daemon::Ledger& now) {
+                         daemon::LedgerEntry* mine = now.Find(socket);
+                         if (mine != nullptr && mine->pid == self) {
+                           mine->clients = clients;
+                           mine->last_used_ms = daemon::NowUnixMs();
+                         }
+                         return Status::Ok();
+                       })
+                       .status();
+  if (!updated.ok()) {
+    LOG_WARN << "updating the budget ledger: " << updated.ToString();
+  }
+}
+
 int Run(ServeArgs& args) {
   constexpr std::string_view kCmd = "serve";
   if (args.identity.tier == Tier::kGpu && args.identity.device.empty()) {
@@ -396,6 +484,12 @@ int Run(ServeArgs& args) {
     return TakeOver(args, *id, options);
   }();
   if (!daemon.ok()) return Fail(kCmd, daemon.status());
+  // Admission once we hold the identity lock (and the device dir exists), before loading.
+  auto budget_ledger = AdmitUnderBudget(args, *id);
+  if (!budget_ledger.ok()) {
+    daemon->reset();
+    return Fail(kCmd, budget_ledger.status());
+  }
 
   {
     std::string device = id->device_key;
@@ -453,9 +547,13 @@ int Run(ServeArgs& args) {
   };
   notify("STATUS=loading " + options.config.model_id + " (digest " + options.config.ShortDigest() +
          ")");
+  events.on_clients = [&](uint32_t clients) {
+    UpdateBudgetClients(budget_ledger->get(), options.paths.socket, clients);
+  };
 
   Status result = (*daemon)->Run(signals->get(), events);
   daemon->reset();  // withdraw the socket, then release the lock, before we report
+  LeaveBudget(budget_ledger->get(), options.paths.socket);
   if (!result.ok()) return Fail(kCmd, result);
   LOG_INFO << "stopped";
   return kExitOk;
@@ -478,6 +576,13 @@ void RegisterServeCommand(CLI::App& root) {
                   "also accept clients whose primary gid is this (repeatable)");
   sub->add_option("--memory-budget", args->memory_budget,
                   "refuse to load a plan larger than this (e.g. 20G, 512M, bytes)");
+  sub->add_option("--gpu-budget", args->gpu_budget,
+                  "the device's budget for gpu-tier caches, bytes or N% of the device's memory "
+                  "(default: gpu_budget in the device's budget.conf; docs/budget.md)");
+  sub->add_option("--host-budget", args->host_budget,
+                  "the budget for host-tier caches of this runtime dir, bytes (default: "
+                  "host_budget in budget.conf)");
+  sub->add_flag("--pin", args->pin, "never evict this cache to make room for another");
   sub->add_option("--threads", args->threads, "reader threads of the load (default 16)")
       ->check(CLI::Range(1, 256));
   sub->add_option("--failed-linger", args->failed_linger_s,

@@ -57,6 +57,30 @@ Result<uint64_t> ParseByteSize(std::string_view text) {
   return value << shift;
 }
 
+Result<uint64_t> ParseByteSizeOrPercent(std::string_view text, uint64_t total) {
+  if (!text.ends_with('%')) return ParseByteSize(text);
+  const std::string quoted = "\"" + std::string(text) + "\"";
+  const std::string_view digits = text.substr(0, text.size() - 1);
+  uint64_t percent = 0;
+  for (const char c : digits) {
+    if (!std::isdigit(static_cast<unsigned char>(c)) || percent > 100) {
+      percent = 0;
+      break;
+    }
+    percent = percent * 10 + static_cast<uint64_t>(c - '0');
+  }
+  if (digits.empty() || percent == 0 || percent > 100) {
+    return InvalidArgument("budget " + quoted + " must be a whole percentage from 1% to 100%");
+  }
+  if (total == 0) {
+    return InvalidArgument("budget " + quoted +
+                           " is a percentage, but the device's total memory is unknown: give "
+                           "a byte size (e.g. 40G)");
+  }
+  // total * percent / 100 without overflow: total <= 2^64, percent <= 100.
+  return (total / 100) * percent + (total % 100) * percent / 100;
+}
+
 std::string FormatBytes(uint64_t bytes) {
   static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
   if (bytes < 1024) return std::to_string(bytes) + " B";

@@ -16,6 +16,11 @@ namespace weightcache::daemon {
 
 Result<uint64_t> ParseByteSize(std::string_view text);
 
+// A budget as operators write it: a byte size (ParseByteSize) or a whole percentage "N%"
+// (1 … 100) of `total` bytes (the device's memory), rounded down. A percentage with total == 0
+// (the total is unknown) is kInvalidArgument, as is 0%, over 100% or a fraction ("12.5%").
+Result<uint64_t> ParseByteSizeOrPercent(std::string_view text, uint64_t total);
+
 // "1.50 GiB", "512.00 MiB", "17 B": for humans, not for parsing back.
 std::string FormatBytes(uint64_t bytes);
 

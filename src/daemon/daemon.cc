@@ -922,6 +922,7 @@ void Daemon::CloseConnection(int fd) {
   if (it->second->attached) {
     --clients_;
     options_.metrics->SetClients(clients_);
+    if (events_.on_clients) events_.on_clients(clients_);
   }
   if (fd == publisher_fd_) {
     AbandonPublication("its publisher (pid " + std::to_string(publisher_pid_) +
@@ -1117,6 +1118,7 @@ void Daemon::HandleAttach(Connection& conn) {
     ++clients_;
     options_.metrics->SetClients(clients_);
     LOG_INFO << "attached: " << conn.Describe() << " (" << clients_ << " client(s))";
+    if (events_.on_clients) events_.on_clients(clients_);
   }
   QueueFrame(conn, attach_frame_, std::move(fds));
   conn.fds_sent = true;

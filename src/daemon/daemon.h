@@ -159,6 +159,9 @@ struct DaemonEvents {
   std::function<void(std::string_view how)> on_adopted;
   std::function<void(const Status& failure)> on_failed;
   std::function<void(std::string_view reason)> on_draining;
+  // The number of attached clients changed (an attach, or an attached client's disconnect):
+  // the budget ledger's clients and LRU time (docs/budget.md). Runs on the event loop.
+  std::function<void(uint32_t clients)> on_clients;
 };
 
 class Daemon {

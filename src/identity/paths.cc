@@ -321,6 +321,16 @@ std::string LockPathFor(const std::string& socket_path) {
   return socket_path + ".lock";
 }
 
+std::string BudgetLedgerPath(const std::string& device_dir) {
+  return device_dir + "/budget.ledger";
+}
+
+std::string BudgetLedgerLockPath(const std::string& device_dir) {
+  return BudgetLedgerPath(device_dir) + ".lock";
+}
+
+std::string BudgetConfigPath(const std::string& device_dir) { return device_dir + "/budget.conf"; }
+
 std::string KeeperSocketFor(const std::string& socket_path) {
   constexpr std::string_view kSuffix = ".sock";
   if (socket_path.ends_with(kSuffix)) {

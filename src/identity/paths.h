@@ -146,6 +146,15 @@ Result<std::vector<SocketEntry>> ListAllCacheSockets(const std::string& runtime_
 // layout and explicit sockets, so a lock never depends on how its socket was named.
 std::string LockPathFor(const std::string& socket_path);
 
+// The memory budget's files of one device dir (docs/budget.md), the one rule:
+// <device dir>/budget.ledger (the caches holding memory on the device, JSON), guarded by the
+// OFD lock on <device dir>/budget.ledger.lock; <device dir>/budget.conf (the device's budget,
+// written by `serve --gpu-budget` / `--host-budget`, shown by `ls`). None ends in .sock, so
+// the socket listings never see them.
+std::string BudgetLedgerPath(const std::string& device_dir);
+std::string BudgetLedgerLockPath(const std::string& device_dir);
+std::string BudgetConfigPath(const std::string& device_dir);
+
 // The keeper socket of a cache socket, the one rule: <stem>.sock → <stem>.keeper.sock; any
 // other name → <name>.keeper.sock. Its lock is LockPathFor(KeeperSocketFor(socket)).
 std::string KeeperSocketFor(const std::string& socket_path);

@@ -1,0 +1,142 @@
+// The device's memory budget ledger (docs/budget.md): which caches hold memory on one device,
+// shared by every cache process of that device dir.
+//
+// Contract:
+//  * One ledger per device dir: identity::BudgetLedgerPath(device dir), JSON, guarded by the
+//    OFD lock on identity::BudgetLedgerLockPath (os::ExclusiveFileLock) and replaced by
+//    temp + rename (os::WriteFileAtomically), so that a reader never sees a torn file and a
+//    writer killed at any point leaves the previous ledger, and no lock, behind.
+//  * An entry names its owner by pid AND the pid's start time (/proc/<pid>/stat field 22), so
+//    a pid reused by an unrelated process is not taken for the cache. Every Update (Read is an
+//    Update that changes nothing) first drops the entries whose owner is gone, then writes the
+//    ledger back if anything changed: memory of a killed cache returns to the budget at the
+//    next reader, whoever it is.
+//  * A ledger that does not parse, or whose fields have the wrong types, is kInvalidArgument
+//    naming the file and saying how to recover; it is never silently reset (the entries it
+//    lost would be memory in use that the budget no longer sees). Unknown keys are ignored
+//    (a newer build may add some).
+//  * PlanAdmission is pure: which entries to evict (LRU among the evictable) so that a new
+//    cache fits, or why nothing can make it fit.
+//  * BudgetLedger holds only paths: thread-safe (the lock serializes every Update, also
+//    between threads of one process).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weightcache/status.h"
+
+namespace weightcache::daemon {
+
+// Where an entry's bytes live: GPU memory, or host memory (a host-tier cache, or a GPU cache
+// demoted to a sealed memfd). Budgets are per tier.
+enum class BudgetTier { kGpu, kHost };
+std::string_view BudgetTierName(BudgetTier tier);  // "gpu" / "host"
+
+struct LedgerEntry {
+  std::string socket;           // the cache's socket: its identity on this device
+  pid_t pid = 0;                // the daemon holding the memory
+  uint64_t pid_start_time = 0;  // /proc/<pid>/stat field 22, clock ticks since boot
+  uint64_t bytes = 0;
+  BudgetTier tier = BudgetTier::kGpu;
+  bool pinned = false;       // `serve --pin`: never evicted or demoted
+  uint32_t clients = 0;      // attached clients; only 0 is evictable
+  int64_t last_used_ms = 0;  // unix ms of the last attach or last client detach (LRU key)
+
+  bool operator==(const LedgerEntry&) const = default;
+};
+
+struct Ledger {
+  std::vector<LedgerEntry> entries;
+  // Bytes held on `tier` by every entry but `except_socket` ("" = none).
+  uint64_t BytesOn(BudgetTier tier, std::string_view except_socket = {}) const;
+  LedgerEntry* Find(std::string_view socket);
+};
+
+// The start time of `pid` (/proc/<pid>/stat field 22); kNotFound when there is no such process.
+Result<uint64_t> ProcessStartTime(pid_t pid);
+
+// Whether the entry's owner is still the process that registered it (same pid, same start
+// time). A /proc read failing for another reason than a missing process counts as alive: a
+// live cache must never be reclaimed.
+bool OwnerAlive(const LedgerEntry& entry);
+
+// The ledger's text and back. Parse errors are kInvalidArgument naming `path`.
+std::string SerializeLedger(const Ledger& ledger);
+Result<Ledger> ParseLedger(std::string_view text, const std::string& path);
+
+// The entry of this process for `socket` (pid and start time of the caller).
+Result<LedgerEntry> SelfEntry(std::string socket, uint64_t bytes, BudgetTier tier, bool pinned);
+
+// Milliseconds since the Unix epoch (the clock of last_used_ms).
+int64_t NowUnixMs();
+
+struct BudgetLedgerOptions {
+  // Fault hook for tests: runs under the lock, after the update and before the new ledger is
+  // written (a process killed here must leave the previous ledger intact). Empty: nothing.
+  std::function<void()> before_write;
+};
+
+class BudgetLedger {
+ public:
+  explicit BudgetLedger(const std::string& device_dir, BudgetLedgerOptions options = {});
+
+  // Under the lock: read (a missing file is an empty ledger), drop the entries whose owner is
+  // gone, run `update` on the rest (its error aborts without writing), write back if the
+  // ledger changed. Returns the ledger as written.
+  Result<Ledger> Update(const std::function<Status(Ledger&)>& update);
+  // Update with no change (it still reclaims the dead).
+  Result<Ledger> Read();
+  // Insert or replace the entry of entry.socket.
+  Status Put(const LedgerEntry& entry);
+  // Remove the entry of `socket` (absent: nothing happens).
+  Status Remove(std::string_view socket);
+
+  const std::string& path() const { return path_; }
+  const std::string& lock_path() const { return lock_path_; }
+
+ private:
+  std::string path_;
+  std::string lock_path_;
+  BudgetLedgerOptions options_;
+};
+
+// How a cache of `need` bytes on `tier` gets in under `budget` bytes.
+struct AdmissionPlan {
+  bool fits = false;                 // true: evicting `victims` (maybe none) makes room
+  std::vector<LedgerEntry> victims;  // LRU first: zero clients, not pinned
+  uint64_t held = 0;                 // bytes on the tier held by the others now
+  // When !fits: the budget, the need, and every cache holding memory with its clients.
+  std::string refusal;
+};
+
+// `self_socket`'s own entry, if any, is not counted (a cache re-reserving itself). Victims are
+// the evictable entries (zero clients, not pinned) of that tier in LRU order (oldest
+// last_used_ms first), taken until the need fits; none are proposed when even evicting all
+// of them would not make room.
+AdmissionPlan PlanAdmission(const Ledger& ledger, BudgetTier tier, uint64_t budget, uint64_t need,
+                            std::string_view self_socket);
+
+// The device's budget file, identity::BudgetConfigPath (docs/budget.md): lines
+// `gpu_budget = 40G` (bytes or N% of the device's memory) and `host_budget = 16G`; blank lines
+// and `#` comments are ignored. A missing file is an empty config; an unknown key or a line
+// without `=` is kInvalidArgument naming the file and the line. Values are checked by the
+// caller (ParseByteSizeOrPercent), which knows the device's total.
+struct BudgetConfig {
+  std::string gpu_budget;   // "" = no gpu budget
+  std::string host_budget;  // "" = no host budget
+};
+Result<BudgetConfig> ReadBudgetConfig(const std::string& path);
+
+// Admission of `self` under `budget` bytes of its tier, under the ledger's lock: when the plan
+// fits with no victim, `self` is registered and Ok is returned. Otherwise kOutOfMemory with the
+// plan's refusal (budget, need, holders with their clients); evicting idle victims is not done
+// here yet, so a plan that would need victims is refused too, naming them.
+Status AdmitAndRegister(BudgetLedger& ledger, const LedgerEntry& self, uint64_t budget);
+
+}  // namespace weightcache::daemon

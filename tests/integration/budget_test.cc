@@ -1,0 +1,219 @@
+// The device's memory budget (docs/budget.md) against real `weightcache serve --tier host`
+// daemons sharing one runtime dir: admission registers each cache in the device's ledger, a
+// cache that does not fit exits 8 naming the budget, the need and the holders, a clean stop
+// and a kill -9 both give the memory back, and budget.conf is read when no flag is given.
+#include "daemon/budget.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "checkpoint/checkpoint.h"
+#include "daemon/byte_size.h"
+#include "identity/paths.h"
+#include "integration/daemon_process.h"
+#include "os/syscalls.h"
+#include "protocol/connection.h"
+#include "support/test_env.h"
+
+namespace weightcache::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using protocol::CacheState;
+
+class BudgetTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    runtime_ = dir_.Join("run");
+    for (int i = 0; i < 2; ++i) {
+      models_.push_back(MakeCheckpoint(dir_.Join("model" + std::to_string(i)), 4, 1, 10 + i, 8192));
+      auto ckpt = checkpoint::Checkpoint::Open(models_.back());
+      ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+      bytes_.push_back(ckpt->total_bytes());
+    }
+  }
+  std::vector<std::string> Args(int model, std::vector<std::string> extra) const {
+    std::vector<std::string> args = {"--model",       models_[model],
+                                     "--model-id",    "m" + std::to_string(model),
+                                     "--tier",        "host",
+                                     "--runtime-dir", runtime_,
+                                     "--threads",     "2",
+                                     "--no-keeper"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  }
+  std::unique_ptr<ServeProcess> Serve(int model, std::vector<std::string> extra) {
+    auto p = ServeProcess::Start(Args(model, std::move(extra)),
+                                 dir_.Join("serve" + std::to_string(model) + ".log"));
+    EXPECT_NE(p, nullptr);
+    return p;
+  }
+  // A serve that is expected to exit at once (refused): its exit code and output.
+  CommandResult ServeRefused(int model, std::vector<std::string> extra) {
+    std::vector<std::string> argv = {CliPath(), "serve"};
+    for (auto& a : Args(model, std::move(extra))) argv.push_back(a);
+    return RunCommand(argv);
+  }
+  std::string DeviceDir(const std::string& socket) const {
+    return std::filesystem::path(socket).parent_path().string();
+  }
+  daemon::Ledger ReadLedger(const std::string& device_dir) {
+    auto ledger = daemon::BudgetLedger(device_dir).Read();
+    EXPECT_TRUE(ledger.ok()) << ledger.status().ToString();
+    return ledger.ok() ? *ledger : daemon::Ledger{};
+  }
+  // Polls the sockets other than `except` until one answers ready.
+  Result<std::string> WaitOtherReady(ServeProcess& p, const std::string& except) {
+    StatusWait wait;
+    wait.sockets = [&] {
+      std::vector<std::string> out;
+      for (auto& s : FindSockets(runtime_)) {
+        if (s != except) out.push_back(s);
+      }
+      return out;
+    };
+    wait.reached = [](const protocol::StatusReply& r) { return r.state == CacheState::kReady; };
+    wait.what = "state ready";
+    WEIGHTCACHE_ASSIGN_OR_RETURN(FoundStatus found, WaitForStatus(p.child(), wait));
+    return found.socket;
+  }
+
+  TempDir dir_;
+  std::string runtime_;
+  std::vector<std::string> models_;
+  std::vector<uint64_t> bytes_;
+};
+
+TEST_F(BudgetTest, AdmittedCacheIsInTheLedgerAndLeavesItAtStop) {
+  auto a = Serve(0, {"--host-budget", std::to_string(bytes_[0])});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  daemon::Ledger ledger = ReadLedger(DeviceDir(*socket));
+  ASSERT_EQ(ledger.entries.size(), 1u);
+  EXPECT_EQ(ledger.entries[0].socket, *socket);
+  EXPECT_EQ(ledger.entries[0].pid, a->pid());
+  EXPECT_EQ(ledger.entries[0].bytes, bytes_[0]);
+  EXPECT_EQ(ledger.entries[0].tier, daemon::BudgetTier::kHost);
+  EXPECT_FALSE(ledger.entries[0].pinned);
+  EXPECT_EQ(ledger.entries[0].clients, 0u);
+  a->Signal(SIGTERM);
+  ASSERT_EQ(a->WaitExit(30s), std::optional<int>(0)) << a->Log();
+  EXPECT_TRUE(ReadLedger(DeviceDir(*socket)).entries.empty());
+}
+
+TEST_F(BudgetTest, CacheThatDoesNotFitExits8NamingBudgetNeedAndPinnedHolder) {
+  const std::string budget = std::to_string(bytes_[0] + bytes_[1] - 1);
+  auto a = Serve(0, {"--host-budget", budget, "--pin"});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  CommandResult b = ServeRefused(1, {"--host-budget", budget});
+  EXPECT_EQ(b.exit_code, 8) << b.err;
+  EXPECT_NE(b.err.find("the host budget is " + daemon::FormatBytes(bytes_[0] + bytes_[1] - 1)),
+            std::string::npos)
+      << b.err;
+  EXPECT_NE(b.err.find("this cache needs " + daemon::FormatBytes(bytes_[1])), std::string::npos)
+      << b.err;
+  EXPECT_NE(b.err.find(*socket + " " + daemon::FormatBytes(bytes_[0]) + " (pid " +
+                       std::to_string(a->pid()) + ", 0 clients, pinned)"),
+            std::string::npos)
+      << b.err;
+  EXPECT_NE(b.err.find("nothing more can be freed"), std::string::npos) << b.err;
+  daemon::Ledger ledger = ReadLedger(DeviceDir(*socket));
+  ASSERT_EQ(ledger.entries.size(), 1u);  // the refused cache never registered
+  EXPECT_EQ(ledger.entries[0].socket, *socket);
+  EXPECT_TRUE(ledger.entries[0].pinned);
+  EXPECT_TRUE(a->Running());
+}
+
+TEST_F(BudgetTest, IdleHolderIsNamedButNotYetEvicted) {
+  const std::string budget = std::to_string(bytes_[0] + bytes_[1] - 1);
+  auto a = Serve(0, {"--host-budget", budget});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  CommandResult b = ServeRefused(1, {"--host-budget", budget});
+  EXPECT_EQ(b.exit_code, 8) << b.err;
+  EXPECT_NE(b.err.find("room needs stopping the idle caches " + *socket), std::string::npos)
+      << b.err;
+  EXPECT_TRUE(a->Running());
+}
+
+TEST_F(BudgetTest, KilledHolderIsReclaimedByTheNextAdmission) {
+  const std::string budget = std::to_string(bytes_[0] + bytes_[1] - 1);
+  auto a = Serve(0, {"--host-budget", budget, "--pin"});
+  auto first = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(first.ok()) << first.status().ToString() << a->Log();
+  a->Signal(SIGKILL);
+  ASSERT_EQ(a->WaitExit(30s), std::optional<int>(128 + SIGKILL));
+  auto b = Serve(1, {"--host-budget", budget});
+  auto second = WaitOtherReady(*b, *first);
+  ASSERT_TRUE(second.ok()) << second.status().ToString() << b->Log();
+  daemon::Ledger ledger = ReadLedger(DeviceDir(*second));
+  ASSERT_EQ(ledger.entries.size(), 1u);
+  EXPECT_EQ(ledger.entries[0].socket, *second);
+  EXPECT_EQ(ledger.entries[0].pid, b->pid());
+}
+
+TEST_F(BudgetTest, BudgetConfIsReadWhenNoFlagIsGiven) {
+  auto a = Serve(0, {});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  // No budget applied: nothing registered.
+  EXPECT_TRUE(ReadLedger(DeviceDir(*socket)).entries.empty());
+  const std::string conf = identity::BudgetConfigPath(DeviceDir(*socket));
+  std::ofstream(conf) << "# the device's budget\nhost_budget = " << (bytes_[1] - 1) << "\n";
+  CommandResult b = ServeRefused(1, {});
+  EXPECT_EQ(b.exit_code, 8) << b.err;
+  EXPECT_NE(b.err.find("this cache needs " + daemon::FormatBytes(bytes_[1])), std::string::npos)
+      << b.err;
+
+  std::ofstream(conf) << "host_budget = 1G\nbogus = 1\n";
+  CommandResult c = ServeRefused(1, {});
+  EXPECT_EQ(c.exit_code, 2) << c.err;
+  EXPECT_NE(c.err.find(conf + " line 2: unknown key 'bogus'"), std::string::npos) << c.err;
+}
+
+TEST_F(BudgetTest, AttachedClientIsCountedAndProtectsItsCache) {
+  const std::string budget = std::to_string(bytes_[0] + bytes_[1] - 1);
+  auto a = Serve(0, {"--host-budget", budget});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  const int64_t admitted = ReadLedger(DeviceDir(*socket)).entries.at(0).last_used_ms;
+  {
+    auto conn = protocol::Connection::Connect(*socket, 2s);
+    ASSERT_TRUE(conn.ok()) << conn.status().ToString();
+    protocol::Hello hello;
+    hello.config = ConfigFor(models_[0], "m0").ToJson();
+    auto hr = conn->SendHello(hello, os::Deadline::After(5s));
+    ASSERT_TRUE(hr.ok() && hr->match);
+    auto reply = conn->Attach(os::Deadline::After(5s));
+    ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+    daemon::Ledger ledger = ReadLedger(DeviceDir(*socket));
+    ASSERT_EQ(ledger.entries.size(), 1u);
+    EXPECT_EQ(ledger.entries[0].clients, 1u);
+    EXPECT_GE(ledger.entries[0].last_used_ms, admitted);
+    CommandResult b = ServeRefused(1, {"--host-budget", budget});
+    EXPECT_EQ(b.exit_code, 8) << b.err;
+    EXPECT_NE(b.err.find(*socket + " " + daemon::FormatBytes(bytes_[0]) + " (pid " +
+                         std::to_string(a->pid()) + ", 1 client)"),
+              std::string::npos)
+        << b.err;
+    EXPECT_NE(b.err.find("nothing more can be freed"), std::string::npos) << b.err;
+  }
+  // The client is gone: the daemon counts it out (polled: it sees the hang-up on its loop).
+  StatusWait wait;
+  wait.sockets = [&] { return std::vector<std::string>{*socket}; };
+  wait.reached = [](const protocol::StatusReply& r) { return r.clients == 0; };
+  wait.what = "0 clients";
+  ASSERT_TRUE(WaitForStatus(a->child(), wait).ok());
+  daemon::Ledger ledger = ReadLedger(DeviceDir(*socket));
+  ASSERT_EQ(ledger.entries.size(), 1u);
+  EXPECT_EQ(ledger.entries[0].clients, 0u);
+}
+
+}  // namespace
+}  // namespace weightcache::testing

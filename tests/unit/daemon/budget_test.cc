@@ -1,0 +1,315 @@
+// The device's budget ledger (daemon/budget.h): entries of dead or reused pids reclaimed by
+// any reader, a corrupt file refused naming itself and left as it was, updates from separate
+// processes serialized by the OFD lock, a writer killed mid-update leaving the previous ledger,
+// and the LRU admission plan.
+#include "daemon/budget.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
+
+#include "daemon/byte_size.h"
+#include "identity/paths.h"
+#include "support/test_env.h"
+
+namespace weightcache::daemon {
+namespace {
+
+using weightcache::testing::ReadFile;
+using weightcache::testing::TempDir;
+using weightcache::testing::WriteFile;
+
+// A process that has exited and been reaped: its pid names no process (until reused).
+pid_t ReapedPid() {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(0);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return pid;
+}
+
+// Fork, run `body` in the child, and return the child's exit code (128 + signal if killed).
+template <typename Body>
+int RunInChild(Body body) {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(body());
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+LedgerEntry Entry(std::string socket, uint64_t bytes, int64_t last_used_ms,
+                  BudgetTier tier = BudgetTier::kHost) {
+  auto entry = SelfEntry(std::move(socket), bytes, tier, /*pinned=*/false);
+  EXPECT_TRUE(entry.ok()) << entry.status().ToString();
+  entry->last_used_ms = last_used_ms;
+  return *entry;
+}
+
+TEST(BudgetPaths, LiveInTheDeviceDirAndAreNoSockets) {
+  EXPECT_EQ(identity::BudgetLedgerPath("/r/default/host"), "/r/default/host/budget.ledger");
+  EXPECT_EQ(identity::BudgetLedgerLockPath("/r/default/host"),
+            "/r/default/host/budget.ledger.lock");
+  EXPECT_EQ(identity::BudgetConfigPath("/r/default/host"), "/r/default/host/budget.conf");
+}
+
+TEST(ProcessStartTime, IsStableForOneProcessAndNotFoundForAGoneOne) {
+  auto first = ProcessStartTime(::getpid());
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_GT(*first, 0u);
+  EXPECT_EQ(*ProcessStartTime(::getpid()), *first);
+  auto gone = ProcessStartTime(ReapedPid());
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.status().code(), StatusCode::kNotFound);
+}
+
+TEST(BudgetLedger, AMissingLedgerIsEmptyAndPutRoundTrips) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  auto empty = ledger.Read();
+  ASSERT_TRUE(empty.ok()) << empty.status().ToString();
+  EXPECT_TRUE(empty->entries.empty());
+
+  LedgerEntry a = Entry(dir.Join("a.sock"), 100, 5);
+  a.pinned = true;
+  a.clients = 2;
+  ASSERT_TRUE(ledger.Put(a).ok());
+  LedgerEntry b = Entry(dir.Join("b.sock"), 200, 6, BudgetTier::kGpu);
+  ASSERT_TRUE(ledger.Put(b).ok());
+  b.bytes = 300;  // Put replaces the entry of the same socket
+  ASSERT_TRUE(ledger.Put(b).ok());
+
+  auto read = ledger.Read();
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->entries.size(), 2u);
+  EXPECT_EQ(read->entries[0], a);
+  EXPECT_EQ(read->entries[1], b);
+  EXPECT_EQ(read->BytesOn(BudgetTier::kHost), 100u);
+  EXPECT_EQ(read->BytesOn(BudgetTier::kGpu), 300u);
+  EXPECT_EQ(read->BytesOn(BudgetTier::kGpu, b.socket), 0u);
+
+  ASSERT_TRUE(ledger.Remove(a.socket).ok());
+  read = ledger.Read();
+  ASSERT_EQ(read->entries.size(), 1u);
+  EXPECT_EQ(read->entries[0].socket, b.socket);
+}
+
+TEST(BudgetLedger, EveryReaderReclaimsTheEntryOfADeadPid) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  LedgerEntry live = Entry(dir.Join("live.sock"), 10, 1);
+  LedgerEntry dead = Entry(dir.Join("dead.sock"), 20, 2);
+  dead.pid = ReapedPid();
+  Ledger on_disk{{live, dead}};
+  WriteFile(ledger.path(), SerializeLedger(on_disk));
+
+  auto read = ledger.Read();
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->entries.size(), 1u);
+  EXPECT_EQ(read->entries[0].socket, live.socket);
+  // Written back: the file no longer holds the dead entry either.
+  auto file = ParseLedger(ReadFile(ledger.path()), ledger.path());
+  ASSERT_TRUE(file.ok());
+  EXPECT_EQ(file->entries, read->entries);
+}
+
+TEST(BudgetLedger, APidReusedByAnotherProcessIsReclaimedByItsStartTime) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  // Our own pid, but recorded with another start time: the process that registered it is
+  // gone and the pid now names someone else (us).
+  LedgerEntry reused = Entry(dir.Join("reused.sock"), 10, 1);
+  reused.pid_start_time += 1;
+  LedgerEntry same = Entry(dir.Join("same.sock"), 10, 1);
+  EXPECT_FALSE(OwnerAlive(reused));
+  EXPECT_TRUE(OwnerAlive(same));
+  WriteFile(ledger.path(), SerializeLedger(Ledger{{reused, same}}));
+  auto read = ledger.Read();
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->entries.size(), 1u);
+  EXPECT_EQ(read->entries[0].socket, same.socket);
+}
+
+TEST(BudgetLedger, ACorruptLedgerIsAnErrorNamingTheFileAndIsLeftAsItWas) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  const LedgerEntry e = Entry(dir.Join("a.sock"), 1, 1);
+  std::string twice = SerializeLedger(Ledger{{e, e}});
+  const struct {
+    std::string text;
+    std::string why;
+  } cases[] = {
+      {"{\"version\": 1, \"entries\": [", "not valid JSON"},
+      {"[]", "not a JSON object"},
+      {"{\"version\": 2, \"entries\": []}", "'version' must be 1"},
+      {"{\"version\": 1}", "'entries' must be an array"},
+      {"{\"version\": 1, \"entries\": [7]}", "entry 0 is not an object"},
+      {"{\"version\": 1, \"entries\": [{\"socket\": \"/s\", \"pid\": -1}]}",
+       "entry 0: 'pid' must be an unsigned integer"},
+      {"{\"version\": 1, \"entries\": [{\"socket\": \"/s\", \"pid\": 1, \"pid_start_time\": 1, "
+       "\"bytes\": 1, \"clients\": 0, \"last_used_ms\": 0, \"tier\": \"disk\", "
+       "\"pinned\": false}]}",
+       "entry 0: 'tier' must be \"gpu\" or \"host\""},
+      {twice, "is listed twice"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.text);
+    WriteFile(ledger.path(), c.text);
+    auto read = ledger.Read();
+    ASSERT_FALSE(read.ok());
+    EXPECT_EQ(read.status().code(), StatusCode::kInvalidArgument);
+    const std::string message = read.status().message();
+    EXPECT_NE(message.find("budget ledger " + ledger.path() + " is corrupt"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find(c.why), std::string::npos) << message;
+    EXPECT_NE(message.find("remove it"), std::string::npos) << message;
+    EXPECT_EQ(ledger.Put(Entry(dir.Join("b.sock"), 1, 1)).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(ReadFile(ledger.path()), c.text);  // never silently reset
+  }
+}
+
+TEST(BudgetLedger, UpdatesFromSeparateProcessesAreSerializedByTheLock) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  LedgerEntry counter = Entry(dir.Join("counter.sock"), 0, 0);
+  ASSERT_TRUE(ledger.Put(counter).ok());
+  constexpr int kChildren = 4;
+  constexpr int kUpdates = 50;
+  std::vector<pid_t> children;
+  for (int c = 0; c < kChildren; ++c) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      BudgetLedger mine(dir.path());
+      for (int i = 0; i < kUpdates; ++i) {
+        // Read-modify-write: without the lock, concurrent increments would be lost.
+        auto r = mine.Update([&](Ledger& l) {
+          LedgerEntry* e = l.Find(counter.socket);
+          if (e == nullptr) return InternalError("counter entry missing");
+          e->bytes += 1;
+          return Status::Ok();
+        });
+        if (!r.ok()) ::_exit(1);
+      }
+      ::_exit(0);
+    }
+    children.push_back(pid);
+  }
+  for (const pid_t pid : children) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  auto read = ledger.Read();
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->entries.size(), 1u);
+  EXPECT_EQ(read->entries[0].bytes, static_cast<uint64_t>(kChildren) * kUpdates);
+}
+
+TEST(BudgetLedger, AWriterKilledMidUpdateLeavesThePreviousLedgerAndNoLock) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  const LedgerEntry kept = Entry(dir.Join("kept.sock"), 10, 1);
+  ASSERT_TRUE(ledger.Put(kept).ok());
+  const std::string before = ReadFile(ledger.path());
+
+  // The child updates under the lock and is killed just before it writes.
+  const int code = RunInChild([&] {
+    BudgetLedger dying(dir.path(), BudgetLedgerOptions{[] { ::raise(SIGKILL); }});
+    (void)dying.Put(Entry(dir.Join("never.sock"), 99, 2));
+    return 0;
+  });
+  EXPECT_EQ(code, 128 + SIGKILL);
+  EXPECT_EQ(ReadFile(ledger.path()), before);
+  // A torn temp of a writer killed mid-write is no ledger: readers never look at it.
+  WriteFile(ledger.path() + ".tmp", "{\"version\": 1, \"entr");
+
+  // The lock died with the child: the next reader gets in and sees the previous ledger.
+  auto read = ledger.Read();
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->entries.size(), 1u);
+  EXPECT_EQ(read->entries[0], kept);
+  ASSERT_TRUE(ledger.Put(Entry(dir.Join("next.sock"), 1, 3)).ok());
+  EXPECT_EQ(ledger.Read()->entries.size(), 2u);
+}
+
+TEST(PlanAdmission, EvictsTheLeastRecentlyUsedIdleCacheFirst) {
+  TempDir dir;
+  LedgerEntry old_idle = Entry("/d/old.sock", 40, 100);
+  LedgerEntry new_idle = Entry("/d/new.sock", 40, 200);
+  Ledger ledger{{new_idle, old_idle}};
+  // Budget 100, 80 held, need 40: one victim, the older one.
+  AdmissionPlan plan = PlanAdmission(ledger, BudgetTier::kHost, 100, 40, "/d/third.sock");
+  EXPECT_TRUE(plan.fits);
+  EXPECT_EQ(plan.held, 80u);
+  ASSERT_EQ(plan.victims.size(), 1u);
+  EXPECT_EQ(plan.victims[0].socket, old_idle.socket);
+  // Need 20: fits without anyone leaving.
+  plan = PlanAdmission(ledger, BudgetTier::kHost, 100, 20, "/d/third.sock");
+  EXPECT_TRUE(plan.fits);
+  EXPECT_TRUE(plan.victims.empty());
+  // Need 100: both go, oldest first.
+  plan = PlanAdmission(ledger, BudgetTier::kHost, 100, 100, "/d/third.sock");
+  ASSERT_TRUE(plan.fits);
+  ASSERT_EQ(plan.victims.size(), 2u);
+  EXPECT_EQ(plan.victims[0].socket, old_idle.socket);
+  EXPECT_EQ(plan.victims[1].socket, new_idle.socket);
+  // The cache's own entry and the other tier do not count.
+  ledger.entries.push_back(Entry("/d/third.sock", 90, 1));
+  ledger.entries.push_back(Entry("/d/gpu.sock", 90, 1, BudgetTier::kGpu));
+  plan = PlanAdmission(ledger, BudgetTier::kHost, 100, 20, "/d/third.sock");
+  EXPECT_TRUE(plan.fits);
+  EXPECT_TRUE(plan.victims.empty());
+}
+
+TEST(PlanAdmission, NeverTouchesAPinnedOrAttachedCacheAndNamesThemWhenExhausted) {
+  LedgerEntry pinned = Entry("/d/pinned.sock", 40, 1);
+  pinned.pinned = true;
+  LedgerEntry attached = Entry("/d/attached.sock", 40, 2);
+  attached.clients = 1;
+  LedgerEntry idle = Entry("/d/idle.sock", 10, 3);
+  const Ledger ledger{{pinned, attached, idle}};
+  // Evicting the idle one frees 10, not enough for 40 under 100 with 90 held.
+  AdmissionPlan plan = PlanAdmission(ledger, BudgetTier::kHost, 100, 40, "/d/new.sock");
+  EXPECT_FALSE(plan.fits);
+  EXPECT_TRUE(plan.victims.empty());  // nobody is evicted for nothing
+  EXPECT_EQ(plan.held, 90u);
+  const std::string& m = plan.refusal;
+  EXPECT_NE(m.find("the host budget is 100 B; this cache needs 40 B, 90 B is held"),
+            std::string::npos)
+      << m;
+  const std::string self = std::to_string(::getpid());
+  EXPECT_NE(m.find("/d/pinned.sock 40 B (pid " + self + ", 0 clients, pinned)"), std::string::npos)
+      << m;
+  EXPECT_NE(m.find("/d/attached.sock 40 B (pid " + self + ", 1 client)"), std::string::npos) << m;
+  EXPECT_NE(m.find("/d/idle.sock 10 B (pid " + self + ", 0 clients)"), std::string::npos) << m;
+  // A need over the whole budget never fits, even on an empty device.
+  plan = PlanAdmission(Ledger{}, BudgetTier::kHost, 100, 101, "/d/new.sock");
+  EXPECT_FALSE(plan.fits);
+  EXPECT_NE(plan.refusal.find("this cache needs 101 B, 0 B is held"), std::string::npos)
+      << plan.refusal;
+}
+
+TEST(ParseByteSizeOrPercent, TakesBytesOrAWholePercentOfTheTotal) {
+  EXPECT_EQ(*ParseByteSizeOrPercent("40G", 0), uint64_t{40} << 30);
+  EXPECT_EQ(*ParseByteSizeOrPercent("50%", 1000), 500u);
+  EXPECT_EQ(*ParseByteSizeOrPercent("100%", 1001), 1001u);
+  EXPECT_EQ(*ParseByteSizeOrPercent("33%", 1001), 330u);
+  EXPECT_EQ(*ParseByteSizeOrPercent("1%", UINT64_MAX), UINT64_MAX / 100);
+  for (const char* bad : {"%", "0%", "101%", "12.5%", "-5%", "1000%", "x%"}) {
+    auto r = ParseByteSizeOrPercent(bad, 1000);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("whole percentage from 1% to 100%"), std::string::npos)
+        << r.status().message();
+  }
+  auto unknown = ParseByteSizeOrPercent("50%", 0);
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("total memory is unknown"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace weightcache::daemon
