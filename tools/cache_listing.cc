@@ -4,6 +4,9 @@
 
 #include <algorithm>
 
+#include "common/logging.h"
+#include "daemon/budget.h"
+#include "daemon/byte_size.h"
 #include "identity/cache_config.h"
 #include "identity/env.h"
 #include "identity/paths.h"
@@ -160,8 +163,32 @@ Result<CacheListing> ListCaches(const ListOptions& options) {
   return listing;
 }
 
-DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& /*device_dir*/) {
-  return std::nullopt;  // filled by the budget ledger (docs/budget.md)
+DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir) {
+  const std::string dir = device_dir.string();
+  const bool host = device_dir.filename() == identity::kHostDeviceKey;
+  const daemon::BudgetTier tier = host ? daemon::BudgetTier::kHost : daemon::BudgetTier::kGpu;
+  const bool has_ledger = std::filesystem::exists(identity::BudgetLedgerPath(dir));
+  auto config = daemon::ReadBudgetConfig(identity::BudgetConfigPath(dir));
+  if (!config.ok()) {
+    LOG_WARN << config.status().ToString();
+    return std::nullopt;
+  }
+  const std::string& spec = host ? config->host_budget : config->gpu_budget;
+  if (!has_ledger && spec.empty()) return std::nullopt;
+  DeviceBudget view;
+  if (has_ledger) {
+    auto ledger = daemon::BudgetLedger(dir).Read();
+    if (!ledger.ok()) {
+      LOG_WARN << ledger.status().ToString();
+      return std::nullopt;
+    }
+    view.used_bytes = ledger->BytesOn(tier);
+  }
+  if (auto bytes = daemon::ParseByteSize(spec); !spec.empty() && bytes.ok()) {
+    view.budget_bytes = *bytes;
+    view.free_bytes = *bytes > view.used_bytes ? *bytes - view.used_bytes : 0;
+  }
+  return view;
 }
 
 }  // namespace weightcache::cli

@@ -31,17 +31,19 @@ struct CacheListing {
 
 Result<CacheListing> ListCaches(const ListOptions& options);
 
-// A device's memory budget as the budget ledger records it.
+// A device's memory budget (docs/budget.md): the bytes its ledger's caches hold on the
+// device's tier, and the budget its budget.conf sets in bytes (a budget in % of the device's
+// memory, or one given only by `serve --gpu-budget`, is not known here: null).
 struct DeviceBudget {
-  uint64_t budget_bytes = 0;
+  std::optional<uint64_t> budget_bytes;
   uint64_t used_bytes = 0;
-  uint64_t free_bytes = 0;
+  std::optional<uint64_t> free_bytes;  // budget - used, when the budget is known
 };
 using DeviceBudgetView = std::optional<DeviceBudget>;
 
-// The budget of the device whose dir (<runtime>/<namespace>/<device key>) is `device_dir`.
-// Filled by the budget ledger (docs/budget.md); until it lands, std::nullopt, which `status`
-// prints as null / "-".
+// The budget of the device whose dir (<runtime>/<namespace>/<device key>) is `device_dir`, from
+// its budget ledger and budget.conf; std::nullopt when it has neither, or they cannot be read
+// (a corrupt ledger is logged once, naming the file).
 DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir);
 
 }  // namespace weightcache::cli

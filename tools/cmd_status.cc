@@ -2,8 +2,8 @@
 // caches: tier and state (gpu / host when ready; loading, awaiting, failed, draining, stale,
 // orphan otherwise), bytes, clients, last attach, hits and misses; then the device's LRU order
 // (least recently attached first: the order in which the budget ledger picks caches to make
-// room). One scan with `ls` (ListCaches, cache_listing.h). The budget fields are null / "-"
-// until the budget ledger fills ReadDeviceBudget.
+// room). One scan with `ls` (ListCaches, cache_listing.h). The budget fields come from the
+// device's budget ledger and budget.conf (ReadDeviceBudget); null / "-" where unknown.
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -89,9 +89,12 @@ int Run(const StatusArgs& args) {
     DeviceBudgetView budget =
         ReadDeviceBudget(std::filesystem::path(listing->runtime_dir) / ns / device);
     nlohmann::json d = {{"namespace", ns}, {"device", device}};
-    d["budget_bytes"] = budget ? nlohmann::json(budget->budget_bytes) : nlohmann::json(nullptr);
+    auto or_null = [](const std::optional<uint64_t>& v) {
+      return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+    };
+    d["budget_bytes"] = budget ? or_null(budget->budget_bytes) : nlohmann::json(nullptr);
     d["used_bytes"] = budget ? nlohmann::json(budget->used_bytes) : nlohmann::json(nullptr);
-    d["free_bytes"] = budget ? nlohmann::json(budget->free_bytes) : nlohmann::json(nullptr);
+    d["free_bytes"] = budget ? or_null(budget->free_bytes) : nlohmann::json(nullptr);
     for (auto& c : caches) c["cache_state"] = CacheState(c);
     d["caches"] = caches;
     d["lru"] = LruOrder(caches);

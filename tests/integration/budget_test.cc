@@ -215,5 +215,22 @@ TEST_F(BudgetTest, AttachedClientIsCountedAndProtectsItsCache) {
   EXPECT_EQ(ledger.entries[0].clients, 0u);
 }
 
+// `status` shows the device's budget from its budget.conf and the bytes its ledger holds.
+TEST_F(BudgetTest, StatusShowsTheDevicesBudgetUsedAndFree) {
+  auto a = Serve(0, {"--host-budget", "1G"});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  std::ofstream(identity::BudgetConfigPath(DeviceDir(*socket))) << "host_budget = 1G\n";
+  CommandResult st = RunCommand({CliPath(), "status", "--json", "--runtime-dir", runtime_});
+  ASSERT_EQ(st.exit_code, 0) << st.err;
+  const auto j = nlohmann::json::parse(st.out, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(j.is_object()) << st.out;
+  ASSERT_EQ(j["devices"].size(), 1U) << st.out;
+  const auto& d = j["devices"][0];
+  EXPECT_EQ(d["budget_bytes"], uint64_t{1} << 30) << st.out;
+  EXPECT_EQ(d["used_bytes"], bytes_[0]) << st.out;
+  EXPECT_EQ(d["free_bytes"], (uint64_t{1} << 30) - bytes_[0]) << st.out;
+}
+
 }  // namespace
 }  // namespace weightcache::testing
