@@ -248,7 +248,7 @@ Status CheckAdoptable(const Handoff& handoff, const AdoptOptions& options) {
   const std::vector<size_t> checked =
       TensorsToCheck(manifest.tensor_count(), options.checksums, options.sample_tensors);
   std::vector<uint64_t> gpu_sums;
-  if (handoff.tier() == Tier::kGpu) {
+  if (handoff.tier() == Tier::kGpu && !checked.empty()) {
     std::vector<ChecksumRange> ranges;
     ranges.reserve(checked.size());
     for (size_t i : checked) {

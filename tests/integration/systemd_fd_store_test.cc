@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -24,6 +25,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
@@ -188,6 +190,15 @@ class SystemdFdStoreTest : public ::testing::Test {
     EXPECT_EQ(ready->Get("MAINPID"), std::to_string(child.pid()));
     EXPECT_NE(ready->Get("STATUS").find("ready: 12 tensors"), std::string::npos)
         << ready->Get("STATUS");
+    // READY=1 goes out before the ready line reaches the log: wait for the line too.
+    const auto deadline = std::chrono::steady_clock::now() + kTimeout;
+    while (ReadFile(dir_.Join(log)).find("ready: ") == std::string::npos) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ADD_FAILURE() << "READY=1 but no ready line in " << log << ": " << ReadFile(dir_.Join(log));
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
     return true;
   }
 

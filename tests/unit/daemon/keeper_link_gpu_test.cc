@@ -130,6 +130,27 @@ TEST_F(KeeperLinkGpuTest, EveryWithdrawnFdIsImportedAndAllTensorsChecksummedInOn
   EXPECT_EQ(adopted.summary().resident_bytes, store_->summary().resident_bytes);
 }
 
+// The withdrawal's own check is a sample of no tensors (ValidateKeptHandoff checks after it):
+// it must not call the checksum function at all. A call with no ranges made every gpu-tier
+// re-adoption fail ("no checksum at withdrawal") on an H200 once the checks were batched.
+TEST_F(KeeperLinkGpuTest, ASampleOfNoTensorsCallsNoChecksum) {
+  protocol::Handoff handoff = Withdrawn();
+  ASSERT_EQ(handoff.tier(), Tier::kGpu);
+  protocol::AdoptOptions adopt;
+  adopt.expected_digest = handoff.info.config_digest;
+  adopt.checksums = protocol::ChecksumCheck::kSample;
+  adopt.sample_tensors = 0;
+  int calls = 0;
+  adopt.gpu_checksum =
+      [&calls](std::span<const protocol::ChecksumRange>) -> Result<std::vector<uint64_t>> {
+    ++calls;
+    return InternalError("no checksum at withdrawal");
+  };
+  Status checked = protocol::CheckAdoptable(handoff, adopt);
+  EXPECT_TRUE(checked.ok()) << checked.ToString();
+  EXPECT_EQ(calls, 0);
+}
+
 TEST_F(KeeperLinkGpuTest, AChecksumTheMemoryDoesNotHaveIsRefusedNamingTheTensor) {
   if (!cuda::GpuChecksumKernelBuilt()) GTEST_SKIP() << "built without the GPU checksum kernel";
   protocol::Handoff good = Withdrawn();
