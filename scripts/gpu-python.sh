@@ -57,14 +57,8 @@ export CMAKE_ARGS="-DCMAKE_PREFIX_PATH=$deps -DCMAKE_CXX_FLAGS=-g\ -isystem\ $de
 -DOPENSSL_CRYPTO_LIBRARY=$deps/lib/$arch/libcrypto.a -DOPENSSL_SSL_LIBRARY=$deps/lib/$arch/libssl.a \
 -Dnlohmann_json_DIR=$deps/share/cmake/nlohmann_json -DCLI11_DIR=$deps/share/cmake/CLI11 \
 -DXXHASH_INCLUDE_DIR=$deps/include"
-# With nvcc, the GPU checksum kernel too (pyproject.toml defaults it OFF): a gpu-tier publish
-# and `verify` need it.
-kernels=()
-command -v nvcc >/dev/null &&
-  kernels=(--config-settings=cmake.define.WEIGHTCACHE_BUILD_KERNELS=ON
-    --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES=90)
 if "$py" -m pip install --no-build-isolation --no-deps --no-index -v --target "$prefix" \
-    --config-settings=build-dir="$root/build-python-gpu/build" "${kernels[@]}" . \
+    --config-settings=build-dir="$root/build-python-gpu/build" . \
     >"$OUT/python-build.log" 2>&1; then
   say "python build: ok ($(($(date +%s) - start)) s, $("$py" -c 'import nanobind; print("nanobind", nanobind.__version__)'))"
 else
@@ -106,6 +100,26 @@ if [[ ! -x $WEIGHTCACHE_CLI ]]; then
   say "python build: the CLI is missing from $prefix/bin"
   exit 1
 fi
+
+# ---- the pip-installed CLI verifies gpu memory (issue 17: a plain `pip install .` builds the
+# checksum kernel when nvcc is there) ----------------------------------------------------------
+vdir=$(mktemp -d /tmp/wcv.XXXXXX)
+"$py" tests/tools/make_checkpoint.py --out "$vdir/m" --tensors 24 --shards 2 --dtypes bf16,f32 \
+  --min-elems 1000 --max-elems 100000 --seed 3 >/dev/null
+vid=(--model "$vdir/m" --tier gpu --device 0 --runtime-dir "$vdir/run")
+"$WEIGHTCACHE_CLI" serve "${vid[@]}" >"$OUT/python-verify-serve.log" 2>&1 &
+vpid=$!
+if "$WEIGHTCACHE_CLI" attach "${vid[@]}" --wait 60 --on-missing error --verify \
+    >"$OUT/python-verify.log" 2>&1 &&
+    "$WEIGHTCACHE_CLI" verify "${vid[@]}" >>"$OUT/python-verify.log" 2>&1; then
+  say "python verify: PASS (pip-installed CLI: attach --verify and verify on the gpu tier)"
+else
+  say "python verify: FAILED — $(tail -n 3 "$OUT/python-verify.log" | paste -sd' ')"
+  ok=0
+fi
+"$WEIGHTCACHE_CLI" stop "${vid[@]}" >/dev/null 2>&1
+wait "$vpid" 2>/dev/null
+rm -rf "$vdir"
 
 # ---- pytest (host tier, with torch) -------------------------------------------------------------
 # A crash shows its native frames too (tests/python/native/segv_trace.c), resolved to lines
