@@ -13,6 +13,7 @@
 // otherwise the failed load's code (1 for I/O, budget, CUDA).
 #include <unistd.h>
 
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <filesystem>
@@ -38,10 +39,14 @@
 #include "os/lock_file.h"
 #include "os/read_file.h"
 #include "os/syscalls.h"
+#include "protocol/connection.h"
 #include "sharding/planner.h"
 
 namespace weightcache::cli {
 namespace {
+
+// How long admission waits for the caches it evicted to give their memory back.
+constexpr std::chrono::seconds kEvictionTimeout{30};
 
 struct ServeArgs {
   IdentityOptions identity;
@@ -327,7 +332,18 @@ Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(
       daemon::SelfEntry(id.paths.socket, ckpt.total_bytes(), tier, args.pin));
   self.last_used_ms = daemon::NowUnixMs();
   auto ledger = std::make_unique<daemon::BudgetLedger>(id.paths.device_dir);
-  WEIGHTCACHE_RETURN_IF_ERROR(daemon::AdmitAndRegister(*ledger, self, *budget));
+  // An idle cache of the LRU order gives its memory back when asked (an Evict over its
+  // socket); it refuses when it has clients or is pinned.
+  auto evict = [](const daemon::LedgerEntry& victim) -> Status {
+    const auto timeout = std::chrono::seconds(5);
+    WEIGHTCACHE_ASSIGN_OR_RETURN(auto conn, protocol::Connection::Connect(victim.socket, timeout));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::EvictReply reply,
+                                 conn.Evict(os::Deadline::After(timeout)));
+    if (!reply.evicted) return Status(StatusCode::kUnavailable, "refused: " + reply.reason);
+    return Status::Ok();
+  };
+  WEIGHTCACHE_RETURN_IF_ERROR(daemon::AdmitEvicting(
+      *ledger, self, *budget, evict, std::chrono::steady_clock::now() + kEvictionTimeout));
   LOG_INFO << "admitted under the " << daemon::BudgetTierName(tier) << " budget of "
            << daemon::FormatBytes(*budget) << ": " << daemon::FormatBytes(self.bytes);
   return ledger;
@@ -411,6 +427,7 @@ int Run(ServeArgs& args) {
   options.allow_uids.assign(args.allow_uids.begin(), args.allow_uids.end());
   options.allow_gids.assign(args.allow_gids.begin(), args.allow_gids.end());
   options.failed_linger = Millis(args.failed_linger_s);
+  options.pinned = args.pin;
   options.handshake_timeout = Millis(args.handshake_timeout_s);
   options.stall_timeout = Millis(args.stall_timeout_s);
   options.publish_timeout = Millis(args.publish_timeout_s);

@@ -9,8 +9,11 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
+#include <vector>
 
+#include "common/logging.h"
 #include "daemon/byte_size.h"
 #include "identity/paths.h"
 #include "os/ledger_file.h"
@@ -347,31 +350,66 @@ Result<BudgetConfig> ReadBudgetConfig(const std::string& path) {
   return config;
 }
 
-Status AdmitAndRegister(BudgetLedger& ledger, const LedgerEntry& self, uint64_t budget) {
-  return ledger
-      .Update([&](Ledger& now) {
-        const AdmissionPlan plan = PlanAdmission(now, self.tier, budget, self.bytes, self.socket);
-        if (!plan.fits) return Status(StatusCode::kOutOfMemory, plan.refusal);
-        if (!plan.victims.empty()) {
-          std::string victims;
-          for (const LedgerEntry& v : plan.victims) {
-            victims += (victims.empty() ? "" : "; ") + Describe(v);
-          }
-          return Status(StatusCode::kOutOfMemory,
-                        "the " + std::string(BudgetTierName(self.tier)) + " budget is " +
-                            FormatBytes(budget) + "; this cache needs " + FormatBytes(self.bytes) +
-                            ", " + FormatBytes(plan.held) +
-                            " is held; room needs stopping the idle caches " + victims +
-                            " (eviction is not automatic yet: stop them with `weightcache stop`)");
-        }
-        if (LedgerEntry* mine = now.Find(self.socket)) {
-          *mine = self;
-        } else {
-          now.entries.push_back(self);
-        }
-        return Status::Ok();
-      })
-      .status();
+Status AdmitEvicting(BudgetLedger& ledger, const LedgerEntry& self, uint64_t budget,
+                     const EvictFn& evict, std::chrono::steady_clock::time_point deadline) {
+  const std::string tier(BudgetTierName(self.tier));
+  // Each round evicts at least one cache or ends; the bound only stops a livelock with caches
+  // that keep coming back.
+  constexpr int kMaxRounds = 16;
+  for (int round = 0; round < kMaxRounds; ++round) {
+    AdmissionPlan plan;
+    auto planned = ledger.Update([&](Ledger& now) {
+      plan = PlanAdmission(now, self.tier, budget, self.bytes, self.socket);
+      if (!plan.fits) return Status(StatusCode::kOutOfMemory, plan.refusal);
+      if (!plan.victims.empty()) return Status::Ok();  // nothing changes under this lock
+      if (LedgerEntry* mine = now.Find(self.socket)) {
+        *mine = self;
+      } else {
+        now.entries.push_back(self);
+      }
+      return Status::Ok();
+    });
+    if (!planned.ok()) return planned.status();
+    if (plan.victims.empty()) return Status::Ok();  // registered
+
+    // Outside the lock: each victim decides on its own state (it may have gained a client).
+    std::vector<LedgerEntry> going;
+    std::string refused;
+    for (const LedgerEntry& v : plan.victims) {
+      Status asked = evict ? evict(v) : Status(StatusCode::kUnavailable, "no eviction");
+      if (asked.ok()) {
+        LOG_INFO << "evicting " << Describe(v) << " to make room for " << FormatBytes(self.bytes);
+        going.push_back(v);
+      } else {
+        refused += (refused.empty() ? "" : "; ") + Describe(v) + ": " + asked.message();
+      }
+    }
+    if (going.empty()) {
+      return Status(StatusCode::kOutOfMemory,
+                    "the " + tier + " budget is " + FormatBytes(budget) + "; this cache needs " +
+                        FormatBytes(self.bytes) + ", " + FormatBytes(plan.held) +
+                        " is held, and no idle cache gave its memory back (" + refused + ")");
+    }
+    // Each evicted daemon removes its entry once its memory is freed (a killed one is
+    // reclaimed by the read): wait for that, then plan again.
+    for (;;) {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(Ledger now, ledger.Read());
+      const bool gone = std::ranges::none_of(going, [&](const LedgerEntry& v) {
+        const LedgerEntry* e = now.Find(v.socket);
+        return e != nullptr && e->pid == v.pid;
+      });
+      if (gone) break;
+      if (std::chrono::steady_clock::now() > deadline) {
+        return Status(StatusCode::kTimeout,
+                      "evicted caches did not give their memory back in time: " +
+                          Describe(going.front()) + " still holds it");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  return Status(StatusCode::kOutOfMemory, "the " + tier + " budget is " + FormatBytes(budget) +
+                                              ": no room after " + std::to_string(kMaxRounds) +
+                                              " rounds of eviction (caches keep arriving)");
 }
 
 }  // namespace weightcache::daemon

@@ -23,6 +23,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -133,10 +134,19 @@ struct BudgetConfig {
 };
 Result<BudgetConfig> ReadBudgetConfig(const std::string& path);
 
-// Admission of `self` under `budget` bytes of its tier, under the ledger's lock: when the plan
-// fits with no victim, `self` is registered and Ok is returned. Otherwise kOutOfMemory with the
-// plan's refusal (budget, need, holders with their clients); evicting idle victims is not done
-// here yet, so a plan that would need victims is refused too, naming them.
-Status AdmitAndRegister(BudgetLedger& ledger, const LedgerEntry& self, uint64_t budget);
+// Asks the daemon of `victim` to give its memory back (an Evict request): Ok when it accepted
+// and is stopping; an error saying why not (it gained a client, it is pinned, it is gone).
+using EvictFn = std::function<Status(const LedgerEntry& victim)>;
+
+// Admission of `self` under `budget` bytes of its tier (docs/budget.md "Admission"). Under the
+// ledger's lock: when the plan fits with no victim, `self` is registered and Ok is returned; when
+// it cannot fit even by evicting every idle cache, kOutOfMemory with the plan's refusal (budget,
+// need, holders with their clients). Otherwise, outside the lock, each victim in LRU order is
+// asked to evict (`evict`), the ledger is polled until the accepted ones are gone (their
+// daemons remove their entries once their memory is freed), and the plan is made again.
+// kOutOfMemory when every victim refused (naming each and why), kTimeout when an evicted cache
+// still holds its memory at `deadline`.
+Status AdmitEvicting(BudgetLedger& ledger, const LedgerEntry& self, uint64_t budget,
+                     const EvictFn& evict, std::chrono::steady_clock::time_point deadline);
 
 }  // namespace weightcache::daemon

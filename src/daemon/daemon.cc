@@ -514,7 +514,7 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
         OnConnectionEvent(fd, ready[i].events);
       }
     }
-    if (!stop_requested_by_.empty()) BeginDrain("Stop requested by " + stop_requested_by_);
+    if (!stop_requested_by_.empty()) BeginDrain(stop_requested_by_);
     if (!retired_stores_.empty() &&
         std::all_of(connections_.begin(), connections_.end(),
                     [](const auto& c) { return c.second->outbox.empty(); })) {
@@ -984,6 +984,9 @@ void Daemon::HandleFrame(Connection& conn, const protocol::Frame& frame) {
     case MessageType::kStop:
       if (DecodeEmptyRequest(conn, frame)) HandleStop(conn);
       return;
+    case MessageType::kEvict:
+      if (DecodeEmptyRequest(conn, frame)) HandleEvict(conn);
+      return;
     case MessageType::kUpgrade:
       HandleUpgrade(conn, frame.payload);
       return;
@@ -1136,7 +1139,39 @@ void Daemon::HandleStop(Connection& conn) {
   protocol::StopReply reply;
   reply.clients = clients_;
   QueueFrame(conn, protocol::EncodeStopReply(reply));
-  stop_requested_by_ = conn.Describe();
+  stop_requested_by_ = "Stop requested by " + conn.Describe();
+}
+
+// Budget admission asks an idle cache to give its memory back (docs/budget.md). The ledger's
+// view may be stale by the time the request arrives: the cache decides on its own state, here.
+void Daemon::HandleEvict(Connection& conn) {
+  if (conn.peer.uid != ::geteuid()) {
+    LOG_WARN << "refused Evict from " << conn.Describe();
+    QueueError(
+        conn, PermissionDenied("Evict refused for " + conn.Describe() + ": only uid " +
+                               std::to_string(::geteuid()) + " (the daemon's owner) may evict it"));
+    return;
+  }
+  protocol::EvictReply reply;
+  reply.clients = clients_;
+  if (options_.pinned) {
+    reply.reason = "pinned (serve --pin)";
+  } else if (clients_ > 0) {
+    reply.reason = std::to_string(clients_) + " client(s) attached";
+  } else if (state_ != CacheState::kReady) {
+    reply.reason = "not ready (" + std::string(protocol::CacheStateName(state_)) + ")";
+  } else if (!stop_requested_by_.empty()) {
+    reply.reason = "already stopping";
+  } else {
+    reply.evicted = true;
+  }
+  QueueFrame(conn, protocol::EncodeEvictReply(reply));
+  if (!reply.evicted) {
+    LOG_INFO << "Evict from " << conn.Describe() << " refused: " << reply.reason;
+    return;
+  }
+  options_.metrics->RecordEviction();
+  stop_requested_by_ = "evicted to make room under the device's budget, for " + conn.Describe();
 }
 
 // ---- upgrade (docs/upgrade.md) -----------------------------------------------------------------

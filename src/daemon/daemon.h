@@ -108,6 +108,8 @@ struct DaemonOptions {
   std::vector<gid_t> allow_gids;
   // How long a failed daemon keeps answering `failed` before it exits (0: at once).
   std::chrono::milliseconds failed_linger{30'000};
+  // `serve --pin`: an Evict is refused (docs/budget.md).
+  bool pinned = false;
   // Upper bound on flushing pending replies while draining.
   std::chrono::milliseconds drain_timeout{2'000};
   // Connections beyond this are answered with an Error and closed (fd exhaustion guard).
@@ -251,6 +253,7 @@ class Daemon {
   void HandleMetrics(Connection& conn);
   void HandleAttach(Connection& conn);
   void HandleStop(Connection& conn);
+  void HandleEvict(Connection& conn);
   // Upgrade (docs/upgrade.md): start the successor and send it the handover; its answer on
   // the channel ends the upgrade (OnUpgradeChannel), or the upgrade deadline does.
   void HandleUpgrade(Connection& conn, std::span<const uint8_t> payload);
@@ -350,7 +353,7 @@ class Daemon {
   std::chrono::steady_clock::time_point load_start_;
   std::optional<std::chrono::steady_clock::time_point> linger_until_;
   std::optional<std::chrono::steady_clock::time_point> drain_until_;
-  std::string stop_requested_by_;              // set by a Stop request; the loop then drains
+  std::string stop_requested_by_;  // why a Stop or Evict request ends it; the loop then drains
   std::optional<Clock::time_point> sweep_at_;  // the next Sweep, while a connection needs one
   // Accept back-off: the listener is out of epoll until accept_paused_until_.
   std::optional<Clock::time_point> accept_paused_until_;

@@ -53,6 +53,12 @@ Result<StopReply> Connection::Stop(os::Deadline deadline) {
   return DecodeStopReply(reply.payload);
 }
 
+Result<EvictReply> Connection::Evict(os::Deadline deadline) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> request, EncodeEvictRequest());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(Frame reply, Call(request, MessageType::kEvictReply, deadline));
+  return DecodeEvictReply(reply.payload);
+}
+
 Result<MetricsReply> Connection::QueryMetrics(os::Deadline deadline) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> request, EncodeMetricsRequest());
   WEIGHTCACHE_ASSIGN_OR_RETURN(Frame reply, Call(request, MessageType::kMetricsReply, deadline));

@@ -41,6 +41,7 @@ class Connection {
   Result<AttachReply> Attach(os::Deadline deadline);
   Result<StopReply> Stop(os::Deadline deadline);
   Result<MetricsReply> QueryMetrics(os::Deadline deadline);
+  Result<EvictReply> Evict(os::Deadline deadline);
 
   // Sends an encoded request frame and returns the reply frame, which is of type `expected`
   // (an Error reply is returned as its Status).

@@ -115,6 +115,10 @@ std::string MessageTypeName(MessageType type) {
       return "Metrics";
     case MessageType::kMetricsReply:
       return "MetricsReply";
+    case MessageType::kEvict:
+      return "Evict";
+    case MessageType::kEvictReply:
+      return "EvictReply";
     case MessageType::kHandoverDone:
       return "HandoverDone";
   }
@@ -123,7 +127,7 @@ std::string MessageTypeName(MessageType type) {
 
 bool IsKnownMessageType(uint16_t type) {
   return (type >= static_cast<uint16_t>(MessageType::kHello) &&
-          type <= static_cast<uint16_t>(MessageType::kMetricsReply)) ||
+          type <= static_cast<uint16_t>(MessageType::kEvictReply)) ||
          (type >= kFirstHandoffType && type <= static_cast<uint16_t>(MessageType::kHandoverDone));
 }
 
@@ -136,7 +140,7 @@ bool IsRequest(MessageType type) {
          type == MessageType::kDeposit || type == MessageType::kWithdraw ||
          type == MessageType::kQuery || type == MessageType::kDrop ||
          type == MessageType::kUpgrade || type == MessageType::kHandover ||
-         type == MessageType::kMetrics;
+         type == MessageType::kMetrics || type == MessageType::kEvict;
 }
 
 // The replies that carry an arena's fds (the manifest memfd first, then one per allocation).

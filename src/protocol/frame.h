@@ -82,6 +82,8 @@ enum class MessageType : uint16_t {
   kUpgradeReply = 15,      // daemon → owner: the successor serves (its pid), or an Error
   kMetrics = 16,           // client → daemon: empty; the attach counters (`weightcache status`)
   kMetricsReply = 17,      // daemon → client: hits, misses, attaches by result, last attach
+  kEvict = 18,       // owner → daemon: give the memory back (budget admission, docs/budget.md)
+  kEvictReply = 19,  // daemon → owner: evicted (it stops), or refused with its clients
 
   // Keeper handoff (handoff.h), from kFirstHandoffType up: daemon types stay below 32.
   kDeposit = 32,

@@ -594,6 +594,27 @@ Result<MetricsReply> DecodeMetricsReply(std::span<const uint8_t> payload) {
   return msg;
 }
 
+// ---- Evict ------------------------------------------------------------------------------------
+
+Result<std::vector<uint8_t>> EncodeEvictRequest() { return EncodeFrame(MessageType::kEvict, {}); }
+
+Result<std::vector<uint8_t>> EncodeEvictReply(const EvictReply& msg) {
+  return EncodeJson(
+      MessageType::kEvictReply,
+      json{{"evicted", msg.evicted}, {"clients", msg.clients}, {"reason", msg.reason}});
+}
+
+Result<EvictReply> DecodeEvictReply(std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("EvictReply", payload));
+  Fields f("EvictReply", obj);
+  EvictReply msg;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.evicted, f.Bool("evicted"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.clients, f.U32("clients"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.reason, f.String("reason"));
+  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  return msg;
+}
+
 // ---- StopReply --------------------------------------------------------------------------------
 
 Result<std::vector<uint8_t>> EncodeStopReply(const StopReply& msg) {

@@ -106,6 +106,15 @@ struct UpgradeReply {
   uint64_t handover_us = 0;  // from the successor's start to its HandoverDone
 };
 
+// Evict request: empty payload; the daemon's owner uid only (docs/budget.md). A daemon with no
+// attached client, not pinned and ready answers evicted and stops (dropping its keeper: the
+// memory is freed); any other answers refused, saying why.
+struct EvictReply {
+  bool evicted = false;
+  uint32_t clients = 0;  // clients attached when it answered
+  std::string reason;    // why it refused ("" when evicted)
+};
+
 // Metrics request: empty payload. The daemon's attach counters (daemon/metrics.h), for
 // `weightcache status`; the same values its --metrics-addr endpoint exposes.
 struct MetricsReply {
@@ -151,6 +160,9 @@ Result<std::vector<uint8_t>> EncodeAttachReply(uint64_t manifest_size, uint32_t 
 Result<AttachReply> DecodeAttachReply(Frame frame, RecordCheck check = RecordCheck::kNow);
 
 Result<std::vector<uint8_t>> EncodeMetricsRequest();
+Result<std::vector<uint8_t>> EncodeEvictRequest();
+Result<std::vector<uint8_t>> EncodeEvictReply(const EvictReply& msg);
+Result<EvictReply> DecodeEvictReply(std::span<const uint8_t> payload);
 Result<std::vector<uint8_t>> EncodeMetricsReply(const MetricsReply& msg);
 Result<MetricsReply> DecodeMetricsReply(std::span<const uint8_t> payload);
 

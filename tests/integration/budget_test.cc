@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -30,7 +31,7 @@ class BudgetTest : public ::testing::Test {
  protected:
   void SetUp() override {
     runtime_ = dir_.Join("run");
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < 3; ++i) {
       models_.push_back(MakeCheckpoint(dir_.Join("model" + std::to_string(i)), 4, 1, 10 + i, 8192));
       auto ckpt = checkpoint::Checkpoint::Open(models_.back());
       ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
@@ -69,11 +70,14 @@ class BudgetTest : public ::testing::Test {
   }
   // Polls the sockets other than `except` until one answers ready.
   Result<std::string> WaitOtherReady(ServeProcess& p, const std::string& except) {
+    return WaitOtherReady(p, std::vector<std::string>{except});
+  }
+  Result<std::string> WaitOtherReady(ServeProcess& p, const std::vector<std::string>& except) {
     StatusWait wait;
     wait.sockets = [&] {
       std::vector<std::string> out;
       for (auto& s : FindSockets(runtime_)) {
-        if (s != except) out.push_back(s);
+        if (std::ranges::find(except, s) == except.end()) out.push_back(s);
       }
       return out;
     };
@@ -130,16 +134,50 @@ TEST_F(BudgetTest, CacheThatDoesNotFitExits8NamingBudgetNeedAndPinnedHolder) {
   EXPECT_TRUE(a->Running());
 }
 
-TEST_F(BudgetTest, IdleHolderIsNamedButNotYetEvicted) {
-  const std::string budget = std::to_string(bytes_[0] + bytes_[1] - 1);
+// Three caches under a budget that fits two: the least recently used idle one gives its memory
+// back (an Evict: its daemon drains and exits 0), the new one is admitted; the other stays.
+TEST_F(BudgetTest, LeastRecentlyUsedIdleCacheIsEvictedToMakeRoom) {
+  // a and b fit; b and c fit; all three do not.
+  const std::string budget = std::to_string(std::max(bytes_[0] + bytes_[1], bytes_[1] + bytes_[2]));
   auto a = Serve(0, {"--host-budget", budget});
-  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
-  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
-  CommandResult b = ServeRefused(1, {"--host-budget", budget});
-  EXPECT_EQ(b.exit_code, 8) << b.err;
-  EXPECT_NE(b.err.find("room needs stopping the idle caches " + *socket), std::string::npos)
-      << b.err;
+  auto sa = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(sa.ok()) << sa.status().ToString() << a->Log();
+  auto b = Serve(1, {"--host-budget", budget});
+  auto sb = WaitOtherReady(*b, *sa);
+  ASSERT_TRUE(sb.ok()) << sb.status().ToString() << b->Log();
+  auto c = Serve(2, {"--host-budget", budget});
+  ASSERT_EQ(a->WaitExit(30s), std::optional<int>(0)) << a->Log();
+  EXPECT_NE(a->Log().find("evicted to make room under the device's budget"), std::string::npos)
+      << a->Log();
+  auto sc = WaitOtherReady(*c, std::vector<std::string>{*sa, *sb});
+  ASSERT_TRUE(sc.ok()) << sc.status().ToString() << c->Log();
+  EXPECT_TRUE(b->Running());
+  daemon::Ledger ledger = ReadLedger(DeviceDir(*sc));
+  ASSERT_EQ(ledger.entries.size(), 2u);
+  EXPECT_EQ(ledger.Find(*sa), nullptr);
+  ASSERT_NE(ledger.Find(*sb), nullptr);
+  ASSERT_NE(ledger.Find(*sc), nullptr);
+  EXPECT_EQ(ledger.Find(*sc)->pid, c->pid());
+}
+
+// A pinned cache is never evicted, even when it is the least recently used: the next one is.
+TEST_F(BudgetTest, PinnedCacheIsSkippedTheNextIdleOneIsEvicted) {
+  // a and b fit; a and c fit; all three do not.
+  const std::string budget = std::to_string(std::max(bytes_[0] + bytes_[1], bytes_[0] + bytes_[2]));
+  auto a = Serve(0, {"--host-budget", budget, "--pin"});
+  auto sa = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(sa.ok()) << sa.status().ToString() << a->Log();
+  auto b = Serve(1, {"--host-budget", budget});
+  auto sb = WaitOtherReady(*b, *sa);
+  ASSERT_TRUE(sb.ok()) << sb.status().ToString() << b->Log();
+  auto c = Serve(2, {"--host-budget", budget});
+  ASSERT_EQ(b->WaitExit(30s), std::optional<int>(0)) << b->Log();
+  auto sc = WaitOtherReady(*c, std::vector<std::string>{*sa, *sb});
+  ASSERT_TRUE(sc.ok()) << sc.status().ToString() << c->Log();
   EXPECT_TRUE(a->Running());
+  daemon::Ledger ledger = ReadLedger(DeviceDir(*sc));
+  EXPECT_NE(ledger.Find(*sa), nullptr);
+  EXPECT_EQ(ledger.Find(*sb), nullptr);
 }
 
 TEST_F(BudgetTest, KilledHolderIsReclaimedByTheNextAdmission) {

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -291,6 +292,49 @@ TEST(PlanAdmission, NeverTouchesAPinnedOrAttachedCacheAndNamesThemWhenExhausted)
   EXPECT_FALSE(plan.fits);
   EXPECT_NE(plan.refusal.find("this cache needs 101 B, 0 B is held"), std::string::npos)
       << plan.refusal;
+}
+
+// Admission asks the LRU idle cache to evict and waits for its entry to leave; a victim that
+// refuses (it gained a client) leaves the newcomer refused, naming it and its reason.
+TEST(AdmitEvicting, EvictsTheVictimThenRegistersOrNamesTheRefusal) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  ASSERT_TRUE(ledger.Put(Entry("/d/old.sock", 60, 100)).ok());
+  const LedgerEntry self = Entry("/d/new.sock", 60, 300);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::vector<std::string> asked;
+  auto refuse = [&](const LedgerEntry& v) -> Status {
+    asked.push_back(v.socket);
+    return Status(StatusCode::kUnavailable, "refused: 1 client(s) attached");
+  };
+  Status refused = AdmitEvicting(ledger, self, 100, refuse, deadline);
+  EXPECT_EQ(refused.code(), StatusCode::kOutOfMemory) << refused.ToString();
+  EXPECT_NE(refused.message().find("no idle cache gave its memory back (/d/old.sock"),
+            std::string::npos)
+      << refused.ToString();
+  EXPECT_NE(refused.message().find("refused: 1 client(s) attached"), std::string::npos)
+      << refused.ToString();
+  EXPECT_EQ(asked, std::vector<std::string>{"/d/old.sock"});
+  // An evicted daemon removes its entry as it stops (here: the evict function does it).
+  auto accept = [&](const LedgerEntry& v) { return ledger.Remove(v.socket); };
+  Status admitted = AdmitEvicting(ledger, self, 100, accept, deadline);
+  ASSERT_TRUE(admitted.ok()) << admitted.ToString();
+  auto now = ledger.Read();
+  ASSERT_TRUE(now.ok());
+  ASSERT_EQ(now->entries.size(), 1u);
+  EXPECT_EQ(now->entries[0].socket, "/d/new.sock");
+}
+
+// A victim that accepts but never gives its memory back: kTimeout naming it.
+TEST(AdmitEvicting, AVictimThatKeepsItsMemoryPastTheDeadlineIsATimeout) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  ASSERT_TRUE(ledger.Put(Entry("/d/old.sock", 60, 100)).ok());
+  auto accept_and_stay = [](const LedgerEntry&) { return Status::Ok(); };
+  Status s = AdmitEvicting(ledger, Entry("/d/new.sock", 60, 300), 100, accept_and_stay,
+                           std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
+  EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.ToString();
+  EXPECT_NE(s.message().find("/d/old.sock"), std::string::npos) << s.ToString();
 }
 
 TEST(ParseByteSizeOrPercent, TakesBytesOrAWholePercentOfTheTotal) {
