@@ -15,6 +15,8 @@
 #    client's GPU memory must show no second copy of the weights;
 # 3b. crash survival (issue 15): gpu_model_check.py keeper (engine A survives its daemon's
 #    kill -9, the restart adopts the kept memory, engine B attaches; both equal the reference);
+# 3c. many models per GPU (issue 16): gpu_model_check.py budget (demotion by a second cache's
+#    admission, promotion by an engine's attach, the engine equals the reference);
 # 4. the same model sharded (issue 12): for TP = 2 and 4, that many `serve --tp-size N
 #    --tp-rank r` daemons on device 0; each rank attached holds only its slices, its disk
 #    fallback gives the same bytes, and the state dict reassembled from the slices equals the
@@ -203,6 +205,17 @@ else
     step keeper "$py" "$check" keeper --model "$model" --reference "$work/reference.json" \
       --runtime-dir "$keeper_runtime" --cli "$WEIGHTCACHE_CLI" --device "$uuid" &&
       say "python keeper: PASS $(grep -E '^\{"keeper_check"' "$log" | tail -1)"
+  fi
+  # 3c. many models on one GPU (issue 16): two caches under a gpu budget that fits one, with
+  #     --demote host; an engine attaching to the demoted one promotes it and must generate the
+  #     reference's tokens and logits.
+  if [[ -f $work/reference.json ]]; then
+    budget_runtime=$(mktemp -d /tmp/wcb.XXXXXX)
+    step make-other "$py" "$check" make --out "$work/tiny-llama-other" &&
+      step budget "$py" "$check" budget --model "$model" --other-model "$work/tiny-llama-other" \
+        --reference "$work/reference.json" --runtime-dir "$budget_runtime" \
+        --cli "$WEIGHTCACHE_CLI" --device "$uuid" &&
+      say "python budget: PASS $(grep -E '^\{"budget_check"' "$log" | tail -1)"
   fi
   # 4. sharded: N rank daemons on this one GPU, a runtime dir per N.
   if [[ -f $work/reference.json ]]; then

@@ -29,6 +29,12 @@
                                    headers (/proc/PID/io rchar); A generates again, and engine B
                                    (a fresh process: `attach` above) attaches to the adopted
                                    cache; both must give the reference's tokens and logits.
+  budget --model DIR --other-model DIR2 --reference F --runtime-dir R --cli PATH --device UUID
+                                   (issue 16) two `serve --gpu-budget B --demote host` caches,
+                                   B = 1.5 x one checkpoint: the second's admission demotes the
+                                   first to host RAM (`ls`: demoted, host); an engine attaching
+                                   to the first promotes it back (the second is demoted to make
+                                   room) and must give the reference's tokens and logits.
 
 Weights not in the checkpoint: rotary inv_freq (a non-persistent buffer) is recomputed on the
 GPU by re-creating the rotary module; tied embeddings are re-tied (model.tie_weights()).
@@ -451,6 +457,105 @@ def cmd_keeper(args):
                 p.wait()
 
 
+def cache_rows(cli: str, runtime_dir: str) -> list:
+    """`weightcache ls --json`'s rows (state, tier, model_id, bytes, clients...)."""
+    import subprocess
+
+    out = subprocess.run([cli, "ls", "--json", "--runtime-dir", runtime_dir],
+                         capture_output=True, text=True, check=True).stdout
+    data = json.loads(out)
+    return data.get("caches", data) if isinstance(data, dict) else data
+
+
+def cache_row(cli: str, runtime_dir: str, model_id: str) -> dict:
+    for row in cache_rows(cli, runtime_dir):
+        if row.get("model_id") == model_id:
+            return row
+    return {}
+
+
+def cmd_budget(args):
+    """Two caches under a gpu budget that fits one (`serve --gpu-budget --demote host`): the
+    second's admission demotes the first to host RAM; an engine attaching to the first promotes
+    it back (demoting the second) and generates what the disk-loaded model generates."""
+    import glob
+    import subprocess
+
+    weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(args.model, "*.safetensors")))
+    # Either cache fits, both do not (each holds about the checkpoint's bytes).
+    budget = str(int(weights * 1.5))
+    procs = []
+    failures = []
+
+    # The default model id (the directory's name) is what the engine's load_state_dict asks for.
+    ids = {"a": os.path.basename(os.path.normpath(args.model)),
+           "b": os.path.basename(os.path.normpath(args.other_model))}
+    if ids["a"] == ids["b"]:
+        raise ValueError("--model and --other-model need directories of different names")
+
+    def serve(model_dir: str, model_id: str, log: str):
+        cmd = [args.cli, "serve", "--model", model_dir, "--tier", "gpu",
+               "--device", args.device, "--runtime-dir", args.runtime_dir, "--gpu-budget", budget,
+               "--demote", "host", "--no-keeper"]
+        p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        procs.append(p)
+        wait_for(lambda: "ready:" in open(log).read() or p.poll() is not None, 120,
+                 f"{model_id}: not ready after 120 s")
+        if p.poll() is not None:
+            raise RuntimeError(f"{model_id} exited {p.returncode}: {open(log).read()[-2000:]}")
+        return p
+
+    def engine(model_dir: str) -> dict:
+        r = subprocess.run([sys.executable, __file__, "attach", "--model", model_dir,
+                            "--reference", args.reference, "--runtime-dir", args.runtime_dir],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            failures.append(f"engine on {model_dir} failed: {r.stderr[-2000:]}")
+        lines = r.stdout.strip().splitlines()
+        return json.loads(lines[-1]) if lines else {}
+
+    logs = {m: os.path.join(args.runtime_dir, f"serve-{m}.log") for m in ("a", "b")}
+    try:
+        a = serve(args.model, ids["a"], logs["a"])
+        first = engine(args.model)
+        b = serve(args.other_model, ids["b"], logs["b"])
+        row_a = cache_row(args.cli, args.runtime_dir, ids["a"])
+        if row_a.get("state") != "demoted" or row_a.get("tier") != "host":
+            failures.append(f"after b's admission a is {row_a}, not demoted to host")
+        t0 = time.perf_counter()
+        promoted = engine(args.model)  # the attach that promotes a (and demotes b)
+        promote_s = time.perf_counter() - t0
+        row_a = cache_row(args.cli, args.runtime_dir, ids["a"])
+        row_b = cache_row(args.cli, args.runtime_dir, ids["b"])
+        if row_a.get("state") != "ready" or row_a.get("tier") != "gpu":
+            failures.append(f"after the engine's attach a is {row_a}, not ready on the gpu")
+        if row_b.get("state") != "demoted":
+            failures.append(f"b was not demoted to make room for a's promotion: {row_b}")
+        lines = [line for m in ("a", "b") for line in open(logs[m]).read().splitlines()
+                 if "demoted to host RAM" in line or "promoted" in line]
+        for name, r in (("first", first), ("promoted", promoted)):
+            if not (r.get("tokens_equal") and r.get("logits_equal")):
+                failures.append(f"{name} engine: tokens/logits differ from the disk-loaded model")
+        if promoted.get("daemon_pid") != a.pid:
+            failures.append(f"the promoted engine attached to pid {promoted.get('daemon_pid')}, "
+                            f"not a's daemon {a.pid}")
+        print(json.dumps({"budget_check": {
+            "weight_bytes": weights, "gpu_budget": int(budget),
+            "first": {k: first.get(k) for k in ("tokens_equal", "logits_equal")},
+            "promoted": {k: promoted.get(k) for k in ("tokens_equal", "logits_equal",
+                                                      "load_state_dict_ms")},
+            "engine_process_s_with_promotion": round(promote_s, 3),
+            "moves": lines}}))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+    if failures:
+        print("FAIL: " + "; ".join(failures), file=sys.stderr)
+        sys.exit(1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -474,8 +579,15 @@ def main():
     k.add_argument("--runtime-dir", required=True)
     k.add_argument("--cli", required=True)
     k.add_argument("--device", required=True)
+    bu = sub.add_parser("budget")
+    bu.add_argument("--model", required=True)
+    bu.add_argument("--other-model", required=True)
+    bu.add_argument("--reference", required=True)
+    bu.add_argument("--runtime-dir", required=True)
+    bu.add_argument("--cli", required=True)
+    bu.add_argument("--device", required=True)
     args = p.parse_args()
-    {"make": cmd_make, "reference": cmd_reference, "attach": cmd_attach,
+    {"make": cmd_make, "budget": cmd_budget, "reference": cmd_reference, "attach": cmd_attach,
      "shard-attach": cmd_shard_attach, "keeper": cmd_keeper}[args.cmd](args)
 
 
