@@ -161,16 +161,22 @@ else
   echo "   (no kubectl here: the base is not rendered; its files are validated one by one above)"
 fi
 
-# The readiness probe, run as the kubelet would (its exec command) against a real host-tier
-# daemon on a temp runtime dir: not ready with no daemon, ready once the cache is, not ready
-# while fewer caches than expected are.
-step "readiness probe against a real daemon"
-python3 - "$tmp/probe.json" <<'EOF'
+# The DaemonSet's container, run as the kubelet would run it (its command and args, the node's
+# /run/weightcache and the /var/log/weightcache emptyDir moved under a temp dir), on a host-tier
+# job of one daemon (a device inventory stands in for the GPU), and its readiness probe (its
+# exec command): not ready with no daemon, ready once the cache is, not ready while fewer caches
+# than expected are; SIGTERM (the pod's stop) ends the launcher with exit 0.
+step "the DaemonSet's container and readiness probe, on a real launcher and daemon"
+python3 - "$tmp" <<'EOF'
 import json, sys
 import yaml
+tmp = sys.argv[1]
 ds = yaml.safe_load(open("deploy/base/daemonset.yaml"))
 (c,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "weightcache"]
-json.dump(c["readinessProbe"]["exec"]["command"], open(sys.argv[1], "w"))
+json.dump(c["readinessProbe"]["exec"]["command"], open(tmp + "/probe.json", "w"))
+argv = [a.replace("/run/weightcache", tmp + "/run").replace("/var/log/weightcache", tmp + "/log")
+        for a in c["command"] + c["args"]]
+open(tmp + "/container.argv", "w").write("\0".join(argv))
 EOF
 python3 - "$tmp/model" <<'EOF'
 import os, sys
@@ -179,27 +185,41 @@ from safetensors.numpy import save_file
 os.makedirs(sys.argv[1])
 save_file({"w": np.arange(4096, dtype=np.float32)}, os.path.join(sys.argv[1], "model.safetensors"))
 EOF
-mkdir -m 0700 "$tmp/run"
+uuid=GPU-8932f937-d72c-4106-c12f-20bd9faed9f6
+echo "[{\"index\": 0, \"uuid\": \"$uuid\", \"name\": \"NVIDIA H200\", \"memory_bytes\": 150754820096}]" \
+  >"$tmp/inventory.json"
+# As the pod finds them: the runtime dir 0755 (the init container's), the emptyDir 0777.
+mkdir -m 0755 "$tmp/run"
+mkdir -m 0777 "$tmp/log"
 mkdir "$tmp/path" && ln -s "$bin" "$tmp/path/weightcache"
+export WEIGHTCACHE_DEVICE_INVENTORY="$tmp/inventory.json" WEIGHTCACHE_RUNTIME_DIR="$tmp/run"
+export WEIGHTCACHE_MODEL_ID=probe-model
+export WEIGHTCACHE_LAUNCH_ARGS="--model $tmp/model --model-id probe-model --tp 1 --pp 1 --tier host"
 probe() {
-  PATH="$tmp/path:$PATH" WEIGHTCACHE_RUNTIME_DIR="$tmp/run" WEIGHTCACHE_MODEL_ID=probe-model \
-    WEIGHTCACHE_EXPECTED_READY=$1 python3 -c "import json, subprocess, sys
+  PATH="$tmp/path:$PATH" WEIGHTCACHE_EXPECTED_READY=$1 python3 -c "import json, subprocess, sys
 sys.exit(subprocess.run(json.load(open('$tmp/probe.json'))).returncode)" 2>&1
 }
 out=$(probe 1) && fail "probe passed with no daemon: $out"
 grep -qF '0/1 caches of probe-model ready: none' <<<"$out" || fail "probe with no daemon said: $out"
-"$bin" serve --model "$tmp/model" --model-id probe-model --tier host --runtime-dir "$tmp/run" \
-  --no-keeper --detach --json --log-file "$tmp/serve.log" >"$tmp/serve.json" ||
-  fail "serve --detach: $(cat "$tmp/serve.json" "$tmp/serve.log")"
-daemon_pid=$(python3 -c "import json; print(json.load(open('$tmp/serve.json'))['daemons'][0]['pid'])")
+mapfile -d '' -t container <"$tmp/container.argv"
+PATH="$tmp/path:$PATH" "${container[@]}" >"$tmp/container.log" 2>&1 &
+daemon_pid=$!
+# Until the launcher says its daemon is ready; a launcher that exits first fails the check.
+until grep -q 'ready; supervising' "$tmp/container.log"; do
+  kill -0 "$daemon_pid" 2>/dev/null || fail "the DaemonSet's container exited: $(cat "$tmp/container.log")"
+  sleep 0.2
+done
 out=$(probe 1) || fail "probe failed with the cache ready: $out"
 grep -qF '1/1 caches of probe-model ready' <<<"$out" || fail "probe said: $out"
 out=$(probe 2) && fail "probe passed with 1 of 2 caches: $out"
-grep -qF '1/2 caches of probe-model ready: host ready' <<<"$out" || fail "probe with 1 of 2 said: $out"
-"$bin" stop --model "$tmp/model" --model-id probe-model --tier host --runtime-dir "$tmp/run" >/dev/null 2>&1 ||
-  fail "stop"
+grep -qF "1/2 caches of probe-model ready: $uuid ready" <<<"$out" || fail "probe with 1 of 2 said: $out"
+ls "$tmp/log/daemons/"*"-tp0-pp0-${uuid:4:8}.log" >/dev/null || fail "no daemon log under the log dir"
+kill -TERM "$daemon_pid"
+rc=0
+wait "$daemon_pid" || rc=$?
 daemon_pid=
-echo "   no daemon: not ready; ready cache: ready; 1 of 2 expected: not ready"
+((rc == 0)) || fail "the container exited $rc on SIGTERM: $(cat "$tmp/container.log")"
+echo "   no daemon: not ready; ready cache: ready; 1 of 2 expected: not ready; SIGTERM: exit 0"
 
 # --- Container image -----------------------------------------------------------------------
 # No Docker engine here (and no registry access to pull the CUDA images): the Dockerfile is
