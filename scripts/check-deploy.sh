@@ -112,10 +112,15 @@ for path in ["deploy/base/job.yaml", "deploy/base/daemonset.yaml", "deploy/examp
             for part in probe:
                 for m in re.finditer(r'\["weightcache", ([^\]]*)\]', part):
                     uses.append((path, "weightcache " + " ".join(re.findall(r'"([^"]+)"', m.group(1)))))
-for line in open("Dockerfile"):
-    m = re.search(r"weightcache:[\w.]+ (serve .*)", line)
-    if m:
-        uses.append(("Dockerfile", "weightcache " + m.group(1)))
+for path in ["Dockerfile", "docs/deploy.md"]:
+    text = open(path).read().replace("\\\n", " ")
+    for line in text.splitlines():
+        m = re.search(r"weightcache:[\w.]+ (serve .*)", line)
+        if m:
+            uses.append((path, "weightcache " + m.group(1)))
+        m = re.search(r"WEIGHTCACHE_(LAUNCH_)?ARGS=([^'\n]*)", line)
+        if m:
+            uses.append((path, "weightcache " + ("launch " if m.group(1) else "serve ") + m.group(2)))
 helps = {}
 checked = 0
 for where, text in uses:
