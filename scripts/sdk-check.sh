@@ -49,7 +49,7 @@ if grep -Ev "$api" "$work/exports.txt" >"$work/extra.txt"; then
 fi
 for sym in wc_attach wc_attachment_find wc_publish_begin wc_status_code_name \
     'weightcache::Attachment::Attach(' 'weightcache::Publisher::Begin(' \
-    'weightcache::Status::ToString() const'; do
+    'weightcache::Status::ToString'; do
   grep -qF "$sym" "$work/exports.txt" || fail "libweightcache.so does not export $sym"
 done
 
