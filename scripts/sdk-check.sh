@@ -78,11 +78,15 @@ for _ in $(seq 300); do
 done
 [[ -S $socket ]] || { cat "$work/serve.log"; fail "no socket at $socket"; }
 
-echo "== sdk-check: C consumer, pkg-config"
+echo "== sdk-check: C consumer, pkg-config (shared and static)"
 cp -r tests/sdk/c "$work/c"
 PKG_CONFIG_PATH=$prefix/lib/pkgconfig make -s -C "$work/c" >"$work/c.log" 2>&1 ||
   { cat "$work/c.log"; fail "building the C consumer failed"; }
+if readelf -d "$work/c/attach_check_static" | grep -q 'NEEDED.*libweightcache'; then
+  fail "the static C consumer links libweightcache.so"
+fi
 "$work/c/attach_check" "$work/model" "$runtime"
+"$work/c/attach_check_static" "$work/model" "$runtime"
 
 echo "== sdk-check: C++ consumer, find_package (shared and static)"
 cmake -S tests/sdk/cxx -B "$work/cxx" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >"$work/cxx.log" 2>&1 &&
