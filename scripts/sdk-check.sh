@@ -82,6 +82,8 @@ echo "== sdk-check: C consumer, pkg-config (shared and static)"
 cp -r tests/sdk/c "$work/c"
 PKG_CONFIG_PATH=$prefix/lib/pkgconfig make -s -C "$work/c" >"$work/c.log" 2>&1 ||
   { cat "$work/c.log"; fail "building the C consumer failed"; }
+readelf -d "$work/c/attach_check" | grep -q 'NEEDED.*libweightcache.so.1' ||
+  fail "the C consumer does not link libweightcache.so.1"
 if readelf -d "$work/c/attach_check_static" | grep -q 'NEEDED.*libweightcache'; then
   fail "the static C consumer links libweightcache.so"
 fi
