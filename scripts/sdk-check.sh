@@ -91,9 +91,11 @@ fi
 "$work/c/attach_check_static" "$work/model" "$runtime"
 
 echo "== sdk-check: C++ consumer, find_package (shared and static)"
-cmake -S tests/sdk/cxx -B "$work/cxx" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >"$work/cxx.log" 2>&1 &&
-  cmake --build "$work/cxx" >>"$work/cxx.log" 2>&1 ||
-  { cat "$work/cxx.log"; fail "building the C++ consumer failed"; }
+if ! { cmake -S tests/sdk/cxx -B "$work/cxx" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" &&
+  cmake --build "$work/cxx"; } >"$work/cxx.log" 2>&1; then
+  cat "$work/cxx.log"
+  fail "building the C++ consumer failed"
+fi
 readelf -d "$work/cxx/attach_check" | grep -q 'NEEDED.*libweightcache.so.1' ||
   fail "the C++ consumer does not link libweightcache.so.1"
 if readelf -d "$work/cxx/attach_check_static" | grep -q 'NEEDED.*libweightcache'; then
