@@ -5,6 +5,7 @@ set -euo pipefail
 debs=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
       nlohmann-json3-dev libcli11-dev libxxhash-dev libssl-dev libgtest-dev libgmock-dev
       python3 python3-pip pkg-config libsystemd-dev
+      make         # the SDK check's pkg-config consumer (tests/sdk/c/Makefile)
       prometheus   # the metrics test's real Prometheus server (docs/metrics.md)
       systemd)     # systemd-analyze verify/security, systemd-sysusers (scripts/check-deploy.sh)
 missing=()

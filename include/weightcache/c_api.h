@@ -22,6 +22,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "weightcache/export.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -112,33 +114,37 @@ typedef struct wc_attachment wc_attachment;
 typedef void (*wc_daemon_gone_fn)(void* user_data);
 
 /* Defaults: ranks 0 of size 1, tier gpu, on_missing fallback, on_mismatch error, 60 s wait. */
-void wc_attach_options_init(wc_attach_options* options);
+WEIGHTCACHE_EXPORT void wc_attach_options_init(wc_attach_options* options);
 
-wc_status_code wc_attach(const wc_attach_options* options, wc_attachment** out, wc_error* err);
-void wc_attachment_free(wc_attachment* attachment); /* NULL is a no-op */
+WEIGHTCACHE_EXPORT wc_status_code wc_attach(const wc_attach_options* options, wc_attachment** out,
+                                            wc_error* err);
+WEIGHTCACHE_EXPORT void wc_attachment_free(wc_attachment* attachment); /* NULL is a no-op */
 
-size_t wc_attachment_tensor_count(const wc_attachment* attachment);
-wc_status_code wc_attachment_tensor(const wc_attachment* attachment, size_t index, wc_tensor* out,
-                                    wc_error* err);
-wc_status_code wc_attachment_find(const wc_attachment* attachment, const char* name, wc_tensor* out,
-                                  wc_error* err);
+WEIGHTCACHE_EXPORT size_t wc_attachment_tensor_count(const wc_attachment* attachment);
+WEIGHTCACHE_EXPORT wc_status_code wc_attachment_tensor(const wc_attachment* attachment,
+                                                       size_t index, wc_tensor* out, wc_error* err);
+WEIGHTCACHE_EXPORT wc_status_code wc_attachment_find(const wc_attachment* attachment,
+                                                     const char* name, wc_tensor* out,
+                                                     wc_error* err);
 
-wc_source wc_attachment_source(const wc_attachment* attachment);
-wc_tier wc_attachment_tier(const wc_attachment* attachment);
-uint64_t wc_attachment_total_bytes(const wc_attachment* attachment);
-const char* wc_attachment_source_reason(const wc_attachment* attachment);
-const char* wc_attachment_socket_path(const wc_attachment* attachment);
-const char* wc_attachment_device_key(const wc_attachment* attachment);
-const char* wc_attachment_config_digest(const wc_attachment* attachment);
-int32_t wc_attachment_daemon_pid(const wc_attachment* attachment);
+WEIGHTCACHE_EXPORT wc_source wc_attachment_source(const wc_attachment* attachment);
+WEIGHTCACHE_EXPORT wc_tier wc_attachment_tier(const wc_attachment* attachment);
+WEIGHTCACHE_EXPORT uint64_t wc_attachment_total_bytes(const wc_attachment* attachment);
+WEIGHTCACHE_EXPORT const char* wc_attachment_source_reason(const wc_attachment* attachment);
+WEIGHTCACHE_EXPORT const char* wc_attachment_socket_path(const wc_attachment* attachment);
+WEIGHTCACHE_EXPORT const char* wc_attachment_device_key(const wc_attachment* attachment);
+WEIGHTCACHE_EXPORT const char* wc_attachment_config_digest(const wc_attachment* attachment);
+WEIGHTCACHE_EXPORT int32_t wc_attachment_daemon_pid(const wc_attachment* attachment);
 /* The metadata blob of a published cache's publisher (opaque bytes, not NUL-terminated, at
  * most 64 KiB; docs/publish.md) and its size in *size; NULL and 0 when there is none. Valid
  * while the attachment lives. */
-const void* wc_attachment_metadata(const wc_attachment* attachment, size_t* size);
+WEIGHTCACHE_EXPORT const void* wc_attachment_metadata(const wc_attachment* attachment,
+                                                      size_t* size);
 /* 1 while the daemon's connection is open, 0 after it closed or for a fallback. */
-int wc_attachment_daemon_alive(const wc_attachment* attachment);
-wc_status_code wc_attachment_on_daemon_gone(wc_attachment* attachment, wc_daemon_gone_fn fn,
-                                            void* user_data, wc_error* err);
+WEIGHTCACHE_EXPORT int wc_attachment_daemon_alive(const wc_attachment* attachment);
+WEIGHTCACHE_EXPORT wc_status_code wc_attachment_on_daemon_gone(wc_attachment* attachment,
+                                                               wc_daemon_gone_fn fn,
+                                                               void* user_data, wc_error* err);
 
 /* ---- publishing (weightcache/publisher.h, docs/publish.md; host and gpu tiers) ----
  * A publisher names its daemon with the identity fields of wc_attach_options (source must be
@@ -164,23 +170,26 @@ typedef struct wc_publish_tensor {
 typedef struct wc_publisher wc_publisher;
 
 /* timeout_ms: the deadline of each exchange with the daemon (0 = 60 s); metadata may be NULL. */
-wc_status_code wc_publish_begin(const wc_attach_options* identity, const char* metadata,
-                                int64_t timeout_ms, const wc_publish_tensor* tensors, size_t count,
-                                wc_publisher** out, wc_error* err);
+WEIGHTCACHE_EXPORT wc_status_code wc_publish_begin(const wc_attach_options* identity,
+                                                   const char* metadata, int64_t timeout_ms,
+                                                   const wc_publish_tensor* tensors, size_t count,
+                                                   wc_publisher** out, wc_error* err);
 /* Where plan tensor `index` (plan order) goes and its size: a host address (WC_TIER_HOST) or a
  * CUDA device pointer (WC_TIER_GPU, never to be dereferenced on the host); NULL (and *nbytes
  * 0) for an index out of range, after the commit, or for a tensor of 0 bytes. */
-void* wc_publisher_data(const wc_publisher* publisher, size_t index, uint64_t* nbytes);
-wc_tier wc_publisher_tier(const wc_publisher* publisher);
+WEIGHTCACHE_EXPORT void* wc_publisher_data(const wc_publisher* publisher, size_t index,
+                                           uint64_t* nbytes);
+WEIGHTCACHE_EXPORT wc_tier wc_publisher_tier(const wc_publisher* publisher);
 /* Copies nbytes (the tensor's size exactly) from `source` into plan tensor `index`: memcpy on
  * the host tier; cuMemcpy on the gpu tier, synchronous, from host or device memory. */
-wc_status_code wc_publisher_copy_in(wc_publisher* publisher, size_t index, const void* source,
-                                    uint64_t nbytes, wc_error* err);
+WEIGHTCACHE_EXPORT wc_status_code wc_publisher_copy_in(wc_publisher* publisher, size_t index,
+                                                       const void* source, uint64_t nbytes,
+                                                       wc_error* err);
 /* Checksums, unmaps the arena, commits; WC_OK once the daemon is ready with the tensors. */
-wc_status_code wc_publisher_commit(wc_publisher* publisher, wc_error* err);
-void wc_publisher_free(wc_publisher* publisher); /* NULL is a no-op */
+WEIGHTCACHE_EXPORT wc_status_code wc_publisher_commit(wc_publisher* publisher, wc_error* err);
+WEIGHTCACHE_EXPORT void wc_publisher_free(wc_publisher* publisher); /* NULL is a no-op */
 
-const char* wc_status_code_name(wc_status_code code);
+WEIGHTCACHE_EXPORT const char* wc_status_code_name(wc_status_code code);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -52,6 +52,7 @@
 #include <string_view>
 #include <vector>
 
+#include "weightcache/export.h"
 #include "weightcache/identity_options.h"
 #include "weightcache/status.h"
 #include "weightcache/tier.h"  // Tier, TierName, ParseTier
@@ -68,7 +69,7 @@ enum class OnMissing { kFallback, kError };
 enum class OnMismatch { kError, kFallback };
 
 enum class AttachSource { kDaemon, kFallback };
-std::string_view AttachSourceName(AttachSource source);  // "daemon" | "fallback"
+WEIGHTCACHE_EXPORT std::string_view AttachSourceName(AttachSource source);  // "daemon" | "fallback"
 
 struct AttachOptions {
   // What names the cache: the CacheConfig fields, the device and where to look
@@ -183,7 +184,7 @@ struct AttachDiagnostics {
   std::optional<MismatchDetails> mismatch;
 };
 
-class Attachment {
+class WEIGHTCACHE_EXPORT Attachment {
  public:
   static Result<Attachment> Attach(const AttachOptions& options);
   // The same, and fills *diagnostics (when not null) with the outcome as data, on success and

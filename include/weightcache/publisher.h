@@ -43,6 +43,7 @@
 #include <string_view>
 #include <vector>
 
+#include "weightcache/export.h"
 #include "weightcache/identity_options.h"
 #include "weightcache/status.h"
 #include "weightcache/tier.h"
@@ -77,7 +78,7 @@ struct PublishOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};
 };
 
-class Publisher {
+class WEIGHTCACHE_EXPORT Publisher {
  public:
   static Result<Publisher> Begin(const PublishOptions& options,
                                  std::span<const PublishTensor> plan);

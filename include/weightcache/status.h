@@ -19,6 +19,8 @@
 #include <utility>
 #include <variant>
 
+#include "weightcache/export.h"
+
 namespace weightcache {
 
 // The kinds of failure. The CLI maps these onto the exit codes of SPEC §5 (kStatusCodeTable).
@@ -120,11 +122,11 @@ constexpr const StatusCodeInfo& InfoFor(StatusCode code) {
   return i < kStatusCodeCount ? kStatusCodeTable[i] : kStatusCodeTable[kStatusCodeCount - 1];
 }
 
-std::string_view StatusCodeName(StatusCode code);
+WEIGHTCACHE_EXPORT std::string_view StatusCodeName(StatusCode code);
 // The CLI's exit code for `code` (SPEC §5).
 constexpr ExitCode ExitCodeFor(StatusCode code) { return InfoFor(code).exit_code; }
 
-class [[nodiscard]] Status {
+class [[nodiscard]] WEIGHTCACHE_EXPORT Status {
  public:
   Status() = default;  // OK
   Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
@@ -155,14 +157,14 @@ class [[nodiscard]] Status {
 };
 
 // Convenience constructors, one per code, so call sites read as sentences.
-Status InvalidArgument(std::string message);
-Status NotFound(std::string message);
-Status PermissionDenied(std::string message);
-Status InvalidCheckpoint(std::string message);
-Status ProtocolError(std::string message);
-Status InternalError(std::string message);
+WEIGHTCACHE_EXPORT Status InvalidArgument(std::string message);
+WEIGHTCACHE_EXPORT Status NotFound(std::string message);
+WEIGHTCACHE_EXPORT Status PermissionDenied(std::string message);
+WEIGHTCACHE_EXPORT Status InvalidCheckpoint(std::string message);
+WEIGHTCACHE_EXPORT Status ProtocolError(std::string message);
+WEIGHTCACHE_EXPORT Status InternalError(std::string message);
 // An I/O failure from the current (or given) errno: "<what>: <strerror>".
-Status IoError(std::string what, int err);
+WEIGHTCACHE_EXPORT Status IoError(std::string what, int err);
 
 template <typename T>
 class [[nodiscard]] Result {
