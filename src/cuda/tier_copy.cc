@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstddef>
 #include <deque>
+#include <thread>
 #include <utility>
 
 #include "common/logging.h"
@@ -21,9 +22,13 @@ namespace {
 
 // The unit of registration and copy: large enough that a copy runs at the link's rate, small
 // enough that pinning the next chunk overlaps the copies in flight.
-constexpr uint64_t kChunkBytes = uint64_t{256} << 20;
-// Chunks registered and in flight at once.
-constexpr size_t kInFlight = 4;
+constexpr uint64_t kChunkBytes = uint64_t{128} << 20;
+// Chunks registered and in flight at once, per worker.
+constexpr size_t kInFlight = 2;
+// Worker threads, each with its own stream and every kWorkers-th chunk: registering a chunk
+// (pinning, and for a demotion allocating, its pages) costs host time that one thread would
+// not overlap with the copies enough to keep the link busy.
+constexpr size_t kWorkers = 4;
 
 enum class Direction { kDeviceToHost, kHostToDevice };
 
@@ -122,6 +127,39 @@ class ChunkCopier {
   std::deque<InFlight> in_flight_;
 };
 
+// Every chunk copied by up to kWorkers threads (chunk c by worker c % kWorkers), with `context`
+// current on each. The first error of any worker is returned, once all have finished.
+Status CopyInParallel(const DriverApi* api, CUcontext context, Direction direction,
+                      unsigned register_flags, const std::vector<Chunk>& chunks,
+                      TierCopyReport& report) {
+  const size_t workers = std::min(kWorkers, chunks.size());
+  std::vector<TierCopyReport> reports(workers);
+  std::vector<Status> statuses(workers);
+  std::vector<std::thread> threads;
+  threads.reserve(workers);
+  for (size_t w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      if (CUresult rc = api->cuCtxSetCurrent(context); rc != CUDA_SUCCESS) {
+        statuses[w] = DriverError(api, rc, "cuCtxSetCurrent on a tier copy worker");
+        return;
+      }
+      std::vector<Chunk> mine;
+      for (size_t c = w; c < chunks.size(); c += workers) mine.push_back(chunks[c]);
+      statuses[w] = ChunkCopier(api, direction, register_flags).Run(mine, reports[w]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t w = 0; w < workers; ++w) {
+    report.bytes += reports[w].bytes;
+    report.chunks += reports[w].chunks;
+    report.unregistered += reports[w].unregistered;
+  }
+  for (const Status& s : statuses) {
+    if (!s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
 // The chunks of `size` bytes at `host` and `device`.
 void AppendChunks(std::byte* host, CUdeviceptr device, uint64_t size, std::vector<Chunk>& out) {
   for (uint64_t at = 0; at < size; at += kChunkBytes) {
@@ -177,8 +215,8 @@ Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice 
   TierCopyReport& r = report != nullptr ? *report : local;
   r = {};
   const auto start = std::chrono::steady_clock::now();
-  Status copied =
-      ChunkCopier(api, Direction::kDeviceToHost, CU_MEMHOSTREGISTER_PORTABLE).Run(chunks, r);
+  Status copied = CopyInParallel(api, arena.context(), Direction::kDeviceToHost,
+                                 CU_MEMHOSTREGISTER_PORTABLE, chunks, r);
   Finish(r, start);
   if (!copied.ok()) return copied.Context("demotion to host memory");
   // The kernel refuses F_SEAL_WRITE while a writable shared mapping exists.
@@ -217,9 +255,9 @@ Result<std::vector<UniqueFd>> CopyMemfdsToDevice(const DriverApi* api, CUdevice 
   TierCopyReport& r = report != nullptr ? *report : local;
   r = {};
   const auto start = std::chrono::steady_clock::now();
-  Status copied = ChunkCopier(api, Direction::kHostToDevice,
-                              CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY)
-                      .Run(chunks, r);
+  Status copied =
+      CopyInParallel(api, arena->context(), Direction::kHostToDevice,
+                     CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY, chunks, r);
   Finish(r, start);
   if (!copied.ok()) return copied.Context("promotion to device memory");
   return std::move(arena).value().ReleaseToFds();

@@ -7,9 +7,10 @@
 //    back. The attach manifest (which records the allocation sizes and each tensor's allocation
 //    and offset) therefore stays valid across a demotion and a promotion: the bytes are equal.
 //  * The host side of each copy is the memfd's own mapping, registered with the driver chunk by
-//    chunk (cuMemHostRegister; read-only for a promotion, whose memfds are sealed) so that the
-//    copy engine reads or writes it by DMA at the pinned rate; a chunk the driver refuses to
-//    register is copied pageable (correct, slower; the report says how many were).
+//    chunk by a few worker threads, each on its own stream (cuMemHostRegister; read-only for a
+//    promotion, whose memfds are sealed) so that the copy engine reads or writes it by DMA at
+//    the pinned rate; a chunk the driver refuses to register is copied pageable (correct,
+//    slower; the report says how many were).
 //  * Either function returns a complete result or releases everything it acquired: no memfd,
 //    mapping, registration, stream, imported handle, arena or context reference survives an
 //    error (proved against the fault-injecting fake driver in tests/unit/cuda/).

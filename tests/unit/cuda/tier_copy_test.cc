@@ -136,7 +136,10 @@ TEST(TierCopy, ARefusedRegistrationCopiesPageableAndSaysSo) {
   ASSERT_TRUE(device.ok()) << device.status().ToString();
   EXPECT_EQ(report.unregistered, 1u);
   EXPECT_EQ(report.chunks, 1u);
-  EXPECT_EQ(fake.ExportedBytes((*device)[0].get(), 0, kSizes[0]), Pattern(kSizes[0], 0));
+  for (size_t a = 0; a < kSizes.size(); ++a) {
+    EXPECT_EQ(fake.ExportedBytes((*device)[a].get(), 0, kSizes[a]),
+              Pattern(kSizes[a], static_cast<int>(a)));
+  }
   ExpectNothingLive(fake);
 }
 
