@@ -54,9 +54,19 @@ class ChunkCopier {
       events.push_back(std::move(event));
     }
     Status status = Issue(chunks, stream.get(), events, report);
-    // Copies already issued may still touch registered memory: wait before unpinning it.
-    if (CUresult rc = api_->cuStreamSynchronize(stream.get()); rc != CUDA_SUCCESS && status.ok()) {
-      status = DriverError(api_, rc, "cuStreamSynchronize after the tier copy");
+    // Copies already issued may still touch registered memory: wait before unpinning it. A
+    // failed wait is tried once more; a stream that cannot be waited for at all (a broken
+    // context) keeps its chunks registered rather than unpin memory a copy may still use.
+    const CUresult first = api_->cuStreamSynchronize(stream.get());
+    const CUresult rc = first == CUDA_SUCCESS ? first : api_->cuStreamSynchronize(stream.get());
+    if (first != CUDA_SUCCESS && status.ok()) {
+      status = DriverError(api_, first, "cuStreamSynchronize after the tier copy");
+    }
+    if (rc != CUDA_SUCCESS) {
+      LOG_ERROR << DriverError(api_, rc, "cuStreamSynchronize after the tier copy").ToString()
+                << ": leaving " << in_flight_.size() << " chunk(s) registered";
+      in_flight_.clear();
+      return status;
     }
     while (!in_flight_.empty()) Retire();
     return status;
