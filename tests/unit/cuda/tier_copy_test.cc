@@ -181,12 +181,15 @@ TEST(TierCopy, EveryFailingStepReleasesEverything) {
                              failed.find("Release") != std::string::npos ||
                              failed.find("Unmap") != std::string::npos ||
                              failed.find("Free") != std::string::npos;
-        if (failed == "cuMemHostRegister" || release) {
-          // Not an error (pageable copy), or a release the driver refused: logged, not reported.
-          if (failed == "cuMemHostRegister") {
-            EXPECT_TRUE(status.ok()) << status.ToString();
-          }
-          if (release) fake.ClearHostRegistrations();
+        // Not errors: a refused registration (the chunk is copied pageable), a failed query of
+        // the caller's current context (nothing to restore), a release the driver refused
+        // (logged; its resource stays in the fake's books by design).
+        const bool tolerated = failed == "cuMemHostRegister" || failed == "cuCtxGetCurrent";
+        if (release) {
+          EXPECT_TRUE(status.ok() || status.code() == StatusCode::kCuda) << status.ToString();
+          fake.ClearHostRegistrations();
+        } else if (tolerated) {
+          EXPECT_TRUE(status.ok()) << failed << ": " << status.ToString();
         } else {
           EXPECT_EQ(status.code(), StatusCode::kCuda) << failed << ": " << status.ToString();
         }
