@@ -27,7 +27,8 @@ const std::vector<uint64_t> kSizes = {2 * kMiB, 4 * kMiB};
 
 std::string Pattern(uint64_t size, int seed) {
   std::string bytes(size, '\0');
-  for (uint64_t i = 0; i < size; ++i) bytes[i] = static_cast<char>((i * 131 + seed * 7) % 251);
+  const uint64_t offset = static_cast<uint64_t>(seed) * 7;
+  for (uint64_t i = 0; i < size; ++i) bytes[i] = static_cast<char>((i * 131 + offset) % 251);
   return bytes;
 }
 
@@ -54,6 +55,7 @@ std::vector<UniqueFd> HostCopy() {
 
 std::vector<int> Borrow(const std::vector<UniqueFd>& fds) {
   std::vector<int> out;
+  out.reserve(fds.size());
   for (const auto& fd : fds) out.push_back(fd.get());
   return out;
 }
