@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -78,9 +79,7 @@ double PinnedH2D(const cu::DriverApi* api) {
   return best;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int Run(int argc, char** argv) {
   uint64_t gib = 16, alloc_gib = 2;
   int device_index = 0, reps = 3;
   for (int i = 1; i < argc; ++i) {
@@ -123,12 +122,14 @@ int main(int argc, char** argv) {
   }
   for (int r = 0; r < reps; ++r) {
     std::vector<int> borrowed;
+    borrowed.reserve(device_fds.size());
     for (const auto& fd : device_fds) borrowed.push_back(fd.get());
     cu::TierCopyReport demote;
     auto memfds = Check(
         cu::CopyDeviceToMemfds(api, device, borrowed, sizes, "demote_bench", &demote), "demotion");
     device_fds.clear();  // the device memory is freed, as the daemon does
     std::vector<int> hosts;
+    hosts.reserve(memfds.size());
     for (const auto& fd : memfds) hosts.push_back(fd.get());
     cu::TierCopyReport promote;
     device_fds = Check(cu::CopyMemfdsToDevice(api, device, hosts, sizes, &promote), "promotion");
@@ -148,4 +149,16 @@ int main(int argc, char** argv) {
           {"target_demote_gb_s", 20}});
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // The edge: an exception (a bad number in an argument) is an error line and exit 1.
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {
+    Emit({{"error", e.what()}});
+    return 1;
+  }
 }
