@@ -55,7 +55,8 @@ struct ServeArgs {
   std::string memory_budget;
   std::string gpu_budget;  // the device's budget (docs/budget.md); "" = budget.conf, if any
   std::string host_budget;
-  bool pin = false;  // never evicted to make room for another cache
+  bool pin = false;    // never evicted to make room for another cache
+  std::string demote;  // "host": demoted to host RAM when evicted (docs/budget.md)
   int threads = 16;
   double failed_linger_s = 30;
   double handshake_timeout_s = 10;
@@ -294,9 +295,11 @@ Result<std::unique_ptr<daemon::Daemon>> TakeOver(const ServeArgs& args,
 
 // The budget of this cache's tier on its device: the flag, else the device's budget.conf, else
 // none (std::nullopt). kInvalidArgument for a value that does not parse.
+// `tier`: another tier's budget (a demotion's host budget); default the cache's own.
 Result<std::optional<uint64_t>> TierBudget(const ServeArgs& args,
-                                           const identity::ResolvedIdentity& id) {
-  const bool gpu = id.config.tier == Tier::kGpu;
+                                           const identity::ResolvedIdentity& id,
+                                           std::optional<Tier> tier = std::nullopt) {
+  const bool gpu = tier.value_or(id.config.tier) == Tier::kGpu;
   std::string text = gpu ? args.gpu_budget : args.host_budget;
   std::string from = gpu ? "--gpu-budget" : "--host-budget";
   if (text.empty()) {
@@ -310,6 +313,81 @@ Result<std::optional<uint64_t>> TierBudget(const ServeArgs& args,
                    : daemon::ParseByteSize(text);
   if (!bytes.ok()) return Status(bytes.status()).Context(from);
   return std::optional<uint64_t>(*bytes);
+}
+
+// An idle cache of the LRU order gives its memory back when asked (an Evict over its socket):
+// it stops, or is demoted to host RAM (--demote host); it refuses when it has clients or is
+// pinned.
+Status EvictVictim(const daemon::LedgerEntry& victim) {
+  const auto timeout = std::chrono::seconds(5);
+  WEIGHTCACHE_ASSIGN_OR_RETURN(auto conn, protocol::Connection::Connect(victim.socket, timeout));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::EvictReply reply,
+                               conn.Evict(os::Deadline::After(timeout)));
+  if (!reply.evicted) return Status(StatusCode::kUnavailable, "refused: " + reply.reason);
+  return Status::Ok();
+}
+
+// `serve --demote host` (docs/budget.md, "Demotion and promotion"): the daemon's hooks into the
+// device's ledger. Each opens the ledger by path (BudgetLedger holds only paths), so they need
+// nothing from serve's own admission.
+Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
+                                              const identity::ResolvedIdentity& id) {
+  daemon::DemotionOptions demotion;
+  if (args.demote.empty()) return demotion;
+  if (args.demote != "host") {
+    return InvalidArgument("--demote " + args.demote + ": the only tier to demote to is host");
+  }
+  demotion.enabled = true;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<uint64_t> host_budget,
+                               TierBudget(args, id, Tier::kHost));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<uint64_t> gpu_budget,
+                               TierBudget(args, id, Tier::kGpu));
+  const std::string device_dir = id.paths.device_dir;
+  const std::string socket = id.paths.socket;
+  const bool pinned = args.pin;
+  if (host_budget.has_value()) {
+    demotion.host_room = [device_dir, socket, budget = *host_budget](uint64_t bytes) -> Status {
+      daemon::BudgetLedger ledger(device_dir);
+      WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::Ledger now, ledger.Read());
+      const uint64_t held = now.BytesOn(daemon::BudgetTier::kHost, socket);
+      if (held + bytes > budget) {
+        return Status(StatusCode::kOutOfMemory,
+                      "the host budget is " + daemon::FormatBytes(budget) + ", " +
+                          daemon::FormatBytes(held) + " is held and the demotion needs " +
+                          daemon::FormatBytes(bytes));
+      }
+      return Status::Ok();
+    };
+  }
+  demotion.moved = [device_dir, socket](Tier tier) {
+    const pid_t self = ::getpid();
+    Status updated = daemon::BudgetLedger(device_dir)
+                         .Update([&](daemon::Ledger& now) {
+                           daemon::LedgerEntry* mine = now.Find(socket);
+                           if (mine != nullptr && mine->pid == self) {
+                             mine->tier = tier == Tier::kGpu ? daemon::BudgetTier::kGpu
+                                                             : daemon::BudgetTier::kHost;
+                           }
+                           return Status::Ok();
+                         })
+                         .status();
+    if (!updated.ok()) LOG_WARN << "moving the budget ledger entry: " << updated.ToString();
+  };
+  if (gpu_budget.has_value()) {
+    demotion.readmit = [device_dir, socket, pinned, budget = *gpu_budget]() -> Status {
+      daemon::BudgetLedger ledger(device_dir);
+      WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::Ledger now, ledger.Read());
+      const daemon::LedgerEntry* mine = now.Find(socket);
+      if (mine == nullptr) return Status::Ok();  // not in the ledger (removed by hand)
+      WEIGHTCACHE_ASSIGN_OR_RETURN(
+          daemon::LedgerEntry self,
+          daemon::SelfEntry(socket, mine->bytes, daemon::BudgetTier::kGpu, pinned));
+      self.last_used_ms = daemon::NowUnixMs();
+      return daemon::AdmitEvicting(ledger, self, budget, EvictVictim,
+                                   std::chrono::steady_clock::now() + kEvictionTimeout);
+    };
+  }
+  return demotion;
 }
 
 // Admission under the device's budget (docs/budget.md): registers this cache in the device's
@@ -332,18 +410,8 @@ Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(
       daemon::SelfEntry(id.paths.socket, ckpt.total_bytes(), tier, args.pin));
   self.last_used_ms = daemon::NowUnixMs();
   auto ledger = std::make_unique<daemon::BudgetLedger>(id.paths.device_dir);
-  // An idle cache of the LRU order gives its memory back when asked (an Evict over its
-  // socket); it refuses when it has clients or is pinned.
-  auto evict = [](const daemon::LedgerEntry& victim) -> Status {
-    const auto timeout = std::chrono::seconds(5);
-    WEIGHTCACHE_ASSIGN_OR_RETURN(auto conn, protocol::Connection::Connect(victim.socket, timeout));
-    WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::EvictReply reply,
-                                 conn.Evict(os::Deadline::After(timeout)));
-    if (!reply.evicted) return Status(StatusCode::kUnavailable, "refused: " + reply.reason);
-    return Status::Ok();
-  };
   WEIGHTCACHE_RETURN_IF_ERROR(daemon::AdmitEvicting(
-      *ledger, self, *budget, evict, std::chrono::steady_clock::now() + kEvictionTimeout));
+      *ledger, self, *budget, EvictVictim, std::chrono::steady_clock::now() + kEvictionTimeout));
   LOG_INFO << "admitted under the " << daemon::BudgetTierName(tier) << " budget of "
            << daemon::FormatBytes(*budget) << ": " << daemon::FormatBytes(self.bytes);
   return ledger;
@@ -428,6 +496,9 @@ int Run(ServeArgs& args) {
   options.allow_gids.assign(args.allow_gids.begin(), args.allow_gids.end());
   options.failed_linger = Millis(args.failed_linger_s);
   options.pinned = args.pin;
+  auto demotion = DemotionHooks(args, *id);
+  if (!demotion.ok()) return Fail(kCmd, demotion.status());
+  options.demotion = std::move(demotion).value();
   options.handshake_timeout = Millis(args.handshake_timeout_s);
   options.stall_timeout = Millis(args.stall_timeout_s);
   options.publish_timeout = Millis(args.publish_timeout_s);
@@ -600,6 +671,10 @@ void RegisterServeCommand(CLI::App& root) {
                   "the budget for host-tier caches of this runtime dir, bytes (default: "
                   "host_budget in budget.conf)");
   sub->add_flag("--pin", args->pin, "never evict this cache to make room for another");
+  sub->add_option("--demote", args->demote,
+                  "`host`: when evicted, an idle gpu-tier cache moves its memory to host RAM "
+                  "(within the host budget) and stays up; the next attach promotes it back "
+                  "(docs/budget.md)");
   sub->add_option("--threads", args->threads, "reader threads of the load (default 16)")
       ->check(CLI::Range(1, 256));
   sub->add_option("--failed-linger", args->failed_linger_s,

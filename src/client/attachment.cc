@@ -304,7 +304,8 @@ Result<Attachment> AttachAndDiagnose(const AttachOptions& options, const identit
                                  DaemonWatcher::Create(std::move(session.connection)));
     impl->source = AttachSource::kDaemon;
     impl->daemon_pid = static_cast<int>(session.pid);
-    impl->source_reason = "attached to " + who;
+    impl->source_reason =
+        "attached to " + who + (found->note.empty() ? "" : " (" + found->note + ")");
   } else {
     if (options.on_missing == OnMissing::kError) {
       return Status(found->missing_code, found->missing_reason + " (on_missing=error)");

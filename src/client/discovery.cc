@@ -490,11 +490,22 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
     if (!frame.ok()) return deadline_passed ? silent(frame.status()) : frame.status();
     attach_frame = std::move(frame).value();
   }
+  std::string note;
   if (!attach_frame) {
+    // A demoted cache (docs/budget.md) answers the Attach once it is promoted back to the GPU,
+    // within the same deadline.
+    const auto asked = Clock::now();
     auto frame = ReadReply(probe.connection.get(), protocol::MessageType::kAttachReply,
                            deadlines.Answer(), socket, &deadline_passed, sys);
     if (!frame.ok()) return deadline_passed ? silent(frame.status()) : frame.status();
     attach_frame = std::move(frame).value();
+    if (probe.hello.state == protocol::CacheState::kDemoted) {
+      note =
+          "promoted from host RAM in " +
+          std::to_string(
+              std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - asked).count()) +
+          " ms";
+    }
   }
   // The manifest's records are checked by the caller, on the thread that builds the tensor
   // table (attachment.cc), so that on the gpu tier the check overlaps the VMM import.
@@ -503,6 +514,7 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
   if (!reply.ok()) return reply.status().Context(who);
   Discovery d;
   d.session = DaemonSession{std::move(probe.connection), std::move(reply).value(), probe.pid};
+  d.note = std::move(note);
   return d;
 }
 

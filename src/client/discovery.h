@@ -60,6 +60,7 @@ struct DaemonSession {
 struct Discovery {
   std::optional<DaemonSession> session;  // set when a daemon is ready to be mapped
   std::string missing_reason;            // why not, when session is empty
+  std::string note;  // with a session: how it was reached ("promoted from host RAM in N ms")
   // The code an on_missing=error caller fails with: kNoDaemon (absent, stale, draining),
   // kTimeout (still loading at the deadline, or no answer by it: a hung daemon), or the failed
   // daemon's own failure code (its HelloReply/StatusReply failure_code).

@@ -391,12 +391,13 @@ Status AdmitEvicting(BudgetLedger& ledger, const LedgerEntry& self, uint64_t bud
                         " is held, and no idle cache gave its memory back (" + refused + ")");
     }
     // Each evicted daemon removes its entry once its memory is freed (a killed one is
-    // reclaimed by the read): wait for that, then plan again.
+    // reclaimed by the read), or moves it to the host tier once demoted (`serve --demote
+    // host`): wait for that, then plan again.
     for (;;) {
       WEIGHTCACHE_ASSIGN_OR_RETURN(Ledger now, ledger.Read());
       const bool gone = std::ranges::none_of(going, [&](const LedgerEntry& v) {
         const LedgerEntry* e = now.Find(v.socket);
-        return e != nullptr && e->pid == v.pid;
+        return e != nullptr && e->pid == v.pid && e->tier == self.tier;
       });
       if (gone) break;
       if (std::chrono::steady_clock::now() > deadline) {

@@ -143,7 +143,8 @@ using EvictFn = std::function<Status(const LedgerEntry& victim)>;
 // it cannot fit even by evicting every idle cache, kOutOfMemory with the plan's refusal (budget,
 // need, holders with their clients). Otherwise, outside the lock, each victim in LRU order is
 // asked to evict (`evict`), the ledger is polled until the accepted ones are gone (their
-// daemons remove their entries once their memory is freed), and the plan is made again.
+// daemons remove their entries once their memory is freed, or a demoted one moves its entry to
+// another tier), and the plan is made again.
 // kOutOfMemory when every victim refused (naming each and why), kTimeout when an evicted cache
 // still holds its memory at `deadline`.
 Status AdmitEvicting(BudgetLedger& ledger, const LedgerEntry& self, uint64_t budget,

@@ -20,10 +20,12 @@
 #include "checkpoint/checkpoint.h"
 #include "common/logging.h"
 #include "common/mutex.h"
+#include "cuda/tier_copy.h"
 #include "daemon/byte_size.h"
 #include "daemon/load_memory.h"
 #include "os/fd_passing.h"
 #include "protocol/frame.h"
+#include "protocol/manifest.h"
 #include "sharding/planner.h"
 
 namespace weightcache::daemon {
@@ -48,15 +50,16 @@ struct Daemon::Connection {
   Clock::time_point hello_at;     // the last Hello (the attach duration's start)
   bool mismatch_counted = false;  // this Hello's mismatch is in the metrics already
   bool attached = false;
-  uint64_t id = 0;                 // unique for the daemon's life (fd numbers are reused)
-  bool publishing = false;         // its arena is out or being committed: never idle-closed
-  bool committing = false;         // its PublishCommit is being verified: unread until answered
-  bool upgrading = false;          // its Upgrade awaits the successor: never idle-closed
-  bool close_after_flush = false;  // after an error that ends this connection
-  uint32_t armed = 0;              // the epoll mask currently registered
-  Clock::time_point last_request;  // the accept, then each complete request
-  bool fds_sent = false;           // an AttachReply went out: its fds may be unread
-  bool held = false;               // not read until its peer reads our replies
+  uint64_t id = 0;                  // unique for the daemon's life (fd numbers are reused)
+  bool publishing = false;          // its arena is out or being committed: never idle-closed
+  bool committing = false;          // its PublishCommit is being verified: unread until answered
+  bool upgrading = false;           // its Upgrade awaits the successor: never idle-closed
+  bool awaiting_promotion = false;  // its Attach waits for the promotion: unread until answered
+  bool close_after_flush = false;   // after an error that ends this connection
+  uint32_t armed = 0;               // the epoll mask currently registered
+  Clock::time_point last_request;   // the accept, then each complete request
+  bool fds_sent = false;            // an AttachReply went out: its fds may be unread
+  bool held = false;                // not read until its peer reads our replies
   std::optional<Clock::time_point> backed_up_since;  // replies queued or unread since
 
   std::string Describe() const {
@@ -237,6 +240,7 @@ void Daemon::StopLoader() {
   cancel_.store(true);
   if (loader_.joinable()) loader_.join();
   if (committer_.joinable()) committer_.join();
+  if (mover_.joinable()) mover_.join();  // bounded: one copy, or a readmission (its deadline)
 }
 
 // ---- the loader thread ------------------------------------------------------------------------
@@ -541,6 +545,7 @@ void Daemon::OnLoaderWakeup() {
   ssize_t n = ::read(wakeup_.get(), &counter, sizeof(counter));
   (void)n;  // EAGAIN: a spurious wakeup; the state below is what matters
   OnCommitDone();
+  OnMoveDone();
   std::optional<Result<WeightStore>> result;
   std::string adopted_how;
   {
@@ -792,7 +797,8 @@ bool Daemon::Sweep(Clock::time_point now) {
       }
       again = true;
     }
-    if (!conn.attached && !conn.publishing && !conn.upgrading && !conn.close_after_flush) {
+    if (!conn.attached && !conn.publishing && !conn.upgrading && !conn.awaiting_promotion &&
+        !conn.close_after_flush) {
       if (now - conn.last_request >= options_.handshake_timeout) {
         LOG_WARN << "closing connection of " << conn.Describe() << ": no "
                  << (conn.hello_seen ? "further " : "") << "request within "
@@ -811,7 +817,8 @@ bool Daemon::Sweep(Clock::time_point now) {
 }
 
 bool Daemon::Readable(Connection& conn) {
-  if (!conn.outbox.empty() || conn.close_after_flush || conn.held || conn.committing) {
+  if (!conn.outbox.empty() || conn.close_after_flush || conn.held || conn.committing ||
+      conn.awaiting_promotion) {
     return false;
   }
   const int unread = UnreadBytes(conn.fd.get());
@@ -901,9 +908,11 @@ void Daemon::FlushAndRearm(Connection& conn) {
   // Held: no events but EPOLLHUP/EPOLLERR (always reported) until Sweep sees its peer read;
   // EPOLLRDHUP would report a half-closed peer again and again.
   // Committing: nothing but EPOLLHUP/EPOLLERR either, until its PublishCommit is answered.
-  const uint32_t want = !conn.outbox.empty()             ? EPOLLOUT
-                        : (conn.held || conn.committing) ? 0u
-                                                         : (EPOLLIN | EPOLLRDHUP);
+  // Awaiting a promotion: the same, until its Attach is answered.
+  const uint32_t want = !conn.outbox.empty() ? EPOLLOUT
+                        : (conn.held || conn.committing || conn.awaiting_promotion)
+                            ? 0u
+                            : (EPOLLIN | EPOLLRDHUP);
   if (!conn.outbox.empty()) ScheduleSweep();  // its stall deadline
   if (want != conn.armed) {
     Status status = EpollCtl(epoll_.get(), EPOLL_CTL_MOD, fd, want);
@@ -954,7 +963,8 @@ void Daemon::FillLoadState(Reply& reply) const {
 protocol::StatusReply Daemon::MakeStatusReply() const {
   protocol::StatusReply reply;
   FillLoadState(reply);
-  reply.tier = options_.config.tier;
+  // A demoted cache's memory is host RAM until its promotion.
+  reply.tier = demoted_.empty() ? options_.config.tier : Tier::kHost;
   reply.device_uuid = options_.device_key;
   reply.model_id = options_.config.model_id;
   if (store_) {
@@ -1096,6 +1106,14 @@ void Daemon::HandleAttach(Connection& conn) {
                                 options_.config.ShortDigest() + ")"));
     return;
   }
+  if (state_ == CacheState::kDemoted && stop_requested_by_.empty()) {
+    // Answered once the promotion ends (FinishPromotion), within the client's own deadline: a
+    // client that gives up closes its connection, which drops it from the waiters.
+    conn.awaiting_promotion = true;
+    promotion_waiters_.push_back(conn.id);
+    if (move_ == Move::kNone) StartPromotion();
+    return;
+  }
   if (state_ != CacheState::kReady) {
     std::string why = "cache is " + std::string(protocol::CacheStateName(state_));
     if (state_ == CacheState::kLoading) {
@@ -1158,20 +1176,218 @@ void Daemon::HandleEvict(Connection& conn) {
     reply.reason = "pinned (serve --pin)";
   } else if (clients_ > 0) {
     reply.reason = std::to_string(clients_) + " client(s) attached";
+  } else if (state_ == CacheState::kDemoted &&
+             (move_ != Move::kNone || !promotion_waiters_.empty())) {
+    reply.reason = move_ == Move::kDemoting ? "being demoted" : "being promoted for an attach";
+  } else if (state_ == CacheState::kDemoted && stop_requested_by_.empty()) {
+    reply.evicted = true;  // a demoted cache asked for its host memory: it stops
   } else if (state_ != CacheState::kReady) {
     reply.reason = "not ready (" + std::string(protocol::CacheStateName(state_)) + ")";
   } else if (!stop_requested_by_.empty()) {
     reply.reason = "already stopping";
   } else {
     reply.evicted = true;
+    if (Status can = CanDemote(); can.ok()) {
+      reply.reason = "demoted to host";
+    } else if (options_.demotion.enabled) {
+      LOG_INFO << "not demoting (" << can.message() << "): stopping instead";
+    }
   }
   QueueFrame(conn, protocol::EncodeEvictReply(reply));
   if (!reply.evicted) {
     LOG_INFO << "Evict from " << conn.Describe() << " refused: " << reply.reason;
     return;
   }
+  if (!reply.reason.empty()) {
+    LOG_INFO << "Evict from " << conn.Describe() << ": demoting to host RAM";
+    StartDemotion();
+    return;
+  }
   options_.metrics->RecordEviction();
   stop_requested_by_ = "evicted to make room under the device's budget, for " + conn.Describe();
+}
+
+// ---- demotion and promotion (docs/budget.md)
+// -----------------------------------------------------
+
+namespace {
+
+std::string DescribeCopy(const cuda::TierCopyReport& report) {
+  std::string text = std::to_string(report.bytes) + " bytes in " + std::to_string(report.seconds) +
+                     " s (" + std::to_string(report.gb_per_s) + " GB/s)";
+  if (report.unregistered > 0) {
+    text += ", " + std::to_string(report.unregistered) + " chunk(s) copied unregistered";
+  }
+  return text;
+}
+
+}  // namespace
+
+Status Daemon::CanDemote() const {
+  if (!options_.demotion.enabled) return Status(StatusCode::kUnavailable, "no --demote host");
+  if (options_.config.tier != Tier::kGpu) {
+    return Status(StatusCode::kUnavailable, "a host-tier cache is in host RAM already");
+  }
+  if (!store_ || !options_.device.has_value()) {
+    return Status(StatusCode::kUnavailable, "no loaded gpu store");
+  }
+  if (identity::IsPublishedSource(options_.config.source)) {
+    return Status(StatusCode::kUnavailable, "a published cache is not demoted");
+  }
+  if (options_.demotion.host_room) {
+    Status room = options_.demotion.host_room(store_->summary().resident_bytes);
+    if (!room.ok()) return room;
+  }
+  return Status::Ok();
+}
+
+void Daemon::StartDemotion() {
+  const ManifestFile& file = store_->summary().manifest;
+  auto manifest =
+      protocol::MapManifestMemfd(file.fd.get(), file.size, protocol::RecordCheck::kDeferred);
+  if (!manifest.ok()) {
+    // Our own manifest: a bug. The Evict was accepted, so the memory is given back anyway.
+    LOG_ERROR << "demotion: reading the manifest: " << manifest.status().ToString()
+              << "; stopping instead";
+    options_.metrics->RecordEviction();
+    stop_requested_by_ = "evicted (the demotion could not start)";
+    return;
+  }
+  allocation_sizes_ = manifest->allocation_sizes();
+  state_ = CacheState::kDemoted;  // attaches from now on wait for the promotion
+  move_ = Move::kDemoting;
+  move_start_ = Clock::now();
+  mover_ = std::thread([this, fds = store_->fds(), sizes = allocation_sizes_] {
+    std::string how;
+    Result<std::vector<UniqueFd>> result = [&]() -> Result<std::vector<UniqueFd>> {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, options_.env.load_driver());
+      WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *options_.device));
+      cuda::TierCopyReport report;
+      auto memfds = cuda::CopyDeviceToMemfds(
+          api, device, fds, sizes, "weightcache:" + options_.config.ShortDigest() + ":demoted",
+          &report);
+      how = DescribeCopy(report);
+      return memfds;
+    }();
+    {
+      MutexLock lock(move_mu_);
+      move_result_.emplace(std::move(result));
+      move_how_ = std::move(how);
+    }
+    Wake(wakeup_.get());
+  });
+}
+
+void Daemon::StartPromotion() {
+  move_ = Move::kPromoting;
+  move_start_ = Clock::now();
+  LOG_INFO << "promoting back to the GPU for " << promotion_waiters_.size() << " attach(es)";
+  std::vector<int> memfds;
+  memfds.reserve(demoted_.size());
+  for (const UniqueFd& fd : demoted_) memfds.push_back(fd.get());
+  mover_ = std::thread([this, memfds = std::move(memfds), sizes = allocation_sizes_] {
+    std::string how;
+    Result<std::vector<UniqueFd>> result = [&]() -> Result<std::vector<UniqueFd>> {
+      if (options_.demotion.readmit) {
+        Status admitted = options_.demotion.readmit();
+        if (!admitted.ok()) return admitted.Context("re-admission under the gpu budget");
+      }
+      WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, options_.env.load_driver());
+      WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *options_.device));
+      cuda::TierCopyReport report;
+      auto fds = cuda::CopyMemfdsToDevice(api, device, memfds, sizes, &report);
+      how = DescribeCopy(report);
+      return fds;
+    }();
+    {
+      MutexLock lock(move_mu_);
+      move_result_.emplace(std::move(result));
+      move_how_ = std::move(how);
+    }
+    Wake(wakeup_.get());
+  });
+}
+
+void Daemon::OnMoveDone() {
+  std::optional<Result<std::vector<UniqueFd>>> result;
+  std::string how;
+  {
+    MutexLock lock(move_mu_);
+    if (!move_result_) return;
+    result = std::move(move_result_);
+    move_result_.reset();
+    how = std::move(move_how_);
+  }
+  if (mover_.joinable()) mover_.join();
+  const Move move = std::exchange(move_, Move::kNone);
+  if (state_ == CacheState::kDraining) return;  // the drain decides now; the copy just goes
+  if (move == Move::kDemoting) {
+    FinishDemotion(std::move(*result), how);
+  } else {
+    FinishPromotion(std::move(*result), how);
+  }
+}
+
+void Daemon::FinishDemotion(Result<std::vector<UniqueFd>> memfds, const std::string& how) {
+  if (!memfds.ok()) {
+    // The Evict was accepted: the GPU memory is given back by stopping, as without --demote.
+    LOG_ERROR << "demotion to host RAM failed: " << memfds.status().ToString()
+              << "; stopping instead";
+    options_.metrics->RecordEviction();
+    stop_requested_by_ = "evicted to make room under the device's budget (the demotion failed: " +
+                         memfds.status().message() + ")";
+    return;
+  }
+  // The keeper's duplicates of the GPU allocations go first (they would keep the memory), then
+  // ours: the GPU memory is freed (no client maps it: the cache had none).
+  DropKeeperAtStop();
+  (void)store_->ExchangeFds({});
+  demoted_ = std::move(memfds).value();
+  options_.metrics->RecordDemotion();
+  LOG_INFO
+      << "demoted to host RAM in "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - move_start_).count()
+      << " ms (copy: " << how << "); its GPU memory is freed";
+  if (options_.demotion.moved) options_.demotion.moved(Tier::kHost);
+  if (!promotion_waiters_.empty()) StartPromotion();
+}
+
+void Daemon::FinishPromotion(Result<std::vector<UniqueFd>> fds, const std::string& how) {
+  const std::vector<uint64_t> waiters = std::exchange(promotion_waiters_, {});
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - move_start_).count();
+  Status failure;
+  if (fds.ok()) {
+    (void)store_->ExchangeFds(std::move(fds).value());
+    demoted_.clear();  // the host copy goes
+    state_ = CacheState::kReady;
+    options_.metrics->RecordPromotion();
+    LOG_INFO << "promoted back to the GPU in " << ms << " ms (copy: " << how << ")";
+    if (options_.demotion.moved) options_.demotion.moved(options_.config.tier);
+    DepositLoaded(*store_);  // a crash keeps the memory again
+  } else {
+    failure = Status(StatusCode::kUnavailable,
+                     "cache " + options_.config.ShortDigest() +
+                         " is demoted to host RAM and its promotion back to the GPU failed: " +
+                         fds.status().ToString());
+    LOG_ERROR << failure.message();
+    // A readmission may have moved the ledger entry to the gpu tier already.
+    if (options_.demotion.moved) options_.demotion.moved(Tier::kHost);
+  }
+  for (uint64_t id : waiters) {
+    for (auto& [fd, conn] : connections_) {
+      if (conn->id != id) continue;
+      conn->awaiting_promotion = false;
+      if (failure.ok()) {
+        HandleAttach(*conn);
+      } else {
+        RecordAttach(*conn, AttachResult::kUnavailable);
+        QueueError(*conn, failure);
+      }
+      FlushAndRearm(*conn);  // may close it: the loop ends here either way
+      break;
+    }
+  }
 }
 
 // ---- upgrade (docs/upgrade.md) -----------------------------------------------------------------

@@ -83,6 +83,22 @@
 
 namespace weightcache::daemon {
 
+// `serve --demote host` (docs/budget.md, "Demotion and promotion"): an idle gpu-tier cache asked
+// to give its memory back (Evict) copies its allocations into sealed memfds, frees its GPU
+// memory and keeps serving, `demoted`; the next Attach promotes it back first. The hooks are the
+// budget ledger's (serve sets them); empty ones do nothing.
+struct DemotionOptions {
+  bool enabled = false;
+  // On the loop thread, before accepting a demotion: Ok when `bytes` more fit the host budget,
+  // else why not (then the cache is stopped instead, as without --demote).
+  std::function<Status(uint64_t bytes)> host_room;
+  // On the loop thread: the cache's memory now lives on `tier` (its ledger entry follows).
+  std::function<void(Tier tier)> moved;
+  // On the mover thread, before a promotion copies anything: room under the gpu budget (it may
+  // evict other caches and wait for them). An error refuses the waiting attaches.
+  std::function<Status()> readmit;
+};
+
 // A published cache that is `ready`: whether a new publish may replace its arena.
 enum class ReplacePolicy { kRefuse, kReplace };
 
@@ -110,6 +126,8 @@ struct DaemonOptions {
   std::chrono::milliseconds failed_linger{30'000};
   // `serve --pin`: an Evict is refused (docs/budget.md).
   bool pinned = false;
+  // `serve --demote host`: an Evict demotes a gpu-tier cache to host RAM instead of stopping it.
+  DemotionOptions demotion;
   // Upper bound on flushing pending replies while draining.
   std::chrono::milliseconds drain_timeout{2'000};
   // Connections beyond this are answered with an Error and closed (fd exhaustion guard).
@@ -283,6 +301,14 @@ class Daemon {
   // The committer thread's result (CommitPublication): installs the store or refuses the
   // commit, answers the publisher if its connection is still open.
   void OnCommitDone();
+  // Demotion and promotion (docs/budget.md): the copies run on the mover thread, whose result
+  // the loop takes in OnMoveDone (woken through the loader's eventfd).
+  Status CanDemote() const;
+  void StartDemotion();
+  void StartPromotion();
+  void OnMoveDone();
+  void FinishDemotion(Result<std::vector<UniqueFd>> memfds, const std::string& how);
+  void FinishPromotion(Result<std::vector<UniqueFd>> fds, const std::string& how);
   // Serves `store` from now on (a load's, or a publish's commit, which may replace a ready
   // one: the old store is retired until no queued reply borrows its fds).
   Status InstallStore(WeightStore store);
@@ -372,6 +398,20 @@ class Daemon {
   // Set with load_result_ when the store was adopted from the keeper: how (for on_adopted).
   std::string adopted_how_ WEIGHTCACHE_GUARDED_BY(result_mu_);
   std::thread loader_;
+
+  // Demotion and promotion: what the mover thread is doing, the store's allocation sizes
+  // (from its manifest), the sealed memfds while demoted, and the connections (by id) whose
+  // Attach waits for the promotion.
+  enum class Move : uint8_t { kNone, kDemoting, kPromoting };
+  Move move_ = Move::kNone;
+  Clock::time_point move_start_;
+  std::vector<uint64_t> allocation_sizes_;
+  std::vector<UniqueFd> demoted_;
+  std::vector<uint64_t> promotion_waiters_;
+  Mutex move_mu_;
+  std::optional<Result<std::vector<UniqueFd>>> move_result_ WEIGHTCACHE_GUARDED_BY(move_mu_);
+  std::string move_how_ WEIGHTCACHE_GUARDED_BY(move_mu_);  // bytes, seconds, GB/s
+  std::thread mover_;
 
   // Committer handoff: sealing and checksumming a published arena is one pass over all of its
   // bytes, done off the event loop so that other connections are served meanwhile.

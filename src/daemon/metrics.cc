@@ -10,9 +10,10 @@ namespace {
 constexpr auto kRelaxed = std::memory_order_relaxed;
 
 // Every state a daemon reports, in the order the one-hot gauge lists them.
-constexpr std::array<protocol::CacheState, 5> kStates = {
-    protocol::CacheState::kLoading, protocol::CacheState::kAwaiting, protocol::CacheState::kReady,
-    protocol::CacheState::kFailed, protocol::CacheState::kDraining};
+constexpr std::array<protocol::CacheState, 6> kStates = {
+    protocol::CacheState::kLoading,  protocol::CacheState::kAwaiting,
+    protocol::CacheState::kReady,    protocol::CacheState::kFailed,
+    protocol::CacheState::kDraining, protocol::CacheState::kDemoted};
 
 uint64_t ToNanos(double seconds) {
   if (!(seconds > 0)) return 0;  // negative, zero and NaN alike

@@ -77,6 +77,12 @@ class WeightStore {
     return fds;
   }
   const StoreSummary& summary() const { return summary_; }
+  // Demotion and promotion (docs/budget.md): the same layout in other memory. Takes `fds` (one
+  // per allocation, same sizes) and returns the old ones. Not while another thread reads fds().
+  std::vector<UniqueFd> ExchangeFds(std::vector<UniqueFd> fds) {
+    fds_.swap(fds);
+    return fds;
+  }
 
  private:
   Tier tier_;

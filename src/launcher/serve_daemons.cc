@@ -64,6 +64,7 @@ Result<ProbeReport> ProbeDaemonState(const std::string& socket_path,
                                                : ProbeReport::State::kLoading;
       break;
     case protocol::CacheState::kReady:
+    case protocol::CacheState::kDemoted:  // serving from host RAM; an attach promotes it
       r.state = ProbeReport::State::kReady;
       break;
     case protocol::CacheState::kFailed:

@@ -88,7 +88,8 @@ class Fields {
   Result<CacheState> State(const char* key) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::string s, String(key));
     Result<CacheState> state = ParseCacheState(s);
-    if (!state.ok()) return TypeError(key, "one of loading, ready, failed, draining, awaiting");
+    if (!state.ok())
+      return TypeError(key, "one of loading, ready, failed, draining, awaiting, demoted");
     return state;
   }
 
@@ -152,6 +153,8 @@ std::string_view CacheStateName(CacheState state) {
       return "draining";
     case CacheState::kAwaiting:
       return "awaiting";
+    case CacheState::kDemoted:
+      return "demoted";
   }
   return "unknown";
 }
@@ -162,6 +165,7 @@ Result<CacheState> ParseCacheState(std::string_view name) {
   if (name == "failed") return CacheState::kFailed;
   if (name == "draining") return CacheState::kDraining;
   if (name == "awaiting") return CacheState::kAwaiting;
+  if (name == "demoted") return CacheState::kDemoted;
   return ProtocolError("unknown cache state \"" + std::string(name.substr(0, 32)) + "\"");
 }
 

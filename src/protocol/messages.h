@@ -31,7 +31,9 @@ namespace weightcache::protocol {
 inline constexpr int kMaxJsonDepth = 16;
 
 // kAwaiting: a published cache (source published:<tag>) waiting for its publisher's commit.
-enum class CacheState : uint8_t { kLoading, kReady, kFailed, kDraining, kAwaiting };
+// kDemoted: a gpu-tier cache whose memory was moved to host RAM (serve --demote host); an
+// Attach promotes it back before it is answered (docs/budget.md).
+enum class CacheState : uint8_t { kLoading, kReady, kFailed, kDraining, kAwaiting, kDemoted };
 // "loading", "ready", "failed", "draining", "awaiting"
 std::string_view CacheStateName(CacheState state);
 Result<CacheState> ParseCacheState(std::string_view name);

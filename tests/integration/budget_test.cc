@@ -160,6 +160,40 @@ TEST_F(BudgetTest, LeastRecentlyUsedIdleCacheIsEvictedToMakeRoom) {
   EXPECT_EQ(ledger.Find(*sc)->pid, c->pid());
 }
 
+// `--demote host` on a host-tier cache: its memory is host RAM already, so an Evict stops it
+// as without the flag (docs/budget.md, "Demotion and promotion").
+TEST_F(BudgetTest, DemoteHostOnAHostTierCacheIsPlainlyEvicted) {
+  const std::string budget = std::to_string(std::max(bytes_[0] + bytes_[1], bytes_[1] + bytes_[2]));
+  auto a = Serve(0, {"--host-budget", budget, "--demote", "host"});
+  auto sa = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(sa.ok()) << sa.status().ToString() << a->Log();
+  auto b = Serve(1, {"--host-budget", budget, "--demote", "host"});
+  auto sb = WaitOtherReady(*b, *sa);
+  ASSERT_TRUE(sb.ok()) << sb.status().ToString() << b->Log();
+  auto c = Serve(2, {"--host-budget", budget, "--demote", "host"});
+  ASSERT_EQ(a->WaitExit(30s), std::optional<int>(0)) << a->Log();
+  EXPECT_NE(a->Log().find("not demoting (a host-tier cache is in host RAM already): stopping "
+                          "instead"),
+            std::string::npos)
+      << a->Log();
+  EXPECT_NE(a->Log().find("evicted to make room under the device's budget"), std::string::npos)
+      << a->Log();
+  auto sc = WaitOtherReady(*c, std::vector<std::string>{*sa, *sb});
+  ASSERT_TRUE(sc.ok()) << sc.status().ToString() << c->Log();
+  daemon::Ledger ledger = ReadLedger(DeviceDir(*sc));
+  EXPECT_EQ(ledger.Find(*sa), nullptr);
+  ASSERT_NE(ledger.Find(*sc), nullptr);
+  EXPECT_EQ(ledger.Find(*sc)->tier, daemon::BudgetTier::kHost);
+}
+
+// Any other tier after --demote is a usage error (exit 2) naming the flag.
+TEST_F(BudgetTest, DemoteToAnotherTierThanHostIsRefused) {
+  CommandResult r = ServeRefused(0, {"--demote", "disk"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--demote disk: the only tier to demote to is host"), std::string::npos)
+      << r.err;
+}
+
 // A pinned cache is never evicted, even when it is the least recently used: the next one is.
 TEST_F(BudgetTest, PinnedCacheIsSkippedTheNextIdleOneIsEvicted) {
   // a and b fit; a and c fit; all three do not.

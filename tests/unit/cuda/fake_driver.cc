@@ -865,7 +865,15 @@ CUresult FakeDriver::MemcpyAsync(void* dst, const void* src, size_t bytes, CUstr
   }
   if (in_reservation(src)) {
     if (!mapped(src)) return Violation("copy from unmapped VMM memory");
-    std::memset(dst, 0, bytes);
+    const auto ptr = reinterpret_cast<CUdeviceptr>(src);
+    auto m = std::prev(mappings_.upper_bound(ptr));
+    const std::vector<uint8_t>& backing = memory_[m->second.memory].bytes;
+    if (backing.empty()) {  // not backed: reads zeros
+      std::memset(dst, 0, bytes);
+      return CUDA_SUCCESS;
+    }
+    stream.queue.push_back({dst, backing.data() + (ptr - m->first), bytes, stream.next_seq++});
+    if (stream.queue.size() > max_queued_) RunUntil(stream, stream.queue.front().seq);
     return CUDA_SUCCESS;
   }
   stream.queue.push_back({dst, src, bytes, stream.next_seq++});

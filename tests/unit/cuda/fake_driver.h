@@ -13,7 +13,8 @@
 //    reservation, no overlap, unmap exactly what was mapped, no free of a reservation with live
 //    mappings) and counts violations instead of crashing. VMM addresses are not backed unless a
 //    test asks (BackVmmMemory): then memory objects have host bytes that copies into their
-//    mappings land in (queued like any copy), read back through an exported fd (ExportedBytes).
+//    mappings land in (queued like any copy) and copies out of them read, read back through an
+//    exported fd (ExportedBytes).
 //  * Memory-backed resources: cuMemAlloc and cuMemHostAlloc return host memory (a CUdeviceptr
 //    from cuMemAlloc is a host address), and each kind is freed only by its own call
 //    (cuMemFree, cuMemFreeHost); a wrong release call is a violation. cuMemHostRegister and

@@ -337,6 +337,36 @@ TEST(AdmitEvicting, AVictimThatKeepsItsMemoryPastTheDeadlineIsATimeout) {
   EXPECT_NE(s.message().find("/d/old.sock"), std::string::npos) << s.ToString();
 }
 
+// A gpu-tier victim demoted to host RAM (`serve --demote host`) keeps its entry but moves it to
+// the host tier: its gpu memory is free, so the newcomer is admitted and the victim stays
+// registered, on the host tier, with its bytes.
+TEST(AdmitEvicting, AVictimDemotedToTheHostTierCountsAsFreed) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  ASSERT_TRUE(ledger.Put(Entry("/d/old.sock", 60, 100, BudgetTier::kGpu)).ok());
+  const LedgerEntry self = Entry("/d/new.sock", 60, 300, BudgetTier::kGpu);
+  auto demote = [&](const LedgerEntry& v) {
+    return ledger
+        .Update([&](Ledger& now) {
+          now.Find(v.socket)->tier = BudgetTier::kHost;
+          return Status::Ok();
+        })
+        .status();
+  };
+  Status admitted = AdmitEvicting(ledger, self, 100, demote,
+                                  std::chrono::steady_clock::now() + std::chrono::seconds(10));
+  ASSERT_TRUE(admitted.ok()) << admitted.ToString();
+  auto now = ledger.Read();
+  ASSERT_TRUE(now.ok());
+  ASSERT_EQ(now->entries.size(), 2u);
+  ASSERT_NE(now->Find("/d/old.sock"), nullptr);
+  EXPECT_EQ(now->Find("/d/old.sock")->tier, BudgetTier::kHost);
+  EXPECT_EQ(now->Find("/d/old.sock")->bytes, 60u);
+  EXPECT_EQ(now->Find("/d/new.sock")->tier, BudgetTier::kGpu);
+  EXPECT_EQ(now->BytesOn(BudgetTier::kGpu), 60u);
+  EXPECT_EQ(now->BytesOn(BudgetTier::kHost), 60u);
+}
+
 TEST(ParseByteSizeOrPercent, TakesBytesOrAWholePercentOfTheTotal) {
   EXPECT_EQ(*ParseByteSizeOrPercent("40G", 0), uint64_t{40} << 30);
   EXPECT_EQ(*ParseByteSizeOrPercent("50%", 1000), 500u);

@@ -343,7 +343,8 @@ TEST(MessageDecodeTest, StrictFieldChecking) {
                       "Error: field 'code' 99 is not an error code");
   ExpectProtocolError(
       DecodeHelloReply(Bytes(R"({"state":"sleeping"})")).status(),
-      "HelloReply: field 'state' must be one of loading, ready, failed, draining, awaiting");
+      "HelloReply: field 'state' must be one of loading, ready, failed, draining, awaiting, "
+      "demoted");
   ExpectProtocolError(
       DecodeHelloReply(Bytes(R"({"state":"ready","bytes_done":1,"bytes_total":1,)"
                              R"("failure_reason":"","failure_code":0,"match":false,"config":{},)"

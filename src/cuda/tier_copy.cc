@@ -1,0 +1,276 @@
+// Demotion and promotion copies (see tier_copy.h).
+#include "cuda/tier_copy.h"
+
+#include <fcntl.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <deque>
+#include <thread>
+#include <utility>
+
+#include "common/logging.h"
+#include "cuda/exported_arena.h"
+#include "cuda/imported_arena.h"
+#include "cuda/upload_resources.h"
+#include "os/memfd.h"
+
+namespace weightcache::cuda {
+namespace {
+
+// The unit of registration and copy: large enough that a copy runs at the link's rate, small
+// enough that pinning the next chunk overlaps the copies in flight.
+constexpr uint64_t kChunkBytes = uint64_t{128} << 20;
+// Chunks registered and in flight at once, per worker.
+constexpr size_t kInFlight = 2;
+// Worker threads, each with its own stream and every kWorkers-th chunk: registering a chunk
+// (pinning, and for a demotion allocating, its pages) costs host time that one thread would
+// not overlap with the copies enough to keep the link busy.
+constexpr size_t kWorkers = 4;
+
+enum class Direction { kDeviceToHost, kHostToDevice };
+
+struct Chunk {
+  std::byte* host = nullptr;
+  CUdeviceptr device = 0;
+  size_t bytes = 0;
+};
+
+// Copies every chunk on one stream, registering each chunk's host range (with
+// `register_flags`) before its copy and unregistering it once its copy is done; at most
+// kInFlight chunks are registered at a time. Every registration is undone on every path.
+class ChunkCopier {
+ public:
+  ChunkCopier(const DriverApi* api, Direction direction, unsigned register_flags)
+      : api_(api), direction_(direction), register_flags_(register_flags) {}
+
+  Status Run(const std::vector<Chunk>& chunks, TierCopyReport& report) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(api_));
+    std::vector<CudaEvent> events;
+    for (size_t i = 0; i < kInFlight; ++i) {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(CudaEvent event, CudaEvent::Create(api_));
+      events.push_back(std::move(event));
+    }
+    Status status = Issue(chunks, stream.get(), events, report);
+    // Copies already issued may still touch registered memory: wait before unpinning it. A
+    // failed wait is tried once more; a stream that cannot be waited for at all (a broken
+    // context) keeps its chunks registered rather than unpin memory a copy may still use.
+    const CUresult first = api_->cuStreamSynchronize(stream.get());
+    const CUresult rc = first == CUDA_SUCCESS ? first : api_->cuStreamSynchronize(stream.get());
+    if (first != CUDA_SUCCESS && status.ok()) {
+      status = DriverError(api_, first, "cuStreamSynchronize after the tier copy");
+    }
+    if (rc != CUDA_SUCCESS) {
+      LOG_ERROR << DriverError(api_, rc, "cuStreamSynchronize after the tier copy").ToString()
+                << ": leaving " << in_flight_.size() << " chunk(s) registered";
+      in_flight_.clear();
+      return status;
+    }
+    while (!in_flight_.empty()) Retire();
+    return status;
+  }
+
+ private:
+  struct InFlight {
+    void* registered = nullptr;  // null: copied pageable
+    size_t event = 0;
+  };
+
+  Status Issue(const std::vector<Chunk>& chunks, CUstream stream,
+               const std::vector<CudaEvent>& events, TierCopyReport& report) {
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const Chunk& chunk = chunks[c];
+      if (in_flight_.size() == kInFlight) {
+        if (CUresult rc = api_->cuEventSynchronize(events[in_flight_.front().event].get());
+            rc != CUDA_SUCCESS) {
+          return DriverError(api_, rc, "cuEventSynchronize of a tier copy chunk");
+        }
+        Retire();
+      }
+      void* registered = nullptr;
+      if (CUresult rc = api_->cuMemHostRegister(chunk.host, chunk.bytes, register_flags_);
+          rc == CUDA_SUCCESS) {
+        registered = chunk.host;
+        ++report.chunks;
+      } else {
+        if (report.unregistered == 0) {
+          LOG_WARN << DriverError(api_, rc, "cuMemHostRegister of a tier copy chunk").ToString()
+                   << ": copying such chunks from pageable memory (slower)";
+        }
+        ++report.unregistered;
+      }
+      const size_t event = c % kInFlight;
+      in_flight_.push_back({registered, event});
+      const CUresult rc =
+          direction_ == Direction::kDeviceToHost
+              ? api_->cuMemcpyDtoHAsync(chunk.host, chunk.device, chunk.bytes, stream)
+              : api_->cuMemcpyHtoDAsync(chunk.device, chunk.host, chunk.bytes, stream);
+      if (rc != CUDA_SUCCESS) {
+        return DriverError(api_, rc,
+                           direction_ == Direction::kDeviceToHost
+                               ? "cuMemcpyDtoHAsync of " + std::to_string(chunk.bytes) + " bytes"
+                               : "cuMemcpyHtoDAsync of " + std::to_string(chunk.bytes) + " bytes");
+      }
+      if (CUresult er = api_->cuEventRecord(events[event].get(), stream); er != CUDA_SUCCESS) {
+        return DriverError(api_, er, "cuEventRecord after a tier copy chunk");
+      }
+      report.bytes += chunk.bytes;
+    }
+    return Status::Ok();
+  }
+
+  // The oldest chunk's copy is done (its event, or the stream, was waited for): unpin it.
+  void Retire() {
+    const InFlight done = in_flight_.front();
+    in_flight_.pop_front();
+    if (done.registered == nullptr) return;
+    if (CUresult rc = api_->cuMemHostUnregister(done.registered); rc != CUDA_SUCCESS) {
+      LogReleaseFailure(api_, rc, "cuMemHostUnregister of a tier copy chunk");
+    }
+  }
+
+  const DriverApi* api_;
+  Direction direction_;
+  unsigned register_flags_;
+  std::deque<InFlight> in_flight_;
+};
+
+// Every chunk copied by up to kWorkers threads (chunk c by worker c % kWorkers), with `context`
+// current on each. The first error of any worker is returned, once all have finished.
+Status CopyInParallel(const DriverApi* api, CUcontext context, Direction direction,
+                      unsigned register_flags, const std::vector<Chunk>& chunks,
+                      TierCopyReport& report) {
+  const size_t workers = std::min(kWorkers, chunks.size());
+  std::vector<TierCopyReport> reports(workers);
+  std::vector<Status> statuses(workers);
+  std::vector<std::thread> threads;
+  threads.reserve(workers);
+  for (size_t w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      if (CUresult rc = api->cuCtxSetCurrent(context); rc != CUDA_SUCCESS) {
+        statuses[w] = DriverError(api, rc, "cuCtxSetCurrent on a tier copy worker");
+        return;
+      }
+      std::vector<Chunk> mine;
+      for (size_t c = w; c < chunks.size(); c += workers) mine.push_back(chunks[c]);
+      statuses[w] = ChunkCopier(api, direction, register_flags).Run(mine, reports[w]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t w = 0; w < workers; ++w) {
+    report.bytes += reports[w].bytes;
+    report.chunks += reports[w].chunks;
+    report.unregistered += reports[w].unregistered;
+  }
+  for (const Status& s : statuses) {
+    if (!s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
+// The chunks of `size` bytes at `host` and `device`.
+void AppendChunks(std::byte* host, CUdeviceptr device, uint64_t size, std::vector<Chunk>& out) {
+  for (uint64_t at = 0; at < size; at += kChunkBytes) {
+    out.push_back({host + at, device + at, static_cast<size_t>(std::min(kChunkBytes, size - at))});
+  }
+}
+
+Status CheckSpans(size_t fds, std::span<const uint64_t> sizes, std::string_view what) {
+  if (fds != sizes.size() || sizes.empty()) {
+    return InvalidArgument(std::string(what) + ": " + std::to_string(fds) + " fd(s) for " +
+                           std::to_string(sizes.size()) + " allocation size(s)");
+  }
+  if (std::ranges::any_of(sizes, [](uint64_t s) { return s == 0; })) {
+    return InvalidArgument(std::string(what) + ": an allocation of 0 bytes");
+  }
+  return Status::Ok();
+}
+
+void Finish(TierCopyReport& report, std::chrono::steady_clock::time_point start) {
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report.gb_per_s =
+      report.seconds > 0 ? static_cast<double>(report.bytes) / 1e9 / report.seconds : 0;
+}
+
+}  // namespace
+
+Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice device,
+                                                 std::span<const int> vmm_fds,
+                                                 std::span<const uint64_t> sizes,
+                                                 const std::string& name, TierCopyReport* report) {
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckSpans(vmm_fds.size(), sizes, "demotion"));
+  std::vector<UniqueFd> dups;
+  for (int fd : vmm_fds) {
+    UniqueFd dup(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+    if (!dup) return IoError("demotion: duplicating allocation fd " + std::to_string(fd), errno);
+    dups.push_back(std::move(dup));
+  }
+  // Imported and mapped for this copy only; its context reference goes with it.
+  WEIGHTCACHE_ASSIGN_OR_RETURN(ImportedArena arena,
+                               ImportedArena::Import(api, device, std::move(dups), sizes));
+  std::vector<UniqueFd> memfds;
+  std::vector<os::MappedRegion> regions;
+  std::vector<Chunk> chunks;
+  for (size_t a = 0; a < sizes.size(); ++a) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(UniqueFd memfd, os::CreateMemfd(name, sizes[a]));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region, os::MapReadWrite(memfd.get(), sizes[a]));
+    AppendChunks(static_cast<std::byte*>(region.data()), arena.allocations()[a].ptr, sizes[a],
+                 chunks);
+    memfds.push_back(std::move(memfd));
+    regions.push_back(std::move(region));
+  }
+  TierCopyReport local;
+  TierCopyReport& r = report != nullptr ? *report : local;
+  r = {};
+  const auto start = std::chrono::steady_clock::now();
+  Status copied = CopyInParallel(api, arena.context(), Direction::kDeviceToHost,
+                                 CU_MEMHOSTREGISTER_PORTABLE, chunks, r);
+  Finish(r, start);
+  if (!copied.ok()) return copied.Context("demotion to host memory");
+  // The kernel refuses F_SEAL_WRITE while a writable shared mapping exists.
+  regions.clear();
+  for (size_t a = 0; a < memfds.size(); ++a) {
+    Status sealed = os::SealReadOnly(memfds[a].get());
+    if (!sealed.ok()) return sealed.Context("demotion: sealing memfd " + std::to_string(a));
+  }
+  return memfds;
+}
+
+Result<std::vector<UniqueFd>> CopyMemfdsToDevice(const DriverApi* api, CUdevice device,
+                                                 std::span<const int> memfds,
+                                                 std::span<const uint64_t> sizes,
+                                                 TierCopyReport* report) {
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckSpans(memfds.size(), sizes, "promotion"));
+  std::vector<os::MappedRegion> regions;
+  for (size_t a = 0; a < sizes.size(); ++a) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region, os::MapReadOnly(memfds[a], sizes[a]));
+    regions.push_back(std::move(region));
+  }
+  // Retains the primary context and makes it current on this thread.
+  auto arena = ExportedArena::Create(api, device, sizes);
+  if (!arena.ok()) return arena.status().Context("promotion: allocating the arena");
+  std::vector<Chunk> chunks;
+  for (size_t a = 0; a < sizes.size(); ++a) {
+    const ExportedAllocation& alloc = arena->allocations()[a];
+    if (alloc.size != sizes[a]) {
+      return InternalError("promotion: allocation " + std::to_string(a) + " came out " +
+                           std::to_string(alloc.size) + " bytes, the demoted one had " +
+                           std::to_string(sizes[a]));
+    }
+    AppendChunks(static_cast<std::byte*>(regions[a].data()), alloc.ptr, sizes[a], chunks);
+  }
+  TierCopyReport local;
+  TierCopyReport& r = report != nullptr ? *report : local;
+  r = {};
+  const auto start = std::chrono::steady_clock::now();
+  Status copied =
+      CopyInParallel(api, arena->context(), Direction::kHostToDevice,
+                     CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY, chunks, r);
+  Finish(r, start);
+  if (!copied.ok()) return copied.Context("promotion to device memory");
+  return std::move(arena).value().ReleaseToFds();
+}
+
+}  // namespace weightcache::cuda

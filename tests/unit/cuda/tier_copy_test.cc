@@ -1,0 +1,206 @@
+// Demotion and promotion copies (cuda/tier_copy.h) against the fault-injecting FakeDriver with
+// backed VMM memory: a promotion from sealed memfds puts their exact bytes into a new exported
+// arena of the same layout, a demotion of that arena gives sealed memfds with the same bytes,
+// and a failure at any driver call returns the error and releases everything (no handle,
+// reservation, mapping, context reference, registration, stream, event or fd left behind).
+#include "cuda/tier_copy.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "os/memfd.h"
+#include "unit/cuda/fake_driver.h"
+
+namespace weightcache::cuda {
+namespace {
+
+using testing::CountOpenFds;
+using testing::FakeDriver;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr CUdevice kDevice = 1;
+const std::vector<uint64_t> kSizes = {2 * kMiB, 4 * kMiB};
+
+std::string Pattern(uint64_t size, int seed) {
+  std::string bytes(size, '\0');
+  const uint64_t offset = static_cast<uint64_t>(seed) * 7;
+  for (uint64_t i = 0; i < size; ++i) bytes[i] = static_cast<char>((i * 131 + offset) % 251);
+  return bytes;
+}
+
+std::string ReadAll(int fd, uint64_t size) {
+  std::string bytes(size, '\0');
+  if (::pread(fd, bytes.data(), size, 0) != static_cast<ssize_t>(size)) return "";
+  return bytes;
+}
+
+// Sealed memfds holding Pattern(size, a) for allocation a: what a demotion leaves.
+std::vector<UniqueFd> HostCopy() {
+  std::vector<UniqueFd> fds;
+  for (size_t a = 0; a < kSizes.size(); ++a) {
+    auto fd = os::CreateMemfd("tier-copy-test", kSizes[a]);
+    EXPECT_TRUE(fd.ok());
+    const std::string bytes = Pattern(kSizes[a], static_cast<int>(a));
+    EXPECT_EQ(::pwrite(fd->get(), bytes.data(), bytes.size(), 0),
+              static_cast<ssize_t>(bytes.size()));
+    EXPECT_TRUE(os::SealReadOnly(fd->get()).ok());
+    fds.push_back(std::move(fd).value());
+  }
+  return fds;
+}
+
+std::vector<int> Borrow(const std::vector<UniqueFd>& fds) {
+  std::vector<int> out;
+  out.reserve(fds.size());
+  for (const auto& fd : fds) out.push_back(fd.get());
+  return out;
+}
+
+// Nothing the copies took is still held in the fake (the exported memory objects themselves
+// live while their fds do, by design).
+void ExpectNothingLive(const FakeDriver& fake) {
+  EXPECT_EQ(fake.live_handles(), 0);
+  EXPECT_EQ(fake.live_reservations(), 0);
+  EXPECT_EQ(fake.live_mappings(), 0);
+  EXPECT_EQ(fake.total_context_refs(), 0);
+  EXPECT_EQ(fake.live_host_registrations(), 0);
+  EXPECT_EQ(fake.live_streams(), 0);
+  EXPECT_EQ(fake.live_events(), 0);
+  EXPECT_EQ(fake.pending_copies(), 0u);
+  EXPECT_EQ(fake.violations(), 0) << ::testing::PrintToString(fake.violation_log());
+}
+
+TEST(TierCopy, PromotionThenDemotionKeepsEveryByteAndTheLayout) {
+  const int fds_before = CountOpenFds();
+  {
+    FakeDriver fake;
+    fake.BackVmmMemory();
+    const std::vector<UniqueFd> host = HostCopy();
+    TierCopyReport promoted_report;
+    auto device = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, &promoted_report);
+    ASSERT_TRUE(device.ok()) << device.status().ToString();
+    ASSERT_EQ(device->size(), kSizes.size());
+    EXPECT_EQ(promoted_report.bytes, 6 * kMiB);
+    EXPECT_EQ(promoted_report.chunks, 2u);
+    EXPECT_EQ(promoted_report.unregistered, 0u);
+    for (size_t a = 0; a < kSizes.size(); ++a) {
+      EXPECT_EQ(fake.ExportedBytes((*device)[a].get(), 0, kSizes[a]),
+                Pattern(kSizes[a], static_cast<int>(a)))
+          << "allocation " << a;
+    }
+    ExpectNothingLive(fake);
+
+    TierCopyReport demoted_report;
+    auto memfds = CopyDeviceToMemfds(fake.api(), kDevice, Borrow(*device), kSizes,
+                                     "weightcache:test:demoted", &demoted_report);
+    ASSERT_TRUE(memfds.ok()) << memfds.status().ToString();
+    ASSERT_EQ(memfds->size(), kSizes.size());
+    EXPECT_EQ(demoted_report.bytes, 6 * kMiB);
+    for (size_t a = 0; a < kSizes.size(); ++a) {
+      EXPECT_TRUE(os::CheckSealedReadOnly((*memfds)[a].get()).ok()) << "memfd " << a;
+      EXPECT_EQ(*os::FileSize((*memfds)[a].get()), kSizes[a]);
+      EXPECT_EQ(ReadAll((*memfds)[a].get(), kSizes[a]), Pattern(kSizes[a], static_cast<int>(a)))
+          << "memfd " << a;
+    }
+    ExpectNothingLive(fake);
+  }
+  EXPECT_EQ(CountOpenFds(), fds_before);
+}
+
+TEST(TierCopy, MismatchedFdsAndSizesAreRefusedBeforeAnyDriverCall) {
+  FakeDriver fake;
+  const std::vector<UniqueFd> host = HostCopy();
+  const std::vector<int> one = {host[0].get()};
+  auto promoted = CopyMemfdsToDevice(fake.api(), kDevice, one, kSizes);
+  ASSERT_FALSE(promoted.ok());
+  EXPECT_EQ(promoted.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(promoted.status().message().find("promotion: 1 fd(s) for 2 allocation size(s)"),
+            std::string::npos)
+      << promoted.status().ToString();
+  auto demoted = CopyDeviceToMemfds(fake.api(), kDevice, one, kSizes, "x");
+  ASSERT_FALSE(demoted.ok());
+  EXPECT_EQ(demoted.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(fake.steps(), 0);
+}
+
+// A registration the driver refuses is not an error: the chunk is copied pageable.
+TEST(TierCopy, ARefusedRegistrationCopiesPageableAndSaysSo) {
+  FakeDriver fake;
+  fake.BackVmmMemory();
+  const std::vector<UniqueFd> host = HostCopy();
+  fake.FailCall("cuMemHostRegister", 1, CUDA_ERROR_NOT_SUPPORTED);
+  TierCopyReport report;
+  auto device = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, &report);
+  ASSERT_TRUE(device.ok()) << device.status().ToString();
+  EXPECT_EQ(report.unregistered, 1u);
+  EXPECT_EQ(report.chunks, 1u);
+  for (size_t a = 0; a < kSizes.size(); ++a) {
+    EXPECT_EQ(fake.ExportedBytes((*device)[a].get(), 0, kSizes[a]),
+              Pattern(kSizes[a], static_cast<int>(a)));
+  }
+  ExpectNothingLive(fake);
+}
+
+// Every driver call of a promotion and of a demotion, in turn, fails: the copy either ends in
+// that CUDA error or (a refused registration) succeeds pageable, and nothing is left behind.
+TEST(TierCopy, EveryFailingStepReleasesEverything) {
+  const int fds_before = CountOpenFds();
+  for (const bool promotion : {true, false}) {
+    int total = 0;
+    for (int step = 0; step == 0 || step <= total; ++step) {
+      SCOPED_TRACE((promotion ? "promotion" : "demotion") + std::string(", failing step ") +
+                   std::to_string(step));
+      FakeDriver fake;
+      fake.BackVmmMemory();
+      const std::vector<UniqueFd> host = HostCopy();
+      std::vector<UniqueFd> device;
+      if (!promotion) {
+        auto made = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes);
+        ASSERT_TRUE(made.ok()) << made.status().ToString();
+        device = std::move(made).value();
+      }
+      const int before = fake.steps();
+      if (step > 0) fake.FailStep(before + step, CUDA_ERROR_UNKNOWN);
+      Status status;
+      {
+        auto out = promotion ? CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes)
+                             : CopyDeviceToMemfds(fake.api(), kDevice, Borrow(device), kSizes,
+                                                  "weightcache:test:demoted");
+        status = out.ok() ? Status::Ok() : out.status();
+      }
+      if (step == 0) {
+        ASSERT_TRUE(status.ok()) << status.ToString();
+        total = fake.steps() - before;
+        ASSERT_GT(total, 5);
+      } else {
+        const std::string failed = fake.calls()[static_cast<size_t>(before + step - 1)];
+        const bool release = failed.find("Unregister") != std::string::npos ||
+                             failed.find("Destroy") != std::string::npos ||
+                             failed.find("Release") != std::string::npos ||
+                             failed.find("Unmap") != std::string::npos ||
+                             failed.find("Free") != std::string::npos;
+        // Not errors: a refused registration (the chunk is copied pageable), a failed query of
+        // the caller's current context (nothing to restore), a release the driver refused
+        // (logged; its resource stays in the fake's books by design).
+        const bool tolerated = failed == "cuMemHostRegister" || failed == "cuCtxGetCurrent";
+        if (release) {
+          EXPECT_TRUE(status.ok() || status.code() == StatusCode::kCuda) << status.ToString();
+          fake.ClearHostRegistrations();
+        } else if (tolerated) {
+          EXPECT_TRUE(status.ok()) << failed << ": " << status.ToString();
+        } else {
+          EXPECT_EQ(status.code(), StatusCode::kCuda) << failed << ": " << status.ToString();
+        }
+        if (!release) ExpectNothingLive(fake);
+      }
+    }
+  }
+  EXPECT_EQ(CountOpenFds(), fds_before);
+}
+
+}  // namespace
+}  // namespace weightcache::cuda

@@ -1,0 +1,237 @@
+// Demotion to host RAM and promotion back (`serve --demote host`, docs/budget.md) with a gpu-tier
+// daemon run in process over the fake CUDA driver with backed VMM memory: an Evict demotes an
+// idle cache (state `demoted`, tier host, the ledger hook told), an Attach promotes it back and
+// gets the same bytes in the same layout; a host budget too small stops the cache instead; a
+// promotion that fails refuses the waiting attach and leaves the cache demoted, and the next
+// attach promotes it.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/mutex.h"
+#include "daemon/daemon.h"
+#include "identity/resolve.h"
+#include "protocol/connection.h"
+#include "support/test_env.h"
+#include "unit/client/client_fixtures.h"
+#include "unit/cuda/fake_driver.h"
+#include "unit/daemon/in_process_daemon.h"
+
+namespace weightcache::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using cuda::testing::FakeDriver;
+using protocol::CacheState;
+
+// The ledger hook's view: every tier the daemon said its memory moved to.
+class MovedLog {
+ public:
+  void Add(Tier tier) {
+    MutexLock lock(mu_);
+    tiers_.push_back(tier);
+    cv_.NotifyAll();
+  }
+  // Blocks until `n` moves were reported (no timeout: ctest's bounds a hang).
+  std::vector<Tier> WaitFor(size_t n) {
+    MutexLock lock(mu_);
+    while (tiers_.size() < n) cv_.Wait(mu_);
+    return tiers_;
+  }
+
+ private:
+  Mutex mu_;
+  CondVar cv_;
+  std::vector<Tier> tiers_ WEIGHTCACHE_GUARDED_BY(mu_);
+};
+
+class DemotionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!MakeReferenceCheckpoint(dir_.Join("model"), 6, 2, 7, "f32,bf16", 4096, &ref_, &why)) {
+      GTEST_SKIP() << why;
+    }
+    fake_.emplace(4096);
+    fake_->BackVmmMemory();
+    env_.load_driver = [this]() -> Result<const cuda::DriverApi*> { return fake_->api(); };
+    env_.lookup = identity::MapEnv({});
+    identity_.model_dir = ref_.dir;
+    identity_.tier = Tier::kGpu;
+    identity_.device = "1";
+    identity_.runtime_dir = dir_.Join("run");
+  }
+
+  std::unique_ptr<InProcessDaemon> Start(daemon::DemotionOptions demotion) {
+    auto options = DaemonOptionsFor(identity_, env_);
+    EXPECT_TRUE(options.ok()) << options.status().ToString();
+    if (!options.ok()) return nullptr;
+    options->keeper.enabled = false;
+    options->demotion = std::move(demotion);
+    auto started = InProcessDaemon::Start(std::move(options).value());
+    EXPECT_TRUE(started.ok()) << started.status().ToString();
+    if (!started.ok()) return nullptr;
+    Status loaded = (*started)->WaitLoaded();
+    EXPECT_TRUE(loaded.ok()) << loaded.ToString();
+    return std::move(started).value();
+  }
+
+  daemon::DemotionOptions Demote() {
+    daemon::DemotionOptions d;
+    d.enabled = true;
+    d.moved = [this](Tier tier) { moved_.Add(tier); };
+    return d;
+  }
+
+  // Hello then Attach on a new connection; the connection closes with the reply (a detach).
+  Result<protocol::AttachReply> Attach(const InProcessDaemon& d) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(auto conn, protocol::Connection::Connect(d.socket(), 5s));
+    protocol::Hello hello;
+    hello.config = d.options().config.ToJson();
+    hello.client_name = "demotion_test";
+    WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::HelloReply hr,
+                                 conn.SendHello(hello, os::Deadline::After(30s)));
+    last_hello_state_ = hr.state;
+    return conn.Attach(os::Deadline::After(60s));
+  }
+
+  // Each allocation's bytes, read through the fake's books of the exported memory.
+  std::vector<std::string> Bytes(const protocol::AttachReply& reply) {
+    std::vector<std::string> out;
+    const auto& sizes = reply.manifest.allocation_sizes();
+    for (size_t a = 0; a < reply.fds.size(); ++a) {
+      out.push_back(fake_->ExportedBytes(reply.fds[a].get(), 0, sizes[a]));
+    }
+    return out;
+  }
+
+  // An Evict, repeated while the daemon still counts a client that just closed its
+  // connection (its disconnect is processed after our request may arrive).
+  protocol::EvictReply Evict(const InProcessDaemon& d) {
+    for (;;) {
+      auto conn = protocol::Connection::Connect(d.socket(), 5s);
+      EXPECT_TRUE(conn.ok()) << conn.status().ToString();
+      if (!conn.ok()) return {};
+      auto reply = conn->Evict(os::Deadline::After(30s));
+      EXPECT_TRUE(reply.ok()) << reply.status().ToString();
+      if (!reply.ok()) return {};
+      if (reply->evicted || reply->clients == 0) return *reply;
+      std::this_thread::sleep_for(10ms);
+    }
+  }
+
+  protocol::StatusReply QueryStatus(const InProcessDaemon& d) {
+    auto conn = protocol::Connection::Connect(d.socket(), 5s);
+    EXPECT_TRUE(conn.ok()) << conn.status().ToString();
+    if (!conn.ok()) return {};
+    auto status = conn->QueryStatus(os::Deadline::After(30s));
+    EXPECT_TRUE(status.ok()) << status.status().ToString();
+    return status.ok() ? *status : protocol::StatusReply{};
+  }
+
+  TempDir dir_;
+  ReferenceCheckpoint ref_;
+  std::optional<FakeDriver> fake_;
+  identity::Env env_ = identity::Env::Default();
+  IdentityOptions identity_;
+  MovedLog moved_;
+  CacheState last_hello_state_ = CacheState::kLoading;
+};
+
+TEST_F(DemotionTest, EvictDemotesToHostAndTheNextAttachPromotesTheSameBytes) {
+  auto d = Start(Demote());
+  ASSERT_NE(d, nullptr);
+  std::vector<std::string> before;
+  std::vector<uint64_t> sizes;
+  {
+    auto first = Attach(*d);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    before = Bytes(*first);
+    sizes = first->manifest.allocation_sizes();
+  }
+  ASSERT_FALSE(before.empty());
+  for (const auto& b : before) ASSERT_FALSE(b.empty());
+
+  protocol::EvictReply evicted = Evict(*d);
+  EXPECT_TRUE(evicted.evicted);
+  EXPECT_EQ(evicted.reason, "demoted to host");
+  EXPECT_EQ(moved_.WaitFor(1), std::vector<Tier>{Tier::kHost});
+  protocol::StatusReply status = QueryStatus(*d);
+  EXPECT_EQ(status.state, CacheState::kDemoted);
+  EXPECT_EQ(status.tier, Tier::kHost);
+
+  auto second = Attach(*d);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ(last_hello_state_, CacheState::kDemoted);
+  EXPECT_EQ(second->manifest.allocation_sizes(), sizes);
+  EXPECT_EQ(Bytes(*second), before);
+  EXPECT_EQ(moved_.WaitFor(2), (std::vector<Tier>{Tier::kHost, Tier::kGpu}));
+  status = QueryStatus(*d);
+  EXPECT_EQ(status.state, CacheState::kReady);
+  EXPECT_EQ(status.tier, Tier::kGpu);
+  const std::string metrics = d->options().metrics->Render();
+  EXPECT_NE(metrics.find("weightcache_demotions_total 1\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("weightcache_promotions_total 1\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("weightcache_evictions_total 0\n"), std::string::npos) << metrics;
+  EXPECT_TRUE(d->Stop().ok());
+}
+
+// No room under the host budget: the Evict is accepted as a plain eviction, the daemon stops.
+TEST_F(DemotionTest, AHostBudgetTooSmallStopsTheCacheInstead) {
+  daemon::DemotionOptions demotion = Demote();
+  uint64_t asked = 0;
+  demotion.host_room = [&asked](uint64_t bytes) {
+    asked = bytes;
+    return Status(StatusCode::kOutOfMemory, "the host budget is 1 KiB");
+  };
+  auto d = Start(std::move(demotion));
+  ASSERT_NE(d, nullptr);
+  protocol::EvictReply evicted = Evict(*d);
+  EXPECT_TRUE(evicted.evicted);
+  EXPECT_EQ(evicted.reason, "");
+  EXPECT_GT(asked, 0u);
+  // The daemon drains: its socket goes, and Run ends cleanly.
+  while (std::filesystem::exists(d->socket())) std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(d->Stop().ok());
+  const std::string metrics = d->options().metrics->Render();
+  EXPECT_NE(metrics.find("weightcache_evictions_total 1\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("weightcache_demotions_total 0\n"), std::string::npos) << metrics;
+}
+
+// A promotion that fails (here: the device allocation) refuses the waiting attach with the
+// reason, the cache stays demoted with its host copy, and the next attach promotes it.
+TEST_F(DemotionTest, AFailedPromotionRefusesTheAttachAndTheNextOnePromotes) {
+  auto d = Start(Demote());
+  ASSERT_NE(d, nullptr);
+  std::vector<std::string> before;
+  {
+    auto first = Attach(*d);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    before = Bytes(*first);
+  }
+  ASSERT_TRUE(Evict(*d).evicted);
+  moved_.WaitFor(1);
+  fake_->FailCall("cuMemCreate", fake_->CallCount("cuMemCreate") + 1, CUDA_ERROR_OUT_OF_MEMORY);
+  auto refused = Attach(*d);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("its promotion back to the GPU failed"),
+            std::string::npos)
+      << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("CUDA_ERROR_OUT_OF_MEMORY"), std::string::npos)
+      << refused.status().ToString();
+  EXPECT_EQ(QueryStatus(*d).state, CacheState::kDemoted);
+  auto promoted = Attach(*d);
+  ASSERT_TRUE(promoted.ok()) << promoted.status().ToString();
+  EXPECT_EQ(Bytes(*promoted), before);
+  EXPECT_TRUE(d->Stop().ok());
+}
+
+}  // namespace
+}  // namespace weightcache::testing
