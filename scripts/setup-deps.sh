@@ -4,7 +4,7 @@
 set -euo pipefail
 debs=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
       nlohmann-json3-dev libcli11-dev libxxhash-dev libssl-dev libgtest-dev libgmock-dev
-      python3 python3-pip pkg-config libsystemd-dev
+      python3 python3-pip python3-venv pkg-config libsystemd-dev
       prometheus)  # the metrics test's real Prometheus server (docs/metrics.md)
 missing=()
 for p in "${debs[@]}"; do
@@ -27,6 +27,9 @@ python3 -c 'import prometheus_client' 2>/dev/null || py_missing+=(prometheus_cli
 python3 -c 'import nanobind; assert nanobind.__version__.startswith("3.1.")' 2>/dev/null ||
   py_missing+=(nanobind==3.1.0)
 python3 -c 'import scikit_build_core' 2>/dev/null || py_missing+=(scikit-build-core)
+# scripts/test.sh builds the wheel with `python -m build --wheel --no-isolation` (pip `build`);
+# tests/python/test_wheel.py installs it into a fresh venv (python3-venv above).
+python3 -c 'import build.util' 2>/dev/null || py_missing+=(build)  # not ./build/, a CMake dir
 if ((${#py_missing[@]})); then
   echo "setup-deps: pip install ${py_missing[*]}"
   python3 -m pip install -q --disable-pip-version-check "${py_missing[@]}" 2>&1 |
