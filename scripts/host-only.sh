@@ -7,16 +7,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build-hostonly}
+mkdir -p "$build"
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S . -B "$build" -G Ninja -DWEIGHTCACHE_GPU=OFF -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON \
       -DWEIGHTCACHE_BUILD_TESTS=OFF -DWEIGHTCACHE_BUILD_BENCH=OFF -DWEIGHTCACHE_BUILD_KERNELS=OFF \
-      "${launcher[@]}" >"$build.configure.log" 2>&1 ||
-  { cat "$build.configure.log"; exit 1; }
+      "${launcher[@]}" >"$build/configure.log" 2>&1 ||
+  { cat "$build/configure.log"; exit 1; }
 fail() { echo "host-only: FAIL: $*" >&2; exit 1; }
 # The configure output names what the gpu tier needs.
-grep -F "gpu tier OFF" "$build.configure.log" | grep -qF "CUDA toolkit headers (cuda.h" ||
-  { cat "$build.configure.log"; fail "configure did not say what the gpu tier needs"; }
+grep -F "gpu tier OFF" "$build/configure.log" | grep -qF "CUDA toolkit headers (cuda.h" ||
+  { cat "$build/configure.log"; fail "configure did not say what the gpu tier needs"; }
 cmake --build "$build" -j "${JOBS:-$(nproc)}" --target weightcache
 # Nothing was compiled against the toolkit: no compile command names a CUDA include dir.
 if grep -E -- '-I[^ ]*cuda[^ ]*/include|isystem [^ ]*cuda[^ ]*/include' \
