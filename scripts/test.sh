@@ -14,15 +14,21 @@ ctest --test-dir "$build" -LE gpu --output-on-failure -j "${JOBS:-$(nproc)}" --t
 if [[ -z ${SANITIZE:-} ]]; then
   BUILD_DIR=$build scripts/sdk-check.sh
 fi
-# The Python tier: build + install the package (its own build dir, build-python/), then pytest.
-# Once per CI run: the sanitizer pass (SANITIZE set) skips it — the extension is not built
-# with sanitizers.
+# The Python tier: one wheel (python -m build, its own incremental build dir build-python/,
+# pyproject.toml), installed here for pytest; tests/python/test_wheel.py installs the same
+# wheel into a fresh venv. Once per CI run: the sanitizer pass (SANITIZE set) skips it — the
+# extension is not built with sanitizers.
 if [[ -z ${SANITIZE:-} ]]; then
-  if ! python3 -m pip install --disable-pip-version-check --no-build-isolation . \
-      >"$build/pip-install.log" 2>&1; then
-    tail -n 40 "$build/pip-install.log"
-    echo "test.sh: pip install . failed (log: $build/pip-install.log)" >&2
+  dist=$build/dist
+  rm -rf "$dist"
+  if ! python3 -m build --wheel --no-isolation --outdir "$dist" . >"$build/wheel-build.log" 2>&1; then
+    tail -n 40 "$build/wheel-build.log"
+    echo "test.sh: python -m build --wheel failed (log: $build/wheel-build.log)" >&2
     exit 1
   fi
-  python3 -m pytest -q -rs tests/python
+  wheel=$(realpath "$dist"/weightcache-*.whl)
+  python3 -m pip install --disable-pip-version-check --no-deps --force-reinstall "$wheel" \
+    >"$build/pip-install.log" 2>&1 ||
+    { tail -n 40 "$build/pip-install.log"; echo "test.sh: pip install $wheel failed" >&2; exit 1; }
+  WEIGHTCACHE_WHEEL=$wheel python3 -m pytest -q -rs tests/python
 fi

@@ -16,6 +16,16 @@ constexpr int kRequestedCudaVersion = 12000;
 using GetProcAddressFn = CUresult (*)(const char*, void**, int, cuuint64_t,
                                       CUdriverProcAddressQueryResult*);
 
+#if WEIGHTCACHE_NO_GPU_TIER
+// A build without the CUDA toolkit headers (CMakeLists.txt, WEIGHTCACHE_GPU): the types come
+// from the stand-in no_toolkit/cuda.h, so no driver may be called through them. Every gpu-tier
+// path starts here and fails with this status.
+Result<const DriverApi*> LoadOnce() {
+  return Status(StatusCode::kUnavailable,
+                "gpu tier not built: this build had no CUDA toolkit headers (cuda.h); rebuild "
+                "with the CUDA toolkit (docs/building.md); the host tier works");
+}
+#else
 Result<const DriverApi*> LoadOnce() {
   void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
@@ -58,6 +68,7 @@ Result<const DriverApi*> LoadOnce() {
   }
   return static_cast<const DriverApi*>(api);
 }
+#endif  // WEIGHTCACHE_NO_GPU_TIER
 
 }  // namespace
 

@@ -4,7 +4,7 @@
 # GpuTensorChecksums returns kUnavailable.
 set(WC_CHECKSUM_FATBIN_CC ${CMAKE_CURRENT_BINARY_DIR}/checksum_fatbin.cc)
 set(WC_EMBED_SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/kernels/embed_fatbin.cmake)
-if(WEIGHTCACHE_BUILD_KERNELS AND CUDAToolkit_NVCC_EXECUTABLE)
+if(WEIGHTCACHE_BUILD_KERNELS AND WEIGHTCACHE_HAVE_GPU AND CUDAToolkit_NVCC_EXECUTABLE)
   set(WC_CHECKSUM_FATBIN ${CMAKE_CURRENT_BINARY_DIR}/checksum.fatbin)
   add_custom_command(
     OUTPUT ${WC_CHECKSUM_FATBIN}
@@ -25,7 +25,7 @@ if(WEIGHTCACHE_BUILD_KERNELS AND CUDAToolkit_NVCC_EXECUTABLE)
     COMMENT "Embedding the checksum fatbin"
     VERBATIM)
 else()
-  if(WEIGHTCACHE_BUILD_KERNELS)
+  if(WEIGHTCACHE_BUILD_KERNELS AND WEIGHTCACHE_HAVE_GPU)
     message(STATUS "weightcache: nvcc not found; the GPU checksum kernel is not built")
   endif()
   add_custom_command(
