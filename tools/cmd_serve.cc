@@ -193,7 +193,7 @@ Result<std::string> DetachedLogPath(const ServeArgs& args, const identity::Resol
 // printing the socket and pid (--json: launch's summary). A daemon that exits first makes this
 // exit with its exit code (7 already served, 5 invalid checkpoint, ...), its last error line
 // quoted; one that does not answer within --ready-timeout is stopped (exit 6).
-int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id, int signal_fd) {
+int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id) {
   constexpr std::string_view kCmd = "serve";
   auto exe = os::SelfExecutable();
   if (!exe.ok()) return Fail(kCmd, exe.status());
@@ -315,8 +315,9 @@ Result<std::optional<uint64_t>> TierBudget(const ServeArgs& args,
 // Admission under the device's budget (docs/budget.md): registers this cache in the device's
 // ledger, or fails kOutOfMemory naming the budget, the need and the holders. Returns the
 // ledger to unregister from at stop (nullptr: no budget applies).
-Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(
-    const ServeArgs& args, const identity::ResolvedIdentity& id) {
+Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(const ServeArgs& args,
+                                                               const identity::ResolvedIdentity& id,
+                                                               int signal_fd) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<uint64_t> budget, TierBudget(args, id));
   if (!budget.has_value()) return std::unique_ptr<daemon::BudgetLedger>();
   if (identity::IsPublishedSource(id.config.source)) {
@@ -349,40 +350,29 @@ Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(
   return ledger;
 }
 
-// Our own entry leaves the ledger at stop (an upgrade's successor registered its own pid).
+// How long a serving daemon waits for the ledger's lock (its client-count writer, and the
+// removal at stop) before it gives up and logs it: a peer hung inside its critical section
+// must not hang us (docs/budget.md).
+constexpr std::chrono::seconds kLedgerLockWait{5};
+
+// Our own entry leaves the ledger at stop (an upgrade's successor registered its own pid). A
+// lock held past kLedgerLockWait leaves it behind: the next reader reclaims it once we exit.
 void LeaveBudget(daemon::BudgetLedger* ledger, const std::string& socket) {
   if (ledger == nullptr) return;
   const pid_t self = ::getpid();
   Status removed = ledger
-                       ->Update([&](daemon::Ledger& now) {
-                         std::erase_if(now.entries, [&](const daemon::LedgerEntry& e) {
-                           return e.socket == socket && e.pid == self;
-                         });
-                         return Status::Ok();
-                       })
+                       ->UpdateUntil(
+                           [&](daemon::Ledger& now) {
+                             std::erase_if(now.entries, [&](const daemon::LedgerEntry& e) {
+                               return e.socket == socket && e.pid == self;
+                             });
+                             return Status::Ok();
+                           },
+                           std::chrono::steady_clock::now() + kLedgerLockWait)
                        .status();
   if (!removed.ok()) {
-    LOG_WARN << "leaving the budget ledger: " << removed.ToString();
-  }
-}
-
-// Our entry's clients and LRU time, on every change of the client count (docs/budget.md).
-void UpdateBudgetClients(daemon::BudgetLedger* ledger, const std::string& socket,
-                         uint32_t clients) {
-  if (ledger == nullptr) return;
-  const pid_t self = ::getpid();
-  Status updated = ledger
-                       ->Update([&](daemon::Ledger& now) {
-                         daemon::LedgerEntry* mine = now.Find(socket);
-                         if (mine != nullptr && mine->pid == self) {
-                           mine->clients = clients;
-                           mine->last_used_ms = daemon::NowUnixMs();
-                         }
-                         return Status::Ok();
-                       })
-                       .status();
-  if (!updated.ok()) {
-    LOG_WARN << "updating the budget ledger: " << updated.ToString();
+    LOG_WARN << "leaving the budget ledger (the next reader reclaims our entry once we exit): "
+             << removed.ToString();
   }
 }
 
@@ -564,12 +554,17 @@ int Run(ServeArgs& args) {
   };
   notify("STATUS=loading " + options.config.model_id + " (digest " + options.config.ShortDigest() +
          ")");
-  events.on_clients = [&](uint32_t clients) {
-    UpdateBudgetClients(budget_ledger->get(), options.paths.socket, clients);
-  };
+  // Each change of the client count goes to the ledger from the writer's thread, never from
+  // the event loop (a ledger lock held by a hung peer must not stall attaches).
+  std::optional<daemon::LedgerClientsWriter> clients_writer;
+  if (*budget_ledger) {
+    clients_writer.emplace(**budget_ledger, options.paths.socket, kLedgerLockWait);
+    events.on_clients = [&clients_writer](uint32_t clients) { clients_writer->Set(clients); };
+  }
 
   Status result = (*daemon)->Run(signals->get(), events);
   daemon->reset();  // withdraw the socket, then release the lock, before we report
+  clients_writer.reset();
   LeaveBudget(budget_ledger->get(), options.paths.socket);
   if (!result.ok()) return Fail(kCmd, result);
   LOG_INFO << "stopped";

@@ -4,8 +4,11 @@
 // and a kill -9 both give the memory back, and budget.conf is read when no flag is given.
 #include "daemon/budget.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -67,6 +70,26 @@ class BudgetTest : public ::testing::Test {
     auto ledger = daemon::BudgetLedger(device_dir).Read();
     EXPECT_TRUE(ledger.ok()) << ledger.status().ToString();
     return ledger.ok() ? *ledger : daemon::Ledger{};
+  }
+  // Polls the ledger until the entry of `socket` counts `clients` (a serving daemon writes its
+  // count from a thread of its own, after the attach). Generous bound: it fails, not hangs.
+  ::testing::AssertionResult WaitLedgerClients(const std::string& socket, uint32_t clients) {
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    std::string last = "no entry";
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto ledger = daemon::BudgetLedger(DeviceDir(socket)).ReadOnly();
+      if (ledger.ok()) {
+        if (const daemon::LedgerEntry* e = ledger->Find(socket)) {
+          if (e->clients == clients) return ::testing::AssertionSuccess();
+          last = std::to_string(e->clients) + " clients";
+        }
+      } else {
+        last = ledger.status().ToString();
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+    return ::testing::AssertionFailure() << "the ledger entry of " << socket << " never counted "
+                                         << clients << " clients (last: " << last << ")";
   }
   // Polls the sockets other than `except` until one answers ready.
   Result<std::string> WaitOtherReady(ServeProcess& p, const std::string& except) {
@@ -230,6 +253,7 @@ TEST_F(BudgetTest, AttachedClientIsCountedAndProtectsItsCache) {
     ASSERT_TRUE(hr.ok() && hr->match);
     auto reply = conn->Attach(os::Deadline::After(5s));
     ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+    ASSERT_TRUE(WaitLedgerClients(*socket, 1));
     daemon::Ledger ledger = ReadLedger(DeviceDir(*socket));
     ASSERT_EQ(ledger.entries.size(), 1u);
     EXPECT_EQ(ledger.entries[0].clients, 1u);
@@ -248,9 +272,89 @@ TEST_F(BudgetTest, AttachedClientIsCountedAndProtectsItsCache) {
   wait.reached = [](const protocol::StatusReply& r) { return r.clients == 0; };
   wait.what = "0 clients";
   ASSERT_TRUE(WaitForStatus(a->child(), wait).ok());
-  daemon::Ledger ledger = ReadLedger(DeviceDir(*socket));
-  ASSERT_EQ(ledger.entries.size(), 1u);
-  EXPECT_EQ(ledger.entries[0].clients, 0u);
+  EXPECT_TRUE(WaitLedgerClients(*socket, 0));
+}
+
+// A process that holds the ledger's OFD lock (forked: open + fcntl + write + pause only, all
+// async-signal-safe) until it is killed; it writes one byte to `ready_fd` once it holds it.
+pid_t HoldLockForever(const std::string& lock_path, int ready_fd) {
+  const char* path = lock_path.c_str();
+  const pid_t pid = ::fork();
+  if (pid != 0) return pid;
+  const int fd = ::open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  struct flock lock {};
+  lock.l_type = F_WRLCK;
+  lock.l_whence = SEEK_SET;
+  if (fd < 0 || ::fcntl(fd, F_OFD_SETLKW, &lock) != 0) ::_exit(1);
+  if (::write(ready_fd, "x", 1) != 1) ::_exit(1);
+  for (;;) ::pause();
+}
+
+// Attach and detach — the client-count changes that are written to the ledger — complete
+// while another process holds the ledger's lock (hung, or stuck on a slow disk): the daemon
+// writes the count from a thread of its own, logs that it could not, and writes the latest
+// count once the lock is free.
+TEST_F(BudgetTest, AHungLedgerLockHolderStallsNoAttach) {
+  auto a = Serve(0, {"--host-budget", std::to_string(bytes_[0])});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  int ready[2];
+  ASSERT_EQ(::pipe2(ready, O_CLOEXEC), 0);
+  const pid_t holder =
+      HoldLockForever(identity::BudgetLedgerLockPath(DeviceDir(*socket)), ready[1]);
+  ASSERT_GT(holder, 0);
+  char byte = 0;
+  ASSERT_EQ(::read(ready[0], &byte, 1), 1);
+  ::close(ready[0]);
+  ::close(ready[1]);
+
+  auto attach = [&]() -> Result<protocol::Connection> {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(auto conn, protocol::Connection::Connect(*socket, 30s));
+    protocol::Hello hello;
+    hello.config = ConfigFor(models_[0], "m0").ToJson();
+    WEIGHTCACHE_ASSIGN_OR_RETURN(auto hr, conn.SendHello(hello, os::Deadline::After(30s)));
+    if (!hr.match) return Status(StatusCode::kInternal, "hello did not match");
+    WEIGHTCACHE_RETURN_IF_ERROR(conn.Attach(os::Deadline::After(30s)).status());
+    return conn;
+  };
+  StatusWait one_client;
+  one_client.sockets = [&] { return std::vector<std::string>{*socket}; };
+  one_client.reached = [](const protocol::StatusReply& r) { return r.clients == 1; };
+  one_client.what = "1 client";
+  {
+    auto first = attach();
+    ASSERT_TRUE(first.ok()) << first.status().ToString() << a->Log();
+    {
+      auto second = attach();
+      ASSERT_TRUE(second.ok()) << second.status().ToString() << a->Log();
+    }  // the second client detaches
+    ASSERT_TRUE(WaitForStatus(a->child(), one_client).ok()) << a->Log();
+    {
+      auto third = attach();
+      ASSERT_TRUE(third.ok()) << third.status().ToString() << a->Log();
+    }
+    ASSERT_TRUE(WaitForStatus(a->child(), one_client).ok()) << a->Log();
+
+    // The daemon says it could not write (its bounded lock wait ran out).
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    while (a->Log().find("could not update the budget ledger") == std::string::npos &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(50ms);
+    }
+    EXPECT_NE(a->Log().find("could not update the budget ledger"), std::string::npos) << a->Log();
+    EXPECT_NE(a->Log().find(identity::BudgetLedgerLockPath(DeviceDir(*socket))), std::string::npos)
+        << a->Log();
+
+    ::kill(holder, SIGKILL);
+    int status = 0;
+    ASSERT_EQ(::waitpid(holder, &status, 0), holder);
+    // Once the lock is free, the latest count (the first client, still attached) is written.
+    EXPECT_TRUE(WaitLedgerClients(*socket, 1)) << a->Log();
+  }
+  EXPECT_TRUE(WaitLedgerClients(*socket, 0)) << a->Log();
+  a->Signal(SIGTERM);
+  ASSERT_EQ(a->WaitExit(30s), std::optional<int>(0)) << a->Log();
+  EXPECT_TRUE(ReadLedger(DeviceDir(*socket)).entries.empty());
 }
 
 // `status` shows the device's budget from its budget.conf and the bytes its ledger holds.
