@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 
 #include "common/logging.h"
@@ -161,6 +162,25 @@ Result<CacheListing> ListCaches(const ListOptions& options) {
     rows.push_back(std::move(row));
   }
   return listing;
+}
+
+ListOptions ListingArgs::Options() const {
+  ListOptions options;
+  options.runtime_dir = runtime_dir;
+  options.namespace_name = namespace_name;
+  options.all_namespaces = all_namespaces;
+  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  return options;
+}
+
+void AddListingFlags(CLI::App* command, ListingArgs* args) {
+  command->add_flag("--json", args->json, "print one JSON object");
+  auto* ns = command->add_option("--namespace", args->namespace_name,
+                                 "only this namespace (default: default)");
+  command->add_flag("--all-namespaces", args->all_namespaces, "every namespace")->excludes(ns);
+  command->add_option("--runtime-dir", args->runtime_dir, "runtime dir");
+  command->add_option("--timeout", args->timeout_s, "seconds to wait for each daemon's answer")
+      ->check(CLI::PositiveNumber);
 }
 
 DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir) {

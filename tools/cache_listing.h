@@ -14,6 +14,10 @@
 
 #include "weightcache/status.h"
 
+namespace CLI {
+class App;
+}  // namespace CLI
+
 namespace weightcache::cli {
 
 struct ListOptions {
@@ -22,6 +26,19 @@ struct ListOptions {
   bool all_namespaces = false;
   std::chrono::milliseconds timeout{2000};  // per daemon
 };
+
+// The flags `ls` and `status` share, one home for both: --json, --namespace, --all-namespaces,
+// --runtime-dir, --timeout. AddListingFlags registers them on a command; Options() turns them
+// into the scan's options.
+struct ListingArgs {
+  bool json = false;
+  std::string namespace_name;
+  bool all_namespaces = false;
+  std::string runtime_dir;
+  double timeout_s = 2;
+  ListOptions Options() const;
+};
+void AddListingFlags(CLI::App* command, ListingArgs* args);
 
 struct CacheListing {
   std::string runtime_dir;  // resolved

@@ -26,13 +26,7 @@
 namespace weightcache::cli {
 namespace {
 
-struct LsArgs {
-  bool json = false;
-  std::string namespace_name;
-  bool all_namespaces = false;
-  std::string runtime_dir;
-  double timeout_s = 2;
-};
+using LsArgs = ListingArgs;  // the flags ls and status share (cache_listing.h)
 
 std::string Ranks(const nlohmann::json& config) {
   if (!config.is_object()) return "-";
@@ -49,12 +43,7 @@ std::string Ranks(const nlohmann::json& config) {
 
 int Run(const LsArgs& args) {
   constexpr std::string_view kCmd = "ls";
-  ListOptions options;
-  options.runtime_dir = args.runtime_dir;
-  options.namespace_name = args.namespace_name;
-  options.all_namespaces = args.all_namespaces;
-  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000));
-  auto listing = ListCaches(options);
+  auto listing = ListCaches(args.Options());
   if (!listing.ok()) return Fail(kCmd, listing.status());
   const nlohmann::json& rows = listing->rows;
   const std::string& ns = listing->namespace_name;
@@ -116,13 +105,7 @@ int Run(const LsArgs& args) {
 void RegisterLsCommand(CLI::App& root) {
   auto args = std::make_shared<LsArgs>();
   CLI::App* sub = root.add_subcommand("ls", "List every cache on this host and its state");
-  sub->add_flag("--json", args->json, "print one JSON object");
-  auto* ns = sub->add_option("--namespace", args->namespace_name,
-                             "only this namespace (default: default)");
-  sub->add_flag("--all-namespaces", args->all_namespaces, "every namespace")->excludes(ns);
-  sub->add_option("--runtime-dir", args->runtime_dir, "runtime dir");
-  sub->add_option("--timeout", args->timeout_s, "seconds to wait for each daemon's answer")
-      ->check(CLI::PositiveNumber);
+  AddListingFlags(sub, args.get());
   SetAction(sub, [args] { return Run(*args); });
 }
 
