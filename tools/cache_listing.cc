@@ -197,7 +197,7 @@ DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir) {
   if (!has_ledger && spec.empty()) return std::nullopt;
   DeviceBudget view;
   if (has_ledger) {
-    auto ledger = daemon::BudgetLedger(dir).Read();
+    auto ledger = daemon::BudgetLedger(dir).ReadOnly();
     if (!ledger.ok()) {
       LOG_WARN << ledger.status().ToString();
       return std::nullopt;

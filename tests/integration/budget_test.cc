@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -372,6 +373,47 @@ TEST_F(BudgetTest, StatusShowsTheDevicesBudgetUsedAndFree) {
   EXPECT_EQ(d["budget_bytes"], uint64_t{1} << 30) << st.out;
   EXPECT_EQ(d["used_bytes"], bytes_[0]) << st.out;
   EXPECT_EQ(d["free_bytes"], (uint64_t{1} << 30) - bytes_[0]) << st.out;
+}
+
+// `status` is read-only: with a dead cache's entry in the ledger it counts only the live
+// ones, and leaves the file as it was, bytes and mtime (the next writer reclaims the entry).
+TEST_F(BudgetTest, StatusLeavesTheLedgerUntouchedAndSkipsDeadEntries) {
+  auto a = Serve(0, {"--host-budget", "1G"});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  const std::string dir = DeviceDir(*socket);
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(dead, &status, 0), dead);
+  daemon::LedgerEntry ghost;
+  ghost.socket = dir + "/gone.sock";
+  ghost.pid = dead;
+  ghost.pid_start_time = 1;
+  ghost.bytes = 12345;
+  ghost.tier = daemon::BudgetTier::kHost;
+  ASSERT_TRUE(daemon::BudgetLedger(dir).Put(ghost).ok());
+  const std::string path = identity::BudgetLedgerPath(dir);
+  const std::string before = ReadFile(path);
+  ASSERT_NE(before.find("gone.sock"), std::string::npos) << before;
+  struct stat st_before {};
+  ASSERT_EQ(::stat(path.c_str(), &st_before), 0);
+
+  CommandResult st = RunCommand({CliPath(), "status", "--json", "--runtime-dir", runtime_});
+  ASSERT_EQ(st.exit_code, 0) << st.err;
+  const auto j = nlohmann::json::parse(st.out, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(j.is_object()) << st.out;
+  ASSERT_EQ(j["devices"].size(), 1U) << st.out;
+  EXPECT_EQ(j["devices"][0]["used_bytes"], bytes_[0]) << st.out;  // the dead entry not counted
+  CommandResult text = RunCommand({CliPath(), "status", "--runtime-dir", runtime_});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+
+  EXPECT_EQ(ReadFile(path), before);
+  struct stat st_after {};
+  ASSERT_EQ(::stat(path.c_str(), &st_after), 0);
+  EXPECT_EQ(st_after.st_ino, st_before.st_ino);  // not replaced
+  EXPECT_EQ(st_after.st_mtim.tv_sec, st_before.st_mtim.tv_sec);
+  EXPECT_EQ(st_after.st_mtim.tv_nsec, st_before.st_mtim.tv_nsec);
 }
 
 }  // namespace
