@@ -11,8 +11,10 @@
 // Exit codes: 0 clean stop (--detach: the daemon serves); 2 usage; 5 invalid checkpoint; 7 already
 // served (the message names the owner's pid); 8 no room under the device's budget (docs/budget.md);
 // otherwise the failed load's code (1 for I/O, budget, CUDA).
+#include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -56,6 +58,9 @@ struct ServeArgs {
   std::string gpu_budget;  // the device's budget (docs/budget.md); "" = budget.conf, if any
   std::string host_budget;
   bool pin = false;  // never evicted to make room for another cache
+  // --wait[=SECONDS]: when nothing can be freed, wait for room (docs/budget.md). < 0: fail at
+  // once (no --wait); 0: no limit (a bare --wait); otherwise the seconds to wait at most.
+  double wait_s = -1;
   int threads = 16;
   double failed_linger_s = 30;
   double handshake_timeout_s = 10;
@@ -193,7 +198,7 @@ Result<std::string> DetachedLogPath(const ServeArgs& args, const identity::Resol
 // printing the socket and pid (--json: launch's summary). A daemon that exits first makes this
 // exit with its exit code (7 already served, 5 invalid checkpoint, ...), its last error line
 // quoted; one that does not answer within --ready-timeout is stopped (exit 6).
-int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id) {
+int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id, int signal_fd) {
   constexpr std::string_view kCmd = "serve";
   auto exe = os::SelfExecutable();
   if (!exe.ok()) return Fail(kCmd, exe.status());
@@ -312,6 +317,56 @@ Result<std::optional<uint64_t>> TierBudget(const ServeArgs& args,
   return std::optional<uint64_t>(*bytes);
 }
 
+// How often a waiting admission (--wait) plans again, and how often it says it still waits.
+constexpr std::chrono::milliseconds kWaitPoll{250};
+constexpr std::chrono::seconds kWaitProgressEvery{10};
+
+// One admission (daemon::AdmitEvicting); with --wait, an admission that finds nothing to free
+// (kOutOfMemory) is planned again every kWaitPoll (the ledger re-read, idle caches asked
+// again) until it gets in, the wait runs out (the last refusal, exit 8), or a stop signal
+// arrives (the same, saying so). A progress line says what it waits for.
+Status AdmitOrWait(const ServeArgs& args, daemon::BudgetLedger& ledger,
+                   const daemon::LedgerEntry& self, uint64_t budget, const daemon::EvictFn& evict,
+                   int signal_fd) {
+  const auto start = std::chrono::steady_clock::now();
+  const bool forever = args.wait_s == 0;
+  const auto until = start + Millis(std::max(args.wait_s, 0.0));
+  auto last_progress = start - kWaitProgressEvery;
+  for (;;) {
+    Status admitted = daemon::AdmitEvicting(ledger, self, budget, evict,
+                                            std::chrono::steady_clock::now() + kEvictionTimeout);
+    if (admitted.ok() || admitted.code() != StatusCode::kOutOfMemory || args.wait_s < 0) {
+      return admitted;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (!forever && now >= until) {
+      return Status(StatusCode::kOutOfMemory,
+                    admitted.message() + " (waited " +
+                        std::to_string(static_cast<int64_t>(args.wait_s)) + " s, --wait)");
+    }
+    if (now - last_progress >= kWaitProgressEvery) {
+      last_progress = now;
+      const auto waited = std::chrono::duration_cast<std::chrono::seconds>(now - start).count();
+      std::string left = "no limit";
+      if (!forever) {
+        left =
+            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(until - now).count()) +
+            " s left";
+      }
+      LOG_INFO << "waiting for room (--wait, " << waited << " s so far, " << left
+               << "): " << admitted.message();
+    }
+    pollfd stop{};
+    stop.fd = signal_fd;
+    stop.events = POLLIN;
+    const int ready = os::SysCalls::Default().Poll(&stop, 1, static_cast<int>(kWaitPoll.count()));
+    if (ready > 0) {
+      return Status(StatusCode::kOutOfMemory,
+                    "stopped while waiting for room (--wait): " + admitted.message());
+    }
+  }
+}
+
 // Admission under the device's budget (docs/budget.md): registers this cache in the device's
 // ledger, or fails kOutOfMemory naming the budget, the need and the holders. Returns the
 // ledger to unregister from at stop (nullptr: no budget applies).
@@ -343,8 +398,7 @@ Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(const ServeArgs& 
     if (!reply.evicted) return Status(StatusCode::kUnavailable, "refused: " + reply.reason);
     return Status::Ok();
   };
-  WEIGHTCACHE_RETURN_IF_ERROR(daemon::AdmitEvicting(
-      *ledger, self, *budget, evict, std::chrono::steady_clock::now() + kEvictionTimeout));
+  WEIGHTCACHE_RETURN_IF_ERROR(AdmitOrWait(args, *ledger, self, *budget, evict, signal_fd));
   LOG_INFO << "admitted under the " << daemon::BudgetTierName(tier) << " budget of "
            << daemon::FormatBytes(*budget) << ": " << daemon::FormatBytes(self.bytes);
   return ledger;
@@ -492,7 +546,7 @@ int Run(ServeArgs& args) {
   }();
   if (!daemon.ok()) return Fail(kCmd, daemon.status());
   // Admission once we hold the identity lock (and the device dir exists), before loading.
-  auto budget_ledger = AdmitUnderBudget(args, *id);
+  auto budget_ledger = AdmitUnderBudget(args, *id, signals->get());
   if (!budget_ledger.ok()) {
     daemon->reset();
     return Fail(kCmd, budget_ledger.status());
@@ -595,6 +649,11 @@ void RegisterServeCommand(CLI::App& root) {
                   "the budget for host-tier caches of this runtime dir, bytes (default: "
                   "host_budget in budget.conf)");
   sub->add_flag("--pin", args->pin, "never evict this cache to make room for another");
+  sub->add_flag("--wait{0}", args->wait_s,
+                "--wait[=SECONDS]: when the budget has no room and no idle cache can be evicted, "
+                "wait for room (planning again every 250 ms) instead of exiting 8 at once; a bare "
+                "--wait has no limit, --wait=SECONDS gives up after SECONDS with the same exit 8")
+      ->check(CLI::NonNegativeNumber);
   sub->add_option("--threads", args->threads, "reader threads of the load (default 16)")
       ->check(CLI::Range(1, 256));
   sub->add_option("--failed-linger", args->failed_linger_s,

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -373,6 +374,52 @@ TEST_F(BudgetTest, StatusShowsTheDevicesBudgetUsedAndFree) {
   EXPECT_EQ(d["budget_bytes"], uint64_t{1} << 30) << st.out;
   EXPECT_EQ(d["used_bytes"], bytes_[0]) << st.out;
   EXPECT_EQ(d["free_bytes"], (uint64_t{1} << 30) - bytes_[0]) << st.out;
+}
+
+// `serve --wait`: a cache that finds no room (every holder pinned) waits, saying so, and gets
+// in once a holder stops.
+TEST_F(BudgetTest, WaitingCacheGetsInOnceAHolderStops) {
+  // Any two fit; all three do not.
+  const uint64_t largest = std::max({bytes_[0], bytes_[1], bytes_[2]});
+  const uint64_t smallest = std::min({bytes_[0], bytes_[1], bytes_[2]});
+  ASSERT_LT(2 * largest, 2 * smallest + smallest);
+  const std::string budget = std::to_string(2 * largest);
+  auto a = Serve(0, {"--host-budget", budget, "--pin"});
+  auto sa = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(sa.ok()) << sa.status().ToString() << a->Log();
+  auto b = Serve(1, {"--host-budget", budget, "--pin"});
+  auto sb = WaitOtherReady(*b, *sa);
+  ASSERT_TRUE(sb.ok()) << sb.status().ToString() << b->Log();
+  auto c = Serve(2, {"--host-budget", budget, "--wait=600"});
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (c->Log().find("waiting for room (--wait") == std::string::npos && c->Running() &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_NE(c->Log().find("waiting for room (--wait"), std::string::npos) << c->Log();
+  EXPECT_NE(c->Log().find("nothing more can be freed"), std::string::npos) << c->Log();
+  a->Signal(SIGTERM);
+  ASSERT_EQ(a->WaitExit(30s), std::optional<int>(0)) << a->Log();
+  auto sc = WaitOtherReady(*c, std::vector<std::string>{*sa, *sb});
+  ASSERT_TRUE(sc.ok()) << sc.status().ToString() << c->Log();
+  daemon::Ledger ledger = ReadLedger(DeviceDir(*sc));
+  EXPECT_EQ(ledger.entries.size(), 2u);
+  EXPECT_EQ(ledger.Find(*sa), nullptr);
+  ASSERT_NE(ledger.Find(*sc), nullptr);
+  EXPECT_EQ(ledger.Find(*sc)->pid, c->pid());
+}
+
+// A --wait that runs out fails as a cache without --wait does: exit 8, the refusal.
+TEST_F(BudgetTest, WaitThatRunsOutExits8WithTheRefusal) {
+  const std::string budget = std::to_string(bytes_[0] + bytes_[1] - 1);
+  auto a = Serve(0, {"--host-budget", budget, "--pin"});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  CommandResult b = ServeRefused(1, {"--host-budget", budget, "--wait=1"});
+  EXPECT_EQ(b.exit_code, 8) << b.err;
+  EXPECT_NE(b.err.find("nothing more can be freed"), std::string::npos) << b.err;
+  EXPECT_NE(b.err.find("(waited 1 s, --wait)"), std::string::npos) << b.err;
+  EXPECT_NE(b.err.find("waiting for room (--wait"), std::string::npos) << b.err;
 }
 
 // `status` is read-only: with a dead cache's entry in the ledger it counts only the live
