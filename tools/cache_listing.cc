@@ -211,4 +211,13 @@ DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir) {
   return view;
 }
 
+std::string FormatDeviceBudget(const DeviceBudgetView& view) {
+  auto bytes = [](const std::optional<uint64_t>& v) {
+    return v ? daemon::FormatBytes(*v) : std::string("-");
+  };
+  if (!view) return "budget -, used -, free -";
+  return "budget " + bytes(view->budget_bytes) + ", used " + daemon::FormatBytes(view->used_bytes) +
+         ", free " + bytes(view->free_bytes);
+}
+
 }  // namespace weightcache::cli

@@ -63,4 +63,8 @@ using DeviceBudgetView = std::optional<DeviceBudget>;
 // (a corrupt ledger is logged once, naming the file).
 DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir);
 
+// "budget 40.00 GiB, used 16.00 GiB, free 24.00 GiB" ("-" for what is not known): the budget
+// line of a device in `status` and `ls`.
+std::string FormatDeviceBudget(const DeviceBudgetView& view);
+
 }  // namespace weightcache::cli

@@ -10,12 +10,15 @@
 // "adopted": true when the daemon re-adopted the kept memory instead of loading). A live keeper
 // whose daemon is gone is an **orphan**: listed with state "orphan" and the bytes it holds
 // (its cache socket's row, stale or absent, is replaced by it); `stop` frees it.
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "cache_listing.h"
 #include "cli_common.h"
@@ -95,6 +98,19 @@ int Run(const LsArgs& args) {
           << " holds the memory of a daemon that is gone; `weightcache stop --socket "
           << str("socket") << "` frees it\n";
     }
+  }
+  // Each device's memory budget, as `status` prints it (a device with neither a ledger nor a
+  // budget.conf has none and no line).
+  std::set<std::pair<std::string, std::string>> devices;
+  for (const auto& r : rows) {
+    devices.insert({r.value("namespace", std::string()), r.value("device", std::string())});
+  }
+  for (const auto& [device_ns, device] : devices) {
+    DeviceBudgetView budget =
+        ReadDeviceBudget(std::filesystem::path(listing->runtime_dir) / device_ns / device);
+    if (!budget) continue;
+    out << "device " << EscapeForTerminal(device) << " (namespace " << EscapeForTerminal(device_ns)
+        << "): " << FormatDeviceBudget(budget) << "\n";
   }
   std::cout << out.str() << std::flush;
   return kExitOk;

@@ -73,6 +73,7 @@ int Run(const StatusArgs& args) {
         .push_back(row);
   }
   nlohmann::json devices = nlohmann::json::array();
+  std::vector<std::string> budget_lines;  // one per device, in the order of `devices`
   for (auto& [key, caches] : by_device) {
     const auto& [ns, device] = key;
     DeviceBudgetView budget =
@@ -84,6 +85,7 @@ int Run(const StatusArgs& args) {
     d["budget_bytes"] = budget ? or_null(budget->budget_bytes) : nlohmann::json(nullptr);
     d["used_bytes"] = budget ? nlohmann::json(budget->used_bytes) : nlohmann::json(nullptr);
     d["free_bytes"] = budget ? or_null(budget->free_bytes) : nlohmann::json(nullptr);
+    budget_lines.push_back(FormatDeviceBudget(budget));
     for (auto& c : caches) c["cache_state"] = CacheState(c);
     d["caches"] = caches;
     d["lru"] = LruOrder(caches);
@@ -106,14 +108,11 @@ int Run(const StatusArgs& args) {
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count());
   std::ostringstream out;
+  size_t i = 0;
   for (const auto& d : devices) {
-    auto bytes = [](const nlohmann::json& v) {
-      return v.is_number_unsigned() ? daemon::FormatBytes(v.get<uint64_t>()) : std::string("-");
-    };
     out << "device " << EscapeForTerminal(d["device"].get<std::string>()) << " (namespace "
-        << EscapeForTerminal(d["namespace"].get<std::string>()) << "): budget "
-        << bytes(d["budget_bytes"]) << ", used " << bytes(d["used_bytes"]) << ", free "
-        << bytes(d["free_bytes"]) << "\n";
+        << EscapeForTerminal(d["namespace"].get<std::string>()) << "): " << budget_lines[i++]
+        << "\n";
     out << "  " << std::left << std::setw(24) << "MODEL" << std::setw(14) << "STATE"
         << std::setw(12) << "BYTES" << std::setw(8) << "CLIENTS" << std::setw(13) << "LAST ATTACH"
         << std::setw(8) << "HITS" << std::setw(8) << "MISSES" << std::setw(8) << "PID"

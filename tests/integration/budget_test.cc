@@ -374,6 +374,18 @@ TEST_F(BudgetTest, StatusShowsTheDevicesBudgetUsedAndFree) {
   EXPECT_EQ(d["budget_bytes"], uint64_t{1} << 30) << st.out;
   EXPECT_EQ(d["used_bytes"], bytes_[0]) << st.out;
   EXPECT_EQ(d["free_bytes"], (uint64_t{1} << 30) - bytes_[0]) << st.out;
+
+  // `ls` prints the same budget line per device, after its table.
+  const std::string line = "device " + std::string(identity::kHostDeviceKey) +
+                           " (namespace default): budget 1.00 GiB, used " +
+                           daemon::FormatBytes(bytes_[0]) + ", free " +
+                           daemon::FormatBytes((uint64_t{1} << 30) - bytes_[0]);
+  CommandResult ls = RunCommand({CliPath(), "ls", "--runtime-dir", runtime_});
+  ASSERT_EQ(ls.exit_code, 0) << ls.err;
+  EXPECT_NE(ls.out.find(line), std::string::npos) << ls.out;
+  CommandResult text = RunCommand({CliPath(), "status", "--runtime-dir", runtime_});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find(line), std::string::npos) << text.out;
 }
 
 // `serve --wait`: a cache that finds no room (every holder pinned) waits, saying so, and gets
