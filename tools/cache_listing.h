@@ -6,6 +6,7 @@
 // Metrics request has no counters in its row.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -13,10 +14,6 @@
 #include <string>
 
 #include "weightcache/status.h"
-
-namespace CLI {
-class App;
-}  // namespace CLI
 
 namespace weightcache::cli {
 
