@@ -649,11 +649,13 @@ void RegisterServeCommand(CLI::App& root) {
                   "the budget for host-tier caches of this runtime dir, bytes (default: "
                   "host_budget in budget.conf)");
   sub->add_flag("--pin", args->pin, "never evict this cache to make room for another");
-  sub->add_flag("--wait{0}", args->wait_s,
-                "--wait[=SECONDS]: when the budget has no room and no idle cache can be evicted, "
-                "wait for room (planning again every 250 ms) instead of exiting 8 at once; a bare "
-                "--wait has no limit, --wait=SECONDS gives up after SECONDS with the same exit 8")
-      ->check(CLI::NonNegativeNumber);
+  CLI::Option* wait =
+      sub->add_flag(
+             "--wait{0}", args->wait_s,
+             "--wait[=SECONDS]: when the budget has no room and no idle cache can be evicted, "
+             "wait for room (planning again every 250 ms) instead of exiting 8 at once; a bare "
+             "--wait has no limit, --wait=SECONDS gives up after SECONDS with the same exit 8")
+          ->check(CLI::NonNegativeNumber);
   sub->add_option("--threads", args->threads, "reader threads of the load (default 16)")
       ->check(CLI::Range(1, 256));
   sub->add_option("--failed-linger", args->failed_linger_s,
@@ -714,7 +716,10 @@ void RegisterServeCommand(CLI::App& root) {
                   "seconds a scraper has to send its request, and then to take the response, "
                   "before its connection is closed (default 5)")
       ->check(CLI::PositiveNumber);
-  SetAction(sub, [args] { return Run(*args); });
+  SetAction(sub, [args, wait] {
+    if (wait->count() == 0) args->wait_s = -1;  // no --wait: fail at once
+    return Run(*args);
+  });
 }
 
 }  // namespace weightcache::cli

@@ -162,7 +162,9 @@ TEST(LaunchFlagsTest, EveryJobFlagReachesEveryDaemonAsServeParsesIt) {
 }
 
 TEST(LaunchFlagsTest, MetricsAddrIsMadePerDaemon) {
-  EXPECT_EQ(JobRank({.tp_rank = 1, .pp_rank = 2}, 4), 9);
+  EXPECT_EQ(
+      JobRank({.tp_rank = 1, .pp_rank = 2, .ep_rank = 0, .local_gpu_id = 0, .device_uuid = ""}, 4),
+      9);
   EXPECT_EQ(*MetricsAddrForRank("127.0.0.1:9400", 3), "127.0.0.1:9403");
   EXPECT_EQ(*MetricsAddrForRank("[::1]:9400", 0), "[::1]:9400");
   EXPECT_EQ(*MetricsAddrForRank("localhost:0", 5), "localhost:0");  // each picks a free port
