@@ -111,6 +111,12 @@ vdir=$(mktemp -d /tmp/wcv.XXXXXX)
 vid=(--model "$vdir/m" --tier gpu --device 0 --runtime-dir "$vdir/run")
 "$WEIGHTCACHE_CLI" serve "${vid[@]}" >"$OUT/python-verify-serve.log" 2>&1 &
 vpid=$!
+# attach --on-missing error does not wait for a daemon to appear: wait for its socket first.
+for _ in $(seq 1 100); do
+  compgen -G "$vdir/run/default/*/*.sock" >/dev/null && break
+  kill -0 "$vpid" 2>/dev/null || break
+  sleep 0.1
+done
 if "$WEIGHTCACHE_CLI" attach "${vid[@]}" --wait 60 --on-missing error --verify \
     >"$OUT/python-verify.log" 2>&1 &&
     "$WEIGHTCACHE_CLI" verify "${vid[@]}" >>"$OUT/python-verify.log" 2>&1; then

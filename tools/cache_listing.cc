@@ -163,6 +163,25 @@ Result<CacheListing> ListCaches(const ListOptions& options) {
   return listing;
 }
 
+ListOptions ListingArgs::Options() const {
+  ListOptions options;
+  options.runtime_dir = runtime_dir;
+  options.namespace_name = namespace_name;
+  options.all_namespaces = all_namespaces;
+  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  return options;
+}
+
+void AddListingFlags(CLI::App* command, ListingArgs* args) {
+  command->add_flag("--json", args->json, "print one JSON object");
+  auto* ns = command->add_option("--namespace", args->namespace_name,
+                                 "only this namespace (default: default)");
+  command->add_flag("--all-namespaces", args->all_namespaces, "every namespace")->excludes(ns);
+  command->add_option("--runtime-dir", args->runtime_dir, "runtime dir");
+  command->add_option("--timeout", args->timeout_s, "seconds to wait for each daemon's answer")
+      ->check(CLI::PositiveNumber);
+}
+
 DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir) {
   const std::string dir = device_dir.string();
   const bool host = device_dir.filename() == identity::kHostDeviceKey;
@@ -177,7 +196,7 @@ DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir) {
   if (!has_ledger && spec.empty()) return std::nullopt;
   DeviceBudget view;
   if (has_ledger) {
-    auto ledger = daemon::BudgetLedger(dir).Read();
+    auto ledger = daemon::BudgetLedger(dir).ReadOnly();
     if (!ledger.ok()) {
       LOG_WARN << ledger.status().ToString();
       return std::nullopt;
@@ -189,6 +208,15 @@ DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir) {
     view.free_bytes = *bytes > view.used_bytes ? *bytes - view.used_bytes : 0;
   }
   return view;
+}
+
+std::string FormatDeviceBudget(const DeviceBudgetView& view) {
+  auto bytes = [](const std::optional<uint64_t>& v) {
+    return v ? daemon::FormatBytes(*v) : std::string("-");
+  };
+  if (!view) return "budget -, used -, free -";
+  return "budget " + bytes(view->budget_bytes) + ", used " + daemon::FormatBytes(view->used_bytes) +
+         ", free " + bytes(view->free_bytes);
 }
 
 }  // namespace weightcache::cli

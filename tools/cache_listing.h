@@ -6,6 +6,7 @@
 // Metrics request has no counters in its row.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -22,6 +23,19 @@ struct ListOptions {
   bool all_namespaces = false;
   std::chrono::milliseconds timeout{2000};  // per daemon
 };
+
+// The flags `ls` and `status` share, one home for both: --json, --namespace, --all-namespaces,
+// --runtime-dir, --timeout. AddListingFlags registers them on a command; Options() turns them
+// into the scan's options.
+struct ListingArgs {
+  bool json = false;
+  std::string namespace_name;
+  bool all_namespaces = false;
+  std::string runtime_dir;
+  double timeout_s = 2;
+  ListOptions Options() const;
+};
+void AddListingFlags(CLI::App* command, ListingArgs* args);
 
 struct CacheListing {
   std::string runtime_dir;  // resolved
@@ -45,5 +59,9 @@ using DeviceBudgetView = std::optional<DeviceBudget>;
 // its budget ledger and budget.conf; std::nullopt when it has neither, or they cannot be read
 // (a corrupt ledger is logged once, naming the file).
 DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir);
+
+// "budget 40.00 GiB, used 16.00 GiB, free 24.00 GiB" ("-" for what is not known): the budget
+// line of a device in `status` and `ls`.
+std::string FormatDeviceBudget(const DeviceBudgetView& view);
 
 }  // namespace weightcache::cli

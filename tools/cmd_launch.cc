@@ -101,6 +101,12 @@ int RunLaunch(const LaunchArgs& args) {
   for (const auto& d : *devices) topology.visible_device_uuids.push_back(d.uuid);
   auto plan = launcher::PlanLaunch(topology);
   if (!plan.ok()) return Fail(kCmd, plan.status());
+  // Every daemon's metrics address is valid (the largest rank's port fits), before any starts.
+  for (const launcher::DaemonPlacement& p : *plan) {
+    auto metrics = launcher::MetricsAddrForRank(args.serve.metrics_addr,
+                                                launcher::JobRank(p, args.serve.identity.tp_size));
+    if (!metrics.ok()) return Fail(kCmd, metrics.status());
+  }
 
   launcher::ServeFlags serve = args.serve;
   serve.identity_args = ServeArgsFor;
@@ -227,6 +233,15 @@ void RegisterLaunchCommand(CLI::App& root) {
   sub->add_option("--memory-budget", s.memory_budget, "Per-daemon memory budget");
   sub->add_option("--threads", s.threads, "Reader threads of each daemon's load (serve's default)")
       ->check(CLI::Range(1, 256));
+  sub->add_option("--gpu-budget", s.gpu_budget,
+                  "serve's --gpu-budget for every daemon: the device's budget, bytes or N% "
+                  "(docs/budget.md)");
+  sub->add_option("--host-budget", s.host_budget, "serve's --host-budget for every daemon");
+  sub->add_flag("--pin", s.pin, "serve's --pin for every daemon: never evicted for another cache");
+  sub->add_option("--metrics-addr", s.metrics_addr,
+                  "serve's --metrics-addr, per daemon: a Unix socket path gets the suffix "
+                  ".<rank>, HOST:PORT the port PORT+rank (rank = pp_rank * tp_size + tp_rank; "
+                  "port 0: each picks a free one)");
   SetAction(sub, [args] { return RunLaunch(*args); });
 }
 

@@ -10,12 +10,15 @@
 // "adopted": true when the daemon re-adopted the kept memory instead of loading). A live keeper
 // whose daemon is gone is an **orphan**: listed with state "orphan" and the bytes it holds
 // (its cache socket's row, stale or absent, is replaced by it); `stop` frees it.
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "cache_listing.h"
 #include "cli_common.h"
@@ -26,13 +29,7 @@
 namespace weightcache::cli {
 namespace {
 
-struct LsArgs {
-  bool json = false;
-  std::string namespace_name;
-  bool all_namespaces = false;
-  std::string runtime_dir;
-  double timeout_s = 2;
-};
+using LsArgs = ListingArgs;  // the flags ls and status share (cache_listing.h)
 
 std::string Ranks(const nlohmann::json& config) {
   if (!config.is_object()) return "-";
@@ -49,12 +46,7 @@ std::string Ranks(const nlohmann::json& config) {
 
 int Run(const LsArgs& args) {
   constexpr std::string_view kCmd = "ls";
-  ListOptions options;
-  options.runtime_dir = args.runtime_dir;
-  options.namespace_name = args.namespace_name;
-  options.all_namespaces = args.all_namespaces;
-  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000));
-  auto listing = ListCaches(options);
+  auto listing = ListCaches(args.Options());
   if (!listing.ok()) return Fail(kCmd, listing.status());
   const nlohmann::json& rows = listing->rows;
   const std::string& ns = listing->namespace_name;
@@ -107,6 +99,19 @@ int Run(const LsArgs& args) {
           << str("socket") << "` frees it\n";
     }
   }
+  // Each device's memory budget, as `status` prints it (a device with neither a ledger nor a
+  // budget.conf has none and no line).
+  std::set<std::pair<std::string, std::string>> devices;
+  for (const auto& r : rows) {
+    devices.insert({r.value("namespace", std::string()), r.value("device", std::string())});
+  }
+  for (const auto& [device_ns, device] : devices) {
+    DeviceBudgetView budget =
+        ReadDeviceBudget(std::filesystem::path(listing->runtime_dir) / device_ns / device);
+    if (!budget) continue;
+    out << "device " << EscapeForTerminal(device) << " (namespace " << EscapeForTerminal(device_ns)
+        << "): " << FormatDeviceBudget(budget) << "\n";
+  }
   std::cout << out.str() << std::flush;
   return kExitOk;
 }
@@ -116,13 +121,7 @@ int Run(const LsArgs& args) {
 void RegisterLsCommand(CLI::App& root) {
   auto args = std::make_shared<LsArgs>();
   CLI::App* sub = root.add_subcommand("ls", "List every cache on this host and its state");
-  sub->add_flag("--json", args->json, "print one JSON object");
-  auto* ns = sub->add_option("--namespace", args->namespace_name,
-                             "only this namespace (default: default)");
-  sub->add_flag("--all-namespaces", args->all_namespaces, "every namespace")->excludes(ns);
-  sub->add_option("--runtime-dir", args->runtime_dir, "runtime dir");
-  sub->add_option("--timeout", args->timeout_s, "seconds to wait for each daemon's answer")
-      ->check(CLI::PositiveNumber);
+  AddListingFlags(sub, args.get());
   SetAction(sub, [args] { return Run(*args); });
 }
 

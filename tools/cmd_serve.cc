@@ -11,8 +11,10 @@
 // Exit codes: 0 clean stop (--detach: the daemon serves); 2 usage; 5 invalid checkpoint; 7 already
 // served (the message names the owner's pid); 8 no room under the device's budget (docs/budget.md);
 // otherwise the failed load's code (1 for I/O, budget, CUDA).
+#include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -57,6 +59,9 @@ struct ServeArgs {
   std::string host_budget;
   bool pin = false;    // never evicted to make room for another cache
   std::string demote;  // "host": demoted to host RAM when evicted (docs/budget.md)
+  // --wait[=SECONDS]: when nothing can be freed, wait for room (docs/budget.md). < 0: fail at
+  // once (no --wait); 0: no limit (a bare --wait); otherwise the seconds to wait at most.
+  double wait_s = -1;
   int threads = 16;
   double failed_linger_s = 30;
   double handshake_timeout_s = 10;
@@ -315,6 +320,11 @@ Result<std::optional<uint64_t>> TierBudget(const ServeArgs& args,
   return std::optional<uint64_t>(*bytes);
 }
 
+// How long a serving daemon waits for the ledger's lock (its client-count writer, a
+// demotion's move of its entry, and the removal at stop) before it gives up and logs it: a peer
+// hung inside its critical section must not hang us (docs/budget.md).
+constexpr std::chrono::seconds kLedgerLockWait{5};
+
 // An idle cache of the LRU order gives its memory back when asked (an Evict over its socket):
 // it stops, or is demoted to host RAM (--demote host); it refuses when it has clients or is
 // pinned.
@@ -348,7 +358,7 @@ Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
   if (host_budget.has_value()) {
     demotion.host_room = [device_dir, socket, budget = *host_budget](uint64_t bytes) -> Status {
       daemon::BudgetLedger ledger(device_dir);
-      WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::Ledger now, ledger.Read());
+      WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::Ledger now, ledger.ReadOnly());
       const uint64_t held = now.BytesOn(daemon::BudgetTier::kHost, socket);
       if (held + bytes > budget) {
         return Status(StatusCode::kOutOfMemory,
@@ -362,14 +372,16 @@ Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
   demotion.moved = [device_dir, socket](Tier tier) {
     const pid_t self = ::getpid();
     Status updated = daemon::BudgetLedger(device_dir)
-                         .Update([&](daemon::Ledger& now) {
-                           daemon::LedgerEntry* mine = now.Find(socket);
-                           if (mine != nullptr && mine->pid == self) {
-                             mine->tier = tier == Tier::kGpu ? daemon::BudgetTier::kGpu
-                                                             : daemon::BudgetTier::kHost;
-                           }
-                           return Status::Ok();
-                         })
+                         .UpdateUntil(
+                             [&](daemon::Ledger& now) {
+                               daemon::LedgerEntry* mine = now.Find(socket);
+                               if (mine != nullptr && mine->pid == self) {
+                                 mine->tier = tier == Tier::kGpu ? daemon::BudgetTier::kGpu
+                                                                 : daemon::BudgetTier::kHost;
+                               }
+                               return Status::Ok();
+                             },
+                             std::chrono::steady_clock::now() + kLedgerLockWait)
                          .status();
     if (!updated.ok()) LOG_WARN << "moving the budget ledger entry: " << updated.ToString();
   };
@@ -390,11 +402,62 @@ Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
   return demotion;
 }
 
+// How often a waiting admission (--wait) plans again, and how often it says it still waits.
+constexpr std::chrono::milliseconds kWaitPoll{250};
+constexpr std::chrono::seconds kWaitProgressEvery{10};
+
+// One admission (daemon::AdmitEvicting); with --wait, an admission that finds nothing to free
+// (kOutOfMemory) is planned again every kWaitPoll (the ledger re-read, idle caches asked
+// again) until it gets in, the wait runs out (the last refusal, exit 8), or a stop signal
+// arrives (the same, saying so). A progress line says what it waits for.
+Status AdmitOrWait(const ServeArgs& args, daemon::BudgetLedger& ledger,
+                   const daemon::LedgerEntry& self, uint64_t budget, const daemon::EvictFn& evict,
+                   int signal_fd) {
+  const auto start = std::chrono::steady_clock::now();
+  const bool forever = args.wait_s == 0;
+  const auto until = start + Millis(std::max(args.wait_s, 0.0));
+  auto last_progress = start - kWaitProgressEvery;
+  for (;;) {
+    Status admitted = daemon::AdmitEvicting(ledger, self, budget, evict,
+                                            std::chrono::steady_clock::now() + kEvictionTimeout);
+    if (admitted.ok() || admitted.code() != StatusCode::kOutOfMemory || args.wait_s < 0) {
+      return admitted;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (!forever && now >= until) {
+      return Status(StatusCode::kOutOfMemory,
+                    admitted.message() + " (waited " +
+                        std::to_string(static_cast<int64_t>(args.wait_s)) + " s, --wait)");
+    }
+    if (now - last_progress >= kWaitProgressEvery) {
+      last_progress = now;
+      const auto waited = std::chrono::duration_cast<std::chrono::seconds>(now - start).count();
+      std::string left = "no limit";
+      if (!forever) {
+        left =
+            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(until - now).count()) +
+            " s left";
+      }
+      LOG_INFO << "waiting for room (--wait, " << waited << " s so far, " << left
+               << "): " << admitted.message();
+    }
+    pollfd stop{};
+    stop.fd = signal_fd;
+    stop.events = POLLIN;
+    const int ready = os::SysCalls::Default().Poll(&stop, 1, static_cast<int>(kWaitPoll.count()));
+    if (ready > 0) {
+      return Status(StatusCode::kOutOfMemory,
+                    "stopped while waiting for room (--wait): " + admitted.message());
+    }
+  }
+}
+
 // Admission under the device's budget (docs/budget.md): registers this cache in the device's
 // ledger, or fails kOutOfMemory naming the budget, the need and the holders. Returns the
 // ledger to unregister from at stop (nullptr: no budget applies).
-Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(
-    const ServeArgs& args, const identity::ResolvedIdentity& id) {
+Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(const ServeArgs& args,
+                                                               const identity::ResolvedIdentity& id,
+                                                               int signal_fd) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<uint64_t> budget, TierBudget(args, id));
   if (!budget.has_value()) return std::unique_ptr<daemon::BudgetLedger>();
   if (identity::IsPublishedSource(id.config.source)) {
@@ -410,47 +473,30 @@ Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(
       daemon::SelfEntry(id.paths.socket, ckpt.total_bytes(), tier, args.pin));
   self.last_used_ms = daemon::NowUnixMs();
   auto ledger = std::make_unique<daemon::BudgetLedger>(id.paths.device_dir);
-  WEIGHTCACHE_RETURN_IF_ERROR(daemon::AdmitEvicting(
-      *ledger, self, *budget, EvictVictim, std::chrono::steady_clock::now() + kEvictionTimeout));
+  WEIGHTCACHE_RETURN_IF_ERROR(AdmitOrWait(args, *ledger, self, *budget, EvictVictim, signal_fd));
   LOG_INFO << "admitted under the " << daemon::BudgetTierName(tier) << " budget of "
            << daemon::FormatBytes(*budget) << ": " << daemon::FormatBytes(self.bytes);
   return ledger;
 }
 
-// Our own entry leaves the ledger at stop (an upgrade's successor registered its own pid).
+// Our own entry leaves the ledger at stop (an upgrade's successor registered its own pid). A
+// lock held past kLedgerLockWait leaves it behind: the next reader reclaims it once we exit.
 void LeaveBudget(daemon::BudgetLedger* ledger, const std::string& socket) {
   if (ledger == nullptr) return;
   const pid_t self = ::getpid();
   Status removed = ledger
-                       ->Update([&](daemon::Ledger& now) {
-                         std::erase_if(now.entries, [&](const daemon::LedgerEntry& e) {
-                           return e.socket == socket && e.pid == self;
-                         });
-                         return Status::Ok();
-                       })
+                       ->UpdateUntil(
+                           [&](daemon::Ledger& now) {
+                             std::erase_if(now.entries, [&](const daemon::LedgerEntry& e) {
+                               return e.socket == socket && e.pid == self;
+                             });
+                             return Status::Ok();
+                           },
+                           std::chrono::steady_clock::now() + kLedgerLockWait)
                        .status();
   if (!removed.ok()) {
-    LOG_WARN << "leaving the budget ledger: " << removed.ToString();
-  }
-}
-
-// Our entry's clients and LRU time, on every change of the client count (docs/budget.md).
-void UpdateBudgetClients(daemon::BudgetLedger* ledger, const std::string& socket,
-                         uint32_t clients) {
-  if (ledger == nullptr) return;
-  const pid_t self = ::getpid();
-  Status updated = ledger
-                       ->Update([&](daemon::Ledger& now) {
-                         daemon::LedgerEntry* mine = now.Find(socket);
-                         if (mine != nullptr && mine->pid == self) {
-                           mine->clients = clients;
-                           mine->last_used_ms = daemon::NowUnixMs();
-                         }
-                         return Status::Ok();
-                       })
-                       .status();
-  if (!updated.ok()) {
-    LOG_WARN << "updating the budget ledger: " << updated.ToString();
+    LOG_WARN << "leaving the budget ledger (the next reader reclaims our entry once we exit): "
+             << removed.ToString();
   }
 }
 
@@ -573,7 +619,7 @@ int Run(ServeArgs& args) {
   }();
   if (!daemon.ok()) return Fail(kCmd, daemon.status());
   // Admission once we hold the identity lock (and the device dir exists), before loading.
-  auto budget_ledger = AdmitUnderBudget(args, *id);
+  auto budget_ledger = AdmitUnderBudget(args, *id, signals->get());
   if (!budget_ledger.ok()) {
     daemon->reset();
     return Fail(kCmd, budget_ledger.status());
@@ -635,12 +681,17 @@ int Run(ServeArgs& args) {
   };
   notify("STATUS=loading " + options.config.model_id + " (digest " + options.config.ShortDigest() +
          ")");
-  events.on_clients = [&](uint32_t clients) {
-    UpdateBudgetClients(budget_ledger->get(), options.paths.socket, clients);
-  };
+  // Each change of the client count goes to the ledger from the writer's thread, never from
+  // the event loop (a ledger lock held by a hung peer must not stall attaches).
+  std::optional<daemon::LedgerClientsWriter> clients_writer;
+  if (*budget_ledger) {
+    clients_writer.emplace(**budget_ledger, options.paths.socket, kLedgerLockWait);
+    events.on_clients = [&clients_writer](uint32_t clients) { clients_writer->Set(clients); };
+  }
 
   Status result = (*daemon)->Run(signals->get(), events);
   daemon->reset();  // withdraw the socket, then release the lock, before we report
+  clients_writer.reset();
   LeaveBudget(budget_ledger->get(), options.paths.socket);
   if (!result.ok()) return Fail(kCmd, result);
   LOG_INFO << "stopped";
@@ -675,6 +726,13 @@ void RegisterServeCommand(CLI::App& root) {
                   "`host`: when evicted, an idle gpu-tier cache moves its memory to host RAM "
                   "(within the host budget) and stays up; the next attach promotes it back "
                   "(docs/budget.md)");
+  CLI::Option* wait =
+      sub->add_flag(
+             "--wait{0}", args->wait_s,
+             "--wait[=SECONDS]: when the budget has no room and no idle cache can be evicted, "
+             "wait for room (planning again every 250 ms) instead of exiting 8 at once; a bare "
+             "--wait has no limit, --wait=SECONDS gives up after SECONDS with the same exit 8")
+          ->check(CLI::NonNegativeNumber);
   sub->add_option("--threads", args->threads, "reader threads of the load (default 16)")
       ->check(CLI::Range(1, 256));
   sub->add_option("--failed-linger", args->failed_linger_s,
@@ -735,7 +793,10 @@ void RegisterServeCommand(CLI::App& root) {
                   "seconds a scraper has to send its request, and then to take the response, "
                   "before its connection is closed (default 5)")
       ->check(CLI::PositiveNumber);
-  SetAction(sub, [args] { return Run(*args); });
+  SetAction(sub, [args, wait] {
+    if (wait->count() == 0) args->wait_s = -1;  // no --wait: fail at once
+    return Run(*args);
+  });
 }
 
 }  // namespace weightcache::cli

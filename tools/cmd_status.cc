@@ -25,13 +25,7 @@
 namespace weightcache::cli {
 namespace {
 
-struct StatusArgs {
-  bool json = false;
-  std::string namespace_name;
-  bool all_namespaces = false;
-  std::string runtime_dir;
-  double timeout_s = 2;
-};
+using StatusArgs = ListingArgs;  // the flags ls and status share (cache_listing.h)
 
 // "gpu" or "host" for a ready cache (where its bytes are), else its state.
 std::string CacheState(const nlohmann::json& row) {
@@ -70,12 +64,7 @@ std::string Ago(const nlohmann::json& row, uint64_t now_ms) {
 
 int Run(const StatusArgs& args) {
   constexpr std::string_view kCmd = "status";
-  ListOptions options;
-  options.runtime_dir = args.runtime_dir;
-  options.namespace_name = args.namespace_name;
-  options.all_namespaces = args.all_namespaces;
-  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000));
-  auto listing = ListCaches(options);
+  auto listing = ListCaches(args.Options());
   if (!listing.ok()) return Fail(kCmd, listing.status());
 
   std::map<std::pair<std::string, std::string>, std::vector<nlohmann::json>> by_device;
@@ -84,6 +73,7 @@ int Run(const StatusArgs& args) {
         .push_back(row);
   }
   nlohmann::json devices = nlohmann::json::array();
+  std::vector<std::string> budget_lines;  // one per device, in the order of `devices`
   for (auto& [key, caches] : by_device) {
     const auto& [ns, device] = key;
     DeviceBudgetView budget =
@@ -95,6 +85,7 @@ int Run(const StatusArgs& args) {
     d["budget_bytes"] = budget ? or_null(budget->budget_bytes) : nlohmann::json(nullptr);
     d["used_bytes"] = budget ? nlohmann::json(budget->used_bytes) : nlohmann::json(nullptr);
     d["free_bytes"] = budget ? or_null(budget->free_bytes) : nlohmann::json(nullptr);
+    budget_lines.push_back(FormatDeviceBudget(budget));
     for (auto& c : caches) c["cache_state"] = CacheState(c);
     d["caches"] = caches;
     d["lru"] = LruOrder(caches);
@@ -117,14 +108,11 @@ int Run(const StatusArgs& args) {
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count());
   std::ostringstream out;
+  size_t i = 0;
   for (const auto& d : devices) {
-    auto bytes = [](const nlohmann::json& v) {
-      return v.is_number_unsigned() ? daemon::FormatBytes(v.get<uint64_t>()) : std::string("-");
-    };
     out << "device " << EscapeForTerminal(d["device"].get<std::string>()) << " (namespace "
-        << EscapeForTerminal(d["namespace"].get<std::string>()) << "): budget "
-        << bytes(d["budget_bytes"]) << ", used " << bytes(d["used_bytes"]) << ", free "
-        << bytes(d["free_bytes"]) << "\n";
+        << EscapeForTerminal(d["namespace"].get<std::string>()) << "): " << budget_lines[i++]
+        << "\n";
     out << "  " << std::left << std::setw(24) << "MODEL" << std::setw(14) << "STATE"
         << std::setw(12) << "BYTES" << std::setw(8) << "CLIENTS" << std::setw(13) << "LAST ATTACH"
         << std::setw(8) << "HITS" << std::setw(8) << "MISSES" << std::setw(8) << "PID"
@@ -163,13 +151,7 @@ void RegisterStatusCommand(CLI::App& root) {
   auto args = std::make_shared<StatusArgs>();
   CLI::App* sub = root.add_subcommand(
       "status", "Per device: the memory budget, each cache's state, hits and misses, LRU order");
-  sub->add_flag("--json", args->json, "print one JSON object");
-  auto* ns = sub->add_option("--namespace", args->namespace_name,
-                             "only this namespace (default: default)");
-  sub->add_flag("--all-namespaces", args->all_namespaces, "every namespace")->excludes(ns);
-  sub->add_option("--runtime-dir", args->runtime_dir, "runtime dir");
-  sub->add_option("--timeout", args->timeout_s, "seconds to wait for each daemon's answer")
-      ->check(CLI::PositiveNumber);
+  AddListingFlags(sub, args.get());
   SetAction(sub, [args] { return Run(*args); });
 }
 

@@ -222,6 +222,31 @@ BudgetLedger::BudgetLedger(const std::string& device_dir, BudgetLedgerOptions op
 Result<Ledger> BudgetLedger::Update(const std::function<Status(Ledger&)>& update) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(const os::ExclusiveFileLock lock,
                                os::ExclusiveFileLock::Acquire(lock_path_));
+  return UpdateLocked(update);
+}
+
+Result<Ledger> BudgetLedger::UpdateUntil(const std::function<Status(Ledger&)>& update,
+                                         std::chrono::steady_clock::time_point lock_deadline) {
+  auto lock = os::ExclusiveFileLock::AcquireUntil(lock_path_, lock_deadline);
+  if (!lock.ok()) return Status(lock.status()).Context("the budget ledger " + path_);
+  return UpdateLocked(update);
+}
+
+Result<Ledger> BudgetLedger::ReadOnly() const {
+  Ledger ledger;
+  auto text = os::ReadSmallFile(path_, kMaxLedgerBytes);
+  if (text.ok()) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(ledger, ParseLedger(*text, path_));
+  } else if (text.status().code() == StatusCode::kInvalidArgument) {
+    return Corrupt(path_, text.status().message());
+  } else if (text.status().code() != StatusCode::kNotFound) {
+    return Status(text.status()).Context("reading the budget ledger");
+  }
+  std::erase_if(ledger.entries, [](const LedgerEntry& e) { return !OwnerAlive(e); });
+  return ledger;
+}
+
+Result<Ledger> BudgetLedger::UpdateLocked(const std::function<Status(Ledger&)>& update) {
   Ledger ledger;
   std::string before;
   auto text = os::ReadSmallFile(path_, kMaxLedgerBytes);
@@ -265,6 +290,76 @@ Status BudgetLedger::Remove(std::string_view socket) {
            return Status::Ok();
          })
       .status();
+}
+
+LedgerClientsWriter::LedgerClientsWriter(BudgetLedger& ledger, std::string socket,
+                                         std::chrono::milliseconds lock_wait,
+                                         std::chrono::milliseconds retry)
+    : ledger_(ledger),
+      socket_(std::move(socket)),
+      lock_wait_(lock_wait),
+      retry_(retry),
+      thread_([this] { Loop(); }) {}
+
+LedgerClientsWriter::~LedgerClientsWriter() {
+  {
+    MutexLock lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void LedgerClientsWriter::Set(uint32_t clients) {
+  {
+    MutexLock lock(mu_);
+    pending_ = Pending{clients, NowUnixMs()};
+  }
+  cv_.notify_all();
+}
+
+void LedgerClientsWriter::Loop() {
+  const pid_t self = ::getpid();
+  bool failing = false;
+  for (;;) {
+    Pending next;
+    {
+      MutexLock lock(mu_);
+      while (!stop_ && !pending_.has_value()) cv_.wait(mu_);
+      if (stop_) return;
+      next = *pending_;
+      pending_.reset();
+    }
+    auto written = ledger_.UpdateUntil(
+        [&](Ledger& now) {
+          LedgerEntry* mine = now.Find(socket_);
+          if (mine != nullptr && mine->pid == self) {
+            mine->clients = next.clients;
+            mine->last_used_ms = next.at_ms;
+          }
+          return Status::Ok();
+        },
+        std::chrono::steady_clock::now() + lock_wait_);
+    if (written.ok()) {
+      if (failing) {
+        LOG_INFO << "budget ledger updated again: " << next.clients << " client(s)";
+      }
+      failing = false;
+      continue;
+    }
+    if (!failing) {
+      LOG_WARN << "could not update the budget ledger (" << next.clients
+               << " client(s); retrying every " << std::chrono::duration<double>(retry_).count()
+               << " s): " << written.status().ToString();
+    }
+    failing = true;
+    MutexLock lock(mu_);
+    if (!pending_.has_value()) pending_ = next;  // a newer count wins
+    const auto retry_at = std::chrono::steady_clock::now() + retry_;
+    while (!stop_ && cv_.wait_until(mu_, retry_at) == std::cv_status::no_timeout) {
+    }
+    if (stop_) return;
+  }
 }
 
 AdmissionPlan PlanAdmission(const Ledger& ledger, BudgetTier tier, uint64_t budget, uint64_t need,

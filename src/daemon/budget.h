@@ -10,11 +10,18 @@
 //    a pid reused by an unrelated process is not taken for the cache. Every Update (Read is an
 //    Update that changes nothing) first drops the entries whose owner is gone, then writes the
 //    ledger back if anything changed: memory of a killed cache returns to the budget at the
-//    next reader, whoever it is.
+//    next Update, whoever makes it (ReadOnly drops them from its view only).
 //  * A ledger that does not parse, or whose fields have the wrong types, is kInvalidArgument
 //    naming the file and saying how to recover; it is never silently reset (the entries it
 //    lost would be memory in use that the budget no longer sees). Unknown keys are ignored
 //    (a newer build may add some).
+//  * UpdateUntil is Update with a bound on the lock wait (kTimeout past it): what a serving
+//    daemon uses, so that a peer hung inside its critical section cannot stall it. ReadOnly
+//    reads without the lock and never writes: the dead are dropped from the returned view only
+//    (what `status` and `ls` use: a read-only command must not change the file).
+//  * LedgerClientsWriter publishes a serving cache's client count from a thread of its own:
+//    the event loop only records the latest count (latest wins), and a ledger whose lock is
+//    held for long delays the entry, never an attach.
 //  * PlanAdmission is pure: which entries to evict (LRU among the evictable) so that a new
 //    cache fits, or why nothing can make it fit.
 //  * BudgetLedger holds only paths: thread-safe (the lock serializes every Update, also
@@ -24,12 +31,16 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "weightcache/status.h"
 
 namespace weightcache::daemon {
@@ -91,8 +102,16 @@ class BudgetLedger {
   // gone, run `update` on the rest (its error aborts without writing), write back if the
   // ledger changed. Returns the ledger as written.
   Result<Ledger> Update(const std::function<Status(Ledger&)>& update);
+  // Update, giving up with kTimeout (nothing read or written) when the lock is still held by
+  // another open file description at `lock_deadline`.
+  Result<Ledger> UpdateUntil(const std::function<Status(Ledger&)>& update,
+                             std::chrono::steady_clock::time_point lock_deadline);
   // Update with no change (it still reclaims the dead).
   Result<Ledger> Read();
+  // The ledger as the next Update would see it (dead owners dropped), read without the lock
+  // and without writing anything: not even the lock file is created. The atomic replacement
+  // makes the read whole; it may be one update behind a writer that holds the lock now.
+  Result<Ledger> ReadOnly() const;
   // Insert or replace the entry of entry.socket.
   Status Put(const LedgerEntry& entry);
   // Remove the entry of `socket` (absent: nothing happens).
@@ -102,9 +121,49 @@ class BudgetLedger {
   const std::string& lock_path() const { return lock_path_; }
 
  private:
+  Result<Ledger> UpdateLocked(const std::function<Status(Ledger&)>& update);
+
   std::string path_;
   std::string lock_path_;
   BudgetLedgerOptions options_;
+};
+
+// A serving cache's `clients` and `last_used_ms` in its ledger entry, written by a thread of
+// its own (docs/budget.md, "serve"). Set() only records the count and its time and wakes the
+// thread; the thread writes the latest one (counts set while it writes are coalesced), waiting
+// at most `lock_wait` for the ledger's lock. A write that fails (the lock held by a hung peer,
+// an I/O error) is logged once per run of failures and retried every `retry` until it succeeds
+// or a newer count replaces it. Only the entry of `socket` owned by this pid is changed (an
+// upgrade's successor owns the same socket under its own pid).
+// Thread-safety: Set() from any thread; the destructor joins the thread (a pending count is
+// dropped: the caller is leaving the ledger), waiting at most one `lock_wait`.
+class LedgerClientsWriter {
+ public:
+  LedgerClientsWriter(BudgetLedger& ledger, std::string socket,
+                      std::chrono::milliseconds lock_wait = std::chrono::seconds(5),
+                      std::chrono::milliseconds retry = std::chrono::seconds(1));
+  ~LedgerClientsWriter();
+  LedgerClientsWriter(const LedgerClientsWriter&) = delete;
+  LedgerClientsWriter& operator=(const LedgerClientsWriter&) = delete;
+
+  void Set(uint32_t clients);
+
+ private:
+  struct Pending {
+    uint32_t clients = 0;
+    int64_t at_ms = 0;
+  };
+  void Loop();
+
+  BudgetLedger& ledger_;
+  const std::string socket_;
+  const std::chrono::milliseconds lock_wait_;
+  const std::chrono::milliseconds retry_;
+  Mutex mu_;
+  std::condition_variable_any cv_;  // over mu_ (CondVar has no timed wait)
+  std::optional<Pending> pending_ WEIGHTCACHE_GUARDED_BY(mu_);
+  bool stop_ WEIGHTCACHE_GUARDED_BY(mu_) = false;
+  std::thread thread_;
 };
 
 // How a cache of `need` bytes on `tier` gets in under `budget` bytes.

@@ -1145,15 +1145,19 @@ void Daemon::HandleAttach(Connection& conn) {
   conn.fds_sent = true;
 }
 
+// Requests that end the daemon (Stop, Evict): only the daemon's own uid, even when --allow-uid
+// lets other users attach.
+bool Daemon::RequireOwner(Connection& conn, std::string_view request, std::string_view verb) {
+  if (conn.peer.uid == ::geteuid()) return true;
+  LOG_WARN << "refused " << request << " from " << conn.Describe();
+  QueueError(conn, PermissionDenied(std::string(request) + " refused for " + conn.Describe() +
+                                    ": only uid " + std::to_string(::geteuid()) +
+                                    " (the daemon's owner) may " + std::string(verb) + " it"));
+  return false;
+}
+
 void Daemon::HandleStop(Connection& conn) {
-  // Only the daemon's own uid, even when --allow-uid lets other users attach.
-  if (conn.peer.uid != ::geteuid()) {
-    LOG_WARN << "refused Stop from " << conn.Describe();
-    QueueError(conn,
-               PermissionDenied("Stop refused for " + conn.Describe() + ": only uid " +
-                                std::to_string(::geteuid()) + " (the daemon's owner) may stop it"));
-    return;
-  }
+  if (!RequireOwner(conn, "Stop", "stop")) return;
   protocol::StopReply reply;
   reply.clients = clients_;
   QueueFrame(conn, protocol::EncodeStopReply(reply));
@@ -1163,13 +1167,7 @@ void Daemon::HandleStop(Connection& conn) {
 // Budget admission asks an idle cache to give its memory back (docs/budget.md). The ledger's
 // view may be stale by the time the request arrives: the cache decides on its own state, here.
 void Daemon::HandleEvict(Connection& conn) {
-  if (conn.peer.uid != ::geteuid()) {
-    LOG_WARN << "refused Evict from " << conn.Describe();
-    QueueError(
-        conn, PermissionDenied("Evict refused for " + conn.Describe() + ": only uid " +
-                               std::to_string(::geteuid()) + " (the daemon's owner) may evict it"));
-    return;
-  }
+  if (!RequireOwner(conn, "Evict", "evict")) return;
   protocol::EvictReply reply;
   reply.clients = clients_;
   if (options_.pinned) {

@@ -270,6 +270,9 @@ class Daemon {
   void HandleStatus(Connection& conn);
   void HandleMetrics(Connection& conn);
   void HandleAttach(Connection& conn);
+  // False (the peer has been sent a PermissionDenied naming `request`) unless the peer is the
+  // daemon's own uid: the rule of every request that ends the daemon.
+  bool RequireOwner(Connection& conn, std::string_view request, std::string_view verb);
   void HandleStop(Connection& conn);
   void HandleEvict(Connection& conn);
   // Upgrade (docs/upgrade.md): start the successor and send it the handover; its answer on

@@ -11,6 +11,31 @@
 
 namespace weightcache::launcher {
 
+int JobRank(const DaemonPlacement& placement, int tp_size) {
+  return placement.pp_rank * tp_size + placement.tp_rank;
+}
+
+Result<std::string> MetricsAddrForRank(const std::string& addr, int rank) {
+  if (addr.empty() || addr.front() == '/') {
+    return addr.empty() ? addr : addr + "." + std::to_string(rank);
+  }
+  const size_t colon = addr.rfind(':');
+  const std::string port_text = colon == std::string::npos ? "" : addr.substr(colon + 1);
+  if (port_text.empty() || port_text.size() > 5 ||
+      port_text.find_first_not_of("0123456789") != std::string::npos) {
+    return InvalidArgument("--metrics-addr " + addr +
+                           ": not HOST:PORT nor an absolute Unix socket path");
+  }
+  const int port = std::stoi(port_text);
+  if (port == 0) return addr;
+  if (port + rank > 65535) {
+    return InvalidArgument("--metrics-addr " + addr + ": the daemon of rank " +
+                           std::to_string(rank) + " would listen on port " +
+                           std::to_string(port + rank) + ", past 65535");
+  }
+  return addr.substr(0, colon + 1) + std::to_string(port + rank);
+}
+
 std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& plan,
                                          const ServeFlags& flags, const JobFiles& files) {
   std::vector<DaemonSpec> specs;
@@ -35,6 +60,13 @@ std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& pla
     };
     add("--memory-budget", flags.memory_budget);
     if (flags.threads > 0) add("--threads", std::to_string(flags.threads));
+    add("--gpu-budget", flags.gpu_budget);
+    add("--host-budget", flags.host_budget);
+    if (flags.pin) argv.push_back("--pin");
+    if (auto metrics = MetricsAddrForRank(flags.metrics_addr, JobRank(p, flags.identity.tp_size));
+        metrics.ok()) {
+      add("--metrics-addr", *metrics);
+    }
     // "GPU-1a2b3c4d-…" → "1a2b3c4d": short, and unique among the GPUs of one host in practice.
     std::string tag = p.device_uuid;
     if (auto dash = tag.find('-'); dash != std::string::npos) tag = tag.substr(dash + 1);

@@ -44,7 +44,24 @@ struct ServeFlags {
   // Load flags of serve: "" / 0 = serve's default.
   std::string memory_budget;
   int threads = 0;
+  // Budget flags of serve (docs/budget.md), forwarded as given: "" / false = not given.
+  std::string gpu_budget;
+  std::string host_budget;
+  bool pin = false;
+  // serve's --metrics-addr, made per daemon by MetricsAddrForRank ("" = no metrics). The
+  // caller checks it with MetricsAddrForRank for the job's largest rank first.
+  std::string metrics_addr;
 };
+
+// The daemon's rank within its job, the one numbering of per-daemon resources:
+// pp_rank * tp_size + tp_rank.
+int JobRank(const DaemonPlacement& placement, int tp_size);
+
+// The metrics address of the daemon of job rank `rank`, from the job's `addr` (docs/cli.md):
+// a Unix socket path (it starts with '/') gets the suffix ".<rank>"; HOST:PORT gets the port
+// PORT + rank (port 0 stays 0: each daemon picks a free one and logs it). kInvalidArgument for
+// a port that is not a number or would pass 65535.
+Result<std::string> MetricsAddrForRank(const std::string& addr, int rank);
 
 struct JobFiles {
   std::string exe;      // absolute path of the weightcache binary

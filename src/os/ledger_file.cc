@@ -3,7 +3,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <thread>
 #include <utility>
 
 namespace weightcache::os {
@@ -31,6 +33,38 @@ Result<ExclusiveFileLock> ExclusiveFileLock::Acquire(const std::string& path) {
     const int err = errno;
     if (err == EINTR) continue;
     return IoError("fcntl(F_OFD_SETLKW) on lock file " + path, err);
+  }
+  return ExclusiveFileLock(std::move(fd), path);
+}
+
+Result<ExclusiveFileLock> ExclusiveFileLock::AcquireUntil(
+    const std::string& path, std::chrono::steady_clock::time_point deadline) {
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (!fd) return IoError("open lock file " + path, errno);
+  // No blocking wait has a deadline (F_OFD_SETLKW sleeps until the holder lets go): poll the
+  // non-blocking command, backing off from 1 ms to 50 ms.
+  std::chrono::milliseconds pause{1};
+  while (true) {
+    struct flock lock {};
+    lock.l_type = F_WRLCK;
+    lock.l_whence = SEEK_SET;
+    lock.l_start = 0;
+    lock.l_len = 0;  // the whole file
+    lock.l_pid = 0;  // must be 0 for the OFD commands
+    if (::fcntl(fd.get(), F_OFD_SETLK, &lock) == 0) break;
+    const int err = errno;
+    if (err == EINTR) continue;
+    if (err != EAGAIN && err != EACCES) {
+      return IoError("fcntl(F_OFD_SETLK) on lock file " + path, err);
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      return Status(StatusCode::kTimeout,
+                    "lock file " + path + " is held by another process (hung, or a slow disk)");
+    }
+    std::this_thread::sleep_for(
+        std::min<std::chrono::steady_clock::duration>(pause, deadline - now));
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
   }
   return ExclusiveFileLock(std::move(fd), path);
 }

@@ -9,12 +9,16 @@
 //    drops the lock when the object is destroyed or the process dies, so a holder killed in
 //    its critical section never leaves the lock stuck. OFD locks conflict between open file
 //    descriptions, so two threads of one process exclude each other too. Move-only.
+//  * AcquireUntil is Acquire with a bound: it polls F_OFD_SETLK (non-blocking) with a short
+//    sleep between tries, and gives up with kTimeout at `deadline`, so that a caller that must
+//    not hang (a daemon's ledger updates) survives a holder that is hung or on a slow disk.
 //  * WriteFileAtomically replaces a file by temp + fsync + rename: a reader sees the old file
 //    or the new one, never a torn one, also when the writer is killed half-way. The temp name
 //    is fixed (<path>.tmp), so writers of one path must be serialized (by the lock above); a
 //    stale temp of a killed writer is truncated by the next one.
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <string_view>
 
@@ -27,6 +31,10 @@ class ExclusiveFileLock {
  public:
   // kIo naming the path when it cannot be opened or locked.
   static Result<ExclusiveFileLock> Acquire(const std::string& path);
+  // kTimeout naming the path when another open file description still holds the lock at
+  // `deadline`; kIo as Acquire.
+  static Result<ExclusiveFileLock> AcquireUntil(const std::string& path,
+                                                std::chrono::steady_clock::time_point deadline);
 
   ExclusiveFileLock(ExclusiveFileLock&&) noexcept = default;
   ExclusiveFileLock& operator=(ExclusiveFileLock&&) noexcept = default;

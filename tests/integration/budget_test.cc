@@ -4,8 +4,12 @@
 // and a kill -9 both give the memory back, and budget.conf is read when no flag is given.
 #include "daemon/budget.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -67,6 +71,26 @@ class BudgetTest : public ::testing::Test {
     auto ledger = daemon::BudgetLedger(device_dir).Read();
     EXPECT_TRUE(ledger.ok()) << ledger.status().ToString();
     return ledger.ok() ? *ledger : daemon::Ledger{};
+  }
+  // Polls the ledger until the entry of `socket` counts `clients` (a serving daemon writes its
+  // count from a thread of its own, after the attach). Generous bound: it fails, not hangs.
+  ::testing::AssertionResult WaitLedgerClients(const std::string& socket, uint32_t clients) {
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    std::string last = "no entry";
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto ledger = daemon::BudgetLedger(DeviceDir(socket)).ReadOnly();
+      if (ledger.ok()) {
+        if (const daemon::LedgerEntry* e = ledger->Find(socket)) {
+          if (e->clients == clients) return ::testing::AssertionSuccess();
+          last = std::to_string(e->clients) + " clients";
+        }
+      } else {
+        last = ledger.status().ToString();
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+    return ::testing::AssertionFailure() << "the ledger entry of " << socket << " never counted "
+                                         << clients << " clients (last: " << last << ")";
   }
   // Polls the sockets other than `except` until one answers ready.
   Result<std::string> WaitOtherReady(ServeProcess& p, const std::string& except) {
@@ -264,6 +288,7 @@ TEST_F(BudgetTest, AttachedClientIsCountedAndProtectsItsCache) {
     ASSERT_TRUE(hr.ok() && hr->match);
     auto reply = conn->Attach(os::Deadline::After(5s));
     ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+    ASSERT_TRUE(WaitLedgerClients(*socket, 1));
     daemon::Ledger ledger = ReadLedger(DeviceDir(*socket));
     ASSERT_EQ(ledger.entries.size(), 1u);
     EXPECT_EQ(ledger.entries[0].clients, 1u);
@@ -282,9 +307,89 @@ TEST_F(BudgetTest, AttachedClientIsCountedAndProtectsItsCache) {
   wait.reached = [](const protocol::StatusReply& r) { return r.clients == 0; };
   wait.what = "0 clients";
   ASSERT_TRUE(WaitForStatus(a->child(), wait).ok());
-  daemon::Ledger ledger = ReadLedger(DeviceDir(*socket));
-  ASSERT_EQ(ledger.entries.size(), 1u);
-  EXPECT_EQ(ledger.entries[0].clients, 0u);
+  EXPECT_TRUE(WaitLedgerClients(*socket, 0));
+}
+
+// A process that holds the ledger's OFD lock (forked: open + fcntl + write + pause only, all
+// async-signal-safe) until it is killed; it writes one byte to `ready_fd` once it holds it.
+pid_t HoldLockForever(const std::string& lock_path, int ready_fd) {
+  const char* path = lock_path.c_str();
+  const pid_t pid = ::fork();
+  if (pid != 0) return pid;
+  const int fd = ::open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  struct flock lock {};
+  lock.l_type = F_WRLCK;
+  lock.l_whence = SEEK_SET;
+  if (fd < 0 || ::fcntl(fd, F_OFD_SETLKW, &lock) != 0) ::_exit(1);
+  if (::write(ready_fd, "x", 1) != 1) ::_exit(1);
+  for (;;) ::pause();
+}
+
+// Attach and detach — the client-count changes that are written to the ledger — complete
+// while another process holds the ledger's lock (hung, or stuck on a slow disk): the daemon
+// writes the count from a thread of its own, logs that it could not, and writes the latest
+// count once the lock is free.
+TEST_F(BudgetTest, AHungLedgerLockHolderStallsNoAttach) {
+  auto a = Serve(0, {"--host-budget", std::to_string(bytes_[0])});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  int ready[2];
+  ASSERT_EQ(::pipe2(ready, O_CLOEXEC), 0);
+  const pid_t holder =
+      HoldLockForever(identity::BudgetLedgerLockPath(DeviceDir(*socket)), ready[1]);
+  ASSERT_GT(holder, 0);
+  char byte = 0;
+  ASSERT_EQ(::read(ready[0], &byte, 1), 1);
+  ::close(ready[0]);
+  ::close(ready[1]);
+
+  auto attach = [&]() -> Result<protocol::Connection> {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(auto conn, protocol::Connection::Connect(*socket, 30s));
+    protocol::Hello hello;
+    hello.config = ConfigFor(models_[0], "m0").ToJson();
+    WEIGHTCACHE_ASSIGN_OR_RETURN(auto hr, conn.SendHello(hello, os::Deadline::After(30s)));
+    if (!hr.match) return Status(StatusCode::kInternal, "hello did not match");
+    WEIGHTCACHE_RETURN_IF_ERROR(conn.Attach(os::Deadline::After(30s)).status());
+    return conn;
+  };
+  StatusWait one_client;
+  one_client.sockets = [&] { return std::vector<std::string>{*socket}; };
+  one_client.reached = [](const protocol::StatusReply& r) { return r.clients == 1; };
+  one_client.what = "1 client";
+  {
+    auto first = attach();
+    ASSERT_TRUE(first.ok()) << first.status().ToString() << a->Log();
+    {
+      auto second = attach();
+      ASSERT_TRUE(second.ok()) << second.status().ToString() << a->Log();
+    }  // the second client detaches
+    ASSERT_TRUE(WaitForStatus(a->child(), one_client).ok()) << a->Log();
+    {
+      auto third = attach();
+      ASSERT_TRUE(third.ok()) << third.status().ToString() << a->Log();
+    }
+    ASSERT_TRUE(WaitForStatus(a->child(), one_client).ok()) << a->Log();
+
+    // The daemon says it could not write (its bounded lock wait ran out).
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    while (a->Log().find("could not update the budget ledger") == std::string::npos &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(50ms);
+    }
+    EXPECT_NE(a->Log().find("could not update the budget ledger"), std::string::npos) << a->Log();
+    EXPECT_NE(a->Log().find(identity::BudgetLedgerLockPath(DeviceDir(*socket))), std::string::npos)
+        << a->Log();
+
+    ::kill(holder, SIGKILL);
+    int status = 0;
+    ASSERT_EQ(::waitpid(holder, &status, 0), holder);
+    // Once the lock is free, the latest count (the first client, still attached) is written.
+    EXPECT_TRUE(WaitLedgerClients(*socket, 1)) << a->Log();
+  }
+  EXPECT_TRUE(WaitLedgerClients(*socket, 0)) << a->Log();
+  a->Signal(SIGTERM);
+  ASSERT_EQ(a->WaitExit(30s), std::optional<int>(0)) << a->Log();
+  EXPECT_TRUE(ReadLedger(DeviceDir(*socket)).entries.empty());
 }
 
 // `status` shows the device's budget from its budget.conf and the bytes its ledger holds.
@@ -302,6 +407,101 @@ TEST_F(BudgetTest, StatusShowsTheDevicesBudgetUsedAndFree) {
   EXPECT_EQ(d["budget_bytes"], uint64_t{1} << 30) << st.out;
   EXPECT_EQ(d["used_bytes"], bytes_[0]) << st.out;
   EXPECT_EQ(d["free_bytes"], (uint64_t{1} << 30) - bytes_[0]) << st.out;
+
+  // `ls` prints the same budget line per device, after its table.
+  const std::string line = "device " + std::string(identity::kHostDeviceKey) +
+                           " (namespace default): budget 1.00 GiB, used " +
+                           daemon::FormatBytes(bytes_[0]) + ", free " +
+                           daemon::FormatBytes((uint64_t{1} << 30) - bytes_[0]);
+  CommandResult ls = RunCommand({CliPath(), "ls", "--runtime-dir", runtime_});
+  ASSERT_EQ(ls.exit_code, 0) << ls.err;
+  EXPECT_NE(ls.out.find(line), std::string::npos) << ls.out;
+  CommandResult text = RunCommand({CliPath(), "status", "--runtime-dir", runtime_});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find(line), std::string::npos) << text.out;
+}
+
+// `serve --wait`: a cache that finds no room (every holder pinned) waits, saying so, and gets
+// in once a holder stops.
+TEST_F(BudgetTest, WaitingCacheGetsInOnceAHolderStops) {
+  // a and b fit; b and c fit; all three do not.
+  const std::string budget = std::to_string(std::max(bytes_[0] + bytes_[1], bytes_[1] + bytes_[2]));
+  auto a = Serve(0, {"--host-budget", budget, "--pin"});
+  auto sa = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(sa.ok()) << sa.status().ToString() << a->Log();
+  auto b = Serve(1, {"--host-budget", budget, "--pin"});
+  auto sb = WaitOtherReady(*b, *sa);
+  ASSERT_TRUE(sb.ok()) << sb.status().ToString() << b->Log();
+  auto c = Serve(2, {"--host-budget", budget, "--wait=600"});
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (c->Log().find("waiting for room (--wait") == std::string::npos && c->Running() &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_NE(c->Log().find("waiting for room (--wait"), std::string::npos) << c->Log();
+  EXPECT_NE(c->Log().find("nothing more can be freed"), std::string::npos) << c->Log();
+  a->Signal(SIGTERM);
+  ASSERT_EQ(a->WaitExit(30s), std::optional<int>(0)) << a->Log();
+  auto sc = WaitOtherReady(*c, std::vector<std::string>{*sa, *sb});
+  ASSERT_TRUE(sc.ok()) << sc.status().ToString() << c->Log();
+  daemon::Ledger ledger = ReadLedger(DeviceDir(*sc));
+  EXPECT_EQ(ledger.entries.size(), 2u);
+  EXPECT_EQ(ledger.Find(*sa), nullptr);
+  ASSERT_NE(ledger.Find(*sc), nullptr);
+  EXPECT_EQ(ledger.Find(*sc)->pid, c->pid());
+}
+
+// A --wait that runs out fails as a cache without --wait does: exit 8, the refusal.
+TEST_F(BudgetTest, WaitThatRunsOutExits8WithTheRefusal) {
+  const std::string budget = std::to_string(bytes_[0] + bytes_[1] - 1);
+  auto a = Serve(0, {"--host-budget", budget, "--pin"});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  CommandResult b = ServeRefused(1, {"--host-budget", budget, "--wait=1"});
+  EXPECT_EQ(b.exit_code, 8) << b.err;
+  EXPECT_NE(b.err.find("nothing more can be freed"), std::string::npos) << b.err;
+  EXPECT_NE(b.err.find("(waited 1 s, --wait)"), std::string::npos) << b.err;
+}
+
+// `status` is read-only: with a dead cache's entry in the ledger it counts only the live
+// ones, and leaves the file as it was, bytes and mtime (the next writer reclaims the entry).
+TEST_F(BudgetTest, StatusLeavesTheLedgerUntouchedAndSkipsDeadEntries) {
+  auto a = Serve(0, {"--host-budget", "1G"});
+  auto socket = WaitForState(*a, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  const std::string dir = DeviceDir(*socket);
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(dead, &status, 0), dead);
+  daemon::LedgerEntry ghost;
+  ghost.socket = dir + "/gone.sock";
+  ghost.pid = dead;
+  ghost.pid_start_time = 1;
+  ghost.bytes = 12345;
+  ghost.tier = daemon::BudgetTier::kHost;
+  ASSERT_TRUE(daemon::BudgetLedger(dir).Put(ghost).ok());
+  const std::string path = identity::BudgetLedgerPath(dir);
+  const std::string before = ReadFile(path);
+  ASSERT_NE(before.find("gone.sock"), std::string::npos) << before;
+  struct stat st_before {};
+  ASSERT_EQ(::stat(path.c_str(), &st_before), 0);
+
+  CommandResult st = RunCommand({CliPath(), "status", "--json", "--runtime-dir", runtime_});
+  ASSERT_EQ(st.exit_code, 0) << st.err;
+  const auto j = nlohmann::json::parse(st.out, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(j.is_object()) << st.out;
+  ASSERT_EQ(j["devices"].size(), 1U) << st.out;
+  EXPECT_EQ(j["devices"][0]["used_bytes"], bytes_[0]) << st.out;  // the dead entry not counted
+  CommandResult text = RunCommand({CliPath(), "status", "--runtime-dir", runtime_});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+
+  EXPECT_EQ(ReadFile(path), before);
+  struct stat st_after {};
+  ASSERT_EQ(::stat(path.c_str(), &st_after), 0);
+  EXPECT_EQ(st_after.st_ino, st_before.st_ino);  // not replaced
+  EXPECT_EQ(st_after.st_mtim.tv_sec, st_before.st_mtim.tv_sec);
+  EXPECT_EQ(st_after.st_mtim.tv_nsec, st_before.st_mtim.tv_nsec);
 }
 
 }  // namespace

@@ -10,11 +10,14 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "daemon/byte_size.h"
 #include "identity/paths.h"
+#include "os/ledger_file.h"
 #include "support/test_env.h"
 
 namespace weightcache::daemon {
@@ -171,6 +174,94 @@ TEST(BudgetLedger, ACorruptLedgerIsAnErrorNamingTheFileAndIsLeftAsItWas) {
     EXPECT_EQ(ledger.Put(Entry(dir.Join("b.sock"), 1, 1)).code(), StatusCode::kInvalidArgument);
     EXPECT_EQ(ReadFile(ledger.path()), c.text);  // never silently reset
   }
+}
+
+// Another open file description holding the lock (OFD locks conflict within one process too):
+// UpdateUntil gives up at its deadline with kTimeout naming the lock, reading and writing
+// nothing; once the lock is free it updates.
+TEST(BudgetLedger, UpdateUntilGivesUpOnAHeldLock) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  ASSERT_TRUE(ledger.Put(Entry(dir.Join("a.sock"), 1, 1)).ok());
+  const std::string before = ReadFile(ledger.path());
+  auto add_b = [&](Ledger& l) {
+    l.entries.push_back(Entry(dir.Join("b.sock"), 2, 2));
+    return Status::Ok();
+  };
+  {
+    auto held = os::ExclusiveFileLock::Acquire(ledger.lock_path());
+    ASSERT_TRUE(held.ok()) << held.status().ToString();
+    auto r =
+        ledger.UpdateUntil(add_b, std::chrono::steady_clock::now() + std::chrono::milliseconds(50));
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kTimeout);
+    EXPECT_NE(r.status().message().find(ledger.lock_path()), std::string::npos)
+        << r.status().message();
+    EXPECT_EQ(ReadFile(ledger.path()), before);
+  }
+  auto r = ledger.UpdateUntil(add_b, std::chrono::steady_clock::now() + std::chrono::seconds(30));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->entries.size(), 2u);
+}
+
+// ReadOnly drops a dead owner from its view only: the file and its directory are unchanged
+// (no lock file created either).
+TEST(BudgetLedger, ReadOnlyNeverWrites) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  auto empty = ledger.ReadOnly();
+  ASSERT_TRUE(empty.ok()) << empty.status().ToString();
+  EXPECT_TRUE(empty->entries.empty());
+  EXPECT_FALSE(std::filesystem::exists(ledger.lock_path()));
+  EXPECT_FALSE(std::filesystem::exists(ledger.path()));
+  LedgerEntry dead = Entry(dir.Join("dead.sock"), 5, 1);
+  dead.pid = ReapedPid();
+  ASSERT_TRUE(ledger
+                  .Update([&](Ledger& l) {
+                    l.entries.push_back(Entry(dir.Join("live.sock"), 7, 2));
+                    l.entries.push_back(dead);
+                    return Status::Ok();
+                  })
+                  .ok());
+  const std::string before = ReadFile(ledger.path());
+  auto view = ledger.ReadOnly();
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  ASSERT_EQ(view->entries.size(), 1u);
+  EXPECT_EQ(view->entries[0].socket, dir.Join("live.sock"));
+  EXPECT_EQ(ReadFile(ledger.path()), before);
+}
+
+// The writer coalesces: counts set while the lock is held are written as the latest one once
+// it is free; Set never waits for the lock.
+TEST(LedgerClientsWriter, WritesTheLatestCountOnceTheLockIsFree) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  const LedgerEntry mine = Entry(dir.Join("mine.sock"), 1, 1);
+  ASSERT_TRUE(ledger.Put(mine).ok());
+  auto clients = [&]() -> int64_t {
+    auto view = ledger.ReadOnly();
+    const LedgerEntry* e = view.ok() ? view->Find(mine.socket) : nullptr;
+    return e != nullptr ? e->clients : -1;
+  };
+  auto wait_for = [&](int64_t want) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (clients() != want && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return clients();
+  };
+  LedgerClientsWriter writer(ledger, mine.socket, std::chrono::milliseconds(20),
+                             std::chrono::milliseconds(20));
+  writer.Set(1);
+  EXPECT_EQ(wait_for(1), 1);
+  {
+    auto held = os::ExclusiveFileLock::Acquire(ledger.lock_path());
+    ASSERT_TRUE(held.ok()) << held.status().ToString();
+    writer.Set(2);
+    writer.Set(3);
+    EXPECT_EQ(clients(), 1);  // nothing can be written while the lock is held
+  }
+  EXPECT_EQ(wait_for(3), 3);
 }
 
 TEST(BudgetLedger, UpdatesFromSeparateProcessesAreSerializedByTheLock) {

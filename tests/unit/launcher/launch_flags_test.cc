@@ -20,8 +20,11 @@ namespace {
 using launcher::BuildDaemonSpecs;
 using launcher::DaemonPlacement;
 using launcher::JobFiles;
+using launcher::JobRank;
+using launcher::MetricsAddrForRank;
 using launcher::ServeFlags;
 using ::testing::ElementsAre;
+using ::testing::HasSubstr;
 
 constexpr const char* kGpu0 = "GPU-1a2b3c4d-0000-4000-8000-000000000000";
 constexpr const char* kGpu2 = "GPU-5e6f7a8b-0000-4000-8000-000000000002";
@@ -109,6 +112,9 @@ TEST(LaunchFlagsTest, EveryJobFlagReachesEveryDaemonAsServeParsesIt) {
   flags.identity_args = ServeArgsFor;
   flags.memory_budget = "20G";
   flags.threads = 4;
+  flags.gpu_budget = "80%";
+  flags.pin = true;
+  flags.metrics_addr = "127.0.0.1:9400";
   JobFiles files{.exe = "/bin/wc", .log_dir = "/logs", .job = "q"};
   std::vector<launcher::DaemonSpec> specs = BuildDaemonSpecs(plan, flags, files);
   ASSERT_EQ(specs.size(), 2u);
@@ -123,7 +129,12 @@ TEST(LaunchFlagsTest, EveryJobFlagReachesEveryDaemonAsServeParsesIt) {
     AddIdentityFlags(serve, &got, IdentityScope::kOneCache);
     serve->allow_extras();  // the load flags are serve's own, registered by cmd_serve.cc
     Parse(serve_app, std::vector<std::string>(argv.begin() + 1, argv.end()));
-    EXPECT_THAT(serve->remaining(), ElementsAre("--memory-budget", "20G", "--threads", "4"));
+    // Budget flags as given; the metrics port + the daemon's rank (pp_rank * tp_size + tp_rank).
+    const std::string metrics =
+        "127.0.0.1:" + std::to_string(9400 + plan[i].pp_rank * 2 + plan[i].tp_rank);
+    EXPECT_THAT(serve->remaining(),
+                ElementsAre("--memory-budget", "20G", "--threads", "4", "--gpu-budget", "80%",
+                            "--pin", "--metrics-addr", metrics));
 
     for (CLI::Option* opt : RegisteredIdentityFlags(launch)) {
       CLI::Option* served = Counterpart(serve, opt);
@@ -148,6 +159,24 @@ TEST(LaunchFlagsTest, EveryJobFlagReachesEveryDaemonAsServeParsesIt) {
   EXPECT_EQ(specs[0].spawn.log_path, "/logs/q-tp0-pp2-1a2b3c4d.log");
   EXPECT_EQ(specs[1].spawn.log_path, "/logs/q-tp1-pp1-5e6f7a8b.log");
   EXPECT_TRUE(specs[0].socket_path.empty()) << "paths are discovered from the running daemon";
+}
+
+TEST(LaunchFlagsTest, MetricsAddrIsMadePerDaemon) {
+  EXPECT_EQ(
+      JobRank({.tp_rank = 1, .pp_rank = 2, .ep_rank = 0, .local_gpu_id = 0, .device_uuid = ""}, 4),
+      9);
+  EXPECT_EQ(*MetricsAddrForRank("127.0.0.1:9400", 3), "127.0.0.1:9403");
+  EXPECT_EQ(*MetricsAddrForRank("[::1]:9400", 0), "[::1]:9400");
+  EXPECT_EQ(*MetricsAddrForRank("localhost:0", 5), "localhost:0");  // each picks a free port
+  EXPECT_EQ(*MetricsAddrForRank("/run/wc/metrics.sock", 2), "/run/wc/metrics.sock.2");
+  EXPECT_EQ(*MetricsAddrForRank("", 2), "");
+  auto past = MetricsAddrForRank("127.0.0.1:65535", 1);
+  ASSERT_FALSE(past.ok());
+  EXPECT_EQ(past.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(past.status().message(), HasSubstr("rank 1 would listen on port 65536"));
+  auto bad = MetricsAddrForRank("metrics", 0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("not HOST:PORT nor an absolute Unix socket path"));
 }
 
 // ServeArgsFor over the whole one-cache scope (per-daemon flags and --socket included): what it
