@@ -383,7 +383,9 @@ Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
                              },
                              std::chrono::steady_clock::now() + kLedgerLockWait)
                          .status();
-    if (!updated.ok()) LOG_WARN << "moving the budget ledger entry: " << updated.ToString();
+    if (!updated.ok()) {
+      LOG_WARN << "moving the budget ledger entry: " << updated.ToString();
+    }
   };
   if (gpu_budget.has_value()) {
     demotion.readmit = [device_dir, socket, pinned, budget = *gpu_budget]() -> Status {
