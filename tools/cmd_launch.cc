@@ -238,6 +238,15 @@ void RegisterLaunchCommand(CLI::App& root) {
                   "(docs/budget.md)");
   sub->add_option("--host-budget", s.host_budget, "serve's --host-budget for every daemon");
   sub->add_flag("--pin", s.pin, "serve's --pin for every daemon: never evicted for another cache");
+  sub->add_option("--demote", s.demote,
+                  "serve's --demote for every daemon: `host` moves an evicted idle gpu cache to "
+                  "host RAM instead of stopping it (docs/budget.md)");
+  sub->add_option("--allow-uid", s.allow_uids,
+                  "serve's --allow-uid for every daemon: a uid besides the owner's that may "
+                  "attach (repeatable; e.g. engines running as another user)");
+  sub->add_option("--allow-gid", s.allow_gids,
+                  "serve's --allow-gid for every daemon: a gid whose members may attach "
+                  "(repeatable)");
   sub->add_option("--metrics-addr", s.metrics_addr,
                   "serve's --metrics-addr, per daemon: a Unix socket path gets the suffix "
                   ".<rank>, HOST:PORT the port PORT+rank (rank = pp_rank * tp_size + tp_rank; "

@@ -63,6 +63,9 @@ std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& pla
     add("--gpu-budget", flags.gpu_budget);
     add("--host-budget", flags.host_budget);
     if (flags.pin) argv.push_back("--pin");
+    add("--demote", flags.demote);
+    for (uint32_t uid : flags.allow_uids) add("--allow-uid", std::to_string(uid));
+    for (uint32_t gid : flags.allow_gids) add("--allow-gid", std::to_string(gid));
     if (auto metrics = MetricsAddrForRank(flags.metrics_addr, JobRank(p, flags.identity.tp_size));
         metrics.ok()) {
       add("--metrics-addr", *metrics);

@@ -16,6 +16,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -48,6 +49,11 @@ struct ServeFlags {
   std::string gpu_budget;
   std::string host_budget;
   bool pin = false;
+  std::string demote;  // serve's --demote ("host"); "" = not given
+  // serve's --allow-uid / --allow-gid: the peers besides the owner that may attach (an engine
+  // running as another user than the daemons', e.g. in another pod); forwarded as given.
+  std::vector<uint32_t> allow_uids;
+  std::vector<uint32_t> allow_gids;
   // serve's --metrics-addr, made per daemon by MetricsAddrForRank ("" = no metrics). The
   // caller checks it with MetricsAddrForRank for the job's largest rank first.
   std::string metrics_addr;

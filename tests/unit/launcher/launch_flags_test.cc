@@ -114,6 +114,9 @@ TEST(LaunchFlagsTest, EveryJobFlagReachesEveryDaemonAsServeParsesIt) {
   flags.threads = 4;
   flags.gpu_budget = "80%";
   flags.pin = true;
+  flags.demote = "host";
+  flags.allow_uids = {1001, 1002};
+  flags.allow_gids = {2000};
   flags.metrics_addr = "127.0.0.1:9400";
   JobFiles files{.exe = "/bin/wc", .log_dir = "/logs", .job = "q"};
   std::vector<launcher::DaemonSpec> specs = BuildDaemonSpecs(plan, flags, files);
@@ -134,7 +137,8 @@ TEST(LaunchFlagsTest, EveryJobFlagReachesEveryDaemonAsServeParsesIt) {
         "127.0.0.1:" + std::to_string(9400 + plan[i].pp_rank * 2 + plan[i].tp_rank);
     EXPECT_THAT(serve->remaining(),
                 ElementsAre("--memory-budget", "20G", "--threads", "4", "--gpu-budget", "80%",
-                            "--pin", "--metrics-addr", metrics));
+                            "--pin", "--demote", "host", "--allow-uid", "1001", "--allow-uid",
+                            "1002", "--allow-gid", "2000", "--metrics-addr", metrics));
 
     for (CLI::Option* opt : RegisteredIdentityFlags(launch)) {
       CLI::Option* served = Counterpart(serve, opt);
