@@ -652,8 +652,17 @@ int Run(ServeArgs& args) {
   daemon::DaemonEvents events;
   std::string adopted;  // set by on_adopted: the ready line says so
   events.on_adopted = [&](std::string_view how) { adopted = how; };
+  // The unit's STATUS follows the load (`systemctl status`): at most once a second, and at its
+  // end, so that a slow load shows where it is without a datagram per batch.
+  auto last_status = std::chrono::steady_clock::time_point::min();
   events.on_progress = [&](uint64_t done, uint64_t total, double seconds) {
     progress.Update(done, total, seconds);
+    const auto now = std::chrono::steady_clock::now();
+    if (!service_manager || (now - last_status < std::chrono::seconds(1) && done < total)) return;
+    last_status = now;
+    const uint64_t percent = total == 0 ? 100 : done * 100 / total;
+    notify("STATUS=loading " + options.config.model_id + ": " + std::to_string(percent) + "% (" +
+           daemon::FormatBytes(done) + " of " + daemon::FormatBytes(total) + ")");
   };
   events.on_ready = [&](const daemon::StoreSummary& s, double seconds) {
     progress.EndLine();

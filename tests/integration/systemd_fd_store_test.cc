@@ -130,6 +130,7 @@ class FakeServiceManager {
     return text;
   }
   void Apply(Notification& n) {
+    if (n.Has("STATUS")) statuses_.push_back(n.Get("STATUS"));
     if (n.Get("FDSTORE") == "1") {
       for (UniqueFd& fd : n.fds) store_.emplace(n.Get("FDNAME"), std::move(fd));
     }
@@ -140,6 +141,11 @@ class FakeServiceManager {
   UniqueFd socket_;
   std::multimap<std::string, UniqueFd> store_;
   std::vector<std::string> log_;
+  std::vector<std::string> statuses_;
+
+ public:
+  // Every STATUS= seen, in order.
+  const std::vector<std::string>& statuses() const { return statuses_; }
 };
 
 class SystemdFdStoreTest : public ::testing::Test {
@@ -267,6 +273,14 @@ TEST_F(SystemdFdStoreTest, KilledDaemonIsReadoptedFromTheFdStoreWithoutReadingTh
   auto first = Serve("first.log", /*pass_store=*/false);
   ASSERT_TRUE(first.has_value());
   ASSERT_TRUE(WaitReady(*first, "first.log"));
+  // STATUS follows the load (`systemctl status`): the loader's last progress says 100%, then
+  // READY=1 says ready.
+  const std::vector<std::string>& statuses = manager_->statuses();
+  ASSERT_GE(statuses.size(), 3u) << manager_->Log();
+  EXPECT_EQ(statuses.front().rfind("loading tiny (digest ", 0), 0u) << statuses.front();
+  EXPECT_EQ(statuses[statuses.size() - 2].rfind("loading tiny: 100% (", 0), 0u)
+      << statuses[statuses.size() - 2];
+  EXPECT_EQ(statuses.back().rfind("ready: 12 tensors", 0), 0u) << statuses.back();
   const size_t stored = ExpectDeposited();
   EXPECT_GE(stored, 3u);
   EXPECT_GE(ProcessReadChars(first->pid()), tensor_bytes_);  // the control: it loaded
