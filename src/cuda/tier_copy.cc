@@ -245,14 +245,17 @@ class StagedCopier {
                         ? Promote(pieces, stream.get(), events, buffers, report)
                         : Demote(pieces, stream.get(), events, buffers, report);
     // Copies already issued may still use the staging buffers: wait before they are freed. A
-    // failed wait is tried once more (as the upload pipeline does).
+    // failed wait is tried once more; a stream that cannot be waited for at all (a broken
+    // context) leaves its buffers pinned and mapped rather than free memory a copy may reach.
     const CUresult first = api_->cuStreamSynchronize(stream.get());
     const CUresult rc = first == CUDA_SUCCESS ? first : api_->cuStreamSynchronize(stream.get());
     if (first != CUDA_SUCCESS && status.ok()) {
       status = DriverError(api_, first, "cuStreamSynchronize after the tier copy");
     }
     if (rc != CUDA_SUCCESS) {
-      LOG_ERROR << DriverError(api_, rc, "cuStreamSynchronize after the tier copy").ToString();
+      LOG_ERROR << DriverError(api_, rc, "cuStreamSynchronize after the tier copy").ToString()
+                << ": leaving its 2 staging buffers pinned";
+      for (auto& buffer : buffers) buffer->Abandon();
     }
     return status;
   }

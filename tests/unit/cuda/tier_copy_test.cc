@@ -206,6 +206,29 @@ TEST(TierCopy, AStagedCopyWhoseBufferCannotBePinnedFailsAndReleasesEverything) {
   ExpectNothingLive(fake);
 }
 
+// Staged: a stream that cannot be waited for (both tries fail) is the copy's error, and its
+// staging buffers stay pinned (a copy may still reach them); nothing else is left.
+TEST(TierCopy, AStagedStreamThatCannotBeWaitedForLeavesItsBuffersPinned) {
+  FakeDriver fake;
+  fake.BackVmmMemory();
+  const std::vector<UniqueFd> host = HostCopy();
+  TierCopyOptions options = Options(TierCopyStrategy::kStaged);
+  options.threads = 1;
+  fake.FailCall("cuStreamSynchronize", 1, CUDA_ERROR_LAUNCH_FAILED);
+  fake.FailCall("cuStreamSynchronize", 2, CUDA_ERROR_LAUNCH_FAILED);
+  auto device = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, nullptr, options);
+  ASSERT_FALSE(device.ok());
+  EXPECT_EQ(device.status().code(), StatusCode::kCuda);
+  EXPECT_NE(device.status().message().find("cuStreamSynchronize after the tier copy"),
+            std::string::npos)
+      << device.status().ToString();
+  EXPECT_EQ(fake.live_host_registrations(), 2);
+  EXPECT_EQ(fake.live_streams(), 0);
+  EXPECT_EQ(fake.live_events(), 0);
+  EXPECT_EQ(fake.total_context_refs(), 0);
+  fake.ClearHostRegistrations();
+}
+
 // A registration the driver refuses is not an error: the chunk is copied pageable.
 TEST(TierCopy, ARefusedRegistrationCopiesPageableAndSaysSo) {
   FakeDriver fake;
