@@ -2,7 +2,6 @@
 #include "cuda/tier_copy.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,10 +21,6 @@
 #include "cuda/pinned_host_buffer.h"
 #include "cuda/upload_resources.h"
 #include "os/memfd.h"
-
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL (fallocate then)
-#endif
 
 namespace weightcache::cuda {
 namespace {
@@ -184,6 +179,7 @@ Status CopyInParallel(const DriverApi* api, CUcontext context, Direction directi
 
 // One piece of a staged copy: `bytes` at `offset` of allocation/memfd `alloc`.
 struct Piece {
+  size_t alloc = 0;
   std::byte* host = nullptr;  // demotion: the memfd's mapping at `offset`
   int fd = -1;                // promotion: the memfd, read at `offset`
   uint64_t offset = 0;
@@ -197,7 +193,7 @@ std::vector<Piece> SplitPieces(std::span<const uint64_t> sizes, size_t piece_byt
   std::vector<Piece> pieces;
   for (size_t a = 0; a < sizes.size(); ++a) {
     for (uint64_t at = 0; at < sizes[a]; at += piece_bytes) {
-      pieces.push_back({hosts.empty() ? nullptr : hosts[a] + at, fds.empty() ? -1 : fds[a], at,
+      pieces.push_back({a, hosts.empty() ? nullptr : hosts[a] + at, fds.empty() ? -1 : fds[a], at,
                         devices[a] + at,
                         static_cast<size_t>(std::min<uint64_t>(piece_bytes, sizes[a] - at))});
     }
@@ -364,21 +360,16 @@ Status StagedInParallel(const DriverApi* api, CUcontext context, Direction direc
   return status;
 }
 
-// The pages of every piece's range of its memfd allocated, by up to `threads` workers: the
-// mapping advised MADV_HUGEPAGE (honoured where shmem_enabled is "advise" or "always"), then
-// MADV_POPULATE_WRITE, or fallocate on a kernel without it.
-Status PopulateInParallel(const TierCopyOptions& options, const std::vector<Piece>& pieces) {
+// The pages of every piece's range of its memfd allocated (os::PopulateRange), by up to
+// `threads` workers.
+Status PopulateInParallel(const TierCopyOptions& options, const std::vector<Piece>& pieces,
+                          const std::vector<os::MappedRegion>& regions) {
   const size_t workers = std::min(options.threads, pieces.size());
   return OnThreads(workers, [&](size_t w) -> Status {
     for (size_t i = w; i < pieces.size(); i += workers) {
       const Piece& p = pieces[i];
-      if (::madvise(p.host, p.bytes, MADV_POPULATE_WRITE) == 0) continue;
-      if (errno != EINVAL) return IoError("demotion: populating a memfd's pages", errno);
-      int rc = 0;
-      do {
-        rc = ::fallocate(p.fd, 0, static_cast<off_t>(p.offset), static_cast<off_t>(p.bytes));
-      } while (rc != 0 && errno == EINTR);
-      if (rc != 0) return IoError("demotion: allocating a memfd's pages", errno);
+      Status populated = os::PopulateRange(p.fd, regions[p.alloc], p.offset, p.bytes);
+      if (!populated.ok()) return populated.Context("demotion");
     }
     return Status::Ok();
   });
@@ -449,10 +440,8 @@ Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice 
     WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region, os::MapReadWrite(memfd.get(), sizes[a]));
     auto* host = static_cast<std::byte*>(region.data());
     AppendChunks(host, arena.allocations()[a].ptr, sizes[a], chunks);
-    // Huge pages where the kernel allows them for shmem (an advice: refused is no error).
-    if (options.strategy == TierCopyStrategy::kStaged) {
-      static_cast<void>(::madvise(host, sizes[a], MADV_HUGEPAGE));
-    }
+    // Huge pages where the kernel allows them for shmem.
+    if (options.strategy == TierCopyStrategy::kStaged) os::AdviseHugePages(region);
     hosts.push_back(host);
     devices.push_back(arena.allocations()[a].ptr);
     fds.push_back(memfd.get());
@@ -467,7 +456,7 @@ Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice 
   if (options.strategy == TierCopyStrategy::kStaged) {
     const std::vector<Piece> pieces =
         SplitPieces(sizes, options.staging_bytes, hosts, fds, devices);
-    copied = PopulateInParallel(options, pieces);
+    copied = PopulateInParallel(options, pieces, regions);
     r.populate_seconds = SecondsSince(start);
     const auto copy_start = std::chrono::steady_clock::now();
     if (copied.ok()) {
