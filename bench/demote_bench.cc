@@ -3,19 +3,26 @@
 // promotion ≥ 0.9 × pinned H2D, demotion ≥ 20 GB/s).
 //
 //   demote_bench [--gib N] [--device I] [--reps R] [--alloc-gib A]
+//                [--strategy staged|registered|both] [--threads T] [--staging-mib M]
 //
 // An exported VMM arena of N GiB (default 16) in allocations of A GiB (default 2), as a gpu
-// cache holds it, filled on the device; then R times (default 3): demotion (cuda::
-// CopyDeviceToMemfds: import, copy into memfds through their registered mappings, seal), the
-// device memory freed, promotion (cuda::CopyMemfdsToDevice: new arena, copy from the sealed
-// memfds' read-only registered mappings), the host copy freed. Pinned H2D: one 1 GiB
-// cuMemcpyHtoDAsync from cuMemHostAlloc'ed memory (best of 3). One JSON object per line.
+// cache holds it, filled on the device; then for each strategy (default both), R times
+// (default 3): demotion (cuda::CopyDeviceToMemfds: import, copy into memfds, seal), the device
+// memory freed, promotion (cuda::CopyMemfdsToDevice: new arena, copy from the sealed memfds),
+// the host copy freed. Strategies (cuda/tier_copy.h): staged (T workers, default 8, each with
+// two pinned buffers of M MiB, default 32) and registered (the memfds' own mappings pinned).
+// Pinned H2D and D2H: one 1 GiB cuMemcpy{HtoD,DtoH}Async with pinned host memory (best of 3),
+// the links' rates the targets are measured against. Each line also carries the kernel's
+// /sys/kernel/mm/transparent_hugepage/shmem_enabled (whether a memfd can get huge pages). One
+// JSON object per line.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/unique_fd.h"
@@ -53,8 +60,20 @@ void CheckCu(const cu::DriverApi* api, CUresult rc, const char* what) {
   if (rc != CUDA_SUCCESS) Die(cu::DriverError(api, rc, what).ToString());
 }
 
-// One 1 GiB pinned host → device copy, best of 3, GB/s (1e9 bytes).
-double PinnedH2D(const cu::DriverApi* api) {
+std::string ShmemEnabled() {
+  std::ifstream in("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
+  std::string line;
+  if (!std::getline(in, line)) return "unknown";
+  return line;
+}
+
+struct PinnedRates {
+  double h2d = 0;
+  double d2h = 0;
+};
+
+// One 1 GiB pinned host → device and device → host copy, best of 3 each, GB/s (1e9 bytes).
+PinnedRates Pinned(const cu::DriverApi* api) {
   const size_t bytes = kGiB;
   auto host = Check(cu::PinnedHostBuffer::Create(api, bytes), "pinned buffer");
   CUdeviceptr dev = 0;
@@ -63,25 +82,33 @@ double PinnedH2D(const cu::DriverApi* api) {
   CUevent start = nullptr, stop = nullptr;
   CheckCu(api, api->cuEventCreate(&start, CU_EVENT_DEFAULT), "cuEventCreate");
   CheckCu(api, api->cuEventCreate(&stop, CU_EVENT_DEFAULT), "cuEventCreate");
-  double best = 0;
-  for (int i = 0; i < 3; ++i) {
-    CheckCu(api, api->cuEventRecord(start, stream.get()), "cuEventRecord");
-    CheckCu(api, api->cuMemcpyHtoDAsync(dev, host.data(), bytes, stream.get()), "H2D");
-    CheckCu(api, api->cuEventRecord(stop, stream.get()), "cuEventRecord");
-    CheckCu(api, api->cuEventSynchronize(stop), "cuEventSynchronize");
-    float ms = 0;
-    CheckCu(api, api->cuEventElapsedTime(&ms, start, stop), "cuEventElapsedTime");
-    best = std::max(best, static_cast<double>(bytes) / 1e9 / (ms / 1e3));
+  PinnedRates rates;
+  for (const bool h2d : {true, false}) {
+    double& best = h2d ? rates.h2d : rates.d2h;
+    for (int i = 0; i < 3; ++i) {
+      CheckCu(api, api->cuEventRecord(start, stream.get()), "cuEventRecord");
+      CheckCu(api,
+              h2d ? api->cuMemcpyHtoDAsync(dev, host.data(), bytes, stream.get())
+                  : api->cuMemcpyDtoHAsync(host.data(), dev, bytes, stream.get()),
+              h2d ? "H2D" : "D2H");
+      CheckCu(api, api->cuEventRecord(stop, stream.get()), "cuEventRecord");
+      CheckCu(api, api->cuEventSynchronize(stop), "cuEventSynchronize");
+      float ms = 0;
+      CheckCu(api, api->cuEventElapsedTime(&ms, start, stop), "cuEventElapsedTime");
+      best = std::max(best, static_cast<double>(bytes) / 1e9 / (ms / 1e3));
+    }
   }
   api->cuEventDestroy(start);
   api->cuEventDestroy(stop);
   api->cuMemFree(dev);
-  return best;
+  return rates;
 }
 
 int Run(int argc, char** argv) {
-  uint64_t gib = 16, alloc_gib = 2;
+  uint64_t gib = 16, alloc_gib = 2, staging_mib = 32;
   int device_index = 0, reps = 3;
+  size_t threads = 8;
+  std::string strategy = "both";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -96,11 +123,28 @@ int Run(int argc, char** argv) {
       device_index = std::stoi(next());
     } else if (a == "--reps") {
       reps = std::stoi(next());
+    } else if (a == "--strategy") {
+      strategy = next();
+    } else if (a == "--threads") {
+      threads = std::stoull(next());
+    } else if (a == "--staging-mib") {
+      staging_mib = std::stoull(next());
     } else {
       Die("unknown argument " + a);
     }
   }
-  if (gib == 0 || alloc_gib == 0 || reps < 1) Die("--gib, --alloc-gib and --reps must be > 0");
+  if (gib == 0 || alloc_gib == 0 || reps < 1 || threads == 0 || staging_mib == 0) {
+    Die("--gib, --alloc-gib, --reps, --threads and --staging-mib must be > 0");
+  }
+  std::vector<std::pair<std::string, cu::TierCopyStrategy>> strategies;
+  if (strategy == "staged" || strategy == "both") {
+    strategies.emplace_back("staged", cu::TierCopyStrategy::kStaged);
+  }
+  if (strategy == "registered" || strategy == "both") {
+    strategies.emplace_back("registered", cu::TierCopyStrategy::kRegistered);
+  }
+  if (strategies.empty()) Die("--strategy must be staged, registered or both");
+  const std::string shmem_enabled = ShmemEnabled();
   const cu::DriverApi* api = Check(cu::LoadDriver(), "loading the CUDA driver");
   CUdevice device = 0;
   CheckCu(api, api->cuDeviceGet(&device, device_index), "cuDeviceGet");
@@ -110,43 +154,61 @@ int Run(int argc, char** argv) {
     sizes.push_back(s);
     left -= s;
   }
-  double pinned = 0;
+  PinnedRates pinned;
   std::vector<wc::UniqueFd> device_fds;
   {
     // The source arena, filled on the device (a context is current while the arena lives).
     auto arena = Check(cu::ExportedArena::Create(api, device, sizes), "arena");
     CheckCu(api, api->cuMemsetD8(arena.base(), 0x5a, arena.total_bytes()), "cuMemsetD8");
     CheckCu(api, api->cuCtxSynchronize(), "cuCtxSynchronize");
-    pinned = PinnedH2D(api);
+    pinned = Pinned(api);
     device_fds = std::move(arena).ReleaseToFds();
   }
-  for (int r = 0; r < reps; ++r) {
-    std::vector<int> borrowed;
-    borrowed.reserve(device_fds.size());
-    for (const auto& fd : device_fds) borrowed.push_back(fd.get());
-    cu::TierCopyReport demote;
-    auto memfds = Check(
-        cu::CopyDeviceToMemfds(api, device, borrowed, sizes, "demote_bench", &demote), "demotion");
-    device_fds.clear();  // the device memory is freed, as the daemon does
-    std::vector<int> hosts;
-    hosts.reserve(memfds.size());
-    for (const auto& fd : memfds) hosts.push_back(fd.get());
-    cu::TierCopyReport promote;
-    device_fds = Check(cu::CopyMemfdsToDevice(api, device, hosts, sizes, &promote), "promotion");
-    memfds.clear();
-    Emit({{"rep", r},
-          {"gib", gib},
-          {"allocations", sizes.size()},
-          {"pinned_h2d_gb_s", pinned},
-          {"demote_gb_s", demote.gb_per_s},
-          {"demote_s", demote.seconds},
-          {"demote_unregistered_chunks", demote.unregistered},
-          {"promote_gb_s", promote.gb_per_s},
-          {"promote_s", promote.seconds},
-          {"promote_unregistered_chunks", promote.unregistered},
-          {"promote_vs_pinned", pinned > 0 ? promote.gb_per_s / pinned : 0},
-          {"target_promote_vs_pinned", 0.9},
-          {"target_demote_gb_s", 20}});
+  auto ratio = [](double a, double b) { return b > 0 ? a / b : 0; };
+  for (const auto& [label, kind] : strategies) {
+    cu::TierCopyOptions options;
+    options.strategy = kind;
+    options.threads = threads;
+    options.staging_bytes = staging_mib << 20;
+    for (int r = 0; r < reps; ++r) {
+      std::vector<int> borrowed;
+      borrowed.reserve(device_fds.size());
+      for (const auto& fd : device_fds) borrowed.push_back(fd.get());
+      cu::TierCopyReport demote;
+      auto memfds = Check(
+          cu::CopyDeviceToMemfds(api, device, borrowed, sizes, "demote_bench", &demote, options),
+          "demotion");
+      device_fds.clear();  // the device memory is freed, as the daemon does
+      std::vector<int> hosts;
+      hosts.reserve(memfds.size());
+      for (const auto& fd : memfds) hosts.push_back(fd.get());
+      cu::TierCopyReport promote;
+      device_fds =
+          Check(cu::CopyMemfdsToDevice(api, device, hosts, sizes, &promote, options), "promotion");
+      memfds.clear();
+      Emit({{"rep", r},
+            {"strategy", label},
+            {"threads", kind == cu::TierCopyStrategy::kStaged ? threads : 4},
+            {"staging_mib", kind == cu::TierCopyStrategy::kStaged ? staging_mib : 0},
+            {"gib", gib},
+            {"allocations", sizes.size()},
+            {"shmem_enabled", shmem_enabled},
+            {"pinned_h2d_gb_s", pinned.h2d},
+            {"pinned_d2h_gb_s", pinned.d2h},
+            {"demote_gb_s", demote.gb_per_s},
+            {"demote_s", demote.seconds},
+            {"demote_populate_s", demote.populate_seconds},
+            {"demote_copy_s", demote.copy_seconds},
+            {"demote_unregistered_chunks", demote.unregistered},
+            {"promote_gb_s", promote.gb_per_s},
+            {"promote_s", promote.seconds},
+            {"promote_copy_s", promote.copy_seconds},
+            {"promote_unregistered_chunks", promote.unregistered},
+            {"promote_vs_pinned_h2d", ratio(promote.gb_per_s, pinned.h2d)},
+            {"demote_vs_pinned_d2h", ratio(demote.gb_per_s, pinned.d2h)},
+            {"target_promote_vs_pinned", 0.9},
+            {"target_demote_gb_s", 20}});
+    }
   }
   return 0;
 }

@@ -194,7 +194,7 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
   run_bench 60 load_bench "$work/load" --gib 4 --warm-only --mapped
   rm -rf "$work/load"
   # Issue 16: demotion to host RAM and promotion back of a 16 GiB arena vs pinned H2D.
-  run_bench 180 demote_bench --gib 16 --reps 3
+  run_bench 180 demote_bench --gib 16 --reps 3 --strategy both
   run_bench 120 attach_bench --gib 16 --reps 5
   run_bench 100 host_attach_bench "$work/host" --iters 50 --threads 8 --load-mib 1024
   rm -rf "$work/host"

@@ -64,6 +64,10 @@ class PinnedHostBuffer {
   }
   std::byte* data() const { return static_cast<std::byte*>(memory_.get()); }
   size_t size() const { return memory_.valid() ? memory_.context().bytes : 0; }
+  // Gives the memory up without unregistering or unmapping it: it stays pinned and mapped for
+  // the life of the process. For a user whose asynchronous copies could not be waited for (a
+  // copy may still reach the memory); the buffer owns nothing after.
+  void Abandon() { static_cast<void>(memory_.Release()); }
 
  private:
   PinnedHostBuffer(const DriverApi* api, void* data, size_t size)

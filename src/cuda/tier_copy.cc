@@ -2,18 +2,23 @@
 #include "cuda/tier_copy.h"
 
 #include <fcntl.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
+#include <cstring>
 #include <deque>
+#include <optional>
 #include <thread>
 #include <utility>
 
 #include "common/logging.h"
 #include "cuda/exported_arena.h"
 #include "cuda/imported_arena.h"
+#include "cuda/pinned_host_buffer.h"
 #include "cuda/upload_resources.h"
 #include "os/memfd.h"
 
@@ -170,6 +175,218 @@ Status CopyInParallel(const DriverApi* api, CUcontext context, Direction directi
   return Status::Ok();
 }
 
+// ---- kStaged ----
+
+// One piece of a staged copy: `bytes` at `offset` of allocation/memfd `alloc`.
+struct Piece {
+  size_t alloc = 0;
+  std::byte* host = nullptr;  // demotion: the memfd's mapping at `offset`
+  int fd = -1;                // promotion: the memfd, read at `offset`
+  uint64_t offset = 0;
+  CUdeviceptr device = 0;
+  size_t bytes = 0;
+};
+
+std::vector<Piece> SplitPieces(std::span<const uint64_t> sizes, size_t piece_bytes,
+                               const std::vector<std::byte*>& hosts, std::span<const int> fds,
+                               const std::vector<CUdeviceptr>& devices) {
+  std::vector<Piece> pieces;
+  for (size_t a = 0; a < sizes.size(); ++a) {
+    for (uint64_t at = 0; at < sizes[a]; at += piece_bytes) {
+      pieces.push_back({a, hosts.empty() ? nullptr : hosts[a] + at, fds.empty() ? -1 : fds[a], at,
+                        devices[a] + at,
+                        static_cast<size_t>(std::min<uint64_t>(piece_bytes, sizes[a] - at))});
+    }
+  }
+  return pieces;
+}
+
+// Reads exactly `bytes` at `offset` of `fd` into `out`. kIo on an error or an early end.
+Status ReadFully(int fd, std::byte* out, size_t bytes, uint64_t offset) {
+  size_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::pread(fd, out + done, bytes - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return IoError("promotion: reading a demoted memfd", errno);
+    if (n == 0) {
+      return IoError(
+          "promotion: a demoted memfd ended at " + std::to_string(offset + done) + " bytes", EIO);
+    }
+    done += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+// One staged worker: its own stream, two pinned buffers and two events; its pieces in order,
+// the host side of piece k (a read, or for a demotion the write-back of piece k-1) overlapping
+// the DMA of the other buffer.
+class StagedCopier {
+ public:
+  StagedCopier(const DriverApi* api, Direction direction, size_t staging_bytes)
+      : api_(api), direction_(direction), staging_bytes_(staging_bytes) {}
+
+  Status Run(const std::vector<Piece>& pieces, TierCopyReport& report) {
+    if (pieces.empty()) return Status::Ok();
+    WEIGHTCACHE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(api_));
+    std::array<std::optional<CudaEvent>, 2> events;
+    std::array<std::optional<PinnedHostBuffer>, 2> buffers;
+    for (size_t b = 0; b < 2; ++b) {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(CudaEvent event, CudaEvent::Create(api_));
+      events[b].emplace(std::move(event));
+      WEIGHTCACHE_ASSIGN_OR_RETURN(PinnedHostBuffer buffer,
+                                   PinnedHostBuffer::Create(api_, staging_bytes_));
+      buffers[b].emplace(std::move(buffer));
+    }
+    Status status = direction_ == Direction::kHostToDevice
+                        ? Promote(pieces, stream.get(), events, buffers, report)
+                        : Demote(pieces, stream.get(), events, buffers, report);
+    // Copies already issued may still use the staging buffers: wait before they are freed. A
+    // failed wait is tried once more; a stream that cannot be waited for at all (a broken
+    // context) leaves its buffers pinned and mapped rather than free memory a copy may reach.
+    const CUresult first = api_->cuStreamSynchronize(stream.get());
+    const CUresult rc = first == CUDA_SUCCESS ? first : api_->cuStreamSynchronize(stream.get());
+    if (first != CUDA_SUCCESS && status.ok()) {
+      status = DriverError(api_, first, "cuStreamSynchronize after the tier copy");
+    }
+    if (rc != CUDA_SUCCESS) {
+      LOG_ERROR << DriverError(api_, rc, "cuStreamSynchronize after the tier copy").ToString()
+                << ": leaving its 2 staging buffers pinned";
+      for (auto& buffer : buffers) buffer->Abandon();
+    }
+    return status;
+  }
+
+ private:
+  using Events = std::array<std::optional<CudaEvent>, 2>;
+  using Buffers = std::array<std::optional<PinnedHostBuffer>, 2>;
+
+  Status Wait(const Events& events, size_t b) {
+    if (CUresult rc = api_->cuEventSynchronize(events[b]->get()); rc != CUDA_SUCCESS) {
+      return DriverError(api_, rc, "cuEventSynchronize of a staged tier copy piece");
+    }
+    return Status::Ok();
+  }
+
+  Status Promote(const std::vector<Piece>& pieces, CUstream stream, const Events& events,
+                 const Buffers& buffers, TierCopyReport& report) {
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      const Piece& p = pieces[k];
+      const size_t b = k % 2;
+      // The DMA of piece k-2 out of this buffer must be done before the buffer is refilled.
+      if (k >= 2) WEIGHTCACHE_RETURN_IF_ERROR(Wait(events, b));
+      WEIGHTCACHE_RETURN_IF_ERROR(ReadFully(p.fd, buffers[b]->data(), p.bytes, p.offset));
+      if (CUresult rc = api_->cuMemcpyHtoDAsync(p.device, buffers[b]->data(), p.bytes, stream);
+          rc != CUDA_SUCCESS) {
+        return DriverError(api_, rc, "cuMemcpyHtoDAsync of " + std::to_string(p.bytes) + " bytes");
+      }
+      if (CUresult rc = api_->cuEventRecord(events[b]->get(), stream); rc != CUDA_SUCCESS) {
+        return DriverError(api_, rc, "cuEventRecord after a staged tier copy piece");
+      }
+      ++report.chunks;
+      report.bytes += p.bytes;
+    }
+    return Status::Ok();
+  }
+
+  // Piece k's DMA into buffer k%2 is issued, then piece k-1 (the other buffer) is waited for
+  // and written into the memfd's mapping while piece k's DMA runs.
+  Status Demote(const std::vector<Piece>& pieces, CUstream stream, const Events& events,
+                const Buffers& buffers, TierCopyReport& report) {
+    auto write_back = [&](size_t k) -> Status {
+      const size_t b = k % 2;
+      WEIGHTCACHE_RETURN_IF_ERROR(Wait(events, b));
+      std::memcpy(pieces[k].host, buffers[b]->data(), pieces[k].bytes);
+      ++report.chunks;
+      report.bytes += pieces[k].bytes;
+      return Status::Ok();
+    };
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      const Piece& p = pieces[k];
+      const size_t b = k % 2;
+      if (CUresult rc = api_->cuMemcpyDtoHAsync(buffers[b]->data(), p.device, p.bytes, stream);
+          rc != CUDA_SUCCESS) {
+        return DriverError(api_, rc, "cuMemcpyDtoHAsync of " + std::to_string(p.bytes) + " bytes");
+      }
+      if (CUresult rc = api_->cuEventRecord(events[b]->get(), stream); rc != CUDA_SUCCESS) {
+        return DriverError(api_, rc, "cuEventRecord after a staged tier copy piece");
+      }
+      if (k >= 1) WEIGHTCACHE_RETURN_IF_ERROR(write_back(k - 1));
+    }
+    return write_back(pieces.size() - 1);
+  }
+
+  const DriverApi* api_;
+  Direction direction_;
+  size_t staging_bytes_;
+};
+
+// Runs fn(w) on `workers` threads; the first error, once all have finished.
+template <typename Fn>
+Status OnThreads(size_t workers, Fn fn) {
+  std::vector<Status> statuses(workers);
+  std::vector<std::thread> threads;
+  threads.reserve(workers);
+  for (size_t w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] { statuses[w] = fn(w); });
+  }
+  for (auto& t : threads) t.join();
+  for (const Status& s : statuses) {
+    if (!s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
+// Every piece copied by up to `threads` workers (piece i by worker i % workers), `context`
+// current on each.
+Status StagedInParallel(const DriverApi* api, CUcontext context, Direction direction,
+                        const TierCopyOptions& options, const std::vector<Piece>& pieces,
+                        TierCopyReport& report) {
+  const size_t workers = std::min(options.threads, pieces.size());
+  const size_t largest =
+      std::ranges::max_element(pieces, {}, [](const Piece& p) { return p.bytes; })->bytes;
+  std::vector<TierCopyReport> reports(workers);
+  Status status = OnThreads(workers, [&](size_t w) -> Status {
+    if (CUresult rc = api->cuCtxSetCurrent(context); rc != CUDA_SUCCESS) {
+      return DriverError(api, rc, "cuCtxSetCurrent on a tier copy worker");
+    }
+    std::vector<Piece> mine;
+    for (size_t i = w; i < pieces.size(); i += workers) mine.push_back(pieces[i]);
+    return StagedCopier(api, direction, largest).Run(mine, reports[w]);
+  });
+  for (const TierCopyReport& r : reports) {
+    report.bytes += r.bytes;
+    report.chunks += r.chunks;
+  }
+  return status;
+}
+
+// The pages of every piece's range of its memfd allocated (os::PopulateRange), by up to
+// `threads` workers.
+Status PopulateInParallel(const TierCopyOptions& options, const std::vector<Piece>& pieces,
+                          const std::vector<os::MappedRegion>& regions) {
+  const size_t workers = std::min(options.threads, pieces.size());
+  return OnThreads(workers, [&](size_t w) -> Status {
+    for (size_t i = w; i < pieces.size(); i += workers) {
+      const Piece& p = pieces[i];
+      Status populated = os::PopulateRange(p.fd, regions[p.alloc], p.offset, p.bytes);
+      if (!populated.ok()) return populated.Context("demotion");
+    }
+    return Status::Ok();
+  });
+}
+
+Status CheckOptions(const TierCopyOptions& options, std::string_view what) {
+  if (options.strategy == TierCopyStrategy::kStaged &&
+      (options.threads == 0 || options.staging_bytes == 0)) {
+    return InvalidArgument(std::string(what) + ": a staged copy needs threads and staging bytes");
+  }
+  return Status::Ok();
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 // The chunks of `size` bytes at `host` and `device`.
 void AppendChunks(std::byte* host, CUdeviceptr device, uint64_t size, std::vector<Chunk>& out) {
   for (uint64_t at = 0; at < size; at += kChunkBytes) {
@@ -189,7 +406,7 @@ Status CheckSpans(size_t fds, std::span<const uint64_t> sizes, std::string_view 
 }
 
 void Finish(TierCopyReport& report, std::chrono::steady_clock::time_point start) {
-  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report.seconds = SecondsSince(start);
   report.gb_per_s =
       report.seconds > 0 ? static_cast<double>(report.bytes) / 1e9 / report.seconds : 0;
 }
@@ -199,8 +416,10 @@ void Finish(TierCopyReport& report, std::chrono::steady_clock::time_point start)
 Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice device,
                                                  std::span<const int> vmm_fds,
                                                  std::span<const uint64_t> sizes,
-                                                 const std::string& name, TierCopyReport* report) {
+                                                 const std::string& name, TierCopyReport* report,
+                                                 const TierCopyOptions& options) {
   WEIGHTCACHE_RETURN_IF_ERROR(CheckSpans(vmm_fds.size(), sizes, "demotion"));
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckOptions(options, "demotion"));
   std::vector<UniqueFd> dups;
   for (int fd : vmm_fds) {
     UniqueFd dup(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
@@ -213,11 +432,19 @@ Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice 
   std::vector<UniqueFd> memfds;
   std::vector<os::MappedRegion> regions;
   std::vector<Chunk> chunks;
+  std::vector<std::byte*> hosts;
+  std::vector<CUdeviceptr> devices;
+  std::vector<int> fds;
   for (size_t a = 0; a < sizes.size(); ++a) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(UniqueFd memfd, os::CreateMemfd(name, sizes[a]));
     WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region, os::MapReadWrite(memfd.get(), sizes[a]));
-    AppendChunks(static_cast<std::byte*>(region.data()), arena.allocations()[a].ptr, sizes[a],
-                 chunks);
+    auto* host = static_cast<std::byte*>(region.data());
+    AppendChunks(host, arena.allocations()[a].ptr, sizes[a], chunks);
+    // Huge pages where the kernel allows them for shmem.
+    if (options.strategy == TierCopyStrategy::kStaged) os::AdviseHugePages(region);
+    hosts.push_back(host);
+    devices.push_back(arena.allocations()[a].ptr);
+    fds.push_back(memfd.get());
     memfds.push_back(std::move(memfd));
     regions.push_back(std::move(region));
   }
@@ -225,8 +452,22 @@ Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice 
   TierCopyReport& r = report != nullptr ? *report : local;
   r = {};
   const auto start = std::chrono::steady_clock::now();
-  Status copied = CopyInParallel(api, arena.context(), Direction::kDeviceToHost,
-                                 CU_MEMHOSTREGISTER_PORTABLE, chunks, r);
+  Status copied = Status::Ok();
+  if (options.strategy == TierCopyStrategy::kStaged) {
+    const std::vector<Piece> pieces =
+        SplitPieces(sizes, options.staging_bytes, hosts, fds, devices);
+    copied = PopulateInParallel(options, pieces, regions);
+    r.populate_seconds = SecondsSince(start);
+    const auto copy_start = std::chrono::steady_clock::now();
+    if (copied.ok()) {
+      copied = StagedInParallel(api, arena.context(), Direction::kDeviceToHost, options, pieces, r);
+    }
+    r.copy_seconds = SecondsSince(copy_start);
+  } else {
+    copied = CopyInParallel(api, arena.context(), Direction::kDeviceToHost,
+                            CU_MEMHOSTREGISTER_PORTABLE, chunks, r);
+    r.copy_seconds = SecondsSince(start);
+  }
   Finish(r, start);
   if (!copied.ok()) return copied.Context("demotion to host memory");
   // The kernel refuses F_SEAL_WRITE while a writable shared mapping exists.
@@ -241,8 +482,10 @@ Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice 
 Result<std::vector<UniqueFd>> CopyMemfdsToDevice(const DriverApi* api, CUdevice device,
                                                  std::span<const int> memfds,
                                                  std::span<const uint64_t> sizes,
-                                                 TierCopyReport* report) {
+                                                 TierCopyReport* report,
+                                                 const TierCopyOptions& options) {
   WEIGHTCACHE_RETURN_IF_ERROR(CheckSpans(memfds.size(), sizes, "promotion"));
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckOptions(options, "promotion"));
   std::vector<os::MappedRegion> regions;
   for (size_t a = 0; a < sizes.size(); ++a) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region, os::MapReadOnly(memfds[a], sizes[a]));
@@ -252,8 +495,10 @@ Result<std::vector<UniqueFd>> CopyMemfdsToDevice(const DriverApi* api, CUdevice 
   auto arena = ExportedArena::Create(api, device, sizes);
   if (!arena.ok()) return arena.status().Context("promotion: allocating the arena");
   std::vector<Chunk> chunks;
+  std::vector<CUdeviceptr> devices;
   for (size_t a = 0; a < sizes.size(); ++a) {
     const ExportedAllocation& alloc = arena->allocations()[a];
+    devices.push_back(alloc.ptr);
     if (alloc.size != sizes[a]) {
       return InternalError("promotion: allocation " + std::to_string(a) + " came out " +
                            std::to_string(alloc.size) + " bytes, the demoted one had " +
@@ -265,9 +510,16 @@ Result<std::vector<UniqueFd>> CopyMemfdsToDevice(const DriverApi* api, CUdevice 
   TierCopyReport& r = report != nullptr ? *report : local;
   r = {};
   const auto start = std::chrono::steady_clock::now();
-  Status copied =
-      CopyInParallel(api, arena->context(), Direction::kHostToDevice,
-                     CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY, chunks, r);
+  Status copied = Status::Ok();
+  if (options.strategy == TierCopyStrategy::kStaged) {
+    const std::vector<Piece> pieces =
+        SplitPieces(sizes, options.staging_bytes, {}, memfds, devices);
+    copied = StagedInParallel(api, arena->context(), Direction::kHostToDevice, options, pieces, r);
+  } else {
+    copied = CopyInParallel(api, arena->context(), Direction::kHostToDevice,
+                            CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY, chunks, r);
+  }
+  r.copy_seconds = SecondsSince(start);
   Finish(r, start);
   if (!copied.ok()) return copied.Context("promotion to device memory");
   return std::move(arena).value().ReleaseToFds();

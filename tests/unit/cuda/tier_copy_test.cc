@@ -1,4 +1,5 @@
-// Demotion and promotion copies (cuda/tier_copy.h) against the fault-injecting FakeDriver with
+// Demotion and promotion copies (cuda/tier_copy.h), both strategies (staged through pinned
+// buffers, and the memfds' registered mappings), against the fault-injecting FakeDriver with
 // backed VMM memory: a promotion from sealed memfds puts their exact bytes into a new exported
 // arena of the same layout, a demotion of that arena gives sealed memfds with the same bytes,
 // and a failure at any driver call returns the error and releases everything (no handle,
@@ -24,6 +25,22 @@ using testing::FakeDriver;
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 constexpr CUdevice kDevice = 1;
 const std::vector<uint64_t> kSizes = {2 * kMiB, 4 * kMiB};
+
+// Staged: two workers with 1 MiB buffers, so each copies three pieces through both buffers.
+TierCopyOptions Options(TierCopyStrategy strategy) {
+  TierCopyOptions o;
+  o.strategy = strategy;
+  o.threads = 2;
+  o.staging_bytes = kMiB;
+  return o;
+}
+
+std::string Name(TierCopyStrategy strategy) {
+  return strategy == TierCopyStrategy::kStaged ? "staged" : "registered";
+}
+
+constexpr TierCopyStrategy kStrategies[] = {TierCopyStrategy::kStaged,
+                                            TierCopyStrategy::kRegistered};
 
 std::string Pattern(uint64_t size, int seed) {
   std::string bytes(size, '\0');
@@ -76,16 +93,20 @@ void ExpectNothingLive(const FakeDriver& fake) {
 
 TEST(TierCopy, PromotionThenDemotionKeepsEveryByteAndTheLayout) {
   const int fds_before = CountOpenFds();
-  {
+  for (const TierCopyStrategy strategy : kStrategies) {
+    SCOPED_TRACE(Name(strategy));
+    const TierCopyOptions options = Options(strategy);
     FakeDriver fake;
     fake.BackVmmMemory();
     const std::vector<UniqueFd> host = HostCopy();
     TierCopyReport promoted_report;
-    auto device = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, &promoted_report);
+    auto device =
+        CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, &promoted_report, options);
     ASSERT_TRUE(device.ok()) << device.status().ToString();
     ASSERT_EQ(device->size(), kSizes.size());
     EXPECT_EQ(promoted_report.bytes, 6 * kMiB);
-    EXPECT_EQ(promoted_report.chunks, 2u);
+    // Registered: one chunk per allocation; staged: one piece per MiB.
+    EXPECT_EQ(promoted_report.chunks, strategy == TierCopyStrategy::kStaged ? 6u : 2u);
     EXPECT_EQ(promoted_report.unregistered, 0u);
     for (size_t a = 0; a < kSizes.size(); ++a) {
       EXPECT_EQ(fake.ExportedBytes((*device)[a].get(), 0, kSizes[a]),
@@ -96,10 +117,12 @@ TEST(TierCopy, PromotionThenDemotionKeepsEveryByteAndTheLayout) {
 
     TierCopyReport demoted_report;
     auto memfds = CopyDeviceToMemfds(fake.api(), kDevice, Borrow(*device), kSizes,
-                                     "weightcache:test:demoted", &demoted_report);
+                                     "weightcache:test:demoted", &demoted_report, options);
     ASSERT_TRUE(memfds.ok()) << memfds.status().ToString();
     ASSERT_EQ(memfds->size(), kSizes.size());
     EXPECT_EQ(demoted_report.bytes, 6 * kMiB);
+    EXPECT_EQ(demoted_report.chunks, strategy == TierCopyStrategy::kStaged ? 6u : 2u);
+    EXPECT_LE(demoted_report.populate_seconds, demoted_report.seconds);
     for (size_t a = 0; a < kSizes.size(); ++a) {
       EXPECT_TRUE(os::CheckSealedReadOnly((*memfds)[a].get()).ok()) << "memfd " << a;
       EXPECT_EQ(*os::FileSize((*memfds)[a].get()), kSizes[a]);
@@ -127,6 +150,85 @@ TEST(TierCopy, MismatchedFdsAndSizesAreRefusedBeforeAnyDriverCall) {
   EXPECT_EQ(fake.steps(), 0);
 }
 
+TEST(TierCopy, AStagedCopyWithoutThreadsOrBuffersIsRefusedBeforeAnyDriverCall) {
+  FakeDriver fake;
+  const std::vector<UniqueFd> host = HostCopy();
+  for (const bool no_threads : {true, false}) {
+    TierCopyOptions options;
+    options.threads = no_threads ? 0 : 2;
+    options.staging_bytes = no_threads ? kMiB : 0;
+    auto promoted = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, nullptr, options);
+    ASSERT_FALSE(promoted.ok());
+    EXPECT_EQ(promoted.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(promoted.status().message().find(
+                  "promotion: a staged copy needs threads and staging bytes"),
+              std::string::npos)
+        << promoted.status().ToString();
+    auto demoted =
+        CopyDeviceToMemfds(fake.api(), kDevice, Borrow(host), kSizes, "x", nullptr, options);
+    ASSERT_FALSE(demoted.ok());
+    EXPECT_EQ(demoted.status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(fake.steps(), 0);
+}
+
+// A memfd shorter than its allocation is refused before the arena is made, in both strategies.
+TEST(TierCopy, AShortMemfdIsRefusedAndNothingIsLeft) {
+  for (const TierCopyStrategy strategy : kStrategies) {
+    SCOPED_TRACE(Name(strategy));
+    FakeDriver fake;
+    fake.BackVmmMemory();
+    std::vector<UniqueFd> host = HostCopy();
+    auto small = os::CreateMemfd("tier-copy-test", kMiB);
+    ASSERT_TRUE(small.ok());
+    host[1] = std::move(small).value();
+    auto device =
+        CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, nullptr, Options(strategy));
+    ASSERT_FALSE(device.ok());
+    EXPECT_EQ(device.status().code(), StatusCode::kInvalidArgument) << device.status().ToString();
+    ExpectNothingLive(fake);
+  }
+}
+
+// Staged: a staging buffer the driver refuses to pin is an error (kCuda naming it), and
+// everything is released.
+TEST(TierCopy, AStagedCopyWhoseBufferCannotBePinnedFailsAndReleasesEverything) {
+  FakeDriver fake;
+  fake.BackVmmMemory();
+  const std::vector<UniqueFd> host = HostCopy();
+  fake.FailCall("cuMemHostRegister", 2, CUDA_ERROR_OUT_OF_MEMORY);
+  auto device = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, nullptr,
+                                   Options(TierCopyStrategy::kStaged));
+  ASSERT_FALSE(device.ok());
+  EXPECT_EQ(device.status().code(), StatusCode::kCuda);
+  EXPECT_NE(device.status().message().find("pinned staging buffer"), std::string::npos)
+      << device.status().ToString();
+  ExpectNothingLive(fake);
+}
+
+// Staged: a stream that cannot be waited for (both tries fail) is the copy's error, and its
+// staging buffers stay pinned (a copy may still reach them); nothing else is left.
+TEST(TierCopy, AStagedStreamThatCannotBeWaitedForLeavesItsBuffersPinned) {
+  FakeDriver fake;
+  fake.BackVmmMemory();
+  const std::vector<UniqueFd> host = HostCopy();
+  TierCopyOptions options = Options(TierCopyStrategy::kStaged);
+  options.threads = 1;
+  fake.FailCall("cuStreamSynchronize", 1, CUDA_ERROR_LAUNCH_FAILED);
+  fake.FailCall("cuStreamSynchronize", 2, CUDA_ERROR_LAUNCH_FAILED);
+  auto device = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, nullptr, options);
+  ASSERT_FALSE(device.ok());
+  EXPECT_EQ(device.status().code(), StatusCode::kCuda);
+  EXPECT_NE(device.status().message().find("cuStreamSynchronize after the tier copy"),
+            std::string::npos)
+      << device.status().ToString();
+  EXPECT_EQ(fake.live_host_registrations(), 2);
+  EXPECT_EQ(fake.live_streams(), 0);
+  EXPECT_EQ(fake.live_events(), 0);
+  EXPECT_EQ(fake.total_context_refs(), 0);
+  fake.ClearHostRegistrations();
+}
+
 // A registration the driver refuses is not an error: the chunk is copied pageable.
 TEST(TierCopy, ARefusedRegistrationCopiesPageableAndSaysSo) {
   FakeDriver fake;
@@ -134,7 +236,8 @@ TEST(TierCopy, ARefusedRegistrationCopiesPageableAndSaysSo) {
   const std::vector<UniqueFd> host = HostCopy();
   fake.FailCall("cuMemHostRegister", 1, CUDA_ERROR_NOT_SUPPORTED);
   TierCopyReport report;
-  auto device = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, &report);
+  auto device = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, &report,
+                                   Options(TierCopyStrategy::kRegistered));
   ASSERT_TRUE(device.ok()) << device.status().ToString();
   EXPECT_EQ(report.unregistered, 1u);
   EXPECT_EQ(report.chunks, 1u);
@@ -145,57 +248,66 @@ TEST(TierCopy, ARefusedRegistrationCopiesPageableAndSaysSo) {
   ExpectNothingLive(fake);
 }
 
-// Every driver call of a promotion and of a demotion, in turn, fails: the copy either ends in
-// that CUDA error or (a refused registration) succeeds pageable, and nothing is left behind.
+// Every driver call of a promotion and of a demotion, in turn, fails, in both strategies: the
+// copy either ends in that CUDA error or (a refused registration of a memfd's chunk) succeeds
+// pageable, and nothing is left behind.
 TEST(TierCopy, EveryFailingStepReleasesEverything) {
   const int fds_before = CountOpenFds();
-  for (const bool promotion : {true, false}) {
-    int total = 0;
-    for (int step = 0; step == 0 || step <= total; ++step) {
-      SCOPED_TRACE((promotion ? "promotion" : "demotion") + std::string(", failing step ") +
-                   std::to_string(step));
-      FakeDriver fake;
-      fake.BackVmmMemory();
-      const std::vector<UniqueFd> host = HostCopy();
-      std::vector<UniqueFd> device;
-      if (!promotion) {
-        auto made = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes);
-        ASSERT_TRUE(made.ok()) << made.status().ToString();
-        device = std::move(made).value();
-      }
-      const int before = fake.steps();
-      if (step > 0) fake.FailStep(before + step, CUDA_ERROR_UNKNOWN);
-      Status status;
-      {
-        auto out = promotion ? CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes)
-                             : CopyDeviceToMemfds(fake.api(), kDevice, Borrow(device), kSizes,
-                                                  "weightcache:test:demoted");
-        status = out.ok() ? Status::Ok() : out.status();
-      }
-      if (step == 0) {
-        ASSERT_TRUE(status.ok()) << status.ToString();
-        total = fake.steps() - before;
-        ASSERT_GT(total, 5);
-      } else {
-        const std::string failed = fake.calls()[static_cast<size_t>(before + step - 1)];
-        const bool release = failed.find("Unregister") != std::string::npos ||
-                             failed.find("Destroy") != std::string::npos ||
-                             failed.find("Release") != std::string::npos ||
-                             failed.find("Unmap") != std::string::npos ||
-                             failed.find("Free") != std::string::npos;
-        // Not errors: a refused registration (the chunk is copied pageable), a failed query of
-        // the caller's current context (nothing to restore), a release the driver refused
-        // (logged; its resource stays in the fake's books by design).
-        const bool tolerated = failed == "cuMemHostRegister" || failed == "cuCtxGetCurrent";
-        if (release) {
-          EXPECT_TRUE(status.ok() || status.code() == StatusCode::kCuda) << status.ToString();
-          fake.ClearHostRegistrations();
-        } else if (tolerated) {
-          EXPECT_TRUE(status.ok()) << failed << ": " << status.ToString();
-        } else {
-          EXPECT_EQ(status.code(), StatusCode::kCuda) << failed << ": " << status.ToString();
+  for (const TierCopyStrategy strategy : kStrategies) {
+    const TierCopyOptions options = Options(strategy);
+    for (const bool promotion : {true, false}) {
+      int total = 0;
+      for (int step = 0; step == 0 || step <= total; ++step) {
+        SCOPED_TRACE(Name(strategy) + (promotion ? " promotion" : " demotion") +
+                     std::string(", failing step ") + std::to_string(step));
+        FakeDriver fake;
+        fake.BackVmmMemory();
+        const std::vector<UniqueFd> host = HostCopy();
+        std::vector<UniqueFd> device;
+        if (!promotion) {
+          auto made =
+              CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, nullptr, options);
+          ASSERT_TRUE(made.ok()) << made.status().ToString();
+          device = std::move(made).value();
         }
-        if (!release) ExpectNothingLive(fake);
+        const int before = fake.steps();
+        if (step > 0) fake.FailStep(before + step, CUDA_ERROR_UNKNOWN);
+        Status status;
+        {
+          auto out = promotion ? CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes,
+                                                    nullptr, options)
+                               : CopyDeviceToMemfds(fake.api(), kDevice, Borrow(device), kSizes,
+                                                    "weightcache:test:demoted", nullptr, options);
+          status = out.ok() ? Status::Ok() : out.status();
+        }
+        if (step == 0) {
+          ASSERT_TRUE(status.ok()) << status.ToString();
+          total = fake.steps() - before;
+          ASSERT_GT(total, 5);
+        } else {
+          const std::string failed = fake.calls()[static_cast<size_t>(before + step - 1)];
+          const bool release = failed.find("Unregister") != std::string::npos ||
+                               failed.find("Destroy") != std::string::npos ||
+                               failed.find("Release") != std::string::npos ||
+                               failed.find("Unmap") != std::string::npos ||
+                               failed.find("Free") != std::string::npos;
+          // Not errors: a refused registration (the chunk is copied pageable), a failed query of
+          // the caller's current context (nothing to restore), a release the driver refused
+          // (logged; its resource stays in the fake's books by design).
+          // A staging buffer the driver will not pin is an error.
+          const bool tolerated =
+              (failed == "cuMemHostRegister" && strategy == TierCopyStrategy::kRegistered) ||
+              failed == "cuCtxGetCurrent";
+          if (release) {
+            EXPECT_TRUE(status.ok() || status.code() == StatusCode::kCuda) << status.ToString();
+            fake.ClearHostRegistrations();
+          } else if (tolerated) {
+            EXPECT_TRUE(status.ok()) << failed << ": " << status.ToString();
+          } else {
+            EXPECT_EQ(status.code(), StatusCode::kCuda) << failed << ": " << status.ToString();
+          }
+          if (!release) ExpectNothingLive(fake);
+        }
       }
     }
   }
