@@ -26,7 +26,8 @@
 # Writes: $OUT/python-build.log, $OUT/python-tests.log (+ python-crash.txt), $OUT/python-model.log,
 #         $OUT/python-model.json and python-shard.jsonl (the measurements), and appends to $OUT/summary.txt.
 # Knobs: OUT (./gpu-out), DEPS (.deps/usr), PY (python3), WORK (a temp dir, removed after),
-#        TESTS (pytest's arguments; default the whole tests/python), SKIP_MODEL=1 (no step 3).
+#        TESTS (pytest's arguments; default the whole tests/python), SKIP_MODEL=1 (no step 3),
+#        SKIP_SHARD=1 (no step 4).
 # Exit status: non-zero if the build, a test or the model check fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -223,8 +224,8 @@ else
         --cli "$WEIGHTCACHE_CLI" --device "$uuid" &&
       say "python budget: PASS $(grep -E '^\{"budget_check"' "$log" | tail -1)"
   fi
-  # 4. sharded: N rank daemons on this one GPU, a runtime dir per N.
-  if [[ -f $work/reference.json ]]; then
+  # 4. sharded: N rank daemons on this one GPU, a runtime dir per N (SKIP_SHARD=1 skips it).
+  if [[ -f $work/reference.json && -z ${SKIP_SHARD:-} ]]; then
     for tp in 2 4; do
       shard_runtime=$work/run-tp$tp
       mkdir -p -m 700 "$shard_runtime"
