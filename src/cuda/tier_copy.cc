@@ -25,6 +25,20 @@
 namespace weightcache::cuda {
 namespace {
 
+// Waits for every copy issued on `stream`. A failed wait is tried once more (the first
+// failure, if any, becomes *status unless it holds an error already). False when the stream
+// cannot be waited for at all (a broken context): copies may still be touching its host
+// memory, which the caller must then leave pinned; *status then names the failure.
+bool DrainStream(const DriverApi* api, CUstream stream, Status* status) {
+  const CUresult first = api->cuStreamSynchronize(stream);
+  if (first == CUDA_SUCCESS) return true;
+  if (status->ok()) *status = DriverError(api, first, "cuStreamSynchronize after the tier copy");
+  const CUresult again = api->cuStreamSynchronize(stream);
+  if (again == CUDA_SUCCESS) return true;
+  if (status->ok()) *status = DriverError(api, again, "cuStreamSynchronize after the tier copy");
+  return false;
+}
+
 // The unit of registration and copy: large enough that a copy runs at the link's rate, small
 // enough that pinning the next chunk overlaps the copies in flight.
 constexpr uint64_t kChunkBytes = uint64_t{128} << 20;
@@ -59,17 +73,11 @@ class ChunkCopier {
       events.push_back(std::move(event));
     }
     Status status = Issue(chunks, stream.get(), events, report);
-    // Copies already issued may still touch registered memory: wait before unpinning it. A
-    // failed wait is tried once more; a stream that cannot be waited for at all (a broken
-    // context) keeps its chunks registered rather than unpin memory a copy may still use.
-    const CUresult first = api_->cuStreamSynchronize(stream.get());
-    const CUresult rc = first == CUDA_SUCCESS ? first : api_->cuStreamSynchronize(stream.get());
-    if (first != CUDA_SUCCESS && status.ok()) {
-      status = DriverError(api_, first, "cuStreamSynchronize after the tier copy");
-    }
-    if (rc != CUDA_SUCCESS) {
-      LOG_ERROR << DriverError(api_, rc, "cuStreamSynchronize after the tier copy").ToString()
-                << ": leaving " << in_flight_.size() << " chunk(s) registered";
+    // Copies already issued may still touch registered memory: wait before unpinning it; a
+    // stream that cannot be waited for keeps its chunks registered rather than unpin memory a
+    // copy may still use.
+    if (!DrainStream(api_, stream.get(), &status)) {
+      LOG_ERROR << status.ToString() << ": leaving " << in_flight_.size() << " chunk(s) registered";
       in_flight_.clear();
       return status;
     }
@@ -240,17 +248,11 @@ class StagedCopier {
     Status status = direction_ == Direction::kHostToDevice
                         ? Promote(pieces, stream.get(), events, buffers, report)
                         : Demote(pieces, stream.get(), events, buffers, report);
-    // Copies already issued may still use the staging buffers: wait before they are freed. A
-    // failed wait is tried once more; a stream that cannot be waited for at all (a broken
-    // context) leaves its buffers pinned and mapped rather than free memory a copy may reach.
-    const CUresult first = api_->cuStreamSynchronize(stream.get());
-    const CUresult rc = first == CUDA_SUCCESS ? first : api_->cuStreamSynchronize(stream.get());
-    if (first != CUDA_SUCCESS && status.ok()) {
-      status = DriverError(api_, first, "cuStreamSynchronize after the tier copy");
-    }
-    if (rc != CUDA_SUCCESS) {
-      LOG_ERROR << DriverError(api_, rc, "cuStreamSynchronize after the tier copy").ToString()
-                << ": leaving its 2 staging buffers pinned";
+    // Copies already issued may still use the staging buffers: wait before they are freed; a
+    // stream that cannot be waited for leaves its buffers pinned and mapped rather than free
+    // memory a copy may reach.
+    if (!DrainStream(api_, stream.get(), &status)) {
+      LOG_ERROR << status.ToString() << ": leaving its 2 staging buffers pinned";
       for (auto& buffer : buffers) buffer->Abandon();
     }
     return status;

@@ -17,20 +17,26 @@ Status FailWrite(const std::string& tmp, const std::string& what, int err) {
   return IoError(what, err);
 }
 
+// An exclusive OFD lock on the whole file with `command` (F_OFD_SETLKW waits, F_OFD_SETLK
+// does not): 0, or the errno.
+int LockWholeFile(int fd, int command) {
+  struct flock lock {};
+  lock.l_type = F_WRLCK;
+  lock.l_whence = SEEK_SET;
+  lock.l_start = 0;
+  lock.l_len = 0;  // the whole file
+  lock.l_pid = 0;  // must be 0 for the OFD commands
+  return ::fcntl(fd, command, &lock) == 0 ? 0 : errno;
+}
+
 }  // namespace
 
 Result<ExclusiveFileLock> ExclusiveFileLock::Acquire(const std::string& path) {
   UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
   if (!fd) return IoError("open lock file " + path, errno);
   while (true) {
-    struct flock lock {};
-    lock.l_type = F_WRLCK;
-    lock.l_whence = SEEK_SET;
-    lock.l_start = 0;
-    lock.l_len = 0;  // the whole file
-    lock.l_pid = 0;  // must be 0 for the OFD commands
-    if (::fcntl(fd.get(), F_OFD_SETLKW, &lock) == 0) break;
-    const int err = errno;
+    const int err = LockWholeFile(fd.get(), F_OFD_SETLKW);
+    if (err == 0) break;
     if (err == EINTR) continue;
     return IoError("fcntl(F_OFD_SETLKW) on lock file " + path, err);
   }
@@ -45,14 +51,8 @@ Result<ExclusiveFileLock> ExclusiveFileLock::AcquireUntil(
   // non-blocking command, backing off from 1 ms to 50 ms.
   std::chrono::milliseconds pause{1};
   while (true) {
-    struct flock lock {};
-    lock.l_type = F_WRLCK;
-    lock.l_whence = SEEK_SET;
-    lock.l_start = 0;
-    lock.l_len = 0;  // the whole file
-    lock.l_pid = 0;  // must be 0 for the OFD commands
-    if (::fcntl(fd.get(), F_OFD_SETLK, &lock) == 0) break;
-    const int err = errno;
+    const int err = LockWholeFile(fd.get(), F_OFD_SETLK);
+    if (err == 0) break;
     if (err == EINTR) continue;
     if (err != EAGAIN && err != EACCES) {
       return IoError("fcntl(F_OFD_SETLK) on lock file " + path, err);

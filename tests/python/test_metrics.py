@@ -57,7 +57,8 @@ def test_metrics_exposition_parses_with_prometheus_client(serve, checkpoint, run
     assert counts == sorted(counts)  # cumulative
 
     states = {s.labels["state"]: s.value for s in families["weightcache_daemon_state"].samples}
-    assert states == {"loading": 0, "awaiting": 0, "ready": 1, "failed": 0, "draining": 0}
+    assert states == {"loading": 0, "awaiting": 0, "ready": 1, "failed": 0, "draining": 0,
+                      "demoted": 0}
     for name in ("weightcache_evictions", "weightcache_demotions", "weightcache_promotions"):
         assert families[name].type == "counter"
         assert families[name].samples[0].value == 0
