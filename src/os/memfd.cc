@@ -6,8 +6,10 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <string>
+#include <thread>
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL (fallocate then)
@@ -32,8 +34,21 @@ Result<UniqueFd> CreateMemfd(const std::string& name, uint64_t size) {
 }
 
 Status SealReadOnly(int fd) {
-  if (::fcntl(fd, F_ADD_SEALS, kReadOnlySeals | F_SEAL_SEAL) != 0) {
-    int err = errno;
+  // F_SEAL_WRITE is refused (EBUSY) while any page of the file holds a reference beyond its
+  // mappings: a writable shared mapping, but also, for a moment, pages just written that still
+  // sit in another CPU's LRU batch (the kernel drains only the sealing CPU's before it gives
+  // up). Seen as a rare failure right after a pwrite; so EBUSY is tried again for up to
+  // ~0.25 s before it is reported. A mapping that is really still there fails all the same.
+  std::chrono::milliseconds pause{1};
+  int rc = 0;
+  for (int tries = 0;; ++tries) {
+    rc = ::fcntl(fd, F_ADD_SEALS, kReadOnlySeals | F_SEAL_SEAL);
+    if (rc == 0 || errno != EBUSY || tries == 8) break;
+    std::this_thread::sleep_for(pause);
+    pause *= 2;
+  }
+  if (rc != 0) {
+    const int err = errno;
     Status s = IoError("sealing memfd " + FdName(fd) + " read-only", err);
     if (err == EBUSY) s.Context("a writable shared mapping still exists (munmap it first)");
     return s;
