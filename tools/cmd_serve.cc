@@ -654,11 +654,13 @@ int Run(ServeArgs& args) {
   events.on_adopted = [&](std::string_view how) { adopted = how; };
   // The unit's STATUS follows the load (`systemctl status`): at most once a second, and at its
   // end, so that a slow load shows where it is without a datagram per batch.
-  auto last_status = std::chrono::steady_clock::time_point::min();
+  // Empty until the first STATUS (a time_point::min() start would overflow `now - last`).
+  std::optional<std::chrono::steady_clock::time_point> last_status;
   events.on_progress = [&](uint64_t done, uint64_t total, double seconds) {
     progress.Update(done, total, seconds);
     const auto now = std::chrono::steady_clock::now();
-    if (!service_manager || (now - last_status < std::chrono::seconds(1) && done < total)) return;
+    const bool recent = last_status && now - *last_status < std::chrono::seconds(1);
+    if (!service_manager || (recent && done < total)) return;
     last_status = now;
     const uint64_t percent = total == 0 ? 100 : done * 100 / total;
     notify("STATUS=loading " + options.config.model_id + ": " + std::to_string(percent) + "% (" +
