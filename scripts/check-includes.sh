@@ -2,8 +2,11 @@
 # The include graph between modules (issue 11 §6): every `#include "<area>/..."` in src/,
 # tools/ and python/src must point down (or within its own area) in this order:
 #
-#   common → os → cuda → checkpoint → sharding → identity → protocol → keeper
+#   common → os → cuda → checkpoint → sharding → identity → protocol → keeper → fleet
 #          → daemon | client → launcher → tools | python
+#
+# fleet (the cross-node registry and transport, docs/fleet.md) sits under the daemon, which
+# registers its caches and fills from other nodes through it.
 #
 # keeper (the process that holds a cache's fds past its daemon, docs/keeper.md) has no CUDA
 # and no checkpoint code: it may include only common, os and protocol, whatever its rank.
@@ -18,8 +21,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 declare -A rank=([common]=0 [os]=1 [cuda]=2 [checkpoint]=3 [sharding]=4 [identity]=5
-                 [protocol]=6 [keeper]=7 [daemon]=8 [client]=8 [launcher]=9 [tools]=10
-                 [python]=10)
+                 [protocol]=6 [keeper]=7 [fleet]=8 [daemon]=9 [client]=9 [launcher]=10
+                 [tools]=11 [python]=11)
 # Modules restricted to a list of modules below them (beyond the rank order).
 declare -A only=([keeper]="common os protocol")
 
@@ -63,7 +66,7 @@ done < <(grep -rnE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"[A-Za-z0-9_]+/
 
 if (( bad )); then
   echo "check-includes: the include graph has upward edges (order: common → os → cuda →" \
-       "checkpoint → sharding → identity → protocol → keeper → daemon|client → launcher →" \
+       "checkpoint → sharding → identity → protocol → keeper → fleet → daemon|client → launcher →" \
        "tools|python; keeper: common, os, protocol only)" >&2
   exit 1
 fi
