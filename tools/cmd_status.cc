@@ -62,7 +62,7 @@ std::string Ago(const nlohmann::json& row, uint64_t now_ms) {
   return std::to_string(now_ms > at ? (now_ms - at) / 1000 : 0) + "s ago";
 }
 
-int Run(const StatusArgs& args) {
+int RunStatus(const StatusArgs& args) {
   constexpr std::string_view kCmd = "status";
   auto listing = ListCaches(args.Options());
   if (!listing.ok()) return Fail(kCmd, listing.status());
@@ -152,7 +152,7 @@ void RegisterStatusCommand(CLI::App& root) {
   CLI::App* sub = root.add_subcommand(
       "status", "Per device: the memory budget, each cache's state, hits and misses, LRU order");
   AddListingFlags(sub, args.get());
-  SetAction(sub, [args] { return Run(*args); });
+  SetAction(sub, [args] { return RunStatus(*args); });
 }
 
 }  // namespace weightcache::cli

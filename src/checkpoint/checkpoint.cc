@@ -21,6 +21,7 @@
 #include "checkpoint/safetensors.h"
 #include "common/hash.h"
 #include "common/mutex.h"
+#include "common/terminal_text.h"
 #include "os/regular_file.h"
 #include "os/strided_read.h"
 
@@ -30,14 +31,6 @@ namespace {
 constexpr std::string_view kFingerprintTag = "weightcache-checkpoint-fingerprint-v1";
 constexpr int kMaxReadThreads = 256;
 // One pread never asks for more than this (Linux caps a read at ~2 GiB anyway).
-
-std::string Quote(std::string_view s) {
-  constexpr size_t kShown = 128;
-  std::string out = "'";
-  out.append(s.substr(0, kShown));
-  if (s.size() > kShown) out += "...";
-  return out + "'";
-}
 
 // Every file the checkpoint module reads is opened here (os/regular_file.h: never blocks on
 // a FIFO, refuses anything but a regular file).
@@ -80,8 +73,8 @@ Result<OpenedShard> OpenShard(const std::string& path, const std::string& file_n
 Status CheckShardFileName(const std::string& tensor, const std::string& file) {
   if (file.empty() || file == "." || file == ".." || file.find('/') != std::string::npos ||
       file.find('\0') != std::string::npos) {
-    return InvalidCheckpoint(std::string(kIndexFileName) + " maps tensor " + Quote(tensor) +
-                             " to " + Quote(file) +
+    return InvalidCheckpoint(std::string(kIndexFileName) + " maps tensor " + QuoteBounded(tensor) +
+                             " to " + QuoteBounded(file) +
                              ": a shard must be a plain file name in the checkpoint directory "
                              "(no '/', '.' or '..')");
   }
@@ -165,12 +158,12 @@ class IndexSax {
     Status s = CheckShardFileName(current_key_, *v);
     if (!s.ok()) return Fail(": " + s.message());
     if (!weight_map_.try_emplace(current_key_, std::move(*v)).second) {
-      return Fail(": weight_map lists tensor " + Quote(current_key_) + " twice");
+      return Fail(": weight_map lists tensor " + QuoteBounded(current_key_) + " twice");
     }
     return true;
   }
   bool NotAString() {
-    return Fail(": weight_map entry for " + Quote(current_key_) + " is not a string");
+    return Fail(": weight_map entry for " + QuoteBounded(current_key_) + " is not a string");
   }
   bool Fail(std::string message) {
     if (error_.empty()) error_ = std::move(message);
@@ -279,7 +272,7 @@ Result<FileList> ListFiles(const std::string& path) {
 Status MissingShard(const FileList& list, const std::string& path, const std::string& file_name,
                     Status status) {
   if (list.indexed && status.code() == StatusCode::kNotFound) {
-    return InvalidCheckpoint("shard " + Quote(file_name) + " named by " +
+    return InvalidCheckpoint("shard " + QuoteBounded(file_name) + " named by " +
                              std::string(kIndexFileName) + " in " + path + " does not exist");
   }
   return status;
@@ -377,7 +370,7 @@ Result<std::string> CheckpointFilesDigest(const std::string& path) {
 Status Checkpoint::CheckUnchanged() const {
   for (size_t s = 0; s < shards_.size(); ++s) {
     const ShardInfo& shard = shards_[s];
-    const std::string what = "shard " + Quote(shard.file_name) + " (" + shard.path + ")";
+    const std::string what = "shard " + QuoteBounded(shard.file_name) + " (" + shard.path + ")";
     struct stat st {};
     if (::fstat(fds_[s].get(), &st) != 0) return IoError("fstat " + shard.path, errno);
     std::string change = DescribeIdentityChange(shard.identity, FileIdentityOf(st));
@@ -442,20 +435,21 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
     for (ParsedTensor& t : headers[s].tensors) {
       auto [it, inserted] = owner.emplace(t.name, s);
       if (!inserted) {
-        return InvalidCheckpoint("tensor " + Quote(t.name) + " is in both shard " +
-                                 Quote(ckpt.shards_[it->second].file_name) + " and shard " +
-                                 Quote(file));
+        return InvalidCheckpoint("tensor " + QuoteBounded(t.name) + " is in both shard " +
+                                 QuoteBounded(ckpt.shards_[it->second].file_name) + " and shard " +
+                                 QuoteBounded(file));
       }
       if (indexed) {
         auto entry = weight_map.find(t.name);
         if (entry == weight_map.end()) {
-          return InvalidCheckpoint("tensor " + Quote(t.name) + " of shard " + Quote(file) +
-                                   " is not listed in " + std::string(kIndexFileName));
+          return InvalidCheckpoint("tensor " + QuoteBounded(t.name) + " of shard " +
+                                   QuoteBounded(file) + " is not listed in " +
+                                   std::string(kIndexFileName));
         }
         if (entry->second != file) {
-          return InvalidCheckpoint("tensor " + Quote(t.name) + " is in shard " + Quote(file) +
-                                   " but " + std::string(kIndexFileName) + " maps it to " +
-                                   Quote(entry->second));
+          return InvalidCheckpoint("tensor " + QuoteBounded(t.name) + " is in shard " +
+                                   QuoteBounded(file) + " but " + std::string(kIndexFileName) +
+                                   " maps it to " + QuoteBounded(entry->second));
         }
       }
       TensorInfo info;
@@ -471,8 +465,9 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
   }
   for (const auto& [tensor, file] : weight_map) {
     if (owner.find(tensor) == owner.end()) {
-      return InvalidCheckpoint(std::string(kIndexFileName) + " maps tensor " + Quote(tensor) +
-                               " to shard " + Quote(file) + ", which does not contain it");
+      return InvalidCheckpoint(std::string(kIndexFileName) + " maps tensor " +
+                               QuoteBounded(tensor) + " to shard " + QuoteBounded(file) +
+                               ", which does not contain it");
     }
   }
   std::sort(ckpt.tensors_.begin(), ckpt.tensors_.end(),
@@ -592,7 +587,7 @@ Status ReadTensor(const Checkpoint& checkpoint, const TensorInfo& tensor, void* 
                   const ReadOptions& options) {
   const ReadRequest request{tensor.shard, tensor.offset, tensor.nbytes, dest};
   Status s = ReadRanges(checkpoint, std::span(&request, 1), options);
-  return s.Context("reading tensor " + Quote(tensor.name));
+  return s.Context("reading tensor " + QuoteBounded(tensor.name));
 }
 
 }  // namespace weightcache::checkpoint

@@ -7,20 +7,12 @@
 #include <string_view>
 #include <utility>
 
+#include "common/terminal_text.h"
+
 namespace weightcache::checkpoint {
 namespace {
 
 using Json = nlohmann::json;
-
-// Tensor names and metadata keys are untrusted: quote a bounded prefix in messages.
-std::string Quote(std::string_view s) {
-  constexpr size_t kShown = 128;
-  std::string out = "'";
-  out.append(s.substr(0, kShown));
-  if (s.size() > kShown) out += "...";
-  out += "'";
-  return out;
-}
 
 std::string ShapeString(const std::vector<uint64_t>& shape) {
   std::string out = "[";
@@ -80,7 +72,7 @@ class HeaderSax {
       case State::kTensorValue:
         return field_ == Field::kOther ? BeginSkip() : FailField();
       case State::kMetadataValue:
-        return Fail("__metadata__ value for " + Quote(current_key_) + " is not a string");
+        return Fail("__metadata__ value for " + QuoteBounded(current_key_) + " is not a string");
       case State::kShapeItem:
       case State::kOffsetsItem:
         return FailField();
@@ -95,8 +87,9 @@ class HeaderSax {
       case State::kStart:
         return Fail("header is not a JSON object");
       case State::kRootValue:
-        return is_metadata_ ? Fail("__metadata__ is not an object")
-                            : Fail("tensor " + Quote(current_key_) + ": entry is not an object");
+        return is_metadata_
+                   ? Fail("__metadata__ is not an object")
+                   : Fail("tensor " + QuoteBounded(current_key_) + ": entry is not an object");
       case State::kTensorValue:
         if (field_ == Field::kShape) {
           state_ = State::kShapeItem;
@@ -110,7 +103,7 @@ class HeaderSax {
         if (field_ == Field::kDType) return FailField();
         return BeginSkip();
       case State::kMetadataValue:
-        return Fail("__metadata__ value for " + Quote(current_key_) + " is not a string");
+        return Fail("__metadata__ value for " + QuoteBounded(current_key_) + " is not a string");
       default:
         return FailField();
     }
@@ -122,13 +115,13 @@ class HeaderSax {
       case State::kRootKey: {
         if (!root_keys_.insert(k).second) {
           return Fail(k == "__metadata__" ? "duplicate __metadata__ entry"
-                                          : "duplicate tensor name " + Quote(k));
+                                          : "duplicate tensor name " + QuoteBounded(k));
         }
         is_metadata_ = (k == "__metadata__");
         if (!is_metadata_) {
           if (k.empty()) return Fail("empty tensor name");
           if (k.size() > kMaxTensorNameBytes) {
-            return Fail("tensor name " + Quote(k) + " is " + std::to_string(k.size()) +
+            return Fail("tensor name " + QuoteBounded(k) + " is " + std::to_string(k.size()) +
                         " bytes, over the " + std::to_string(kMaxTensorNameBytes) + "-byte limit");
           }
           if (++tensor_count_ > kMaxTensorCount) {
@@ -148,7 +141,7 @@ class HeaderSax {
       }
       case State::kMetadataKey:
         if (header_.metadata.count(k) != 0) {
-          return Fail("duplicate __metadata__ key " + Quote(k));
+          return Fail("duplicate __metadata__ key " + QuoteBounded(k));
         }
         current_key_ = k;
         state_ = State::kMetadataValue;
@@ -161,7 +154,7 @@ class HeaderSax {
         if (f != Field::kOther) {
           const unsigned bit = 1u << static_cast<unsigned>(f);
           if ((seen_fields_ & bit) != 0) {
-            return Fail("tensor " + Quote(current_.name) + ": duplicate field '" + k + "'");
+            return Fail("tensor " + QuoteBounded(current_.name) + ": duplicate field '" + k + "'");
           }
           seen_fields_ |= bit;
         }
@@ -188,7 +181,7 @@ class HeaderSax {
             {Field::kDType, "dtype"}, {Field::kShape, "shape"}, {Field::kOffsets, "data_offsets"}};
         for (const auto& [f, name] : kRequired) {
           if ((seen_fields_ & (1u << static_cast<unsigned>(f))) == 0) {
-            return Fail("tensor " + Quote(current_.name) + ": missing field '" + name + "'");
+            return Fail("tensor " + QuoteBounded(current_.name) + ": missing field '" + name + "'");
           }
         }
         header_.tensors.push_back(std::move(current_));
@@ -255,10 +248,10 @@ class HeaderSax {
           }
           return Fail("__metadata__ is not an object");
         }
-        return Fail("tensor " + Quote(current_key_) + ": entry is not an object");
+        return Fail("tensor " + QuoteBounded(current_key_) + ": entry is not an object");
       case State::kMetadataValue:
         if (kind != ValueKind::kString) {
-          return Fail("__metadata__ value for " + Quote(current_key_) + " is not a string");
+          return Fail("__metadata__ value for " + QuoteBounded(current_key_) + " is not a string");
         }
         header_.metadata.emplace(std::move(current_key_), std::move(*pending_string_));
         state_ = State::kMetadataKey;
@@ -272,7 +265,7 @@ class HeaderSax {
         {
           Result<DType> dtype = ParseDType(*pending_string_);
           if (!dtype.ok()) {
-            return Fail("tensor " + Quote(current_.name) + ": " + dtype.status().message());
+            return Fail("tensor " + QuoteBounded(current_.name) + ": " + dtype.status().message());
           }
           current_.dtype = *dtype;
         }
@@ -280,11 +273,11 @@ class HeaderSax {
         return true;
       case State::kShapeItem:
         if (kind == ValueKind::kNegative) {
-          return Fail("tensor " + Quote(current_.name) + ": negative dimension in 'shape'");
+          return Fail("tensor " + QuoteBounded(current_.name) + ": negative dimension in 'shape'");
         }
         if (kind != ValueKind::kUnsigned) return FailField();
         if (current_.shape.size() >= kMaxTensorRank) {
-          return Fail("tensor " + Quote(current_.name) + ": rank over the limit of " +
+          return Fail("tensor " + QuoteBounded(current_.name) + ": rank over the limit of " +
                       std::to_string(kMaxTensorRank) + " dimensions");
         }
         current_.shape.push_back(value);
@@ -302,17 +295,17 @@ class HeaderSax {
   bool FailField() {
     switch (field_) {
       case Field::kDType:
-        return Fail("tensor " + Quote(current_.name) + ": field 'dtype' is not a string");
+        return Fail("tensor " + QuoteBounded(current_.name) + ": field 'dtype' is not a string");
       case Field::kShape:
-        return Fail("tensor " + Quote(current_.name) +
+        return Fail("tensor " + QuoteBounded(current_.name) +
                     ": field 'shape' is not an array of non-negative integers");
       case Field::kOffsets:
-        return Fail("tensor " + Quote(current_.name) +
+        return Fail("tensor " + QuoteBounded(current_.name) +
                     ": field 'data_offsets' is not [begin, end] (two non-negative integers)");
       case Field::kOther:
         break;
     }
-    return Fail("tensor " + Quote(current_.name) + ": malformed entry");
+    return Fail("tensor " + QuoteBounded(current_.name) + ": malformed entry");
   }
 
   bool BeginSkip() {
@@ -321,7 +314,7 @@ class HeaderSax {
   }
   bool Nest() {
     if (++skip_depth_ > kMaxSkipDepth) {
-      return Fail("tensor " + Quote(current_.name) + ": unknown field nested deeper than " +
+      return Fail("tensor " + QuoteBounded(current_.name) + ": unknown field nested deeper than " +
                   std::to_string(kMaxSkipDepth));
     }
     return true;
@@ -364,11 +357,11 @@ Status ValidateLayout(ParsedHeader& header) {
   auto& tensors = header.tensors;
   for (const ParsedTensor& t : tensors) {
     if (t.begin > t.end) {
-      return InvalidCheckpoint("tensor " + Quote(t.name) + ": data_offsets begin " +
+      return InvalidCheckpoint("tensor " + QuoteBounded(t.name) + ": data_offsets begin " +
                                std::to_string(t.begin) + " > end " + std::to_string(t.end));
     }
     if (t.end > header.data_size) {
-      return InvalidCheckpoint("tensor " + Quote(t.name) + ": data_offsets end " +
+      return InvalidCheckpoint("tensor " + QuoteBounded(t.name) + ": data_offsets end " +
                                std::to_string(t.end) + " is beyond the data region of " +
                                std::to_string(header.data_size) + " bytes");
     }
@@ -380,32 +373,33 @@ Status ValidateLayout(ParsedHeader& header) {
   const ParsedTensor* previous = nullptr;
   for (const ParsedTensor& t : tensors) {
     if (t.begin > expected) {
-      return InvalidCheckpoint("tensor " + Quote(t.name) + ": data_offsets leave a gap: bytes [" +
-                               std::to_string(expected) + ", " + std::to_string(t.begin) +
+      return InvalidCheckpoint("tensor " + QuoteBounded(t.name) +
+                               ": data_offsets leave a gap: bytes [" + std::to_string(expected) +
+                               ", " + std::to_string(t.begin) +
                                ") of the data region belong to no tensor");
     }
     if (t.begin < expected) {
-      return InvalidCheckpoint("tensor " + Quote(t.name) + ": data_offsets [" +
+      return InvalidCheckpoint("tensor " + QuoteBounded(t.name) + ": data_offsets [" +
                                std::to_string(t.begin) + ", " + std::to_string(t.end) +
-                               ") overlap tensor " + Quote(previous->name) + ", which ends at " +
-                               std::to_string(expected));
+                               ") overlap tensor " + QuoteBounded(previous->name) +
+                               ", which ends at " + std::to_string(expected));
     }
     uint64_t elements = 1;
     for (uint64_t dim : t.shape) {
       if (__builtin_mul_overflow(elements, dim, &elements)) {
-        return InvalidCheckpoint("tensor " + Quote(t.name) + ": element count of shape " +
+        return InvalidCheckpoint("tensor " + QuoteBounded(t.name) + ": element count of shape " +
                                  ShapeString(t.shape) + " overflows 64 bits");
       }
     }
     Result<uint64_t> nbytes = DTypeByteSize(t.dtype, elements);
     if (!nbytes.ok()) {
       Status s = nbytes.status();
-      return s.Context("tensor " + Quote(t.name) + " shape " + ShapeString(t.shape));
+      return s.Context("tensor " + QuoteBounded(t.name) + " shape " + ShapeString(t.shape));
     }
     if (*nbytes != t.end - t.begin) {
-      return InvalidCheckpoint("tensor " + Quote(t.name) + ": shape " + ShapeString(t.shape) +
-                               " of " + std::string(DTypeName(t.dtype)) + " is " +
-                               std::to_string(*nbytes) + " bytes but data_offsets span " +
+      return InvalidCheckpoint("tensor " + QuoteBounded(t.name) + ": shape " +
+                               ShapeString(t.shape) + " of " + std::string(DTypeName(t.dtype)) +
+                               " is " + std::to_string(*nbytes) + " bytes but data_offsets span " +
                                std::to_string(t.end - t.begin));
     }
     expected = t.end;

@@ -1,4 +1,4 @@
-// AlignUp — the one rounding rule for sizes and offsets (arena layout, VMM granularity,
+// AlignUp, AlignDown — the one rounding rule for sizes and offsets (arena layout, VMM granularity,
 // O_DIRECT blocks). Pure, constexpr.
 #pragma once
 
@@ -10,6 +10,11 @@ namespace weightcache {
 // at least `alignment` below 2^64.
 constexpr uint64_t AlignUp(uint64_t value, uint64_t alignment) {
   return (value + alignment - 1) & ~(alignment - 1);
+}
+
+// Round `value` down to a multiple of `alignment` (any non-zero value).
+constexpr uint64_t AlignDown(uint64_t value, uint64_t alignment) {
+  return value / alignment * alignment;
 }
 
 }  // namespace weightcache

@@ -63,4 +63,11 @@ std::string EscapeForTerminal(std::string_view text) {
   return out;
 }
 
+std::string QuoteBounded(std::string_view text) {
+  std::string out = "'";
+  out.append(text.substr(0, kQuotedPrefix));
+  if (text.size() > kQuotedPrefix) out += "...";
+  return out + "'";
+}
+
 }  // namespace weightcache

@@ -10,11 +10,19 @@
 // becomes \xNN. Pure function, thread-safe.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 
 namespace weightcache {
 
 std::string EscapeForTerminal(std::string_view text);
+
+// The one rule for naming untrusted text (a tensor name, a metadata key) inside an error
+// message: its first kQuotedPrefix bytes in single quotes, "..." marking a cut, so a 1 MiB
+// name cannot make a 1 MiB message. The bytes are not escaped here (EscapeForTerminal is
+// applied where a message meets a terminal).
+inline constexpr size_t kQuotedPrefix = 128;
+std::string QuoteBounded(std::string_view text);
 
 }  // namespace weightcache

@@ -7,13 +7,7 @@
 #include "common/align.h"
 
 namespace weightcache::cuda {
-namespace {
-
-std::string Which(size_t i, size_t n) {
-  return "allocation " + std::to_string(i) + " of " + std::to_string(n);
-}
-
-}  // namespace
+namespace {}  // namespace
 
 Status CheckVmmSupport(const DriverApi* api, CUdevice device) {
   struct Needed {
@@ -84,7 +78,8 @@ Result<ExportedArena> ExportedArena::Create(const DriverApi* api, CUdevice devic
   const std::string where = "creating VMM arena on device " + std::to_string(device);
   if (n == 0) return InvalidArgument(where + ": no allocations requested");
   for (size_t i = 0; i < n; ++i) {
-    if (requested_sizes[i] == 0) return InvalidArgument(where + ": " + Which(i, n) + " is empty");
+    if (requested_sizes[i] == 0)
+      return InvalidArgument(where + ": " + AllocationName(i, n) + " is empty");
   }
 
   // Acquisition order below is the declaration order of the members; each local unwinds
@@ -102,7 +97,7 @@ Result<ExportedArena> ExportedArena::Create(const DriverApi* api, CUdevice devic
   constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max() / 2;
   for (size_t i = 0; i < n; ++i) {
     if (requested_sizes[i] > kMax || total > kMax - AlignUp(requested_sizes[i], *granularity)) {
-      return InvalidArgument(where + ": total size overflows at " + Which(i, n));
+      return InvalidArgument(where + ": total size overflows at " + AllocationName(i, n));
     }
     sizes.push_back(AlignUp(requested_sizes[i], *granularity));
     total += sizes.back();
@@ -113,7 +108,7 @@ Result<ExportedArena> ExportedArena::Create(const DriverApi* api, CUdevice devic
   handles.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     Result<VmmHandle> handle = VmmHandle::Create(api, sizes[i], prop);
-    if (!handle.ok()) return handle.status().Context(where + ": " + Which(i, n));
+    if (!handle.ok()) return handle.status().Context(where + ": " + AllocationName(i, n));
     handles.push_back(*std::move(handle));
   }
 
@@ -125,14 +120,14 @@ Result<ExportedArena> ExportedArena::Create(const DriverApi* api, CUdevice devic
   CUdeviceptr next = va->base();
   for (size_t i = 0; i < n; ++i) {
     Result<MappedRange> mapping = MappedRange::Map(api, next, handles[i]);
-    if (!mapping.ok()) return mapping.status().Context(where + ": " + Which(i, n));
+    if (!mapping.ok()) return mapping.status().Context(where + ": " + AllocationName(i, n));
     mappings.push_back(*std::move(mapping));
     next += sizes[i];
   }
   // The daemon itself writes the weights (cold load) and checksums them, so read-write.
   for (size_t i = 0; i < n; ++i) {
     if (Status s = mappings[i].SetAccess(device, CU_MEM_ACCESS_FLAGS_PROT_READWRITE); !s.ok()) {
-      return s.Context(where + ": " + Which(i, n));
+      return s.Context(where + ": " + AllocationName(i, n));
     }
   }
 
@@ -140,7 +135,7 @@ Result<ExportedArena> ExportedArena::Create(const DriverApi* api, CUdevice devic
   fds.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     Result<UniqueFd> fd = handles[i].ExportPosixFd();
-    if (!fd.ok()) return fd.status().Context(where + ": " + Which(i, n));
+    if (!fd.ok()) return fd.status().Context(where + ": " + AllocationName(i, n));
     fds.push_back(*std::move(fd));
   }
 

@@ -10,10 +10,6 @@
 namespace weightcache::cuda {
 namespace {
 
-std::string Which(size_t i, size_t n) {
-  return "allocation " + std::to_string(i) + " of " + std::to_string(n);
-}
-
 // What can be checked about a received fd without the driver. A VMM export is an fd on the
 // NVIDIA driver; it is never a directory, a pipe or a socket.
 Status CheckReceivedFd(const UniqueFd& fd) {
@@ -44,7 +40,7 @@ Status CheckCount(size_t n, const std::string& where) {
 Status CheckReceivedFds(const std::vector<UniqueFd>& fds, const std::string& where) {
   for (size_t i = 0; i < fds.size(); ++i) {
     if (Status s = CheckReceivedFd(fds[i]); !s.ok()) {
-      return s.Context(where + ": " + Which(i, fds.size()));
+      return s.Context(where + ": " + AllocationName(i, fds.size()));
     }
   }
   return Status::Ok();
@@ -108,12 +104,12 @@ Result<ImportedArena> ImportedArena::Reserve(const DriverApi* api, CUdevice devi
   constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max() / 2;
   for (size_t i = 0; i < n; ++i) {
     if (sizes[i] == 0 || sizes[i] % *granularity != 0) {
-      return InvalidArgument(where + ": " + Which(i, n) + " has size " + std::to_string(sizes[i]) +
-                             ", not a non-zero multiple of the VMM granularity " +
-                             std::to_string(*granularity));
+      return InvalidArgument(
+          where + ": " + AllocationName(i, n) + " has size " + std::to_string(sizes[i]) +
+          ", not a non-zero multiple of the VMM granularity " + std::to_string(*granularity));
     }
     if (sizes[i] > kMax - total) {
-      return InvalidArgument(where + ": total size overflows at " + Which(i, n));
+      return InvalidArgument(where + ": total size overflows at " + AllocationName(i, n));
     }
     total += sizes[i];
   }
@@ -145,12 +141,12 @@ Status ImportedArena::MapChecked(std::vector<UniqueFd> fds, const std::string& w
   for (size_t i = 0; i < n; ++i) {
     Result<VmmHandle> handle =
         VmmHandle::ImportPosixFd(context_.api(), fds[i].get(), table_[i].size);
-    if (!handle.ok()) return handle.status().Context(where + ": " + Which(i, n));
+    if (!handle.ok()) return handle.status().Context(where + ": " + AllocationName(i, n));
     Result<MappedRange> mapping = MappedRange::Map(context_.api(), table_[i].ptr, *handle);
-    if (!mapping.ok()) return mapping.status().Context(where + ": " + Which(i, n));
+    if (!mapping.ok()) return mapping.status().Context(where + ": " + AllocationName(i, n));
     // Read-write: see the header for why not read-only.
     if (Status s = mapping->SetAccess(device(), CU_MEM_ACCESS_FLAGS_PROT_READWRITE); !s.ok()) {
-      return s.Context(where + ": " + Which(i, n));
+      return s.Context(where + ": " + AllocationName(i, n));
     }
     mappings.push_back(*std::move(mapping));
     // `handle` is released here: the mapping keeps the memory alive, and an unreleased

@@ -20,8 +20,6 @@
 namespace weightcache::cuda {
 namespace {
 
-uint64_t AlignDown(uint64_t v, uint64_t a) { return v / a * a; }
-
 // One copy out of a registered chunk: a contiguous piece of an item, or a whole strided item.
 struct MappedCopy {
   size_t item;

@@ -30,8 +30,6 @@ namespace {
 // every block size in use (512 and 4096).
 constexpr uint64_t kDirectAlign = 4096;
 
-uint64_t AlignDown(uint64_t v, uint64_t a) { return v / a * a; }
-
 // One contiguous file region read into a staging buffer. Its buffer position is congruent to
 // its file offset modulo kDirectAlign, so the O_DIRECT variant (the aligned superset of the
 // region) lands on an aligned buffer address without moving the data.

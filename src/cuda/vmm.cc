@@ -184,4 +184,8 @@ Status MappedRange::SetAccess(CUdevice device, CUmemAccess_flags flags) const {
   return Status::Ok();
 }
 
+std::string AllocationName(size_t index, size_t count) {
+  return "allocation " + std::to_string(index) + " of " + std::to_string(count);
+}
+
 }  // namespace weightcache::cuda

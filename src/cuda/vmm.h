@@ -201,4 +201,7 @@ class MappedRange {
   UniqueHandle<MappedRangeTraits> owned_;
 };
 
+// "allocation i of n": how messages about one allocation of an arena name it.
+std::string AllocationName(size_t index, size_t count);
+
 }  // namespace weightcache::cuda

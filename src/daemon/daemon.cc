@@ -221,7 +221,7 @@ void Daemon::SyncMetrics() {
   DaemonMetrics& m = *options_.metrics;
   m.SetState(state_);
   m.SetClients(clients_);
-  m.SetCacheBytes(store_ ? store_->summary().resident_bytes : 0);
+  m.SetCacheBytes(store_ ? store_->summary().resident_bytes : 0, state_ == CacheState::kDemoted);
   if (state_ == CacheState::kLoading) m.SetLoadProgress(bytes_done_.load(), bytes_total_.load());
 }
 

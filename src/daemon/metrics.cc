@@ -138,7 +138,9 @@ void DaemonMetrics::SetState(protocol::CacheState state) {
   state_.store(static_cast<uint8_t>(state), kRelaxed);
 }
 
-void DaemonMetrics::SetCacheBytes(uint64_t bytes) { cache_bytes_.store(bytes, kRelaxed); }
+void DaemonMetrics::SetCacheBytes(uint64_t bytes, bool demoted_to_host) {
+  cache_bytes_.store((bytes & ~kDemotedBit) | (demoted_to_host ? kDemotedBit : 0), kRelaxed);
+}
 
 void DaemonMetrics::SetLoadProgress(uint64_t done, uint64_t total) {
   load_done_.store(done, kRelaxed);
@@ -169,10 +171,17 @@ std::string DaemonMetrics::Render() const {
 
   Family(out, "weightcache_cache_bytes", "gauge",
          "Bytes of weights the cache holds, by device, model and tier.");
-  Sample(out, "weightcache_cache_bytes",
-         "{" + Label("device", identity_.device) + "," + Label("model", identity_.model) + "," +
-             Label("tier", identity_.tier) + "}",
-         as_double(cache_bytes_));
+  const uint64_t held = cache_bytes_.load(kRelaxed);
+  const auto bytes = static_cast<double>(held & ~kDemotedBit);
+  const bool on_host = (held & kDemotedBit) != 0 || identity_.tier != "gpu";
+  auto cache_bytes = [&](std::string_view tier, double value) {
+    Sample(out, "weightcache_cache_bytes",
+           "{" + Label("device", identity_.device) + "," + Label("model", identity_.model) + "," +
+               Label("tier", tier) + "}",
+           value);
+  };
+  if (identity_.tier == "gpu") cache_bytes("gpu", on_host ? 0 : bytes);
+  cache_bytes("host", on_host ? bytes : 0);
 
   Family(out, "weightcache_attaches_total", "counter",
          "Attach attempts seen by the daemon, by result (fallback and timeout are counted by "

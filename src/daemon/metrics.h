@@ -10,6 +10,10 @@
 //    together (Prometheus' own client libraries give the same guarantee).
 //  * The identity labels (device, model, tier) are fixed at construction; label values are
 //    escaped per the format (backslash, double quote, newline), so any model id is safe.
+//    weightcache_cache_bytes says where the bytes are now: a gpu-tier cache has a `tier="gpu"`
+//    and a `tier="host"` series, the bytes in the one it is resident in (host while demoted)
+//    and 0 in the other, so a sum by tier is right at every moment; a host-tier cache has only
+//    `tier="host"`.
 //  * Eviction, demotion and promotion counters exist from the start and stay 0 until the
 //    budget ledger records them.
 #pragma once
@@ -68,7 +72,8 @@ class DaemonMetrics {
   void RecordAttach(AttachResult result, double seconds = 0);
   void SetClients(uint64_t clients);
   void SetState(protocol::CacheState state);
-  void SetCacheBytes(uint64_t bytes);
+  // The bytes the cache holds and whether they are in host RAM now (a demoted gpu-tier cache).
+  void SetCacheBytes(uint64_t bytes, bool demoted_to_host = false);
   // A load in progress: bytes done and the total (gauges).
   void SetLoadProgress(uint64_t done, uint64_t total);
   // A load that ended `ready`: its duration and rate.
@@ -104,6 +109,9 @@ class DaemonMetrics {
   std::atomic<int64_t> last_attach_unix_ms_{0};
   std::atomic<uint64_t> clients_{0};
   std::atomic<uint8_t> state_{static_cast<uint8_t>(protocol::CacheState::kLoading)};
+  // The bytes, with kDemotedBit set while they are in host RAM: one atomic, so a scrape never
+  // pairs one tier's bytes with the other's label.
+  static constexpr uint64_t kDemotedBit = uint64_t{1} << 63;
   std::atomic<uint64_t> cache_bytes_{0};
   std::atomic<uint64_t> load_done_{0};
   std::atomic<uint64_t> load_total_{0};

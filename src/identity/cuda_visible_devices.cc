@@ -4,6 +4,8 @@
 #include <cctype>
 #include <cstdint>
 
+#include "common/strings.h"
+
 // The rules, and where they come from.
 //
 // Documented (CUDA Programming Guide, "CUDA Environment Variables", CUDA_VISIBLE_DEVICES):
@@ -38,12 +40,6 @@
 namespace weightcache::identity {
 namespace {
 
-std::string_view Trim(std::string_view s) {
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
-  return s;
-}
-
 std::vector<std::string_view> SplitCommas(std::string_view s) {
   std::vector<std::string_view> out;
   size_t start = 0;
@@ -60,7 +56,7 @@ std::vector<std::string_view> SplitCommas(std::string_view s) {
 
 // strtoul-like: returns -1 for "no digits", a negative value or overflow.
 int64_t ParseIndexEntry(std::string_view entry) {
-  entry = Trim(entry);
+  entry = TrimSpace(entry);
   bool negative = false;
   if (!entry.empty() && (entry.front() == '+' || entry.front() == '-')) {
     negative = entry.front() == '-';
@@ -95,7 +91,7 @@ VisibleSelection SelectVisibleDevices(const std::optional<std::string>& value,
     return sel;
   }
   const std::vector<std::string_view> entries = SplitCommas(*value);
-  const std::string_view first = Trim(entries.front());
+  const std::string_view first = TrimSpace(entries.front());
   std::string_view uuid_kind;  // "GPU-" or "MIG-" for a UUID list, empty for an index list
   if (first.starts_with("GPU-")) uuid_kind = "GPU-";
   if (first.starts_with("MIG-")) uuid_kind = "MIG-";
@@ -120,7 +116,7 @@ VisibleSelection SelectVisibleDevices(const std::optional<std::string>& value,
       }
       ordinal = static_cast<size_t>(index);
     } else {
-      const std::string_view entry = Trim(raw);
+      const std::string_view entry = TrimSpace(raw);
       if (!entry.starts_with(uuid_kind)) {
         sel.note = prefix_note + where + " does not start with " + Quote(uuid_kind) +
                    " like the first entry" + ignored;

@@ -7,6 +7,7 @@
 #include <set>
 #include <utility>
 
+#include "common/strings.h"
 #include "identity/cuda_visible_devices.h"
 #include "os/read_file.h"
 
@@ -40,12 +41,6 @@ bool IsUuidBody(std::string_view s) {
 bool IsDecimal(std::string_view s) {
   return !s.empty() && s.size() <= 9 &&
          std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
-}
-
-std::string_view Trim(std::string_view s) {
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
-  return s;
 }
 
 std::string Lower(std::string s) {
@@ -124,8 +119,8 @@ Result<std::vector<DeviceInfo>> FromProc(const std::string& gpus_dir) {
       pos = eol + 1;
       size_t colon = line.find(':');
       if (colon == std::string_view::npos) continue;
-      std::string_view key = Trim(line.substr(0, colon));
-      std::string_view value = Trim(line.substr(colon + 1));
+      std::string_view key = TrimSpace(line.substr(0, colon));
+      std::string_view value = TrimSpace(line.substr(colon + 1));
       if (key == "Model") d.name = value;
       if (key == "GPU UUID") d.uuid = value;
       if (key == "Bus Location") d.pci_bus_id = Lower(std::string(value));

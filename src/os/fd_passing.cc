@@ -11,19 +11,19 @@ namespace {
 
 constexpr size_t kControlCapacity = CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage);
 
-std::string FdName(int fd) { return "socket fd " + std::to_string(fd); }
+std::string SocketName(int fd) { return "socket fd " + std::to_string(fd); }
 
 // A peer that went away (EPIPE on send; ECONNRESET when it closed with our data unread) is
 // kUnavailable like a clean close: callers treat "daemon gone" alike however it left.
 Status SocketError(const char* call, int fd, int err) {
   if (err == EPIPE || err == ECONNRESET) {
-    Status s(StatusCode::kUnavailable, std::string(call) + " on " + FdName(fd) +
+    Status s(StatusCode::kUnavailable, std::string(call) + " on " + SocketName(fd) +
                                            ": peer closed the connection (" + std::strerror(err) +
                                            ")");
     s.WithErrno(err);
     return s;
   }
-  return IoError(std::string(call) + " on " + FdName(fd), err);
+  return IoError(std::string(call) + " on " + SocketName(fd), err);
 }
 
 }  // namespace
@@ -104,13 +104,13 @@ Result<RecvChunk> RecvSome(int fd, std::span<uint8_t> buffer, size_t max_fds, Sy
     }
   }
   if (msg.msg_flags & MSG_CTRUNC) {
-    return ProtocolError("control data truncated on " + FdName(fd) +
+    return ProtocolError("control data truncated on " + SocketName(fd) +
                          ": the peer sent more fds than the " + std::to_string(max_fds) +
                          " allowed here (" + std::to_string(chunk.fds.size()) +
                          " that arrived were closed)");
   }
   if (chunk.fds.size() > max_fds) {
-    return ProtocolError(std::to_string(chunk.fds.size()) + " unexpected fds on " + FdName(fd) +
+    return ProtocolError(std::to_string(chunk.fds.size()) + " unexpected fds on " + SocketName(fd) +
                          " (at most " + std::to_string(max_fds) + " allowed here); closed them");
   }
   if (n == 0 && !buffer.empty()) chunk.eof = true;
@@ -125,13 +125,13 @@ Status WaitFor(int fd, short events, Deadline deadline, SysCalls& sys) {
     if (r > 0) return Status::Ok();
     if (r == 0) {
       if (deadline.Expired()) {
-        return Status(StatusCode::kTimeout, "deadline passed waiting on " + FdName(fd));
+        return Status(StatusCode::kTimeout, "deadline passed waiting on " + SocketName(fd));
       }
       continue;
     }
     int err = errno;
     if (err == EINTR) continue;
-    return IoError("poll on " + FdName(fd), err);
+    return IoError("poll on " + SocketName(fd), err);
   }
 }
 
@@ -175,9 +175,9 @@ Result<std::vector<UniqueFd>> RecvMessage(int fd, std::span<uint8_t> buffer, siz
     }
     if (chunk.eof) {
       if (got == 0) {
-        return Status(StatusCode::kUnavailable, "peer closed the connection on " + FdName(fd));
+        return Status(StatusCode::kUnavailable, "peer closed the connection on " + SocketName(fd));
       }
-      return ProtocolError("peer closed the connection on " + FdName(fd) + " after " +
+      return ProtocolError("peer closed the connection on " + SocketName(fd) + " after " +
                            std::to_string(got) + " of " + std::to_string(buffer.size()) +
                            " bytes (truncated message)");
     }

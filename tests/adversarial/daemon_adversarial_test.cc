@@ -457,7 +457,11 @@ TEST_F(DaemonAdversarialTest, IdleAndStalledConnectionsTimeOutButAttachedOnesSta
 // ---- item 13: at the connection cap the extra client gets the daemon's error ------------------
 
 TEST_F(DaemonAdversarialTest, ExtraClientAtTheConnectionCapSeesTooManyConnections) {
-  auto daemon = SpawnWrapped({}, {"--max-connections", "1"}, "serve.log");
+  // The slot holder sends one request and then idles through 20 CLI runs (~25 s under ASan):
+  // a handshake timeout far above that keeps the daemon from closing it as idle (the default
+  // 10 s freed the slot mid-test, and the later attaches were served).
+  auto daemon =
+      SpawnWrapped({}, {"--max-connections", "1", "--handshake-timeout", "3600"}, "serve.log");
   ASSERT_TRUE(daemon.ok()) << daemon.status().ToString();
   auto socket = WaitReady(*daemon);
   ASSERT_TRUE(socket.ok()) << socket.status().ToString();

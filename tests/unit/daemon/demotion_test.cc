@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -27,6 +28,24 @@ namespace weightcache::testing {
 namespace {
 
 using namespace std::chrono_literals;
+
+// The value of the weightcache_cache_bytes sample whose labels end in tier="<tier>"; "" when
+// the exposition has no such sample.
+std::string CacheBytesOnTier(const std::string& exposition, const std::string& tier) {
+  const std::string key = "tier=\"" + tier + "\"} ";
+  size_t line = 0;
+  while (line < exposition.size()) {
+    size_t end = exposition.find('\n', line);
+    if (end == std::string::npos) end = exposition.size();
+    const std::string_view text(exposition.data() + line, end - line);
+    const size_t at = text.find(key);
+    if (text.starts_with("weightcache_cache_bytes{") && at != std::string_view::npos) {
+      return std::string(text.substr(at + key.size()));
+    }
+    line = end + 1;
+  }
+  return "";
+}
 using cuda::testing::FakeDriver;
 using protocol::CacheState;
 
@@ -165,6 +184,12 @@ TEST_F(DemotionTest, EvictDemotesToHostAndTheNextAttachPromotesTheSameBytes) {
   protocol::StatusReply status = QueryStatus(*d);
   EXPECT_EQ(status.state, CacheState::kDemoted);
   EXPECT_EQ(status.tier, Tier::kHost);
+  // The bytes are counted where they are: on the host tier while demoted, 0 on the gpu tier.
+  const std::string demoted_metrics = d->options().metrics->Render();
+  const std::string held = CacheBytesOnTier(demoted_metrics, "host");
+  EXPECT_NE(held, "") << demoted_metrics;
+  EXPECT_NE(held, "0") << demoted_metrics;
+  EXPECT_EQ(CacheBytesOnTier(demoted_metrics, "gpu"), "0") << demoted_metrics;
 
   auto second = Attach(*d);
   ASSERT_TRUE(second.ok()) << second.status().ToString();
@@ -176,6 +201,8 @@ TEST_F(DemotionTest, EvictDemotesToHostAndTheNextAttachPromotesTheSameBytes) {
   EXPECT_EQ(status.state, CacheState::kReady);
   EXPECT_EQ(status.tier, Tier::kGpu);
   const std::string metrics = d->options().metrics->Render();
+  EXPECT_EQ(CacheBytesOnTier(metrics, "gpu"), held) << metrics;
+  EXPECT_EQ(CacheBytesOnTier(metrics, "host"), "0") << metrics;
   EXPECT_NE(metrics.find("weightcache_demotions_total 1\n"), std::string::npos) << metrics;
   EXPECT_NE(metrics.find("weightcache_promotions_total 1\n"), std::string::npos) << metrics;
   EXPECT_NE(metrics.find("weightcache_evictions_total 0\n"), std::string::npos) << metrics;

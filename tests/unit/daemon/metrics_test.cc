@@ -49,6 +49,28 @@ TEST(DaemonMetrics, RendersTheIdentityLabelsEscaped) {
       text,
       R"(weightcache_cache_bytes{device="GPU-1234",model="org/\"odd\"\nmodel",tier="gpu"} 4096)"))
       << text;
+  EXPECT_TRUE(HasLine(
+      text,
+      R"(weightcache_cache_bytes{device="GPU-1234",model="org/\"odd\"\nmodel",tier="host"} 0)"))
+      << text;
+}
+
+TEST(DaemonMetrics, ADemotedGpuCacheCountsItsBytesOnTheHostTier) {
+  DaemonMetrics m({"GPU-1234", "m", "gpu"});
+  m.SetCacheBytes(4096, /*demoted_to_host=*/true);
+  std::string text = m.Render();
+  EXPECT_TRUE(HasLine(text, R"(weightcache_cache_bytes{device="GPU-1234",model="m",tier="gpu"} 0)"))
+      << text;
+  EXPECT_TRUE(
+      HasLine(text, R"(weightcache_cache_bytes{device="GPU-1234",model="m",tier="host"} 4096)"))
+      << text;
+  // A host-tier cache has the host series only.
+  DaemonMetrics host({"host", "m", "host"});
+  host.SetCacheBytes(10);
+  text = host.Render();
+  EXPECT_TRUE(HasLine(text, R"(weightcache_cache_bytes{device="host",model="m",tier="host"} 10)"))
+      << text;
+  EXPECT_EQ(text.find(R"(tier="gpu")"), std::string::npos) << text;
 }
 
 TEST(DaemonMetrics, CountsAttachesByResultWithHitsAndMisses) {
