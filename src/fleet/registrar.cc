@@ -123,10 +123,11 @@ void Registrar::Run() {
       }
     }
 
-    if (!step.ok() && lease != 0 &&
-        (step.code() == StatusCode::kNotFound || Clock::now() - last_renewed >= ttl)) {
-      // etcd says the lease is gone, or it cannot have survived a whole TTL unrenewed: its
-      // entry went with it. Register afresh, at once.
+    if (!step.ok() && lease != 0 && step.code() == StatusCode::kNotFound) {
+      // etcd says the lease is gone (it expired while etcd was out of reach, or was revoked):
+      // its entry went with it. Register afresh, at once. An unreachable etcd is no such
+      // answer: an etcd restarted on its data dir keeps its leases (and extends them), so the
+      // lease is renewed as it is once etcd answers again, and revoked at Stop.
       LOG_WARN << "registry: the lease of " << key << " is lost (" << step.message()
                << "); registering again";
       lease = 0;

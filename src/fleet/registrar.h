@@ -10,8 +10,9 @@
 // A registry problem never stops or delays the cache: every etcd call runs on the
 // registrar's thread, bounded by the client's timeout. When etcd is unreachable it logs a
 // warning (once per outage), retries with a backoff (250 ms doubling, at most ttl/3), and when
-// the lease turns out lost (etcd says so, or no renewal succeeded for a whole TTL) it grants a
-// new one and puts the entry again. Publish and Withdraw only take a mutex and notify.
+// etcd answers that the lease is gone (it expired during the outage) it grants a new one and
+// puts the entry again; an etcd restarted on its data dir keeps its leases, and the old one is
+// simply renewed. Publish and Withdraw only take a mutex and notify.
 //
 // Thread-safety: every public method may be called from any thread. The destructor Stop()s.
 #pragma once

@@ -204,7 +204,8 @@ Result<RegistryEntry> RegistryEntry::FromJson(const json& j) {
         break;
       case Kind::kU32:
       case Kind::kU64:
-        if (!it->is_number_unsigned()) {
+        // A non-negative integer, whichever way the parser stored it (JSON does not say).
+        if (!it->is_number_integer() || (!it->is_number_unsigned() && it->get<int64_t>() < 0)) {
           return ProtocolError("registry entry field " + name + " is not a non-negative integer");
         }
         if (f.kind == Kind::kU32 && it->get<uint64_t>() > UINT32_MAX) {

@@ -31,7 +31,7 @@ namespace weightcache::fleet {
 inline constexpr uint32_t kRegistryEntryFormat = 1;
 inline constexpr std::string_view kDefaultRegistryPrefix = "/weightcache";
 // A value larger than this is not an entry (real ones are well under 2 KiB).
-inline constexpr size_t kMaxEntryBytes = 16 * 1024;
+inline constexpr size_t kMaxEntryBytes = size_t{16} << 10;
 
 enum class EntryState { kLoading, kReady, kDemoted, kDraining };
 std::string_view EntryStateName(EntryState state);  // "loading", "ready", "demoted", "draining"
