@@ -2,9 +2,12 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <utility>
 
+#include "common/hash.h"
 #include "common/logging.h"
+#include "os/file_mapping.h"
 #include "os/host_name.h"
 
 namespace weightcache::cli {
@@ -114,14 +117,36 @@ ServeRegistration::~ServeRegistration() { registrar_->Stop(); }
 
 void ServeRegistration::PublishLocked() {
   Status published = registrar_->Publish(entry_);
-  if (!published.ok()) LOG_WARN << "registry: " << published.ToString();
+  if (!published.ok()) {
+    LOG_WARN << "registry: " << published.ToString();
+  }
 }
 
+namespace {
+
+// The SHA-256 of the manifest the daemon serves its clients (every tensor's name, dtype, shape,
+// place and checksum): equal for two caches of the same weights in the same layout. "" when it
+// cannot be read (the entry is still worth publishing).
+std::string ManifestDigest(const daemon::ManifestFile& manifest) {
+  if (!manifest.fd.valid() || manifest.size == 0) return "";
+  auto mapping = os::ReadOnlyMapping::Map(manifest.fd.get(), "the cache manifest");
+  if (!mapping.ok() || mapping->size() < manifest.size) {
+    LOG_WARN << "registry: no manifest digest: "
+             << (mapping.ok() ? std::string("short manifest") : mapping.status().ToString());
+    return "";
+  }
+  return Sha256Hex(std::string_view(reinterpret_cast<const char*>(mapping->data()), manifest.size));
+}
+
+}  // namespace
+
 void ServeRegistration::Ready(const daemon::StoreSummary& summary) {
+  const std::string manifest_digest = ManifestDigest(summary.manifest);
   MutexLock lock(mu_);
   ready_ = true;
   entry_.bytes = summary.tensor_bytes;
   entry_.tensors = summary.tensor_count;
+  entry_.manifest_digest = manifest_digest;
   entry_.state = fleet::EntryState::kReady;
   entry_.tier = std::string(TierName(configured_));
   PublishLocked();

@@ -92,6 +92,7 @@ TEST_F(FleetRegistryTest, AReadyCacheIsListedWithItsFieldsAndStopWithdrawsIt) {
   EXPECT_EQ(e["model_id"], "tiny");
   EXPECT_EQ(e["tp_size"], 1);
   EXPECT_EQ(e["format"], 1);
+  EXPECT_EQ(e["manifest_digest"].get<std::string>().size(), 64u);  // the served manifest's
 
   // The table form names the node and the state too.
   const CommandResult table = Cli({"fleet", "ls", "--registry", etcd_->url()});
