@@ -35,17 +35,25 @@ int FreeLoopbackPort() {
   return ntohs(addr.sin_port);
 }
 
-Result<std::unique_ptr<EtcdServer>> EtcdServer::Start() {
+Result<std::unique_ptr<EtcdServer>> EtcdServer::Start(EtcdTransport transport) {
   if (EtcdBinary().empty()) {
     return Status(StatusCode::kUnavailable, "etcd is not installed (/usr/bin/etcd, etcd-server)");
   }
   std::unique_ptr<EtcdServer> server(new EtcdServer());
+  if (transport == EtcdTransport::kTls) {
+    if (::access("/usr/bin/openssl", X_OK) != 0) {
+      return Status(StatusCode::kUnavailable,
+                    "the openssl CLI is not installed (/usr/bin/openssl)");
+    }
+    server->tls_ = true;
+    WEIGHTCACHE_RETURN_IF_ERROR(server->MakeCertificates());
+  }
   server->client_port_ = FreeLoopbackPort();
   server->peer_port_ = FreeLoopbackPort();
   if (server->client_port_ == 0 || server->peer_port_ == 0) {
     return InternalError("no free loopback port for etcd");
   }
-  server->endpoint_ = "http://" + server->host_port();
+  server->endpoint_ = (server->tls_ ? "https://" : "http://") + server->host_port();
   WEIGHTCACHE_RETURN_IF_ERROR(server->Spawn());
   return server;
 }
@@ -53,7 +61,37 @@ Result<std::unique_ptr<EtcdServer>> EtcdServer::Start() {
 fleet::EtcdClient EtcdServer::Client() const {
   fleet::EtcdOptions options;
   options.endpoints = {endpoint_};
+  options.tls = tls_files_;
   return *fleet::EtcdClient::Create(options);
+}
+
+Status EtcdServer::MakeCertificates() {
+  const std::string d = dir_.path() + "/";
+  // clientAuth too: etcd's gateway dials its own gRPC port with the server's certificate.
+  WriteFile(d + "server.ext",
+            "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n");
+  WriteFile(d + "client.ext", "extendedKeyUsage=clientAuth\n");
+  const std::string openssl = "/usr/bin/openssl";
+  const std::vector<std::vector<std::string>> steps = {
+      {openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", d + "ca.key", "-out",
+       d + "ca.pem", "-days", "2", "-subj", "/CN=weightcache-test-ca"},
+      {openssl, "req", "-newkey", "rsa:2048", "-nodes", "-keyout", d + "server.key", "-out",
+       d + "server.csr", "-subj", "/CN=127.0.0.1"},
+      {openssl, "x509", "-req", "-in", d + "server.csr", "-CA", d + "ca.pem", "-CAkey",
+       d + "ca.key", "-CAcreateserial", "-out", d + "server.pem", "-days", "2", "-extfile",
+       d + "server.ext"},
+      {openssl, "req", "-newkey", "rsa:2048", "-nodes", "-keyout", d + "client.key", "-out",
+       d + "client.csr", "-subj", "/CN=node-a"},
+      {openssl, "x509", "-req", "-in", d + "client.csr", "-CA", d + "ca.pem", "-CAkey",
+       d + "ca.key", "-CAcreateserial", "-out", d + "client.pem", "-days", "2", "-extfile",
+       d + "client.ext"},
+  };
+  for (const auto& step : steps) {
+    const CommandResult r = RunCommand(step);
+    if (r.exit_code != 0) return InternalError("openssl " + step[1] + " failed: " + r.err);
+  }
+  tls_files_ = {d + "ca.pem", d + "client.pem", d + "client.key"};
+  return Status::Ok();
 }
 
 std::string EtcdServer::Log() const { return child_ ? child_->Log() : ""; }
@@ -69,6 +107,12 @@ Status EtcdServer::Spawn() {
                "--listen-peer-urls=" + peer,
                "--initial-advertise-peer-urls=" + peer,
                "--initial-cluster=t=" + peer};
+  if (tls_) {
+    const std::string d = dir_.path() + "/";
+    spec.argv.insert(spec.argv.end(),
+                     {"--cert-file=" + d + "server.pem", "--key-file=" + d + "server.key",
+                      "--trusted-ca-file=" + d + "ca.pem", "--client-cert-auth"});
+  }
   // The Debian package reads ETCD_* variables too: none of the host's may leak in.
   spec.env_overrides = {
       "ETCD_UNSUPPORTED_ARCH=", "http_proxy=", "https_proxy=", "HTTP_PROXY=", "HTTPS_PROXY="};

@@ -24,14 +24,22 @@ std::string EtcdBinary();
 // A TCP port on 127.0.0.1 that was free a moment ago (bound to :0, read, closed).
 int FreeLoopbackPort();
 
+// kTls: https with a test CA made by the openssl CLI, a server certificate for 127.0.0.1 and
+// client certificates required (--client-cert-auth); tls_files() names them.
+enum class EtcdTransport { kPlain, kTls };
+
 class EtcdServer {
  public:
-  static Result<std::unique_ptr<EtcdServer>> Start();
+  // kUnavailable (naming the binary) when etcd, or for kTls the openssl CLI, is absent.
+  static Result<std::unique_ptr<EtcdServer>> Start(EtcdTransport transport = EtcdTransport::kPlain);
   ~EtcdServer() = default;
 
-  const std::string& endpoint() const { return endpoint_; }  // "http://127.0.0.1:PORT"
+  const std::string& endpoint() const { return endpoint_; }  // "http(s)://127.0.0.1:PORT"
   std::string host_port() const { return "127.0.0.1:" + std::to_string(client_port_); }
-  std::string url() const { return "etcd://" + host_port(); }  // for --registry
+  std::string url() const { return (tls_ ? "etcds://" : "etcd://") + host_port(); }
+  // The test CA, and a client certificate and key it signed (kTls).
+  const fleet::EtcdTls& tls_files() const { return tls_files_; }
+  // A client of this server (with the client certificate for kTls).
   fleet::EtcdClient Client() const;
   std::string Log() const;
 
@@ -41,11 +49,14 @@ class EtcdServer {
  private:
   EtcdServer() = default;
   Status Spawn();
+  Status MakeCertificates();
 
   TempDir dir_;
   int client_port_ = 0;
   int peer_port_ = 0;
   std::string endpoint_;
+  bool tls_ = false;
+  fleet::EtcdTls tls_files_;
   std::unique_ptr<TestChild> child_;
 };
 

@@ -166,5 +166,29 @@ TEST_F(EtcdClientTest, TheSecondEndpointServesWhenTheFirstIsDead) {
   EXPECT_EQ(etcd_->Client().Get("/two/k")->value, "v");
 }
 
+TEST(EtcdTlsTest, HttpsWithTheCaAndAClientCertificate) {
+  auto server = EtcdServer::Start(weightcache::testing::EtcdTransport::kTls);
+  if (!server.ok() && server.status().code() == StatusCode::kUnavailable) {
+    GTEST_SKIP() << server.status().message();
+  }
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  const EtcdClient client = (*server)->Client();
+  ASSERT_TRUE(client.Put("/tls/k", "v").ok());
+  EXPECT_EQ(client.Get("/tls/k")->value, "v");
+
+  // etcd requires a client certificate (--client-cert-auth): without one, no answer.
+  EtcdOptions no_cert;
+  no_cert.endpoints = {(*server)->endpoint()};
+  no_cert.tls.ca_file = (*server)->tls_files().ca_file;
+  EXPECT_THAT(EtcdClient::Create(no_cert)->Get("/tls/k"),
+              StatusIs(StatusCode::kUnavailable, HasSubstr("etcd " + (*server)->endpoint())));
+  // A server certificate that our CA did not sign is refused.
+  EtcdOptions wrong_ca = no_cert;
+  wrong_ca.tls = (*server)->tls_files();
+  wrong_ca.tls.ca_file = (*server)->tls_files().cert_file;  // not a CA
+  EXPECT_THAT(EtcdClient::Create(wrong_ca)->Get("/tls/k"),
+              StatusIs(StatusCode::kUnavailable, HasSubstr("etcd " + (*server)->endpoint())));
+}
+
 }  // namespace
 }  // namespace weightcache::fleet
