@@ -61,5 +61,6 @@ void RegisterShardPlanCommand(CLI::App& root);
 void RegisterPublishCommand(CLI::App& root);
 void RegisterKeeperCommand(CLI::App& root);
 void RegisterUpgradeCommand(CLI::App& root);
+void RegisterFleetCommand(CLI::App& root);
 
 }  // namespace weightcache::cli

@@ -42,6 +42,7 @@
 #include "os/read_file.h"
 #include "os/syscalls.h"
 #include "protocol/connection.h"
+#include "registry_flags.h"
 #include "sharding/planner.h"
 
 namespace weightcache::cli {
@@ -80,6 +81,7 @@ struct ServeArgs {
   double upgrade_timeout_s = 60;
   std::string metrics_addr;  // --metrics-addr: HOST:PORT or a Unix socket path (docs/metrics.md)
   double metrics_timeout_s = 5;
+  RegistryFlags registry;  // --registry and its flags (docs/fleet.md)
 };
 
 // The successor of an Upgrade (docs/upgrade.md): started with our own command line, minus any
@@ -547,6 +549,21 @@ int Run(ServeArgs& args) {
   auto demotion = DemotionHooks(args, *id);
   if (!demotion.ok()) return Fail(kCmd, demotion.status());
   options.demotion = std::move(demotion).value();
+  // The fleet registry (docs/fleet.md): the entry is put once the cache is ready, follows a
+  // demotion and promotion, and is withdrawn at drain and stop. Its etcd calls run on the
+  // registrar's own thread: the event loop only hands it the entry.
+  auto registration_or = ServeRegistration::Create(args.registry, *id);
+  if (!registration_or.ok()) return Fail(kCmd, registration_or.status());
+  std::shared_ptr<ServeRegistration> registration = std::move(registration_or).value();
+  if (registration && options.demotion.moved) {
+    // Weak: the daemon's copies of the options must not keep the registration (and its
+    // lease) alive past our reset below.
+    options.demotion.moved = [moved = options.demotion.moved,
+                              weak = std::weak_ptr<ServeRegistration>(registration)](Tier tier) {
+      moved(tier);
+      if (auto live = weak.lock()) live->Moved(tier);
+    };
+  }
   options.handshake_timeout = Millis(args.handshake_timeout_s);
   options.stall_timeout = Millis(args.stall_timeout_s);
   options.publish_timeout = Millis(args.publish_timeout_s);
@@ -668,6 +685,7 @@ int Run(ServeArgs& args) {
   };
   events.on_ready = [&](const daemon::StoreSummary& s, double seconds) {
     progress.EndLine();
+    if (registration) registration->Ready(s);
     // MAINPID: an upgrade's successor (NotifyAccess=all in the unit) becomes the main process.
     notify("READY=1\nMAINPID=" + std::to_string(::getpid()) +
            "\nSTATUS=ready: " + std::to_string(s.tensor_count) + " tensors, " +
@@ -690,6 +708,7 @@ int Run(ServeArgs& args) {
   };
   events.on_draining = [&](std::string_view reason) {
     progress.EndLine();
+    if (registration) registration->Draining();
     notify("STOPPING=1\nSTATUS=draining: " + std::string(reason));
   };
   notify("STATUS=loading " + options.config.model_id + " (digest " + options.config.ShortDigest() +
@@ -703,6 +722,10 @@ int Run(ServeArgs& args) {
   }
 
   Status result = (*daemon)->Run(signals->get(), events);
+  // The registry entry goes first, while we still hold the lock: once `stop` sees the lock
+  // free, no registry reader finds us any more (the revocation is bounded by
+  // --registry-timeout per endpoint).
+  registration.reset();
   daemon->reset();  // withdraw the socket, then release the lock, before we report
   clients_writer.reset();
   LeaveBudget(budget_ledger->get(), options.paths.socket);
@@ -806,6 +829,7 @@ void RegisterServeCommand(CLI::App& root) {
                   "seconds a scraper has to send its request, and then to take the response, "
                   "before its connection is closed (default 5)")
       ->check(CLI::PositiveNumber);
+  AddRegistryFlags(sub, &args->registry, RegistryFlagScope::kServe);
   SetAction(sub, [args, wait] {
     if (wait->count() == 0) args->wait_s = -1;  // no --wait: fail at once
     return Run(*args);

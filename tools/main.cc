@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
   cli::RegisterPathsCommand(root);
   cli::RegisterDevicesCommand(root);
   cli::RegisterKeeperCommand(root);
+  cli::RegisterFleetCommand(root);
 
   try {
     root.parse(argc, argv);

@@ -109,6 +109,17 @@ std::string CacheConfig::Digest() const { return Sha256Hex(Canonical()); }
 
 std::string CacheConfig::ShortDigest() const { return Digest().substr(0, 16); }
 
+const std::vector<std::string_view>& CacheConfig::NodeLocalFieldNames() {
+  static const std::vector<std::string_view> kNames = {"checkpoint_files", "tier"};
+  return kNames;
+}
+
+std::string CacheConfig::FleetDigest() const {
+  nlohmann::json j = ToJson();
+  for (std::string_view field : NodeLocalFieldNames()) j.erase(std::string(field));
+  return Sha256Hex(JsonDump(j));
+}
+
 std::string CacheConfig::FieldText(std::string_view field) const {
   for (const Field& f : kFields) {
     if (f.name != field) continue;

@@ -70,6 +70,15 @@ struct CacheConfig {
   std::string Digest() const;
   // The first 16 hex characters of Digest(): the file name stem of the socket and lock.
   std::string ShortDigest() const;
+  // The fleet key (docs/identity.md, "Fleet key"; docs/fleet.md): the SHA-256 hex of the
+  // canonical form without the node-local fields `checkpoint_files` (the shards' stat identity,
+  // different on every node) and `tier` (a host cache can fill a gpu one). Two nodes serving the
+  // same model files with the same ranks, dtype, rules, source and layout have the same fleet
+  // key. It names what to look for in the registry; it proves nothing about content (a filler
+  // verifies the bytes it receives against checksums).
+  std::string FleetDigest() const;
+  // The fields FleetDigest() leaves out, in canonical order.
+  static const std::vector<std::string_view>& NodeLocalFieldNames();
 
   // ranks < sizes, sizes >= 1, model_id non-empty, hex fields well-formed, source, tier and
   // format_version recognised, strings printable ASCII. kInvalidArgument naming the field.
