@@ -45,8 +45,8 @@ class ArenaServer::Impl {
     Impl* server = nullptr;
     ucp_ep_h ep = nullptr;
     std::string address;
-    ucs_status_ptr_t send = nullptr;   // the hello, until it completes
-    std::atomic<bool> failed{false};   // the endpoint's error handler ran
+    ucs_status_ptr_t send = nullptr;  // the hello, until it completes
+    std::atomic<bool> failed{false};  // the endpoint's error handler ran
     ucs_status_t error = UCS_OK;
   };
 
@@ -373,8 +373,8 @@ class Fetch {
       result.bytes += source.bytes;
     }
     result.stripes = std::move(records_);
-    result.gb_per_s = result.seconds > 0 ? static_cast<double>(result.bytes) / result.seconds / 1e9
-                                         : 0;
+    result.gb_per_s =
+        result.seconds > 0 ? static_cast<double>(result.bytes) / result.seconds / 1e9 : 0;
     return result;
   }
 
@@ -476,8 +476,8 @@ class Fetch {
           continue;
         }
         if (status != UCS_OK) {
-          Drop(source, ucx::UcxError("source " + source.endpoint + ": receiving the hello",
-                                     status));
+          Drop(source,
+               ucx::UcxError("source " + source.endpoint + ": receiving the hello", status));
           continue;
         }
         if (source.phase == Phase::kHeader) {
@@ -521,17 +521,17 @@ class Fetch {
     source.body = {};
     if (!hello.ok()) return hello.status().Context(who);
     if (hello->regions.size() != options_.destination.size()) {
-      return Status(StatusCode::kMismatch,
-                    who + " serves " + std::to_string(hello->regions.size()) +
-                        " regions, the destination has " +
-                        std::to_string(options_.destination.size()));
+      return Status(StatusCode::kMismatch, who + " serves " +
+                                               std::to_string(hello->regions.size()) +
+                                               " regions, the destination has " +
+                                               std::to_string(options_.destination.size()));
     }
     for (size_t r = 0; r < hello->regions.size(); ++r) {
       if (hello->regions[r].bytes != options_.destination[r].bytes) {
-        return Status(StatusCode::kMismatch,
-                      who + ": region " + std::to_string(r) + " is " +
-                          std::to_string(hello->regions[r].bytes) + " bytes, the destination's " +
-                          std::to_string(options_.destination[r].bytes));
+        return Status(StatusCode::kMismatch, who + ": region " + std::to_string(r) + " is " +
+                                                 std::to_string(hello->regions[r].bytes) +
+                                                 " bytes, the destination's " +
+                                                 std::to_string(options_.destination[r].bytes));
       }
     }
     if (options_.accept) {
@@ -559,14 +559,13 @@ class Fetch {
       const Stripe& stripe = stripes_[s];
       ucp_request_param_t param{};
       auto* into = static_cast<uint8_t*>(options_.destination[stripe.region].data) + stripe.offset;
-      const ucs_status_ptr_t request =
-          ucp_get_nbx(source.ep, into, stripe.bytes,
-                      source.remote_addresses[stripe.region] + stripe.offset,
-                      source.rkeys[stripe.region].get(), &param);
+      const ucs_status_ptr_t request = ucp_get_nbx(
+          source.ep, into, stripe.bytes, source.remote_addresses[stripe.region] + stripe.offset,
+          source.rkeys[stripe.region].get(), &param);
       if (UCS_PTR_IS_ERR(request)) {
         queue_.push_front(s);
-        Drop(source, ucx::UcxError("source " + source.endpoint + ": ucp_get_nbx",
-                                   UCS_PTR_STATUS(request)));
+        Drop(source,
+             ucx::UcxError("source " + source.endpoint + ": ucp_get_nbx", UCS_PTR_STATUS(request)));
         return;
       }
       if (request == nullptr) {
@@ -630,9 +629,8 @@ class Fetch {
                                    [](const Source& s) { return s.phase == Phase::kReady; });
       if (!any) return Failure(StatusCode::kUnavailable, "every source failed");
       if (now >= deadline_) {
-        return Failure(StatusCode::kTimeout,
-                       "the fetch passed its deadline of " +
-                           std::to_string(options_.deadline.count()) + " ms");
+        return Failure(StatusCode::kTimeout, "the fetch passed its deadline of " +
+                                                 std::to_string(options_.deadline.count()) + " ms");
       }
     }
     return Status::Ok();
@@ -660,7 +658,7 @@ class Fetch {
   // Declared in acquisition order; the destructor closes the endpoints before these go.
   ucx::UcpContext context_;
   ucx::UcpWorker worker_;
-  int efd_ = -1;  // the worker's event fd (owned by the worker)
+  int efd_ = -1;                // the worker's event fd (owned by the worker)
   std::deque<Source> sources_;  // a deque: the error handlers hold each Source's address
 };
 

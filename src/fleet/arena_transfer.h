@@ -46,10 +46,10 @@ struct ServedRegion {
 
 struct ArenaServerOptions {
   std::string listen = "127.0.0.1:0";  // host:port; [v6]:port
-  PeerAllowList allow;                  // who may connect (empty: nobody)
-  std::vector<uint8_t> manifest;        // opaque to the transport, sent in the hello
-  std::vector<ServedRegion> regions;    // at least one, none empty
-  size_t max_peers = 64;                // connections held at once; more are rejected
+  PeerAllowList allow;                 // who may connect (empty: nobody)
+  std::vector<uint8_t> manifest;       // opaque to the transport, sent in the hello
+  std::vector<ServedRegion> regions;   // at least one, none empty
+  size_t max_peers = 64;               // connections held at once; more are rejected
   // Test hook: sent instead of the real hello (a hostile source). Empty: the real hello.
   std::vector<uint8_t> hello_override_for_test;
 };
@@ -104,16 +104,16 @@ struct FetchOptions {
 
 struct SourceReport {
   std::string endpoint;
-  bool used = false;     // it passed the hello and accept(), and was read from
-  uint64_t bytes = 0;    // bytes it served (completed stripes only)
-  Status status;         // why it was dropped or never used; OK if it served to the end
+  bool used = false;   // it passed the hello and accept(), and was read from
+  uint64_t bytes = 0;  // bytes it served (completed stripes only)
+  Status status;       // why it was dropped or never used; OK if it served to the end
 };
 
 struct StripeRecord {
   size_t region = 0;
   uint64_t offset = 0;  // within the region
   uint64_t bytes = 0;
-  size_t source = 0;    // index into FetchOptions::sources
+  size_t source = 0;  // index into FetchOptions::sources
 };
 
 struct FetchResult {

