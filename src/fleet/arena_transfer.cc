@@ -22,7 +22,7 @@ constexpr auto kCloseTimeout = std::chrono::seconds(2);
 // ucp_ep_rkey_unpack takes no length: it parses the packed key as far as the key says. A peer's
 // rkey is copied into a buffer with this many zero bytes after it, so that a lying key can only
 // make UCX read zeros we own (a zero descriptor ends the parse), never past our allocation.
-constexpr size_t kRkeyPadding = 64 * 1024;
+constexpr size_t kRkeyPadding = size_t{64} << 10;
 
 // When a pass made no progress: sleeps until the worker has an event (a completion, a peer's
 // data, a disconnect) or `timeout_ms` passes, instead of spinning on a CPU the sources and the
@@ -559,7 +559,7 @@ class Fetch {
       const Stripe& stripe = stripes_[s];
       ucp_request_param_t param{};
       auto* into = static_cast<uint8_t*>(options_.destination[stripe.region].data) + stripe.offset;
-      const ucs_status_ptr_t request = ucp_get_nbx(
+      ucs_status_ptr_t request = ucp_get_nbx(
           source.ep, into, stripe.bytes, source.remote_addresses[stripe.region] + stripe.offset,
           source.rkeys[stripe.region].get(), &param);
       if (UCS_PTR_IS_ERR(request)) {

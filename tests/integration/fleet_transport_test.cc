@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <csignal>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -210,6 +211,39 @@ TEST_F(FleetTransportTest, ASourceKilledMidTransferIsDroppedAndTheOtherFinishes)
   for (const fleet::StripeRecord& stripe : result->stripes) {
     EXPECT_TRUE(stripe.source == 0 || stripe.source == 1);
   }
+  EXPECT_TRUE(DestinationMatches(7));
+}
+
+// A source that stops answering without disconnecting (SIGSTOP: its sockets stay open) is
+// dropped by the per-stripe timeout, and its stripes go to the other source.
+TEST_F(FleetTransportTest, AStalledSourceIsDroppedByTheStripeTimeout) {
+  const std::vector<uint64_t> sizes = {32 * kMiB};
+  const std::string a = StartSource(sizes, 7);
+  const std::string b = StartSource(sizes, 7);
+  ASSERT_FALSE(a.empty());
+  ASSERT_FALSE(b.empty());
+  MakeDestination(sizes);
+  fleet::FetchOptions options;
+  options.sources = {a, b};
+  options.destination = Destination();
+  options.stripe_bytes = 256 * 1024;
+  options.max_in_flight_per_source = 1;
+  options.stripe_timeout = std::chrono::seconds(2);
+  bool stopped = false;
+  options.progress = [&](uint64_t done, uint64_t total) {
+    if (!stopped && done >= total / 8) {
+      stopped = true;
+      EXPECT_TRUE(sources_[0].Signal(SIGSTOP).ok());
+    }
+  };
+  auto result = fleet::FetchArena(options);
+  ASSERT_TRUE(stopped);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_EQ(result->sources[0].status.code(), StatusCode::kTimeout)
+      << result->sources[0].status.ToString();
+  EXPECT_THAT(result->sources[0].status.message(),
+              HasSubstr("source " + a + ": a read made no progress in 2000 ms"));
+  EXPECT_EQ(result->sources[0].bytes + result->sources[1].bytes, 32 * kMiB);
   EXPECT_TRUE(DestinationMatches(7));
 }
 
