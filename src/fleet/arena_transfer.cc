@@ -559,9 +559,9 @@ class Fetch {
       const Stripe& stripe = stripes_[s];
       ucp_request_param_t param{};
       auto* into = static_cast<uint8_t*>(options_.destination[stripe.region].data) + stripe.offset;
-      ucs_status_ptr_t request = ucp_get_nbx(
-          source.ep, into, stripe.bytes, source.remote_addresses[stripe.region] + stripe.offset,
-          source.rkeys[stripe.region].get(), &param);
+      ucs_status_ptr_t request = ucp_get_nbx(source.ep, into, stripe.bytes,
+                                             source.remote_addresses[stripe.region] + stripe.offset,
+                                             source.rkeys[stripe.region].get(), &param);
       if (UCS_PTR_IS_ERR(request)) {
         queue_.push_front(s);
         Drop(source,

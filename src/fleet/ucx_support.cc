@@ -106,7 +106,7 @@ void CloseEndpoints(ucp_worker_h worker, const std::vector<ucp_ep_h>& endpoints,
   param.flags = UCP_EP_CLOSE_FLAG_FORCE;
   std::vector<ucs_status_ptr_t> pending;
   for (ucp_ep_h ep : endpoints) {
-    const ucs_status_ptr_t request = ucp_ep_close_nbx(ep, &param);
+    ucs_status_ptr_t request = ucp_ep_close_nbx(ep, &param);
     if (request != nullptr && !UCS_PTR_IS_ERR(request)) pending.push_back(request);
   }
   const auto give_up = std::chrono::steady_clock::now() + timeout;

@@ -190,7 +190,7 @@ TEST_F(FleetTransportTest, ASourceKilledMidTransferIsDroppedAndTheOtherFinishes)
   fleet::FetchOptions options;
   options.sources = {a, b};
   options.destination = Destination();
-  options.stripe_bytes = 256 * 1024;
+  options.stripe_bytes = kMiB / 4;
   options.max_in_flight_per_source = 1;
   options.stripe_timeout = std::chrono::seconds(20);
   bool killed = false;
@@ -226,7 +226,7 @@ TEST_F(FleetTransportTest, AStalledSourceIsDroppedByTheStripeTimeout) {
   fleet::FetchOptions options;
   options.sources = {a, b};
   options.destination = Destination();
-  options.stripe_bytes = 256 * 1024;
+  options.stripe_bytes = kMiB / 4;
   options.max_in_flight_per_source = 1;
   options.stripe_timeout = std::chrono::seconds(2);
   bool stopped = false;
@@ -255,7 +255,7 @@ TEST_F(FleetTransportTest, TheOnlySourceKilledIsAnErrorNamingIt) {
   fleet::FetchOptions options;
   options.sources = {a};
   options.destination = Destination();
-  options.stripe_bytes = 256 * 1024;
+  options.stripe_bytes = kMiB / 4;
   options.max_in_flight_per_source = 1;
   options.stripe_timeout = std::chrono::seconds(20);
   options.deadline = std::chrono::seconds(120);
@@ -379,7 +379,7 @@ TEST_F(FleetTransportTest, ARawTcpPeerSendingGarbageIsAnError) {
       const int conn = accept4(listener->fd.get(), nullptr, nullptr, SOCK_CLOEXEC);
       if (conn < 0) continue;
       accepted.push_back(conn);
-      std::vector<uint8_t> garbage(64 * 1024);
+      std::vector<uint8_t> garbage(size_t{64} << 10);
       for (size_t i = 0; i < garbage.size(); ++i) garbage[i] = static_cast<uint8_t>(i * 131 + 7);
       (void)send(conn, garbage.data(), garbage.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     }
