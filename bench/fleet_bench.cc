@@ -7,8 +7,10 @@
 // thread), serving memfd mappings; the destination is a memfd mapping, as a filling daemon's.
 // UCX_TLS is the caller's (unset: UCX picks; `UCX_TLS=tcp` for the TCP path a cross-node
 // fill takes). Prints one JSON line per measurement.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -47,17 +49,17 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const std::string value = argv[i + 1];
-    if (flag == "--gib")
+    if (flag == "--gib") {
       gib = std::stod(value);
-    else if (flag == "--sources")
+    } else if (flag == "--sources") {
       sources = std::stoi(value);
-    else if (flag == "--stripe-mib")
+    } else if (flag == "--stripe-mib") {
       stripe_mib = std::stoull(value);
-    else if (flag == "--in-flight")
+    } else if (flag == "--in-flight") {
       in_flight = std::stoull(value);
-    else if (flag == "--reps")
+    } else if (flag == "--reps") {
       reps = std::stoi(value);
-    else {
+    } else {
       std::fprintf(stderr, "fleet_bench: unknown flag %s\n", flag.c_str());
       return 2;
     }
