@@ -7,8 +7,8 @@ debs=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
       python3 python3-pip python3-venv pkg-config libsystemd-dev
       make         # the SDK check's pkg-config consumer (tests/sdk/c/Makefile)
       prometheus   # the metrics test's real Prometheus server (docs/metrics.md)
-      systemd      # systemd-analyze verify/security, systemd-sysusers (scripts/check-deploy.sh)
-      libucx-dev)  # the fleet transport (UCX UCP: RMA between nodes, docs/fleet.md "Transport")
+      libucx-dev   # the fleet transport: UCX's UCP (RMA between nodes, docs/fleet.md "Transport")
+      systemd)     # systemd-analyze verify/security, systemd-sysusers (scripts/check-deploy.sh)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
