@@ -38,7 +38,6 @@ class FleetTransportTest : public ::testing::Test {
     // Loopback TCP only: the same transport on a developer's machine, in CI's container and
     // here, whatever shared-memory or RDMA devices UCX would otherwise pick (docs/fleet.md).
     setenv("UCX_TLS", "tcp", 0);
-    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);
   }
 
   // Starts a source serving regions of `sizes` with the pattern of `seed`; its endpoint.
@@ -396,6 +395,46 @@ TEST_F(FleetTransportTest, ARawTcpPeerSendingGarbageIsAnError) {
   ASSERT_FALSE(result.ok());
   EXPECT_EQ(result.status().code(), StatusCode::kUnavailable) << result.status().ToString();
   EXPECT_THAT(result.status().message(), HasSubstr("source " + endpoint));
+}
+
+// The source side of untrusted input: raw TCP clients that send garbage to the listener, or
+// connect and never speak, neither crash the server nor keep it from serving a real fetcher
+// afterwards, and Stop() returns with them still connected.
+TEST_F(FleetTransportTest, GarbageClientsNeitherCrashNorBlockASource) {
+  std::vector<uint8_t> arena(kMiB);
+  testing::FillPattern(7, 0, arena.data(), arena.size());
+  fleet::ArenaServerOptions server_options;
+  server_options.allow = *fleet::PeerAllowList::Parse("127.0.0.1");
+  server_options.regions = {{arena.data(), arena.size()}};
+  auto server = fleet::ArenaServer::Start(std::move(server_options));
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  auto address = os::SplitHostPort((*server)->endpoint());
+  ASSERT_TRUE(address.ok());
+  std::vector<int> clients;
+  for (int k = 0; k < 4; ++k) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(address->port);
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0);
+    if (k % 2 == 0) {
+      std::vector<uint8_t> garbage(size_t{16} << 10);
+      for (size_t i = 0; i < garbage.size(); ++i) garbage[i] = static_cast<uint8_t>(i * 31 + k);
+      (void)send(fd, garbage.data(), garbage.size(), MSG_NOSIGNAL);
+    }
+    clients.push_back(fd);
+  }
+  MakeDestination({kMiB});
+  fleet::FetchOptions options;
+  options.sources = {(*server)->endpoint()};
+  options.destination = Destination();
+  auto result = fleet::FetchArena(options);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_TRUE(DestinationMatches(7));
+  (*server)->Stop();
+  for (int fd : clients) close(fd);
 }
 
 TEST_F(FleetTransportTest, BadOptionsAreRefusedUpFront) {
