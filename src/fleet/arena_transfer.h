@@ -1,0 +1,132 @@
+// Arena transfer between nodes over UCX (docs/fleet.md "Transport"): a node that holds a cache
+// serves its arena regions (ArenaServer); a node that fills its cache pulls them from one or
+// several such sources at once (FetchArena), with one-sided RMA reads (ucp_get_nbx).
+//
+// Contract:
+//  * ArenaServer::Start listens on `listen` (host:port; port 0 picks a free one, endpoint()
+//    says which). A connection request from an address not on `allow` is rejected
+//    (ucp_listener_reject) and logged with the address. An accepted peer receives the hello
+//    (arena_transfer_hello.h): the caller's manifest blob and the regions with their packed
+//    rkeys, after which the peer reads the regions directly.
+//  * The server registers (ucp_mem_map) the caller's regions; the caller keeps that memory
+//    mapped and unchanged until Stop() returns (or the server is destroyed). The server never
+//    writes to it.
+//  * The server runs its own progress thread. A peer that dies or stops responding never blocks
+//    it; Stop() force-closes every endpoint, unregisters the regions and joins the thread;
+//    it is idempotent and the destructor calls it. endpoint() is thread-safe.
+//  * FetchArena runs in the calling thread and returns when every byte of `destination` has
+//    been read, or with an error: every source dropped (each named with why: refused,
+//    unreachable, a malformed hello, refused by `accept`, regions that do not match, a failed
+//    or stalled read, a disconnect), or the overall deadline passed. On an error the
+//    destination holds partial data: the caller must not use it (the daemon falls back to disk).
+//  * The bytes read are whatever the sources serve: nothing here checks content. The result
+//    says which source served each stripe, so that a checksum failure can be blamed on one.
+//  * UCX reads UCX_* environment variables (UCX_TLS, UCX_NET_DEVICES, ...) as usual.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "fleet/arena_transfer_allow_list.h"
+#include "weightcache/status.h"
+
+namespace weightcache::fleet {
+
+// One contiguous piece of an arena the server exposes, in this process's memory.
+struct ServedRegion {
+  const void* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+struct ArenaServerOptions {
+  std::string listen = "127.0.0.1:0";  // host:port; [v6]:port
+  PeerAllowList allow;                 // who may connect (empty: nobody)
+  std::vector<uint8_t> manifest;       // opaque to the transport, sent in the hello
+  std::vector<ServedRegion> regions;   // at least one, none empty
+  size_t max_peers = 64;               // connections held at once; more are rejected
+  // Test hook: sent instead of the real hello (a hostile source). Empty: the real hello.
+  std::vector<uint8_t> hello_override_for_test;
+};
+
+class ArenaServer {
+ public:
+  // kInvalidArgument for bad options (no region, an empty one, an unparsable address);
+  // kUnavailable/kIo when UCX cannot start or listen (the UCX status named).
+  static Result<std::unique_ptr<ArenaServer>> Start(ArenaServerOptions options);
+  ~ArenaServer();
+  ArenaServer(const ArenaServer&) = delete;
+  ArenaServer& operator=(const ArenaServer&) = delete;
+
+  // "host:port" as bound ("127.0.0.1:41234").
+  const std::string& endpoint() const;
+  // Counters, for tests and the log.
+  uint64_t peers_accepted() const;
+  uint64_t peers_refused() const;
+  void Stop();
+
+  class Impl;
+
+ private:
+  explicit ArenaServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Where one region of the arena lands on the fetching node (writable host memory, e.g. a
+// MapReadWrite of the memfd before it is sealed).
+struct DestinationRegion {
+  void* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+struct FetchOptions {
+  std::vector<std::string> sources;  // host:port of each ArenaServer
+  std::vector<DestinationRegion> destination;
+  // Called once per source with its manifest blob, before any byte is read from it: an error
+  // keeps the source out of the fetch (the daemon compares the source's plan with its own).
+  std::function<Status(const std::string& source, std::span<const uint8_t> manifest)> accept;
+  uint64_t stripe_bytes = uint64_t{64} << 20;
+  size_t max_in_flight_per_source = 4;
+  // Connecting plus the hello, per source.
+  std::chrono::milliseconds connect_timeout = std::chrono::seconds(10);
+  // A read that has not completed in this long drops its source.
+  std::chrono::milliseconds stripe_timeout = std::chrono::seconds(30);
+  // The whole fetch.
+  std::chrono::milliseconds deadline = std::chrono::minutes(10);
+  // Called from the fetching thread after each completed stripe.
+  std::function<void(uint64_t done, uint64_t total)> progress;
+};
+
+struct SourceReport {
+  std::string endpoint;
+  bool used = false;   // it passed the hello and accept(), and was read from
+  uint64_t bytes = 0;  // bytes it served (completed stripes only)
+  Status status;       // why it was dropped or never used; OK if it served to the end
+};
+
+struct StripeRecord {
+  size_t region = 0;
+  uint64_t offset = 0;  // within the region
+  uint64_t bytes = 0;
+  size_t source = 0;  // index into FetchOptions::sources
+};
+
+struct FetchResult {
+  std::vector<SourceReport> sources;  // in the order of FetchOptions::sources
+  std::vector<StripeRecord> stripes;  // in the order of the arena
+  uint64_t bytes = 0;
+  double seconds = 0;
+  double gb_per_s = 0;  // 1e9 bytes per second
+};
+
+// kInvalidArgument for bad options (no source, no destination, a zero stripe size); otherwise
+// OK with every byte read, or kUnavailable (every source dropped) / kTimeout (the deadline),
+// the message naming each source and why.
+Result<FetchResult> FetchArena(const FetchOptions& options);
+
+}  // namespace weightcache::fleet

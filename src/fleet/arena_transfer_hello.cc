@@ -1,0 +1,136 @@
+#include "fleet/arena_transfer_hello.h"
+
+#include <cstdio>
+#include <string>
+
+#include "protocol/wire.h"
+
+namespace weightcache::fleet {
+namespace wire = protocol::wire;
+
+Result<std::vector<uint8_t>> EncodeHello(const Hello& hello) {
+  if (hello.manifest.size() > kMaxManifestBytes) {
+    return InvalidArgument("hello: the manifest blob is " + std::to_string(hello.manifest.size()) +
+                           " bytes, over the bound of " + std::to_string(kMaxManifestBytes));
+  }
+  if (hello.regions.size() > kMaxHelloRegions) {
+    return InvalidArgument("hello: " + std::to_string(hello.regions.size()) +
+                           " regions, over the bound of " + std::to_string(kMaxHelloRegions));
+  }
+  std::vector<uint8_t> out;
+  wire::PutU32(out, kHelloMagic);
+  wire::PutU32(out, hello.version);
+  wire::PutU64(out, 0);  // body_bytes, patched below
+  wire::PutU64(out, hello.manifest.size());
+  wire::PutU32(out, static_cast<uint32_t>(hello.regions.size()));
+  wire::PutU32(out, 0);
+  out.insert(out.end(), hello.manifest.begin(), hello.manifest.end());
+  for (const HelloRegion& region : hello.regions) {
+    if (region.rkey.empty() || region.rkey.size() > kMaxRkeyBytes) {
+      return InvalidArgument("hello: an rkey of " + std::to_string(region.rkey.size()) +
+                             " bytes (1.." + std::to_string(kMaxRkeyBytes) + ")");
+    }
+    if (region.bytes == 0 || region.bytes > kMaxRegionBytes) {
+      return InvalidArgument("hello: a region of " + std::to_string(region.bytes) + " bytes");
+    }
+    wire::PutU64(out, region.remote_address);
+    wire::PutU64(out, region.bytes);
+    wire::PutU32(out, static_cast<uint32_t>(region.rkey.size()));
+    out.insert(out.end(), region.rkey.begin(), region.rkey.end());
+  }
+  wire::SetU64(out, 8, out.size() - kHelloHeaderBytes);
+  return out;
+}
+
+Result<uint64_t> DecodeHelloHeader(std::span<const uint8_t> header) {
+  if (header.size() != kHelloHeaderBytes) {
+    return ProtocolError("hello: a header of " + std::to_string(header.size()) + " bytes");
+  }
+  const uint32_t magic = wire::GetU32(header.data());
+  if (magic != kHelloMagic) {
+    return ProtocolError("hello: bad magic 0x" + [&] {
+      char text[9];
+      std::snprintf(text, sizeof(text), "%08x", magic);
+      return std::string(text);
+    }() + " (not a weightcache arena source)");
+  }
+  const uint32_t version = wire::GetU32(header.data() + 4);
+  if (version != kHelloVersion) {
+    return ProtocolError("hello: version " + std::to_string(version) + ", this build speaks " +
+                         std::to_string(kHelloVersion));
+  }
+  const uint64_t body = wire::GetU64(header.data() + 8);
+  if (body < 16 || body > kMaxHelloBodyBytes) {
+    return ProtocolError("hello: a body of " + std::to_string(body) + " bytes (16.." +
+                         std::to_string(kMaxHelloBodyBytes) + ")");
+  }
+  return body;
+}
+
+Result<Hello> DecodeHelloBody(std::span<const uint8_t> body) {
+  size_t at = 0;
+  auto need = [&](uint64_t n, const char* what) -> Status {
+    if (n > body.size() - at) {
+      return ProtocolError(std::string("hello: truncated at ") + what + " (offset " +
+                           std::to_string(at) + ", " + std::to_string(body.size()) + " bytes)");
+    }
+    return Status::Ok();
+  };
+  WEIGHTCACHE_RETURN_IF_ERROR(need(16, "the counts"));
+  const uint64_t manifest_bytes = wire::GetU64(body.data());
+  const uint32_t region_count = wire::GetU32(body.data() + 8);
+  const uint32_t reserved = wire::GetU32(body.data() + 12);
+  at = 16;
+  if (manifest_bytes > kMaxManifestBytes) {
+    return ProtocolError("hello: a manifest of " + std::to_string(manifest_bytes) +
+                         " bytes, over the bound of " + std::to_string(kMaxManifestBytes));
+  }
+  if (region_count == 0 || region_count > kMaxHelloRegions) {
+    return ProtocolError("hello: " + std::to_string(region_count) + " regions (1.." +
+                         std::to_string(kMaxHelloRegions) + ")");
+  }
+  if (reserved != 0) return ProtocolError("hello: the reserved field is not 0");
+  Hello hello;
+  WEIGHTCACHE_RETURN_IF_ERROR(need(manifest_bytes, "the manifest"));
+  hello.manifest.assign(body.begin() + static_cast<ptrdiff_t>(at),
+                        body.begin() + static_cast<ptrdiff_t>(at + manifest_bytes));
+  at += manifest_bytes;
+  hello.regions.reserve(region_count);
+  uint64_t total = 0;
+  for (uint32_t i = 0; i < region_count; ++i) {
+    WEIGHTCACHE_RETURN_IF_ERROR(need(20, "a region"));
+    HelloRegion region;
+    region.remote_address = wire::GetU64(body.data() + at);
+    region.bytes = wire::GetU64(body.data() + at + 8);
+    const uint32_t rkey_bytes = wire::GetU32(body.data() + at + 16);
+    at += 20;
+    const std::string which = "hello: region " + std::to_string(i);
+    if (region.bytes == 0 || region.bytes > kMaxRegionBytes) {
+      return ProtocolError(which + " of " + std::to_string(region.bytes) + " bytes (1.." +
+                           std::to_string(kMaxRegionBytes) + ")");
+    }
+    if (region.remote_address > UINT64_MAX - region.bytes) {
+      return ProtocolError(which + ": its address range wraps around");
+    }
+    total += region.bytes;
+    if (total > kMaxRegionBytes) {
+      return ProtocolError("hello: the regions add up past " + std::to_string(kMaxRegionBytes));
+    }
+    if (rkey_bytes == 0 || rkey_bytes > kMaxRkeyBytes) {
+      return ProtocolError(which + ": an rkey of " + std::to_string(rkey_bytes) + " bytes (1.." +
+                           std::to_string(kMaxRkeyBytes) + ")");
+    }
+    WEIGHTCACHE_RETURN_IF_ERROR(need(rkey_bytes, "an rkey"));
+    region.rkey.assign(body.begin() + static_cast<ptrdiff_t>(at),
+                       body.begin() + static_cast<ptrdiff_t>(at + rkey_bytes));
+    at += rkey_bytes;
+    hello.regions.push_back(std::move(region));
+  }
+  if (at != body.size()) {
+    return ProtocolError("hello: " + std::to_string(body.size() - at) +
+                         " bytes past the last region");
+  }
+  return hello;
+}
+
+}  // namespace weightcache::fleet

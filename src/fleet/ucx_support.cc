@@ -1,0 +1,122 @@
+#include "fleet/ucx_support.h"
+
+#include <netdb.h>
+
+#include <cstring>
+
+#include "common/logging.h"
+#include "os/tcp_socket.h"
+
+namespace weightcache::fleet::ucx {
+
+void MemTraits::Close(ucp_context_h context, Handle h) noexcept {
+  const ucs_status_t status = ucp_mem_unmap(context, h);
+  if (status != UCS_OK) {
+    LOG_WARN << "fleet: ucp_mem_unmap: " << ucs_status_string(status);
+  }
+}
+
+Status UcxError(const std::string& what, ucs_status_t status) {
+  std::string message = what + ": " + ucs_status_string(status);
+  switch (status) {
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_CANCELED:
+    case UCS_ERR_UNSUPPORTED:
+    case UCS_ERR_NO_DEVICE:
+    case UCS_ERR_BUSY:
+      return Status(StatusCode::kUnavailable, std::move(message));
+    case UCS_ERR_TIMED_OUT:
+      return Status(StatusCode::kTimeout, std::move(message));
+    case UCS_ERR_INVALID_PARAM:
+    case UCS_ERR_INVALID_ADDR:
+      return InvalidArgument(std::move(message));
+    default:
+      return Status(StatusCode::kIo, std::move(message));
+  }
+}
+
+Result<UcpContext> CreateContext() {
+  ucp_config_t* config = nullptr;
+  ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
+  if (status != UCS_OK) return UcxError("ucp_config_read", status);
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_STREAM | UCP_FEATURE_WAKEUP;
+  ucp_context_h context = nullptr;
+  status = ucp_init(&params, config, &context);
+  ucp_config_release(config);
+  if (status != UCS_OK) return UcxError("ucp_init", status);
+  return UcpContext(context);
+}
+
+Result<UcpWorker> CreateWorker(ucp_context_h context, Threading threading) {
+  ucp_worker_params_t params{};
+  params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  params.thread_mode =
+      threading == Threading::kMulti ? UCS_THREAD_MODE_MULTI : UCS_THREAD_MODE_SINGLE;
+  ucp_worker_h worker = nullptr;
+  const ucs_status_t status = ucp_worker_create(context, &params, &worker);
+  if (status != UCS_OK) return UcxError("ucp_worker_create", status);
+  return UcpWorker(worker);
+}
+
+Result<SocketAddress> ResolveEndpoint(const std::string& endpoint) {
+  auto split = os::SplitHostPort(endpoint);
+  if (!split.ok()) return split.status().Context("transport endpoint '" + endpoint + "'");
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string port = std::to_string(split->port);
+  const int rc = getaddrinfo(split->host.c_str(), port.c_str(), &hints, &found);
+  if (rc != 0 || found == nullptr) {
+    return InvalidArgument("transport endpoint '" + endpoint + "': " + gai_strerror(rc));
+  }
+  SocketAddress address;
+  std::memcpy(&address.storage, found->ai_addr, found->ai_addrlen);
+  address.length = found->ai_addrlen;
+  freeaddrinfo(found);
+  return address;
+}
+
+ucs_status_t WaitRequest(ucp_worker_h worker, ucs_status_ptr_t request,
+                         std::chrono::milliseconds timeout) {
+  if (request == nullptr) return UCS_OK;
+  if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
+  const auto give_up = std::chrono::steady_clock::now() + timeout;
+  ucs_status_t status = UCS_INPROGRESS;
+  while ((status = ucp_request_check_status(request)) == UCS_INPROGRESS) {
+    if (ucp_worker_progress(worker) == 0 && std::chrono::steady_clock::now() >= give_up) {
+      break;
+    }
+  }
+  ucp_request_free(request);
+  return status == UCS_INPROGRESS ? UCS_ERR_TIMED_OUT : status;
+}
+
+void CloseEndpoints(ucp_worker_h worker, const std::vector<ucp_ep_h>& endpoints,
+                    std::chrono::milliseconds timeout) {
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  std::vector<ucs_status_ptr_t> pending;
+  for (ucp_ep_h ep : endpoints) {
+    ucs_status_ptr_t request = ucp_ep_close_nbx(ep, &param);
+    if (request != nullptr && !UCS_PTR_IS_ERR(request)) pending.push_back(request);
+  }
+  const auto give_up = std::chrono::steady_clock::now() + timeout;
+  for (ucs_status_ptr_t request : pending) {
+    while (ucp_request_check_status(request) == UCS_INPROGRESS &&
+           std::chrono::steady_clock::now() < give_up) {
+      ucp_worker_progress(worker);
+    }
+    ucp_request_free(request);
+  }
+}
+
+}  // namespace weightcache::fleet::ucx

@@ -1,0 +1,92 @@
+// The UCX seam of the fleet transport: one RAII owner per UCP object (UniqueHandle traits),
+// the UCP context and worker as this module configures them, and UCX status codes turned into
+// Status. Nothing outside src/fleet includes <ucp/api/ucp.h>.
+//
+// Contract:
+//  * Owners release in the order their members are declared in reverse; the users declare the
+//    context first, then the worker, then what lives on the worker (listener, memory handles,
+//    rkeys), so a half-built object unwinds itself.
+//  * An endpoint is not a UniqueHandle: closing one is asynchronous (ucp_ep_close_nbx returns a
+//    request that completes while the worker progresses); CloseEndpoints does that, bounded.
+//  * Thread-safety: UCP's own (a worker is driven by one thread; ucp_worker_signal from any).
+#pragma once
+
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "common/unique_handle.h"
+#include "weightcache/status.h"
+
+namespace weightcache::fleet::ucx {
+
+struct ContextTraits {
+  using Handle = ucp_context_h;
+  using Context = NoContext;
+  static constexpr Handle Null() { return nullptr; }
+  static void Close(NoContext /*unused*/, Handle h) noexcept { ucp_cleanup(h); }
+};
+struct WorkerTraits {
+  using Handle = ucp_worker_h;
+  using Context = NoContext;
+  static constexpr Handle Null() { return nullptr; }
+  static void Close(NoContext /*unused*/, Handle h) noexcept { ucp_worker_destroy(h); }
+};
+struct ListenerTraits {
+  using Handle = ucp_listener_h;
+  using Context = NoContext;
+  static constexpr Handle Null() { return nullptr; }
+  static void Close(NoContext /*unused*/, Handle h) noexcept { ucp_listener_destroy(h); }
+};
+struct MemTraits {
+  using Handle = ucp_mem_h;
+  using Context = ucp_context_h;
+  static constexpr Handle Null() { return nullptr; }
+  static void Close(ucp_context_h context, Handle h) noexcept;
+};
+struct RkeyTraits {
+  using Handle = ucp_rkey_h;
+  using Context = NoContext;
+  static constexpr Handle Null() { return nullptr; }
+  static void Close(NoContext /*unused*/, Handle h) noexcept { ucp_rkey_destroy(h); }
+};
+using UcpContext = UniqueHandle<ContextTraits>;
+using UcpWorker = UniqueHandle<WorkerTraits>;
+using UcpListener = UniqueHandle<ListenerTraits>;
+using UcpMem = UniqueHandle<MemTraits>;
+using UcpRkey = UniqueHandle<RkeyTraits>;
+
+// A Status for a failed UCX call: "<what>: <ucs_status_string>". Rejections and unreachable
+// peers are kUnavailable, timeouts kTimeout, invalid parameters kInvalidArgument, the rest kIo.
+Status UcxError(const std::string& what, ucs_status_t status);
+
+// A context with the features the transport uses (RMA, stream, wakeup), configured from the
+// UCX_* environment.
+Result<UcpContext> CreateContext();
+enum class Threading { kSingle, kMulti };
+Result<UcpWorker> CreateWorker(ucp_context_h context, Threading threading);
+
+// Resolves "host:port" ([v6]:port) into a socket address (numeric or by getaddrinfo, first
+// result). kInvalidArgument when unparsable or unresolvable.
+struct SocketAddress {
+  sockaddr_storage storage{};
+  socklen_t length = 0;
+  const sockaddr* get() const { return reinterpret_cast<const sockaddr*>(&storage); }
+};
+Result<SocketAddress> ResolveEndpoint(const std::string& endpoint);
+
+// Waits for a request returned by a UCP non-blocking call: progresses `worker` until it
+// completes or `timeout` passes. Frees the request. UCS_OK / the request's error /
+// UCS_ERR_TIMED_OUT (the request is then released to complete on its own).
+ucs_status_t WaitRequest(ucp_worker_h worker, ucs_status_ptr_t request,
+                         std::chrono::milliseconds timeout);
+
+// Closes every endpoint (UCP_EP_CLOSE_FLAG_FORCE: no round trip to a peer that may be dead),
+// progressing `worker` until the closes complete or `timeout` passes.
+void CloseEndpoints(ucp_worker_h worker, const std::vector<ucp_ep_h>& endpoints,
+                    std::chrono::milliseconds timeout);
+
+}  // namespace weightcache::fleet::ucx

@@ -1,0 +1,156 @@
+#include "fleet/arena_transfer_hello.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "protocol/wire.h"
+
+namespace weightcache::fleet {
+namespace {
+
+using ::testing::HasSubstr;
+namespace wire = protocol::wire;
+
+Hello Sample() {
+  Hello hello;
+  hello.manifest = {'p', 'l', 'a', 'n'};
+  hello.regions.push_back({0x7f0000001000, 3 << 20, {1, 2, 3}});
+  hello.regions.push_back({0x7f0000900000, 4096, std::vector<uint8_t>(40, 9)});
+  return hello;
+}
+
+std::span<const uint8_t> Body(const std::vector<uint8_t>& frame) {
+  return std::span<const uint8_t>(frame).subspan(kHelloHeaderBytes);
+}
+
+TEST(HelloTest, RoundTrips) {
+  auto frame = EncodeHello(Sample());
+  ASSERT_TRUE(frame.ok()) << frame.status().ToString();
+  auto body_bytes = DecodeHelloHeader(std::span(*frame).first(kHelloHeaderBytes));
+  ASSERT_TRUE(body_bytes.ok()) << body_bytes.status().ToString();
+  EXPECT_EQ(*body_bytes, frame->size() - kHelloHeaderBytes);
+  auto hello = DecodeHelloBody(Body(*frame));
+  ASSERT_TRUE(hello.ok()) << hello.status().ToString();
+  EXPECT_EQ(hello->manifest, Sample().manifest);
+  ASSERT_EQ(hello->regions.size(), 2u);
+  EXPECT_EQ(hello->regions[0].remote_address, 0x7f0000001000u);
+  EXPECT_EQ(hello->regions[0].bytes, 3u << 20);
+  EXPECT_EQ(hello->regions[0].rkey, (std::vector<uint8_t>{1, 2, 3}));
+  EXPECT_EQ(hello->regions[1].rkey.size(), 40u);
+}
+
+TEST(HelloTest, TheEncoderRefusesWhatTheDecoderWould) {
+  Hello hello = Sample();
+  hello.regions[0].rkey.clear();
+  EXPECT_THAT(EncodeHello(hello).status().message(), HasSubstr("an rkey of 0 bytes"));
+  hello = Sample();
+  hello.regions[1].bytes = 0;
+  EXPECT_THAT(EncodeHello(hello).status().message(), HasSubstr("a region of 0 bytes"));
+  hello = Sample();
+  hello.regions.resize(kMaxHelloRegions + 1, hello.regions[0]);
+  EXPECT_THAT(EncodeHello(hello).status().message(), HasSubstr("4097 regions"));
+}
+
+TEST(HelloTest, HeadersAreCheckedBeforeAnythingIsAllocated) {
+  auto frame = EncodeHello(Sample());
+  ASSERT_TRUE(frame.ok());
+  std::vector<uint8_t> header(frame->begin(), frame->begin() + kHelloHeaderBytes);
+  auto bad = header;
+  bad[0] ^= 0xFF;
+  EXPECT_THAT(DecodeHelloHeader(bad).status().message(), HasSubstr("bad magic"));
+  bad = header;
+  bad[4] = 2;
+  EXPECT_THAT(DecodeHelloHeader(bad).status().message(),
+              HasSubstr("version 2, this build speaks 1"));
+  bad = header;
+  wire::SetU64(bad, 8, kMaxHelloBodyBytes + 1);
+  EXPECT_EQ(DecodeHelloHeader(bad).status().code(), StatusCode::kProtocol);
+  EXPECT_THAT(DecodeHelloHeader(bad).status().message(), HasSubstr("a body of"));
+  wire::SetU64(bad, 8, 15);
+  EXPECT_THAT(DecodeHelloHeader(bad).status().message(), HasSubstr("a body of 15 bytes"));
+  EXPECT_THAT(DecodeHelloHeader(std::span(header).first(15)).status().message(),
+              HasSubstr("a header of 15 bytes"));
+}
+
+TEST(HelloTest, EveryTruncationIsAProtocolError) {
+  auto frame = EncodeHello(Sample());
+  ASSERT_TRUE(frame.ok());
+  const auto body = Body(*frame);
+  for (size_t n = 0; n < body.size(); ++n) {
+    auto hello = DecodeHelloBody(body.first(n));
+    ASSERT_FALSE(hello.ok()) << n;
+    EXPECT_EQ(hello.status().code(), StatusCode::kProtocol) << n;
+  }
+  std::vector<uint8_t> longer(body.begin(), body.end());
+  longer.push_back(0);
+  EXPECT_THAT(DecodeHelloBody(longer).status().message(),
+              HasSubstr("1 bytes past the last region"));
+}
+
+// Body offsets of the Sample's fields: counts at 0, the manifest at 16, region 0 at 20.
+TEST(HelloTest, EachFieldIsBounded) {
+  auto frame = EncodeHello(Sample());
+  ASSERT_TRUE(frame.ok());
+  const std::vector<uint8_t> body(Body(*frame).begin(), Body(*frame).end());
+  struct Case {
+    size_t at;
+    uint64_t value;
+    int width;
+    const char* expected;
+  };
+  const Case cases[] = {
+      {0, kMaxManifestBytes + 1, 8, "a manifest of 67108865 bytes"},
+      {0, 1000, 8, "truncated at the manifest"},
+      {8, 0, 4, "0 regions"},
+      {8, kMaxHelloRegions + 1, 4, "4097 regions"},
+      {8, 3, 4, "truncated at a region"},
+      {12, 1, 4, "the reserved field is not 0"},
+      {20, UINT64_MAX - 10, 8, "region 0: its address range wraps around"},
+      {28, 0, 8, "region 0 of 0 bytes"},
+      {28, kMaxRegionBytes + 1, 8, "region 0 of 1125899906842625 bytes"},
+      {36, 0, 4, "region 0: an rkey of 0 bytes"},
+      {36, kMaxRkeyBytes + 1, 4, "region 0: an rkey of 4097 bytes"},
+      {36, 4000, 4, "truncated at an rkey"},
+  };
+  for (const Case& c : cases) {
+    std::vector<uint8_t> bad = body;
+    for (int i = 0; i < c.width; ++i) bad[c.at + i] = static_cast<uint8_t>(c.value >> (8 * i));
+    auto hello = DecodeHelloBody(bad);
+    ASSERT_FALSE(hello.ok()) << c.expected;
+    EXPECT_EQ(hello.status().code(), StatusCode::kProtocol);
+    EXPECT_THAT(hello.status().message(), HasSubstr(c.expected));
+  }
+  // Two regions whose sizes add up past the bound.
+  Hello big = Sample();
+  big.regions[0].bytes = kMaxRegionBytes;
+  big.regions[1].bytes = kMaxRegionBytes;
+  auto big_frame = EncodeHello(big);
+  ASSERT_TRUE(big_frame.ok());
+  EXPECT_THAT(DecodeHelloBody(Body(*big_frame)).status().message(),
+              HasSubstr("the regions add up past"));
+}
+
+TEST(HelloTest, RandomBytesNeverCrashTheDecoder) {
+  std::mt19937_64 random(19);
+  auto frame = EncodeHello(Sample());
+  ASSERT_TRUE(frame.ok());
+  for (int round = 0; round < 20000; ++round) {
+    std::vector<uint8_t> body(Body(*frame).begin(), Body(*frame).end());
+    // Flip a few bytes of a valid body, or take pure noise of a random length.
+    if (round % 2 == 0) {
+      for (int k = 0; k < 3; ++k) body[random() % body.size()] = static_cast<uint8_t>(random());
+    } else {
+      body.resize(random() % 200);
+      for (auto& b : body) b = static_cast<uint8_t>(random());
+    }
+    auto hello = DecodeHelloBody(body);
+    if (!hello.ok()) {
+      EXPECT_EQ(hello.status().code(), StatusCode::kProtocol);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace weightcache::fleet
