@@ -3,7 +3,9 @@
 # hidden (WEIGHTCACHE_GPU=OFF, find_package(CUDAToolkit) disabled), then used: it serves a
 # host-tier checkpoint written by the safetensors library, attaches with --verify and stops it,
 # and the gpu tier answers the clear "gpu tier not built" error with the exit code of
-# kUnavailable. Builds only the CLI target, in ${BUILD_DIR:-build-hostonly}. .ci/run runs it.
+# kUnavailable. Builds only the CLI target, in ${BUILD_DIR:-build-hostonly}, as the demo does
+# (a unity Release build, docs/building.md): so CI also fails on two file-local helpers of one
+# library with the same name, which only a unity build notices. .ci/run runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build-hostonly}
@@ -12,6 +14,7 @@ launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S . -B "$build" -G Ninja -DWEIGHTCACHE_GPU=OFF -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON \
       -DWEIGHTCACHE_BUILD_TESTS=OFF -DWEIGHTCACHE_BUILD_BENCH=OFF -DWEIGHTCACHE_BUILD_KERNELS=OFF \
+      -DCMAKE_BUILD_TYPE=Release -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=8 \
       "${launcher[@]}" >"$build/configure.log" 2>&1 ||
   { cat "$build/configure.log"; exit 1; }
 fail() { echo "host-only: FAIL: $*" >&2; exit 1; }

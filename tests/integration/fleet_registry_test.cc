@@ -21,12 +21,8 @@ using protocol::CacheState;
 class FleetRegistryTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto server = EtcdServer::Start();
-    if (!server.ok() && server.status().code() == StatusCode::kUnavailable) {
-      GTEST_SKIP() << "needs the etcd binary (Debian etcd-server): " << server.status().message();
-    }
-    ASSERT_TRUE(server.ok()) << server.status().ToString();
-    etcd_ = std::move(server).value();
+    etcd_ = StartEtcdOrSkip();
+    if (etcd_ == nullptr) return;
     model_ = MakeCheckpoint(dir_.Join("model"), 6, 1, 5, 4096);
     runtime_ = dir_.Join("run");
   }

@@ -1,5 +1,6 @@
 #include "support/etcd_server.h"
 
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -142,6 +143,21 @@ void EtcdServer::Kill() {
 Status EtcdServer::Restart() {
   Kill();
   return Spawn();
+}
+
+std::unique_ptr<EtcdServer> StartEtcdOrSkip(EtcdTransport transport) {
+  auto server = EtcdServer::Start(transport);
+  if (server.ok()) return std::move(server).value();
+  if (server.status().code() == StatusCode::kUnavailable &&
+      std::getenv("WEIGHTCACHE_REQUIRE_ETCD") == nullptr) {
+    // GTEST_SKIP returns (void) from its function: a lambda records the skip, we return null.
+    [&] {
+      GTEST_SKIP() << "needs the etcd binary (Debian etcd-server): " << server.status().message();
+    }();
+    return nullptr;
+  }
+  ADD_FAILURE() << server.status().ToString();
+  return nullptr;
 }
 
 }  // namespace weightcache::testing

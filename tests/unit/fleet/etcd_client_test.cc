@@ -14,16 +14,13 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using weightcache::testing::EtcdServer;
+using weightcache::testing::StartEtcdOrSkip;
 
 class EtcdClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto server = EtcdServer::Start();
-    if (!server.ok() && server.status().code() == StatusCode::kUnavailable) {
-      GTEST_SKIP() << "needs the etcd binary (Debian etcd-server): " << server.status().message();
-    }
-    ASSERT_TRUE(server.ok()) << server.status().ToString();
-    etcd_ = std::move(server).value();
+    etcd_ = StartEtcdOrSkip();
+    if (etcd_ == nullptr) return;
   }
 
   std::unique_ptr<EtcdServer> etcd_;
@@ -167,27 +164,24 @@ TEST_F(EtcdClientTest, TheSecondEndpointServesWhenTheFirstIsDead) {
 }
 
 TEST(EtcdTlsTest, HttpsWithTheCaAndAClientCertificate) {
-  auto server = EtcdServer::Start(weightcache::testing::EtcdTransport::kTls);
-  if (!server.ok() && server.status().code() == StatusCode::kUnavailable) {
-    GTEST_SKIP() << server.status().message();
-  }
-  ASSERT_TRUE(server.ok()) << server.status().ToString();
-  const EtcdClient client = (*server)->Client();
+  auto server = StartEtcdOrSkip(weightcache::testing::EtcdTransport::kTls);
+  if (server == nullptr) return;
+  const EtcdClient client = server->Client();
   ASSERT_TRUE(client.Put("/tls/k", "v").ok());
   EXPECT_EQ(client.Get("/tls/k")->value, "v");
 
   // etcd requires a client certificate (--client-cert-auth): without one, no answer.
   EtcdOptions no_cert;
-  no_cert.endpoints = {(*server)->endpoint()};
-  no_cert.tls.ca_file = (*server)->tls_files().ca_file;
+  no_cert.endpoints = {server->endpoint()};
+  no_cert.tls.ca_file = server->tls_files().ca_file;
   EXPECT_THAT(EtcdClient::Create(no_cert)->Get("/tls/k"),
-              StatusIs(StatusCode::kUnavailable, HasSubstr("etcd " + (*server)->endpoint())));
+              StatusIs(StatusCode::kUnavailable, HasSubstr("etcd " + server->endpoint())));
   // A server certificate that our CA did not sign is refused.
   EtcdOptions wrong_ca = no_cert;
-  wrong_ca.tls = (*server)->tls_files();
-  wrong_ca.tls.ca_file = (*server)->tls_files().cert_file;  // not a CA
+  wrong_ca.tls = server->tls_files();
+  wrong_ca.tls.ca_file = server->tls_files().cert_file;  // not a CA
   EXPECT_THAT(EtcdClient::Create(wrong_ca)->Get("/tls/k"),
-              StatusIs(StatusCode::kUnavailable, HasSubstr("etcd " + (*server)->endpoint())));
+              StatusIs(StatusCode::kUnavailable, HasSubstr("etcd " + server->endpoint())));
 }
 
 }  // namespace

@@ -16,6 +16,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using weightcache::testing::EtcdServer;
+using weightcache::testing::StartEtcdOrSkip;
 
 RegistryEntry SampleEntry() {
   RegistryEntry e;
@@ -143,12 +144,8 @@ TEST(RegistryNamesTest, PrefixAndNodeRules) {
 class RegistryEtcdTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto server = EtcdServer::Start();
-    if (!server.ok() && server.status().code() == StatusCode::kUnavailable) {
-      GTEST_SKIP() << "needs the etcd binary (Debian etcd-server): " << server.status().message();
-    }
-    ASSERT_TRUE(server.ok()) << server.status().ToString();
-    etcd_ = std::move(server).value();
+    etcd_ = StartEtcdOrSkip();
+    if (etcd_ == nullptr) return;
   }
 
   std::unique_ptr<Registrar> MakeRegistrar(std::chrono::seconds ttl) {
