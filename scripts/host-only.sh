@@ -3,7 +3,9 @@
 # hidden (WEIGHTCACHE_GPU=OFF, find_package(CUDAToolkit) disabled), then used: it serves a
 # host-tier checkpoint written by the safetensors library, attaches with --verify and stops it,
 # and the gpu tier answers the clear "gpu tier not built" error with the exit code of
-# kUnavailable. Builds only the CLI target, in ${BUILD_DIR:-build-hostonly}, as the demo does
+# kUnavailable. Without the fleet too (WEIGHTCACHE_FLEET=OFF: a machine without libcurl and UCX,
+# such as the GPU machine), `serve --registry` is refused naming what the build lacked.
+# Builds only the CLI target, in ${BUILD_DIR:-build-hostonly}, as the demo does
 # (a unity Release build, docs/building.md): so CI also fails on two file-local helpers of one
 # library with the same name, which only a unity build notices. .ci/run runs it.
 set -euo pipefail
@@ -13,6 +15,7 @@ mkdir -p "$build"
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S . -B "$build" -G Ninja -DWEIGHTCACHE_GPU=OFF -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON \
+      -DWEIGHTCACHE_FLEET=OFF \
       -DWEIGHTCACHE_BUILD_TESTS=OFF -DWEIGHTCACHE_BUILD_BENCH=OFF -DWEIGHTCACHE_BUILD_KERNELS=OFF \
       -DCMAKE_BUILD_TYPE=Release -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=8 \
       "${launcher[@]}" >"$build/configure.log" 2>&1 ||
@@ -62,4 +65,14 @@ cat "$work/gpu.log"
 [[ $rc == 1 ]] || fail "serve --tier gpu exited $rc, expected 1"
 grep -qF "gpu tier not built: this build had no CUDA toolkit headers (cuda.h)" "$work/gpu.log" ||
   fail "serve --tier gpu did not name the missing gpu tier"
-echo "host-only: OK (host tier served, attached with --verify and stopped; gpu tier refused)"
+
+# The fleet: `serve --registry` is refused before anything starts, naming what the build lacked.
+rc=0
+"$wc" serve "${ident[@]}" --tier host --registry etcd://127.0.0.1:2379 >"$work/fleet.log" 2>&1 ||
+  rc=$?
+cat "$work/fleet.log"
+[[ $rc == 1 ]] || fail "serve --registry exited $rc, expected 1"
+grep -qF "this build has no fleet support (it needs libcurl and UCX" "$work/fleet.log" ||
+  fail "serve --registry did not name the missing fleet support"
+echo "host-only: OK (host tier served, attached with --verify and stopped; gpu tier and" \
+     "fleet refused)"

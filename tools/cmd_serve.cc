@@ -42,8 +42,13 @@
 #include "os/read_file.h"
 #include "os/syscalls.h"
 #include "protocol/connection.h"
-#include "registry_flags.h"
 #include "sharding/planner.h"
+
+#if WEIGHTCACHE_HAVE_FLEET
+#include "registry_flags.h"
+#else
+#include "fleet_not_built.h"  // the same names, refusing --registry (WEIGHTCACHE_FLEET)
+#endif
 
 namespace weightcache::cli {
 namespace {

@@ -1,0 +1,42 @@
+// What serve and main see of the fleet in a build without it (WEIGHTCACHE_FLEET, docs/fleet.md):
+// the names registry_flags.h declares, with the same meaning where a user can reach them —
+// `serve --registry …` fails before anything starts, saying the build has no fleet support
+// and what it needs — and nothing else. Only tools/CMakeLists.txt picks this over
+// registry_flags.h (one #if, in cmd_serve.cc).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <memory>
+#include <string>
+
+#include "daemon/daemon.h"
+#include "identity/resolve.h"
+#include "weightcache/status.h"
+#include "weightcache/tier.h"
+
+namespace weightcache::cli {
+
+// The one message of a fleet feature asked of a build without it (kUnavailable: exit 1).
+Status FleetNotBuilt(std::string_view what);
+
+struct RegistryFlags {
+  std::string url;  // --registry: accepted by the parser, refused by ServeRegistration::Create
+};
+
+enum class RegistryFlagScope { kServe, kList };
+void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope);
+
+class ServeRegistration {
+ public:
+  // nullptr without --registry; FleetNotBuilt with it.
+  static Result<std::unique_ptr<ServeRegistration>> Create(const RegistryFlags& flags,
+                                                           const identity::ResolvedIdentity& id);
+  void Ready(const daemon::StoreSummary& /*summary*/) {}
+  void Moved(Tier /*tier*/) {}
+  void Draining() {}
+
+ private:
+  ServeRegistration() = default;
+};
+
+}  // namespace weightcache::cli
