@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "arena_pattern.h"
@@ -73,6 +74,15 @@ class FleetTransportTest : public ::testing::Test {
     buffers_.clear();
     for (uint64_t bytes : sizes) buffers_.emplace_back(bytes, 0);
   }
+  // Options that fetch from `sources` into a fresh zero-filled destination of `sizes`.
+  fleet::FetchOptions FetchInto(const std::vector<uint64_t>& sizes,
+                                std::vector<std::string> sources) {
+    MakeDestination(sizes);
+    fleet::FetchOptions options;
+    options.sources = std::move(sources);
+    options.destination = Destination();
+    return options;
+  }
   std::vector<fleet::DestinationRegion> Destination() {
     std::vector<fleet::DestinationRegion> out;
     for (auto& buffer : buffers_) out.push_back({buffer.data(), buffer.size()});
@@ -97,10 +107,7 @@ TEST_F(FleetTransportTest, OneSourceFillsEveryRegionWithItsBytes) {
   const std::vector<uint64_t> sizes = {3 * kMiB + 5, kMiB, 4096};
   const std::string source = StartSource(sizes, 7, "127.0.0.1", "manifest-A");
   ASSERT_FALSE(source.empty());
-  MakeDestination(sizes);
-  fleet::FetchOptions options;
-  options.sources = {source};
-  options.destination = Destination();
+  fleet::FetchOptions options = FetchInto(sizes, {source});
   options.stripe_bytes = kMiB;
   std::string seen_manifest;
   options.accept = [&](const std::string& from, std::span<const uint8_t> manifest) {
@@ -137,10 +144,7 @@ TEST_F(FleetTransportTest, TwoSourcesAreStripedAcrossAndBothServe) {
   const std::string b = StartSource(sizes, 7);
   ASSERT_FALSE(a.empty());
   ASSERT_FALSE(b.empty());
-  MakeDestination(sizes);
-  fleet::FetchOptions options;
-  options.sources = {a, b};
-  options.destination = Destination();
+  fleet::FetchOptions options = FetchInto(sizes, {a, b});
   options.stripe_bytes = kMiB;
   options.max_in_flight_per_source = 2;
   auto result = fleet::FetchArena(options);
@@ -159,10 +163,7 @@ TEST_F(FleetTransportTest, EachStripeNamesTheSourceThatServedIt) {
   const std::string poisoned = StartSource(sizes, 666);
   ASSERT_FALSE(good.empty());
   ASSERT_FALSE(poisoned.empty());
-  MakeDestination(sizes);
-  fleet::FetchOptions options;
-  options.sources = {good, poisoned};
-  options.destination = Destination();
+  fleet::FetchOptions options = FetchInto(sizes, {good, poisoned});
   options.stripe_bytes = kMiB;
   auto result = fleet::FetchArena(options);
   ASSERT_TRUE(result.ok()) << result.status().ToString();
@@ -185,10 +186,7 @@ TEST_F(FleetTransportTest, ASourceKilledMidTransferIsDroppedAndTheOtherFinishes)
   const std::string b = StartSource(sizes, 7);
   ASSERT_FALSE(a.empty());
   ASSERT_FALSE(b.empty());
-  MakeDestination(sizes);
-  fleet::FetchOptions options;
-  options.sources = {a, b};
-  options.destination = Destination();
+  fleet::FetchOptions options = FetchInto(sizes, {a, b});
   options.stripe_bytes = kMiB / 4;
   options.max_in_flight_per_source = 1;
   options.stripe_timeout = std::chrono::seconds(20);
@@ -221,10 +219,7 @@ TEST_F(FleetTransportTest, AStalledSourceIsDroppedByTheStripeTimeout) {
   const std::string b = StartSource(sizes, 7);
   ASSERT_FALSE(a.empty());
   ASSERT_FALSE(b.empty());
-  MakeDestination(sizes);
-  fleet::FetchOptions options;
-  options.sources = {a, b};
-  options.destination = Destination();
+  fleet::FetchOptions options = FetchInto(sizes, {a, b});
   options.stripe_bytes = kMiB / 4;
   options.max_in_flight_per_source = 1;
   options.stripe_timeout = std::chrono::seconds(2);
@@ -250,10 +245,7 @@ TEST_F(FleetTransportTest, TheOnlySourceKilledIsAnErrorNamingIt) {
   const std::vector<uint64_t> sizes = {32 * kMiB};
   const std::string a = StartSource(sizes, 7);
   ASSERT_FALSE(a.empty());
-  MakeDestination(sizes);
-  fleet::FetchOptions options;
-  options.sources = {a};
-  options.destination = Destination();
+  fleet::FetchOptions options = FetchInto(sizes, {a});
   options.stripe_bytes = kMiB / 4;
   options.max_in_flight_per_source = 1;
   options.stripe_timeout = std::chrono::seconds(20);
@@ -277,10 +269,7 @@ TEST_F(FleetTransportTest, APeerOffTheAllowListIsRefusedAndTheFetcherSaysSo) {
   const std::vector<uint64_t> sizes = {kMiB};
   const std::string a = StartSource(sizes, 7, "10.255.255.1,fd00::/8");
   ASSERT_FALSE(a.empty());
-  MakeDestination(sizes);
-  fleet::FetchOptions options;
-  options.sources = {a};
-  options.destination = Destination();
+  fleet::FetchOptions options = FetchInto(sizes, {a});
   options.connect_timeout = std::chrono::seconds(30);
   auto result = fleet::FetchArena(options);
   ASSERT_FALSE(result.ok());
@@ -300,10 +289,7 @@ TEST_F(FleetTransportTest, ASourceThatAcceptRefusesIsNeverRead) {
   const std::string right = StartSource(sizes, 7, "127.0.0.1", "our-plan");
   ASSERT_FALSE(wrong.empty());
   ASSERT_FALSE(right.empty());
-  MakeDestination(sizes);
-  fleet::FetchOptions options;
-  options.sources = {wrong, right};
-  options.destination = Destination();
+  fleet::FetchOptions options = FetchInto(sizes, {wrong, right});
   options.stripe_bytes = kMiB;
   options.accept = [](const std::string&, std::span<const uint8_t> manifest) {
     if (std::string(manifest.begin(), manifest.end()) != "our-plan") {
