@@ -1,0 +1,185 @@
+// `serve --fill-from registry` against a real etcd and real UCX over loopback TCP
+// (docs/fleet.md "Fill"): two "nodes" are two daemons with their own runtime dirs. Node A
+// serves its host-tier arena (--fill-serve, --fill-allow); node B fills from it with equal
+// bytes and never reads the tensor data from its disk; no source, a source killed mid-transfer
+// and a poisoned source all end with B loading from its disk, ready with correct bytes.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "common/unique_fd.h"
+#include "integration/daemon_process.h"
+#include "support/etcd_server.h"
+#include "support/test_env.h"
+
+namespace weightcache::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using protocol::CacheState;
+
+bool Contains(const std::string& text, const std::string& what) {
+  return text.find(what) != std::string::npos;
+}
+
+class FleetFillTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    etcd_ = StartEtcdOrSkip();
+    if (etcd_ == nullptr) return;
+    // The children inherit it: the transport runs over loopback TCP on any machine.
+    ::setenv("UCX_TLS", "tcp", 1);
+    model_ = MakeCheckpoint(dir_.Join("model"), 8, 1, 5, 65536);
+  }
+  void TearDown() override {
+    ::unsetenv("WEIGHTCACHE_TEST_FILL_POISON");
+    ::unsetenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES");
+    ::unsetenv("WEIGHTCACHE_TEST_FILL_PAUSE_FIFO");
+  }
+
+  std::vector<std::string> Registry(const std::string& node) const {
+    return {"--no-keeper",   "--registry",         etcd_->url(), "--registry-ttl", "2",
+            "--node-name",   node,                 "--registry-timeout", "1"};
+  }
+
+  // Node A: ready and registered with its fill source's endpoint.
+  std::unique_ptr<ServeProcess> StartSource() {
+    std::vector<std::string> extra = Registry("node-a");
+    extra.insert(extra.end(), {"--fill-serve", "127.0.0.1:0", "--fill-allow", "127.0.0.1"});
+    auto a = ServeProcess::Start(HostServeArgs(model_, dir_.Join("run-a"), extra),
+                                 dir_.Join("serve-a.log"));
+    if (a == nullptr) return nullptr;
+    EXPECT_TRUE(WaitForState(*a, dir_.Join("run-a"), CacheState::kReady).ok()) << a->Log();
+    EXPECT_TRUE(WaitSourceEndpoint()) << a->Log();
+    return a;
+  }
+
+  std::unique_ptr<ServeProcess> StartFiller() {
+    std::vector<std::string> extra = Registry("node-b");
+    extra.insert(extra.end(), {"--fill-from", "registry"});
+    return ServeProcess::Start(HostServeArgs(model_, dir_.Join("run-b"), extra),
+                               dir_.Join("serve-b.log"));
+  }
+
+  // Polls `fleet ls` (every 100 ms, at most 30 s) until node-a's entry is ready with an
+  // endpoint on 127.0.0.1.
+  bool WaitSourceEndpoint() {
+    const auto until = std::chrono::steady_clock::now() + 30s;
+    while (std::chrono::steady_clock::now() < until) {
+      const CommandResult ls =
+          RunCommand({CliPath(), "fleet", "ls", "--json", "--registry", etcd_->url()});
+      if (ls.exit_code == 0) {
+        for (const auto& e : nlohmann::json::parse(ls.out)["entries"]) {
+          if (e["node"] == "node-a" && e["state"] == "ready" &&
+              e["endpoint"].get<std::string>().rfind("127.0.0.1:", 0) == 0 &&
+              e["endpoint"] != "127.0.0.1:0") {
+            return true;
+          }
+        }
+      }
+      std::this_thread::sleep_for(100ms);
+    }
+    return false;
+  }
+
+  // `attach --verify --json` on node B's cache: every tensor's checksum against the files.
+  void ExpectVerifiedOnB() {
+    const CommandResult r =
+        RunCommand({CliPath(), "attach", "--model", model_, "--model-id", "tiny", "--tier", "host",
+                    "--runtime-dir", dir_.Join("run-b"), "--verify", "--json"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["source"], "daemon") << r.out;
+    EXPECT_EQ(j["tensors"], 8);
+    EXPECT_EQ(j["verify"]["ok"], true) << r.out;
+    EXPECT_EQ(j["verify"]["tensors"], 8) << r.out;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<EtcdServer> etcd_;
+  std::string model_;
+};
+
+TEST_F(FleetFillTest, NodeBFillsFromNodeAWithEqualBytes) {
+  auto a = StartSource();
+  ASSERT_NE(a, nullptr);
+  EXPECT_TRUE(Contains(a->Log(), "fill source: serving the arena at 127.0.0.1:")) << a->Log();
+  auto b = StartFiller();
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
+  const std::string log = b->Log();
+  // The ready line says where the bytes came from; the disk's tensor data was never read
+  // (only the verification's sample of it): no reader pass, no fallback.
+  EXPECT_TRUE(Contains(log, "filled from 1 source(s) (node-a 127.0.0.1:")) << log;
+  EXPECT_FALSE(Contains(log, "loading from disk")) << log;
+  EXPECT_FALSE(Contains(log, "loaded from disk")) << log;
+  ExpectVerifiedOnB();
+}
+
+TEST_F(FleetFillTest, NoSourceInTheRegistryLoadsFromDisk) {
+  auto b = StartFiller();
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
+  const std::string log = b->Log();
+  EXPECT_TRUE(Contains(log, "no ready host-tier source with an endpoint")) << log;
+  EXPECT_TRUE(Contains(log, "loading from disk")) << log;
+  EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+  ExpectVerifiedOnB();
+}
+
+TEST_F(FleetFillTest, APoisonedSourceIsCaughtByTheChecksumsAndBLoadsFromDisk) {
+  ::setenv("WEIGHTCACHE_TEST_FILL_POISON", "1", 1);
+  auto a = StartSource();
+  ::unsetenv("WEIGHTCACHE_TEST_FILL_POISON");
+  ASSERT_NE(a, nullptr);
+  auto b = StartFiller();
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
+  const std::string log = b->Log();
+  EXPECT_TRUE(Contains(log, "the checksum of the filled bytes differs from the source's manifest"))
+      << log;
+  EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+  ExpectVerifiedOnB();
+}
+
+TEST_F(FleetFillTest, ASourceKilledMidTransferLeavesBToItsDisk) {
+  auto a = StartSource();
+  ASSERT_NE(a, nullptr);
+  // B pulls 4 KiB stripes one at a time and, after its first, waits on the FIFO: A is killed
+  // while B holds a part of the arena, then B goes on.
+  const std::string fifo = dir_.Join("pause.fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << errno;
+  ::setenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES", "4096", 1);
+  ::setenv("WEIGHTCACHE_TEST_FILL_PAUSE_FIFO", fifo.c_str(), 1);
+  auto b = StartFiller();
+  ::unsetenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES");
+  ::unsetenv("WEIGHTCACHE_TEST_FILL_PAUSE_FIFO");
+  ASSERT_NE(b, nullptr);
+  // Opening the FIFO's write end without blocking succeeds once B has opened its read end.
+  UniqueFd writer;
+  const auto until = std::chrono::steady_clock::now() + 60s;
+  while (!writer && std::chrono::steady_clock::now() < until && b->Running()) {
+    writer = UniqueFd(::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC));
+    if (!writer) std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_TRUE(writer) << "B never paused mid-transfer\n" << b->Log();
+  a->Signal(SIGKILL);
+  ASSERT_EQ(a->WaitExit(10s), 128 + SIGKILL);
+  writer.Reset();  // B reads EOF and goes on: its next read from A fails
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
+  const std::string log = b->Log();
+  EXPECT_TRUE(Contains(log, "fill: ")) << log;
+  EXPECT_TRUE(Contains(log, "loading from disk")) << log;
+  EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+  ExpectVerifiedOnB();
+}
+
+}  // namespace
+}  // namespace weightcache::testing
