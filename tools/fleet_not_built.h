@@ -22,7 +22,7 @@ Status FleetNotBuilt(std::string_view what);
 
 struct RegistryFlags {
   std::string url;  // --registry: accepted by the parser, refused by ServeRegistration::Create
-  std::string fill_from;   // --fill-from, --fill-serve, --fill-allow: likewise
+  std::string fill_from;  // --fill-from, --fill-serve, --fill-allow: likewise
   std::string fill_serve;
   std::string fill_allow;
 };

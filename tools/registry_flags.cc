@@ -14,9 +14,17 @@
 #include "common/unique_fd.h"
 #include "os/file_mapping.h"
 #include "os/host_name.h"
+#include "os/memfd.h"
 #include "protocol/manifest.h"
 
 namespace weightcache::cli {
+
+// Members in acquisition order: the server, destroyed first, stops reading the memory.
+struct ServeRegistration::FillSource {
+  std::vector<os::MappedRegion> mappings;  // read-only mappings of the sealed memfds
+  std::vector<uint8_t> poisoned;           // WEIGHTCACHE_TEST_FILL_POISON's copy
+  std::unique_ptr<fleet::ArenaServer> server;
+};
 
 void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope) {
   const bool serve = scope == RegistryFlagScope::kServe;
@@ -100,8 +108,9 @@ Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
     return InvalidArgument("--fill-from: \"" + flags.fill_from + "\" (only \"registry\")");
   }
   if (fill && id.config.tier != Tier::kHost) {
-    return InvalidArgument("--fill-from and --fill-serve: host tier only (the gpu tier's fill "
-                           "is not built yet, docs/fleet.md)");
+    return InvalidArgument(
+        "--fill-from and --fill-serve: host tier only (the gpu tier's fill "
+        "is not built yet, docs/fleet.md)");
   }
   if (!flags.fill_serve.empty() && flags.fill_allow.empty()) {
     return InvalidArgument("--fill-serve needs --fill-allow (the peers that may fill from it)");
@@ -152,6 +161,15 @@ Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
   return std::unique_ptr<ServeRegistration>(new ServeRegistration(
       std::move(registrar), std::move(entry), id.config.tier, flags, std::move(allow)));
 }
+
+ServeRegistration::ServeRegistration(std::unique_ptr<fleet::Registrar> registrar,
+                                     fleet::RegistryEntry entry, Tier configured,
+                                     RegistryFlags flags, fleet::PeerAllowList allow)
+    : registrar_(std::move(registrar)),
+      flags_(std::move(flags)),
+      allow_(std::move(allow)),
+      entry_(std::move(entry)),
+      configured_(configured) {}
 
 ServeRegistration::~ServeRegistration() {
   registrar_->Stop();
@@ -217,6 +235,40 @@ void ApplyFillTestHooks(fleet::FetchOptions* fetch) {
   };
 }
 
+Result<ServeRegistration::FillSource> StartFillSource(const RegistryFlags& flags,
+                                                      const fleet::PeerAllowList& allow,
+                                                      const daemon::StoreSummary& summary,
+                                                      std::span<const int> fds) {
+  ServeRegistration::FillSource source;
+  fleet::ArenaServerOptions options;
+  options.listen = flags.fill_serve;
+  options.allow = allow;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(options.manifest, ReadManifest(summary.manifest));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Manifest manifest,
+                               protocol::Manifest::Decode(options.manifest));
+  if (manifest.allocation_sizes().size() != fds.size()) {
+    return InternalError("the store has " + std::to_string(fds.size()) +
+                         " allocations, its manifest " +
+                         std::to_string(manifest.allocation_sizes().size()));
+  }
+  for (size_t a = 0; a < fds.size(); ++a) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
+                                 os::MapReadOnly(fds[a], manifest.allocation_sizes()[a]));
+    options.regions.push_back({region.data(), region.size()});
+    source.mappings.push_back(std::move(region));
+  }
+  if (PoisonFillForTest() && !options.regions.empty()) {
+    const auto* first = static_cast<const uint8_t*>(options.regions[0].data);
+    source.poisoned.assign(first, first + options.regions[0].bytes);
+    source.poisoned[0] ^= 0xff;
+    options.regions[0].data = source.poisoned.data();
+    LOG_WARN << "fill source: WEIGHTCACHE_TEST_FILL_POISON: serving allocation 0 with its "
+                "first byte flipped";
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(source.server, fleet::ArenaServer::Start(std::move(options)));
+  return source;
+}
+
 std::string ManifestDigest(const daemon::ManifestFile& manifest) {
   if (!manifest.fd.valid() || manifest.size == 0) return "";
   auto mapping = os::ReadOnlyMapping::Map(manifest.fd.get(), "the cache manifest");
@@ -233,9 +285,16 @@ std::string ManifestDigest(const daemon::ManifestFile& manifest) {
 void ServeRegistration::Ready(const daemon::StoreSummary& summary, std::span<const int> fds) {
   const std::string manifest_digest = ManifestDigest(summary.manifest);
   MutexLock lock(mu_);
-  if (!flags_.fill_serve.empty() && !fill_server_) {
-    const std::string endpoint = StartFillSource(summary, fds);
-    if (flags_.advertise.empty()) entry_.endpoint = endpoint;
+  if (!flags_.fill_serve.empty() && !fill_) {
+    auto started = StartFillSource(flags_, allow_, summary, fds);
+    if (started.ok()) {
+      fill_ = std::make_unique<FillSource>(std::move(started).value());
+      LOG_INFO << "fill source: serving the arena at " << fill_->server->endpoint() << " to "
+               << allow_.ToString();
+      if (flags_.advertise.empty()) entry_.endpoint = fill_->server->endpoint();
+    } else {
+      LOG_WARN << "fill source: not serving: " << started.status().ToString();
+    }
   }
   ready_ = true;
   entry_.bytes = summary.tensor_bytes;
@@ -266,56 +325,12 @@ void ServeRegistration::Draining() {
   StopFillSource();
 }
 
-std::string ServeRegistration::StartFillSource(const daemon::StoreSummary& summary,
-                                               std::span<const int> fds) {
-  auto started = [&]() -> Result<std::unique_ptr<fleet::ArenaServer>> {
-    fleet::ArenaServerOptions options;
-    options.listen = flags_.fill_serve;
-    options.allow = allow_;
-    WEIGHTCACHE_ASSIGN_OR_RETURN(options.manifest, ReadManifest(summary.manifest));
-    WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Manifest manifest,
-                                 protocol::Manifest::Decode(options.manifest));
-    if (manifest.allocation_sizes().size() != fds.size()) {
-      return InternalError("the store has " + std::to_string(fds.size()) +
-                           " allocations, its manifest " +
-                           std::to_string(manifest.allocation_sizes().size()));
-    }
-    for (size_t a = 0; a < fds.size(); ++a) {
-      WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
-                                   os::MapReadOnly(fds[a], manifest.allocation_sizes()[a]));
-      options.regions.push_back({region.data(), region.size()});
-      fill_mappings_.push_back(std::move(region));
-    }
-    if (PoisonFillForTest() && !options.regions.empty()) {
-      const auto* first = static_cast<const uint8_t*>(options.regions[0].data);
-      fill_poisoned_.assign(first, first + options.regions[0].bytes);
-      fill_poisoned_[0] ^= 0xff;
-      options.regions[0].data = fill_poisoned_.data();
-      LOG_WARN << "fill source: WEIGHTCACHE_TEST_FILL_POISON: serving allocation 0 with its "
-                  "first byte flipped";
-    }
-    return fleet::ArenaServer::Start(std::move(options));
-  }();
-  if (!started.ok()) {
-    LOG_WARN << "fill source: not serving: " << started.status().ToString();
-    fill_mappings_.clear();
-    return "";
-  }
-  fill_server_ = std::move(started).value();
-  LOG_INFO << "fill source: serving the arena at " << fill_server_->endpoint()
-           << " to " << allow_.ToString();
-  return fill_server_->endpoint();
-}
-
 void ServeRegistration::StopFillSource() {
   MutexLock lock(mu_);
-  if (fill_server_) {
-    fill_server_->Stop();
-    LOG_INFO << "fill source: stopped (" << fill_server_->peers_accepted() << " peer(s) served)";
-    fill_server_.reset();
-  }
-  fill_mappings_.clear();
-  fill_poisoned_.clear();
+  if (!fill_) return;
+  fill_->server->Stop();
+  LOG_INFO << "fill source: stopped (" << fill_->server->peers_accepted() << " peer(s) served)";
+  fill_.reset();
 }
 
 daemon::HostFill ServeRegistration::Filler() const {

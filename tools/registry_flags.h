@@ -17,7 +17,6 @@
 #include "fleet/registrar.h"
 #include "fleet/registry_entry.h"
 #include "identity/resolve.h"
-#include "os/memfd.h"
 #include "weightcache/status.h"
 
 namespace weightcache::cli {
@@ -77,29 +76,21 @@ class ServeRegistration {
   void Moved(Tier tier);  // the cache's memory is now in `tier` (--demote host)
   void Draining();
 
+  // The fill source's server and the memory it serves (defined in registry_flags.cc).
+  struct FillSource;
+
  private:
   ServeRegistration(std::unique_ptr<fleet::Registrar> registrar, fleet::RegistryEntry entry,
-                    Tier configured, RegistryFlags flags, fleet::PeerAllowList allow)
-      : registrar_(std::move(registrar)),
-        flags_(std::move(flags)),
-        allow_(std::move(allow)),
-        entry_(std::move(entry)),
-        configured_(configured) {}
+                    Tier configured, RegistryFlags flags, fleet::PeerAllowList allow);
   void PublishLocked() WEIGHTCACHE_REQUIRES(mu_);
-  // Starts the fill source; its endpoint, or "" (logged) when it cannot serve.
-  std::string StartFillSource(const daemon::StoreSummary& summary, std::span<const int> fds)
-      WEIGHTCACHE_REQUIRES(mu_);
   void StopFillSource();
 
   std::unique_ptr<fleet::Registrar> registrar_;
   const RegistryFlags flags_;
   const fleet::PeerAllowList allow_;
   mutable Mutex mu_;
-  // The fill source: the server, over the mappings it serves (declared first: destroyed
-  // after the server has stopped).
-  std::vector<os::MappedRegion> fill_mappings_ WEIGHTCACHE_GUARDED_BY(mu_);
-  std::vector<uint8_t> fill_poisoned_ WEIGHTCACHE_GUARDED_BY(mu_);  // the test hook's copy
-  std::unique_ptr<fleet::ArenaServer> fill_server_ WEIGHTCACHE_GUARDED_BY(mu_);
+  // The fill source (--fill-serve) once ready.
+  std::unique_ptr<FillSource> fill_ WEIGHTCACHE_GUARDED_BY(mu_);
   fleet::RegistryEntry entry_ WEIGHTCACHE_GUARDED_BY(mu_);
   bool ready_ WEIGHTCACHE_GUARDED_BY(mu_) = false;
   const Tier configured_;

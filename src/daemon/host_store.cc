@@ -254,8 +254,8 @@ Status SameLayout(const protocol::Manifest& ours, const protocol::Manifest& thei
     const protocol::TensorEntry a = ours.tensor(i);
     const protocol::TensorEntry b = theirs.tensor(i);
     if (a.name != b.name) {
-      return FillMismatch("tensor " + std::to_string(i) + " is " + std::string(b.name) +
-                          ", ours " + std::string(a.name));
+      return FillMismatch("tensor " + std::to_string(i) + " is " + std::string(b.name) + ", ours " +
+                          std::string(a.name));
     }
     if (a.dtype != b.dtype || a.ndim != b.ndim || a.shape != b.shape || a.slice != b.slice) {
       return FillMismatch("tensor " + std::string(a.name) + ": another dtype, shape or slice");
@@ -330,9 +330,9 @@ Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
     const size_t k = positions[record];
     const auto& place = layout.plan.placements[k];
     const uint8_t* data = request.allocations[place.allocation].data() + place.offset;
-    const auto hashes = std::span<uint64_t>(*chunk_hashes)
-                            .subspan(layout.chunk_begin[k],
-                                     layout.chunk_begin[k + 1] - layout.chunk_begin[k]);
+    const auto hashes =
+        std::span<uint64_t>(*chunk_hashes)
+            .subspan(layout.chunk_begin[k], layout.chunk_begin[k + 1] - layout.chunk_begin[k]);
     HashChunks(data, layout.sizes[k], hashes);
     const uint64_t checksum = CombineChunkHashes(hashes);
     if (checksum != theirs.tensor(record).checksum) {
@@ -353,7 +353,8 @@ Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
     for (int s = 0; s < kFillSampleChunks; ++s) {
       const uint64_t at = random() % ends.back();
       const size_t k = std::upper_bound(ends.begin(), ends.end(), at) - ends.begin();
-      const uint64_t from = (at - (ends[k] - layout.sizes[k])) / kFillSampleBytes * kFillSampleBytes;
+      const uint64_t from =
+          (at - (ends[k] - layout.sizes[k])) / kFillSampleBytes * kFillSampleBytes;
       const uint64_t length = std::min(kFillSampleBytes, layout.sizes[k] - from);
       const auto& t = checkpoint.tensors()[layout.order[k]];
       WEIGHTCACHE_RETURN_IF_ERROR(sharding::ReadHeldBytes(checkpoint, t, layout.copy[k], from,

@@ -45,8 +45,8 @@ class FleetFillTest : public ::testing::Test {
   }
 
   std::vector<std::string> Registry(const std::string& node) const {
-    return {"--no-keeper",   "--registry",         etcd_->url(), "--registry-ttl", "2",
-            "--node-name",   node,                 "--registry-timeout", "1"};
+    return {"--no-keeper", "--registry",         etcd_->url(), "--registry-ttl", "2", "--node-name",
+            node,          "--registry-timeout", "1"};
   }
 
   // Node A: ready and registered with its fill source's endpoint.
@@ -57,7 +57,7 @@ class FleetFillTest : public ::testing::Test {
                                  dir_.Join("serve-a.log"));
     if (a == nullptr) return nullptr;
     EXPECT_TRUE(WaitForState(*a, dir_.Join("run-a"), CacheState::kReady).ok()) << a->Log();
-    EXPECT_TRUE(WaitSourceEndpoint()) << a->Log();
+    EXPECT_TRUE(WaitSourceEndpoint()) << last_ls_ << "\n" << a->Log();
     return a;
   }
 
@@ -75,8 +75,10 @@ class FleetFillTest : public ::testing::Test {
     while (std::chrono::steady_clock::now() < until) {
       const CommandResult ls =
           RunCommand({CliPath(), "fleet", "ls", "--json", "--registry", etcd_->url()});
+      last_ls_ = ls.out + ls.err;
       if (ls.exit_code == 0) {
-        for (const auto& e : nlohmann::json::parse(ls.out)["entries"]) {
+        const nlohmann::json listed = nlohmann::json::parse(ls.out);
+        for (const auto& e : listed["entries"]) {
           if (e["node"] == "node-a" && e["state"] == "ready" &&
               e["endpoint"].get<std::string>().rfind("127.0.0.1:", 0) == 0 &&
               e["endpoint"] != "127.0.0.1:0") {
@@ -105,6 +107,7 @@ class FleetFillTest : public ::testing::Test {
   TempDir dir_;
   std::unique_ptr<EtcdServer> etcd_;
   std::string model_;
+  std::string last_ls_;  // the last `fleet ls` of WaitSourceEndpoint, for its failure
 };
 
 TEST_F(FleetFillTest, NodeBFillsFromNodeAWithEqualBytes) {
@@ -173,7 +176,8 @@ TEST_F(FleetFillTest, ASourceKilledMidTransferLeavesBToItsDisk) {
   a->Signal(SIGKILL);
   ASSERT_EQ(a->WaitExit(10s), 128 + SIGKILL);
   writer.Reset();  // B reads EOF and goes on: its next read from A fails
-  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
+  // At worst A is noticed by the stripe timeout (30 s), then the disk load.
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady, 120s).ok()) << b->Log();
   const std::string log = b->Log();
   EXPECT_TRUE(Contains(log, "fill: ")) << log;
   EXPECT_TRUE(Contains(log, "loading from disk")) << log;
