@@ -11,8 +11,13 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <vector>
 
 #include "common/unique_fd.h"
 #include "integration/daemon_process.h"
@@ -49,11 +54,13 @@ class FleetFillTest : public ::testing::Test {
             node,          "--registry-timeout", "1"};
   }
 
-  // Node A: ready and registered with its fill source's endpoint.
-  std::unique_ptr<ServeProcess> StartSource() {
+  // Node A (serving `model`, default ours): ready and registered with its fill source's
+  // endpoint.
+  std::unique_ptr<ServeProcess> StartSource(std::string model = "") {
+    if (model.empty()) model = model_;
     std::vector<std::string> extra = Registry("node-a");
     extra.insert(extra.end(), {"--fill-serve", "127.0.0.1:0", "--fill-allow", "127.0.0.1"});
-    auto a = ServeProcess::Start(HostServeArgs(model_, dir_.Join("run-a"), extra),
+    auto a = ServeProcess::Start(HostServeArgs(model, dir_.Join("run-a"), extra),
                                  dir_.Join("serve-a.log"));
     if (a == nullptr) return nullptr;
     EXPECT_TRUE(WaitForState(*a, dir_.Join("run-a"), CacheState::kReady).ok()) << a->Log();
@@ -179,8 +186,39 @@ TEST_F(FleetFillTest, ASourceKilledMidTransferLeavesBToItsDisk) {
   // At worst A is noticed by the stripe timeout (30 s), then the disk load.
   ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady, 120s).ok()) << b->Log();
   const std::string log = b->Log();
-  EXPECT_TRUE(Contains(log, "fill: ")) << log;
+  EXPECT_TRUE(Contains(log, "fill: unavailable: arena fetch: every source failed")) << log;
   EXPECT_TRUE(Contains(log, "loading from disk")) << log;
+  EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+  ExpectVerifiedOnB();
+}
+
+TEST_F(FleetFillTest, ASourceOfOtherWeightsWithEqualHeadersIsCaughtByTheDiskSample) {
+  // Another fine-tune: the same headers (so the same fleet key, which leaves out the files),
+  // other tensor bytes. Its manifest's checksums are its own bytes': only B's sample of its
+  // own checkpoint tells them apart.
+  const std::string other = dir_.Join("other");
+  std::filesystem::copy(model_, other, std::filesystem::copy_options::recursive);
+  for (const auto& file : std::filesystem::directory_iterator(other)) {
+    if (file.path().extension() != ".safetensors") continue;
+    std::fstream f(file.path(), std::ios::in | std::ios::out | std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    ASSERT_GE(bytes.size(), 8u);
+    uint64_t header = 0;
+    std::memcpy(&header, bytes.data(), sizeof(header));  // little-endian, as on x86 and arm
+    for (size_t i = 8 + header; i < bytes.size(); ++i)
+      bytes[i] = static_cast<char>(bytes[i] ^ 0x5a);
+    f.seekp(0);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    ASSERT_TRUE(f.good()) << file.path();
+  }
+  ASSERT_EQ(ConfigFor(other, "tiny").FleetDigest(), ConfigFor(model_, "tiny").FleetDigest());
+  auto a = StartSource(other);
+  ASSERT_NE(a, nullptr);
+  auto b = StartFiller();
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
+  const std::string log = b->Log();
+  EXPECT_TRUE(Contains(log, "differ from the checkpoint's")) << log;
   EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
   ExpectVerifiedOnB();
 }
