@@ -223,5 +223,30 @@ TEST_F(FleetFillTest, ASourceOfOtherWeightsWithEqualHeadersIsCaughtByTheDiskSamp
   ExpectVerifiedOnB();
 }
 
+TEST_F(FleetFillTest, BadFillFlagsAreUsageErrors) {
+  const auto serve = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = {CliPath(), "serve"};
+    for (auto& a : HostServeArgs(model_, dir_.Join("run-b"), std::move(extra))) {
+      args.push_back(std::move(a));
+    }
+    return RunCommand(args);
+  };
+  const struct {
+    std::vector<std::string> flags;
+    std::string error;
+  } cases[] = {
+      {{"--fill-from", "registry"}, "need --registry"},
+      {{"--registry", etcd_->url(), "--fill-from", "disk"}, "only \"registry\""},
+      {{"--registry", etcd_->url(), "--fill-serve", "127.0.0.1:0"}, "needs --fill-allow"},
+      {{"--registry", etcd_->url(), "--fill-serve", "127.0.0.1:0", "--fill-allow", "10.0.0.1/8"},
+       "--fill-allow"},
+  };
+  for (const auto& c : cases) {
+    const CommandResult r = serve(c.flags);
+    EXPECT_EQ(r.exit_code, 2) << c.error << ": " << r.err;
+    EXPECT_TRUE(Contains(r.err, c.error)) << r.err;
+  }
+}
+
 }  // namespace
 }  // namespace weightcache::testing
