@@ -282,7 +282,9 @@ struct FillAcceptor {
     }
     auto theirs = protocol::Manifest::Decode(manifest);
     if (!theirs.ok()) return Status(theirs.status()).Context("its manifest");
-    WEIGHTCACHE_RETURN_IF_ERROR(SameLayout(ours, *theirs));
+    if (Status same = SameLayout(ours, *theirs); !same.ok()) {
+      return same.Context("the source's layout is not our plan's");
+    }
     accepted.assign(manifest.begin(), manifest.end());
     return Status::Ok();
   }
