@@ -56,15 +56,16 @@ class FleetFillTest : public ::testing::Test {
 
   // Node A (serving `model`, default ours): ready and registered with its fill source's
   // endpoint.
-  std::unique_ptr<ServeProcess> StartSource(std::string model = "") {
+  std::unique_ptr<ServeProcess> StartSource(std::string model = "",
+                                            const std::string& node = "node-a") {
     if (model.empty()) model = model_;
-    std::vector<std::string> extra = Registry("node-a");
+    std::vector<std::string> extra = Registry(node);
     extra.insert(extra.end(), {"--fill-serve", "127.0.0.1:0", "--fill-allow", "127.0.0.1"});
-    auto a = ServeProcess::Start(HostServeArgs(model, dir_.Join("run-a"), extra),
-                                 dir_.Join("serve-a.log"));
+    auto a = ServeProcess::Start(HostServeArgs(model, dir_.Join("run-" + node), extra),
+                                 dir_.Join("serve-" + node + ".log"));
     if (a == nullptr) return nullptr;
-    EXPECT_TRUE(WaitForState(*a, dir_.Join("run-a"), CacheState::kReady).ok()) << a->Log();
-    EXPECT_TRUE(WaitSourceEndpoint()) << last_ls_ << "\n" << a->Log();
+    EXPECT_TRUE(WaitForState(*a, dir_.Join("run-" + node), CacheState::kReady).ok()) << a->Log();
+    EXPECT_TRUE(WaitSourceEndpoint(node)) << last_ls_ << "\n" << a->Log();
     return a;
   }
 
@@ -75,9 +76,9 @@ class FleetFillTest : public ::testing::Test {
                                dir_.Join("serve-b.log"));
   }
 
-  // Polls `fleet ls` (every 100 ms, at most 30 s) until node-a's entry is ready with an
+  // Polls `fleet ls` (every 100 ms, at most 30 s) until `node`'s entry is ready with an
   // endpoint on 127.0.0.1.
-  bool WaitSourceEndpoint() {
+  bool WaitSourceEndpoint(const std::string& node) {
     const auto until = std::chrono::steady_clock::now() + 30s;
     while (std::chrono::steady_clock::now() < until) {
       const CommandResult ls =
@@ -86,7 +87,7 @@ class FleetFillTest : public ::testing::Test {
       if (ls.exit_code == 0) {
         const nlohmann::json listed = nlohmann::json::parse(ls.out);
         for (const auto& e : listed["entries"]) {
-          if (e["node"] == "node-a" && e["state"] == "ready" &&
+          if (e["node"] == node && e["state"] == "ready" &&
               e["endpoint"].get<std::string>().rfind("127.0.0.1:", 0) == 0 &&
               e["endpoint"] != "127.0.0.1:0") {
             return true;
@@ -130,6 +131,23 @@ TEST_F(FleetFillTest, NodeBFillsFromNodeAWithEqualBytes) {
   EXPECT_TRUE(Contains(log, "filled from 1 source(s) (node-a 127.0.0.1:")) << log;
   EXPECT_FALSE(Contains(log, "loading from disk")) << log;
   EXPECT_FALSE(Contains(log, "loaded from disk")) << log;
+  ExpectVerifiedOnB();
+}
+
+TEST_F(FleetFillTest, TwoSourcesAreStripedAcross) {
+  auto a = StartSource();
+  ASSERT_NE(a, nullptr);
+  auto c = StartSource("", "node-c");
+  ASSERT_NE(c, nullptr);
+  ::setenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES", "65536", 1);  // 14 stripes, round-robin
+  auto b = StartFiller();
+  ::unsetenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES");
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
+  const std::string log = b->Log();
+  EXPECT_TRUE(Contains(log, "filled from 2 source(s) (")) << log;
+  EXPECT_TRUE(Contains(log, "node-a 127.0.0.1:")) << log;
+  EXPECT_TRUE(Contains(log, "node-c 127.0.0.1:")) << log;
   ExpectVerifiedOnB();
 }
 
