@@ -365,7 +365,11 @@ daemon::HostFill ServeRegistration::Filler() const {
       return request.accept(manifest);
     };
     ApplyFillTestHooks(&fetch);
-    LOG_INFO << "fill: pulling from " << fetch.sources.size() << " source(s)";
+    std::string listed;
+    for (size_t i = 0; i < fetch.sources.size(); ++i) {
+      listed += (i == 0 ? "" : ", ") + nodes[i] + " " + fetch.sources[i];
+    }
+    LOG_INFO << "fill: pulling from " << fetch.sources.size() << " source(s): " << listed;
     WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::FetchResult result, fleet::FetchArena(fetch));
     std::string each;
     size_t used = 0;
