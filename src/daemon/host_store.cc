@@ -294,7 +294,8 @@ struct FillAcceptor {
 
 Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
                                       const HostLayout& layout, const std::vector<UniqueFd>& memfds,
-                                      const HostFill& fill, std::vector<uint64_t>* chunk_hashes) {
+                                      const HostFill& fill, int threads,
+                                      std::vector<uint64_t>* chunk_hashes) {
   const size_t n = layout.order.size();
   if (n == 0 || memfds.empty()) return FillMismatch("nothing to fill: the plan holds no tensor");
   FillAcceptor acceptor;
@@ -322,21 +323,44 @@ Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Manifest theirs,
                                protocol::Manifest::Decode(acceptor.accepted));
 
-  // Every tensor's checksum over OUR memory against the manifest's. Position k of the file
-  // order holds tensor order[k], the record of rank k among the order's indices (name order).
+  // Every tensor's checksum over OUR memory against the manifest's: the chunk hashes on up to
+  // `threads` threads (the loader's work items, disjoint slices of the hashes), then combined
+  // per tensor. Position k of the file order holds tensor order[k], the record of rank k among
+  // the order's indices (name order).
+  const std::vector<HostItem> items = MakeHostItems(layout.sizes);
+  std::atomic<size_t> next_item{0};
+  const auto hash_items = [&] {
+    for (size_t m = next_item.fetch_add(1); m < items.size(); m = next_item.fetch_add(1)) {
+      const HostItem& item = items[m];
+      for (size_t i = item.first; i < item.first + item.count; ++i) {
+        const uint64_t from = item.count == 1 ? item.from : 0;
+        const uint64_t length = item.count == 1 ? item.length : layout.sizes[i];
+        const auto& place = layout.plan.placements[i];
+        HashChunks(request.allocations[place.allocation].data() + place.offset + from, length,
+                   std::span<uint64_t>(*chunk_hashes)
+                       .subspan(layout.chunk_begin[i] + from / kChecksumChunkBytes,
+                                ChecksumChunkCount(length)));
+      }
+    }
+  };
+  {
+    const size_t count = std::min(std::max<size_t>(items.size(), 1),
+                                  static_cast<size_t>(std::clamp(threads, 1, 256)));
+    std::vector<std::thread> pool;
+    pool.reserve(count - 1);
+    for (size_t t = 1; t < count; ++t) pool.emplace_back(hash_items);
+    hash_items();
+    for (auto& t : pool) t.join();
+  }
   std::vector<size_t> positions(n);
   std::iota(positions.begin(), positions.end(), size_t{0});
   std::sort(positions.begin(), positions.end(),
             [&](size_t a, size_t b) { return layout.order[a] < layout.order[b]; });
   for (size_t record = 0; record < n; ++record) {
     const size_t k = positions[record];
-    const auto& place = layout.plan.placements[k];
-    const uint8_t* data = request.allocations[place.allocation].data() + place.offset;
-    const auto hashes =
-        std::span<uint64_t>(*chunk_hashes)
-            .subspan(layout.chunk_begin[k], layout.chunk_begin[k + 1] - layout.chunk_begin[k]);
-    HashChunks(data, layout.sizes[k], hashes);
-    const uint64_t checksum = CombineChunkHashes(hashes);
+    const uint64_t checksum = CombineChunkHashes(
+        std::span<const uint64_t>(*chunk_hashes)
+            .subspan(layout.chunk_begin[k], layout.chunk_begin[k + 1] - layout.chunk_begin[k]));
     if (checksum != theirs.tensor(record).checksum) {
       return FillMismatch("tensor " + checkpoint.tensors()[layout.order[k]].name +
                           ": the checksum of the filled bytes differs from the source's manifest");
@@ -453,7 +477,8 @@ Result<WeightStore> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
   const uint64_t total_held =
       std::accumulate(layout.sizes.begin(), layout.sizes.end(), uint64_t{0});
   if (options.host_fill) {
-    auto filled = FillHostFromPeers(checkpoint, layout, memfds, options.host_fill, &chunk_hashes);
+    auto filled = FillHostFromPeers(checkpoint, layout, memfds, options.host_fill, options.threads,
+                                    &chunk_hashes);
     if (filled.ok()) {
       filled_from = "filled from " + *filled;
       if (control.progress) control.progress(total_held, total_held);

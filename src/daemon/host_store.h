@@ -92,7 +92,8 @@ Status RunHostItems(const checkpoint::Checkpoint& checkpoint, const HostLayout& 
 // maps them writable, runs `fill` with an accept() that decodes each source's manifest and
 // takes it only when its layout (tier, allocation sizes, every tensor's name, dtype, shape,
 // slice, allocation, offset and bytes) equals our plan's and it is byte-equal to the first
-// accepted one; then hashes every tensor in OUR memory into `chunk_hashes` and compares each
+// accepted one; then hashes every tensor in OUR memory into `chunk_hashes` (on up to `threads`
+// threads, clamped to 1..256 and the work items) and compares each
 // checksum with that manifest's, compares kFillSampleChunks random chunks (seeded from
 // std::random_device) with the checkpoint's own bytes, and zeroes the bytes between tensors.
 // OK: the description of the fill; the memfds hold verified bytes. An error (kMismatch for a
@@ -102,7 +103,8 @@ inline constexpr int kFillSampleChunks = 16;
 inline constexpr uint64_t kFillSampleBytes = uint64_t{256} << 10;
 Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
                                       const HostLayout& layout, const std::vector<UniqueFd>& memfds,
-                                      const HostFill& fill, std::vector<uint64_t>* chunk_hashes);
+                                      const HostFill& fill, int threads,
+                                      std::vector<uint64_t>* chunk_hashes);
 
 // Seals every memfd read-only; the error names the allocation. No writable mapping may exist
 // (the kernel refuses F_SEAL_WRITE while one does); the loader never maps them.

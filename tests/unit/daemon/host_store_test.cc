@@ -251,15 +251,21 @@ class HostFillTest : public HostStoreTest {
 };
 
 TEST_F(HostFillTest, AFillFromAnEqualStoreIsVerifiedAndServedWithItsManifest) {
-  const checkpoint::Checkpoint ckpt = Open(Make("fill", {"--tensors", "7", "--seed", "11"}));
+  // Tensors larger than a work item among smaller ones: the checksums are hashed in ranges
+  // on several threads.
+  const checkpoint::Checkpoint ckpt =
+      Open(Make("fill", {"--tensors", "5", "--dtypes", "f32,bf16", "--shards", "2", "--seed", "9",
+                         "--min-elems", "2200000", "--max-elems", "2500000"}));
   const WeightStore source = LoadSource(ckpt);
   LoadOptions options;
   options.cache_name = "weightcache:filler";
+  options.threads = 3;
   options.host_fill = CopyFrom(source);
   std::string memory;
   Result<WeightStore> store = LoadHostStore(ckpt, options, LoadControl{}, &memory);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   EXPECT_EQ(store->summary().filled_from, "filled from the test source");
+  EXPECT_GT(MakeHostItems(PlanHostLayout(ckpt, PageSize()).sizes).size(), ckpt.tensors().size());
   // The same checksums, layout and bytes: the manifest the filler serves is the source's.
   EXPECT_EQ(ManifestBytes(*store), ManifestBytes(source));
   for (const int fd : store->fds()) EXPECT_TRUE(os::CheckSealedReadOnly(fd).ok());
@@ -274,7 +280,7 @@ TEST_F(HostFillTest, ASourceOfAnotherLayoutIsRefusedBeforeItsBytesAreRead) {
   ASSERT_TRUE(memfds.ok());
   std::vector<uint64_t> chunk_hashes(layout.chunk_begin.back());
   const Result<std::string> filled =
-      FillHostFromPeers(ours, layout, *memfds, CopyFrom(source), &chunk_hashes);
+      FillHostFromPeers(ours, layout, *memfds, CopyFrom(source), /*threads=*/2, &chunk_hashes);
   ASSERT_FALSE(filled.ok());
   EXPECT_EQ(filled.status().code(), StatusCode::kMismatch) << filled.status().ToString();
 
@@ -296,8 +302,9 @@ TEST_F(HostFillTest, AWrongByteFailsTheChecksumOverOurMemory) {
   auto memfds = CreateHostMemfds("weightcache:filler", layout.plan);
   ASSERT_TRUE(memfds.ok());
   std::vector<uint64_t> chunk_hashes(layout.chunk_begin.back());
-  const Result<std::string> filled = FillHostFromPeers(
-      ckpt, layout, *memfds, CopyFrom(source, /*flip_first_byte=*/true), &chunk_hashes);
+  const Result<std::string> filled =
+      FillHostFromPeers(ckpt, layout, *memfds, CopyFrom(source, /*flip_first_byte=*/true),
+                        /*threads=*/2, &chunk_hashes);
   ASSERT_FALSE(filled.ok());
   EXPECT_EQ(filled.status().code(), StatusCode::kMismatch);
   EXPECT_THAT(filled.status().message(),
