@@ -74,5 +74,11 @@ cat "$work/fleet.log"
 [[ $rc == 1 ]] || fail "serve --registry exited $rc, expected 1"
 grep -qF "this build has no fleet support (it needs libcurl and UCX" "$work/fleet.log" ||
   fail "serve --registry did not name the missing fleet support"
+rc=0
+"$wc" serve "${ident[@]}" --tier host --fill-from registry >"$work/fill.log" 2>&1 || rc=$?
+cat "$work/fill.log"
+[[ $rc == 1 ]] || fail "serve --fill-from exited $rc, expected 1"
+grep -qF "fill-from registry: this build has no fleet support" "$work/fill.log" ||
+  fail "serve --fill-from did not name the missing fleet support"
 echo "host-only: OK (host tier served, attached with --verify and stopped; gpu tier and" \
      "fleet refused)"

@@ -560,6 +560,8 @@ int Run(ServeArgs& args) {
   auto registration_or = ServeRegistration::Create(args.registry, *id);
   if (!registration_or.ok()) return Fail(kCmd, registration_or.status());
   std::shared_ptr<ServeRegistration> registration = std::move(registration_or).value();
+  // --fill-from registry (docs/fleet.md "Fill"): the host-tier load tries other nodes first.
+  if (registration) options.load.host_fill = registration->Filler();
   if (registration && options.demotion.moved) {
     // Weak: the daemon's copies of the options must not keep the registration (and its
     // lease) alive past our reset below.
@@ -690,7 +692,7 @@ int Run(ServeArgs& args) {
   };
   events.on_ready = [&](const daemon::StoreSummary& s, double seconds) {
     progress.EndLine();
-    if (registration) registration->Ready(s);
+    if (registration) registration->Ready(s, (*daemon)->StoreFds());
     // MAINPID: an upgrade's successor (NotifyAccess=all in the unit) becomes the main process.
     notify("READY=1\nMAINPID=" + std::to_string(::getpid()) +
            "\nSTATUS=ready: " + std::to_string(s.tensor_count) + " tensors, " +
@@ -705,7 +707,8 @@ int Run(ServeArgs& args) {
     }
     LOG_INFO << "ready: " << s.tensor_count << " tensors, " << daemon::FormatBytes(s.tensor_bytes)
              << " (" << daemon::FormatBytes(s.resident_bytes) << " resident) in " << seconds
-             << " s, " << Rate(s.tensor_bytes, seconds);
+             << " s, " << Rate(s.tensor_bytes, seconds) << ", "
+             << (s.filled_from.empty() ? std::string("loaded from disk") : s.filled_from);
   };
   events.on_failed = [&](const Status& why) {
     progress.EndLine();

@@ -14,15 +14,25 @@ Status FleetNotBuilt(std::string_view what) {
                     "libcurl4-openssl-dev, libucx-dev; WEIGHTCACHE_FLEET, docs/building.md)");
 }
 
-void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope /*scope*/) {
+void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope) {
   sub->add_option("--registry", flags->url,
                   "etcd://HOST:PORT of the fleet registry (not in this build: docs/fleet.md)");
+  if (scope != RegistryFlagScope::kServe) return;
+  sub->add_option("--fill-from", flags->fill_from,
+                  "fill from other nodes (not in this build: docs/fleet.md)");
+  sub->add_option("--fill-serve", flags->fill_serve,
+                  "serve the arena to other nodes (not in this build: docs/fleet.md)");
+  sub->add_option("--fill-allow", flags->fill_allow,
+                  "the peers of --fill-serve (not in this build: docs/fleet.md)");
 }
 
 Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
     const RegistryFlags& flags, const identity::ResolvedIdentity& /*id*/) {
-  if (flags.url.empty()) return std::unique_ptr<ServeRegistration>();
-  return FleetNotBuilt("--registry " + flags.url);
+  if (!flags.url.empty()) return FleetNotBuilt("--registry " + flags.url);
+  if (!flags.fill_from.empty()) return FleetNotBuilt("--fill-from " + flags.fill_from);
+  if (!flags.fill_serve.empty()) return FleetNotBuilt("--fill-serve " + flags.fill_serve);
+  if (!flags.fill_allow.empty()) return FleetNotBuilt("--fill-allow " + flags.fill_allow);
+  return std::unique_ptr<ServeRegistration>();
 }
 
 void RegisterFleetCommand(CLI::App& root) {

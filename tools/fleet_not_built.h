@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "daemon/daemon.h"
@@ -21,6 +22,9 @@ Status FleetNotBuilt(std::string_view what);
 
 struct RegistryFlags {
   std::string url;  // --registry: accepted by the parser, refused by ServeRegistration::Create
+  std::string fill_from;  // --fill-from, --fill-serve, --fill-allow: likewise
+  std::string fill_serve;
+  std::string fill_allow;
 };
 
 enum class RegistryFlagScope { kServe, kList };
@@ -28,10 +32,11 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
 
 class ServeRegistration {
  public:
-  // nullptr without --registry; FleetNotBuilt with it.
+  // nullptr without --registry and --fill-*; FleetNotBuilt with any of them.
   static Result<std::unique_ptr<ServeRegistration>> Create(const RegistryFlags& flags,
                                                            const identity::ResolvedIdentity& id);
-  void Ready(const daemon::StoreSummary& /*summary*/) {}
+  daemon::HostFill Filler() const { return {}; }
+  void Ready(const daemon::StoreSummary& /*summary*/, std::span<const int> /*fds*/) {}
   void Moved(Tier /*tier*/) {}
   void Draining() {}
 

@@ -1,16 +1,30 @@
 #include "registry_flags.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <string_view>
 #include <utility>
 
 #include "common/hash.h"
 #include "common/logging.h"
+#include "common/unique_fd.h"
 #include "os/file_mapping.h"
 #include "os/host_name.h"
+#include "os/memfd.h"
+#include "protocol/manifest.h"
 
 namespace weightcache::cli {
+
+// Members in acquisition order: the server, destroyed first, stops reading the memory.
+struct ServeRegistration::FillSource {
+  std::vector<os::MappedRegion> mappings;  // read-only mappings of the sealed memfds
+  std::vector<uint8_t> poisoned;           // WEIGHTCACHE_TEST_FILL_POISON's copy
+  std::unique_ptr<fleet::ArenaServer> server;
+};
 
 void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope) {
   const bool serve = scope == RegistryFlagScope::kServe;
@@ -46,6 +60,18 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
                   "(default: \"\", no transport serves this cache yet)");
   sub->add_option("--node-name", flags->node_name,
                   "this node's name in the registry (default: the hostname)");
+  sub->add_option("--fill-from", flags->fill_from,
+                  "\"registry\" (with --registry; host tier): before reading the checkpoint, "
+                  "pull the arena from ready sources of the same fleet key on other nodes, "
+                  "verified (layout, every tensor's checksum, a sample of our own checkpoint) "
+                  "before ready; any failure reads the disk (docs/fleet.md \"Fill\")");
+  sub->add_option("--fill-serve", flags->fill_serve,
+                  "HOST:PORT (port 0: a free one; host tier): once ready, serve the arena to "
+                  "other nodes' --fill-from over UCX; the bound endpoint goes into the registry "
+                  "entry unless --advertise is given. Needs --fill-allow");
+  sub->add_option("--fill-allow", flags->fill_allow,
+                  "ADDR|CIDR[,...]: the peers that may fill from --fill-serve (\"0.0.0.0/0,::/0\" "
+                  "for everyone); an allowed peer can read the daemon's memory (docs/fleet.md)");
 }
 
 Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags) {
@@ -71,7 +97,30 @@ Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags) {
 
 Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
     const RegistryFlags& flags, const identity::ResolvedIdentity& id) {
-  if (flags.url.empty()) return std::unique_ptr<ServeRegistration>();
+  const bool fill = !flags.fill_from.empty() || !flags.fill_serve.empty();
+  if (flags.url.empty()) {
+    if (fill || !flags.fill_allow.empty()) {
+      return InvalidArgument("--fill-from, --fill-serve and --fill-allow need --registry");
+    }
+    return std::unique_ptr<ServeRegistration>();
+  }
+  if (!flags.fill_from.empty() && flags.fill_from != "registry") {
+    return InvalidArgument("--fill-from: \"" + flags.fill_from + "\" (only \"registry\")");
+  }
+  if (fill && id.config.tier != Tier::kHost) {
+    return InvalidArgument(
+        "--fill-from and --fill-serve: host tier only (the gpu tier's fill "
+        "is not built yet, docs/fleet.md)");
+  }
+  if (!flags.fill_serve.empty() && flags.fill_allow.empty()) {
+    return InvalidArgument("--fill-serve needs --fill-allow (the peers that may fill from it)");
+  }
+  fleet::PeerAllowList allow;
+  if (!flags.fill_allow.empty()) {
+    auto parsed = fleet::PeerAllowList::Parse(flags.fill_allow);
+    if (!parsed.ok()) return Status(parsed.status()).Context("--fill-allow");
+    allow = std::move(parsed).value();
+  }
   WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::EtcdClient client, RegistryClient(flags));
   fleet::RegistryEntry entry;
   entry.fleet_key = id.config.FleetDigest();
@@ -109,11 +158,23 @@ Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
                                fleet::Registrar::Create(std::move(client), options));
   LOG_INFO << "registry: " << flags.url << ", key " << fleet::EntryKey(flags.prefix, entry)
            << " (registered once the cache is ready)";
-  return std::unique_ptr<ServeRegistration>(
-      new ServeRegistration(std::move(registrar), std::move(entry), id.config.tier));
+  return std::unique_ptr<ServeRegistration>(new ServeRegistration(
+      std::move(registrar), std::move(entry), id.config.tier, flags, std::move(allow)));
 }
 
-ServeRegistration::~ServeRegistration() { registrar_->Stop(); }
+ServeRegistration::ServeRegistration(std::unique_ptr<fleet::Registrar> registrar,
+                                     fleet::RegistryEntry entry, Tier configured,
+                                     RegistryFlags flags, fleet::PeerAllowList allow)
+    : registrar_(std::move(registrar)),
+      flags_(std::move(flags)),
+      allow_(std::move(allow)),
+      entry_(std::move(entry)),
+      configured_(configured) {}
+
+ServeRegistration::~ServeRegistration() {
+  registrar_->Stop();
+  StopFillSource();
+}
 
 void ServeRegistration::PublishLocked() {
   Status published = registrar_->Publish(entry_);
@@ -127,6 +188,87 @@ namespace {
 // The SHA-256 of the manifest the daemon serves its clients (every tensor's name, dtype, shape,
 // place and checksum): equal for two caches of the same weights in the same layout. "" when it
 // cannot be read (the entry is still worth publishing).
+// The encoded manifest the daemon serves its clients, copied out of its sealed memfd.
+Result<std::vector<uint8_t>> ReadManifest(const daemon::ManifestFile& manifest) {
+  if (!manifest.fd.valid() || manifest.size == 0) return InternalError("the store has no manifest");
+  WEIGHTCACHE_ASSIGN_OR_RETURN(os::ReadOnlyMapping mapping,
+                               os::ReadOnlyMapping::Map(manifest.fd.get(), "the cache manifest"));
+  if (mapping.size() < manifest.size) return InternalError("the manifest memfd is short");
+  const auto* bytes = reinterpret_cast<const uint8_t*>(mapping.data());
+  return std::vector<uint8_t>(bytes, bytes + manifest.size);
+}
+
+// Test seams (tests/integration/fleet_fill_test.cc), read from the environment:
+//  * WEIGHTCACHE_TEST_FILL_POISON=1 on a source: it serves allocation 0 with its first byte
+//    flipped (a poisoned node), from a copy; the memfds are untouched.
+//  * WEIGHTCACHE_TEST_FILL_STRIPE_BYTES=N on a filler: stripes of N bytes (a small checkpoint
+//    then takes several), one read in flight.
+//  * WEIGHTCACHE_TEST_FILL_PAUSE_FIFO=PATH on a filler: after its first stripe, it opens that
+//    FIFO and reads it to its end, so a test can kill the source mid-transfer, then let go.
+bool PoisonFillForTest() {
+  const char* poison = std::getenv("WEIGHTCACHE_TEST_FILL_POISON");
+  return poison != nullptr && std::string_view(poison) == "1";
+}
+
+void ApplyFillTestHooks(fleet::FetchOptions* fetch) {
+  if (const char* stripe = std::getenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES"); stripe != nullptr) {
+    const uint64_t bytes = std::strtoull(stripe, nullptr, 10);
+    if (bytes > 0) {
+      fetch->stripe_bytes = bytes;
+      fetch->max_in_flight_per_source = 1;
+    }
+  }
+  const char* fifo = std::getenv("WEIGHTCACHE_TEST_FILL_PAUSE_FIFO");
+  if (fifo == nullptr || *fifo == '\0') return;
+  fetch->progress = [path = std::string(fifo), paused = false](uint64_t /*done*/,
+                                                               uint64_t /*total*/) mutable {
+    if (paused) return;
+    paused = true;
+    const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) return;
+    char buf[64];
+    while (true) {
+      const ssize_t n = ::read(fd.get(), buf, sizeof(buf));
+      if (n > 0 || (n < 0 && errno == EINTR)) continue;
+      return;
+    }
+  };
+}
+
+Result<ServeRegistration::FillSource> StartFillSource(const RegistryFlags& flags,
+                                                      const fleet::PeerAllowList& allow,
+                                                      const daemon::StoreSummary& summary,
+                                                      std::span<const int> fds) {
+  ServeRegistration::FillSource source;
+  fleet::ArenaServerOptions options;
+  options.listen = flags.fill_serve;
+  options.allow = allow;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(options.manifest, ReadManifest(summary.manifest));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Manifest manifest,
+                               protocol::Manifest::Decode(options.manifest));
+  if (manifest.allocation_sizes().size() != fds.size()) {
+    return InternalError("the store has " + std::to_string(fds.size()) +
+                         " allocations, its manifest " +
+                         std::to_string(manifest.allocation_sizes().size()));
+  }
+  for (size_t a = 0; a < fds.size(); ++a) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
+                                 os::MapReadOnly(fds[a], manifest.allocation_sizes()[a]));
+    options.regions.push_back({region.data(), region.size()});
+    source.mappings.push_back(std::move(region));
+  }
+  if (PoisonFillForTest() && !options.regions.empty()) {
+    const auto* first = static_cast<const uint8_t*>(options.regions[0].data);
+    source.poisoned.assign(first, first + options.regions[0].bytes);
+    source.poisoned[0] ^= 0xff;
+    options.regions[0].data = source.poisoned.data();
+    LOG_WARN << "fill source: WEIGHTCACHE_TEST_FILL_POISON: serving allocation 0 with its "
+                "first byte flipped";
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(source.server, fleet::ArenaServer::Start(std::move(options)));
+  return source;
+}
+
 std::string ManifestDigest(const daemon::ManifestFile& manifest) {
   if (!manifest.fd.valid() || manifest.size == 0) return "";
   auto mapping = os::ReadOnlyMapping::Map(manifest.fd.get(), "the cache manifest");
@@ -140,9 +282,20 @@ std::string ManifestDigest(const daemon::ManifestFile& manifest) {
 
 }  // namespace
 
-void ServeRegistration::Ready(const daemon::StoreSummary& summary) {
+void ServeRegistration::Ready(const daemon::StoreSummary& summary, std::span<const int> fds) {
   const std::string manifest_digest = ManifestDigest(summary.manifest);
   MutexLock lock(mu_);
+  if (!flags_.fill_serve.empty() && !fill_) {
+    auto started = StartFillSource(flags_, allow_, summary, fds);
+    if (started.ok()) {
+      fill_ = std::make_unique<FillSource>(std::move(started).value());
+      LOG_INFO << "fill source: serving the arena at " << fill_->server->endpoint() << " to "
+               << allow_.ToString();
+      if (flags_.advertise.empty()) entry_.endpoint = fill_->server->endpoint();
+    } else {
+      LOG_WARN << "fill source: not serving: " << started.status().ToString();
+    }
+  }
   ready_ = true;
   entry_.bytes = summary.tensor_bytes;
   entry_.tensors = summary.tensor_count;
@@ -169,6 +322,66 @@ void ServeRegistration::Draining() {
     }
   }
   registrar_->Withdraw();
+  StopFillSource();
+}
+
+void ServeRegistration::StopFillSource() {
+  MutexLock lock(mu_);
+  if (!fill_) return;
+  fill_->server->Stop();
+  LOG_INFO << "fill source: stopped (" << fill_->server->peers_accepted() << " peer(s) served)";
+  fill_.reset();
+}
+
+daemon::HostFill ServeRegistration::Filler() const {
+  if (flags_.fill_from.empty()) return {};
+  MutexLock lock(mu_);
+  return [flags = flags_, fleet_key = entry_.fleet_key,
+          node = entry_.node](const daemon::HostFillRequest& request) -> Result<std::string> {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::EtcdClient client, RegistryClient(flags));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<fleet::RegistryEntry> entries,
+                                 fleet::LookupSources(client, flags.prefix, fleet_key));
+    fleet::FetchOptions fetch;
+    std::vector<std::string> nodes;
+    for (const fleet::RegistryEntry& e : entries) {
+      // Ourselves excluded: an entry of this node is never a source of its own fill.
+      if (e.state != fleet::EntryState::kReady || e.endpoint.empty() || e.tier != "host" ||
+          e.node == node) {
+        continue;
+      }
+      fetch.sources.push_back(e.endpoint);
+      nodes.push_back(e.node);
+    }
+    if (fetch.sources.empty()) {
+      return Status(StatusCode::kNotFound,
+                    "no ready host-tier source with an endpoint among the registry's " +
+                        std::to_string(entries.size()) + " entries of fleet key " +
+                        fleet_key.substr(0, 16));
+    }
+    for (const std::span<uint8_t> allocation : request.allocations) {
+      fetch.destination.push_back({allocation.data(), allocation.size()});
+    }
+    fetch.accept = [&request](const std::string& /*source*/, std::span<const uint8_t> manifest) {
+      return request.accept(manifest);
+    };
+    ApplyFillTestHooks(&fetch);
+    std::string listed;
+    for (size_t i = 0; i < fetch.sources.size(); ++i) {
+      listed += (i == 0 ? "" : ", ") + nodes[i] + " " + fetch.sources[i];
+    }
+    LOG_INFO << "fill: pulling from " << fetch.sources.size() << " source(s): " << listed;
+    WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::FetchResult result, fleet::FetchArena(fetch));
+    std::string each;
+    size_t used = 0;
+    for (size_t i = 0; i < result.sources.size(); ++i) {
+      if (!result.sources[i].used || result.sources[i].bytes == 0) continue;
+      each += std::string(used++ == 0 ? "" : ", ") + nodes[i] + " " + result.sources[i].endpoint +
+              " " + std::to_string(result.sources[i].bytes) + " bytes";
+    }
+    char rate[96];
+    std::snprintf(rate, sizeof(rate), " in %.3f s, %.2f GB/s", result.seconds, result.gb_per_s);
+    return std::to_string(used) + " source(s) (" + each + ")" + rate;
+  };
 }
 
 }  // namespace weightcache::cli

@@ -4,11 +4,15 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "common/mutex.h"
 #include "daemon/daemon.h"
+#include "fleet/arena_transfer.h"
 #include "fleet/etcd_client.h"
 #include "fleet/registrar.h"
 #include "fleet/registry_entry.h"
@@ -28,11 +32,16 @@ struct RegistryFlags {
   int ttl_s = 10;
   std::string advertise;  // HOST:PORT of the transport; "" until one serves
   std::string node_name;  // "" = the hostname
+  // The fill (docs/fleet.md "Fill"), host tier only:
+  std::string fill_from;   // --fill-from registry: fill from ready sources before the disk
+  std::string fill_serve;  // --fill-serve HOST:PORT: serve our arena to fillers once ready
+  std::string fill_allow;  // --fill-allow ADDR|CIDR[,...]: who may fill from us
 };
 
 enum class RegistryFlagScope { kServe, kList };
 // --registry --registry-ca --registry-cert --registry-key --registry-prefix
-// --registry-timeout, and for kServe --registry-ttl --advertise --node-name.
+// --registry-timeout, and for kServe --registry-ttl --advertise --node-name --fill-from
+// --fill-serve --fill-allow.
 void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope);
 
 // The etcd client the flags describe. kInvalidArgument for a bad URL or TLS combination.
@@ -42,26 +51,46 @@ Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags);
 // back to the gpu tier), Moved() follows a demotion or promotion, Draining() and the
 // destructor withdraw it. Every method only hands the entry to the registrar's thread: none
 // waits for etcd, so the daemon's event loop never does. Thread-safe.
+//
+// With --fill-serve, Ready() also starts the fill source (a fleet::ArenaServer over read-only
+// mappings of the store's sealed memfds, the daemon's manifest as its blob) and advertises
+// its endpoint (--advertise overrides it); Draining() and the destructor stop it after the
+// entry is withdrawn. With --fill-from, Filler() is the load's host fill (weight_store.h).
 class ServeRegistration {
  public:
-  // nullptr when flags.url is empty. kInvalidArgument for bad flags (URL, TLS files, TTL,
-  // prefix, node name, --advertise).
+  // nullptr when flags.url is empty (kInvalidArgument then if a --fill-* flag is given).
+  // kInvalidArgument for bad flags (URL, TLS files, TTL, prefix, node name, --advertise,
+  // --fill-from other than "registry", --fill-serve without --fill-allow, a bad allow-list,
+  // --fill-* on the gpu tier).
   static Result<std::unique_ptr<ServeRegistration>> Create(const RegistryFlags& flags,
                                                            const identity::ResolvedIdentity& id);
   ~ServeRegistration();
 
-  void Ready(const daemon::StoreSummary& summary);
+  // --fill-from registry: looks up ready host-tier sources of our fleet key (not this node),
+  // and pulls from them with fleet::FetchArena. Empty without --fill-from.
+  daemon::HostFill Filler() const;
+
+  // `fds`: the store's allocation fds (Daemon::StoreFds), borrowed for the call; the fill
+  // source maps them.
+  void Ready(const daemon::StoreSummary& summary, std::span<const int> fds);
   void Moved(Tier tier);  // the cache's memory is now in `tier` (--demote host)
   void Draining();
 
+  // The fill source's server and the memory it serves (defined in registry_flags.cc).
+  struct FillSource;
+
  private:
   ServeRegistration(std::unique_ptr<fleet::Registrar> registrar, fleet::RegistryEntry entry,
-                    Tier configured)
-      : registrar_(std::move(registrar)), entry_(std::move(entry)), configured_(configured) {}
+                    Tier configured, RegistryFlags flags, fleet::PeerAllowList allow);
   void PublishLocked() WEIGHTCACHE_REQUIRES(mu_);
+  void StopFillSource();
 
   std::unique_ptr<fleet::Registrar> registrar_;
-  Mutex mu_;
+  const RegistryFlags flags_;
+  const fleet::PeerAllowList allow_;
+  mutable Mutex mu_;
+  // The fill source (--fill-serve) once ready.
+  std::unique_ptr<FillSource> fill_ WEIGHTCACHE_GUARDED_BY(mu_);
   fleet::RegistryEntry entry_ WEIGHTCACHE_GUARDED_BY(mu_);
   bool ready_ WEIGHTCACHE_GUARDED_BY(mu_) = false;
   const Tier configured_;

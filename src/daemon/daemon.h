@@ -203,6 +203,10 @@ class Daemon {
 
   const DaemonOptions& options() const { return options_; }
   const DaemonMetrics& metrics() const { return *options_.metrics; }
+  // The ready store's allocation fds (borrowed: valid while the store is, i.e. until the
+  // daemon drains or is destroyed), in manifest order; empty before ready. Run thread only:
+  // from a DaemonEvents callback (serve's fill source maps them in on_ready).
+  std::vector<int> StoreFds() const { return store_ ? store_->fds() : std::vector<int>{}; }
 
  private:
   // The release rule of the published path, for UniqueHandle: unlink it (we hold the lock, so

@@ -7,6 +7,8 @@
 //                     sized by its held bytes and read by its copy geometry
 //   MakeHostItems     the plan cut into work items of about kHostItemBytes, in file order
 //   CreateHostMemfds  one memfd per allocation of the plan, named "<cache>-<index>"
+//   FillHostFromPeers the fill from other nodes (serve --fill-from), verified, instead of
+//                     RunHostItems when it succeeds
 //   RunHostItems      reader threads: pread → hash → pwrite, through a bounce buffer each
 //   SealHostMemfds    F_SEAL_WRITE|GROW|SHRINK|SEAL on every memfd
 //   SummarizeHostStore  the tensors' checksums, the attach manifest (name order), the totals
@@ -85,6 +87,24 @@ Result<std::vector<UniqueFd>> CreateHostMemfds(const std::string& cache_name,
 Status RunHostItems(const checkpoint::Checkpoint& checkpoint, const HostLayout& layout,
                     const std::vector<HostItem>& items, const std::vector<UniqueFd>& memfds,
                     int threads, const LoadControl& control, std::vector<uint64_t>* chunk_hashes);
+
+// The fill from other nodes (LoadOptions::host_fill) into `memfds` (created, not yet sealed):
+// maps them writable, runs `fill` with an accept() that decodes each source's manifest and
+// takes it only when its layout (tier, allocation sizes, every tensor's name, dtype, shape,
+// slice, allocation, offset and bytes) equals our plan's and it is byte-equal to the first
+// accepted one; then hashes every tensor in OUR memory into `chunk_hashes` (on up to `threads`
+// threads, clamped to 1..256 and the work items) and compares each
+// checksum with that manifest's, compares kFillSampleChunks random chunks (seeded from
+// std::random_device) with the checkpoint's own bytes, and zeroes the bytes between tensors.
+// OK: the description of the fill; the memfds hold verified bytes. An error (kMismatch for a
+// layout, checksum or sample difference, naming the tensor): the memfds hold partial or wrong
+// data and must be discarded. The mappings are gone on return (the memfds can be sealed).
+inline constexpr int kFillSampleChunks = 16;
+inline constexpr uint64_t kFillSampleBytes = uint64_t{256} << 10;
+Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
+                                      const HostLayout& layout, const std::vector<UniqueFd>& memfds,
+                                      const HostFill& fill, int threads,
+                                      std::vector<uint64_t>* chunk_hashes);
 
 // Seals every memfd read-only; the error names the allocation. No writable mapping may exist
 // (the kernel refuses F_SEAL_WRITE while one does); the loader never maps them.

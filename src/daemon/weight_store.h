@@ -54,6 +54,9 @@ struct StoreSummary {
   uint64_t tensor_count = 0;
   uint64_t tensor_bytes = 0;    // sum of the tensors' bytes (what the checkpoint holds)
   uint64_t resident_bytes = 0;  // sum of the allocations (what the cache occupies)
+  // How the bytes came: "" = read from the checkpoint; otherwise a host-tier fill from other
+  // nodes (LoadOptions::host_fill), e.g. "filled from 1 source(s) (node-a 12 MB) in 0.1 s, ...".
+  std::string filled_from;
 };
 
 // The loaded weights, whatever the tier: one fd per allocation (sealed memfds, or exported VMM
@@ -90,6 +93,21 @@ class WeightStore {
   StoreSummary summary_;
 };
 
+// A host-tier fill from elsewhere (the fleet: docs/fleet.md "Fill"), offered the allocations
+// before the checkpoint's tensor data is read. The loader checks what it brings (host_store.h,
+// FillHostFromPeers): a source's manifest must be accepted by `accept` (its layout equal to
+// our own plan, every accepted source's manifest byte-equal to the first's) before a byte of
+// it is read; afterwards every tensor's checksum over our memory must equal that manifest's,
+// and a random sample of chunks must equal our own checkpoint's bytes.
+struct HostFillRequest {
+  std::vector<std::span<uint8_t>> allocations;  // writable mappings of the unsealed memfds
+  std::function<Status(std::span<const uint8_t> manifest)> accept;
+};
+// OK: every byte of every allocation written, `description` says from where ("1 source(s)
+// (node-a 12 MB) in 0.10 s, 0.12 GB/s"). An error: the allocations hold partial data (the
+// loader discards them and reads the disk).
+using HostFill = std::function<Result<std::string>(const HostFillRequest& request)>;
+
 struct LoadOptions {
   int threads = 16;            // reader threads (host tier: pread; gpu tier: pipeline readers)
   uint64_t memory_budget = 0;  // bytes the plan may occupy; 0 = unlimited
@@ -101,6 +119,9 @@ struct LoadOptions {
   // A sharded cache: this rank's plan of the checkpoint being loaded (either tier loads only
   // what it lists, ListHeldTensors); null = every tensor whole.
   const sharding::ShardPlan* shard_plan = nullptr;
+  // Host tier: tried before the disk when set (serve --fill-from); any failure is logged and
+  // the load reads the disk as if it were not set.
+  HostFill host_fill;
 };
 
 struct LoadControl {

@@ -211,6 +211,108 @@ TEST_F(HostStoreTest, LoadedStoreHoldsTheCheckpointBytesAndTheirChecksums) {
   }
 }
 
+// The fill (FillHostFromPeers): a "source" is a store loaded from a checkpoint, copied into
+// the filler's allocations by a fake HostFill that offers its manifest to accept() first, as
+// FetchArena does, then copies its bytes (optionally one byte flipped).
+class HostFillTest : public HostStoreTest {
+ protected:
+  WeightStore LoadSource(const checkpoint::Checkpoint& ckpt) {
+    LoadOptions options;
+    options.threads = 2;
+    options.cache_name = "weightcache:source";
+    std::string memory;
+    auto store = LoadHostStore(ckpt, options, LoadControl{}, &memory);
+    EXPECT_TRUE(store.ok()) << store.status().ToString();
+    return std::move(store).value();
+  }
+  static std::vector<uint8_t> ManifestBytes(const WeightStore& store) {
+    std::vector<uint8_t> bytes(store.summary().manifest.size);
+    EXPECT_EQ(::pread(store.summary().manifest.fd.get(), bytes.data(), bytes.size(), 0),
+              static_cast<ssize_t>(bytes.size()));
+    return bytes;
+  }
+  // Copies `source` into the request's allocations once accept() takes its manifest.
+  static HostFill CopyFrom(const WeightStore& source, bool flip_first_byte = false) {
+    return [&source, flip_first_byte](const HostFillRequest& request) -> Result<std::string> {
+      const std::vector<uint8_t> manifest = ManifestBytes(source);
+      WEIGHTCACHE_RETURN_IF_ERROR(request.accept(manifest));
+      const std::vector<int> fds = source.fds();
+      if (fds.size() != request.allocations.size()) return InternalError("allocation count");
+      for (size_t a = 0; a < fds.size(); ++a) {
+        const std::span<uint8_t> to = request.allocations[a];
+        if (::pread(fds[a], to.data(), to.size(), 0) != static_cast<ssize_t>(to.size())) {
+          return InternalError("pread");
+        }
+      }
+      if (flip_first_byte) request.allocations[0][0] ^= 0xff;
+      return std::string("the test source");
+    };
+  }
+};
+
+TEST_F(HostFillTest, AFillFromAnEqualStoreIsVerifiedAndServedWithItsManifest) {
+  // Tensors larger than a work item among smaller ones: the checksums are hashed in ranges
+  // on several threads.
+  const checkpoint::Checkpoint ckpt =
+      Open(Make("fill", {"--tensors", "5", "--dtypes", "f32,bf16", "--shards", "2", "--seed", "9",
+                         "--min-elems", "2200000", "--max-elems", "2500000"}));
+  const WeightStore source = LoadSource(ckpt);
+  LoadOptions options;
+  options.cache_name = "weightcache:filler";
+  options.threads = 3;
+  options.host_fill = CopyFrom(source);
+  std::string memory;
+  Result<WeightStore> store = LoadHostStore(ckpt, options, LoadControl{}, &memory);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  EXPECT_EQ(store->summary().filled_from, "filled from the test source");
+  EXPECT_GT(MakeHostItems(PlanHostLayout(ckpt, PageSize()).sizes).size(), ckpt.tensors().size());
+  // The same checksums, layout and bytes: the manifest the filler serves is the source's.
+  EXPECT_EQ(ManifestBytes(*store), ManifestBytes(source));
+  for (const int fd : store->fds()) EXPECT_TRUE(os::CheckSealedReadOnly(fd).ok());
+}
+
+TEST_F(HostFillTest, ASourceOfAnotherLayoutIsRefusedBeforeItsBytesAreRead) {
+  const checkpoint::Checkpoint ours = Open(Make("ours", {"--tensors", "7", "--seed", "11"}));
+  const checkpoint::Checkpoint other = Open(Make("other", {"--tensors", "5", "--seed", "12"}));
+  const WeightStore source = LoadSource(other);
+  const HostLayout layout = PlanHostLayout(ours, PageSize());
+  auto memfds = CreateHostMemfds("weightcache:filler", layout.plan);
+  ASSERT_TRUE(memfds.ok());
+  std::vector<uint64_t> chunk_hashes(layout.chunk_begin.back());
+  const Result<std::string> filled =
+      FillHostFromPeers(ours, layout, *memfds, CopyFrom(source), /*threads=*/2, &chunk_hashes);
+  ASSERT_FALSE(filled.ok());
+  EXPECT_EQ(filled.status().code(), StatusCode::kMismatch) << filled.status().ToString();
+
+  // Through the loader: logged, then the disk load; the store is the checkpoint's.
+  LoadOptions options;
+  options.cache_name = "weightcache:filler";
+  options.host_fill = CopyFrom(source);
+  std::string memory;
+  Result<WeightStore> store = LoadHostStore(ours, options, LoadControl{}, &memory);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  EXPECT_EQ(store->summary().filled_from, "");
+  EXPECT_EQ(ManifestBytes(*store), ManifestBytes(LoadSource(ours)));
+}
+
+TEST_F(HostFillTest, AWrongByteFailsTheChecksumOverOurMemory) {
+  const checkpoint::Checkpoint ckpt = Open(Make("poison", {"--tensors", "7", "--seed", "11"}));
+  const WeightStore source = LoadSource(ckpt);
+  const HostLayout layout = PlanHostLayout(ckpt, PageSize());
+  auto memfds = CreateHostMemfds("weightcache:filler", layout.plan);
+  ASSERT_TRUE(memfds.ok());
+  std::vector<uint64_t> chunk_hashes(layout.chunk_begin.back());
+  const Result<std::string> filled =
+      FillHostFromPeers(ckpt, layout, *memfds, CopyFrom(source, /*flip_first_byte=*/true),
+                        /*threads=*/2, &chunk_hashes);
+  ASSERT_FALSE(filled.ok());
+  EXPECT_EQ(filled.status().code(), StatusCode::kMismatch);
+  EXPECT_THAT(filled.status().message(),
+              HasSubstr("the checksum of the filled bytes differs from the source's manifest"));
+  EXPECT_THAT(filled.status().message(),
+              HasSubstr("tensor " + ckpt.tensors()[layout.order[0]].name + ":"));
+}
+
 TEST_F(HostStoreTest, APlanOverTheBudgetAllocatesNothing) {
   const checkpoint::Checkpoint ckpt = Open(Make("budget", {"--tensors", "4", "--seed", "4"}));
   LoadOptions options;

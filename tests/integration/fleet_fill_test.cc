@@ -1,0 +1,270 @@
+// `serve --fill-from registry` against a real etcd and real UCX over loopback TCP
+// (docs/fleet.md "Fill"): two "nodes" are two daemons with their own runtime dirs. Node A
+// serves its host-tier arena (--fill-serve, --fill-allow); node B fills from it with equal
+// bytes and never reads the tensor data from its disk; no source, a source killed mid-transfer
+// and a poisoned source all end with B loading from its disk, ready with correct bytes.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <thread>
+#include <vector>
+
+#include "common/unique_fd.h"
+#include "integration/daemon_process.h"
+#include "support/etcd_server.h"
+#include "support/test_env.h"
+
+namespace weightcache::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using protocol::CacheState;
+
+bool Contains(const std::string& text, const std::string& what) {
+  return text.find(what) != std::string::npos;
+}
+
+class FleetFillTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    etcd_ = StartEtcdOrSkip();
+    if (etcd_ == nullptr) return;
+    // The children inherit it: the transport runs over loopback TCP on any machine.
+    ::setenv("UCX_TLS", "tcp", 1);
+    model_ = MakeCheckpoint(dir_.Join("model"), 8, 1, 5, 65536);
+  }
+  void TearDown() override {
+    ::unsetenv("WEIGHTCACHE_TEST_FILL_POISON");
+    ::unsetenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES");
+    ::unsetenv("WEIGHTCACHE_TEST_FILL_PAUSE_FIFO");
+  }
+
+  std::vector<std::string> Registry(const std::string& node) const {
+    return {"--no-keeper", "--registry",         etcd_->url(), "--registry-ttl", "2", "--node-name",
+            node,          "--registry-timeout", "1"};
+  }
+
+  // Node A (serving `model`, default ours): ready and registered with its fill source's
+  // endpoint.
+  std::unique_ptr<ServeProcess> StartSource(std::string model = "",
+                                            const std::string& node = "node-a") {
+    if (model.empty()) model = model_;
+    std::vector<std::string> extra = Registry(node);
+    extra.insert(extra.end(), {"--fill-serve", "127.0.0.1:0", "--fill-allow", "127.0.0.1"});
+    auto a = ServeProcess::Start(HostServeArgs(model, dir_.Join("run-" + node), extra),
+                                 dir_.Join("serve-" + node + ".log"));
+    if (a == nullptr) return nullptr;
+    EXPECT_TRUE(WaitForState(*a, dir_.Join("run-" + node), CacheState::kReady).ok()) << a->Log();
+    EXPECT_TRUE(WaitSourceEndpoint(node)) << last_ls_ << "\n" << a->Log();
+    return a;
+  }
+
+  std::unique_ptr<ServeProcess> StartFiller() {
+    std::vector<std::string> extra = Registry("node-b");
+    extra.insert(extra.end(), {"--fill-from", "registry"});
+    return ServeProcess::Start(HostServeArgs(model_, dir_.Join("run-b"), extra),
+                               dir_.Join("serve-b.log"));
+  }
+
+  // Polls `fleet ls` (every 100 ms, at most 30 s) until `node`'s entry is ready with an
+  // endpoint on 127.0.0.1.
+  bool WaitSourceEndpoint(const std::string& node) {
+    const auto until = std::chrono::steady_clock::now() + 30s;
+    while (std::chrono::steady_clock::now() < until) {
+      const CommandResult ls =
+          RunCommand({CliPath(), "fleet", "ls", "--json", "--registry", etcd_->url()});
+      last_ls_ = ls.out + ls.err;
+      if (ls.exit_code == 0) {
+        const nlohmann::json listed = nlohmann::json::parse(ls.out);
+        for (const auto& e : listed["entries"]) {
+          if (e["node"] == node && e["state"] == "ready" &&
+              e["endpoint"].get<std::string>().rfind("127.0.0.1:", 0) == 0 &&
+              e["endpoint"] != "127.0.0.1:0") {
+            return true;
+          }
+        }
+      }
+      std::this_thread::sleep_for(100ms);
+    }
+    return false;
+  }
+
+  // `attach --verify --json` on node B's cache: every tensor's checksum against the files.
+  void ExpectVerifiedOnB() {
+    const CommandResult r =
+        RunCommand({CliPath(), "attach", "--model", model_, "--model-id", "tiny", "--tier", "host",
+                    "--runtime-dir", dir_.Join("run-b"), "--verify", "--json"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["source"], "daemon") << r.out;
+    EXPECT_EQ(j["tensors"], 8);
+    EXPECT_EQ(j["verify"]["ok"], true) << r.out;
+    EXPECT_EQ(j["verify"]["tensors"], 8) << r.out;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<EtcdServer> etcd_;
+  std::string model_;
+  std::string last_ls_;  // the last `fleet ls` of WaitSourceEndpoint, for its failure
+};
+
+TEST_F(FleetFillTest, NodeBFillsFromNodeAWithEqualBytes) {
+  auto a = StartSource();
+  ASSERT_NE(a, nullptr);
+  EXPECT_TRUE(Contains(a->Log(), "fill source: serving the arena at 127.0.0.1:")) << a->Log();
+  auto b = StartFiller();
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
+  const std::string log = b->Log();
+  // The ready line says where the bytes came from; the disk's tensor data was never read
+  // (only the verification's sample of it): no reader pass, no fallback.
+  EXPECT_TRUE(Contains(log, "filled from 1 source(s) (node-a 127.0.0.1:")) << log;
+  EXPECT_FALSE(Contains(log, "loading from disk")) << log;
+  EXPECT_FALSE(Contains(log, "loaded from disk")) << log;
+  ExpectVerifiedOnB();
+}
+
+TEST_F(FleetFillTest, TwoSourcesAreStripedAcross) {
+  auto a = StartSource();
+  ASSERT_NE(a, nullptr);
+  auto c = StartSource("", "node-c");
+  ASSERT_NE(c, nullptr);
+  ::setenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES", "65536", 1);  // 14 stripes, round-robin
+  auto b = StartFiller();
+  ::unsetenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES");
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
+  const std::string log = b->Log();
+  EXPECT_TRUE(Contains(log, "filled from 2 source(s) (")) << log;
+  EXPECT_TRUE(Contains(log, "node-a 127.0.0.1:")) << log;
+  EXPECT_TRUE(Contains(log, "node-c 127.0.0.1:")) << log;
+  ExpectVerifiedOnB();
+}
+
+TEST_F(FleetFillTest, NoSourceInTheRegistryLoadsFromDisk) {
+  auto b = StartFiller();
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
+  const std::string log = b->Log();
+  EXPECT_TRUE(Contains(log, "no ready host-tier source with an endpoint")) << log;
+  EXPECT_TRUE(Contains(log, "loading from disk")) << log;
+  EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+  ExpectVerifiedOnB();
+}
+
+TEST_F(FleetFillTest, APoisonedSourceIsCaughtByTheChecksumsAndBLoadsFromDisk) {
+  ::setenv("WEIGHTCACHE_TEST_FILL_POISON", "1", 1);
+  auto a = StartSource();
+  ::unsetenv("WEIGHTCACHE_TEST_FILL_POISON");
+  ASSERT_NE(a, nullptr);
+  auto b = StartFiller();
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
+  const std::string log = b->Log();
+  EXPECT_TRUE(Contains(log, "the checksum of the filled bytes differs from the source's manifest"))
+      << log;
+  EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+  ExpectVerifiedOnB();
+}
+
+TEST_F(FleetFillTest, ASourceKilledMidTransferLeavesBToItsDisk) {
+  auto a = StartSource();
+  ASSERT_NE(a, nullptr);
+  // B pulls 4 KiB stripes one at a time and, after its first, waits on the FIFO: A is killed
+  // while B holds a part of the arena, then B goes on.
+  const std::string fifo = dir_.Join("pause.fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << errno;
+  ::setenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES", "4096", 1);
+  ::setenv("WEIGHTCACHE_TEST_FILL_PAUSE_FIFO", fifo.c_str(), 1);
+  auto b = StartFiller();
+  ::unsetenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES");
+  ::unsetenv("WEIGHTCACHE_TEST_FILL_PAUSE_FIFO");
+  ASSERT_NE(b, nullptr);
+  // Opening the FIFO's write end without blocking succeeds once B has opened its read end.
+  UniqueFd writer;
+  const auto until = std::chrono::steady_clock::now() + 60s;
+  while (!writer && std::chrono::steady_clock::now() < until && b->Running()) {
+    writer = UniqueFd(::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC));
+    if (!writer) std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_TRUE(writer) << "B never paused mid-transfer\n" << b->Log();
+  a->Signal(SIGKILL);
+  ASSERT_EQ(a->WaitExit(10s), 128 + SIGKILL);
+  writer.Reset();  // B reads EOF and goes on: its next read from A fails
+  // At worst A is noticed by the stripe timeout (30 s), then the disk load.
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady, 120s).ok()) << b->Log();
+  const std::string log = b->Log();
+  EXPECT_TRUE(Contains(log, "fill: unavailable: arena fetch: every source failed")) << log;
+  EXPECT_TRUE(Contains(log, "loading from disk")) << log;
+  EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+  ExpectVerifiedOnB();
+}
+
+TEST_F(FleetFillTest, ASourceOfOtherWeightsWithEqualHeadersIsCaughtByTheDiskSample) {
+  // Another fine-tune: the same headers (so the same fleet key, which leaves out the files),
+  // other tensor bytes. Its manifest's checksums are its own bytes': only B's sample of its
+  // own checkpoint tells them apart.
+  const std::string other = dir_.Join("other");
+  std::filesystem::copy(model_, other, std::filesystem::copy_options::recursive);
+  for (const auto& file : std::filesystem::directory_iterator(other)) {
+    if (file.path().extension() != ".safetensors") continue;
+    std::fstream f(file.path(), std::ios::in | std::ios::out | std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    ASSERT_GE(bytes.size(), 8u);
+    uint64_t header = 0;
+    std::memcpy(&header, bytes.data(), sizeof(header));  // little-endian, as on x86 and arm
+    for (size_t i = 8 + header; i < bytes.size(); ++i)
+      bytes[i] = static_cast<char>(bytes[i] ^ 0x5a);
+    f.seekp(0);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    ASSERT_TRUE(f.good()) << file.path();
+  }
+  ASSERT_EQ(ConfigFor(other, "tiny").FleetDigest(), ConfigFor(model_, "tiny").FleetDigest());
+  auto a = StartSource(other);
+  ASSERT_NE(a, nullptr);
+  auto b = StartFiller();
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
+  const std::string log = b->Log();
+  EXPECT_TRUE(Contains(log, "differ from the checkpoint's")) << log;
+  EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+  ExpectVerifiedOnB();
+}
+
+TEST_F(FleetFillTest, BadFillFlagsAreUsageErrors) {
+  const auto serve = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = {CliPath(), "serve"};
+    for (auto& a : HostServeArgs(model_, dir_.Join("run-b"), std::move(extra))) {
+      args.push_back(std::move(a));
+    }
+    return RunCommand(args);
+  };
+  const struct {
+    std::vector<std::string> flags;
+    std::string error;
+  } cases[] = {
+      {{"--fill-from", "registry"}, "need --registry"},
+      {{"--registry", etcd_->url(), "--fill-from", "disk"}, "only \"registry\""},
+      {{"--registry", etcd_->url(), "--fill-serve", "127.0.0.1:0"}, "needs --fill-allow"},
+      {{"--registry", etcd_->url(), "--fill-serve", "127.0.0.1:0", "--fill-allow", "10.0.0.1/8"},
+       "--fill-allow"},
+  };
+  for (const auto& c : cases) {
+    const CommandResult r = serve(c.flags);
+    EXPECT_EQ(r.exit_code, 2) << c.error << ": " << r.err;
+    EXPECT_TRUE(Contains(r.err, c.error)) << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace weightcache::testing
