@@ -11,10 +11,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cli_common.h"
 #include "common/unique_fd.h"
+#include "fleet_flags.h"
 #include "identity/device_inventory.h"
 #include "identity/paths.h"
 #include "identity_flags.h"
@@ -33,6 +37,7 @@ using launcher::LaunchReport;
 
 struct LaunchArgs {
   launcher::ServeFlags serve;
+  RegistryFlags registry;  // serve's fleet flags, forwarded to every daemon (docs/fleet.md)
   int nnodes = 1;
   int node_rank = 0;
   int base_gpu_id = 0;
@@ -103,13 +108,23 @@ int RunLaunch(const LaunchArgs& args) {
   if (!plan.ok()) return Fail(kCmd, plan.status());
   // Every daemon's metrics address is valid (the largest rank's port fits), before any starts.
   for (const launcher::DaemonPlacement& p : *plan) {
-    auto metrics = launcher::MetricsAddrForRank(args.serve.metrics_addr,
-                                                launcher::JobRank(p, args.serve.identity.tp_size));
+    auto metrics = launcher::AddrForRank("--metrics-addr", args.serve.metrics_addr,
+                                         launcher::JobRank(p, args.serve.identity.tp_size),
+                                         launcher::RankedAddr::kHostPortOrUnixPath);
     if (!metrics.ok()) return Fail(kCmd, metrics.status());
+  }
+  // Likewise the fleet flags: the rules serve applies to them, and each daemon's ports.
+  std::map<int, std::vector<std::string>> fleet_args;
+  for (const launcher::DaemonPlacement& p : *plan) {
+    const int rank = launcher::JobRank(p, args.serve.identity.tp_size);
+    auto forwarded = RegistryServeArgs(args.registry, args.serve.identity.tier, rank);
+    if (!forwarded.ok()) return Fail(kCmd, forwarded.status());
+    fleet_args[rank] = std::move(forwarded).value();
   }
 
   launcher::ServeFlags serve = args.serve;
   serve.identity_args = ServeArgsFor;
+  serve.fleet_args = [fleet_args](int rank) { return fleet_args.at(rank); };
   IdentityOptions& id = serve.identity;
   if (id.namespace_name.empty()) id.namespace_name = std::string(identity::kDefaultNamespace);
   if (Status s = identity::ValidateNamespace(id.namespace_name); !s.ok()) return Fail(kCmd, s);
@@ -251,6 +266,10 @@ void RegisterLaunchCommand(CLI::App& root) {
                   "serve's --metrics-addr, per daemon: a Unix socket path gets the suffix "
                   ".<rank>, HOST:PORT the port PORT+rank (rank = pp_rank * tp_size + tp_rank; "
                   "port 0: each picks a free one)");
+  // --registry, --fill-from, --fill-serve …: serve's, for every daemon. A joining node of a
+  // multi-node job (--nnodes, --node-rank) fills each of its ranks from the nodes that hold
+  // the same rank (docs/fleet.md "Launch").
+  AddRegistryFlags(sub, &args->registry, RegistryFlagScope::kLaunch);
   SetAction(sub, [args] { return RunLaunch(*args); });
 }
 

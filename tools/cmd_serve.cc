@@ -33,6 +33,7 @@
 #include "daemon/byte_size.h"
 #include "daemon/daemon.h"
 #include "daemon/metrics_server.h"
+#include "fleet_flags.h"
 #include "identity/resolve.h"
 #include "identity_flags.h"
 #include "launcher/child_process.h"
@@ -43,12 +44,6 @@
 #include "os/syscalls.h"
 #include "protocol/connection.h"
 #include "sharding/planner.h"
-
-#if WEIGHTCACHE_HAVE_FLEET
-#include "registry_flags.h"
-#else
-#include "fleet_not_built.h"  // the same names, refusing --registry (WEIGHTCACHE_FLEET)
-#endif
 
 namespace weightcache::cli {
 namespace {

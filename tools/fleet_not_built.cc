@@ -17,7 +17,7 @@ Status FleetNotBuilt(std::string_view what) {
 void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope) {
   sub->add_option("--registry", flags->url,
                   "etcd://HOST:PORT of the fleet registry (not in this build: docs/fleet.md)");
-  if (scope != RegistryFlagScope::kServe) return;
+  if (scope == RegistryFlagScope::kList) return;
   sub->add_option("--fill-from", flags->fill_from,
                   "fill from other nodes (not in this build: docs/fleet.md)");
   sub->add_option("--fill-serve", flags->fill_serve,
@@ -26,12 +26,27 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
                   "the peers of --fill-serve (not in this build: docs/fleet.md)");
 }
 
-Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
-    const RegistryFlags& flags, const identity::ResolvedIdentity& /*id*/) {
+namespace {
+
+Status RefuseFleetFlags(const RegistryFlags& flags) {
   if (!flags.url.empty()) return FleetNotBuilt("--registry " + flags.url);
   if (!flags.fill_from.empty()) return FleetNotBuilt("--fill-from " + flags.fill_from);
   if (!flags.fill_serve.empty()) return FleetNotBuilt("--fill-serve " + flags.fill_serve);
   if (!flags.fill_allow.empty()) return FleetNotBuilt("--fill-allow " + flags.fill_allow);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, Tier /*tier*/,
+                                                   int /*rank*/) {
+  WEIGHTCACHE_RETURN_IF_ERROR(RefuseFleetFlags(flags));
+  return std::vector<std::string>();
+}
+
+Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
+    const RegistryFlags& flags, const identity::ResolvedIdentity& /*id*/) {
+  WEIGHTCACHE_RETURN_IF_ERROR(RefuseFleetFlags(flags));
   return std::unique_ptr<ServeRegistration>();
 }
 

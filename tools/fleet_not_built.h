@@ -1,14 +1,15 @@
 // What serve and main see of the fleet in a build without it (WEIGHTCACHE_FLEET, docs/fleet.md):
 // the names registry_flags.h declares, with the same meaning where a user can reach them —
-// `serve --registry …` fails before anything starts, saying the build has no fleet support
-// and what it needs — and nothing else. Only tools/CMakeLists.txt picks this over
-// registry_flags.h (one #if, in cmd_serve.cc).
+// `serve --registry …` and `launch --registry …` fail before anything starts, saying the
+// build has no fleet support and what it needs — and nothing else. Only fleet_flags.h picks
+// this over registry_flags.h.
 #pragma once
 
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "daemon/daemon.h"
 #include "identity/resolve.h"
@@ -27,8 +28,10 @@ struct RegistryFlags {
   std::string fill_allow;
 };
 
-enum class RegistryFlagScope { kServe, kList };
+enum class RegistryFlagScope { kServe, kLaunch, kList };
 void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope);
+// Empty without any fleet flag; FleetNotBuilt with one.
+Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, Tier tier, int rank);
 
 class ServeRegistration {
  public:

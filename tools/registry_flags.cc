@@ -3,15 +3,19 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string_view>
 #include <utility>
 
 #include "common/hash.h"
 #include "common/logging.h"
 #include "common/unique_fd.h"
+#include "launcher/serve_daemons.h"
 #include "os/file_mapping.h"
 #include "os/host_name.h"
 #include "os/memfd.h"
@@ -27,7 +31,10 @@ struct ServeRegistration::FillSource {
 };
 
 void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope) {
-  const bool serve = scope == RegistryFlagScope::kServe;
+  // `launch` forwards serve's flags to every daemon (RegistryServeArgs).
+  const bool serve = scope != RegistryFlagScope::kList;
+  const std::string per_rank =
+      scope == RegistryFlagScope::kLaunch ? " (launch: each daemon gets PORT + its rank)" : "";
   sub->add_option("--registry", flags->url,
                   serve ? "register this cache in the fleet registry once it is ready: "
                           "etcd://HOST:PORT[,HOST:PORT...] (etcd's JSON gateway over http; the "
@@ -57,7 +64,8 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
       ->check(CLI::Range(1, 3600));
   sub->add_option("--advertise", flags->advertise,
                   "HOST:PORT of the transport other nodes fill from, recorded in the entry "
-                  "(default: \"\", no transport serves this cache yet)");
+                  "(default: \"\", no transport serves this cache yet)" +
+                      per_rank);
   sub->add_option("--node-name", flags->node_name,
                   "this node's name in the registry (default: the hostname)");
   sub->add_option("--fill-from", flags->fill_from,
@@ -68,7 +76,8 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
   sub->add_option("--fill-serve", flags->fill_serve,
                   "HOST:PORT (port 0: a free one; host tier): once ready, serve the arena to "
                   "other nodes' --fill-from over UCX; the bound endpoint goes into the registry "
-                  "entry unless --advertise is given. Needs --fill-allow");
+                  "entry unless --advertise is given. Needs --fill-allow" +
+                      per_rank);
   sub->add_option("--fill-allow", flags->fill_allow,
                   "ADDR|CIDR[,...]: the peers that may fill from --fill-serve (\"0.0.0.0/0,::/0\" "
                   "for everyone); an allowed peer can read the daemon's memory (docs/fleet.md)");
@@ -95,19 +104,22 @@ Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags) {
   return client;
 }
 
-Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
-    const RegistryFlags& flags, const identity::ResolvedIdentity& id) {
+namespace {
+
+// The rules between the fleet flags, for serve and for launch before it starts a daemon; the
+// parsed --fill-allow (empty without it).
+Result<fleet::PeerAllowList> CheckFleetFlags(const RegistryFlags& flags, Tier tier) {
   const bool fill = !flags.fill_from.empty() || !flags.fill_serve.empty();
   if (flags.url.empty()) {
     if (fill || !flags.fill_allow.empty()) {
       return InvalidArgument("--fill-from, --fill-serve and --fill-allow need --registry");
     }
-    return std::unique_ptr<ServeRegistration>();
+    return fleet::PeerAllowList();
   }
   if (!flags.fill_from.empty() && flags.fill_from != "registry") {
     return InvalidArgument("--fill-from: \"" + flags.fill_from + "\" (only \"registry\")");
   }
-  if (fill && id.config.tier != Tier::kHost) {
+  if (fill && tier != Tier::kHost) {
     return InvalidArgument(
         "--fill-from and --fill-serve: host tier only (the gpu tier's fill "
         "is not built yet, docs/fleet.md)");
@@ -115,12 +127,59 @@ Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
   if (!flags.fill_serve.empty() && flags.fill_allow.empty()) {
     return InvalidArgument("--fill-serve needs --fill-allow (the peers that may fill from it)");
   }
-  fleet::PeerAllowList allow;
-  if (!flags.fill_allow.empty()) {
-    auto parsed = fleet::PeerAllowList::Parse(flags.fill_allow);
-    if (!parsed.ok()) return Status(parsed.status()).Context("--fill-allow");
-    allow = std::move(parsed).value();
+  if (flags.fill_allow.empty()) return fleet::PeerAllowList();
+  auto parsed = fleet::PeerAllowList::Parse(flags.fill_allow);
+  if (!parsed.ok()) return Status(parsed.status()).Context("--fill-allow");
+  return parsed;
+}
+
+// A number as the shortest text that parses back to it ("3", "0.5").
+std::string NumberText(double value) {
+  std::array<char, 32> text{};
+  auto [end, ec] = std::to_chars(text.data(), text.data() + text.size(), value);
+  return std::string(text.data(), ec == std::errc() ? end : text.data());
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, Tier tier,
+                                                   int rank) {
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckFleetFlags(flags, tier).status());
+  std::vector<std::string> args;
+  if (flags.url.empty()) return args;
+  auto add = [&args](const char* flag, const std::string& value) {
+    if (value.empty()) return;
+    args.push_back(flag);
+    args.push_back(value);
+  };
+  // The daemons need not share our working directory: files by absolute path.
+  auto absolute = [](const std::string& file) {
+    return file.empty() ? file : std::filesystem::absolute(file).string();
+  };
+  add("--registry", flags.url);
+  add("--registry-ca", absolute(flags.ca_file));
+  add("--registry-cert", absolute(flags.cert_file));
+  add("--registry-key", absolute(flags.key_file));
+  add("--registry-prefix", flags.prefix);
+  add("--registry-timeout", NumberText(flags.timeout_s));
+  add("--registry-ttl", std::to_string(flags.ttl_s));
+  add("--node-name", flags.node_name);
+  add("--fill-from", flags.fill_from);
+  add("--fill-allow", flags.fill_allow);
+  for (auto [flag, addr] :
+       {std::pair{"--advertise", &flags.advertise}, std::pair{"--fill-serve", &flags.fill_serve}}) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        std::string ranked,
+        launcher::AddrForRank(flag, *addr, rank, launcher::RankedAddr::kHostPort));
+    add(flag, ranked);
   }
+  return args;
+}
+
+Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
+    const RegistryFlags& flags, const identity::ResolvedIdentity& id) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::PeerAllowList allow, CheckFleetFlags(flags, id.config.tier));
+  if (flags.url.empty()) return std::unique_ptr<ServeRegistration>();
   WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::EtcdClient client, RegistryClient(flags));
   fleet::RegistryEntry entry;
   entry.fleet_key = id.config.FleetDigest();
@@ -185,9 +244,6 @@ void ServeRegistration::PublishLocked() {
 
 namespace {
 
-// The SHA-256 of the manifest the daemon serves its clients (every tensor's name, dtype, shape,
-// place and checksum): equal for two caches of the same weights in the same layout. "" when it
-// cannot be read (the entry is still worth publishing).
 // The encoded manifest the daemon serves its clients, copied out of its sealed memfd.
 Result<std::vector<uint8_t>> ReadManifest(const daemon::ManifestFile& manifest) {
   if (!manifest.fd.valid() || manifest.size == 0) return InternalError("the store has no manifest");

@@ -1,4 +1,4 @@
-// The fleet registry's flags (docs/fleet.md, docs/cli.md) — one table for `serve` and
+// The fleet registry's flags (docs/fleet.md) — one table for `serve`, `launch` and
 // `fleet ls` — and ServeRegistration, serve's link from its daemon's events to a
 // fleet::Registrar.
 #pragma once
@@ -18,6 +18,7 @@
 #include "fleet/registry_entry.h"
 #include "identity/resolve.h"
 #include "weightcache/status.h"
+#include "weightcache/tier.h"
 
 namespace weightcache::cli {
 
@@ -38,11 +39,19 @@ struct RegistryFlags {
   std::string fill_allow;  // --fill-allow ADDR|CIDR[,...]: who may fill from us
 };
 
-enum class RegistryFlagScope { kServe, kList };
+// kLaunch: serve's flags, which `launch` forwards to every daemon (RegistryServeArgs).
+enum class RegistryFlagScope { kServe, kLaunch, kList };
 // --registry --registry-ca --registry-cert --registry-key --registry-prefix
-// --registry-timeout, and for kServe --registry-ttl --advertise --node-name --fill-from
-// --fill-serve --fill-allow.
+// --registry-timeout, and for kServe and kLaunch --registry-ttl --advertise --node-name
+// --fill-from --fill-serve --fill-allow.
 void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope);
+
+// The serve arguments of `flags` for the daemon of job rank `rank` of a launch on `tier`:
+// every flag given, TLS files made absolute, --advertise and --fill-serve HOST:PORT made
+// PORT + rank (launcher::AddrForRank). Empty without --registry. kInvalidArgument for what
+// serve would refuse among the flags themselves (the rules of ServeRegistration::Create),
+// so that launch refuses it before any daemon starts.
+Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, Tier tier, int rank);
 
 // The etcd client the flags describe. kInvalidArgument for a bad URL or TLS combination.
 Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags);

@@ -15,21 +15,26 @@ int JobRank(const DaemonPlacement& placement, int tp_size) {
   return placement.pp_rank * tp_size + placement.tp_rank;
 }
 
-Result<std::string> MetricsAddrForRank(const std::string& addr, int rank) {
-  if (addr.empty() || addr.front() == '/') {
-    return addr.empty() ? addr : addr + "." + std::to_string(rank);
+Result<std::string> AddrForRank(std::string_view flag, const std::string& addr, int rank,
+                                RankedAddr kind) {
+  if (addr.empty()) return addr;
+  const bool unix_path = addr.front() == '/';
+  if (unix_path && kind == RankedAddr::kHostPortOrUnixPath) {
+    return addr + "." + std::to_string(rank);
   }
   const size_t colon = addr.rfind(':');
   const std::string port_text = colon == std::string::npos ? "" : addr.substr(colon + 1);
-  if (port_text.empty() || port_text.size() > 5 ||
+  if (unix_path || colon == 0 || port_text.empty() || port_text.size() > 5 ||
       port_text.find_first_not_of("0123456789") != std::string::npos) {
-    return InvalidArgument("--metrics-addr " + addr +
-                           ": not HOST:PORT nor an absolute Unix socket path");
+    return InvalidArgument(std::string(flag) + " " + addr +
+                           (kind == RankedAddr::kHostPortOrUnixPath
+                                ? ": not HOST:PORT nor an absolute Unix socket path"
+                                : ": not HOST:PORT"));
   }
   const int port = std::stoi(port_text);
   if (port == 0) return addr;
   if (port + rank > 65535) {
-    return InvalidArgument("--metrics-addr " + addr + ": the daemon of rank " +
+    return InvalidArgument(std::string(flag) + " " + addr + ": the daemon of rank " +
                            std::to_string(rank) + " would listen on port " +
                            std::to_string(port + rank) + ", past 65535");
   }
@@ -66,9 +71,15 @@ std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& pla
     add("--demote", flags.demote);
     for (uint32_t uid : flags.allow_uids) add("--allow-uid", std::to_string(uid));
     for (uint32_t gid : flags.allow_gids) add("--allow-gid", std::to_string(gid));
-    if (auto metrics = MetricsAddrForRank(flags.metrics_addr, JobRank(p, flags.identity.tp_size));
+    const int rank = JobRank(p, flags.identity.tp_size);
+    if (auto metrics = AddrForRank("--metrics-addr", flags.metrics_addr, rank,
+                                   RankedAddr::kHostPortOrUnixPath);
         metrics.ok()) {
       add("--metrics-addr", *metrics);
+    }
+    if (flags.fleet_args) {
+      const std::vector<std::string> fleet = flags.fleet_args(rank);
+      argv.insert(argv.end(), fleet.begin(), fleet.end());
     }
     // "GPU-1a2b3c4d-…" → "1a2b3c4d": short, and unique among the GPUs of one host in practice.
     std::string tag = p.device_uuid;

@@ -20,6 +20,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "identity/paths.h"
@@ -54,20 +55,27 @@ struct ServeFlags {
   // running as another user than the daemons', e.g. in another pod); forwarded as given.
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;
-  // serve's --metrics-addr, made per daemon by MetricsAddrForRank ("" = no metrics). The
-  // caller checks it with MetricsAddrForRank for the job's largest rank first.
+  // serve's --metrics-addr, made per daemon by AddrForRank ("" = no metrics). The caller
+  // checks it with AddrForRank for the job's largest rank first.
   std::string metrics_addr;
+  // The fleet flags of serve (--registry and its kin, --fill-*: tools/registry_flags.h) of the
+  // daemon of job rank `rank`, appended as given; null = none. The caller validated them for
+  // every rank of the plan before any daemon starts.
+  std::function<std::vector<std::string>(int rank)> fleet_args;
 };
 
 // The daemon's rank within its job, the one numbering of per-daemon resources:
 // pp_rank * tp_size + tp_rank.
 int JobRank(const DaemonPlacement& placement, int tp_size);
 
-// The metrics address of the daemon of job rank `rank`, from the job's `addr` (docs/cli.md):
-// a Unix socket path (it starts with '/') gets the suffix ".<rank>"; HOST:PORT gets the port
-// PORT + rank (port 0 stays 0: each daemon picks a free one and logs it). kInvalidArgument for
-// a port that is not a number or would pass 65535.
-Result<std::string> MetricsAddrForRank(const std::string& addr, int rank);
+// The address of the daemon of job rank `rank` from the job's `addr` given to `flag`, the one
+// rule for per-daemon listening addresses (docs/launcher.md): HOST:PORT gets the port PORT + rank
+// (port 0 stays 0: each daemon picks a free one and logs it); with kHostPortOrUnixPath an
+// absolute Unix socket path gets the suffix ".<rank>". "" stays "". kInvalidArgument, naming
+// the flag, for anything else or a port that would pass 65535.
+enum class RankedAddr { kHostPort, kHostPortOrUnixPath };
+Result<std::string> AddrForRank(std::string_view flag, const std::string& addr, int rank,
+                                RankedAddr kind);
 
 struct JobFiles {
   std::string exe;      // absolute path of the weightcache binary

@@ -10,11 +10,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
 #include <vector>
@@ -239,6 +241,213 @@ TEST_F(FleetFillTest, ASourceOfOtherWeightsWithEqualHeadersIsCaughtByTheDiskSamp
   EXPECT_TRUE(Contains(log, "differ from the checkpoint's")) << log;
   EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
   ExpectVerifiedOnB();
+}
+
+// `launch` forwards the fleet flags to every daemon. A TP=4 job over two nodes (--nnodes 2,
+// two fake GPUs each): nodes a0 and a1 (node ranks 0 and 1) serve their ranks' arenas; node b
+// joins as node rank 1 and fills each of its ranks (tp 2 and 3) from a1's daemon of the same
+// rank, never from a0 (the fleet key holds the ranks) and never from its disk.
+class FleetLaunchTest : public FleetFillTest {
+ protected:
+  void SetUp() override {
+    FleetFillTest::SetUp();
+    if (IsSkipped()) return;
+    nlohmann::json inventory = nlohmann::json::array();
+    for (int i = 0; i < 2; ++i) {
+      inventory.push_back({{"index", i},
+                           {"uuid", "GPU-00000000-0000-0000-0000-00000000000" + std::to_string(i)},
+                           {"name", "Fake H200"},
+                           {"memory_bytes", 150'000'000'000ULL}});
+    }
+    std::ofstream(dir_.Join("inventory.json")) << inventory.dump();
+    std::ofstream(dir_.Join("rules.json"))
+        << R"({"format": 1, "rules": [{"match": ".*", "mode": "replicate"}]})";
+  }
+  void TearDown() override {
+    // The daemons of a launch outlive it (and are not our children): stop them and wait.
+    for (pid_t pid : started_) ::kill(pid, SIGTERM);
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    for (pid_t pid : started_) {
+      while (::kill(pid, 0) == 0 && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(20ms);
+      }
+      EXPECT_NE(::kill(pid, 0), 0) << "daemon " << pid << " ignored SIGTERM";
+    }
+    FleetFillTest::TearDown();
+  }
+
+  // `launch` of node rank `node_rank` of the TP=4 job, as node `node`, under its own runtime
+  // dir; `extra` after the rest. Returns the exit code; `json` gets the summary.
+  int Launch(const std::string& node, int node_rank, std::vector<std::string> extra,
+             nlohmann::json* json = nullptr, std::string* err = nullptr) {
+    std::vector<std::string> argv = {CliPath(),
+                                     "launch",
+                                     "--model",
+                                     model_,
+                                     "--model-id",
+                                     "tiny",
+                                     "--tier",
+                                     "host",
+                                     "--tp-size",
+                                     "4",
+                                     "--shard-rules",
+                                     dir_.Join("rules.json"),
+                                     "--nnodes",
+                                     "2",
+                                     "--node-rank",
+                                     std::to_string(node_rank),
+                                     "--runtime-dir",
+                                     dir_.Join("run-" + node),
+                                     "--device-inventory",
+                                     dir_.Join("inventory.json"),
+                                     "--threads",
+                                     "2",
+                                     "--ready-timeout",
+                                     "60",
+                                     "--json",
+                                     "--registry",
+                                     etcd_->url(),
+                                     "--registry-ttl",
+                                     "2",
+                                     "--registry-timeout",
+                                     "1",
+                                     "--node-name",
+                                     node};
+    if (std::find(extra.begin(), extra.end(), "--tier") != extra.end()) {
+      argv.erase(argv.begin() + 6, argv.begin() + 8);  // "--tier", "host": the extra one's
+    }
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    const CommandResult r = RunCommand(argv);
+    if (err != nullptr) *err = r.err;
+    const nlohmann::json summary = nlohmann::json::parse(r.out, nullptr, false);
+    if (r.exit_code == 0 && !summary.is_discarded()) {
+      for (const auto& d : summary["daemons"]) started_.push_back(d["pid"].get<pid_t>());
+    }
+    if (json != nullptr) *json = summary;
+    return r.exit_code;
+  }
+
+  // The `fleet ls --json` entries of `node` that are ready with a bound endpoint, by tp rank.
+  std::map<int, std::string> ReadyEndpoints(const std::string& node) {
+    std::map<int, std::string> endpoints;
+    const CommandResult ls =
+        RunCommand({CliPath(), "fleet", "ls", "--json", "--registry", etcd_->url()});
+    last_ls_ = ls.out + ls.err;
+    if (ls.exit_code != 0) return endpoints;
+    const nlohmann::json listed = nlohmann::json::parse(ls.out);
+    for (const auto& e : listed["entries"]) {
+      const std::string endpoint = e["endpoint"];
+      if (e["node"] == node && e["state"] == "ready" && endpoint.rfind("127.0.0.1:", 0) == 0 &&
+          endpoint != "127.0.0.1:0") {
+        endpoints[e["tp_rank"].get<int>()] = endpoint;
+      }
+    }
+    return endpoints;
+  }
+  std::map<int, std::string> WaitReadyEndpoints(const std::string& node, size_t count) {
+    const auto until = std::chrono::steady_clock::now() + 30s;
+    std::map<int, std::string> endpoints = ReadyEndpoints(node);
+    while (endpoints.size() < count && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(100ms);
+      endpoints = ReadyEndpoints(node);
+    }
+    return endpoints;
+  }
+
+  static std::string ReadLog(const std::string& path) {
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+
+  std::vector<pid_t> started_;
+};
+
+TEST_F(FleetLaunchTest, AJoiningNodeFillsEveryRankFromTheNodeHoldingThatRank) {
+  const std::vector<std::string> serve_fill = {"--fill-serve", "127.0.0.1:0", "--fill-allow",
+                                               "127.0.0.1"};
+  nlohmann::json a0;
+  nlohmann::json a1;
+  ASSERT_EQ(Launch("a0", 0, serve_fill, &a0), 0) << a0.dump();
+  ASSERT_EQ(Launch("a1", 1, serve_fill, &a1), 0) << a1.dump();
+  const std::map<int, std::string> a0_endpoints = WaitReadyEndpoints("a0", 2);
+  ASSERT_EQ(a0_endpoints.size(), 2u) << last_ls_;
+  const std::map<int, std::string> a1_endpoints = WaitReadyEndpoints("a1", 2);
+  ASSERT_EQ(a1_endpoints.size(), 2u) << last_ls_;
+  EXPECT_EQ(a0_endpoints.begin()->first, 0);
+  EXPECT_EQ(a1_endpoints.begin()->first, 2);
+
+  nlohmann::json b;
+  std::string err;
+  ASSERT_EQ(Launch("b", 1, {"--fill-from", "registry"}, &b, &err), 0) << b.dump() << err;
+  ASSERT_EQ(b["daemons"].size(), 2u) << b.dump();
+  for (const auto& d : b["daemons"]) {
+    const int tp_rank = d["tp_rank"];
+    const std::string log = ReadLog(d["log"]);
+    // Every fleet flag reached the daemon, and its bytes came from a1's daemon of its rank.
+    EXPECT_TRUE(Contains(log, "--fill-from registry")) << log;
+    EXPECT_TRUE(Contains(log, "--node-name b")) << log;
+    EXPECT_TRUE(Contains(log, "--registry-ttl 2")) << log;
+    EXPECT_TRUE(Contains(log, "filled from 1 source(s) (a1 " + a1_endpoints.at(tp_rank)))
+        << "tp " << tp_rank << ":\n"
+        << log;
+    EXPECT_FALSE(Contains(log, "(a0 ")) << log;
+    EXPECT_FALSE(Contains(log, "loading from disk")) << log;
+
+    const CommandResult r = RunCommand({CliPath(),
+                                        "attach",
+                                        "--model",
+                                        model_,
+                                        "--model-id",
+                                        "tiny",
+                                        "--tier",
+                                        "host",
+                                        "--tp-size",
+                                        "4",
+                                        "--tp-rank",
+                                        std::to_string(tp_rank),
+                                        "--shard-rules",
+                                        dir_.Join("rules.json"),
+                                        "--runtime-dir",
+                                        dir_.Join("run-b"),
+                                        "--device-inventory",
+                                        dir_.Join("inventory.json"),
+                                        "--device",
+                                        d["device_uuid"],
+                                        "--on-missing",
+                                        "error",
+                                        "--verify",
+                                        "--json"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto attached = nlohmann::json::parse(r.out);
+    EXPECT_EQ(attached["source"], "daemon") << r.out;
+    EXPECT_EQ(attached["verify"]["ok"], true) << r.out;
+    EXPECT_EQ(attached["verify"]["tensors"], 8) << r.out;
+  }
+}
+
+TEST_F(FleetLaunchTest, BadFleetFlagsStopTheLaunchBeforeAnyDaemonStarts) {
+  const struct {
+    std::vector<std::string> flags;
+    std::string error;
+  } cases[] = {
+      // Rank 3 (node rank 1's second) would serve on port 65536.
+      {{"--fill-serve", "127.0.0.1:65533", "--fill-allow", "127.0.0.1"},
+       "--fill-serve 127.0.0.1:65533: the daemon of rank 3 would listen on port 65536"},
+      {{"--fill-serve", "/run/fill.sock", "--fill-allow", "127.0.0.1"}, "not HOST:PORT"},
+      {{"--advertise", "10.0.0.5"}, "--advertise 10.0.0.5: not HOST:PORT"},
+      {{"--fill-serve", "127.0.0.1:0"}, "needs --fill-allow"},
+      {{"--fill-from", "disk"}, "only \"registry\""},
+  };
+  for (const auto& c : cases) {
+    std::string err;
+    EXPECT_EQ(Launch("b", 1, c.flags, nullptr, &err), 2) << c.error << ": " << err;
+    EXPECT_TRUE(Contains(err, c.error)) << err;
+  }
+  // The gpu tier has no fill yet: refused up front too.
+  std::string err;
+  EXPECT_EQ(Launch("b", 1, {"--tier", "gpu", "--fill-from", "registry"}, nullptr, &err), 2) << err;
+  EXPECT_TRUE(Contains(err, "host tier only")) << err;
+  EXPECT_TRUE(FindSockets(dir_.Join("run-b")).empty()) << "a daemon was started";
 }
 
 TEST_F(FleetFillTest, BadFillFlagsAreUsageErrors) {

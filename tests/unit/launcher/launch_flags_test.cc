@@ -17,14 +17,16 @@
 namespace weightcache::cli {
 namespace {
 
+using launcher::AddrForRank;
 using launcher::BuildDaemonSpecs;
 using launcher::DaemonPlacement;
 using launcher::JobFiles;
 using launcher::JobRank;
-using launcher::MetricsAddrForRank;
+using launcher::RankedAddr;
 using launcher::ServeFlags;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr const char* kGpu0 = "GPU-1a2b3c4d-0000-4000-8000-000000000000";
 constexpr const char* kGpu2 = "GPU-5e6f7a8b-0000-4000-8000-000000000002";
@@ -165,22 +167,38 @@ TEST(LaunchFlagsTest, EveryJobFlagReachesEveryDaemonAsServeParsesIt) {
   EXPECT_TRUE(specs[0].socket_path.empty()) << "paths are discovered from the running daemon";
 }
 
-TEST(LaunchFlagsTest, MetricsAddrIsMadePerDaemon) {
+TEST(LaunchFlagsTest, ListeningAddressesAreMadePerDaemon) {
   EXPECT_EQ(
       JobRank({.tp_rank = 1, .pp_rank = 2, .ep_rank = 0, .local_gpu_id = 0, .device_uuid = ""}, 4),
       9);
-  EXPECT_EQ(*MetricsAddrForRank("127.0.0.1:9400", 3), "127.0.0.1:9403");
-  EXPECT_EQ(*MetricsAddrForRank("[::1]:9400", 0), "[::1]:9400");
-  EXPECT_EQ(*MetricsAddrForRank("localhost:0", 5), "localhost:0");  // each picks a free port
-  EXPECT_EQ(*MetricsAddrForRank("/run/wc/metrics.sock", 2), "/run/wc/metrics.sock.2");
-  EXPECT_EQ(*MetricsAddrForRank("", 2), "");
-  auto past = MetricsAddrForRank("127.0.0.1:65535", 1);
+  auto metrics = [](const std::string& addr, int rank) {
+    return AddrForRank("--metrics-addr", addr, rank, RankedAddr::kHostPortOrUnixPath);
+  };
+  EXPECT_EQ(*metrics("127.0.0.1:9400", 3), "127.0.0.1:9403");
+  EXPECT_EQ(*metrics("[::1]:9400", 0), "[::1]:9400");
+  EXPECT_EQ(*metrics("localhost:0", 5), "localhost:0");  // each picks a free port
+  EXPECT_EQ(*metrics("/run/wc/metrics.sock", 2), "/run/wc/metrics.sock.2");
+  EXPECT_EQ(*metrics("", 2), "");
+  auto past = metrics("127.0.0.1:65535", 1);
   ASSERT_FALSE(past.ok());
   EXPECT_EQ(past.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(past.status().message(), HasSubstr("rank 1 would listen on port 65536"));
-  auto bad = MetricsAddrForRank("metrics", 0);
+  EXPECT_THAT(past.status().message(),
+              HasSubstr("--metrics-addr 127.0.0.1:65535: the daemon of rank 1 would listen on "
+                        "port 65536"));
+  auto bad = metrics("metrics", 0);
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(bad.status().message(), HasSubstr("not HOST:PORT nor an absolute Unix socket path"));
+
+  // The fleet's transport endpoints are HOST:PORT only.
+  EXPECT_EQ(*AddrForRank("--fill-serve", "10.0.0.5:7400", 6, RankedAddr::kHostPort),
+            "10.0.0.5:7406");
+  for (const char* not_host_port : {"/run/wc/fill.sock", ":7400", "10.0.0.5", "10.0.0.5:74x"}) {
+    auto refused = AddrForRank("--fill-serve", not_host_port, 1, RankedAddr::kHostPort);
+    ASSERT_FALSE(refused.ok()) << not_host_port;
+    EXPECT_THAT(refused.status().message(),
+                HasSubstr("--fill-serve " + std::string(not_host_port) + ": not HOST:PORT"));
+    EXPECT_THAT(refused.status().message(), Not(HasSubstr("Unix")));
+  }
 }
 
 // ServeArgsFor over the whole one-cache scope (per-daemon flags and --socket included): what it

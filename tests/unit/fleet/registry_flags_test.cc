@@ -1,0 +1,115 @@
+// The fleet flags `launch` forwards (tools/registry_flags.h RegistryServeArgs): parsed with the
+// real registrations, every flag launch accepts comes out of the forwarding and `serve` parses
+// it back to the same value, per rank where the rule says so.
+#include "registry_flags.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <CLI/CLI.hpp>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace weightcache::cli {
+namespace {
+
+using ::testing::HasSubstr;
+
+void Parse(CLI::App& app, const std::vector<std::string>& args) {
+  std::vector<const char*> argv = {"weightcache"};
+  for (const std::string& a : args) argv.push_back(a.c_str());
+  ASSERT_NO_THROW(app.parse(static_cast<int>(argv.size()), argv.data()));
+}
+
+// Every fleet flag of launch, with a value that differs from its default.
+const std::vector<std::string> kLaunchFleetArgs = {"launch",
+                                                   "--registry",
+                                                   "etcds://10.0.0.1:2379,10.0.0.2:2379",
+                                                   "--registry-ca",
+                                                   "ca.pem",
+                                                   "--registry-cert",
+                                                   "client.pem",
+                                                   "--registry-key",
+                                                   "client.key",
+                                                   "--registry-prefix",
+                                                   "/fleet-a",
+                                                   "--registry-timeout",
+                                                   "0.5",
+                                                   "--registry-ttl",
+                                                   "7",
+                                                   "--advertise",
+                                                   "10.0.0.9:7500",
+                                                   "--node-name",
+                                                   "node-9",
+                                                   "--fill-from",
+                                                   "registry",
+                                                   "--fill-serve",
+                                                   "0.0.0.0:7400",
+                                                   "--fill-allow",
+                                                   "10.0.0.0/8,::1"};
+
+TEST(RegistryFlagsTest, LaunchForwardsEveryFleetFlagAndServeParsesItBack) {
+  CLI::App launch_app;
+  RegistryFlags launch;
+  CLI::App* launch_sub = launch_app.add_subcommand("launch");
+  AddRegistryFlags(launch_sub, &launch, RegistryFlagScope::kLaunch);
+  Parse(launch_app, kLaunchFleetArgs);
+  for (const CLI::Option* opt : launch_sub->get_options()) {
+    if (opt->get_name() == "--help") continue;
+    EXPECT_EQ(opt->count(), 1u) << opt->get_name() << " is not set by this test's command line";
+  }
+
+  auto forwarded = RegistryServeArgs(launch, Tier::kHost, 3);
+  ASSERT_TRUE(forwarded.ok()) << forwarded.status().ToString();
+  std::vector<std::string> serve_args = {"serve"};
+  serve_args.insert(serve_args.end(), forwarded->begin(), forwarded->end());
+  CLI::App serve_app;
+  RegistryFlags serve;
+  CLI::App* serve_sub = serve_app.add_subcommand("serve");
+  AddRegistryFlags(serve_sub, &serve, RegistryFlagScope::kServe);
+  Parse(serve_app, serve_args);
+  // Every flag serve registers reached it: none is left out of the forwarding.
+  for (const CLI::Option* opt : serve_sub->get_options()) {
+    if (opt->get_name() == "--help") continue;
+    EXPECT_EQ(opt->count(), 1u) << opt->get_name() << " was not forwarded";
+  }
+  const std::string cwd = std::filesystem::current_path().string();
+  EXPECT_EQ(serve.url, launch.url);
+  EXPECT_EQ(serve.ca_file, cwd + "/ca.pem");  // the daemons need not share our directory
+  EXPECT_EQ(serve.cert_file, cwd + "/client.pem");
+  EXPECT_EQ(serve.key_file, cwd + "/client.key");
+  EXPECT_EQ(serve.prefix, "/fleet-a");
+  EXPECT_EQ(serve.timeout_s, 0.5);
+  EXPECT_EQ(serve.ttl_s, 7);
+  EXPECT_EQ(serve.node_name, "node-9");
+  EXPECT_EQ(serve.fill_from, "registry");
+  EXPECT_EQ(serve.fill_allow, "10.0.0.0/8,::1");
+  // The listening ports are per daemon: PORT + its job rank.
+  EXPECT_EQ(serve.advertise, "10.0.0.9:7503");
+  EXPECT_EQ(serve.fill_serve, "0.0.0.0:7403");
+}
+
+TEST(RegistryFlagsTest, NoRegistryForwardsNothingAndFillFlagsWithoutItAreRefused) {
+  RegistryFlags none;
+  auto empty = RegistryServeArgs(none, Tier::kGpu, 0);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_TRUE(empty->empty());
+
+  RegistryFlags orphan;
+  orphan.fill_from = "registry";
+  auto refused = RegistryServeArgs(orphan, Tier::kHost, 0);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("need --registry"));
+
+  RegistryFlags gpu;
+  gpu.url = "etcd://127.0.0.1:2379";
+  gpu.fill_from = "registry";
+  auto gpu_fill = RegistryServeArgs(gpu, Tier::kGpu, 0);
+  ASSERT_FALSE(gpu_fill.ok());
+  EXPECT_THAT(gpu_fill.status().message(), HasSubstr("host tier only"));
+}
+
+}  // namespace
+}  // namespace weightcache::cli
