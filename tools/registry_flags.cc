@@ -260,7 +260,8 @@ Result<std::vector<uint8_t>> ReadManifest(const daemon::ManifestFile& manifest) 
 //  * WEIGHTCACHE_TEST_FILL_STRIPE_BYTES=N on a filler: stripes of N bytes (a small checkpoint
 //    then takes several), one read in flight.
 //  * WEIGHTCACHE_TEST_FILL_PAUSE_FIFO=PATH on a filler: after its first stripe, it opens that
-//    FIFO and reads it to its end, so a test can kill the source mid-transfer, then let go.
+//    FIFO and reads it to its end (the stripe is reported as the load's progress first), so a
+//    test can see the progress and kill the source mid-transfer, then let go.
 bool PoisonFillForTest() {
   const char* poison = std::getenv("WEIGHTCACHE_TEST_FILL_POISON");
   return poison != nullptr && std::string_view(poison) == "1";
@@ -276,8 +277,9 @@ void ApplyFillTestHooks(fleet::FetchOptions* fetch) {
   }
   const char* fifo = std::getenv("WEIGHTCACHE_TEST_FILL_PAUSE_FIFO");
   if (fifo == nullptr || *fifo == '\0') return;
-  fetch->progress = [path = std::string(fifo), paused = false](uint64_t /*done*/,
-                                                               uint64_t /*total*/) mutable {
+  fetch->progress = [path = std::string(fifo), paused = false, report = std::move(fetch->progress)](
+                        uint64_t done, uint64_t total) mutable {
+    if (report) report(done, total);
     if (paused) return;
     paused = true;
     const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
@@ -420,6 +422,8 @@ daemon::HostFill ServeRegistration::Filler() const {
     fetch.accept = [&request](const std::string& /*source*/, std::span<const uint8_t> manifest) {
       return request.accept(manifest);
     };
+    fetch.progress = request.progress;  // the load's: `status` and launch show the pull
+    fetch.cancel = request.cancel;      // a stop during the pull ends it
     ApplyFillTestHooks(&fetch);
     std::string listed;
     for (size_t i = 0; i < fetch.sources.size(); ++i) {

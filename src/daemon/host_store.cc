@@ -294,7 +294,7 @@ struct FillAcceptor {
 
 Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
                                       const HostLayout& layout, const std::vector<UniqueFd>& memfds,
-                                      const HostFill& fill, int threads,
+                                      const HostFill& fill, int threads, const LoadControl& control,
                                       std::vector<uint64_t>* chunk_hashes) {
   const size_t n = layout.order.size();
   if (n == 0 || memfds.empty()) return FillMismatch("nothing to fill: the plan holds no tensor");
@@ -318,6 +318,15 @@ Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
   request.accept = [&acceptor](std::span<const uint8_t> manifest) {
     return acceptor.Accept(manifest);
   };
+  // The allocations' bytes (padding included) scaled to the held tensor bytes the load's
+  // progress counts, as a disk load would report them.
+  const uint64_t held = std::accumulate(layout.sizes.begin(), layout.sizes.end(), uint64_t{0});
+  request.progress = [&control, held](uint64_t done, uint64_t total) {
+    if (!control.progress || total == 0) return;
+    const long double share = static_cast<long double>(std::min(done, total)) / total;
+    control.progress(static_cast<uint64_t>(share * held), held);
+  };
+  request.cancel = control.cancel;
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::string description, fill(request));
   if (acceptor.accepted.empty()) return InternalError("the fill accepted no source's manifest");
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Manifest theirs,
@@ -478,10 +487,12 @@ Result<WeightStore> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
       std::accumulate(layout.sizes.begin(), layout.sizes.end(), uint64_t{0});
   if (options.host_fill) {
     auto filled = FillHostFromPeers(checkpoint, layout, memfds, options.host_fill, options.threads,
-                                    &chunk_hashes);
+                                    control, &chunk_hashes);
     if (filled.ok()) {
       filled_from = "filled from " + *filled;
       if (control.progress) control.progress(total_held, total_held);
+    } else if (control.cancel != nullptr && control.cancel->load()) {
+      return Status(StatusCode::kUnavailable, "load cancelled (during the fill)");
     } else {
       // Never ready with unverified bytes: new memfds, and the disk load as without a fill.
       LOG_WARN << "fill: " << filled.status().ToString() << "; loading from disk";

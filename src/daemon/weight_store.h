@@ -102,6 +102,12 @@ class WeightStore {
 struct HostFillRequest {
   std::vector<std::span<uint8_t>> allocations;  // writable mappings of the unsealed memfds
   std::function<Status(std::span<const uint8_t> manifest)> accept;
+  // The allocations' bytes written so far, of all of them, from the filling thread; the
+  // loader reports them as the load's progress. Never null.
+  std::function<void(uint64_t done, uint64_t total)> progress;
+  // The load's cancel flag (LoadControl::cancel), or null: once true the fill should stop
+  // and fail soon (the loader then stops too, "load cancelled").
+  const std::atomic<bool>* cancel = nullptr;
 };
 // OK: every byte of every allocation written, `description` says from where ("1 source(s)
 // (node-a 12 MB) in 0.10 s, 0.12 GB/s"). An error: the allocations hold partial data (the

@@ -463,6 +463,7 @@ class Fetch {
     const auto give_up = std::min(Clock::now() + options_.connect_timeout, deadline_);
     for (;;) {
       if (ucp_worker_progress(worker_.get()) == 0) WaitForEvents(worker_.get(), efd_, kPollMs);
+      if (Cancelled()) return Failure(StatusCode::kUnavailable, "cancelled");
       bool waiting = false;
       for (Source& source : sources_) {
         if (source.phase == Phase::kReady || source.phase == Phase::kDropped) continue;
@@ -595,6 +596,7 @@ class Fetch {
       }
       ++turn;
       if (ucp_worker_progress(worker_.get()) == 0) WaitForEvents(worker_.get(), efd_, kPollMs);
+      if (Cancelled()) return Failure(StatusCode::kUnavailable, "cancelled");
       const auto now = Clock::now();
       for (size_t i = 0; i < sources_.size(); ++i) {
         Source& source = sources_[i];
@@ -635,6 +637,8 @@ class Fetch {
     }
     return Status::Ok();
   }
+
+  bool Cancelled() const { return options_.cancel != nullptr && options_.cancel->load(); }
 
   // Before the transfer, when no source survived the handshake, Transfer's check reports it.
   Status Failure(StatusCode code, const std::string& what) const {

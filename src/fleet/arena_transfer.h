@@ -24,6 +24,7 @@
 //  * UCX reads UCX_* environment variables (UCX_TLS, UCX_NET_DEVICES, ...) as usual.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -100,6 +101,9 @@ struct FetchOptions {
   std::chrono::milliseconds deadline = std::chrono::minutes(10);
   // Called from the fetching thread after each completed stripe.
   std::function<void(uint64_t done, uint64_t total)> progress;
+  // Polled (every few ms) while connecting and transferring: once true the fetch ends with
+  // kUnavailable "cancelled" (a daemon's stop during its fill). Null: never.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 struct SourceReport {

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -114,6 +115,20 @@ class FleetFillTest : public ::testing::Test {
     EXPECT_EQ(j["verify"]["tensors"], 8) << r.out;
   }
 
+  // A daemon's log (`read` reads it) once it holds the ready line: the daemon answers Status
+  // `ready` a moment before it logs that line. Waits at most 10 s.
+  static std::string WithReadyLine(const std::function<std::string()>& read) {
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    for (;;) {
+      std::string log = read();
+      if (Contains(log, "] ready: ") || std::chrono::steady_clock::now() >= until) return log;
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+  static std::string ReadyLog(ServeProcess& process) {
+    return WithReadyLine([&process] { return process.Log(); });
+  }
+
   TempDir dir_;
   std::unique_ptr<EtcdServer> etcd_;
   std::string model_;
@@ -127,7 +142,7 @@ TEST_F(FleetFillTest, NodeBFillsFromNodeAWithEqualBytes) {
   auto b = StartFiller();
   ASSERT_NE(b, nullptr);
   ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
-  const std::string log = b->Log();
+  const std::string log = ReadyLog(*b);
   // The ready line says where the bytes came from; the disk's tensor data was never read
   // (only the verification's sample of it): no reader pass, no fallback.
   EXPECT_TRUE(Contains(log, "filled from 1 source(s) (node-a 127.0.0.1:")) << log;
@@ -146,7 +161,7 @@ TEST_F(FleetFillTest, TwoSourcesAreStripedAcross) {
   ::unsetenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES");
   ASSERT_NE(b, nullptr);
   ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
-  const std::string log = b->Log();
+  const std::string log = ReadyLog(*b);
   EXPECT_TRUE(Contains(log, "filled from 2 source(s) (")) << log;
   EXPECT_TRUE(Contains(log, "node-a 127.0.0.1:")) << log;
   EXPECT_TRUE(Contains(log, "node-c 127.0.0.1:")) << log;
@@ -157,7 +172,7 @@ TEST_F(FleetFillTest, NoSourceInTheRegistryLoadsFromDisk) {
   auto b = StartFiller();
   ASSERT_NE(b, nullptr);
   ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
-  const std::string log = b->Log();
+  const std::string log = ReadyLog(*b);
   EXPECT_TRUE(Contains(log, "no ready host-tier source with an endpoint")) << log;
   EXPECT_TRUE(Contains(log, "loading from disk")) << log;
   EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
@@ -172,7 +187,7 @@ TEST_F(FleetFillTest, APoisonedSourceIsCaughtByTheChecksumsAndBLoadsFromDisk) {
   auto b = StartFiller();
   ASSERT_NE(b, nullptr);
   ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
-  const std::string log = b->Log();
+  const std::string log = ReadyLog(*b);
   EXPECT_TRUE(Contains(log, "the checksum of the filled bytes differs from the source's manifest"))
       << log;
   EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
@@ -200,12 +215,20 @@ TEST_F(FleetFillTest, ASourceKilledMidTransferLeavesBToItsDisk) {
     if (!writer) std::this_thread::sleep_for(20ms);
   }
   ASSERT_TRUE(writer) << "B never paused mid-transfer\n" << b->Log();
+  // The pull is the load's progress: B is loading, one 4 KiB stripe of ~0.5 MB in.
+  const std::vector<std::string> sockets = FindSockets(dir_.Join("run-b"));
+  ASSERT_EQ(sockets.size(), 1u);
+  const auto status = QueryStatus(sockets[0]);
+  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  EXPECT_EQ(status->state, CacheState::kLoading);
+  EXPECT_GT(status->bytes_done, 0u);
+  EXPECT_LT(status->bytes_done, status->bytes_total / 10);
   a->Signal(SIGKILL);
   ASSERT_EQ(a->WaitExit(10s), 128 + SIGKILL);
   writer.Reset();  // B reads EOF and goes on: its next read from A fails
   // At worst A is noticed by the stripe timeout (30 s), then the disk load.
   ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady, 120s).ok()) << b->Log();
-  const std::string log = b->Log();
+  const std::string log = ReadyLog(*b);
   EXPECT_TRUE(Contains(log, "fill: unavailable: arena fetch: every source failed")) << log;
   EXPECT_TRUE(Contains(log, "loading from disk")) << log;
   EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
@@ -237,7 +260,7 @@ TEST_F(FleetFillTest, ASourceOfOtherWeightsWithEqualHeadersIsCaughtByTheDiskSamp
   auto b = StartFiller();
   ASSERT_NE(b, nullptr);
   ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
-  const std::string log = b->Log();
+  const std::string log = ReadyLog(*b);
   EXPECT_TRUE(Contains(log, "differ from the checkpoint's")) << log;
   EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
   ExpectVerifiedOnB();
@@ -354,9 +377,11 @@ class FleetLaunchTest : public FleetFillTest {
     return endpoints;
   }
 
-  static std::string ReadLog(const std::string& path) {
-    std::ifstream in(path);
-    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  static std::string ReadyLogFile(const std::string& path) {
+    return WithReadyLine([&path] {
+      std::ifstream in(path);
+      return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    });
   }
 
   std::vector<pid_t> started_;
@@ -382,7 +407,7 @@ TEST_F(FleetLaunchTest, AJoiningNodeFillsEveryRankFromTheNodeHoldingThatRank) {
   ASSERT_EQ(b["daemons"].size(), 2u) << b.dump();
   for (const auto& d : b["daemons"]) {
     const int tp_rank = d["tp_rank"];
-    const std::string log = ReadLog(d["log"]);
+    const std::string log = ReadyLogFile(d["log"]);
     // Every fleet flag reached the daemon, and its bytes came from a1's daemon of its rank.
     EXPECT_TRUE(Contains(log, "--fill-from registry")) << log;
     EXPECT_TRUE(Contains(log, "--node-name b")) << log;

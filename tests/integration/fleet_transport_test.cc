@@ -265,6 +265,33 @@ TEST_F(FleetTransportTest, TheOnlySourceKilledIsAnErrorNamingIt) {
   EXPECT_THAT(result.status().message(), HasSubstr(a));
 }
 
+// A daemon stopped during its fill cancels the fetch: it ends at once, not at the stalled
+// read's timeout (60 s) nor the deadline.
+TEST_F(FleetTransportTest, ACancelEndsTheFetchWhileItsOnlySourceIsStalled) {
+  const std::vector<uint64_t> sizes = {32 * kMiB};
+  const std::string a = StartSource(sizes, 7);
+  ASSERT_FALSE(a.empty());
+  fleet::FetchOptions options = FetchInto(sizes, {a});
+  options.stripe_bytes = kMiB / 4;
+  options.max_in_flight_per_source = 1;
+  options.stripe_timeout = std::chrono::seconds(60);
+  options.deadline = std::chrono::seconds(120);
+  std::atomic<bool> cancel{false};
+  options.cancel = &cancel;
+  options.progress = [&](uint64_t done, uint64_t total) {
+    if (!cancel.load() && done >= total / 8) {
+      EXPECT_TRUE(sources_[0].Signal(SIGSTOP).ok());
+      cancel.store(true);
+    }
+  };
+  auto result = fleet::FetchArena(options);
+  ASSERT_TRUE(cancel.load());
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), StatusCode::kUnavailable) << result.status().ToString();
+  EXPECT_THAT(result.status().message(), HasSubstr("arena fetch: cancelled ("));
+  EXPECT_THAT(result.status().message(), HasSubstr(a + ": still serving"));
+}
+
 TEST_F(FleetTransportTest, APeerOffTheAllowListIsRefusedAndTheFetcherSaysSo) {
   const std::vector<uint64_t> sizes = {kMiB};
   const std::string a = StartSource(sizes, 7, "10.255.255.1,fd00::/8");

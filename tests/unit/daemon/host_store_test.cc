@@ -10,10 +10,12 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
@@ -238,10 +240,20 @@ class HostFillTest : public HostStoreTest {
       WEIGHTCACHE_RETURN_IF_ERROR(request.accept(manifest));
       const std::vector<int> fds = source.fds();
       if (fds.size() != request.allocations.size()) return InternalError("allocation count");
+      uint64_t total = 0;
+      for (const std::span<uint8_t> to : request.allocations) total += to.size();
+      uint64_t done = 0;
+      // In 4 KiB pieces, each reported, as the transport reports its stripes.
       for (size_t a = 0; a < fds.size(); ++a) {
         const std::span<uint8_t> to = request.allocations[a];
-        if (::pread(fds[a], to.data(), to.size(), 0) != static_cast<ssize_t>(to.size())) {
-          return InternalError("pread");
+        for (size_t at = 0; at < to.size(); at += 4096) {
+          const size_t n = std::min<size_t>(4096, to.size() - at);
+          if (::pread(fds[a], to.data() + at, n, static_cast<off_t>(at)) !=
+              static_cast<ssize_t>(n)) {
+            return InternalError("pread");
+          }
+          done += n;
+          request.progress(done, total);
         }
       }
       if (flip_first_byte) request.allocations[0][0] ^= 0xff;
@@ -271,6 +283,47 @@ TEST_F(HostFillTest, AFillFromAnEqualStoreIsVerifiedAndServedWithItsManifest) {
   for (const int fd : store->fds()) EXPECT_TRUE(os::CheckSealedReadOnly(fd).ok());
 }
 
+// The fill's progress is the load's, in the held tensor bytes a disk load counts; a stop
+// (the load's cancel flag) during the fill ends the load, without a disk pass.
+TEST_F(HostFillTest, TheFillReportsTheLoadsProgressAndACancelEndsTheLoad) {
+  const checkpoint::Checkpoint ckpt =
+      Open(Make("progress", {"--tensors", "6", "--shards", "3", "--seed", "5"}));
+  const WeightStore source = LoadSource(ckpt);
+  const uint64_t held = source.summary().tensor_bytes;
+  LoadOptions options;
+  options.cache_name = "weightcache:filler";
+  options.host_fill = CopyFrom(source);
+  std::vector<std::pair<uint64_t, uint64_t>> reported;
+  LoadControl control;
+  control.progress = [&reported](uint64_t done, uint64_t total) {
+    reported.emplace_back(done, total);
+  };
+  std::string memory;
+  ASSERT_TRUE(LoadHostStore(ckpt, options, control, &memory).ok());
+  ASSERT_GE(reported.size(), 2u);
+  EXPECT_LT(reported.front().first, held) << "the first piece is not the whole cache";
+  for (size_t i = 0; i < reported.size(); ++i) {
+    EXPECT_EQ(reported[i].second, held) << i;
+    if (i > 0) EXPECT_GE(reported[i].first, reported[i - 1].first) << i;
+  }
+  EXPECT_EQ(reported.back().first, held);
+
+  // A stop arrives while the fill runs: the fill sees the flag and fails; the load ends.
+  std::atomic<bool> cancel{false};
+  options.host_fill = [&cancel](const HostFillRequest& request) -> Result<std::string> {
+    cancel.store(true);
+    EXPECT_EQ(request.cancel, &cancel);
+    return Status(StatusCode::kUnavailable, "arena fetch: cancelled");
+  };
+  control.cancel = &cancel;
+  reported.clear();
+  Result<WeightStore> cancelled = LoadHostStore(ckpt, options, control, &memory);
+  ASSERT_FALSE(cancelled.ok());
+  EXPECT_EQ(cancelled.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(cancelled.status().message(), HasSubstr("load cancelled (during the fill)"));
+  EXPECT_TRUE(reported.empty()) << "no disk pass after a cancelled fill";
+}
+
 TEST_F(HostFillTest, ASourceOfAnotherLayoutIsRefusedBeforeItsBytesAreRead) {
   const checkpoint::Checkpoint ours = Open(Make("ours", {"--tensors", "7", "--seed", "11"}));
   const checkpoint::Checkpoint other = Open(Make("other", {"--tensors", "5", "--seed", "12"}));
@@ -279,8 +332,8 @@ TEST_F(HostFillTest, ASourceOfAnotherLayoutIsRefusedBeforeItsBytesAreRead) {
   auto memfds = CreateHostMemfds("weightcache:filler", layout.plan);
   ASSERT_TRUE(memfds.ok());
   std::vector<uint64_t> chunk_hashes(layout.chunk_begin.back());
-  const Result<std::string> filled =
-      FillHostFromPeers(ours, layout, *memfds, CopyFrom(source), /*threads=*/2, &chunk_hashes);
+  const Result<std::string> filled = FillHostFromPeers(ours, layout, *memfds, CopyFrom(source),
+                                                       /*threads=*/2, LoadControl{}, &chunk_hashes);
   ASSERT_FALSE(filled.ok());
   EXPECT_EQ(filled.status().code(), StatusCode::kMismatch) << filled.status().ToString();
 
@@ -304,7 +357,7 @@ TEST_F(HostFillTest, AWrongByteFailsTheChecksumOverOurMemory) {
   std::vector<uint64_t> chunk_hashes(layout.chunk_begin.back());
   const Result<std::string> filled =
       FillHostFromPeers(ckpt, layout, *memfds, CopyFrom(source, /*flip_first_byte=*/true),
-                        /*threads=*/2, &chunk_hashes);
+                        /*threads=*/2, LoadControl{}, &chunk_hashes);
   ASSERT_FALSE(filled.ok());
   EXPECT_EQ(filled.status().code(), StatusCode::kMismatch);
   EXPECT_THAT(filled.status().message(),
