@@ -19,6 +19,7 @@
 #include "os/file_mapping.h"
 #include "os/host_name.h"
 #include "os/memfd.h"
+#include "os/read_file.h"
 #include "protocol/manifest.h"
 
 namespace weightcache::cli {
@@ -282,14 +283,7 @@ void ApplyFillTestHooks(fleet::FetchOptions* fetch) {
     if (report) report(done, total);
     if (paused) return;
     paused = true;
-    const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd) return;
-    char buf[64];
-    while (true) {
-      const ssize_t n = ::read(fd.get(), buf, sizeof(buf));
-      if (n > 0 || (n < 0 && errno == EINTR)) continue;
-      return;
-    }
+    os::WaitForFifoEof(path.c_str());
   };
 }
 

@@ -24,6 +24,7 @@
 #include "daemon/byte_size.h"
 #include "daemon/load_memory.h"
 #include "os/fd_passing.h"
+#include "os/read_file.h"
 #include "protocol/frame.h"
 #include "protocol/manifest.h"
 #include "sharding/planner.h"
@@ -93,14 +94,7 @@ int UnreadBytes(int fd) {
 void PauseAfterLoadForTest() {
   const char* fifo = std::getenv("WEIGHTCACHE_TEST_LOADED_FIFO");
   if (fifo == nullptr || *fifo == '\0') return;
-  const UniqueFd fd(::open(fifo, O_RDONLY | O_CLOEXEC));
-  if (!fd) return;
-  char buf[64];
-  while (true) {
-    const ssize_t n = ::read(fd.get(), buf, sizeof(buf));
-    if (n > 0 || (n < 0 && errno == EINTR)) continue;
-    return;
-  }
+  os::WaitForFifoEof(fifo);
 }
 
 Status EpollCtl(int epoll, int op, int fd, uint32_t events) {

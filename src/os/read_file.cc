@@ -1,5 +1,6 @@
 #include "os/read_file.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -37,6 +38,17 @@ Result<std::string> ReadSmallFile(const std::string& path, size_t max_bytes,
     data.append(buf, static_cast<size_t>(n));
   }
   return data;
+}
+
+void WaitForFifoEof(const char* path) {
+  const UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
+  if (!fd) return;
+  char buf[64];
+  while (true) {
+    const ssize_t n = ::read(fd.get(), buf, sizeof(buf));
+    if (n > 0 || (n < 0 && errno == EINTR)) continue;
+    return;
+  }
 }
 
 Result<std::string> SelfExecutable() {

@@ -18,6 +18,11 @@ namespace weightcache::os {
 Result<std::string> ReadSmallFile(const std::string& path, size_t max_bytes,
                                   StatusCode refuse_code = StatusCode::kInvalidArgument);
 
+// Opens the FIFO at `path` for reading and reads it until every writer has closed it: a test
+// seam's pause (a test holds the process there, acts, then closes its end). Returns at once
+// when it cannot be opened.
+void WaitForFifoEof(const char* path);
+
 // The path of this process's executable (/proc/self/exe), as it was when the process started:
 // what the keeper and an upgrade's successor are started from by default.
 Result<std::string> SelfExecutable();

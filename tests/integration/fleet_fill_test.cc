@@ -125,8 +125,15 @@ class FleetFillTest : public ::testing::Test {
       std::this_thread::sleep_for(20ms);
     }
   }
-  static std::string ReadyLog(ServeProcess& process) {
-    return WithReadyLine([&process] { return process.Log(); });
+  // Node B's log once B is ready and has logged it; "" (and a failure) when B never is.
+  std::string ReadyLogOfB(ServeProcess& b, std::chrono::milliseconds timeout = 30s) {
+    const Result<std::string> ready =
+        WaitForState(b, dir_.Join("run-b"), CacheState::kReady, timeout);
+    if (!ready.ok()) {
+      ADD_FAILURE() << "B is not ready: " << ready.status().ToString() << "\n" << b.Log();
+      return "";
+    }
+    return WithReadyLine([&b] { return b.Log(); });
   }
 
   TempDir dir_;
@@ -141,8 +148,7 @@ TEST_F(FleetFillTest, NodeBFillsFromNodeAWithEqualBytes) {
   EXPECT_TRUE(Contains(a->Log(), "fill source: serving the arena at 127.0.0.1:")) << a->Log();
   auto b = StartFiller();
   ASSERT_NE(b, nullptr);
-  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
-  const std::string log = ReadyLog(*b);
+  const std::string log = ReadyLogOfB(*b);
   // The ready line says where the bytes came from; the disk's tensor data was never read
   // (only the verification's sample of it): no reader pass, no fallback.
   EXPECT_TRUE(Contains(log, "filled from 1 source(s) (node-a 127.0.0.1:")) << log;
@@ -160,8 +166,7 @@ TEST_F(FleetFillTest, TwoSourcesAreStripedAcross) {
   auto b = StartFiller();
   ::unsetenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES");
   ASSERT_NE(b, nullptr);
-  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
-  const std::string log = ReadyLog(*b);
+  const std::string log = ReadyLogOfB(*b);
   EXPECT_TRUE(Contains(log, "filled from 2 source(s) (")) << log;
   EXPECT_TRUE(Contains(log, "node-a 127.0.0.1:")) << log;
   EXPECT_TRUE(Contains(log, "node-c 127.0.0.1:")) << log;
@@ -171,8 +176,7 @@ TEST_F(FleetFillTest, TwoSourcesAreStripedAcross) {
 TEST_F(FleetFillTest, NoSourceInTheRegistryLoadsFromDisk) {
   auto b = StartFiller();
   ASSERT_NE(b, nullptr);
-  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
-  const std::string log = ReadyLog(*b);
+  const std::string log = ReadyLogOfB(*b);
   EXPECT_TRUE(Contains(log, "no ready host-tier source with an endpoint")) << log;
   EXPECT_TRUE(Contains(log, "loading from disk")) << log;
   EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
@@ -186,8 +190,7 @@ TEST_F(FleetFillTest, APoisonedSourceIsCaughtByTheChecksumsAndBLoadsFromDisk) {
   ASSERT_NE(a, nullptr);
   auto b = StartFiller();
   ASSERT_NE(b, nullptr);
-  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
-  const std::string log = ReadyLog(*b);
+  const std::string log = ReadyLogOfB(*b);
   EXPECT_TRUE(Contains(log, "the checksum of the filled bytes differs from the source's manifest"))
       << log;
   EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
@@ -227,8 +230,7 @@ TEST_F(FleetFillTest, ASourceKilledMidTransferLeavesBToItsDisk) {
   ASSERT_EQ(a->WaitExit(10s), 128 + SIGKILL);
   writer.Reset();  // B reads EOF and goes on: its next read from A fails
   // At worst A is noticed by the stripe timeout (30 s), then the disk load.
-  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady, 120s).ok()) << b->Log();
-  const std::string log = ReadyLog(*b);
+  const std::string log = ReadyLogOfB(*b, 120s);
   EXPECT_TRUE(Contains(log, "fill: unavailable: arena fetch: every source failed")) << log;
   EXPECT_TRUE(Contains(log, "loading from disk")) << log;
   EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
@@ -259,8 +261,7 @@ TEST_F(FleetFillTest, ASourceOfOtherWeightsWithEqualHeadersIsCaughtByTheDiskSamp
   ASSERT_NE(a, nullptr);
   auto b = StartFiller();
   ASSERT_NE(b, nullptr);
-  ASSERT_TRUE(WaitForState(*b, dir_.Join("run-b"), CacheState::kReady).ok()) << b->Log();
-  const std::string log = ReadyLog(*b);
+  const std::string log = ReadyLogOfB(*b);
   EXPECT_TRUE(Contains(log, "differ from the checkpoint's")) << log;
   EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
   ExpectVerifiedOnB();
