@@ -70,14 +70,18 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
   sub->add_option("--node-name", flags->node_name,
                   "this node's name in the registry (default: the hostname)");
   sub->add_option("--fill-from", flags->fill_from,
-                  "\"registry\" (with --registry; host tier): before reading the checkpoint, "
-                  "pull the arena from ready sources of the same fleet key on other nodes, "
-                  "verified (layout, every tensor's checksum, a sample of our own checkpoint) "
-                  "before ready; any failure reads the disk (docs/fleet.md \"Fill\")");
+                  "\"registry\" (with --registry) or HOST:PORT[,HOST:PORT...] (other nodes' "
+                  "--fill-serve; host tier): before reading the checkpoint, pull the arena from "
+                  "the ready sources of the same fleet key, verified (layout, every tensor's "
+                  "checksum, a sample of our own checkpoint) before ready; any failure reads the "
+                  "disk (docs/fleet.md \"Fill\")" +
+                      (scope == RegistryFlagScope::kLaunch
+                           ? std::string(" (launch: each listed PORT becomes PORT + the rank)")
+                           : std::string()));
   sub->add_option("--fill-serve", flags->fill_serve,
                   "HOST:PORT (port 0: a free one; host tier): once ready, serve the arena to "
-                  "other nodes' --fill-from over UCX; the bound endpoint goes into the registry "
-                  "entry unless --advertise is given. Needs --fill-allow" +
+                  "other nodes' --fill-from over UCX; the bound endpoint is logged, and goes "
+                  "into the registry entry unless --advertise is given. Needs --fill-allow" +
                       per_rank);
   sub->add_option("--fill-allow", flags->fill_allow,
                   "ADDR|CIDR[,...]: the peers that may fill from --fill-serve (\"0.0.0.0/0,::/0\" "
@@ -107,26 +111,46 @@ Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags) {
 
 namespace {
 
+// The sources --fill-from lists ("HOST:PORT[,HOST:PORT...]"), or kInvalidArgument.
+Result<std::vector<std::string>> ListedSources(const std::string& fill_from) {
+  std::vector<std::string> sources;
+  size_t at = 0;
+  while (at <= fill_from.size()) {
+    const size_t comma = std::min(fill_from.find(',', at), fill_from.size());
+    const std::string source = fill_from.substr(at, comma - at);
+    if (!fleet::IsEndpoint(source)) {
+      return InvalidArgument("--fill-from: \"" + fill_from +
+                             "\" is neither \"registry\" nor HOST:PORT[,HOST:PORT...] (\"" +
+                             source + "\" is not HOST:PORT)");
+    }
+    sources.push_back(source);
+    at = comma + 1;
+  }
+  return sources;
+}
+
 // The rules between the fleet flags, for serve and for launch before it starts a daemon; the
 // parsed --fill-allow (empty without it).
 Result<fleet::PeerAllowList> CheckFleetFlags(const RegistryFlags& flags, Tier tier) {
-  const bool fill = !flags.fill_from.empty() || !flags.fill_serve.empty();
-  if (flags.url.empty()) {
-    if (fill || !flags.fill_allow.empty()) {
-      return InvalidArgument("--fill-from, --fill-serve and --fill-allow need --registry");
-    }
-    return fleet::PeerAllowList();
+  if (flags.fill_from == "registry" && flags.url.empty()) {
+    return InvalidArgument(
+        "--fill-from registry needs --registry (or list the sources: "
+        "--fill-from HOST:PORT[,HOST:PORT...])");
   }
   if (!flags.fill_from.empty() && flags.fill_from != "registry") {
-    return InvalidArgument("--fill-from: \"" + flags.fill_from + "\" (only \"registry\")");
+    WEIGHTCACHE_RETURN_IF_ERROR(ListedSources(flags.fill_from).status());
   }
+  if (!flags.fill_allow.empty() && flags.fill_serve.empty()) {
+    return InvalidArgument("--fill-allow is the peer list of --fill-serve: give --fill-serve too");
+  }
+  if (!flags.fill_serve.empty() && flags.fill_allow.empty()) {
+    return InvalidArgument("--fill-serve needs --fill-allow (the peers that may fill from it)");
+  }
+  const bool fill = !flags.fill_from.empty() || !flags.fill_serve.empty();
   if (fill && tier != Tier::kHost) {
     return InvalidArgument(
         "--fill-from and --fill-serve: host tier only (the gpu tier's fill "
         "is not built yet, docs/fleet.md)");
-  }
-  if (!flags.fill_serve.empty() && flags.fill_allow.empty()) {
-    return InvalidArgument("--fill-serve needs --fill-allow (the peers that may fill from it)");
   }
   if (flags.fill_allow.empty()) return fleet::PeerAllowList();
   auto parsed = fleet::PeerAllowList::Parse(flags.fill_allow);
@@ -147,7 +171,6 @@ Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, T
                                                    int rank) {
   WEIGHTCACHE_RETURN_IF_ERROR(CheckFleetFlags(flags, tier).status());
   std::vector<std::string> args;
-  if (flags.url.empty()) return args;
   auto add = [&args](const char* flag, const std::string& value) {
     if (value.empty()) return;
     args.push_back(flag);
@@ -157,15 +180,31 @@ Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, T
   auto absolute = [](const std::string& file) {
     return file.empty() ? file : std::filesystem::absolute(file).string();
   };
-  add("--registry", flags.url);
-  add("--registry-ca", absolute(flags.ca_file));
-  add("--registry-cert", absolute(flags.cert_file));
-  add("--registry-key", absolute(flags.key_file));
-  add("--registry-prefix", flags.prefix);
-  add("--registry-timeout", NumberText(flags.timeout_s));
-  add("--registry-ttl", std::to_string(flags.ttl_s));
-  add("--node-name", flags.node_name);
-  add("--fill-from", flags.fill_from);
+  if (!flags.url.empty()) {
+    add("--registry", flags.url);
+    add("--registry-ca", absolute(flags.ca_file));
+    add("--registry-cert", absolute(flags.cert_file));
+    add("--registry-key", absolute(flags.key_file));
+    add("--registry-prefix", flags.prefix);
+    add("--registry-timeout", NumberText(flags.timeout_s));
+    add("--registry-ttl", std::to_string(flags.ttl_s));
+    add("--node-name", flags.node_name);
+  }
+  if (flags.fill_from == "registry") {
+    add("--fill-from", flags.fill_from);
+  } else if (!flags.fill_from.empty()) {
+    // Rank r of a source node serves at --fill-serve's PORT + r: so does each listed source.
+    std::string ranked_list;
+    WEIGHTCACHE_ASSIGN_OR_RETURN(const std::vector<std::string> sources,
+                                 ListedSources(flags.fill_from));
+    for (const std::string& source : sources) {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(
+          std::string ranked,
+          launcher::AddrForRank("--fill-from", source, rank, launcher::RankedAddr::kHostPort));
+      ranked_list += (ranked_list.empty() ? "" : ",") + ranked;
+    }
+    add("--fill-from", ranked_list);
+  }
   add("--fill-allow", flags.fill_allow);
   for (auto [flag, addr] :
        {std::pair{"--advertise", &flags.advertise}, std::pair{"--fill-serve", &flags.fill_serve}}) {
@@ -180,8 +219,8 @@ Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, T
 Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
     const RegistryFlags& flags, const identity::ResolvedIdentity& id) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::PeerAllowList allow, CheckFleetFlags(flags, id.config.tier));
-  if (flags.url.empty()) return std::unique_ptr<ServeRegistration>();
-  WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::EtcdClient client, RegistryClient(flags));
+  const bool fill = !flags.fill_from.empty() || !flags.fill_serve.empty();
+  if (flags.url.empty() && !fill) return std::unique_ptr<ServeRegistration>();
   fleet::RegistryEntry entry;
   entry.fleet_key = id.config.FleetDigest();
   entry.digest = id.config.Digest();
@@ -211,13 +250,17 @@ Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
                                      ? "--advertise (HOST:PORT)"
                                      : "the registry entry");
   }
-  fleet::RegistrarOptions options;
-  options.prefix = flags.prefix;
-  options.ttl = std::chrono::seconds(flags.ttl_s);
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::unique_ptr<fleet::Registrar> registrar,
-                               fleet::Registrar::Create(std::move(client), options));
-  LOG_INFO << "registry: " << flags.url << ", key " << fleet::EntryKey(flags.prefix, entry)
-           << " (registered once the cache is ready)";
+  // Without --registry the fill flags work alone: listed sources, a source nobody registers.
+  std::unique_ptr<fleet::Registrar> registrar;
+  if (!flags.url.empty()) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::EtcdClient client, RegistryClient(flags));
+    fleet::RegistrarOptions options;
+    options.prefix = flags.prefix;
+    options.ttl = std::chrono::seconds(flags.ttl_s);
+    WEIGHTCACHE_ASSIGN_OR_RETURN(registrar, fleet::Registrar::Create(std::move(client), options));
+    LOG_INFO << "registry: " << flags.url << ", key " << fleet::EntryKey(flags.prefix, entry)
+             << " (registered once the cache is ready)";
+  }
   return std::unique_ptr<ServeRegistration>(new ServeRegistration(
       std::move(registrar), std::move(entry), id.config.tier, flags, std::move(allow)));
 }
@@ -232,11 +275,12 @@ ServeRegistration::ServeRegistration(std::unique_ptr<fleet::Registrar> registrar
       configured_(configured) {}
 
 ServeRegistration::~ServeRegistration() {
-  registrar_->Stop();
+  if (registrar_) registrar_->Stop();
   StopFillSource();
 }
 
 void ServeRegistration::PublishLocked() {
+  if (!registrar_) return;
   Status published = registrar_->Publish(entry_);
   if (!published.ok()) {
     LOG_WARN << "registry: " << published.ToString();
@@ -373,7 +417,7 @@ void ServeRegistration::Draining() {
       PublishLocked();
     }
   }
-  registrar_->Withdraw();
+  if (registrar_) registrar_->Withdraw();
   StopFillSource();
 }
 
@@ -390,25 +434,30 @@ daemon::HostFill ServeRegistration::Filler() const {
   MutexLock lock(mu_);
   return [flags = flags_, fleet_key = entry_.fleet_key,
           node = entry_.node](const daemon::HostFillRequest& request) -> Result<std::string> {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::EtcdClient client, RegistryClient(flags));
-    WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<fleet::RegistryEntry> entries,
-                                 fleet::LookupSources(client, flags.prefix, fleet_key));
     fleet::FetchOptions fetch;
-    std::vector<std::string> nodes;
-    for (const fleet::RegistryEntry& e : entries) {
-      // Ourselves excluded: an entry of this node is never a source of its own fill.
-      if (e.state != fleet::EntryState::kReady || e.endpoint.empty() || e.tier != "host" ||
-          e.node == node) {
-        continue;
+    std::vector<std::string> nodes;  // what the log calls each source
+    if (flags.fill_from != "registry") {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(fetch.sources, ListedSources(flags.fill_from));
+      nodes.assign(fetch.sources.size(), "listed");
+    } else {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::EtcdClient client, RegistryClient(flags));
+      WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<fleet::RegistryEntry> entries,
+                                   fleet::LookupSources(client, flags.prefix, fleet_key));
+      for (const fleet::RegistryEntry& e : entries) {
+        // Ourselves excluded: an entry of this node is never a source of its own fill.
+        if (e.state != fleet::EntryState::kReady || e.endpoint.empty() || e.tier != "host" ||
+            e.node == node) {
+          continue;
+        }
+        fetch.sources.push_back(e.endpoint);
+        nodes.push_back(e.node);
       }
-      fetch.sources.push_back(e.endpoint);
-      nodes.push_back(e.node);
-    }
-    if (fetch.sources.empty()) {
-      return Status(StatusCode::kNotFound,
-                    "no ready host-tier source with an endpoint among the registry's " +
-                        std::to_string(entries.size()) + " entries of fleet key " +
-                        fleet_key.substr(0, 16));
+      if (fetch.sources.empty()) {
+        return Status(StatusCode::kNotFound,
+                      "no ready host-tier source with an endpoint among the registry's " +
+                          std::to_string(entries.size()) + " entries of fleet key " +
+                          fleet_key.substr(0, 16));
+      }
     }
     for (const std::span<uint8_t> allocation : request.allocations) {
       fetch.destination.push_back({allocation.data(), allocation.size()});

@@ -34,7 +34,7 @@ struct RegistryFlags {
   std::string advertise;  // HOST:PORT of the transport; "" until one serves
   std::string node_name;  // "" = the hostname
   // The fill (docs/fleet.md "Fill"), host tier only:
-  std::string fill_from;   // --fill-from registry: fill from ready sources before the disk
+  std::string fill_from;   // --fill-from registry|HOST:PORT[,...]: fill before the disk
   std::string fill_serve;  // --fill-serve HOST:PORT: serve our arena to fillers once ready
   std::string fill_allow;  // --fill-allow ADDR|CIDR[,...]: who may fill from us
 };
@@ -47,8 +47,9 @@ enum class RegistryFlagScope { kServe, kLaunch, kList };
 void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope);
 
 // The serve arguments of `flags` for the daemon of job rank `rank` of a launch on `tier`:
-// every flag given, TLS files made absolute, --advertise and --fill-serve HOST:PORT made
-// PORT + rank (launcher::AddrForRank). Empty without --registry. kInvalidArgument for what
+// every flag given, TLS files made absolute, --advertise, --fill-serve and each source
+// --fill-from lists made PORT + rank (launcher::AddrForRank): rank r of a source node serves
+// at its PORT + r. Empty without any fleet flag. kInvalidArgument for what
 // serve would refuse among the flags themselves (the rules of ServeRegistration::Create),
 // so that launch refuses it before any daemon starts.
 Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, Tier tier, int rank);
@@ -59,7 +60,8 @@ Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags);
 // Serve's registration of its cache (docs/fleet.md): Ready() registers it (and a promotion
 // back to the gpu tier), Moved() follows a demotion or promotion, Draining() and the
 // destructor withdraw it. Every method only hands the entry to the registrar's thread: none
-// waits for etcd, so the daemon's event loop never does. Thread-safe.
+// waits for etcd, so the daemon's event loop never does. Thread-safe. Without --registry
+// (the fill flags alone: listed sources, an unregistered source) nothing is registered.
 //
 // With --fill-serve, Ready() also starts the fill source (a fleet::ArenaServer over read-only
 // mappings of the store's sealed memfds, the daemon's manifest as its blob) and advertises
@@ -67,16 +69,17 @@ Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags);
 // entry is withdrawn. With --fill-from, Filler() is the load's host fill (weight_store.h).
 class ServeRegistration {
  public:
-  // nullptr when flags.url is empty (kInvalidArgument then if a --fill-* flag is given).
-  // kInvalidArgument for bad flags (URL, TLS files, TTL, prefix, node name, --advertise,
-  // --fill-from other than "registry", --fill-serve without --fill-allow, a bad allow-list,
-  // --fill-* on the gpu tier).
+  // nullptr without --registry and --fill-from/--fill-serve. kInvalidArgument for bad flags
+  // (URL, TLS files, TTL, prefix, node name, --advertise, --fill-from neither "registry"
+  // (which needs --registry) nor a HOST:PORT list, --fill-serve without --fill-allow or the
+  // reverse, a bad allow-list, --fill-* on the gpu tier).
   static Result<std::unique_ptr<ServeRegistration>> Create(const RegistryFlags& flags,
                                                            const identity::ResolvedIdentity& id);
   ~ServeRegistration();
 
-  // --fill-from registry: looks up ready host-tier sources of our fleet key (not this node),
-  // and pulls from them with fleet::FetchArena. Empty without --fill-from.
+  // --fill-from registry: looks up ready host-tier sources of our fleet key (not this node);
+  // --fill-from HOST:PORT,...: those; and pulls from them with fleet::FetchArena. Empty
+  // without --fill-from.
   daemon::HostFill Filler() const;
 
   // `fds`: the store's allocation fds (Daemon::StoreFds), borrowed for the call; the fill

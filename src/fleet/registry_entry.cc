@@ -31,22 +31,6 @@ bool IsNodeChar(char c) {
          c == '_' || c == '-';
 }
 
-// "host:port" with a port 1-65535 and a host of printable characters without spaces or '/'.
-bool IsEndpoint(std::string_view e) {
-  const size_t colon = e.rfind(':');
-  if (colon == std::string_view::npos || colon == 0 || colon + 1 == e.size()) return false;
-  const std::string_view port = e.substr(colon + 1);
-  if (port.size() > 5 ||
-      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-    return false;
-  }
-  const int p = std::stoi(std::string(port));
-  const std::string_view host = e.substr(0, colon);
-  return p >= 1 && p <= 65535 && std::all_of(host.begin(), host.end(), [](char c) {
-           return c > 0x20 && c <= 0x7e && c != '/';
-         });
-}
-
 Status FieldError(std::string_view field, const std::string& what) {
   return InvalidArgument("registry entry field " + std::string(field) + " " + what);
 }
@@ -71,6 +55,21 @@ constexpr std::array<Field, 20> kFields = {{
 }};
 
 }  // namespace
+
+bool IsEndpoint(std::string_view e) {
+  const size_t colon = e.rfind(':');
+  if (colon == std::string_view::npos || colon == 0 || colon + 1 == e.size()) return false;
+  const std::string_view port = e.substr(colon + 1);
+  if (port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return false;
+  }
+  const int p = std::stoi(std::string(port));
+  const std::string_view host = e.substr(0, colon);
+  return p >= 1 && p <= 65535 && std::all_of(host.begin(), host.end(), [](char c) {
+           return c > 0x20 && c <= 0x7e && c != '/';
+         });
+}
 
 std::string_view EntryStateName(EntryState state) {
   switch (state) {

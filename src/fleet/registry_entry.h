@@ -78,6 +78,9 @@ struct RegistryEntry {
 Status ValidatePrefix(std::string_view prefix);
 // A node name: 1-253 characters of [A-Za-z0-9._-] (a hostname's). kInvalidArgument.
 Status ValidateNodeName(std::string_view node);
+// A transport endpoint "HOST:PORT": a port 1-65535, a host of printable characters without
+// spaces or '/' (an entry's `endpoint`, serve's --advertise and --fill-from lists).
+bool IsEndpoint(std::string_view endpoint);
 
 // "<prefix>/v1/caches/" and "<prefix>/v1/caches/<fleet key>/".
 std::string CachesPrefix(std::string_view prefix);

@@ -157,6 +157,34 @@ TEST_F(FleetFillTest, NodeBFillsFromNodeAWithEqualBytes) {
   ExpectVerifiedOnB();
 }
 
+// No etcd needed: B lists A's endpoint (--fill-from HOST:PORT), A serves without registering.
+TEST_F(FleetFillTest, NodeBFillsFromAListedSourceWithoutARegistry) {
+  auto a = ServeProcess::Start(
+      HostServeArgs(model_, dir_.Join("run-a"),
+                    {"--no-keeper", "--fill-serve", "127.0.0.1:0", "--fill-allow", "127.0.0.1"}),
+      dir_.Join("serve-a.log"));
+  ASSERT_NE(a, nullptr);
+  ASSERT_TRUE(WaitForState(*a, dir_.Join("run-a"), CacheState::kReady).ok()) << a->Log();
+  const std::string a_log = WithReadyLine([&a] { return a->Log(); });
+  // The endpoint A bound is in its log ("fill source: serving the arena at 127.0.0.1:P to ...").
+  const std::string marker = "fill source: serving the arena at ";
+  const size_t at = a_log.find(marker);
+  ASSERT_NE(at, std::string::npos) << a_log;
+  const std::string endpoint =
+      a_log.substr(at + marker.size(), a_log.find(' ', at + marker.size()) - at - marker.size());
+  ASSERT_EQ(endpoint.rfind("127.0.0.1:", 0), 0u) << endpoint;
+  EXPECT_FALSE(Contains(a_log, "registry:")) << a_log;
+
+  auto b = ServeProcess::Start(
+      HostServeArgs(model_, dir_.Join("run-b"), {"--no-keeper", "--fill-from", endpoint}),
+      dir_.Join("serve-b.log"));
+  ASSERT_NE(b, nullptr);
+  const std::string log = ReadyLogOfB(*b);
+  EXPECT_TRUE(Contains(log, "filled from 1 source(s) (listed " + endpoint + " ")) << log;
+  EXPECT_FALSE(Contains(log, "loading from disk")) << log;
+  ExpectVerifiedOnB();
+}
+
 TEST_F(FleetFillTest, TwoSourcesAreStripedAcross) {
   auto a = StartSource();
   ASSERT_NE(a, nullptr);
@@ -462,7 +490,10 @@ TEST_F(FleetLaunchTest, BadFleetFlagsStopTheLaunchBeforeAnyDaemonStarts) {
       {{"--fill-serve", "/run/fill.sock", "--fill-allow", "127.0.0.1"}, "not HOST:PORT"},
       {{"--advertise", "10.0.0.5"}, "--advertise 10.0.0.5: not HOST:PORT"},
       {{"--fill-serve", "127.0.0.1:0"}, "needs --fill-allow"},
-      {{"--fill-from", "disk"}, "only \"registry\""},
+      {{"--fill-from", "disk"}, "is neither \"registry\" nor HOST:PORT"},
+      // Rank 3 would pull from port 65536 of the listed source.
+      {{"--fill-from", "10.0.0.1:65533"},
+       "--fill-from 10.0.0.1:65533: the daemon of rank 3 would listen on port 65536"},
   };
   for (const auto& c : cases) {
     std::string err;
@@ -488,9 +519,13 @@ TEST_F(FleetFillTest, BadFillFlagsAreUsageErrors) {
     std::vector<std::string> flags;
     std::string error;
   } cases[] = {
-      {{"--fill-from", "registry"}, "need --registry"},
-      {{"--registry", etcd_->url(), "--fill-from", "disk"}, "only \"registry\""},
+      {{"--fill-from", "registry"}, "--fill-from registry needs --registry"},
+      {{"--registry", etcd_->url(), "--fill-from", "disk"},
+       "--fill-from: \"disk\" is neither \"registry\" nor HOST:PORT[,HOST:PORT...]"},
+      {{"--fill-from", "10.0.0.1:7400,10.0.0.2"}, "(\"10.0.0.2\" is not HOST:PORT)"},
+      {{"--fill-from", "10.0.0.1:7400,"}, "(\"\" is not HOST:PORT)"},
       {{"--registry", etcd_->url(), "--fill-serve", "127.0.0.1:0"}, "needs --fill-allow"},
+      {{"--fill-allow", "127.0.0.1"}, "--fill-allow is the peer list of --fill-serve"},
       {{"--registry", etcd_->url(), "--fill-serve", "127.0.0.1:0", "--fill-allow", "10.0.0.1/8"},
        "--fill-allow"},
   };

@@ -101,7 +101,7 @@ TEST(RegistryFlagsTest, NoRegistryForwardsNothingAndFillFlagsWithoutItAreRefused
   auto refused = RegistryServeArgs(orphan, Tier::kHost, 0);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(refused.status().message(), HasSubstr("need --registry"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("--fill-from registry needs --registry"));
 
   RegistryFlags gpu;
   gpu.url = "etcd://127.0.0.1:2379";
@@ -109,6 +109,24 @@ TEST(RegistryFlagsTest, NoRegistryForwardsNothingAndFillFlagsWithoutItAreRefused
   auto gpu_fill = RegistryServeArgs(gpu, Tier::kGpu, 0);
   ASSERT_FALSE(gpu_fill.ok());
   EXPECT_THAT(gpu_fill.status().message(), HasSubstr("host tier only"));
+}
+
+// Without a registry the fill flags go alone; a listed source is per rank like --fill-serve
+// (rank r of the source node serves at PORT + r).
+TEST(RegistryFlagsTest, ListedSourcesAreForwardedPerRankWithoutARegistry) {
+  RegistryFlags flags;
+  flags.fill_from = "10.0.0.1:7400,node-b:7400";
+  flags.fill_serve = "0.0.0.0:7400";
+  flags.fill_allow = "10.0.0.0/8";
+  auto forwarded = RegistryServeArgs(flags, Tier::kHost, 2);
+  ASSERT_TRUE(forwarded.ok()) << forwarded.status().ToString();
+  EXPECT_EQ(*forwarded,
+            (std::vector<std::string>{"--fill-from", "10.0.0.1:7402,node-b:7402", "--fill-allow",
+                                      "10.0.0.0/8", "--fill-serve", "0.0.0.0:7402"}));
+  flags.fill_from = "10.0.0.1:7400,10.0.0.1";
+  auto bad = RegistryServeArgs(flags, Tier::kHost, 0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("(\"10.0.0.1\" is not HOST:PORT)"));
 }
 
 }  // namespace
