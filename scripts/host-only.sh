@@ -80,5 +80,12 @@ cat "$work/fill.log"
 [[ $rc == 1 ]] || fail "serve --fill-from exited $rc, expected 1"
 grep -qF "fill-from registry: this build has no fleet support" "$work/fill.log" ||
   fail "serve --fill-from did not name the missing fleet support"
+rc=0
+"$wc" launch "${ident[@]}" --tier host --registry etcd://127.0.0.1:2379 >"$work/launch.log" 2>&1 ||
+  rc=$?
+cat "$work/launch.log"
+[[ $rc == 1 ]] || fail "launch --registry exited $rc, expected 1"
+grep -qF "registry etcd://127.0.0.1:2379: this build has no fleet support" "$work/launch.log" ||
+  fail "launch --registry did not name the missing fleet support"
 echo "host-only: OK (host tier served, attached with --verify and stopped; gpu tier and" \
      "fleet refused)"

@@ -89,6 +89,11 @@ int RunLaunch(const LaunchArgs& args) {
   constexpr std::string_view kCmd = "launch";
   auto signal_fd = StopSignalFd();
   if (!signal_fd.ok()) return Fail(kCmd, signal_fd.status());
+  // The fleet flags' own rules first (and a build without the fleet refuses them): each
+  // daemon's ports are checked once the plan is known, below.
+  if (auto fleet = RegistryServeArgs(args.registry, args.serve.identity.tier, 0); !fleet.ok()) {
+    return Fail(kCmd, fleet.status());
+  }
 
   identity::InventoryOptions inventory;
   inventory.inventory_file = args.serve.identity.device_inventory;
