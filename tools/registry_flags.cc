@@ -1,6 +1,5 @@
 #include "registry_flags.h"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <array>
@@ -14,7 +13,6 @@
 
 #include "common/hash.h"
 #include "common/logging.h"
-#include "common/unique_fd.h"
 #include "launcher/serve_daemons.h"
 #include "os/file_mapping.h"
 #include "os/host_name.h"

@@ -35,8 +35,8 @@ Result<std::string> AddrForRank(std::string_view flag, const std::string& addr, 
   if (port == 0) return addr;
   if (port + rank > 65535) {
     return InvalidArgument(std::string(flag) + " " + addr + ": the daemon of rank " +
-                           std::to_string(rank) + " would listen on port " +
-                           std::to_string(port + rank) + ", past 65535");
+                           std::to_string(rank) + " would get port " + std::to_string(port + rank) +
+                           ", past 65535");
   }
   return addr.substr(0, colon + 1) + std::to_string(port + rank);
 }

@@ -475,14 +475,14 @@ TEST_F(FleetLaunchTest, BadFleetFlagsStopTheLaunchBeforeAnyDaemonStarts) {
   } cases[] = {
       // Rank 3 (node rank 1's second) would serve on port 65536.
       {{"--fill-serve", "127.0.0.1:65533", "--fill-allow", "127.0.0.1"},
-       "--fill-serve 127.0.0.1:65533: the daemon of rank 3 would listen on port 65536"},
+       "--fill-serve 127.0.0.1:65533: the daemon of rank 3 would get port 65536"},
       {{"--fill-serve", "/run/fill.sock", "--fill-allow", "127.0.0.1"}, "not HOST:PORT"},
       {{"--advertise", "10.0.0.5"}, "--advertise 10.0.0.5: not HOST:PORT"},
       {{"--fill-serve", "127.0.0.1:0"}, "needs --fill-allow"},
       {{"--fill-from", "disk"}, "is neither \"registry\" nor HOST:PORT"},
       // Rank 3 would pull from port 65536 of the listed source.
       {{"--fill-from", "10.0.0.1:65533"},
-       "--fill-from 10.0.0.1:65533: the daemon of rank 3 would listen on port 65536"},
+       "--fill-from 10.0.0.1:65533: the daemon of rank 3 would get port 65536"},
   };
   for (const auto& c : cases) {
     std::string err;

@@ -183,7 +183,7 @@ TEST(LaunchFlagsTest, ListeningAddressesAreMadePerDaemon) {
   ASSERT_FALSE(past.ok());
   EXPECT_EQ(past.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(past.status().message(),
-              HasSubstr("--metrics-addr 127.0.0.1:65535: the daemon of rank 1 would listen on "
+              HasSubstr("--metrics-addr 127.0.0.1:65535: the daemon of rank 1 would get "
                         "port 65536"));
   auto bad = metrics("metrics", 0);
   ASSERT_FALSE(bad.ok());
