@@ -9,8 +9,9 @@
 // cache holds it, filled on the device; then for each strategy (default both), R times
 // (default 3): demotion (cuda::CopyDeviceToMemfds: import, copy into memfds, seal), the device
 // memory freed, promotion (cuda::CopyMemfdsToDevice: new arena, copy from the sealed memfds),
-// the host copy freed. Strategies (cuda/tier_copy.h): staged (T workers, default 8, each with
-// two pinned buffers of M MiB, default 32) and registered (the memfds' own mappings pinned).
+// the host copy freed. Strategies (cuda/tier_copy.h): staged (T workers, default the
+// library's: the cores, 4 to 16; each with two pinned buffers of M MiB, default 16; the host
+// copy in memfd segments of at most 512 MiB) and registered (the segments' mappings pinned).
 // Pinned H2D and D2H: one 1 GiB cuMemcpy{HtoD,DtoH}Async with pinned host memory (best of 3),
 // the links' rates the targets are measured against. Each line also carries the kernel's
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled (whether a memfd can get huge pages). One
@@ -105,9 +106,10 @@ PinnedRates Pinned(const cu::DriverApi* api) {
 }
 
 int Run(int argc, char** argv) {
-  uint64_t gib = 16, alloc_gib = 2, staging_mib = 32;
+  const cu::TierCopyOptions defaults;
+  uint64_t gib = 16, alloc_gib = 2, staging_mib = defaults.staging_bytes >> 20;
   int device_index = 0, reps = 3;
-  size_t threads = 8;
+  size_t threads = defaults.threads;
   std::string strategy = "both";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -197,7 +199,7 @@ int Run(int argc, char** argv) {
             {"pinned_d2h_gb_s", pinned.d2h},
             {"demote_gb_s", demote.gb_per_s},
             {"demote_s", demote.seconds},
-            {"demote_populate_s", demote.populate_seconds},
+            {"segments", demote.segments},
             {"demote_copy_s", demote.copy_seconds},
             {"demote_unregistered_chunks", demote.unregistered},
             {"promote_gb_s", promote.gb_per_s},

@@ -9,7 +9,6 @@
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
-#include <cstring>
 #include <deque>
 #include <optional>
 #include <thread>
@@ -183,30 +182,111 @@ Status CopyInParallel(const DriverApi* api, CUcontext context, Direction directi
   return Status::Ok();
 }
 
+// ---- the host copy's segments ----
+
+// One memfd of the host copy: bytes [offset, offset + bytes) of allocation `alloc`.
+struct Segment {
+  size_t alloc = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  int fd = -1;  // borrowed
+};
+
+uint64_t PageBytes() { return static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)); }
+
+// A demotion's segments (fds not yet made): each allocation cut into pieces of at most
+// options.segment_bytes, and a copy smaller than threads × segment_bytes into about `threads`
+// segments of whole pages, so that every worker has one to write.
+std::vector<Segment> PlanSegments(std::span<const uint64_t> sizes, const TierCopyOptions& options) {
+  const uint64_t page = PageBytes();
+  uint64_t total = 0;
+  for (uint64_t s : sizes) total += s;
+  const uint64_t threads = std::max<uint64_t>(options.threads, 1);
+  const uint64_t per_thread = (total / threads + page - 1) / page * page;
+  const uint64_t segment = std::min(options.segment_bytes, std::max(per_thread, page));
+  std::vector<Segment> segments;
+  for (size_t a = 0; a < sizes.size(); ++a) {
+    for (uint64_t at = 0; at < sizes[a]; at += segment) {
+      segments.push_back({a, at, std::min(segment, sizes[a] - at), -1});
+    }
+  }
+  return segments;
+}
+
+// A promotion's segments: `memfds` in order, their sizes (fstat) tiling `sizes` exactly.
+Result<std::vector<Segment>> SegmentsOf(std::span<const int> memfds,
+                                        std::span<const uint64_t> sizes) {
+  std::vector<Segment> segments;
+  size_t alloc = 0;
+  uint64_t at = 0;
+  for (size_t i = 0; i < memfds.size(); ++i) {
+    auto bytes = os::FileSize(memfds[i]);
+    if (!bytes.ok()) return bytes.status().Context("promotion: memfd " + std::to_string(i));
+    if (alloc == sizes.size() || *bytes == 0 || *bytes > sizes[alloc] - at) {
+      return InvalidArgument(
+          "promotion: memfd " + std::to_string(i) + " of " + std::to_string(memfds.size()) +
+          " holds " + std::to_string(*bytes) + " bytes, which do not fit " +
+          (alloc == sizes.size() ? std::string("any allocation (all are filled)")
+                                 : "the " + std::to_string(sizes[alloc] - at) +
+                                       " bytes left of allocation " + std::to_string(alloc)));
+    }
+    segments.push_back({alloc, at, *bytes, memfds[i]});
+    at += *bytes;
+    if (at == sizes[alloc]) {
+      ++alloc;
+      at = 0;
+    }
+  }
+  if (alloc != sizes.size()) {
+    return InvalidArgument("promotion: " + std::to_string(memfds.size()) +
+                           " memfd(s) end in allocation " + std::to_string(alloc) + " of " +
+                           std::to_string(sizes.size()) + " (its bytes from " + std::to_string(at) +
+                           " on, and any after it, are missing)");
+  }
+  return segments;
+}
+
 // ---- kStaged ----
 
-// One piece of a staged copy: `bytes` at `offset` of allocation/memfd `alloc`.
+// One piece of a staged copy: `bytes` at `offset` of the memfd `fd`, to or from `device`.
 struct Piece {
-  size_t alloc = 0;
-  std::byte* host = nullptr;  // demotion: the memfd's mapping at `offset`
-  int fd = -1;                // promotion: the memfd, read at `offset`
+  int fd = -1;
   uint64_t offset = 0;
   CUdeviceptr device = 0;
   size_t bytes = 0;
 };
 
-std::vector<Piece> SplitPieces(std::span<const uint64_t> sizes, size_t piece_bytes,
-                               const std::vector<std::byte*>& hosts, std::span<const int> fds,
-                               const std::vector<CUdeviceptr>& devices) {
-  std::vector<Piece> pieces;
-  for (size_t a = 0; a < sizes.size(); ++a) {
-    for (uint64_t at = 0; at < sizes[a]; at += piece_bytes) {
-      pieces.push_back({a, hosts.empty() ? nullptr : hosts[a] + at, fds.empty() ? -1 : fds[a], at,
-                        devices[a] + at,
-                        static_cast<size_t>(std::min<uint64_t>(piece_bytes, sizes[a] - at))});
-    }
+// The pieces of at most `piece_bytes` of `segment`, appended to `out`.
+void AppendPieces(const Segment& segment, CUdeviceptr alloc_base, size_t piece_bytes,
+                  std::vector<Piece>& out) {
+  for (uint64_t at = 0; at < segment.bytes; at += piece_bytes) {
+    out.push_back({segment.fd, at, alloc_base + segment.offset + at,
+                   static_cast<size_t>(std::min<uint64_t>(piece_bytes, segment.bytes - at))});
   }
-  return pieces;
+}
+
+// Promotion: every piece of every segment, dealt round-robin to `workers` (reads of one file
+// scale across threads).
+std::vector<std::vector<Piece>> DealPieces(const std::vector<Segment>& segments,
+                                           const std::vector<CUdeviceptr>& bases,
+                                           size_t piece_bytes, size_t workers) {
+  std::vector<Piece> all;
+  for (const Segment& s : segments) AppendPieces(s, bases[s.alloc], piece_bytes, all);
+  std::vector<std::vector<Piece>> dealt(std::min(workers, all.size()));
+  for (size_t i = 0; i < all.size(); ++i) dealt[i % dealt.size()].push_back(all[i]);
+  return dealt;
+}
+
+// Demotion: whole segments dealt round-robin to `workers`, so that one thread writes each memfd
+// (the kernel serialises writers of one shmem file).
+std::vector<std::vector<Piece>> DealSegments(const std::vector<Segment>& segments,
+                                             const std::vector<CUdeviceptr>& bases,
+                                             size_t piece_bytes, size_t workers) {
+  std::vector<std::vector<Piece>> dealt(std::min(workers, segments.size()));
+  for (size_t i = 0; i < segments.size(); ++i) {
+    AppendPieces(segments[i], bases[segments[i].alloc], piece_bytes, dealt[i % dealt.size()]);
+  }
+  return dealt;
 }
 
 // Reads exactly `bytes` at `offset` of `fd` into `out`. kIo on an error or an early end.
@@ -225,9 +305,26 @@ Status ReadFully(int fd, std::byte* out, size_t bytes, uint64_t offset) {
   return Status::Ok();
 }
 
+// Writes exactly `bytes` from `in` at `offset` of `fd`. kIo on an error (ENOSPC, ENOMEM: the
+// host has no room for the copy).
+Status WriteFully(int fd, const std::byte* in, size_t bytes, uint64_t offset) {
+  size_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::pwrite(fd, in + done, bytes - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return IoError("demotion: writing " + std::to_string(bytes - done) + " bytes at " +
+                         std::to_string(offset + done) + " of a host copy memfd",
+                     n < 0 ? errno : EIO);
+    }
+    done += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
 // One staged worker: its own stream, two pinned buffers and two events; its pieces in order,
-// the host side of piece k (a read, or for a demotion the write-back of piece k-1) overlapping
-// the DMA of the other buffer.
+// the host side of piece k (a read, or for a demotion the write of piece k-1) overlapping the
+// DMA of the other buffer.
 class StagedCopier {
  public:
   StagedCopier(const DriverApi* api, Direction direction, size_t staging_bytes)
@@ -291,15 +388,16 @@ class StagedCopier {
   }
 
   // Piece k's DMA into buffer k%2 is issued, then piece k-1 (the other buffer) is waited for
-  // and written into the memfd's mapping while piece k's DMA runs.
+  // and written into its memfd while piece k's DMA runs.
   Status Demote(const std::vector<Piece>& pieces, CUstream stream, const Events& events,
                 const Buffers& buffers, TierCopyReport& report) {
     auto write_back = [&](size_t k) -> Status {
       const size_t b = k % 2;
       WEIGHTCACHE_RETURN_IF_ERROR(Wait(events, b));
-      std::memcpy(pieces[k].host, buffers[b]->data(), pieces[k].bytes);
+      const Piece& p = pieces[k];
+      WEIGHTCACHE_RETURN_IF_ERROR(WriteFully(p.fd, buffers[b]->data(), p.bytes, p.offset));
       ++report.chunks;
-      report.bytes += pieces[k].bytes;
+      report.bytes += p.bytes;
       return Status::Ok();
     };
     for (size_t k = 0; k < pieces.size(); ++k) {
@@ -338,22 +436,20 @@ Status OnThreads(size_t workers, Fn fn) {
   return Status::Ok();
 }
 
-// Every piece copied by up to `threads` workers (piece i by worker i % workers), `context`
-// current on each.
+// Each worker's pieces copied on a thread of its own, `context` current on each; staging buffers
+// of the largest piece's size.
 Status StagedInParallel(const DriverApi* api, CUcontext context, Direction direction,
-                        const TierCopyOptions& options, const std::vector<Piece>& pieces,
-                        TierCopyReport& report) {
-  const size_t workers = std::min(options.threads, pieces.size());
-  const size_t largest =
-      std::ranges::max_element(pieces, {}, [](const Piece& p) { return p.bytes; })->bytes;
-  std::vector<TierCopyReport> reports(workers);
-  Status status = OnThreads(workers, [&](size_t w) -> Status {
+                        const std::vector<std::vector<Piece>>& dealt, TierCopyReport& report) {
+  size_t largest = 0;
+  for (const auto& mine : dealt) {
+    for (const Piece& p : mine) largest = std::max(largest, p.bytes);
+  }
+  std::vector<TierCopyReport> reports(dealt.size());
+  Status status = OnThreads(dealt.size(), [&](size_t w) -> Status {
     if (CUresult rc = api->cuCtxSetCurrent(context); rc != CUDA_SUCCESS) {
       return DriverError(api, rc, "cuCtxSetCurrent on a tier copy worker");
     }
-    std::vector<Piece> mine;
-    for (size_t i = w; i < pieces.size(); i += workers) mine.push_back(pieces[i]);
-    return StagedCopier(api, direction, largest).Run(mine, reports[w]);
+    return StagedCopier(api, direction, largest).Run(dealt[w], reports[w]);
   });
   for (const TierCopyReport& r : reports) {
     report.bytes += r.bytes;
@@ -362,25 +458,15 @@ Status StagedInParallel(const DriverApi* api, CUcontext context, Direction direc
   return status;
 }
 
-// The pages of every piece's range of its memfd allocated (os::PopulateRange), by up to
-// `threads` workers.
-Status PopulateInParallel(const TierCopyOptions& options, const std::vector<Piece>& pieces,
-                          const std::vector<os::MappedRegion>& regions) {
-  const size_t workers = std::min(options.threads, pieces.size());
-  return OnThreads(workers, [&](size_t w) -> Status {
-    for (size_t i = w; i < pieces.size(); i += workers) {
-      const Piece& p = pieces[i];
-      Status populated = os::PopulateRange(p.fd, regions[p.alloc], p.offset, p.bytes);
-      if (!populated.ok()) return populated.Context("demotion");
-    }
-    return Status::Ok();
-  });
-}
-
 Status CheckOptions(const TierCopyOptions& options, std::string_view what) {
   if (options.strategy == TierCopyStrategy::kStaged &&
       (options.threads == 0 || options.staging_bytes == 0)) {
     return InvalidArgument(std::string(what) + ": a staged copy needs threads and staging bytes");
+  }
+  if (options.segment_bytes == 0 || options.segment_bytes % PageBytes() != 0) {
+    return InvalidArgument(std::string(what) + ": a segment of " +
+                           std::to_string(options.segment_bytes) +
+                           " bytes is not a whole number of pages");
   }
   return Status::Ok();
 }
@@ -396,11 +482,8 @@ void AppendChunks(std::byte* host, CUdeviceptr device, uint64_t size, std::vecto
   }
 }
 
-Status CheckSpans(size_t fds, std::span<const uint64_t> sizes, std::string_view what) {
-  if (fds != sizes.size() || sizes.empty()) {
-    return InvalidArgument(std::string(what) + ": " + std::to_string(fds) + " fd(s) for " +
-                           std::to_string(sizes.size()) + " allocation size(s)");
-  }
+Status CheckSizes(std::span<const uint64_t> sizes, std::string_view what) {
+  if (sizes.empty()) return InvalidArgument(std::string(what) + ": no allocation sizes");
   if (std::ranges::any_of(sizes, [](uint64_t s) { return s == 0; })) {
     return InvalidArgument(std::string(what) + ": an allocation of 0 bytes");
   }
@@ -415,12 +498,20 @@ void Finish(TierCopyReport& report, std::chrono::steady_clock::time_point start)
 
 }  // namespace
 
+size_t DefaultTierCopyThreads() {
+  return std::clamp<size_t>(std::thread::hardware_concurrency(), 4, 16);
+}
+
 Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice device,
                                                  std::span<const int> vmm_fds,
                                                  std::span<const uint64_t> sizes,
                                                  const std::string& name, TierCopyReport* report,
                                                  const TierCopyOptions& options) {
-  WEIGHTCACHE_RETURN_IF_ERROR(CheckSpans(vmm_fds.size(), sizes, "demotion"));
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckSizes(sizes, "demotion"));
+  if (vmm_fds.size() != sizes.size()) {
+    return InvalidArgument("demotion: " + std::to_string(vmm_fds.size()) + " fd(s) for " +
+                           std::to_string(sizes.size()) + " allocation size(s)");
+  }
   WEIGHTCACHE_RETURN_IF_ERROR(CheckOptions(options, "demotion"));
   std::vector<UniqueFd> dups;
   for (int fd : vmm_fds) {
@@ -431,52 +522,46 @@ Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice 
   // Imported and mapped for this copy only; its context reference goes with it.
   WEIGHTCACHE_ASSIGN_OR_RETURN(ImportedArena arena,
                                ImportedArena::Import(api, device, std::move(dups), sizes));
+  std::vector<CUdeviceptr> bases;
+  for (const auto& allocation : arena.allocations()) bases.push_back(allocation.ptr);
+  std::vector<Segment> segments = PlanSegments(sizes, options);
   std::vector<UniqueFd> memfds;
-  std::vector<os::MappedRegion> regions;
-  std::vector<Chunk> chunks;
-  std::vector<std::byte*> hosts;
-  std::vector<CUdeviceptr> devices;
-  std::vector<int> fds;
-  for (size_t a = 0; a < sizes.size(); ++a) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(UniqueFd memfd, os::CreateMemfd(name, sizes[a]));
-    WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region, os::MapReadWrite(memfd.get(), sizes[a]));
-    auto* host = static_cast<std::byte*>(region.data());
-    AppendChunks(host, arena.allocations()[a].ptr, sizes[a], chunks);
-    // Huge pages where the kernel allows them for shmem.
-    if (options.strategy == TierCopyStrategy::kStaged) os::AdviseHugePages(region);
-    hosts.push_back(host);
-    devices.push_back(arena.allocations()[a].ptr);
-    fds.push_back(memfd.get());
+  for (Segment& segment : segments) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(UniqueFd memfd, os::CreateMemfd(name, segment.bytes));
+    segment.fd = memfd.get();
     memfds.push_back(std::move(memfd));
-    regions.push_back(std::move(region));
   }
   TierCopyReport local;
   TierCopyReport& r = report != nullptr ? *report : local;
   r = {};
+  r.segments = segments.size();
   const auto start = std::chrono::steady_clock::now();
   Status copied = Status::Ok();
   if (options.strategy == TierCopyStrategy::kStaged) {
-    const std::vector<Piece> pieces =
-        SplitPieces(sizes, options.staging_bytes, hosts, fds, devices);
-    copied = PopulateInParallel(options, pieces, regions);
-    r.populate_seconds = SecondsSince(start);
-    const auto copy_start = std::chrono::steady_clock::now();
-    if (copied.ok()) {
-      copied = StagedInParallel(api, arena.context(), Direction::kDeviceToHost, options, pieces, r);
-    }
-    r.copy_seconds = SecondsSince(copy_start);
+    copied =
+        StagedInParallel(api, arena.context(), Direction::kDeviceToHost,
+                         DealSegments(segments, bases, options.staging_bytes, options.threads), r);
   } else {
+    // Writable mappings of the segments, gone before the seals (the kernel refuses F_SEAL_WRITE
+    // while a writable shared mapping exists).
+    std::vector<os::MappedRegion> regions;
+    std::vector<Chunk> chunks;
+    for (const Segment& segment : segments) {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
+                                   os::MapReadWrite(segment.fd, segment.bytes));
+      AppendChunks(static_cast<std::byte*>(region.data()), bases[segment.alloc] + segment.offset,
+                   segment.bytes, chunks);
+      regions.push_back(std::move(region));
+    }
     copied = CopyInParallel(api, arena.context(), Direction::kDeviceToHost,
                             CU_MEMHOSTREGISTER_PORTABLE, chunks, r);
-    r.copy_seconds = SecondsSince(start);
   }
+  r.copy_seconds = SecondsSince(start);
   Finish(r, start);
   if (!copied.ok()) return copied.Context("demotion to host memory");
-  // The kernel refuses F_SEAL_WRITE while a writable shared mapping exists.
-  regions.clear();
-  for (size_t a = 0; a < memfds.size(); ++a) {
-    Status sealed = os::SealReadOnly(memfds[a].get());
-    if (!sealed.ok()) return sealed.Context("demotion: sealing memfd " + std::to_string(a));
+  for (size_t i = 0; i < memfds.size(); ++i) {
+    Status sealed = os::SealReadOnly(memfds[i].get());
+    if (!sealed.ok()) return sealed.Context("demotion: sealing memfd " + std::to_string(i));
   }
   return memfds;
 }
@@ -486,38 +571,46 @@ Result<std::vector<UniqueFd>> CopyMemfdsToDevice(const DriverApi* api, CUdevice 
                                                  std::span<const uint64_t> sizes,
                                                  TierCopyReport* report,
                                                  const TierCopyOptions& options) {
-  WEIGHTCACHE_RETURN_IF_ERROR(CheckSpans(memfds.size(), sizes, "promotion"));
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckSizes(sizes, "promotion"));
   WEIGHTCACHE_RETURN_IF_ERROR(CheckOptions(options, "promotion"));
-  std::vector<os::MappedRegion> regions;
-  for (size_t a = 0; a < sizes.size(); ++a) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region, os::MapReadOnly(memfds[a], sizes[a]));
-    regions.push_back(std::move(region));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<Segment> segments, SegmentsOf(memfds, sizes));
+  std::vector<os::MappedRegion> regions;  // kRegistered: each segment's mapping
+  if (options.strategy == TierCopyStrategy::kRegistered) {
+    for (const Segment& segment : segments) {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
+                                   os::MapReadOnly(segment.fd, segment.bytes));
+      regions.push_back(std::move(region));
+    }
   }
   // Retains the primary context and makes it current on this thread.
   auto arena = ExportedArena::Create(api, device, sizes);
   if (!arena.ok()) return arena.status().Context("promotion: allocating the arena");
-  std::vector<Chunk> chunks;
-  std::vector<CUdeviceptr> devices;
+  std::vector<CUdeviceptr> bases;
   for (size_t a = 0; a < sizes.size(); ++a) {
     const ExportedAllocation& alloc = arena->allocations()[a];
-    devices.push_back(alloc.ptr);
+    bases.push_back(alloc.ptr);
     if (alloc.size != sizes[a]) {
       return InternalError("promotion: allocation " + std::to_string(a) + " came out " +
                            std::to_string(alloc.size) + " bytes, the demoted one had " +
                            std::to_string(sizes[a]));
     }
-    AppendChunks(static_cast<std::byte*>(regions[a].data()), alloc.ptr, sizes[a], chunks);
   }
   TierCopyReport local;
   TierCopyReport& r = report != nullptr ? *report : local;
   r = {};
+  r.segments = segments.size();
   const auto start = std::chrono::steady_clock::now();
   Status copied = Status::Ok();
   if (options.strategy == TierCopyStrategy::kStaged) {
-    const std::vector<Piece> pieces =
-        SplitPieces(sizes, options.staging_bytes, {}, memfds, devices);
-    copied = StagedInParallel(api, arena->context(), Direction::kHostToDevice, options, pieces, r);
+    copied =
+        StagedInParallel(api, arena->context(), Direction::kHostToDevice,
+                         DealPieces(segments, bases, options.staging_bytes, options.threads), r);
   } else {
+    std::vector<Chunk> chunks;
+    for (size_t i = 0; i < segments.size(); ++i) {
+      AppendChunks(static_cast<std::byte*>(regions[i].data()),
+                   bases[segments[i].alloc] + segments[i].offset, segments[i].bytes, chunks);
+    }
     copied = CopyInParallel(api, arena->context(), Direction::kHostToDevice,
                             CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY, chunks, r);
   }

@@ -234,7 +234,8 @@ void Daemon::StopLoader() {
   cancel_.store(true);
   if (loader_.joinable()) loader_.join();
   if (committer_.joinable()) committer_.join();
-  if (mover_.joinable()) mover_.join();  // bounded: one copy, or a readmission (its deadline)
+  if (warmer_.joinable()) warmer_.join();  // bounded: one context creation
+  if (mover_.joinable()) mover_.join();    // bounded: one copy, or a readmission (its deadline)
 }
 
 // ---- the loader thread ------------------------------------------------------------------------
@@ -441,6 +442,9 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
   } else if (identity::IsPublishedSource(options_.config.source)) {
     state_ = CacheState::kAwaiting;  // nothing to load: the publisher brings the weights
     LOG_INFO << "awaiting the publisher of " << options_.config.source;
+    if (options_.config.tier == Tier::kGpu && options_.device.has_value()) {
+      warmer_ = std::thread([this] { WarmContext(); });
+    }
   } else {
     loader_ = std::thread([this] { LoaderMain(); });
   }
@@ -1591,6 +1595,24 @@ Status Daemon::CanPublish(const Connection& conn) const {
   return Status::Ok();
 }
 
+void Daemon::WarmContext() {
+  const auto start = Clock::now();
+  Result<cuda::PrimaryContext> context = [&]() -> Result<cuda::PrimaryContext> {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, options_.env.load_driver());
+    WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *options_.device));
+    return cuda::PrimaryContext::Retain(api, device);
+  }();
+  if (!context.ok()) {
+    // Not fatal: the PublishBegin creates the context itself, and reports a failure then.
+    LOG_WARN << "preparing the device's CUDA context for the publisher: "
+             << context.status().ToString();
+    return;
+  }
+  warm_context_.emplace(std::move(context).value());
+  LOG_INFO << "the device's CUDA context is ready for the publisher (created in "
+           << SecondsSince(start) << " s)";
+}
+
 Result<Publication> Daemon::CreateArenaFor(protocol::PublishBegin plan) {
   const Tier tier = options_.config.tier;
   if (tier != Tier::kGpu) {
@@ -1600,6 +1622,7 @@ Result<Publication> Daemon::CreateArenaFor(protocol::PublishBegin plan) {
   // The gpu tier: a VMM arena on the daemon's own device, through the Env's driver (the load's
   // seam). Creating it makes the device's primary context current on this thread.
   if (!options_.device.has_value()) return InternalError("gpu tier publish without a device");
+  if (warmer_.joinable()) warmer_.join();  // its context, if it made one, is retained below
   auto driver = options_.env.load_driver();
   if (!driver.ok()) return driver.status().Context("gpu tier publish");
   GpuPublishTarget target{*driver, *options_.device};
@@ -1629,7 +1652,9 @@ void Daemon::HandlePublishBegin(Connection& conn, std::span<const uint8_t> paylo
   Status refused = CanPublish(conn);
   if (refused.ok()) refused = protocol::ValidatePublishPlan(*plan);
   Result<Publication> pub = refused;
+  const auto arena_start = Clock::now();
   if (refused.ok()) pub = CreateArenaFor(std::move(plan).value());
+  const double arena_seconds = SecondsSince(arena_start);
   Result<std::vector<uint8_t>> frame =
       pub.ok() ? protocol::EncodePublishArena(pub->arena_manifest.size,
                                               static_cast<uint32_t>(pub->ArenaFds().size()))
@@ -1659,7 +1684,8 @@ void Daemon::HandlePublishBegin(Connection& conn, std::span<const uint8_t> paylo
   LOG_INFO << "publishing: " << conn.Describe() << " plans " << publication_->plan.tensors.size()
            << " tensors, " << FormatBytes(publication_->tensor_bytes) << " in "
            << publication_->ArenaFds().size() << " " << TierName(publication_->tier)
-           << " allocation(s), metadata " << publication_->plan.metadata.size() << " bytes";
+           << " allocation(s) made in " << arena_seconds << " s, metadata "
+           << publication_->plan.metadata.size() << " bytes";
 }
 
 void Daemon::HandlePublishCommit(Connection& conn, std::span<const uint8_t> payload) {
@@ -1743,6 +1769,9 @@ void Daemon::OnCommitDone() {
     conn->publishing = false;
     FlushAndRearm(*conn);
   }
+  // Installed: the store is fds, nothing here needs the context any more. Released after the
+  // reply is on its way (the last release destroys the context, which takes a while).
+  if (installed.ok()) warm_context_.reset();
 }
 
 void Daemon::AbandonPublication(std::string_view why) {

@@ -65,6 +65,7 @@
 #include "common/mutex.h"
 #include "common/unique_fd.h"
 #include "common/unique_handle.h"
+#include "cuda/vmm.h"
 #include "daemon/fd_store.h"
 #include "daemon/keeper_link.h"
 #include "daemon/metrics.h"
@@ -302,6 +303,8 @@ class Daemon {
   Status CanPublish(const Connection& conn) const;
   // The arena of a plan on this cache's tier (CreatePublication; gpu: its driver and device).
   Result<Publication> CreateArenaFor(protocol::PublishBegin plan);
+  // The warmer thread's body: retains the device's primary context into warm_context_.
+  void WarmContext();
   // Drops the publication in progress (its memfds close, or its VMM arena is destroyed); the
   // state stays what it was.
   void AbandonPublication(std::string_view why);
@@ -425,6 +428,14 @@ class Daemon {
   Mutex commit_mu_;
   std::optional<Result<WeightStore>> commit_result_ WEIGHTCACHE_GUARDED_BY(commit_mu_);
   std::thread committer_;
+
+  // A published gpu-tier cache: the device's primary context, retained by the warmer thread as
+  // soon as the daemon awaits its publisher, so that a PublishBegin's arena does not wait for
+  // the context to be created (~120 ms on an H200, docs/publish.md). Written by warmer_ and
+  // read only after joining it; released once a publish is installed (the store's fds need no
+  // context).
+  std::thread warmer_;
+  std::optional<cuda::PrimaryContext> warm_context_;
 
   // The upgrade in progress (HandleUpgrade .. FinishUpgrade).
   struct PendingUpgrade {

@@ -11,10 +11,6 @@
 #include <string>
 #include <thread>
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL (fallocate then)
-#endif
-
 namespace weightcache::os {
 namespace {
 
@@ -106,31 +102,6 @@ Result<MappedRegion> MapReadOnly(int fd, size_t size) {
 Result<MappedRegion> MapReadWrite(int fd, size_t size) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(void* p, MapChecked(fd, size, PROT_READ | PROT_WRITE));
   return MappedRegion(p, p == nullptr ? 0 : size);
-}
-
-void AdviseHugePages(const MappedRegion& region) {
-  if (region.size() == 0) return;
-  static_cast<void>(::madvise(region.data(), region.size(), MADV_HUGEPAGE));
-}
-
-Status PopulateRange(int fd, const MappedRegion& region, uint64_t offset, size_t bytes) {
-  if (offset > region.size() || bytes > region.size() - offset) {
-    return InvalidArgument("populating bytes " + std::to_string(offset) + "+" +
-                           std::to_string(bytes) + " of a " + std::to_string(region.size()) +
-                           "-byte mapping");
-  }
-  if (bytes == 0) return Status::Ok();
-  // madvise wants a page-aligned start; a range that is not is populated by fallocate.
-  if (::madvise(static_cast<std::byte*>(region.data()) + offset, bytes, MADV_POPULATE_WRITE) == 0) {
-    return Status::Ok();
-  }
-  if (errno != EINVAL) return IoError("populating a memfd's pages (MADV_POPULATE_WRITE)", errno);
-  int rc = 0;
-  do {
-    rc = ::fallocate(fd, 0, static_cast<off_t>(offset), static_cast<off_t>(bytes));
-  } while (rc != 0 && errno == EINTR);
-  if (rc != 0) return IoError("allocating a memfd's pages (fallocate)", errno);
-  return Status::Ok();
 }
 
 }  // namespace weightcache::os

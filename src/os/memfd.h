@@ -69,16 +69,4 @@ Result<MappedRegion> MapReadOnly(int fd, size_t size);
 // PROT_READ | PROT_WRITE, MAP_SHARED, from offset 0 (the loader filling a memfd).
 Result<MappedRegion> MapReadWrite(int fd, size_t size);
 
-// Asks for transparent huge pages in `region` (MADV_HUGEPAGE): the kernel honours it for a
-// memfd when /sys/kernel/mm/transparent_hugepage/shmem_enabled is "advise" or "always". An
-// advice: a kernel that refuses it changes nothing, so it never fails.
-void AdviseHugePages(const MappedRegion& region);
-
-// Allocates the pages of bytes [offset, offset + bytes) of the memfd `fd` that `region` (a
-// MapReadWrite of it) maps, before they are written: MADV_POPULATE_WRITE over that range of
-// the mapping (its page tables filled too), or fallocate on a kernel without it (before 5.14).
-// Disjoint ranges may be populated from several threads at once. kInvalidArgument for a range
-// outside the region, kIo with the errno otherwise (ENOMEM, ENOSPC).
-Status PopulateRange(int fd, const MappedRegion& region, uint64_t offset, size_t bytes);
-
 }  // namespace weightcache::os

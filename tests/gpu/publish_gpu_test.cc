@@ -46,14 +46,21 @@ class PublishGpuTest : public ::testing::Test {
                            {}, dir_.Join(tag + ".log"));
     EXPECT_TRUE(d.ok()) << d.status().ToString();
     if (!d.ok()) return nullptr;
-    // Awaiting: its socket answers Status (no deadline here: ctest's bounds a hang).
+    // Awaiting: its socket answers Status, and the device's context is made for the publisher
+    // before one comes (its memory then does not move the free-memory readings below). No
+    // deadline here: ctest's bounds a hang.
     for (;;) {
       for (const std::string& s : SocketsUnder(runtime(), "default", uuid_)) {
         auto st = StatusOf(s);
-        if (st.ok() && st->pid == (*d)->pid()) {
+        if (socket_.empty() && st.ok() && st->pid == (*d)->pid()) {
+          EXPECT_EQ(st->state, protocol::CacheState::kAwaiting);
           socket_ = s;
-          return std::move(d).value();
         }
+      }
+      if (!socket_.empty() &&
+          (*d)->Log().find("the device's CUDA context is ready for the publisher") !=
+              std::string::npos) {
+        return std::move(d).value();
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
@@ -89,6 +96,8 @@ TEST_F(PublishGpuTest, DeviceTensorsPublishedByOneProcessAreTheBytesAnotherAttac
   JsonRun attached = RunJson(Helper({"attach", runtime(), "e2e", uuid_, "9", "7"}));
   ASSERT_EQ(attached.exit_code, 0) << attached.out << attached.err;
   EXPECT_EQ(attached.json.value("equal", 0), 9) << attached.out;
+  // The arena was made in the context the daemon had ready, and is logged with its time.
+  EXPECT_NE(daemon->Log().find(" allocation(s) made in "), std::string::npos) << daemon->Log();
 }
 
 TEST_F(PublishGpuTest, APublisherKilledMidCopyLeavesTheDaemonAwaitingWithItsMemoryReturned) {

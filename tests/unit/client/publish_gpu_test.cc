@@ -118,6 +118,12 @@ class PublishGpuTest : public ::testing::Test {
     auto started = InProcessDaemon::Start(std::move(options).value());
     ASSERT_TRUE(started.ok()) << started.status().ToString();
     daemon_ = std::move(started).value();
+    // An awaiting gpu daemon retains the device's context for its publisher at once (its warmer
+    // thread): wait for that reference, so that the books a test takes now include it (ctest's
+    // timeout bounds a daemon that never takes it).
+    while (fake_->total_context_refs() == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
   }
 
   Books BooksNow() const {
@@ -201,6 +207,11 @@ TEST_F(PublishGpuTest, PublishedBytesAreWhatAnAttachMaps) {
       EXPECT_EQ((*sums)[i], attached->Find(w.plan[i].name)->checksum) << w.plan[i].name;
     }
     fake_->set_current_context(nullptr);
+  }
+  // Published, the daemon serves fds and lets its warm context go (after the reply; ctest's
+  // timeout bounds a reference kept for ever).
+  while (fake_->total_context_refs() != 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   EXPECT_EQ(fake_->violations(), 0) << fake_->violation_log().front();
 }

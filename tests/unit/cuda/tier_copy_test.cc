@@ -119,15 +119,28 @@ TEST(TierCopy, PromotionThenDemotionKeepsEveryByteAndTheLayout) {
     auto memfds = CopyDeviceToMemfds(fake.api(), kDevice, Borrow(*device), kSizes,
                                      "weightcache:test:demoted", &demoted_report, options);
     ASSERT_TRUE(memfds.ok()) << memfds.status().ToString();
-    ASSERT_EQ(memfds->size(), kSizes.size());
+    // Two threads for 6 MiB: segments of at most 3 MiB, none crossing an allocation's end.
+    const std::vector<uint64_t> segment_sizes = {2 * kMiB, 3 * kMiB, kMiB};
+    ASSERT_EQ(memfds->size(), segment_sizes.size());
+    EXPECT_EQ(demoted_report.segments, segment_sizes.size());
     EXPECT_EQ(demoted_report.bytes, 6 * kMiB);
-    EXPECT_EQ(demoted_report.chunks, strategy == TierCopyStrategy::kStaged ? 6u : 2u);
-    EXPECT_LE(demoted_report.populate_seconds, demoted_report.seconds);
+    EXPECT_EQ(demoted_report.chunks, strategy == TierCopyStrategy::kStaged ? 6u : 3u);
+    std::string held;
+    for (size_t i = 0; i < memfds->size(); ++i) {
+      EXPECT_TRUE(os::CheckSealedReadOnly((*memfds)[i].get()).ok()) << "memfd " << i;
+      EXPECT_EQ(*os::FileSize((*memfds)[i].get()), segment_sizes[i]) << "memfd " << i;
+      held += ReadAll((*memfds)[i].get(), segment_sizes[i]);
+    }
+    EXPECT_EQ(held, Pattern(kSizes[0], 0) + Pattern(kSizes[1], 1));
+    ExpectNothingLive(fake);
+
+    // And back again from the segments: the same bytes in a new arena of the same layout.
+    auto again = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(*memfds), kSizes, nullptr, options);
+    ASSERT_TRUE(again.ok()) << again.status().ToString();
     for (size_t a = 0; a < kSizes.size(); ++a) {
-      EXPECT_TRUE(os::CheckSealedReadOnly((*memfds)[a].get()).ok()) << "memfd " << a;
-      EXPECT_EQ(*os::FileSize((*memfds)[a].get()), kSizes[a]);
-      EXPECT_EQ(ReadAll((*memfds)[a].get(), kSizes[a]), Pattern(kSizes[a], static_cast<int>(a)))
-          << "memfd " << a;
+      EXPECT_EQ(fake.ExportedBytes((*again)[a].get(), 0, kSizes[a]),
+                Pattern(kSizes[a], static_cast<int>(a)))
+          << "allocation " << a;
     }
     ExpectNothingLive(fake);
   }
@@ -141,7 +154,8 @@ TEST(TierCopy, MismatchedFdsAndSizesAreRefusedBeforeAnyDriverCall) {
   auto promoted = CopyMemfdsToDevice(fake.api(), kDevice, one, kSizes);
   ASSERT_FALSE(promoted.ok());
   EXPECT_EQ(promoted.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(promoted.status().message().find("promotion: 1 fd(s) for 2 allocation size(s)"),
+  EXPECT_NE(promoted.status().message().find(
+                "promotion: 1 memfd(s) end in allocation 1 of 2 (its bytes from 0 on"),
             std::string::npos)
       << promoted.status().ToString();
   auto demoted = CopyDeviceToMemfds(fake.api(), kDevice, one, kSizes, "x");
@@ -170,6 +184,82 @@ TEST(TierCopy, AStagedCopyWithoutThreadsOrBuffersIsRefusedBeforeAnyDriverCall) {
     EXPECT_EQ(demoted.status().code(), StatusCode::kInvalidArgument);
   }
   EXPECT_EQ(fake.steps(), 0);
+}
+
+// Segments that do not tile the allocations exactly are refused before any driver call, naming
+// the first that does not fit: one crossing an allocation's end, one too many, an empty one.
+TEST(TierCopy, SegmentsThatDoNotTileTheAllocationsAreRefusedBeforeAnyDriverCall) {
+  FakeDriver fake;
+  auto memfd = [](uint64_t size) {
+    auto fd = os::CreateMemfd("tier-copy-test", size);
+    EXPECT_TRUE(fd.ok());
+    return std::move(fd).value();
+  };
+  struct Case {
+    std::vector<uint64_t> segments;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {{kMiB, 2 * kMiB, 3 * kMiB},
+       "promotion: memfd 1 of 3 holds 2097152 bytes, which do not fit the 1048576 bytes left of "
+       "allocation 0"},
+      {{2 * kMiB, 4 * kMiB, kMiB},
+       "promotion: memfd 2 of 3 holds 1048576 bytes, which do not fit any allocation (all are "
+       "filled)"},
+      {{2 * kMiB, 0, 4 * kMiB},
+       "promotion: memfd 1 of 3 holds 0 bytes, which do not fit the 4194304 bytes left of "
+       "allocation 1"},
+  };
+  for (const Case& c : cases) {
+    std::vector<UniqueFd> fds;
+    for (uint64_t size : c.segments) fds.push_back(memfd(size));
+    auto promoted = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(fds), kSizes);
+    ASSERT_FALSE(promoted.ok());
+    EXPECT_EQ(promoted.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(promoted.status().message(), c.expected);
+  }
+  EXPECT_EQ(fake.steps(), 0);
+}
+
+// A segment size that is not a whole number of pages is refused before any driver call.
+TEST(TierCopy, ASegmentSizeOfPartPagesIsRefused) {
+  FakeDriver fake;
+  const std::vector<UniqueFd> host = HostCopy();
+  TierCopyOptions options;
+  options.segment_bytes = kMiB + 100;
+  auto demoted =
+      CopyDeviceToMemfds(fake.api(), kDevice, Borrow(host), kSizes, "x", nullptr, options);
+  ASSERT_FALSE(demoted.ok());
+  EXPECT_EQ(demoted.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(demoted.status().message().find(
+                "demotion: a segment of 1048676 bytes is not a whole number of pages"),
+            std::string::npos)
+      << demoted.status().ToString();
+  EXPECT_EQ(fake.steps(), 0);
+}
+
+// segment_bytes caps each memfd: 1 MiB segments make one memfd per MiB, written by two threads.
+TEST(TierCopy, ADemotionIntoOneMiBSegmentsKeepsEveryByte) {
+  FakeDriver fake;
+  fake.BackVmmMemory();
+  const std::vector<UniqueFd> host = HostCopy();
+  TierCopyOptions options = Options(TierCopyStrategy::kStaged);
+  options.segment_bytes = kMiB;
+  auto device = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, nullptr, options);
+  ASSERT_TRUE(device.ok()) << device.status().ToString();
+  TierCopyReport report;
+  auto memfds =
+      CopyDeviceToMemfds(fake.api(), kDevice, Borrow(*device), kSizes, "x", &report, options);
+  ASSERT_TRUE(memfds.ok()) << memfds.status().ToString();
+  ASSERT_EQ(memfds->size(), 6u);
+  EXPECT_EQ(report.segments, 6u);
+  std::string held;
+  for (const UniqueFd& fd : *memfds) {
+    EXPECT_EQ(*os::FileSize(fd.get()), kMiB);
+    held += ReadAll(fd.get(), kMiB);
+  }
+  EXPECT_EQ(held, Pattern(kSizes[0], 0) + Pattern(kSizes[1], 1));
+  ExpectNothingLive(fake);
 }
 
 // A memfd shorter than its allocation is refused before the arena is made, in both strategies.

@@ -102,45 +102,6 @@ TEST(MemfdTest, RegionIsUnmappedWhenItsOwnerIsDestroyed) {
   EXPECT_EQ(errno, ENOMEM);  // nothing mapped there any more
 }
 
-// Populating allocates the memfd's pages (its st_blocks grow to cover the range) from several
-// threads over disjoint ranges, aligned or not; a range outside the region is refused; the
-// bytes written after read back.
-TEST(MemfdTest, PopulateRangeAllocatesThePagesAndRefusesARangeOutsideTheRegion) {
-  constexpr size_t kSize = size_t{8} << 20;
-  auto fd = CreateMemfd("populate-test", kSize);
-  ASSERT_TRUE(fd.ok());
-  auto region = MapReadWrite(fd->get(), kSize);
-  ASSERT_TRUE(region.ok());
-  AdviseHugePages(*region);
-  struct stat before {};
-  ASSERT_EQ(::fstat(fd->get(), &before), 0);
-  EXPECT_EQ(before.st_blocks, 0);
-  std::vector<std::thread> threads;
-  std::vector<Status> statuses(4);
-  for (size_t t = 0; t < 4; ++t) {
-    threads.emplace_back([&, t] {
-      // Quarter t, its start moved off the page boundary for t = 3 (the fallocate path).
-      const uint64_t start = t * (kSize / 4) + (t == 3 ? 100 : 0);
-      statuses[t] = PopulateRange(fd->get(), *region, start, (t + 1) * (kSize / 4) - start);
-    });
-  }
-  for (auto& th : threads) th.join();
-  for (const Status& s : statuses) EXPECT_TRUE(s.ok()) << s.ToString();
-  struct stat after {};
-  ASSERT_EQ(::fstat(fd->get(), &after), 0);
-  EXPECT_GE(static_cast<uint64_t>(after.st_blocks) * 512, kSize);
-  std::memset(region->data(), 0x3c, kSize);
-  char last = 0;
-  ASSERT_EQ(::pread(fd->get(), &last, 1, kSize - 1), 1);
-  EXPECT_EQ(last, 0x3c);
-
-  Status outside = PopulateRange(fd->get(), *region, kSize - 4096, 8192);
-  EXPECT_EQ(outside.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(outside.message().find("of a 8388608-byte mapping"), std::string::npos)
-      << outside.ToString();
-  EXPECT_TRUE(PopulateRange(fd->get(), *region, kSize, 0).ok());
-}
-
 }  // namespace
 
 }  // namespace weightcache::os
