@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -40,11 +41,21 @@ struct Publisher::Impl {
   std::map<std::string, size_t, std::less<>> index;
   std::vector<std::string> names;  // plan order
   bool committed = false;
+  // Where a publish's time goes, for the debug line Commit logs (milliseconds since Begin was
+  // called): connected to the daemon, arena mapped (Begin returned).
+  std::chrono::steady_clock::time_point begun;
+  double connected_ms = 0;
+  double mapped_ms = 0;
 };
 
 namespace {
 
 using protocol::MessageType;
+
+double MillisecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+      .count();
+}
 
 // One request, its one reply of `expected` type (an Error reply becomes its Status).
 Result<protocol::Frame> Call(Publisher::Impl& impl, const std::vector<uint8_t>& request,
@@ -192,6 +203,7 @@ Result<Publisher> PublisherAccess::Begin(const PublishOptions& options,
                   "publishing to the gpu tier needs the GPU checksum kernel, which this build "
                   "lacks (built with WEIGHTCACHE_BUILD_KERNELS=OFF or without nvcc)");
   }
+  const auto begun = std::chrono::steady_clock::now();
   WEIGHTCACHE_ASSIGN_OR_RETURN(identity::ResolvedIdentity id,
                                identity::ResolveIdentity(options.identity, env));
   // Gpu tier: our CUdevice, checked by UUID (CudaDevice), before anything is sent.
@@ -212,6 +224,8 @@ Result<Publisher> PublisherAccess::Begin(const PublishOptions& options,
   impl->who = "daemon at " + id.paths.socket + " (pid " + std::to_string(session.pid) + ")";
   impl->timeout = options.timeout;
   impl->tier = tier;
+  impl->begun = begun;
+  impl->connected_ms = MillisecondsSince(begun);
   if (tier == Tier::kGpu) WEIGHTCACHE_RETURN_IF_ERROR(CheckDaemonDevice(*impl, *id.device));
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> request, protocol::EncodePublishBegin(begin));
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Frame frame,
@@ -219,6 +233,7 @@ Result<Publisher> PublisherAccess::Begin(const PublishOptions& options,
   auto arena = protocol::DecodePublishArena(std::move(frame));
   if (!arena.ok()) return arena.status().Context(impl->who);
   WEIGHTCACHE_RETURN_IF_ERROR(MapArena(*arena, begin, api, device, *impl));
+  impl->mapped_ms = MillisecondsSince(begun);
   return Publisher(std::move(impl));
 }
 
@@ -299,6 +314,7 @@ Status Publisher::Commit() {
     return InvalidArgument("Publisher::Commit: nothing to commit (already committed or moved)");
   }
   impl_->committed = true;
+  const double commit_ms = MillisecondsSince(impl_->begun);
   protocol::PublishCommit commit;
   commit.checksums.reserve(impl_->spans.size());
   if (impl_->tier == Tier::kGpu) {
@@ -311,16 +327,21 @@ Status Publisher::Commit() {
   // Unmapped before the commit: the daemon's F_SEAL_WRITE fails while a writable shared
   // mapping of the memfd exists (docs/publish.md, "Order"); on the gpu tier our mapping is
   // released so that only the daemon's fds (and its clients') hold the memory.
+  const double summed_ms = MillisecondsSince(impl_->begun);
   impl_->spans.clear();
   impl_->regions.clear();
   impl_->gpu_arena.reset();
+  const double unmapped_ms = MillisecondsSince(impl_->begun);
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> request, protocol::EncodePublishCommit(commit));
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Frame frame,
                                Call(*impl_, request, MessageType::kPublishCommitted));
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::PublishCommitted done,
                                protocol::DecodePublishCommitted(frame.payload));
   LOG_DEBUG << "published " << done.tensor_count << " tensors (" << done.bytes << " bytes) to "
-            << impl_->who;
+            << impl_->who << "; ms since Begin: connected " << impl_->connected_ms
+            << ", arena mapped " << impl_->mapped_ms << ", commit called " << commit_ms
+            << ", checksummed " << summed_ms << ", unmapped " << unmapped_ms << ", committed "
+            << MillisecondsSince(impl_->begun);
   return Status::Ok();
 }
 

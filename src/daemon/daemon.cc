@@ -61,6 +61,11 @@ struct Daemon::Connection {
   Clock::time_point last_request;   // the accept, then each complete request
   bool fds_sent = false;            // an AttachReply went out: its fds may be unread
   bool held = false;                // not read until its peer reads our replies
+  // Held, and its one early look done: a request that arrives while held is a cue to check at
+  // once whether its peer has read our replies (it usually has: a publisher reads the arena's
+  // fds before it sends its commit); if it has not, nothing is read, and no event is asked for,
+  // until Sweep sees the peer catch up. At most one wake-up per hold.
+  bool held_checked = false;
   std::optional<Clock::time_point> backed_up_since;  // replies queued or unread since
 
   std::string Describe() const {
@@ -815,7 +820,7 @@ bool Daemon::Sweep(Clock::time_point now) {
 }
 
 bool Daemon::Readable(Connection& conn) {
-  if (!conn.outbox.empty() || conn.close_after_flush || conn.held || conn.committing ||
+  if (!conn.outbox.empty() || conn.close_after_flush || conn.committing ||
       conn.awaiting_promotion) {
     return false;
   }
@@ -823,9 +828,19 @@ bool Daemon::Readable(Connection& conn) {
   if ((conn.fds_sent && unread > 0) || unread > kMaxUnreadReplyBytes) {
     // Its peer has not read what we sent (an AttachReply's fds, or a pile of replies): read
     // nothing more from it until it does (Sweep checks), or until the stall timeout.
-    conn.held = true;
-    ScheduleSweep();
+    if (conn.held) {
+      conn.held_checked = true;  // woken by a request while still unread: no more wake-ups
+    } else {
+      conn.held = true;
+      conn.held_checked = false;
+      ScheduleSweep();
+    }
     return false;
+  }
+  if (conn.held) {
+    // Caught up before Sweep saw it (woken by its next request).
+    conn.held = false;
+    conn.backed_up_since.reset();
   }
   conn.fds_sent = false;  // all read: nothing of ours is in flight any more
   return true;
@@ -903,11 +918,13 @@ void Daemon::FlushAndRearm(Connection& conn) {
     CloseConnection(fd);
     return;
   }
-  // Held: no events but EPOLLHUP/EPOLLERR (always reported) until Sweep sees its peer read;
-  // EPOLLRDHUP would report a half-closed peer again and again.
+  // Held: EPOLLIN only until its one early look (held_checked), then no events but
+  // EPOLLHUP/EPOLLERR (always reported) until Sweep sees its peer read; EPOLLRDHUP would
+  // report a half-closed peer again and again.
   // Committing: nothing but EPOLLHUP/EPOLLERR either, until its PublishCommit is answered.
   // Awaiting a promotion: the same, until its Attach is answered.
-  const uint32_t want = !conn.outbox.empty() ? EPOLLOUT
+  const uint32_t want = !conn.outbox.empty()                ? EPOLLOUT
+                        : (conn.held && !conn.held_checked) ? EPOLLIN
                         : (conn.held || conn.committing || conn.awaiting_promotion)
                             ? 0u
                             : (EPOLLIN | EPOLLRDHUP);
