@@ -269,8 +269,9 @@ fi
 ((model_ok)) || ok=0
 
 # 4b. publishing (issue 13): a fused/fp8 Llama published to a gpu-tier published daemon, a fresh
-#     process attaches it (logits bit-identical, no copy); PUBLISH_BIG=1 adds the 16 GB publish
-#     timing (a measurement, printed, not a check). Its own PASS/FAIL line.
+#     process attaches it (logits bit-identical, no copy); then the 16 GB publish timing
+#     against issue 13's targets (SKIP_PUBLISH_BIG=1 skips it; a measurement, printed with
+#     met / NOT met, not a check). Its own PASS/FAIL line.
 if [[ -n ${uuid:-} ]]; then
   plog=$OUT/python-publish.log
   : >"$plog"
@@ -296,7 +297,7 @@ if [[ -n ${uuid:-} ]]; then
       --reference "$work/publish-logits.pt"
   kill "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null
   daemon_pid=
-  if ((publish_ok)) && [[ -n ${PUBLISH_BIG:-} ]]; then
+  if ((publish_ok)) && [[ -z ${SKIP_PUBLISH_BIG:-} ]]; then
     "$WEIGHTCACHE_CLI" serve --source published:big --model-id llama-fused-fp8 --tier gpu \
       --device "$uuid" --runtime-dir "$pruntime" >"$OUT/python-publish-big-serve.log" 2>&1 &
     daemon_pid=$!
@@ -304,9 +305,23 @@ if [[ -n ${uuid:-} ]]; then
       (($(compgen -G "$pruntime/default/$uuid/*.sock" | wc -l) >= 1)) && break
       sleep 0.1
     done
-    sleep 0.5
-    pstep big "$py" "$pcheck" big --runtime-dir "$pruntime" --tag big &&
-      say "python publish 16 GB: $(grep -E '^\{"bytes"' "$plog" | tail -1)"
+    # The awaiting daemon makes the device's context before a publisher comes (docs/publish.md).
+    for _ in $(seq 1 100); do
+      grep -q "CUDA context is ready for the publisher" "$OUT/python-publish-big-serve.log" && break
+      sleep 0.1
+    done
+    if pstep big "$py" "$pcheck" big --runtime-dir "$pruntime" --tag big; then
+      grep -E '^\{"bytes"' "$plog" | tail -1 >"$work/publish-big.json"
+      "$py" - "$work/publish-big.json" <<'PY' | tee -a "$summary"
+import json, sys
+j = json.load(open(sys.argv[1]))
+met = lambda ok: "met" if ok else "NOT met"
+print(f"python publish 16 GB: {j['publish_s'] * 1000:.1f} ms end to end, "
+      f"{j['beyond_copy_ms']} ms beyond the copy (target < 100 ms: {met(j['beyond_copy_ms'] < 100)}), "
+      f"{j['publish_gb_per_s']} GB/s end to end (target >= 500 GB/s: "
+      f"{met(j['publish_gb_per_s'] >= 500)}), torch's own D2D copy {j['torch_copy_gb_per_s']} GB/s")
+PY
+    fi
     kill "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null
     daemon_pid=
   fi
