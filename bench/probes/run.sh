@@ -33,19 +33,17 @@ ctx() {  # condition
     sed "s/PROCESS/$(((t1 - t0) / 1000000))/" "$bin/line" >>"$log"
   done
 }
+held() {  # hold-dev | hold-ctx, settle seconds: the cost while another process holds that
+  "$bin/ctx_probe" "$1" >>"$log" &
+  local holder=$!
+  sleep "$2"
+  ctx "${1#hold-}_held"
+  kill "$holder"
+  wait "$holder" 2>/dev/null
+}
 ctx alone
-"$bin/ctx_probe" hold-dev >>"$log" &
-holder=$!
-sleep 0.5
-ctx device_files_held
-kill "$holder"
-wait "$holder" 2>/dev/null
-"$bin/ctx_probe" hold-ctx >>"$log" &
-holder=$!
-sleep 2
-ctx context_held
-kill "$holder"
-wait "$holder" 2>/dev/null
+held hold-dev 0.5
+held hold-ctx 2
 "$bin/shmem_probe" "$gib" >>"$log"
 rm -rf "$bin"
 cat "$facts"
