@@ -26,8 +26,9 @@
 # Writes: $OUT/python-build.log, $OUT/python-tests.log (+ python-crash.txt), $OUT/python-model.log,
 #         $OUT/python-model.json and python-shard.jsonl (the measurements), and appends to $OUT/summary.txt.
 # Knobs: OUT (./gpu-out), DEPS (.deps/usr), PY (python3), WORK (a temp dir, removed after),
-#        TESTS (pytest's arguments; default the whole tests/python), SKIP_MODEL=1 (no step 3),
-#        SKIP_SHARD=1 (no step 4).
+#        TESTS (pytest's arguments, absolute paths: pytest runs in WORK; default the whole
+#        tests/python), SKIP_MODEL=1 (no step 3 and after), SKIP_SHARD=1 (no step 4),
+#        SKIP_PUBLISH_BIG=1 (no 16 GB publish in step 4b), SKIP_PY_BENCH=1 (no step 5).
 # Exit status: non-zero if the build, a test or the model check fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
