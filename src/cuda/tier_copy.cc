@@ -185,7 +185,7 @@ Status CopyInParallel(const DriverApi* api, CUcontext context, Direction directi
 // ---- the host copy's segments ----
 
 // One memfd of the host copy: bytes [offset, offset + bytes) of allocation `alloc`.
-struct Segment {
+struct HostSegment {
   size_t alloc = 0;
   uint64_t offset = 0;
   uint64_t bytes = 0;
@@ -197,14 +197,15 @@ uint64_t PageBytes() { return static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)); }
 // A demotion's segments (fds not yet made): each allocation cut into pieces of at most
 // options.segment_bytes, and a copy smaller than threads × segment_bytes into about `threads`
 // segments of whole pages, so that every worker has one to write.
-std::vector<Segment> PlanSegments(std::span<const uint64_t> sizes, const TierCopyOptions& options) {
+std::vector<HostSegment> PlanSegments(std::span<const uint64_t> sizes,
+                                      const TierCopyOptions& options) {
   const uint64_t page = PageBytes();
   uint64_t total = 0;
   for (uint64_t s : sizes) total += s;
   const uint64_t threads = std::max<uint64_t>(options.threads, 1);
   const uint64_t per_thread = (total / threads + page - 1) / page * page;
   const uint64_t segment = std::min(options.segment_bytes, std::max(per_thread, page));
-  std::vector<Segment> segments;
+  std::vector<HostSegment> segments;
   for (size_t a = 0; a < sizes.size(); ++a) {
     for (uint64_t at = 0; at < sizes[a]; at += segment) {
       segments.push_back({a, at, std::min(segment, sizes[a] - at), -1});
@@ -214,9 +215,9 @@ std::vector<Segment> PlanSegments(std::span<const uint64_t> sizes, const TierCop
 }
 
 // A promotion's segments: `memfds` in order, their sizes (fstat) tiling `sizes` exactly.
-Result<std::vector<Segment>> SegmentsOf(std::span<const int> memfds,
-                                        std::span<const uint64_t> sizes) {
-  std::vector<Segment> segments;
+Result<std::vector<HostSegment>> SegmentsOf(std::span<const int> memfds,
+                                            std::span<const uint64_t> sizes) {
+  std::vector<HostSegment> segments;
   size_t alloc = 0;
   uint64_t at = 0;
   for (size_t i = 0; i < memfds.size(); ++i) {
@@ -257,7 +258,7 @@ struct Piece {
 };
 
 // The pieces of at most `piece_bytes` of `segment`, appended to `out`.
-void AppendPieces(const Segment& segment, CUdeviceptr alloc_base, size_t piece_bytes,
+void AppendPieces(const HostSegment& segment, CUdeviceptr alloc_base, size_t piece_bytes,
                   std::vector<Piece>& out) {
   for (uint64_t at = 0; at < segment.bytes; at += piece_bytes) {
     out.push_back({segment.fd, at, alloc_base + segment.offset + at,
@@ -267,11 +268,11 @@ void AppendPieces(const Segment& segment, CUdeviceptr alloc_base, size_t piece_b
 
 // Promotion: every piece of every segment, dealt round-robin to `workers` (reads of one file
 // scale across threads).
-std::vector<std::vector<Piece>> DealPieces(const std::vector<Segment>& segments,
+std::vector<std::vector<Piece>> DealPieces(const std::vector<HostSegment>& segments,
                                            const std::vector<CUdeviceptr>& bases,
                                            size_t piece_bytes, size_t workers) {
   std::vector<Piece> all;
-  for (const Segment& s : segments) AppendPieces(s, bases[s.alloc], piece_bytes, all);
+  for (const HostSegment& s : segments) AppendPieces(s, bases[s.alloc], piece_bytes, all);
   std::vector<std::vector<Piece>> dealt(std::min(workers, all.size()));
   for (size_t i = 0; i < all.size(); ++i) dealt[i % dealt.size()].push_back(all[i]);
   return dealt;
@@ -279,7 +280,7 @@ std::vector<std::vector<Piece>> DealPieces(const std::vector<Segment>& segments,
 
 // Demotion: whole segments dealt round-robin to `workers`, so that one thread writes each memfd
 // (the kernel serialises writers of one shmem file).
-std::vector<std::vector<Piece>> DealSegments(const std::vector<Segment>& segments,
+std::vector<std::vector<Piece>> DealSegments(const std::vector<HostSegment>& segments,
                                              const std::vector<CUdeviceptr>& bases,
                                              size_t piece_bytes, size_t workers) {
   std::vector<std::vector<Piece>> dealt(std::min(workers, segments.size()));
@@ -524,9 +525,9 @@ Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice 
                                ImportedArena::Import(api, device, std::move(dups), sizes));
   std::vector<CUdeviceptr> bases;
   for (const auto& allocation : arena.allocations()) bases.push_back(allocation.ptr);
-  std::vector<Segment> segments = PlanSegments(sizes, options);
+  std::vector<HostSegment> segments = PlanSegments(sizes, options);
   std::vector<UniqueFd> memfds;
-  for (Segment& segment : segments) {
+  for (HostSegment& segment : segments) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(UniqueFd memfd, os::CreateMemfd(name, segment.bytes));
     segment.fd = memfd.get();
     memfds.push_back(std::move(memfd));
@@ -546,7 +547,7 @@ Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice 
     // while a writable shared mapping exists).
     std::vector<os::MappedRegion> regions;
     std::vector<Chunk> chunks;
-    for (const Segment& segment : segments) {
+    for (const HostSegment& segment : segments) {
       WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
                                    os::MapReadWrite(segment.fd, segment.bytes));
       AppendChunks(static_cast<std::byte*>(region.data()), bases[segment.alloc] + segment.offset,
@@ -573,10 +574,10 @@ Result<std::vector<UniqueFd>> CopyMemfdsToDevice(const DriverApi* api, CUdevice 
                                                  const TierCopyOptions& options) {
   WEIGHTCACHE_RETURN_IF_ERROR(CheckSizes(sizes, "promotion"));
   WEIGHTCACHE_RETURN_IF_ERROR(CheckOptions(options, "promotion"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<Segment> segments, SegmentsOf(memfds, sizes));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<HostSegment> segments, SegmentsOf(memfds, sizes));
   std::vector<os::MappedRegion> regions;  // kRegistered: each segment's mapping
   if (options.strategy == TierCopyStrategy::kRegistered) {
-    for (const Segment& segment : segments) {
+    for (const HostSegment& segment : segments) {
       WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
                                    os::MapReadOnly(segment.fd, segment.bytes));
       regions.push_back(std::move(region));
