@@ -306,23 +306,6 @@ Status ReadFully(int fd, std::byte* out, size_t bytes, uint64_t offset) {
   return Status::Ok();
 }
 
-// Writes exactly `bytes` from `in` at `offset` of `fd`. kIo on an error (ENOSPC, ENOMEM: the
-// host has no room for the copy).
-Status WriteFully(int fd, const std::byte* in, size_t bytes, uint64_t offset) {
-  size_t done = 0;
-  while (done < bytes) {
-    const ssize_t n = ::pwrite(fd, in + done, bytes - done, static_cast<off_t>(offset + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      return IoError("demotion: writing " + std::to_string(bytes - done) + " bytes at " +
-                         std::to_string(offset + done) + " of a host copy memfd",
-                     n < 0 ? errno : EIO);
-    }
-    done += static_cast<size_t>(n);
-  }
-  return Status::Ok();
-}
-
 // One staged worker: its own stream, two pinned buffers and two events; its pieces in order,
 // the host side of piece k (a read, or for a demotion the write of piece k-1) overlapping the
 // DMA of the other buffer.
@@ -396,7 +379,8 @@ class StagedCopier {
       const size_t b = k % 2;
       WEIGHTCACHE_RETURN_IF_ERROR(Wait(events, b));
       const Piece& p = pieces[k];
-      WEIGHTCACHE_RETURN_IF_ERROR(WriteFully(p.fd, buffers[b]->data(), p.bytes, p.offset));
+      Status written = os::PwriteAll(p.fd, buffers[b]->data(), p.bytes, p.offset);
+      if (!written.ok()) return written.Context("demotion: a segment of the host copy");
       ++report.chunks;
       report.bytes += p.bytes;
       return Status::Ok();
@@ -557,7 +541,6 @@ Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice 
     copied = CopyInParallel(api, arena.context(), Direction::kDeviceToHost,
                             CU_MEMHOSTREGISTER_PORTABLE, chunks, r);
   }
-  r.copy_seconds = SecondsSince(start);
   Finish(r, start);
   if (!copied.ok()) return copied.Context("demotion to host memory");
   for (size_t i = 0; i < memfds.size(); ++i) {
@@ -615,7 +598,6 @@ Result<std::vector<UniqueFd>> CopyMemfdsToDevice(const DriverApi* api, CUdevice 
     copied = CopyInParallel(api, arena->context(), Direction::kHostToDevice,
                             CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY, chunks, r);
   }
-  r.copy_seconds = SecondsSince(start);
   Finish(r, start);
   if (!copied.ok()) return copied.Context("promotion to device memory");
   return std::move(arena).value().ReleaseToFds();

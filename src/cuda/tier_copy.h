@@ -63,7 +63,6 @@ struct TierCopyReport {
   double seconds = 0;       // the copies (staging buffers pinned, or registration, included);
                             // allocation, import and sealing excluded
   double gb_per_s = 0;      // bytes / seconds, 1e9 bytes per GB
-  double copy_seconds = 0;  // the copy phase (staging buffers pinned, or registration, in it)
   size_t chunks = 0;        // chunks (kRegistered) or pieces (kStaged) copied by DMA
   size_t segments = 0;      // memfds of the host copy written or read
   size_t unregistered = 0;  // kRegistered: chunks the driver would not register, copied pageable

@@ -49,21 +49,6 @@ bool Cancelled(const LoadControl& control) {
   return control.cancel != nullptr && control.cancel->load(std::memory_order_relaxed);
 }
 
-// Writes all of `data` at `offset` of the memfd, resuming after EINTR and short writes.
-Status PwriteExact(int fd, const uint8_t* data, uint64_t length, uint64_t offset) {
-  while (length > 0) {
-    const ssize_t n = ::pwrite(fd, data, length, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return IoError("pwrite into the memfd at offset " + std::to_string(offset), errno);
-    }
-    data += n;
-    offset += static_cast<uint64_t>(n);
-    length -= static_cast<uint64_t>(n);
-  }
-  return Status::Ok();
-}
-
 double MsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
       .count();
@@ -141,7 +126,7 @@ class HostReader {
       HashChunks(bounce, step,
                  std::span<uint64_t>(chunk_hashes_).subspan(first_chunk, ChecksumChunkCount(step)));
       Status written =
-          PwriteExact(memfds_[place.allocation].get(), bounce, step, place.offset + at);
+          os::PwriteAll(memfds_[place.allocation].get(), bounce, step, place.offset + at);
       if (!written.ok()) {
         return written.Context("tensor " + t.name + " (allocation " +
                                std::to_string(place.allocation) + ")");

@@ -66,6 +66,22 @@ Status CheckSealedReadOnly(int fd) {
   return Status::Ok();
 }
 
+Status PwriteAll(int fd, const void* data, uint64_t length, uint64_t offset) {
+  const auto* bytes = static_cast<const std::byte*>(data);
+  while (length > 0) {
+    const ssize_t n = ::pwrite(fd, bytes, length, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return IoError("pwrite into the memfd at offset " + std::to_string(offset),
+                     n < 0 ? errno : EIO);
+    }
+    bytes += n;
+    offset += static_cast<uint64_t>(n);
+    length -= static_cast<uint64_t>(n);
+  }
+  return Status::Ok();
+}
+
 Result<uint64_t> FileSize(int fd) {
   struct stat st {};
   if (::fstat(fd, &st) != 0) return IoError("fstat " + FdName(fd), errno);

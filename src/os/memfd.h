@@ -33,6 +33,13 @@ Status SealReadOnly(int fd);
 // naming the missing seals otherwise (kIo if fcntl fails, e.g. not a memfd).
 Status CheckSealedReadOnly(int fd);
 
+// Writes all `length` bytes of `data` at `offset` of `fd` (a memfd being filled: shmem
+// allocates the pages inside the write, with no fault and no zeroing), resuming after EINTR and
+// short writes. An error names the offset and the errno (IoError's codes: kIo for ENOSPC or
+// ENOMEM, no room in host memory; kPermissionDenied for a sealed memfd's EPERM); a write that
+// makes no progress is EIO.
+Status PwriteAll(int fd, const void* data, uint64_t length, uint64_t offset);
+
 // fstat size of an fd.
 Result<uint64_t> FileSize(int fd);
 

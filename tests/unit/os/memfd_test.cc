@@ -102,6 +102,39 @@ TEST(MemfdTest, RegionIsUnmappedWhenItsOwnerIsDestroyed) {
   EXPECT_EQ(errno, ENOMEM);  // nothing mapped there any more
 }
 
+// PwriteAll writes every byte at its offset (the memfd's pages allocated by the write); a sealed
+// memfd refuses with kPermissionDenied (EPERM), an fd opened read-only with kIo (EBADF), both
+// naming the offset.
+TEST(MemfdTest, PwriteAllFillsTheRangeAndNamesTheOffsetOfARefusal) {
+  constexpr size_t kSize = size_t{3} << 20;
+  auto fd = CreateMemfd("pwrite-test", kSize);
+  ASSERT_TRUE(fd.ok());
+  std::string bytes(kSize - 4096, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i % 251);
+  ASSERT_TRUE(PwriteAll(fd->get(), bytes.data(), bytes.size(), 4096).ok());
+  std::string back(kSize, '\1');
+  ASSERT_EQ(::pread(fd->get(), back.data(), kSize, 0), static_cast<ssize_t>(kSize));
+  EXPECT_EQ(back.substr(0, 4096), std::string(4096, '\0'));
+  EXPECT_EQ(back.substr(4096), bytes);
+
+  const std::string path = "/proc/self/fd/" + std::to_string(fd->get());
+  UniqueFd read_only(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(read_only);
+  Status refused = PwriteAll(read_only.get(), bytes.data(), 10, 8192);
+  EXPECT_EQ(refused.code(), StatusCode::kIo);
+  EXPECT_NE(refused.message().find("pwrite into the memfd at offset 8192"), std::string::npos)
+      << refused.ToString();
+  EXPECT_NE(refused.ToString().find(std::strerror(EBADF)), std::string::npos) << refused.ToString();
+
+  ASSERT_TRUE(SealReadOnly(fd->get()).ok());
+  Status sealed = PwriteAll(fd->get(), bytes.data(), 10, 0);
+  EXPECT_EQ(sealed.code(), StatusCode::kPermissionDenied);
+  EXPECT_NE(sealed.message().find("pwrite into the memfd at offset 0: " +
+                                  std::string(std::strerror(EPERM))),
+            std::string::npos)
+      << sealed.ToString();
+}
+
 }  // namespace
 
 }  // namespace weightcache::os
