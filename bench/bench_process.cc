@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -117,6 +118,23 @@ void Stop(pid_t pid) {
   ::kill(pid, SIGKILL);
   int st = 0;
   ::waitpid(pid, &st, 0);
+}
+
+bool WaitThreadGone(pid_t pid, const std::string& name, Clock::duration timeout) {
+  const std::filesystem::path tasks = "/proc/" + std::to_string(pid) + "/task";
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    bool running = false;
+    std::error_code ec;
+    for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
+      std::string comm = ReadText((task.path() / "comm").string());
+      while (!comm.empty() && comm.back() == '\n') comm.pop_back();
+      running = running || comm == name;
+    }
+    if (!running) return true;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
 }
 
 std::string ReadText(const std::string& path) {

@@ -55,6 +55,11 @@ void Stop(pid_t pid);
 // The whole file as text ("" when unreadable).
 std::string ReadText(const std::string& path);
 
+// Waits until no thread of `pid` is named `name` (/proc/<pid>/task/*/comm), polling every
+// 5 ms: for the daemon's loader thread ("wc-loader"), which releases the load's pipeline,
+// mappings and CUDA context after `ready`. False when one still runs after `timeout`.
+bool WaitThreadGone(pid_t pid, const std::string& name, Clock::duration timeout);
+
 // The number in capture group `group` of the last match of `re` in `text`.
 std::optional<double> LastMatch(const std::string& text, const std::regex& re, int group);
 

@@ -16,7 +16,9 @@
 //      smaps_rollup, the mappings with the most Rss — libcuda, [heap], unnamed) at three
 //      points: "load_memory" (the daemon's own log line: at the end of the upload with the
 //      pipeline alive, after freeing it, after malloc_trim, i.e. after the load and before
-//      ready), "memory.at_ready" (as soon as Status says ready) and "memory.steady" (after the
+//      ready), "memory.at_ready" (once Status says ready and the daemon's loader thread, which
+//      releases the load's pipeline, mappings and context after ready, has ended;
+//      "ready_loader_s" says how long after ready that was) and "memory.steady" (after the
 //      client's attaches, detaches and verify, just before the daemon is stopped);
 //   5. a client process (this binary, --client): cuInit (dlopen + cuInit) and primary context
 //      creation timed separately, then Attachment::Attach — connect, Hello, Attach, import
@@ -353,6 +355,17 @@ int ParentMain(const ParentArgs& args, const std::string& self) {
     }
     const std::optional<protocol::StatusReply>& ready = d.ready;
     rec["daemon_ready_s"] = Ms(d.ready_at - d.spawned) / 1000;
+    // "at_ready": once its loader thread has ended, i.e. released the load's pipeline,
+    // mappings and CUDA context, which it does after announcing `ready` (tens to hundreds of
+    // ms); "ready_loader_s" is how long after the ready reply that was.
+    const bool loader_gone = WaitThreadGone(daemon, "wc-loader", std::chrono::seconds(30));
+    rec["ready_loader_s"] = Ms(Clock::now() - d.ready_at) / 1000;
+    if (!loader_gone) {
+      Stop(daemon);
+      fs::remove_all(model);
+      error("the daemon's loader thread still runs 30 s after ready");
+      continue;
+    }
     nlohmann::json memory = {{"at_ready", ProcMemory(daemon)}};
     rec["resident_bytes"] = ready->bytes;
     const std::string text = ReadText(log);

@@ -114,6 +114,10 @@ std::map<std::string, double> LoadPhases(const std::string& log_text) {
       out[(*it)[1].str() + "_ms"] = std::stod((*it)[2].str());
     }
   }
+  // The loader thread's teardown after ready (src/daemon/daemon.cc, LoaderMain).
+  static const std::regex kTeardown(R"(CUDA context released while serving \(([0-9.eE+-]+) ms\))");
+  if (std::regex_search(log_text, m, kTeardown))
+    out["teardown_after_ready_ms"] = std::stod(m[1].str());
   if (auto s = ParseReadyLine(log_text).seconds) out["ready_line_s"] = *s;
   return out;
 }
@@ -534,9 +538,9 @@ struct Run {
   }
 
   // The memory the daemons of `group` use now: on the gpu tier the device's, against the
-  // baseline (cuMemGetInfo in a probe process: the daemons' CUDA contexts are gone once they
-  // are ready, so this is their arenas); on the host tier (a dry run without a GPU) the
-  // resident bytes of their Status replies.
+  // baseline (cuMemGetInfo in a probe process: the daemons' CUDA contexts are gone once their
+  // loader threads have ended, so this is their arenas); on the host tier (a dry run without a GPU)
+  // the resident bytes of their Status replies.
   Result<int64_t> UsedNow(const DaemonGroup& group) const {
     if (tier == Tier::kHost) {
       int64_t resident = 0;
@@ -644,8 +648,13 @@ Result<nlohmann::json> MemoryPhase(const Run& run, const Bound& bound, std::vect
     WEIGHTCACHE_ASSIGN_OR_RETURN(
         WatchedDaemon d, run.Spawn(static_cast<int>(r), socket, "memory-r" + std::to_string(r)));
     group.daemons.push_back(std::move(d));
-    // The earlier ranks are ready already: this waits for the newest.
+    // The earlier ranks are ready already: this waits for the newest, then for its loader
+    // thread, which drops the load's pipeline, mappings and CUDA context after `ready`.
     WEIGHTCACHE_RETURN_IF_ERROR(Run::Ready(group));
+    if (!WaitThreadGone(group.daemons.back().pid, "wc-loader", std::chrono::seconds(30))) {
+      return InternalError("rank " + std::to_string(r) +
+                           ": its loader thread still runs 30 s after ready");
+    }
     WEIGHTCACHE_ASSIGN_OR_RETURN(int64_t now, run.UsedNow(group));
     const int64_t own = now - before;
     before = now;

@@ -7,7 +7,6 @@
 #include "common/align.h"
 
 namespace weightcache::cuda {
-namespace {}  // namespace
 
 Status CheckVmmSupport(const DriverApi* api, CUdevice device) {
   struct Needed {
@@ -50,10 +49,15 @@ ExportedArena::ExportedArena(PrimaryContext context, uint64_t granularity,
   }
 }
 
-std::vector<UniqueFd> ExportedArena::ReleaseToFds() && {
+std::vector<UniqueFd> ExportedArena::TakeFds() {
   std::vector<UniqueFd> fds = std::move(fds_);
   fds_.clear();
   table_.clear();
+  return fds;
+}
+
+std::vector<UniqueFd> ExportedArena::ReleaseToFds() && {
+  std::vector<UniqueFd> fds = TakeFds();
   ExportedArena gone(std::move(*this));  // mappings, VA, handles, context: in that order
   return fds;
 }

@@ -73,6 +73,10 @@ class ExportedArena {
   // order. Every write to the memory must be complete (streams synchronized). The arena is
   // empty afterwards.
   std::vector<UniqueFd> ReleaseToFds() &&;
+  // Moves the exported fds out and keeps the rest (mappings, VA, handles, the context
+  // reference) until the arena is destroyed: for a loader that serves from the fds at once and
+  // tears the arena down later, off its `ready` path. allocations() is empty afterwards.
+  std::vector<UniqueFd> TakeFds();
 
  private:
   ExportedArena(PrimaryContext context, uint64_t granularity, std::vector<VmmHandle> handles,

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/sockios.h>
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
@@ -246,6 +247,9 @@ void Daemon::StopLoader() {
 // ---- the loader thread ------------------------------------------------------------------------
 
 void Daemon::LoaderMain() {
+  // Named for `top -H` and for the benches, which wait for this thread to end (the load's
+  // teardown runs on it after `ready`) before they read the daemon's memory.
+  ::pthread_setname_np(::pthread_self(), "wc-loader");
   if (std::optional<AdoptedStore> adopted = AdoptKept()) {
     std::string how =
         (adopted->keeper_pid != 0 ? "from keeper pid " + std::to_string(adopted->keeper_pid)
@@ -262,21 +266,33 @@ void Daemon::LoaderMain() {
     return;
   }
   std::string memory;  // the loader's memory at its steps, for the log line below
-  Result<WeightStore> result = Load(&memory);
+  LoadLeftovers leftovers;
+  Result<WeightStore> result = Load(&memory, &leftovers);
   if (result.ok()) DepositLoaded(*result);
-  // Everything the load allocated is gone now — the checkpoint with its parsed headers
-  // included, and a failed load's allocations too (a failed daemon lingers): give the pages
-  // back here, on the loader thread, once (load_memory.h).
-  ReleaseLoadMemory();
-  LOG_INFO << TierName(options_.config.tier)
-           << " tier: load memory: " << (memory.empty() ? "" : memory + "; ")
-           << "released=" << DescribeProcessMemory(ReadProcessMemory());
   {
     MutexLock lock(result_mu_);
     load_result_.emplace(std::move(result));
     load_finished_ = true;
   }
   Wake(wakeup_.get());
+  // The event loop announces `ready` now; what the load holds that serving does not need (the
+  // gpu tier's pipeline, arena mappings and CUDA context) goes after, here, so that its
+  // teardown is not on the ready path (docs/daemon.md "The load's teardown comes after ready").
+  const auto teardown_start = Clock::now();
+  const bool had_leftovers = !leftovers.empty();
+  leftovers.Release();
+  // Everything the load allocated is gone now — the checkpoint with its parsed headers
+  // included, and a failed load's allocations too (a failed daemon lingers): give the pages
+  // back here, on the loader thread, once (load_memory.h).
+  ReleaseLoadMemory();
+  const double teardown_ms = SecondsSince(teardown_start) * 1e3;
+  LOG_INFO << TierName(options_.config.tier)
+           << " tier: load memory: " << (memory.empty() ? "" : memory + "; ")
+           << "released=" << DescribeProcessMemory(ReadProcessMemory());
+  if (had_leftovers) {
+    LOG_INFO << "the load's pipeline, mappings and CUDA context released while serving ("
+             << teardown_ms << " ms)";
+  }
 }
 
 std::optional<AdoptedStore> Daemon::AdoptKept() {
@@ -353,7 +369,7 @@ void Daemon::DropKeeperAtStop() {
   }
 }
 
-Result<WeightStore> Daemon::Load(std::string* memory) {
+Result<WeightStore> Daemon::Load(std::string* memory, LoadLeftovers* leftovers) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint checkpoint,
                                checkpoint::Checkpoint::Open(options_.model_path));
   // The identity (and so the socket path) was computed from the checkpoint's headers before
@@ -390,6 +406,7 @@ Result<WeightStore> Daemon::Load(std::string* memory) {
   Clock::time_point last_time = Clock::now();
   LoadControl control;
   control.cancel = &cancel_;
+  control.leftovers = leftovers;
   control.progress = [&](uint64_t done, uint64_t total) {
     bytes_done_.store(done);
     MutexLock lock(progress_mu);
@@ -565,7 +582,8 @@ void Daemon::OnLoaderWakeup() {
     }
     return;
   }
-  if (loader_.joinable()) loader_.join();
+  // The loader thread is not joined here: it is still releasing what the load held (above,
+  // LoaderMain). StopLoader joins it.
   const double seconds = SecondsSince(load_start_);
   if (state_ == CacheState::kDraining) return;  // cancelled or irrelevant now
   if (!result->ok()) return Fail(result->status());

@@ -258,7 +258,7 @@ class Daemon {
   void LoaderMain();
   // The load proper (checkpoint open, fingerprint check, the tier's loader); `memory` gets the
   // loader's memory at its steps for the log line.
-  Result<WeightStore> Load(std::string* memory);
+  Result<WeightStore> Load(std::string* memory, LoadLeftovers* leftovers);
   // The keeper's part of the loader thread (keeper_link.h): the kept store, validated, or
   // nullopt (then the caller loads); and the deposit of a store that was loaded.
   std::optional<AdoptedStore> AdoptKept();

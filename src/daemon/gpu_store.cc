@@ -6,6 +6,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "checkpoint/arena_plan.h"
 #include "common/checksum.h"
@@ -62,26 +63,6 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   }
 
   const double plan_ms = lap();
-  // Retains the primary context and makes it current on this (the loader) thread, which the
-  // pipeline needs at Create.
-  auto arena = cuda::ExportedArena::Create(api, device, plan.allocation_bytes);
-  if (!arena.ok()) {
-    Status status = arena.status();
-    return status.Context("gpu tier: allocating " + std::to_string(plan.total_bytes) +
-                          " bytes on " + options.device.uuid);
-  }
-  const auto allocations = arena->allocations();
-  std::vector<uint64_t> allocation_sizes;
-  for (size_t a = 0; a < allocations.size(); ++a) {
-    if (allocations[a].size < plan.allocation_bytes[a]) {
-      return InternalError("gpu tier: allocation " + std::to_string(a) + " came out " +
-                           std::to_string(allocations[a].size) + " bytes, the plan needs " +
-                           std::to_string(plan.allocation_bytes[a]));
-    }
-    allocation_sizes.push_back(allocations[a].size);
-  }
-
-  const double arena_ms = lap();
   cuda::UploadOptions upload_options;
   upload_options.reader_threads = std::clamp(options.threads, 1, 64);
   // Two staging buffers per reader (one being read into, one whose copy is in flight) and 4
@@ -98,11 +79,53 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   // engine reading the page cache through registered chunks) measured slower inside the daemon
   // on an H200 (16 GB warm: upload 1.73 s against 0.81 s staged; docs/benchmarks.md), so it is
   // not the default until that is understood.
+
+  // The kernel zeroes the staging ring's pages (1 GiB for 16 readers) on helper threads while
+  // this thread has the device's context created and the arena allocated: the two need
+  // nothing of each other, and creating a context is the slow step when several daemons
+  // start on one device at once (docs/benchmarks.md, "Sharded load").
+  std::optional<Result<std::vector<cuda::PopulatedHostMemory>>> populated;
+  std::thread populating(
+      [&] { populated.emplace(cuda::UploadPipeline::PopulateStaging(upload_options)); });
+  struct JoinOnExit {
+    std::thread& thread;
+    ~JoinOnExit() {
+      if (thread.joinable()) thread.join();
+    }
+  } join_populating{populating};
+
+  // Retains the primary context and makes it current on this (the loader) thread, which the
+  // pipeline needs at Create.
+  auto context = cuda::PrimaryContext::Retain(api, device);
+  if (!context.ok()) return context.status().Context("gpu tier: " + options.device.uuid);
+  const double context_ms = lap();
+  auto arena = cuda::ExportedArena::Create(api, device, plan.allocation_bytes);
+  if (!arena.ok()) {
+    Status status = arena.status();
+    return status.Context("gpu tier: allocating " + std::to_string(plan.total_bytes) +
+                          " bytes on " + options.device.uuid);
+  }
+  const auto allocations = arena->allocations();
+  std::vector<uint64_t> allocation_sizes;
+  for (size_t a = 0; a < allocations.size(); ++a) {
+    if (allocations[a].size < plan.allocation_bytes[a]) {
+      return InternalError("gpu tier: allocation " + std::to_string(a) + " came out " +
+                           std::to_string(allocations[a].size) + " bytes, the plan needs " +
+                           std::to_string(plan.allocation_bytes[a]));
+    }
+    allocation_sizes.push_back(allocations[a].size);
+  }
+  const double arena_ms = lap();
+
   WEIGHTCACHE_ASSIGN_OR_RETURN(auto created, cuda::UploadPipeline::Create(api, upload_options));
-  // Held in an optional so that it is destroyed right after Run(): its streams and, when the
-  // load read through them, its pinned staging buffers (2 x 32 MiB per reader) and events
-  // are gone before the manifest is built, never kept for the life of the store.
+  // Held in an optional so that it is destroyed right after Run() (or handed to the caller's
+  // LoadLeftovers): its streams, pinned staging buffers and events are never kept for the life
+  // of the store.
   std::optional<cuda::UploadPipeline> pipeline(std::move(created));
+  populating.join();
+  const double populate_wait_ms = lap();  // what populating took beyond context + arena
+  if (!populated->ok()) return populated->status().Context("gpu tier: the staging ring");
+  WEIGHTCACHE_RETURN_IF_ERROR(pipeline->PrepareStaging(std::move(*populated).value()));
   const double pipeline_ms = lap();
 
   std::vector<cuda::UploadSource> sources;
@@ -135,9 +158,11 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   auto report = pipeline->Run(sources, items, upload_control);
   const double upload_ms = lap();
   *memory = "pipeline=" + DescribeProcessMemory(ReadProcessMemory());
-  pipeline.reset();
+  if (control.leftovers == nullptr) {
+    pipeline.reset();
+    *memory += "; pipeline_freed=" + DescribeProcessMemory(ReadProcessMemory());
+  }
   const double free_ms = lap();
-  *memory += "; pipeline_freed=" + DescribeProcessMemory(ReadProcessMemory());
   if (!report.ok()) {
     Status status = report.status();
     return status.Context("gpu tier: uploading " + checkpoint.path() + " to " +
@@ -163,18 +188,30 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   summary.tensor_count = order.size();
   summary.tensor_bytes = held_bytes;
   summary.resident_bytes = arena->total_bytes();
-  // The upload is complete (Run synchronized its streams and the pipeline is gone): from here
-  // the fds are all the daemon needs. Releasing the rest drops its CUDA context — the device
-  // memory and driver host memory a context costs — for the life of the cache.
-  // The fds alone serve: no mapping, no handle, no CUDA context. The device memory lives
-  // while any fd does — ours, or the duplicates attached clients received.
-  WeightStore store(Tier::kGpu, std::move(arena).value().ReleaseToFds(), std::move(summary));
-  // plan: device checks, held tensors, arena plan; arena: context + cuMemCreate/export/map;
-  // pipeline: streams, events, pinned staging; upload: Run; free: the pipeline's teardown;
-  // release: manifest + unmapping + dropping the context.
-  LOG_DEBUG << "gpu tier: timeline ms: plan " << plan_ms << ", arena " << arena_ms << ", pipeline "
-            << pipeline_ms << ", upload " << upload_ms << ", free " << free_ms << ", release "
-            << lap();
+  // The upload is complete (Run synchronized its streams): from here the fds are all the
+  // daemon needs. The fds alone serve: no mapping, no handle, no CUDA context. The device
+  // memory lives while any fd does — ours, or the duplicates attached clients received.
+  // Releasing the rest (the mappings, VA, handles and the context reference) drops the
+  // daemon's CUDA context — the device memory and driver host memory a context costs — for the
+  // life of the cache: here, or after `ready` by the caller's LoadLeftovers.
+  WeightStore store(Tier::kGpu, arena->TakeFds(), std::move(summary));
+  LoadLeftovers here;
+  LoadLeftovers& leftovers = control.leftovers != nullptr ? *control.leftovers : here;
+  // Released last kept first: the pipeline, the arena, then the context they were made in.
+  leftovers.Keep(std::move(context).value());
+  leftovers.Keep(std::move(arena).value());
+  if (pipeline) leftovers.Keep(std::move(*pipeline));
+  here.Release();
+  // plan: device checks, held tensors, arena plan; context: the primary context retained;
+  // arena: cuMemCreate/export/map; populate: the wait for the staging ring's pages beyond
+  // those two; pipeline: streams, pinning the ring, events; upload: Run (reads, copies, the
+  // checksum kernel); free: the pipeline's teardown; release: manifest, unmapping, dropping
+  // the context (the last two 0 when they are left for after `ready`).
+  LOG_DEBUG << "gpu tier: timeline ms: plan " << plan_ms << ", context " << context_ms << ", arena "
+            << arena_ms << ", populate " << populate_wait_ms << ", pipeline " << pipeline_ms
+            << ", upload " << upload_ms << " (checksums " << report->checksum_seconds * 1e3
+            << "), free " << free_ms << ", release " << lap()
+            << (control.leftovers != nullptr ? ", teardown after ready" : "");
   return store;
 }
 

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -130,11 +131,45 @@ struct LoadOptions {
   HostFill host_fill;
 };
 
+// What a finished load still holds that serving does not need: the gpu tier's upload pipeline
+// (pinned staging ring, streams, events), the arena's mappings, VA and handles, and the CUDA
+// context reference. Tearing that down took 100 ms for one 16 GB load and 270 ms for each of
+// four rank daemons sharing an H200 (the driver serializes context destruction); a loader
+// given a LoadLeftovers moves it there, and the daemon drops it on the loader thread after it
+// has announced `ready` (docs/daemon.md "The load's teardown comes after ready").
+// Contract: Release() destroys what was kept, the last kept first, on the calling thread (the
+// gpu tier's pieces want the loader thread, whose current context is theirs); the destructor
+// releases what is left. Move-only; one thread uses it.
+class LoadLeftovers {
+ public:
+  LoadLeftovers() = default;
+  LoadLeftovers(LoadLeftovers&&) = default;
+  LoadLeftovers& operator=(LoadLeftovers&&) = delete;
+  LoadLeftovers(const LoadLeftovers&) = delete;
+  LoadLeftovers& operator=(const LoadLeftovers&) = delete;
+  ~LoadLeftovers() { Release(); }
+
+  template <typename T>
+  void Keep(T value) {
+    kept_.push_back(std::make_shared<T>(std::move(value)));
+  }
+  void Release() {
+    while (!kept_.empty()) kept_.pop_back();
+  }
+  bool empty() const { return kept_.empty(); }
+
+ private:
+  std::vector<std::shared_ptr<void>> kept_;
+};
+
 struct LoadControl {
   // (bytes done, bytes total); monotone; may be called from several threads, serialized.
   std::function<void(uint64_t, uint64_t)> progress;
   // Polled between batches; when true the loader stops with kUnavailable "load cancelled".
   const std::atomic<bool>* cancel = nullptr;
+  // Where a successful gpu load leaves what serving does not need (above); null: the load
+  // releases it before it returns.
+  LoadLeftovers* leftovers = nullptr;
 };
 
 // The loaders. `memory` receives the process's memory at the load's steps worth a log line

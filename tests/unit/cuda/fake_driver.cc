@@ -352,7 +352,18 @@ void FakeDriver::SetMaxQueued(size_t n) {
   max_queued_ = n;
 }
 
+void FakeDriver::BeforeCall(const std::string& function, std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(mu_);
+  before_call_[function] = std::move(hook);
+}
+
 CUresult FakeDriver::Hook(const char* function) {
+  std::function<void()> before;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = before_call_.find(function); it != before_call_.end()) before = it->second;
+  }
+  if (before) before();
   std::lock_guard<std::mutex> lock(mu_);
   calls_.emplace_back(function);
   if (++steps_ == fail_step_) return fail_step_rc_;

@@ -47,6 +47,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -79,6 +80,10 @@ class FakeDriver {
   // changing any state (0: none). Calls are counted from construction (steps()).
   void FailStep(int step, CUresult rc);
   int steps() const;  // driver calls so far, cuGetErrorName/String excluded
+  // Runs `hook` at the start of every call of `function`, on the calling thread and outside
+  // the fake's lock (it may block: a test holds a call back to see what happens meanwhile).
+  // Set before the calls it watches begin.
+  void BeforeCall(const std::string& function, std::function<void()> hook);
   // Report `value` for a device attribute (default 1 for every attribute).
   void SetAttribute(CUdevice_attribute attribute, int value);
   // Queued copies per stream beyond which the oldest one runs (models a bounded queue).
@@ -212,6 +217,7 @@ class FakeDriver {
   int device_count_;
   mutable std::mutex mu_;
   std::vector<Failure> failures_;
+  std::map<std::string, std::function<void()>> before_call_;
   int steps_ = 0;
   int fail_step_ = 0;
   CUresult fail_step_rc_ = CUDA_SUCCESS;

@@ -5,7 +5,10 @@
 // comes resolved (identity::ResolveIdentity over the fake driver), as `serve` hands it over.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
@@ -13,9 +16,11 @@
 #include "checkpoint/checkpoint.h"
 #include "daemon/weight_store.h"
 #include "identity/resolve.h"
+#include "protocol/connection.h"
 #include "support/test_env.h"
 #include "unit/client/client_fixtures.h"
 #include "unit/cuda/fake_driver.h"
+#include "unit/daemon/in_process_daemon.h"
 
 namespace weightcache::testing {
 namespace {
@@ -173,6 +178,120 @@ TEST_F(GpuStoreFaultTest, ADeviceTheDriverDoesNotShowIsNotFoundNamingIt) {
             std::string::npos)
       << store.status().ToString();
   EXPECT_EQ(fake.total_context_refs(), 0);
+}
+
+// A load given a LoadLeftovers (the daemon's) returns a store that serves from its fds alone,
+// and leaves the pipeline, the arena's mappings and the context reference there: nothing of
+// it is gone until Release, everything but the store's fds is gone after.
+TEST_F(GpuStoreFaultTest, ALoadGivenLeftoversKeepsItsTeardownThereUntilReleased) {
+  const int fds_before = CountOpenFds();
+  FakeDriver fake;
+  identity::Env env = identity::Env::Default();
+  env.load_driver = [&fake]() -> Result<const cuda::DriverApi*> { return fake.api(); };
+  env.lookup = identity::MapEnv({});
+  IdentityOptions identity;
+  identity.model_dir = ref_.dir;
+  identity.tier = Tier::kGpu;
+  identity.device = "1";
+  identity.runtime_dir = dir_.Join("run");
+  auto id = identity::ResolveIdentity(identity, env);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  daemon::LoadOptions options;
+  options.threads = 2;
+  options.device = *id->device;
+  options.driver = fake.api();
+  options.cache_name = "weightcache:test";
+  daemon::LoadLeftovers leftovers;
+  daemon::LoadControl control;
+  control.progress = [](uint64_t, uint64_t) {};
+  control.leftovers = &leftovers;
+  std::string memory;
+  {
+    auto store = daemon::LoadGpuStore(*checkpoint_, options, control, &memory);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    ASSERT_FALSE(leftovers.empty());
+    // Held until Release: the context (ours and the arena's references), the mappings and
+    // VA, the handles, the pinned staging ring, the streams and the events.
+    EXPECT_EQ(fake.total_context_refs(), 2);
+    EXPECT_GT(fake.live_mappings(), 0);
+    EXPECT_GT(fake.live_reservations(), 0);
+    EXPECT_GT(fake.live_handles(), 0);
+    EXPECT_EQ(fake.live_host_registrations(), 4);  // 2 staging buffers per reader
+    EXPECT_EQ(fake.live_streams(), 4);
+    EXPECT_EQ(fake.live_events(), 4);
+    leftovers.Release();
+    EXPECT_TRUE(leftovers.empty());
+    // Only the store's fds are left: one per allocation, nothing in the driver's books.
+    EXPECT_EQ(Describe(LiveOf(fake)),
+              Describe(Live{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                            fds_before + static_cast<int>(store->fds().size()) + 1}));
+  }
+  EXPECT_EQ(Describe(LiveOf(fake)), Describe(Live{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, fds_before}));
+}
+
+// The daemon announces `ready` before the load's teardown, and serves attaches while it runs:
+// the primary context's release is held back by the fake until the test has attached.
+TEST_F(GpuStoreFaultTest, TheDaemonIsReadyAndServesWhileItsLoadIsTornDown) {
+  FakeDriver fake(4096);
+  fake.BackVmmMemory();
+  identity::Env env = identity::Env::Default();
+  env.load_driver = [&fake]() -> Result<const cuda::DriverApi*> { return fake.api(); };
+  env.lookup = identity::MapEnv({});
+  IdentityOptions identity;
+  identity.model_dir = ref_.dir;
+  identity.tier = Tier::kGpu;
+  identity.device = "1";
+  identity.runtime_dir = dir_.Join("run");
+  auto options = DaemonOptionsFor(identity, env);
+  ASSERT_TRUE(options.ok()) << options.status().ToString();
+  options->keeper.enabled = false;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool entered = false;  // the loader reached the context's release
+  bool open = false;     // the test lets it go on
+  bool gave_up = false;  // the hook stopped waiting: nobody attached during the teardown
+  fake.BeforeCall("cuDevicePrimaryCtxRelease", [&] {
+    std::unique_lock<std::mutex> lock(mu);
+    entered = true;
+    cv.notify_all();
+    // Bounded, so that a daemon that waits for its teardown before `ready` fails the test
+    // below rather than hanging it.
+    gave_up = !cv.wait_for(lock, std::chrono::seconds(20), [&] { return open; });
+  });
+  auto started = InProcessDaemon::Start(std::move(options).value());
+  ASSERT_TRUE(started.ok()) << started.status().ToString();
+  InProcessDaemon& d = **started;
+  ASSERT_TRUE(d.WaitLoaded().ok());
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return entered; }))
+        << "the loader never released its context";
+    ASSERT_FALSE(gave_up) << "ready came only after the teardown";
+  }
+  EXPECT_GT(fake.total_context_refs(), 0);  // the teardown is still held back
+
+  auto conn = protocol::Connection::Connect(d.socket(), std::chrono::seconds(5));
+  ASSERT_TRUE(conn.ok()) << conn.status().ToString();
+  protocol::Hello hello;
+  hello.config = d.options().config.ToJson();
+  hello.client_name = "gpu_store_fault_test";
+  auto hr = conn->SendHello(hello, os::Deadline::After(std::chrono::seconds(30)));
+  ASSERT_TRUE(hr.ok()) << hr.status().ToString();
+  EXPECT_EQ(hr->state, protocol::CacheState::kReady);
+  auto attached = conn->Attach(os::Deadline::After(std::chrono::seconds(30)));
+  ASSERT_TRUE(attached.ok()) << attached.status().ToString();
+  EXPECT_EQ(attached->manifest.tensor_count(), checkpoint_->tensors().size());
+  EXPECT_FALSE(attached->fds.empty());
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    open = true;
+  }
+  cv.notify_all();
+  EXPECT_TRUE(d.Stop().ok());
+  EXPECT_EQ(fake.total_context_refs(), 0);
+  EXPECT_EQ(fake.live_mappings(), 0);
+  EXPECT_EQ(fake.live_host_registrations(), 0);
 }
 
 }  // namespace
