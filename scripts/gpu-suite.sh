@@ -208,6 +208,18 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
   # attaching in a loop (docs/benchmarks.md).
   run_bench 180 restart_bench --work "$work/restart" --reps 3 --clients 8
   [[ -z ${BENCH_WORK:-} ]] && rm -rf "$work"
+  # Issue 16 at full size: three 16 GB caches under a 40 GB gpu budget, demotion, promotion
+  # and a verified attach, with real daemons and the CLI (scripts/gpu-budget.sh; its lines in
+  # summary.txt start with "budget:"). BENCHES names it "gpu_budget".
+  if [[ -z ${BENCHES:-} || " $BENCHES " == *" gpu_budget "* ]]; then
+    t0=$(date +%s)
+    if OUT=$OUT BUILD_DIR=$build timeout --kill-after=10 240 scripts/gpu-budget.sh; then
+      say "bench gpu_budget: ok ($(($(date +%s) - t0)) s)"
+    else
+      say "bench gpu_budget: FAILED (budget.log)"
+      bench_ok=0
+    fi
+  fi
 
   if grep -q '"error"' "$OUT/bench.jsonl"; then
     say "bench errors:"
