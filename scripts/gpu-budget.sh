@@ -88,7 +88,7 @@ for d in json.load(sys.stdin)["devices"]:
     for c in d["caches"]:
         out.append("%s:%s" % (c["config"]["revision"], c["cache_state"]))
     if d.get("used_bytes") is not None:
-        out.append("(used %.1f GB of %.1f)" % (d["used_bytes"] / 1e9, (d.get("budget_bytes") or 0) / 1e9))
+        out.append("(ledger: %.1f GB used)" % (d["used_bytes"] / 1e9))
 print(" ".join(sorted(out)))'
 }
 

@@ -30,31 +30,6 @@
 
 namespace weightcache::cuda {
 
-// Populated anonymous memory, not pinned yet: the half of a PinnedHostBuffer that needs
-// neither the driver nor a context, so that a loader can have the kernel zero its staging
-// pages while the device's context is being created (PinnedHostBuffer::Pin does the rest).
-struct AnonymousMemoryTraits {
-  using Handle = void*;
-  using Context = size_t;  // bytes
-  static constexpr Handle Null() { return nullptr; }
-  static void Close(size_t bytes, void* p) noexcept { os::UnmapAnonymous(p, bytes); }
-};
-
-class PopulatedHostMemory {
- public:
-  // kIo (ENOMEM) naming the size when the memory cannot be mapped.
-  static Result<PopulatedHostMemory> Create(size_t bytes) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(void* p, os::MapAnonymousPopulated(bytes));
-    return PopulatedHostMemory(p, bytes);
-  }
-  size_t size() const { return memory_.valid() ? memory_.context() : 0; }
-
- private:
-  friend class PinnedHostBuffer;
-  PopulatedHostMemory(void* p, size_t bytes) : memory_(bytes, p) {}
-  UniqueHandle<AnonymousMemoryTraits> memory_;
-};
-
 struct PinnedHostTraits {
   using Handle = void*;
   struct Context {
@@ -77,21 +52,15 @@ class PinnedHostBuffer {
   // the memory cannot be mapped, kCuda naming the call and the size when the driver
   // refuses to pin it.
   static Result<PinnedHostBuffer> Create(const DriverApi* api, size_t bytes) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(PopulatedHostMemory memory, PopulatedHostMemory::Create(bytes));
-    return Pin(api, std::move(memory));
-  }
-  // Pins memory populated before (a context must be current on the calling thread). On a
-  // refusal the memory is unmapped with `memory`.
-  static Result<PinnedHostBuffer> Pin(const DriverApi* api, PopulatedHostMemory memory) {
-    const size_t bytes = memory.size();
-    if (CUresult rc =
-            api->cuMemHostRegister(memory.memory_.get(), bytes, CU_MEMHOSTREGISTER_PORTABLE);
+    WEIGHTCACHE_ASSIGN_OR_RETURN(void* p, os::MapAnonymousPopulated(bytes));
+    if (CUresult rc = api->cuMemHostRegister(p, bytes, CU_MEMHOSTREGISTER_PORTABLE);
         rc != CUDA_SUCCESS) {
+      os::UnmapAnonymous(p, bytes);
       return DriverError(
           api, rc,
           "cuMemHostRegister of a " + std::to_string(bytes) + "-byte pinned staging buffer");
     }
-    return PinnedHostBuffer(api, memory.memory_.Release(), bytes);
+    return PinnedHostBuffer(api, p, bytes);
   }
   std::byte* data() const { return static_cast<std::byte*>(memory_.get()); }
   size_t size() const { return memory_.valid() ? memory_.context().bytes : 0; }

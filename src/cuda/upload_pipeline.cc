@@ -9,7 +9,6 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
-#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -539,56 +538,30 @@ Result<UploadPipeline> UploadPipeline::Create(const DriverApi* api, const Upload
   return p;
 }
 
-namespace {
-
-// Runs make(i) for i in [0, n) on up to 8 threads (the kernel populates pages of several
-// mappings in parallel), `before` once on each thread first.
-template <typename Make>
-void OnStagingThreads(size_t n, const std::function<CUresult()>& before, const Make& make) {
-  std::vector<std::thread> threads;
-  const size_t workers = std::min<size_t>(n, 8);
-  for (size_t t = 0; t < workers; ++t) {
-    threads.emplace_back([&, t] {
-      const CUresult rc = before ? before() : CUDA_SUCCESS;
-      for (size_t i = t; i < n; i += workers) make(i, rc);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-}
-
-}  // namespace
-
-Result<std::vector<PopulatedHostMemory>> UploadPipeline::PopulateStaging(const UploadOptions& o) {
-  const auto n = static_cast<size_t>(std::max(o.staging_buffers, 0));
-  std::vector<std::optional<Result<PopulatedHostMemory>>> made(n);
-  OnStagingThreads(n, nullptr, [&](size_t i, CUresult) {
-    made[i].emplace(PopulatedHostMemory::Create(o.staging_buffer_bytes));
-  });
-  std::vector<PopulatedHostMemory> memory;
-  for (auto& m : made) {
-    if (!m->ok()) return m->status();  // every mapping made is unmapped with `made`
-    memory.push_back(std::move(*m).value());
-  }
-  return memory;
-}
-
-Status UploadPipeline::PrepareStaging(std::vector<PopulatedHostMemory> populated) {
+Status UploadPipeline::EnsureStaging() {
   if (!buffers_.empty()) return Status::Ok();
-  // Each buffer: its populated memory pinned, or populated (the kernel zeroes its pages) and
-  // pinned here; cuMemHostRegister needs a current context on the calling thread.
+  // The buffers are populated in parallel (the kernel zeroes their pages), then pinned.
   const auto n = static_cast<size_t>(options_.staging_buffers);
   std::vector<std::optional<Result<PinnedHostBuffer>>> made(n);
-  OnStagingThreads(
-      n, [this] { return api_->cuCtxSetCurrent(context_); },
-      [&](size_t i, CUresult rc) {
-        if (rc != CUDA_SUCCESS) {
-          made[i].emplace(DriverError(api_, rc, "cuCtxSetCurrent on a staging-allocation thread"));
-        } else if (i < populated.size() && populated[i].size() == options_.staging_buffer_bytes) {
-          made[i].emplace(PinnedHostBuffer::Pin(api_, std::move(populated[i])));
-        } else {
-          made[i].emplace(PinnedHostBuffer::Create(api_, options_.staging_buffer_bytes));
+  {
+    std::vector<std::thread> threads;
+    const size_t workers = std::min<size_t>(n, 8);
+    for (size_t t = 0; t < workers; ++t) {
+      threads.emplace_back([&, t] {
+        // cuMemHostRegister needs a current context on the calling thread.
+        const CUresult rc = api_->cuCtxSetCurrent(context_);
+        for (size_t i = t; i < n; i += workers) {
+          if (rc != CUDA_SUCCESS) {
+            made[i].emplace(
+                DriverError(api_, rc, "cuCtxSetCurrent on a staging-allocation thread"));
+          } else {
+            made[i].emplace(PinnedHostBuffer::Create(api_, options_.staging_buffer_bytes));
+          }
         }
       });
+    }
+    for (std::thread& t : threads) t.join();
+  }
   std::vector<PinnedHostBuffer> buffers;
   std::vector<CudaEvent> events;
   for (auto& b : made) {
@@ -647,7 +620,7 @@ Result<UploadReport> UploadPipeline::Run(std::span<const UploadSource> sources,
     return report;
   }
   const auto staging_start = std::chrono::steady_clock::now();
-  WEIGHTCACHE_RETURN_IF_ERROR(PrepareStaging());
+  WEIGHTCACHE_RETURN_IF_ERROR(EnsureStaging());
   const double staging_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - staging_start).count();
   WEIGHTCACHE_ASSIGN_OR_RETURN(UploadReport report, RunStaged(sources, items, control, total));

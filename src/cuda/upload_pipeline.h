@@ -126,7 +126,7 @@ struct UploadReport {
   // Per item, TensorChecksum of its bytes; empty with ChecksumMode::kNone.
   std::vector<uint64_t> checksums;
   size_t staging_fills = 0;  // buffers filled (batches)
-  // Allocating the staging ring inside Run() (0 when PrepareStaging() made it before); not
+  // Allocating the staging ring inside Run() (0 once it exists: a pipeline run again); not
   // part of `seconds`, which runs from the first read.
   double staging_seconds = 0;
   double checksum_seconds = 0;          // of `seconds`: the device checksum kernel (kDevice)
@@ -147,23 +147,15 @@ class UploadPipeline {
   Result<UploadReport> Run(std::span<const UploadSource> sources, std::span<const UploadItem> items,
                            const UploadControl& control = {});
 
-  // The staging ring's memory for `options`, populated by up to 8 threads but not pinned: no
-  // driver call, no context, so a loader can make it while the device's context is created.
-  // kIo (ENOMEM) naming the size when the memory cannot be mapped.
-  static Result<std::vector<PopulatedHostMemory>> PopulateStaging(const UploadOptions& options);
-
-  // Makes the staging ring (pinned) and its events now, pinning `populated` (from
-  // PopulateStaging with the same options) and populating whatever it lacks; the first Run()
-  // that reads through the ring does this otherwise (a pipeline that only takes the mapped
-  // path never pins it). Never concurrently with Run().
-  Status PrepareStaging(std::vector<PopulatedHostMemory> populated = {});
-
   const UploadOptions& options() const { return options_; }
 
  private:
   UploadPipeline(const DriverApi* api, CUcontext context, const UploadOptions& options)
       : api_(api), context_(context), options_(options) {}
 
+  // The staging ring and its events, on the first Run() that reads through them (a pipeline
+  // that only takes the mapped path never pins them).
+  Status EnsureStaging();
   Result<UploadReport> RunStaged(std::span<const UploadSource> sources,
                                  std::span<const UploadItem> items, const UploadControl& control,
                                  uint64_t total);

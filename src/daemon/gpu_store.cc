@@ -6,7 +6,6 @@
 #include <numeric>
 #include <optional>
 #include <string>
-#include <thread>
 
 #include "checkpoint/arena_plan.h"
 #include "common/checksum.h"
@@ -80,20 +79,6 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   // on an H200 (16 GB warm: upload 1.73 s against 0.81 s staged; docs/benchmarks.md), so it is
   // not the default until that is understood.
 
-  // The kernel zeroes the staging ring's pages (1 GiB for 16 readers) on helper threads while
-  // this thread has the device's context created and the arena allocated: the two need
-  // nothing of each other, and creating a context is the slow step when several daemons
-  // start on one device at once (docs/benchmarks.md, "Sharded load").
-  std::optional<Result<std::vector<cuda::PopulatedHostMemory>>> populated;
-  std::thread populating(
-      [&] { populated.emplace(cuda::UploadPipeline::PopulateStaging(upload_options)); });
-  struct JoinOnExit {
-    std::thread& thread;
-    ~JoinOnExit() {
-      if (thread.joinable()) thread.join();
-    }
-  } join_populating{populating};
-
   // Retains the primary context and makes it current on this (the loader) thread, which the
   // pipeline needs at Create.
   auto context = cuda::PrimaryContext::Retain(api, device);
@@ -122,10 +107,6 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   // LoadLeftovers): its streams, pinned staging buffers and events are never kept for the life
   // of the store.
   std::optional<cuda::UploadPipeline> pipeline(std::move(created));
-  populating.join();
-  const double populate_wait_ms = lap();  // what populating took beyond context + arena
-  if (!populated->ok()) return populated->status().Context("gpu tier: the staging ring");
-  WEIGHTCACHE_RETURN_IF_ERROR(pipeline->PrepareStaging(std::move(*populated).value()));
   const double pipeline_ms = lap();
 
   std::vector<cuda::UploadSource> sources;
@@ -203,13 +184,13 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   if (pipeline) leftovers.Keep(std::move(*pipeline));
   here.Release();
   // plan: device checks, held tensors, arena plan; context: the primary context retained;
-  // arena: cuMemCreate/export/map; populate: the wait for the staging ring's pages beyond
-  // those two; pipeline: streams, pinning the ring, events; upload: Run (reads, copies, the
-  // checksum kernel); free: the pipeline's teardown; release: manifest, unmapping, dropping
-  // the context (the last two 0 when they are left for after `ready`).
+  // arena: cuMemCreate/export/map; pipeline: streams; upload: Run (staging: populating and
+  // pinning the ring; then the reads, copies and the checksum kernel); free: the pipeline's
+  // teardown; release: manifest, unmapping, dropping the context (the last two ~0 when they
+  // are left for after `ready`).
   LOG_DEBUG << "gpu tier: timeline ms: plan " << plan_ms << ", context " << context_ms << ", arena "
-            << arena_ms << ", populate " << populate_wait_ms << ", pipeline " << pipeline_ms
-            << ", upload " << upload_ms << " (checksums " << report->checksum_seconds * 1e3
+            << arena_ms << ", pipeline " << pipeline_ms << ", upload " << upload_ms << " (staging "
+            << report->staging_seconds * 1e3 << ", checksums " << report->checksum_seconds * 1e3
             << "), free " << free_ms << ", release " << lap()
             << (control.leftovers != nullptr ? ", teardown after ready" : "");
   return store;
