@@ -22,7 +22,8 @@
 # Knobs: OUT (default ./gpu-out), BUILD_DIR (build-gpu), DEPS (.deps/usr), JOBS (nproc),
 #        TARGETS (build only these, for a dry run), SKIP_BENCH=1, SUITE=full|quick,
 #        SKIP_CPU_TIERS=1 (full without the unit, integration and adversarial tiers),
-#        BENCHES (only these benches, e.g. "shard_bench gpu_attach_bench"; default all),
+#        BENCHES (only these benches, e.g. "shard_bench gpu_attach_bench"; default all; "gpu_budget"
+#        names scripts/gpu-budget.sh, three 16 GB caches under a 40 GB budget),
 #        BENCH_WORK (scratch for the benches' checkpoints; default a temp dir, removed).
 # Exit status: non-zero if the build or any test fails, or a benchmark fails or times out.
 # Budget: under 9 minutes on 1 x H200 (build ~2, tests ~2, benches ~5; each bench has its own
