@@ -76,18 +76,29 @@ class GpuStoreFaultTest : public ::testing::Test {
     checkpoint_.emplace(std::move(opened).value());
   }
 
-  // One load over a fresh fake whose `fail_step`-th call (0: none) fails; the store is
-  // destroyed before the books are read. *failed gets the function that failed.
-  Status Load(int fail_step, int* steps, Live* live, std::string* failed) {
-    FakeDriver fake;
+  // The environment `serve` would resolve the identity in, with `fake` as the driver.
+  static identity::Env FakeEnv(FakeDriver& fake) {
     identity::Env env = identity::Env::Default();
     env.load_driver = [&fake]() -> Result<const cuda::DriverApi*> { return fake.api(); };
     env.lookup = identity::MapEnv({});
+    return env;
+  }
+  // The checkpoint's gpu-tier identity on the fake's device 1.
+  IdentityOptions GpuIdentity() {
     IdentityOptions identity;
     identity.model_dir = ref_.dir;
     identity.tier = Tier::kGpu;
     identity.device = "1";
     identity.runtime_dir = dir_.Join("run");
+    return identity;
+  }
+
+  // One load over a fresh fake whose `fail_step`-th call (0: none) fails; the store is
+  // destroyed before the books are read. *failed gets the function that failed.
+  Status Load(int fail_step, int* steps, Live* live, std::string* failed) {
+    FakeDriver fake;
+    const identity::Env env = FakeEnv(fake);
+    const IdentityOptions identity = GpuIdentity();
     auto id = identity::ResolveIdentity(identity, env);
     if (!id.ok()) return id.status().Context("resolving (no failure armed yet)");
     const int before = fake.steps();
@@ -186,14 +197,8 @@ TEST_F(GpuStoreFaultTest, ADeviceTheDriverDoesNotShowIsNotFoundNamingIt) {
 TEST_F(GpuStoreFaultTest, ALoadGivenLeftoversKeepsItsTeardownThereUntilReleased) {
   const int fds_before = CountOpenFds();
   FakeDriver fake;
-  identity::Env env = identity::Env::Default();
-  env.load_driver = [&fake]() -> Result<const cuda::DriverApi*> { return fake.api(); };
-  env.lookup = identity::MapEnv({});
-  IdentityOptions identity;
-  identity.model_dir = ref_.dir;
-  identity.tier = Tier::kGpu;
-  identity.device = "1";
-  identity.runtime_dir = dir_.Join("run");
+  const identity::Env env = FakeEnv(fake);
+  const IdentityOptions identity = GpuIdentity();
   auto id = identity::ResolveIdentity(identity, env);
   ASSERT_TRUE(id.ok()) << id.status().ToString();
   daemon::LoadOptions options;
@@ -234,14 +239,8 @@ TEST_F(GpuStoreFaultTest, ALoadGivenLeftoversKeepsItsTeardownThereUntilReleased)
 TEST_F(GpuStoreFaultTest, TheDaemonIsReadyAndServesWhileItsLoadIsTornDown) {
   FakeDriver fake(4096);
   fake.BackVmmMemory();
-  identity::Env env = identity::Env::Default();
-  env.load_driver = [&fake]() -> Result<const cuda::DriverApi*> { return fake.api(); };
-  env.lookup = identity::MapEnv({});
-  IdentityOptions identity;
-  identity.model_dir = ref_.dir;
-  identity.tier = Tier::kGpu;
-  identity.device = "1";
-  identity.runtime_dir = dir_.Join("run");
+  const identity::Env env = FakeEnv(fake);
+  const IdentityOptions identity = GpuIdentity();
   auto options = DaemonOptionsFor(identity, env);
   ASSERT_TRUE(options.ok()) << options.status().ToString();
   options->keeper.enabled = false;
