@@ -261,7 +261,9 @@ void Daemon::LoaderMain() {
       load_result_.emplace(std::move(adopted->store));
       adopted_how_ = std::move(how);
       load_finished_ = true;
+      loader_settled_ = true;
     }
+    loader_settled_cv_.NotifyAll();
     Wake(wakeup_.get());
     return;
   }
@@ -293,6 +295,16 @@ void Daemon::LoaderMain() {
     LOG_INFO << "the load's pipeline, mappings and CUDA context released while serving ("
              << teardown_ms << " ms)";
   }
+  {
+    MutexLock lock(result_mu_);
+    loader_settled_ = true;
+  }
+  loader_settled_cv_.NotifyAll();
+}
+
+void Daemon::WaitLoaderSettled() {
+  MutexLock lock(result_mu_);
+  while (loader_started_ && !loader_settled_) loader_settled_cv_.Wait(result_mu_);
 }
 
 std::optional<AdoptedStore> Daemon::AdoptKept() {
@@ -468,6 +480,10 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
       warmer_ = std::thread([this] { WarmContext(); });
     }
   } else {
+    {
+      MutexLock lock(result_mu_);
+      loader_started_ = true;
+    }
     loader_ = std::thread([this] { LoaderMain(); });
   }
 

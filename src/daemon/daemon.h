@@ -208,6 +208,11 @@ class Daemon {
   // daemon drains or is destroyed), in manifest order; empty before ready. Run thread only:
   // from a DaemonEvents callback (serve's fill source maps them in on_ready).
   std::vector<int> StoreFds() const { return store_ ? store_->fds() : std::vector<int>{}; }
+  // Blocks until the loader thread has released what its load held — the gpu tier's pipeline,
+  // arena mappings and CUDA context, which it releases after `ready` (docs/daemon.md) — and
+  // returns at once when no loader was started. For tests that read the driver's or the
+  // process's books right after ready. Any thread.
+  void WaitLoaderSettled();
 
  private:
   // The release rule of the published path, for UniqueHandle: unlink it (we hold the lock, so
@@ -407,6 +412,9 @@ class Daemon {
   std::optional<Result<WeightStore>> load_result_ WEIGHTCACHE_GUARDED_BY(result_mu_);
   // Set with load_result_ when the store was adopted from the keeper: how (for on_adopted).
   std::string adopted_how_ WEIGHTCACHE_GUARDED_BY(result_mu_);
+  bool loader_started_ WEIGHTCACHE_GUARDED_BY(result_mu_) = false;
+  bool loader_settled_ WEIGHTCACHE_GUARDED_BY(result_mu_) = false;  // its teardown is done
+  CondVar loader_settled_cv_;
   std::thread loader_;
 
   // Demotion and promotion: what the mover thread is doing, the store's allocation sizes

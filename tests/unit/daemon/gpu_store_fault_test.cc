@@ -261,7 +261,7 @@ TEST_F(GpuStoreFaultTest, TheDaemonIsReadyAndServesWhileItsLoadIsTornDown) {
   auto started = InProcessDaemon::Start(std::move(options).value());
   ASSERT_TRUE(started.ok()) << started.status().ToString();
   InProcessDaemon& d = **started;
-  ASSERT_TRUE(d.WaitLoaded().ok());
+  ASSERT_TRUE(d.WaitReady().ok());
   {
     std::unique_lock<std::mutex> lock(mu);
     ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return entered; }))

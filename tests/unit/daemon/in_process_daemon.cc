@@ -69,10 +69,16 @@ InProcessDaemon::InProcessDaemon(std::unique_ptr<daemon::Daemon> daemon, UniqueF
 
 InProcessDaemon::~InProcessDaemon() { (void)Stop(); }
 
-Status InProcessDaemon::WaitLoaded() {
+Status InProcessDaemon::WaitReady() {
   MutexLock lock(mu_);
   while (!loaded_) loaded_cv_.Wait(mu_);
   return *loaded_;
+}
+
+Status InProcessDaemon::WaitLoaded() {
+  Status loaded = WaitReady();
+  if (loaded.ok()) daemon_->WaitLoaderSettled();
+  return loaded;
 }
 
 Status InProcessDaemon::Stop() {

@@ -39,8 +39,12 @@ class InProcessDaemon {
   InProcessDaemon(const InProcessDaemon&) = delete;
   InProcessDaemon& operator=(const InProcessDaemon&) = delete;
 
-  // The load's outcome: OK once ready, else the failure the daemon reports.
+  // The load's outcome: OK once ready, else the failure the daemon reports; when ready, also
+  // once the loader thread has released what the load held (Daemon::WaitLoaderSettled), so
+  // that the driver's books hold the cache only.
   Status WaitLoaded();
+  // The load's outcome as soon as the daemon announces it (its teardown may still run).
+  Status WaitReady();
   // SIGTERM, then Run's status (idempotent).
   Status Stop();
 
