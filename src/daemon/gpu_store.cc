@@ -62,23 +62,6 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   }
 
   const double plan_ms = lap();
-  cuda::UploadOptions upload_options;
-  upload_options.reader_threads = std::clamp(options.threads, 1, 64);
-  // Two staging buffers per reader (one being read into, one whose copy is in flight) and 4
-  // copy streams: 16 readers, 32 x 32 MiB and 4 streams moved a warm 16 GiB at 42.8 GB/s on an
-  // H200, against 30.7 GB/s with 8, 16 and 2 (load_bench, docs/benchmarks.md).
-  upload_options.staging_buffers = std::clamp(2 * upload_options.reader_threads, 4, 128);
-  upload_options.copy_streams = 4;
-  // The checksums by the GPU kernel once the bytes are on the device (a few ms for 16 GB),
-  // which leaves the host's memory bandwidth to the reads and copies; by hasher threads over
-  // the staging buffers in a build without the kernel.
-  upload_options.checksums =
-      cuda::GpuChecksumKernelBuilt() ? cuda::ChecksumMode::kDevice : cuda::ChecksumMode::kCompute;
-  // Read through the pinned staging ring (ReadMode::kBuffered). The mapped path (the copy
-  // engine reading the page cache through registered chunks) measured slower inside the daemon
-  // on an H200 (16 GB warm: upload 1.73 s against 0.81 s staged; docs/benchmarks.md), so it is
-  // not the default until that is understood.
-
   // Retains the primary context and makes it current on this (the loader) thread, which the
   // pipeline needs at Create.
   auto context = cuda::PrimaryContext::Retain(api, device);
@@ -101,7 +84,22 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
     allocation_sizes.push_back(allocations[a].size);
   }
   const double arena_ms = lap();
-
+  cuda::UploadOptions upload_options;
+  upload_options.reader_threads = std::clamp(options.threads, 1, 64);
+  // Two staging buffers per reader (one being read into, one whose copy is in flight) and 4
+  // copy streams: 16 readers, 32 x 32 MiB and 4 streams moved a warm 16 GiB at 42.8 GB/s on an
+  // H200, against 30.7 GB/s with 8, 16 and 2 (load_bench, docs/benchmarks.md).
+  upload_options.staging_buffers = std::clamp(2 * upload_options.reader_threads, 4, 128);
+  upload_options.copy_streams = 4;
+  // The checksums by the GPU kernel once the bytes are on the device (a few ms for 16 GB),
+  // which leaves the host's memory bandwidth to the reads and copies; by hasher threads over
+  // the staging buffers in a build without the kernel.
+  upload_options.checksums =
+      cuda::GpuChecksumKernelBuilt() ? cuda::ChecksumMode::kDevice : cuda::ChecksumMode::kCompute;
+  // Read through the pinned staging ring (ReadMode::kBuffered). The mapped path (the copy
+  // engine reading the page cache through registered chunks) measured slower inside the daemon
+  // on an H200 (16 GB warm: upload 1.73 s against 0.81 s staged; docs/benchmarks.md), so it is
+  // not the default until that is understood.
   WEIGHTCACHE_ASSIGN_OR_RETURN(auto created, cuda::UploadPipeline::Create(api, upload_options));
   // Held in an optional so that it is destroyed right after Run() (or handed to the caller's
   // LoadLeftovers): its streams, pinned staging buffers and events are never kept for the life

@@ -93,6 +93,16 @@ class GpuStoreFaultTest : public ::testing::Test {
     return identity;
   }
 
+  // What `serve` hands the gpu loader for `device` over `fake`, with 2 reader threads.
+  static daemon::LoadOptions LoadOptionsOn(FakeDriver& fake, const identity::DeviceInfo& device) {
+    daemon::LoadOptions options;
+    options.threads = 2;
+    options.device = device;
+    options.driver = fake.api();
+    options.cache_name = "weightcache:test";
+    return options;
+  }
+
   // One load over a fresh fake whose `fail_step`-th call (0: none) fails; the store is
   // destroyed before the books are read. *failed gets the function that failed.
   Status Load(int fail_step, int* steps, Live* live, std::string* failed) {
@@ -103,11 +113,7 @@ class GpuStoreFaultTest : public ::testing::Test {
     if (!id.ok()) return id.status().Context("resolving (no failure armed yet)");
     const int before = fake.steps();
     if (fail_step > 0) fake.FailStep(before + fail_step, CUDA_ERROR_UNKNOWN);
-    daemon::LoadOptions options;
-    options.threads = 2;
-    options.device = *id->device;
-    options.driver = fake.api();
-    options.cache_name = "weightcache:test";
+    const daemon::LoadOptions options = LoadOptionsOn(fake, *id->device);
     daemon::LoadControl control;
     control.progress = [](uint64_t, uint64_t) {};
     std::string memory;
@@ -201,11 +207,7 @@ TEST_F(GpuStoreFaultTest, ALoadGivenLeftoversKeepsItsTeardownThereUntilReleased)
   const IdentityOptions identity = GpuIdentity();
   auto id = identity::ResolveIdentity(identity, env);
   ASSERT_TRUE(id.ok()) << id.status().ToString();
-  daemon::LoadOptions options;
-  options.threads = 2;
-  options.device = *id->device;
-  options.driver = fake.api();
-  options.cache_name = "weightcache:test";
+  const daemon::LoadOptions options = LoadOptionsOn(fake, *id->device);
   daemon::LoadLeftovers leftovers;
   daemon::LoadControl control;
   control.progress = [](uint64_t, uint64_t) {};
