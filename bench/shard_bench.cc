@@ -118,6 +118,10 @@ std::map<std::string, double> LoadPhases(const std::string& log_text) {
   static const std::regex kTeardown(R"(CUDA context released while serving \(([0-9.eE+-]+) ms\))");
   if (std::regex_search(log_text, m, kTeardown))
     out["teardown_after_ready_ms"] = std::stod(m[1].str());
+  // What the keeper's deposit took at ready (src/daemon/daemon.cc, DepositLoaded).
+  static const std::regex kDeposit(
+      R"(keeps the memory for its successor \(([0-9.eE+-]+) ms at ready)");
+  if (std::regex_search(log_text, m, kDeposit)) out["keeper_at_ready_ms"] = std::stod(m[1].str());
   if (auto s = ParseReadyLine(log_text).seconds) out["ready_line_s"] = *s;
   return out;
 }

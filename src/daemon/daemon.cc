@@ -267,10 +267,14 @@ void Daemon::LoaderMain() {
     Wake(wakeup_.get());
     return;
   }
+  // The keeper starts with the load, so that its fork (while this process is small), exec and
+  // start are not on the ready path; it exits by itself if the load fails or we die.
+  std::optional<keeper::StartingKeeper> keeper = StartKeeperForLoad();
   std::string memory;  // the loader's memory at its steps, for the log line below
   LoadLeftovers leftovers;
   Result<WeightStore> result = Load(&memory, &leftovers);
-  if (result.ok()) DepositLoaded(*result);
+  if (result.ok()) DepositLoaded(*result, std::move(keeper));
+  keeper.reset();
   {
     MutexLock lock(result_mu_);
     load_result_.emplace(std::move(result));
@@ -336,7 +340,19 @@ std::optional<AdoptedStore> Daemon::AdoptKept() {
                          gpu ? &*gpu : nullptr);
 }
 
-void Daemon::DepositLoaded(const WeightStore& store) {
+std::optional<keeper::StartingKeeper> Daemon::StartKeeperForLoad() {
+  if (options_.fd_store) return std::nullopt;
+  auto started = StartCacheKeeper(options_.paths, options_.keeper);
+  if (!started.ok()) {
+    LOG_WARN << "starting the keeper with the load: " << started.status().ToString()
+             << " (another try at ready)";
+    return std::nullopt;
+  }
+  return std::move(started).value();
+}
+
+void Daemon::DepositLoaded(const WeightStore& store,
+                           std::optional<keeper::StartingKeeper> started) {
   if (options_.fd_store) {
     Status deposited = options_.fd_store->Deposit(options_.config, store);
     if (!deposited.ok()) {
@@ -349,14 +365,19 @@ void Daemon::DepositLoaded(const WeightStore& store) {
     return;
   }
   if (!options_.keeper.enabled || options_.paths.keeper_socket.empty()) return;
-  Status deposited = DepositWithKeeper(options_.paths, options_.config, store, options_.keeper);
+  const bool early = started.has_value();
+  const auto start = Clock::now();
+  Status deposited = DepositWithKeeper(options_.paths, options_.config, store, options_.keeper,
+                                       std::move(started));
   if (!deposited.ok()) {
     LOG_WARN << "serving without a keeper: " << deposited.ToString()
              << " (a crash of this daemon loses the loaded memory)";
     return;
   }
   LOG_INFO << "deposited with the keeper " << options_.paths.keeper_socket
-           << ": a crash of this daemon keeps the memory for its successor";
+           << ": a crash of this daemon keeps the memory for its successor ("
+           << SecondsSince(start) * 1e3 << " ms at ready; the keeper "
+           << (early ? "started with the load)" : "started now)");
 }
 
 void Daemon::DropKeeperAtStop() {

@@ -77,6 +77,7 @@
 #include "identity/env.h"
 #include "identity/paths.h"
 #include "identity/resolve.h"
+#include "keeper/keeper_client.h"
 #include "os/lock_file.h"
 #include "os/unix_socket.h"
 #include "protocol/messages.h"
@@ -265,9 +266,13 @@ class Daemon {
   // loader's memory at its steps for the log line.
   Result<WeightStore> Load(std::string* memory, LoadLeftovers* leftovers);
   // The keeper's part of the loader thread (keeper_link.h): the kept store, validated, or
-  // nullopt (then the caller loads); and the deposit of a store that was loaded.
+  // nullopt (then the caller loads); the keeper started with a load (nullopt with the fd
+  // store, without keepers, or when the start failed: then the deposit starts one); and the
+  // deposit of a store that was loaded, with the keeper started for it if any.
   std::optional<AdoptedStore> AdoptKept();
-  void DepositLoaded(const WeightStore& store);
+  std::optional<keeper::StartingKeeper> StartKeeperForLoad();
+  void DepositLoaded(const WeightStore& store,
+                     std::optional<keeper::StartingKeeper> started = std::nullopt);
   // The end of a deliberate stop: the keeper is told the cache is dead.
   void DropKeeperAtStop();
   void OnLoaderWakeup();

@@ -253,14 +253,39 @@ protocol::DepositInfo DescribeStore(const identity::CacheConfig& config, const W
   return info;
 }
 
-Status DepositWithKeeper(const identity::CachePaths& paths, const identity::CacheConfig& config,
-                         const WeightStore& store, const KeeperLinkOptions& options) {
-  if (!options.enabled || paths.keeper_socket.empty()) return Status::Ok();
+namespace {
+
+keeper::SpawnOptions SpawnOptionsFor(const identity::CachePaths& paths,
+                                     const KeeperLinkOptions& options) {
   keeper::SpawnOptions spawn;
   spawn.program = options.program;
   spawn.socket = paths.keeper_socket;
   spawn.allow_uids = options.allow_uids;
-  auto pid = keeper::SpawnKeeper(spawn);
+  return spawn;
+}
+
+}  // namespace
+
+Result<std::optional<keeper::StartingKeeper>> StartCacheKeeper(const identity::CachePaths& paths,
+                                                               const KeeperLinkOptions& options) {
+  if (!options.enabled || paths.keeper_socket.empty()) {
+    return std::optional<keeper::StartingKeeper>();
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(keeper::StartingKeeper starting,
+                               keeper::StartKeeper(SpawnOptionsFor(paths, options)));
+  return std::optional<keeper::StartingKeeper>(std::move(starting));
+}
+
+Status DepositWithKeeper(const identity::CachePaths& paths, const identity::CacheConfig& config,
+                         const WeightStore& store, const KeeperLinkOptions& options,
+                         std::optional<keeper::StartingKeeper> started) {
+  if (!options.enabled || paths.keeper_socket.empty()) return Status::Ok();
+  if (!started) {
+    auto starting = keeper::StartKeeper(SpawnOptionsFor(paths, options));
+    if (!starting.ok()) return starting.status().Context("starting the keeper");
+    started.emplace(std::move(starting).value());
+  }
+  auto pid = started->WaitReady();
   // kAlreadyServed: a keeper is live already (its daemon died before depositing): use it.
   if (!pid.ok() && pid.status().code() != StatusCode::kAlreadyServed) {
     Status status = pid.status();
@@ -271,6 +296,7 @@ Status DepositWithKeeper(const identity::CachePaths& paths, const identity::Cach
   Status deposited = keeper::DepositToKeeper(
       paths.keeper_socket, info, store.summary().manifest.fd.get(), fds, options.timeout);
   if (!deposited.ok()) return deposited.Context("depositing with the keeper");
+  // `started` goes here, after the reply: the keeper holds the deposit and no longer watches us.
   return Status::Ok();
 }
 

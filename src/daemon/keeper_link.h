@@ -32,6 +32,7 @@
 #include "identity/cache_config.h"
 #include "identity/device_inventory.h"
 #include "identity/paths.h"
+#include "keeper/keeper_client.h"
 #include "protocol/handoff.h"
 #include "weightcache/status.h"
 
@@ -82,11 +83,20 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
                                             const KeeperLinkOptions& options,
                                             const GpuAdoptContext* gpu);
 
-// Hands a ready store to the cache's keeper, starting one if none is live. OK without doing
+// Starts the cache's keeper when its load starts (keeper::StartKeeper: the fork, exec and the
+// keeper's start overlap the load; the keeper exits by itself if this process dies or drops
+// the StartingKeeper before depositing). std::nullopt when keepers are disabled or the cache
+// has no keeper path; an error when the fork fails (the caller starts one at the deposit).
+Result<std::optional<keeper::StartingKeeper>> StartCacheKeeper(const identity::CachePaths& paths,
+                                                               const KeeperLinkOptions& options);
+
+// Hands a ready store to the cache's keeper: the one StartCacheKeeper started (`started`), or
+// one started now (a live keeper that is still waiting is used as it is). OK without doing
 // anything when keepers are disabled or the cache has no keeper path; an error (the caller
 // logs it and serves without a keeper) when the keeper cannot be started or refuses.
 Status DepositWithKeeper(const identity::CachePaths& paths, const identity::CacheConfig& config,
-                         const WeightStore& store, const KeeperLinkOptions& options);
+                         const WeightStore& store, const KeeperLinkOptions& options,
+                         std::optional<keeper::StartingKeeper> started = std::nullopt);
 
 // A deliberate stop: tells the keeper the cache is dead (its memory is freed once no client
 // maps it) and waits, bounded by options.timeout, until it has exited. kNoDaemon when there

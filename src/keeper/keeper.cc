@@ -25,6 +25,8 @@ constexpr std::chrono::milliseconds kAcceptPause{100};
 // A refused connection is read (and what it sent discarded) this long at most, waiting for
 // its peer to read our Error and close its end.
 constexpr std::chrono::milliseconds kRefusedLinger{1000};
+// Run's poll set: the listener, the signalfd, the depositor pipe, then the connections.
+constexpr size_t kFirstConnection = 3;
 // How often the keeper checks that its socket is still in place (SocketInPlace).
 constexpr std::chrono::milliseconds kSocketCheckInterval{2000};
 
@@ -101,12 +103,14 @@ bool Keeper::PeerAllowed(uid_t uid) const {
                                          uid) != options_.allow_uids.end();
 }
 
-Status Keeper::Run(int signal_fd) {
+Status Keeper::Run(int signal_fd, int depositor_fd) {
   std::optional<Clock::time_point> accept_paused_until;
   Clock::time_point next_socket_check = started_ + kSocketCheckInterval;
+  // Watched until the deposit: the depositor's end closing first means it died or gave up.
+  const bool watching_depositor = depositor_fd >= 0;
   while (!dropped_) {
     Clock::time_point now = Clock::now();
-    if (!deposit_ && now - started_ >= options_.deposit_timeout) {
+    if (!deposit_ && !watching_depositor && now - started_ >= options_.deposit_timeout) {
       return Status(StatusCode::kTimeout,
                     "keeper " + options_.socket + ": no deposit arrived within " +
                         std::to_string(options_.deposit_timeout.count()) + " ms");
@@ -130,8 +134,8 @@ Status Keeper::Run(int signal_fd) {
       next_socket_check = now + kSocketCheckInterval;
     }
 
-    Clock::time_point wake =
-        deposit_ ? Clock::time_point::max() : started_ + options_.deposit_timeout;
+    Clock::time_point wake = deposit_ || watching_depositor ? Clock::time_point::max()
+                                                            : started_ + options_.deposit_timeout;
     for (const auto& c : connections_) wake = std::min(wake, c->deadline);
     if (accept_paused_until) wake = std::min(wake, *accept_paused_until);
     wake = std::min(wake, next_socket_check);
@@ -139,6 +143,7 @@ Status Keeper::Run(int signal_fd) {
     std::vector<pollfd> fds;
     fds.push_back({accept_paused_until ? -1 : listener_.get(), POLLIN, 0});
     fds.push_back({signal_fd, POLLIN, 0});
+    fds.push_back({deposit_ ? -1 : depositor_fd, POLLIN, 0});
     for (const auto& c : connections_) fds.push_back({c->fd.get(), POLLIN, 0});
     int timeout_ms = -1;
     if (wake != Clock::time_point::max()) {
@@ -158,10 +163,11 @@ Status Keeper::Run(int signal_fd) {
         return Status::Ok();
       }
     }
-    // Connections first (their indices are fixed until AcceptAll adds more).
+    // Connections first (their indices are fixed until AcceptAll adds more): a deposit that
+    // arrived with its depositor's end closing is taken, not lost.
     std::vector<Connection*> closing;
     for (size_t i = 0; i < connections_.size(); ++i) {
-      if (fds[2 + i].revents == 0) continue;
+      if (fds[kFirstConnection + i].revents == 0) continue;
       if (!OnReadable(*connections_[i]) || dropped_) closing.push_back(connections_[i].get());
       if (dropped_) break;
     }
@@ -169,6 +175,12 @@ Status Keeper::Run(int signal_fd) {
       return std::find(closing.begin(), closing.end(), c.get()) != closing.end();
     });
     if (dropped_) break;
+    if (!deposit_ && fds[2].revents != 0) {
+      // Only ever closed, never written: readable means EOF, or its error.
+      LOG_INFO << "keeper " << options_.socket
+               << ": its depositor exited or gave up before depositing; exiting";
+      return Status::Ok();
+    }
     if (fds[0].revents != 0) {
       AcceptAll();
       if (connections_.size() > options_.max_connections) {

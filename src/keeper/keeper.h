@@ -13,8 +13,9 @@
 //           freed once no daemon or client holds it either) or a SIGTERM/SIGINT/SIGHUP on the
 //           signalfd, or once its socket path no longer names its socket (checked every
 //           2 s: a removed runtime dir leaves it unreachable, so what it holds could never be
-//           adopted or dropped); kTimeout when no deposit arrived within deposit_timeout of
-//           Create.
+//           adopted or dropped), or once its depositor's pipe closed before a deposit
+//           arrived; kTimeout when no deposit arrived within deposit_timeout of Create (only
+//           without a depositor pipe).
 //   destroy unlinks the socket, then releases the lock.
 //
 // Contract:
@@ -69,7 +70,10 @@ class Keeper {
   Keeper& operator=(const Keeper&) = delete;
 
   // `signal_fd`: a signalfd for SIGTERM, SIGINT and SIGHUP (borrowed), or -1.
-  Status Run(int signal_fd);
+  // `depositor_fd`: the read end of a pipe whose write end only the depositor holds
+  // (borrowed), or -1. Given, it replaces deposit_timeout: the keeper waits for the deposit as
+  // long as the pipe is open, and returns OK once it closes with nothing deposited.
+  Status Run(int signal_fd, int depositor_fd = -1);
 
  private:
   struct Connection;

@@ -84,7 +84,7 @@ Result<pid_t> ParseReady(const std::string& text, const std::string& socket) {
 
 }  // namespace
 
-Result<pid_t> SpawnKeeper(const SpawnOptions& options) {
+Result<StartingKeeper> StartingKeeper::Start(const SpawnOptions& options, bool watch_depositor) {
   std::string program = options.program;
   if (program.empty()) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(program, os::SelfExecutable());
@@ -93,6 +93,14 @@ Result<pid_t> SpawnKeeper(const SpawnOptions& options) {
   if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return IoError("pipe2", errno);
   UniqueFd ready_read(pipe_fds[0]);
   UniqueFd ready_write(pipe_fds[1]);
+  // The depositor pipe: the keeper gets the read end, we keep the write end until the deposit.
+  UniqueFd depositor_read;
+  UniqueFd depositor_write;
+  if (watch_depositor) {
+    if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return IoError("pipe2", errno);
+    depositor_read = UniqueFd(pipe_fds[0]);
+    depositor_write = UniqueFd(pipe_fds[1]);
+  }
   UniqueFd dev_null(::open("/dev/null", O_RDWR | O_CLOEXEC));
   if (!dev_null) return IoError("open /dev/null", errno);
 
@@ -105,6 +113,10 @@ Result<pid_t> SpawnKeeper(const SpawnOptions& options) {
                                    std::to_string(options.deposit_timeout.count() / 1000.0),
                                    "--ready-fd",
                                    std::to_string(ready_write.get())};
+  if (watch_depositor) {
+    args.push_back("--depositor-fd");
+    args.push_back(std::to_string(depositor_read.get()));
+  }
   for (uid_t uid : options.allow_uids) {
     args.push_back("--allow-uid");
     args.push_back(std::to_string(uid));
@@ -120,6 +132,7 @@ Result<pid_t> SpawnKeeper(const SpawnOptions& options) {
   struct stat err_stat {};
   const bool stderr_kept = ::fstat(STDERR_FILENO, &err_stat) == 0 && !S_ISFIFO(err_stat.st_mode) &&
                            !S_ISSOCK(err_stat.st_mode);
+  const int inherited[] = {ready_write.get(), depositor_read.get()};
   pid_t first = ::fork();
   if (first < 0) return IoError("fork", errno);
   if (first == 0) {
@@ -134,36 +147,62 @@ Result<pid_t> SpawnKeeper(const SpawnOptions& options) {
     ::dup2(dev_null.get(), STDIN_FILENO);
     ::dup2(dev_null.get(), STDOUT_FILENO);
     if (!stderr_kept) ::dup2(dev_null.get(), STDERR_FILENO);
-    ::fcntl(ready_write.get(), F_SETFD, 0);  // the one fd the keeper inherits
+    for (int fd : inherited) {
+      if (fd >= 0) ::fcntl(fd, F_SETFD, 0);  // the only fds the keeper inherits
+    }
     ::execv(argv[0], argv.data());
     (void)!::write(ready_write.get(), kExecFailed.data(), kExecFailed.size());
     ::_exit(127);
   }
   ready_write.Reset();  // EOF on the pipe once the keeper closes its end
+  depositor_read.Reset();
   int wstatus = 0;
   while (::waitpid(first, &wstatus, 0) < 0 && errno == EINTR) {
   }
   if (!WIFEXITED(wstatus) || WEXITSTATUS(wstatus) != 0) {
     return IoError("starting the keeper (setsid or fork failed)", ECHILD);
   }
-  const os::Deadline deadline = os::Deadline::After(options.start_timeout);
+  return StartingKeeper(std::move(ready_read), std::move(depositor_write), options.socket,
+                        os::Deadline::After(options.start_timeout), options.start_timeout);
+}
+
+StartingKeeper::StartingKeeper(UniqueFd ready, UniqueFd depositor, std::string socket,
+                               os::Deadline deadline, std::chrono::milliseconds start_timeout)
+    : ready_(std::move(ready)),
+      depositor_(std::move(depositor)),
+      socket_(std::move(socket)),
+      deadline_(deadline),
+      start_timeout_(start_timeout) {}
+
+Result<pid_t> StartingKeeper::WaitReady() {
+  if (!ready_) return InternalError("keeper " + socket_ + ": its start was already read");
   std::string text;
   while (true) {
-    Status ready = os::WaitFor(ready_read.get(), POLLIN, deadline);
+    Status ready = os::WaitFor(ready_.get(), POLLIN, deadline_);
     if (!ready.ok()) {
-      return Status(StatusCode::kTimeout, "keeper for " + options.socket + " not ready within " +
-                                              std::to_string(options.start_timeout.count()) +
-                                              " ms");
+      return Status(StatusCode::kTimeout, "keeper for " + socket_ + " not ready within " +
+                                              std::to_string(start_timeout_.count()) + " ms");
     }
     char buf[512];
-    ssize_t n = ::read(ready_read.get(), buf, sizeof(buf));
+    ssize_t n = ::read(ready_.get(), buf, sizeof(buf));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return IoError("reading the keeper's ready pipe", errno);
     if (n == 0) break;
     text.append(buf, static_cast<size_t>(n));
     if (text.size() > 4096) break;
   }
-  return ParseReady(text, options.socket);
+  ready_.Reset();
+  return ParseReady(text, socket_);
+}
+
+Result<StartingKeeper> StartKeeper(const SpawnOptions& options) {
+  return StartingKeeper::Start(options, /*watch_depositor=*/true);
+}
+
+Result<pid_t> SpawnKeeper(const SpawnOptions& options) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(StartingKeeper starting,
+                               StartingKeeper::Start(options, /*watch_depositor=*/false));
+  return starting.WaitReady();
 }
 
 Status DepositToKeeper(const std::string& socket, const protocol::DepositInfo& info,

@@ -8,17 +8,19 @@
 //    there. A keeper whose lock is free is stale (it died; its socket is a leftover) and is
 //    treated exactly like an absent one: TryWithdraw and QueryKeeper return std::nullopt,
 //    DropKeeper kNoDaemon. They never connect to a stale socket.
-//  * SpawnKeeper starts `<program> keeper ...` detached: a double fork with setsid in between,
+//  * StartKeeper and SpawnKeeper start `<program> keeper ...` detached: a double fork with setsid
+//  in between,
 //    so the keeper is not our child (init or the nearest subreaper reaps it), leads no
 //    terminal session, has no PDEATHSIG, starts with every signal unblocked and stdin/stdout
 //    on /dev/null. Its stderr is ours, for its few log lines, when ours is a file or a
 //    terminal; a pipe or socket is replaced by /dev/null (a keeper that outlives us must not
-//    hold the pipe a supervisor reads our output from: it would never see EOF). It returns once the
-//    keeper has published its socket (it says so on a pipe), with the keeper's pid, or the keeper's
-//    own start error (a live keeper for the same cache: kAlreadyServed naming its pid).
+//    hold the pipe a supervisor reads our output from: it would never see EOF). SpawnKeeper
+//    (and StartingKeeper::WaitReady) returns once the keeper has published its socket (it says
+//    so on a pipe), with the keeper's pid, or the keeper's own start error (a live keeper for
+//    the same cache: kAlreadyServed naming its pid).
 //  * Refusals arrive as the keeper's Error: the Status of its code, message "keeper: <why>".
 //  * Every call runs under one timeout. Fds passed in are borrowed; fds returned are owned.
-//  * Thread-safe: no shared state (SpawnKeeper forks; only async-signal-safe calls run between
+//  * Thread-safe: no shared state (StartKeeper forks; only async-signal-safe calls run between
 //    fork and exec, so it is safe in a threaded daemon).
 #pragma once
 
@@ -30,6 +32,8 @@
 #include <string>
 #include <vector>
 
+#include "common/unique_fd.h"
+#include "os/syscalls.h"
 #include "protocol/handoff.h"
 #include "weightcache/status.h"
 
@@ -47,7 +51,42 @@ struct SpawnOptions {
   std::chrono::milliseconds deposit_timeout{60'000};
   std::chrono::milliseconds start_timeout{10'000};
 };
-// The keeper's pid.
+
+// A keeper being started (StartKeeper): forked and exec'ing, its ready line not read yet. It
+// holds the write end of the keeper's depositor pipe (`--depositor-fd`): a keeper whose
+// depositor pipe closes before a deposit arrived exits, so a daemon that dies or gives up
+// between the start and the deposit leaves no keeper behind, however long its load takes (the
+// deposit timeout does not apply). Keep it until the deposit's reply came back: destroying it
+// earlier abandons the keeper. Move-only; not thread-safe.
+class StartingKeeper {
+ public:
+  StartingKeeper(StartingKeeper&&) noexcept = default;
+  StartingKeeper& operator=(StartingKeeper&&) noexcept = default;
+  // Blocks until the keeper reported its start (bounded by SpawnOptions::start_timeout,
+  // counted from StartKeeper): its pid, or its own start error as SpawnKeeper's. Once only.
+  Result<pid_t> WaitReady();
+
+ private:
+  friend Result<StartingKeeper> StartKeeper(const SpawnOptions& options);
+  friend Result<pid_t> SpawnKeeper(const SpawnOptions& options);
+  // The fork and exec; with `watch_depositor` the keeper gets --depositor-fd.
+  static Result<StartingKeeper> Start(const SpawnOptions& options, bool watch_depositor);
+  StartingKeeper(UniqueFd ready, UniqueFd depositor, std::string socket, os::Deadline deadline,
+                 std::chrono::milliseconds start_timeout);
+  UniqueFd ready_;      // the keeper's ready pipe (read end)
+  UniqueFd depositor_;  // the depositor pipe's write end; -1 for SpawnKeeper's keepers
+  std::string socket_;
+  os::Deadline deadline_;
+  std::chrono::milliseconds start_timeout_;
+};
+
+// Starts a keeper that watches its depositor (this process, through the StartingKeeper), and
+// returns without waiting for it: a daemon starts it when its load starts, so that the
+// keeper's fork, exec and start overlap the load, and only the deposit is left at ready.
+Result<StartingKeeper> StartKeeper(const SpawnOptions& options);
+
+// Starts a keeper and waits for its start; it waits for its deposit up to
+// SpawnOptions::deposit_timeout, whoever makes it. The keeper's pid.
 Result<pid_t> SpawnKeeper(const SpawnOptions& options);
 
 // Hands a ready cache to the keeper: `manifest_fd` (the sealed manifest memfd) and one fd per

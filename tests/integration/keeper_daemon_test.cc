@@ -19,6 +19,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
@@ -253,11 +254,28 @@ TEST_F(KeeperDaemonTest, KilledWhileLoadingLeavesNothingToAdoptAndTheRestartLoad
   auto loading = QueryStatus(sockets[0]);
   ASSERT_TRUE(loading.ok());
   EXPECT_EQ(loading->state, CacheState::kLoading);
+  // The keeper started with the load (its exec may still be under way) and waits for its
+  // deposit.
+  const keeper::KeeperPaths kept = KeeperOf(sockets[0]);
+  const auto started_by = std::chrono::steady_clock::now() + kTimeout;
+  while (!os::IsLockHeld(kept.lock) && std::chrono::steady_clock::now() < started_by) {
+    std::this_thread::sleep_for(5ms);
+  }
+  auto waiting = keeper::QueryKeeper(kept, kTimeout);
+  ASSERT_TRUE(waiting.ok()) << waiting.status().ToString();
+  ASSERT_TRUE(waiting->has_value()) << first->Log();
+  EXPECT_EQ((*waiting)->state, protocol::KeeperState::kWaiting);
   ASSERT_TRUE(first->Signal(SIGKILL).ok());
   ASSERT_EQ(first->WaitExit(kTimeout), 128 + SIGKILL);
   writer.Reset();
-  // Nothing was deposited: no keeper was even started.
-  auto held = keeper::QueryKeeper(KeeperOf(sockets[0]), kTimeout);
+  // Nothing was deposited, and the keeper left with its depositor (its pipe closed): nothing
+  // holds or waits for this cache.
+  const auto deadline = std::chrono::steady_clock::now() + kTimeout;
+  while (os::IsLockHeld(kept.lock) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_FALSE(os::IsLockHeld(kept.lock)) << "the keeper outlived a daemon killed mid-load";
+  auto held = keeper::QueryKeeper(kept, kTimeout);
   ASSERT_TRUE(held.ok());
   EXPECT_FALSE(held->has_value());
 

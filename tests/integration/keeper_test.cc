@@ -353,6 +353,79 @@ TEST_F(KeeperTest, AKeeperWithoutADepositExitsAfterItsTimeout) {
   EXPECT_FALSE(query->has_value());
 }
 
+// StartKeeper's keeper (a daemon starts it with its load) watches its depositor instead of a
+// timeout: it waits as long as the depositor holds its pipe, and exits once the pipe closes
+// with nothing deposited.
+TEST_F(KeeperTest, AKeeperStartedForALoadExitsWhenItsDepositorGivesUpFirst) {
+  auto starting = StartKeeper(Spawn(std::chrono::milliseconds(200)));
+  ASSERT_TRUE(starting.ok()) << starting.status().ToString();
+  auto pid = starting->WaitReady();
+  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  KeeperProcess keeper(*pid);
+  ASSERT_TRUE(keeper.watched());
+  // Past its 200 ms deposit timeout, still waiting: the pipe is open.
+  EXPECT_FALSE(keeper.Exited(std::chrono::milliseconds(600)));
+  auto query = QueryKeeper(paths_, kTimeout);
+  ASSERT_TRUE(query.ok()) << query.status().ToString();
+  ASSERT_TRUE(query->has_value());
+  EXPECT_EQ((*query)->state, protocol::KeeperState::kWaiting);
+  EXPECT_EQ((*query)->keeper_pid, *pid);
+
+  { StartingKeeper gone = std::move(starting).value(); }  // the depositor gives up
+  ASSERT_TRUE(keeper.Exited(kTimeout));
+  EXPECT_FALSE(os::IsLockHeld(paths_.lock));
+  struct stat st {};
+  EXPECT_NE(::lstat(paths_.socket.c_str(), &st), 0);
+}
+
+TEST_F(KeeperTest, AKeeperStartedForALoadHoldsTheDepositOnceItsDepositorIsGone) {
+  const std::vector<uint64_t> sizes = {8192, 4096 * 3};
+  auto starting = StartKeeper(Spawn(std::chrono::milliseconds(200)));
+  ASSERT_TRUE(starting.ok()) << starting.status().ToString();
+  auto pid = starting->WaitReady();
+  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  KeeperProcess keeper(*pid);
+  auto cache = MakeSealedCache(sizes, 5);
+  ASSERT_TRUE(cache.ok()) << cache.status().ToString();
+  ASSERT_TRUE(Deposit(*cache).ok());
+  { StartingKeeper gone = std::move(starting).value(); }  // the pipe closes after the deposit
+  EXPECT_FALSE(keeper.Exited(std::chrono::milliseconds(300)));
+  ExpectHolds(sizes, 5);
+  // Its start is read once; a second read says so instead of blocking.
+  StartingKeeper again = std::move(StartKeeper(Spawn()).value());
+  auto second = again.WaitReady();
+  ExpectError(second.status(), StatusCode::kAlreadyServed,
+              "another keeper (pid " + std::to_string(*pid) + ") already holds this cache's lock " +
+                  paths_.lock);
+  ExpectError(again.WaitReady().status(), StatusCode::kInternal,
+              "keeper " + paths_.socket + ": its start was already read");
+}
+
+// A keeper given something other than a pipe as its depositor refuses to start, and says so
+// on its ready pipe.
+TEST_F(KeeperTest, ADepositorFdThatIsNotAPipeIsRefusedAtStart) {
+  int ready[2];
+  ASSERT_EQ(::pipe2(ready, 0), 0);
+  UniqueFd ready_read(ready[0]), ready_write(ready[1]);
+  const std::string file = dir_.Join("not-a-pipe");
+  UniqueFd regular(::open(file.c_str(), O_RDWR | O_CREAT, 0600));
+  ASSERT_TRUE(regular.valid());
+  ::fcntl(regular.get(), F_SETFD, 0);
+  const std::string cmd = CliPath() + " keeper --socket " + paths_.socket + " --ready-fd " +
+                          std::to_string(ready_write.get()) + " --depositor-fd " +
+                          std::to_string(regular.get()) + " 2>/dev/null";
+  const int rc = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(rc));
+  EXPECT_EQ(WEXITSTATUS(rc), 2);
+  ready_write.Reset();
+  std::string said;
+  char buf[256];
+  for (ssize_t n; (n = ::read(ready_read.get(), buf, sizeof(buf))) > 0;) said.append(buf, n);
+  EXPECT_EQ(said, std::to_string(static_cast<uint32_t>(StatusCode::kInvalidArgument)) +
+                      " --depositor-fd " + std::to_string(regular.get()) +
+                      " is not an open pipe\n");
+  EXPECT_FALSE(os::IsLockHeld(paths_.lock));
+}
 // A keeper socket whose lock is free is a dead keeper's leftover: absent for every reader,
 // never connected to, and replaced by the next keeper.
 TEST_F(KeeperTest, AStaleKeeperSocketIsTreatedAsAbsent) {
