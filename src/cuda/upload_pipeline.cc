@@ -234,6 +234,144 @@ class ChunkLayout {
   std::vector<uint64_t> hashes_;
 };
 
+// Step 3b: the staging ring, made while the upload runs. Populating and pinning 16 x 32 MiB
+// took 150-330 ms on an H200 (more with four daemons loading at once), all of it before the
+// first read when the ring was made up front; now up to 8 maker threads make the slots in slot
+// order while the readers already fill the ones made first. A ring made by an earlier Run() is
+// adopted whole. Any slot that cannot be made fails the ring: every later Wait() returns that
+// error (so the readers stop), the makers start no further slot, and Finish() returns it.
+class StagingRing {
+ public:
+  StagingRing(const DriverApi* api, CUcontext context, size_t slots, size_t bytes,
+              std::vector<PinnedHostBuffer> made)
+      : api_(api), context_(context), bytes_(bytes), slots_(slots) {
+    if (made.size() != slots) return;
+    MutexLock lock(mu_);
+    for (PinnedHostBuffer& b : made) data_.push_back(b.data());
+    ready_ = slots;
+    made_ = std::move(made);
+  }
+  StagingRing(const StagingRing&) = delete;
+  StagingRing& operator=(const StagingRing&) = delete;
+  ~StagingRing() { static_cast<void>(Finish()); }
+
+  size_t size() const { return slots_; }
+
+  // Starts the makers of a ring not adopted whole, and returns once each has made its
+  // thread's CUDA context current (or failed to): a failure there is the ring's before any
+  // reader can Wait, so no copy is issued from a ring that failed at its start.
+  void StartMaking() {
+    {
+      MutexLock lock(mu_);
+      if (ready_ == slots_) return;
+      made_slots_.clear();
+      made_slots_.resize(slots_);
+      data_.assign(slots_, nullptr);
+      started_at_ = std::chrono::steady_clock::now();
+    }
+    const size_t workers = std::min<size_t>(slots_, 8);
+    for (size_t t = 0; t < workers; ++t) {
+      makers_.emplace_back([this, t, workers] { Make(t, workers); });
+    }
+    MutexLock lock(mu_);
+    while (contexts_set_ < workers) cv_.Wait(mu_);
+  }
+
+  // Blocks until slot `slot` is made: its memory, or the ring's error.
+  Result<std::byte*> Wait(size_t slot) {
+    MutexLock lock(mu_);
+    while (error_.ok() && data_[slot] == nullptr) cv_.Wait(mu_);
+    if (!error_.ok()) return error_;
+    return data_[slot];
+  }
+
+  // Stops the making (a slot being made is finished), joins the makers, and returns the ring
+  // when every slot was made (the pipeline keeps it for its next Run), else the error. Only
+  // once no copy reads the ring any more (after UploadRun::Drain).
+  Result<std::vector<PinnedHostBuffer>> Finish() {
+    {
+      MutexLock lock(mu_);
+      stop_ = true;
+    }
+    for (std::thread& t : makers_) t.join();
+    makers_.clear();
+    MutexLock lock(mu_);
+    if (!error_.ok()) return error_;
+    if (!made_.empty()) return std::move(made_);
+    std::vector<PinnedHostBuffer> out;
+    for (auto& slot : made_slots_) {
+      if (!slot) return InternalError("staging ring finished before every slot was made");
+      out.push_back(std::move(*slot));
+    }
+    made_slots_.clear();
+    return out;
+  }
+
+  // From StartMaking to the last slot made (0 for an adopted ring).
+  double seconds() const {
+    MutexLock lock(mu_);
+    return seconds_;
+  }
+
+ private:
+  // Maker `t` of `workers`: slots t, t + workers, ...
+  void Make(size_t t, size_t workers) {
+    // cuMemHostRegister needs a current context on the calling thread.
+    const CUresult rc = api_->cuCtxSetCurrent(context_);
+    {
+      MutexLock lock(mu_);
+      if (rc != CUDA_SUCCESS) {
+        FailLocked(DriverError(api_, rc, "cuCtxSetCurrent on a staging-allocation thread"));
+      }
+      ++contexts_set_;
+    }
+    cv_.NotifyAll();
+    if (rc != CUDA_SUCCESS) return;
+    for (size_t i = t; i < slots_; i += workers) {
+      {
+        MutexLock lock(mu_);
+        if (stop_ || !error_.ok()) return;
+      }
+      Result<PinnedHostBuffer> made = PinnedHostBuffer::Create(api_, bytes_);
+      {
+        MutexLock lock(mu_);
+        if (!made.ok()) {
+          FailLocked(made.status());
+        } else {
+          data_[i] = made->data();
+          made_slots_[i].emplace(std::move(made).value());
+          if (++ready_ == slots_) {
+            seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_at_)
+                           .count();
+          }
+        }
+      }
+      cv_.NotifyAll();
+    }
+  }
+
+  void FailLocked(Status s) WEIGHTCACHE_REQUIRES(mu_) {
+    if (error_.ok()) error_ = std::move(s);
+  }
+
+  const DriverApi* const api_;
+  const CUcontext context_;
+  const size_t bytes_;
+  const size_t slots_;
+  std::vector<std::thread> makers_;     // the StartMaking thread's only
+  std::vector<PinnedHostBuffer> made_;  // an adopted ring
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::vector<std::optional<PinnedHostBuffer>> made_slots_ WEIGHTCACHE_GUARDED_BY(mu_);
+  std::vector<std::byte*> data_ WEIGHTCACHE_GUARDED_BY(mu_);  // null until made
+  size_t ready_ WEIGHTCACHE_GUARDED_BY(mu_) = 0;
+  size_t contexts_set_ WEIGHTCACHE_GUARDED_BY(mu_) = 0;
+  bool stop_ WEIGHTCACHE_GUARDED_BY(mu_) = false;
+  Status error_ WEIGHTCACHE_GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point started_at_ WEIGHTCACHE_GUARDED_BY(mu_);
+  double seconds_ WEIGHTCACHE_GUARDED_BY(mu_) = 0;
+};
+
 // Steps 4 to 6: the threads and shared state of one Run(). Staging buffer slot b % N carries
 // batch b; a batch may refill its slot once the slot's previous batch is done on the host (read,
 // copies issued, hashed) and its copies have completed on the device (its event).
@@ -242,7 +380,7 @@ class UploadRun {
   struct Resources {
     const DriverApi* api;
     CUcontext context;
-    std::span<const PinnedHostBuffer> buffers;
+    StagingRing* ring;
     std::span<const CudaStream> streams;
     std::span<const CudaEvent> events;  // one per buffer
   };
@@ -259,7 +397,7 @@ class UploadRun {
         chunks_(chunks),
         control_(control),
         total_(total),
-        slot_fills_(r.buffers.size(), 0) {}
+        slot_fills_(r.ring->size(), 0) {}
 
   // Step 4: runs `readers` reader threads and, when `chunks` was given, `hashers` hasher
   // threads, until every batch is done or one of them fails. The first error is kept for Drain.
@@ -297,7 +435,7 @@ class UploadRun {
 
   // Step 6: progress for the batches whose completion no later batch observed.
   void ReportTail() {
-    const size_t n = r_.buffers.size();
+    const size_t n = r_.ring->size();
     const size_t tail_start = batches_.size() > n ? batches_.size() - n : 0;
     for (size_t b = tail_start; b < batches_.size(); ++b) ReportProgress(batches_[b].bytes);
     if (batches_.empty() && control_.progress) control_.progress(0, 0);
@@ -316,9 +454,11 @@ class UploadRun {
       if (control_.cancel != nullptr && control_.cancel->load()) {
         return Fail(Status(StatusCode::kUnavailable, "upload cancelled"));
       }
-      const size_t slot = b % r_.buffers.size();
+      const size_t slot = b % r_.ring->size();
       if (!WaitForSlot(b, slot)) return;
-      std::byte* buf = r_.buffers[slot].data();
+      Result<std::byte*> made = r_.ring->Wait(slot);  // at once, unless the ring is being made
+      if (!made.ok()) return Fail(made.status());
+      std::byte* buf = *made;
       if (Status s = ReadBatch(batches_[b], buf, stage); !s.ok()) return Fail(std::move(s));
       if (Status s = IssueCopies(b, slot, buf); !s.ok()) return Fail(std::move(s));
       HandOff(b, slot);
@@ -329,7 +469,7 @@ class UploadRun {
   // its event, and its copies done on the device before the buffer is refilled. False when the
   // run stopped meanwhile (an error is recorded through Fail).
   bool WaitForSlot(size_t b, size_t slot) {
-    const size_t n = r_.buffers.size();
+    const size_t n = r_.ring->size();
     {
       MutexLock lock(mu_);
       while (!stop_.load() && slot_fills_[slot] != b / n) cv_.Wait(mu_);
@@ -448,8 +588,10 @@ class UploadRun {
         b = hash_queue_.front();
         hash_queue_.pop_front();
       }
-      const size_t slot = b % r_.buffers.size();
-      const std::byte* buf = r_.buffers[slot].data();
+      const size_t slot = b % r_.ring->size();
+      Result<std::byte*> made = r_.ring->Wait(slot);  // made: a reader filled it
+      if (!made.ok()) return Fail(made.status());
+      const std::byte* buf = *made;
       for (const Segment& seg : batches_[b].segments) {
         HashChunks(buf + seg.buf_offset, seg.length, chunks_->SegmentHashes(seg));
       }
@@ -538,45 +680,6 @@ Result<UploadPipeline> UploadPipeline::Create(const DriverApi* api, const Upload
   return p;
 }
 
-Status UploadPipeline::EnsureStaging() {
-  if (!buffers_.empty()) return Status::Ok();
-  // The buffers are populated in parallel (the kernel zeroes their pages), then pinned.
-  const auto n = static_cast<size_t>(options_.staging_buffers);
-  std::vector<std::optional<Result<PinnedHostBuffer>>> made(n);
-  {
-    std::vector<std::thread> threads;
-    const size_t workers = std::min<size_t>(n, 8);
-    for (size_t t = 0; t < workers; ++t) {
-      threads.emplace_back([&, t] {
-        // cuMemHostRegister needs a current context on the calling thread.
-        const CUresult rc = api_->cuCtxSetCurrent(context_);
-        for (size_t i = t; i < n; i += workers) {
-          if (rc != CUDA_SUCCESS) {
-            made[i].emplace(
-                DriverError(api_, rc, "cuCtxSetCurrent on a staging-allocation thread"));
-          } else {
-            made[i].emplace(PinnedHostBuffer::Create(api_, options_.staging_buffer_bytes));
-          }
-        }
-      });
-    }
-    for (std::thread& t : threads) t.join();
-  }
-  std::vector<PinnedHostBuffer> buffers;
-  std::vector<CudaEvent> events;
-  for (auto& b : made) {
-    if (!b->ok()) return b->status();  // every buffer made is released with `made`
-    buffers.push_back(std::move(*b).value());
-  }
-  for (size_t i = 0; i < n; ++i) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create(api_));
-    events.push_back(std::move(e));
-  }
-  buffers_ = std::move(buffers);
-  events_ = std::move(events);
-  return Status::Ok();
-}
-
 const char* ReadModeName(ReadMode mode) {
   switch (mode) {
     case ReadMode::kBuffered:
@@ -619,12 +722,7 @@ Result<UploadReport> UploadPipeline::Run(std::span<const UploadSource> sources,
     report.path = ReadMode::kMapped;
     return report;
   }
-  const auto staging_start = std::chrono::steady_clock::now();
-  WEIGHTCACHE_RETURN_IF_ERROR(EnsureStaging());
-  const double staging_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - staging_start).count();
   WEIGHTCACHE_ASSIGN_OR_RETURN(UploadReport report, RunStaged(sources, items, control, total));
-  report.staging_seconds = staging_seconds;
   if (options_.checksums == ChecksumMode::kDevice) {
     const auto t0 = std::chrono::steady_clock::now();
     WEIGHTCACHE_ASSIGN_OR_RETURN(report.checksums,
@@ -647,11 +745,38 @@ Result<UploadReport> UploadPipeline::RunStaged(std::span<const UploadSource> sou
   const bool checksums = options_.checksums == ChecksumMode::kCompute;  // host hashers
   ChunkLayout chunks(items, checksums);
 
-  UploadRun run({api_, context_, buffers_, streams_, events_}, sources, items, batches, direct_fds,
-                checksums ? &chunks : nullptr, control, total);
+  // The ring's events first (cheap), then its slots, made while the readers run (StagingRing):
+  // as many as the batches use, up to staging_buffers (each slot is then filled at least once,
+  // so a successful run has made them all; none without batches); an earlier run's ring is
+  // reused when it has enough.
+  const size_t wanted = std::min(batches.size(), static_cast<size_t>(options_.staging_buffers));
+  const size_t n = buffers_.size() >= wanted ? buffers_.size() : wanted;
+  for (size_t i = events_.size(); i < n; ++i) {
+    auto e = CudaEvent::Create(api_);
+    if (!e.ok()) {
+      events_.clear();  // nothing of the ring is kept after a failed Run
+      return e.status();
+    }
+    events_.push_back(std::move(e).value());
+  }
+  StagingRing ring(api_, context_, n, options_.staging_buffer_bytes, std::move(buffers_));
+  buffers_.clear();
+  ring.StartMaking();
+
+  UploadRun run({api_, context_, &ring, streams_, std::span(events_).first(n)}, sources, items,
+                batches, direct_fds, checksums ? &chunks : nullptr, control, total);
   run.Stage(static_cast<size_t>(options_.reader_threads),
             static_cast<size_t>(options_.checksum_threads));
-  WEIGHTCACHE_RETURN_IF_ERROR(run.Drain());
+  Status drained = run.Drain();
+  // No copy reads the ring any more: the ring is kept whole for the next Run, or not at all.
+  Result<std::vector<PinnedHostBuffer>> made = ring.Finish();
+  if (made.ok()) {
+    buffers_ = std::move(made).value();
+  } else {
+    events_.clear();
+  }
+  WEIGHTCACHE_RETURN_IF_ERROR(drained);
+  WEIGHTCACHE_RETURN_IF_ERROR(made.status());
   run.ReportTail();
 
   UploadReport report;
@@ -659,6 +784,7 @@ Result<UploadReport> UploadPipeline::RunStaged(std::span<const UploadSource> sou
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   report.gb_per_s = report.seconds > 0 ? static_cast<double>(total) / report.seconds / 1e9 : 0;
   report.staging_fills = batches.size();
+  report.staging_seconds = ring.seconds();
   report.direct_sources = static_cast<size_t>(std::count_if(
       direct_fds.begin(), direct_fds.end(), [](const UniqueFd& fd) { return fd.valid(); }));
   report.path = report.direct_sources > 0 ? ReadMode::kDirect : ReadMode::kBuffered;

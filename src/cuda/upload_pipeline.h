@@ -126,8 +126,8 @@ struct UploadReport {
   // Per item, TensorChecksum of its bytes; empty with ChecksumMode::kNone.
   std::vector<uint64_t> checksums;
   size_t staging_fills = 0;  // buffers filled (batches)
-  // Allocating the staging ring inside Run() (0 once it exists: a pipeline run again); not
-  // part of `seconds`, which runs from the first read.
+  // Making the staging ring inside Run() (0 once it exists: a pipeline run again), from its
+  // start to its last buffer: it overlaps the first reads, and is part of `seconds`.
   double staging_seconds = 0;
   double checksum_seconds = 0;          // of `seconds`: the device checksum kernel (kDevice)
   size_t direct_sources = 0;            // sources read with O_DIRECT
@@ -153,9 +153,6 @@ class UploadPipeline {
   UploadPipeline(const DriverApi* api, CUcontext context, const UploadOptions& options)
       : api_(api), context_(context), options_(options) {}
 
-  // The staging ring and its events, on the first Run() that reads through them (a pipeline
-  // that only takes the mapped path never pins them).
-  Status EnsureStaging();
   Result<UploadReport> RunStaged(std::span<const UploadSource> sources,
                                  std::span<const UploadItem> items, const UploadControl& control,
                                  uint64_t total);
@@ -163,7 +160,9 @@ class UploadPipeline {
   const DriverApi* api_;
   CUcontext context_;
   UploadOptions options_;
-  // Acquisition order; destroyed in reverse, after Run() has drained every stream.
+  // Acquisition order; destroyed in reverse, after Run() has drained every stream. The staging
+  // ring and its events are made by the first Run() that reads through them (a pipeline that
+  // only takes the mapped path never pins them), and kept only when that Run made it whole.
   std::vector<PinnedHostBuffer> buffers_;
   std::vector<CudaStream> streams_;
   std::vector<CudaEvent> events_;  // one per staging buffer

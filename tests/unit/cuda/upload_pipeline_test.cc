@@ -9,8 +9,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <random>
 #include <vector>
 
@@ -406,8 +409,8 @@ TEST_F(UploadPipelineTest, DrainFailureIsReportedAfterEveryStreamIsSynchronized)
 // The staging ring is allocated by the first Run() that reads through it; a failure there
 // releases what was allocated and leaves the pipeline usable.
 TEST_F(UploadPipelineTest, StagingAllocationFailureReleasesWhatWasAllocated) {
-  const size_t a = AddFile("a.bin", 4 * kChunk, 31);
-  AddItem(a, 0, 4 * kChunk);
+  const size_t a = AddFile("a.bin", 8 * kChunk, 31);
+  AddItem(a, 0, 8 * kChunk);  // 4 fills: the ring's 3 slots are all made
   {
     auto p = UploadPipeline::Create(fake_.api(), SmallRing());
     ASSERT_TRUE(p.ok()) << p.status().ToString();
@@ -497,6 +500,39 @@ TEST_F(UploadPipelineTest, RejectsBadOptionsAndItems) {
               std::string::npos)
         << r.status().message();
   }
+}
+
+// The staging ring is made while the readers run: the first copy is issued while the ring's
+// other buffers are still being pinned (their cuMemHostRegister is held back until a copy was
+// seen, at most 10 s: a ring made up front would sit out that wait with no copy).
+TEST_F(UploadPipelineTest, TheFirstCopiesRunWhileTheRestOfTheStagingRingIsBeingMade) {
+  const size_t a = AddFile("a.bin", 12 * kChunk, 19);
+  AddItem(a, 0, 12 * kChunk);  // 6 fills of a 3-slot ring
+  std::mutex mu;
+  std::condition_variable cv;
+  bool copied = false;
+  int registered = 0;
+  int waited_out = 0;  // registrations released by the timeout, not by a copy
+  fake_.BeforeCall("cuMemcpyHtoDAsync", [&] {
+    std::lock_guard lock(mu);
+    copied = true;
+    cv.notify_all();
+  });
+  fake_.BeforeCall("cuMemHostRegister", [&] {
+    std::unique_lock lock(mu);
+    if (++registered == 1) return;  // the first slot is made at once
+    if (!cv.wait_for(lock, std::chrono::seconds(10), [&] { return copied; })) ++waited_out;
+  });
+  {
+    auto report = Run(SmallRing());
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    ExpectDeviceMatchesFiles();
+    EXPECT_EQ(report->staging_fills, 6u);
+  }
+  std::lock_guard lock(mu);
+  EXPECT_EQ(registered, 3);
+  EXPECT_EQ(waited_out, 0) << "no copy was issued before the whole ring was pinned";
+  ExpectAllReleased();
 }
 
 TEST_F(UploadPipelineTest, NothingToDoReportsZero) {

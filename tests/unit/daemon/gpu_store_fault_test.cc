@@ -223,9 +223,11 @@ TEST_F(GpuStoreFaultTest, ALoadGivenLeftoversKeepsItsTeardownThereUntilReleased)
     EXPECT_GT(fake.live_mappings(), 0);
     EXPECT_GT(fake.live_reservations(), 0);
     EXPECT_GT(fake.live_handles(), 0);
-    EXPECT_EQ(fake.live_host_registrations(), 4);  // 2 staging buffers per reader
+    // The staging ring has as many buffers as the load fills, up to 2 per reader: this small
+    // checkpoint is one fill.
+    EXPECT_EQ(fake.live_host_registrations(), 1);
     EXPECT_EQ(fake.live_streams(), 4);
-    EXPECT_EQ(fake.live_events(), 4);
+    EXPECT_EQ(fake.live_events(), 1);
     leftovers.Release();
     EXPECT_TRUE(leftovers.empty());
     // Only the store's fds are left: one per allocation, nothing in the driver's books.
