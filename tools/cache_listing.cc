@@ -195,6 +195,7 @@ DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir) {
   const std::string& spec = host ? config->host_budget : config->gpu_budget;
   if (!has_ledger && spec.empty()) return std::nullopt;
   DeviceBudget view;
+  std::optional<uint64_t> flagged;  // the smallest budget a live cache of the tier was given
   if (has_ledger) {
     auto ledger = daemon::BudgetLedger(dir).ReadOnly();
     if (!ledger.ok()) {
@@ -202,10 +203,21 @@ DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir) {
       return std::nullopt;
     }
     view.used_bytes = ledger->BytesOn(tier);
+    for (const daemon::LedgerEntry& e : ledger->entries) {
+      if (e.tier != tier || e.budget == 0) continue;
+      flagged = flagged ? std::min(*flagged, e.budget) : e.budget;
+    }
   }
   if (auto bytes = daemon::ParseByteSize(spec); !spec.empty() && bytes.ok()) {
     view.budget_bytes = *bytes;
-    view.free_bytes = *bytes > view.used_bytes ? *bytes - view.used_bytes : 0;
+    view.budget_source = "budget.conf";
+  } else if (spec.empty() && flagged) {
+    view.budget_bytes = *flagged;
+    view.budget_source = "serve flag";
+  }
+  if (view.budget_bytes) {
+    view.free_bytes =
+        *view.budget_bytes > view.used_bytes ? *view.budget_bytes - view.used_bytes : 0;
   }
   return view;
 }
@@ -215,8 +227,9 @@ std::string FormatDeviceBudget(const DeviceBudgetView& view) {
     return v ? daemon::FormatBytes(*v) : std::string("-");
   };
   if (!view) return "budget -, used -, free -";
-  return "budget " + bytes(view->budget_bytes) + ", used " + daemon::FormatBytes(view->used_bytes) +
-         ", free " + bytes(view->free_bytes);
+  const std::string source = view->budget_source == "serve flag" ? " (serve flag)" : "";
+  return "budget " + bytes(view->budget_bytes) + source + ", used " +
+         daemon::FormatBytes(view->used_bytes) + ", free " + bytes(view->free_bytes);
 }
 
 }  // namespace weightcache::cli

@@ -50,6 +50,10 @@ Result<CacheListing> ListCaches(const ListOptions& options);
 // memory, or one given only by `serve --gpu-budget`, is not known here: null).
 struct DeviceBudget {
   std::optional<uint64_t> budget_bytes;
+  // Where budget_bytes comes from: "budget.conf", or "serve flag" (no budget.conf entry for
+  // the tier: the smallest budget a live cache of the tier was admitted under, its
+  // --gpu-budget or --host-budget); "" when unknown.
+  std::string budget_source;
   uint64_t used_bytes = 0;
   std::optional<uint64_t> free_bytes;  // budget - used, when the budget is known
 };
@@ -60,8 +64,9 @@ using DeviceBudgetView = std::optional<DeviceBudget>;
 // (a corrupt ledger is logged once, naming the file).
 DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir);
 
-// "budget 40.00 GiB, used 16.00 GiB, free 24.00 GiB" ("-" for what is not known): the budget
-// line of a device in `status` and `ls`.
+// "budget 40.00 GiB, used 16.00 GiB, free 24.00 GiB" ("-" for what is not known; "budget
+// 40.00 GiB (serve flag), …" when it comes from the caches' flags): the budget line of a device
+// in `status` and `ls`.
 std::string FormatDeviceBudget(const DeviceBudgetView& view);
 
 }  // namespace weightcache::cli

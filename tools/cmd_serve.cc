@@ -399,6 +399,7 @@ Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
           daemon::LedgerEntry self,
           daemon::SelfEntry(socket, mine->bytes, daemon::BudgetTier::kGpu, pinned));
       self.last_used_ms = daemon::NowUnixMs();
+      self.budget = budget;
       return daemon::AdmitEvicting(ledger, self, budget, EvictVictim,
                                    std::chrono::steady_clock::now() + kEvictionTimeout);
     };
@@ -476,6 +477,7 @@ Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(const ServeArgs& 
       daemon::LedgerEntry self,
       daemon::SelfEntry(id.paths.socket, ckpt.total_bytes(), tier, args.pin));
   self.last_used_ms = daemon::NowUnixMs();
+  self.budget = *budget;  // what `status` shows when budget.conf gives none
   auto ledger = std::make_unique<daemon::BudgetLedger>(id.paths.device_dir);
   WEIGHTCACHE_RETURN_IF_ERROR(AdmitOrWait(args, *ledger, self, *budget, EvictVictim, signal_fd));
   LOG_INFO << "admitted under the " << daemon::BudgetTierName(tier) << " budget of "

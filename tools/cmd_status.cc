@@ -83,6 +83,9 @@ int RunStatus(const StatusArgs& args) {
       return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
     };
     d["budget_bytes"] = budget ? or_null(budget->budget_bytes) : nlohmann::json(nullptr);
+    d["budget_source"] = budget && !budget->budget_source.empty()
+                             ? nlohmann::json(budget->budget_source)
+                             : nlohmann::json(nullptr);
     d["used_bytes"] = budget ? nlohmann::json(budget->used_bytes) : nlohmann::json(nullptr);
     d["free_bytes"] = budget ? or_null(budget->free_bytes) : nlohmann::json(nullptr);
     budget_lines.push_back(FormatDeviceBudget(budget));

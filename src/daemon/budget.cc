@@ -90,6 +90,11 @@ Result<LedgerEntry> ParseEntry(const Json& e, const std::string& path, size_t in
     return Corrupt(path, where + ": 'pinned' must be true or false");
   }
   entry.pinned = pinned->get<bool>();
+  if (e.contains("budget")) {  // optional: absent in entries written before it existed
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        entry.budget,
+        UnsignedField(e, "budget", std::numeric_limits<uint64_t>::max(), path, index));
+  }
   return entry;
 }
 
@@ -166,7 +171,8 @@ std::string SerializeLedger(const Ledger& ledger) {
          {"tier", std::string(BudgetTierName(e.tier))},
          {"pinned", e.pinned},
          {"clients", e.clients},
-         {"last_used_ms", static_cast<uint64_t>(std::max<int64_t>(0, e.last_used_ms))}});
+         {"last_used_ms", static_cast<uint64_t>(std::max<int64_t>(0, e.last_used_ms))},
+         {"budget", e.budget}});
   }
   return Json{{"version", kLedgerVersion}, {"entries", std::move(entries)}}.dump(1) + "\n";
 }

@@ -59,6 +59,9 @@ struct LedgerEntry {
   bool pinned = false;       // `serve --pin`: never evicted or demoted
   uint32_t clients = 0;      // attached clients; only 0 is evictable
   int64_t last_used_ms = 0;  // unix ms of the last attach or last client detach (LRU key)
+  // The budget its admission ran under (its serve flag, or budget.conf's then), for `status`
+  // when budget.conf has none; 0: not recorded (an entry written before this field existed).
+  uint64_t budget = 0;
 
   bool operator==(const LedgerEntry&) const = default;
 };

@@ -392,11 +392,29 @@ TEST_F(BudgetTest, AHungLedgerLockHolderStallsNoAttach) {
   EXPECT_TRUE(ReadLedger(DeviceDir(*socket)).entries.empty());
 }
 
-// `status` shows the device's budget from its budget.conf and the bytes its ledger holds.
+// `status` shows the device's budget from its budget.conf and the bytes its ledger holds;
+// without a budget.conf, the budget the caches were admitted under (their serve flag).
 TEST_F(BudgetTest, StatusShowsTheDevicesBudgetUsedAndFree) {
-  auto a = Serve(0, {"--host-budget", "1G"});
+  auto a = Serve(0, {"--host-budget", "2G"});
   auto socket = WaitForState(*a, runtime_, CacheState::kReady);
   ASSERT_TRUE(socket.ok()) << socket.status().ToString() << a->Log();
+  {
+    CommandResult st = RunCommand({CliPath(), "status", "--json", "--runtime-dir", runtime_});
+    ASSERT_EQ(st.exit_code, 0) << st.err;
+    const auto j = nlohmann::json::parse(st.out, nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(j.is_object()) << st.out;
+    ASSERT_EQ(j["devices"].size(), 1U) << st.out;
+    const auto& d = j["devices"][0];
+    EXPECT_EQ(d["budget_bytes"], uint64_t{2} << 30) << st.out;
+    EXPECT_EQ(d["budget_source"], "serve flag") << st.out;
+    EXPECT_EQ(d["free_bytes"], (uint64_t{2} << 30) - bytes_[0]) << st.out;
+    CommandResult text = RunCommand({CliPath(), "status", "--runtime-dir", runtime_});
+    ASSERT_EQ(text.exit_code, 0) << text.err;
+    EXPECT_NE(text.out.find("budget 2.00 GiB (serve flag), used " + daemon::FormatBytes(bytes_[0])),
+              std::string::npos)
+        << text.out;
+  }
+  // budget.conf, once written, is the device's budget.
   std::ofstream(identity::BudgetConfigPath(DeviceDir(*socket))) << "host_budget = 1G\n";
   CommandResult st = RunCommand({CliPath(), "status", "--json", "--runtime-dir", runtime_});
   ASSERT_EQ(st.exit_code, 0) << st.err;
@@ -405,6 +423,7 @@ TEST_F(BudgetTest, StatusShowsTheDevicesBudgetUsedAndFree) {
   ASSERT_EQ(j["devices"].size(), 1U) << st.out;
   const auto& d = j["devices"][0];
   EXPECT_EQ(d["budget_bytes"], uint64_t{1} << 30) << st.out;
+  EXPECT_EQ(d["budget_source"], "budget.conf") << st.out;
   EXPECT_EQ(d["used_bytes"], bytes_[0]) << st.out;
   EXPECT_EQ(d["free_bytes"], (uint64_t{1} << 30) - bytes_[0]) << st.out;
 

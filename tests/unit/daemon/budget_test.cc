@@ -138,6 +138,28 @@ TEST(BudgetLedger, APidReusedByAnotherProcessIsReclaimedByItsStartTime) {
   EXPECT_EQ(read->entries[0].socket, same.socket);
 }
 
+// The budget an entry was admitted under round-trips; an entry written before the field
+// existed (no "budget") reads as 0, not as corrupt.
+TEST(BudgetLedger, TheAdmissionBudgetIsKeptAndOptional) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  LedgerEntry e = Entry(dir.Join("a.sock"), 10, 1);
+  e.budget = uint64_t{40} << 30;
+  ASSERT_TRUE(ledger.Put(e).ok());
+  auto read = ledger.Read();
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->entries.size(), 1u);
+  EXPECT_EQ(read->entries[0].budget, uint64_t{40} << 30);
+
+  auto old = ParseLedger(
+      "{\"version\": 1, \"entries\": [{\"socket\": \"/s\", \"pid\": 1, \"pid_start_time\": 1, "
+      "\"bytes\": 1, \"clients\": 0, \"last_used_ms\": 0, \"tier\": \"gpu\", \"pinned\": false}]}",
+      "ledger");
+  ASSERT_TRUE(old.ok()) << old.status().ToString();
+  ASSERT_EQ(old->entries.size(), 1u);
+  EXPECT_EQ(old->entries[0].budget, 0u);
+}
+
 TEST(BudgetLedger, ACorruptLedgerIsAnErrorNamingTheFileAndIsLeftAsItWas) {
   TempDir dir;
   BudgetLedger ledger(dir.path());
@@ -158,6 +180,10 @@ TEST(BudgetLedger, ACorruptLedgerIsAnErrorNamingTheFileAndIsLeftAsItWas) {
        "\"bytes\": 1, \"clients\": 0, \"last_used_ms\": 0, \"tier\": \"disk\", "
        "\"pinned\": false}]}",
        "entry 0: 'tier' must be \"gpu\" or \"host\""},
+      {"{\"version\": 1, \"entries\": [{\"socket\": \"/s\", \"pid\": 1, \"pid_start_time\": 1, "
+       "\"bytes\": 1, \"clients\": 0, \"last_used_ms\": 0, \"tier\": \"gpu\", "
+       "\"pinned\": false, \"budget\": \"40G\"}]}",
+       "entry 0: 'budget' must be an unsigned integer"},
       {twice, "is listed twice"},
   };
   for (const auto& c : cases) {
