@@ -355,7 +355,7 @@ class StagingRing {
   }
 
   const DriverApi* const api_;
-  const CUcontext context_;
+  CUcontext context_;  // set once, at construction
   const size_t bytes_;
   const size_t slots_;
   std::vector<std::thread> makers_;     // the StartMaking thread's only
@@ -770,13 +770,14 @@ Result<UploadReport> UploadPipeline::RunStaged(std::span<const UploadSource> sou
   Status drained = run.Drain();
   // No copy reads the ring any more: the ring is kept whole for the next Run, or not at all.
   Result<std::vector<PinnedHostBuffer>> made = ring.Finish();
+  const Status ring_status = made.status();
   if (made.ok()) {
     buffers_ = std::move(made).value();
   } else {
     events_.clear();
   }
   WEIGHTCACHE_RETURN_IF_ERROR(drained);
-  WEIGHTCACHE_RETURN_IF_ERROR(made.status());
+  WEIGHTCACHE_RETURN_IF_ERROR(ring_status);
   run.ReportTail();
 
   UploadReport report;

@@ -273,8 +273,11 @@ void Daemon::LoaderMain() {
   std::string memory;  // the loader's memory at its steps, for the log line below
   LoadLeftovers leftovers;
   Result<WeightStore> result = Load(&memory, &leftovers);
-  if (result.ok()) DepositLoaded(*result, std::move(keeper));
-  keeper.reset();
+  if (result.ok()) {
+    DepositLoaded(*result, std::move(keeper));
+  } else {
+    keeper.reset();  // the keeper started for a failed load exits now, holding nothing
+  }
   {
     MutexLock lock(result_mu_);
     load_result_.emplace(std::move(result));
