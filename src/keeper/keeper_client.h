@@ -8,13 +8,12 @@
 //    there. A keeper whose lock is free is stale (it died; its socket is a leftover) and is
 //    treated exactly like an absent one: TryWithdraw and QueryKeeper return std::nullopt,
 //    DropKeeper kNoDaemon. They never connect to a stale socket.
-//  * StartKeeper and SpawnKeeper start `<program> keeper ...` detached: a double fork with setsid
-//  in between,
-//    so the keeper is not our child (init or the nearest subreaper reaps it), leads no
-//    terminal session, has no PDEATHSIG, starts with every signal unblocked and stdin/stdout
-//    on /dev/null. Its stderr is ours, for its few log lines, when ours is a file or a
-//    terminal; a pipe or socket is replaced by /dev/null (a keeper that outlives us must not
-//    hold the pipe a supervisor reads our output from: it would never see EOF). SpawnKeeper
+//  * StartKeeper and SpawnKeeper start `<program> keeper ...` detached: a double fork with
+//    setsid in between, so the keeper is not our child (init or the nearest subreaper reaps
+//    it), leads no terminal session, has no PDEATHSIG, starts with every signal unblocked and
+//    stdin/stdout on /dev/null. Its stderr is ours, for its few log lines, when ours is a file
+//    or a terminal; a pipe or socket is replaced by /dev/null (a keeper that outlives us must
+//    not hold the pipe a supervisor reads our output from: it would never see EOF). SpawnKeeper
 //    (and StartingKeeper::WaitReady) returns once the keeper has published its socket (it says
 //    so on a pipe), with the keeper's pid, or the keeper's own start error (a live keeper for
 //    the same cache: kAlreadyServed naming its pid).
