@@ -29,7 +29,8 @@
 // stderr. Without a driver or the device: one "skipped" line, exit 0. Exit 1 only on an error
 // (a missed target is reported, not an error).
 //
-//   restart_bench [--work DIR] [--reps N] [--device I] [--clients K] [--adopt-verify sample|full]
+//   restart_bench [--work DIR] [--reps N] [--device I] [--clients K]
+//                 [--adopt-verify sample|full|behind]
 //                 [--layers L] [--vocab V] [--tier gpu|host]
 //   restart_bench --probe-mem UUID                                       (internal)
 //
@@ -515,7 +516,7 @@ int ParentMain(const Args& args, const std::string& self) {
 
 constexpr char kUsage[] =
     "usage: restart_bench [--work DIR] [--reps N] [--device I] [--clients K] "
-    "[--adopt-verify sample|full] [--layers L] [--vocab V] [--tier gpu|host]\n";
+    "[--adopt-verify sample|full|behind] [--layers L] [--vocab V] [--tier gpu|host]\n";
 
 int Main(const std::vector<std::string>& a) {
   if (a.size() == 2 && a[0] == "--probe-mem") return ProbeMemMain(a[1]);
@@ -530,8 +531,8 @@ int Main(const std::vector<std::string>& a) {
     if (k == "--work") {
       args.work = v;
     } else if (k == "--adopt-verify") {
-      if (v != "sample" && v != "full") {
-        std::fprintf(stderr, "restart_bench: --adopt-verify: expected sample or full\n");
+      if (v != "sample" && v != "full" && v != "behind") {
+        std::fprintf(stderr, "restart_bench: --adopt-verify: expected sample, full or behind\n");
         return 2;
       }
       args.adopt_verify = v;

@@ -171,8 +171,9 @@ class ProgressPrinter {
 daemon::KeeperLinkOptions KeeperOptionsFor(const ServeArgs& args) {
   daemon::KeeperLinkOptions keeper;
   keeper.enabled = !args.no_keeper;
-  keeper.verify = args.adopt_verify == "full" ? protocol::ChecksumCheck::kFull
-                                              : protocol::ChecksumCheck::kSample;
+  keeper.verify = args.adopt_verify == "sample" ? protocol::ChecksumCheck::kSample
+                                                : protocol::ChecksumCheck::kFull;
+  keeper.verify_behind_ready = args.adopt_verify == "behind";
   keeper.allow_uids.assign(args.allow_uids.begin(), args.allow_uids.end());
   return keeper;
 }
@@ -805,8 +806,11 @@ void RegisterServeCommand(CLI::App& root) {
   sub->add_option("--adopt-verify", args->adopt_verify,
                   "what a re-adoption checks against the kept memory: sample (64 tensors spread "
                   "over the cache, the default: sealed memory cannot change, and the time stays "
-                  "flat in the cache's size) or full (every tensor)")
-      ->check(CLI::IsMember({"sample", "full"}));
+                  "flat in the cache's size), full (every tensor), or behind (ready once the fds, "
+                  "the config and the checkpoint are checked, then every tensor checked right "
+                  "after ready: no CUDA context before ready; a mismatch drains the daemon and "
+                  "drops the keeper; clients attaching meanwhile get memory not yet re-checked)")
+      ->check(CLI::IsMember({"sample", "full", "behind"}));
   sub->add_flag("--detach", args->detach,
                 "start the daemon in the background and exit 0 once it serves (`ready`, or "
                 "`awaiting` its publisher for --source published:<tag>), printing its socket, "

@@ -261,10 +261,11 @@ void Daemon::LoaderMain() {
       load_result_.emplace(std::move(adopted->store));
       adopted_how_ = std::move(how);
       load_finished_ = true;
-      loader_settled_ = true;
+      loader_settled_ = !adopted->verify_behind.has_value();
     }
     loader_settled_cv_.NotifyAll();
     Wake(wakeup_.get());
+    if (adopted->verify_behind) VerifyAdoptedBehindReady(*adopted->verify_behind);
     return;
   }
   // The keeper starts with the load, so that its fork (while this process is small), exec and
@@ -341,6 +342,30 @@ std::optional<AdoptedStore> Daemon::AdoptKept() {
   }
   return AdoptFromKeeper(options_.paths, options_.config, options_.model_path, keeper,
                          gpu ? &*gpu : nullptr);
+}
+
+void Daemon::VerifyAdoptedBehindReady(const protocol::Handoff& handoff) {
+  std::optional<GpuAdoptContext> gpu;
+  if (options_.config.tier == Tier::kGpu && options_.device.has_value()) {
+    auto driver = options_.env.load_driver();
+    if (driver.ok()) gpu = GpuAdoptContext{*driver, *options_.device};
+  }
+  const auto start = Clock::now();
+  std::string timings;
+  Status verified =
+      VerifyKeptBehindReady(handoff, options_.config, gpu ? &*gpu : nullptr, &timings);
+  if (verified.ok()) {
+    LOG_INFO << "the adopted memory is verified behind ready: checksums of all "
+             << handoff.manifest.tensor_count() << " tensors match (" << timings << "; "
+             << SecondsSince(start) * 1e3 << " ms after ready)";
+  }
+  {
+    MutexLock lock(result_mu_);
+    if (!verified.ok()) behind_failure_ = std::move(verified);
+    loader_settled_ = true;
+  }
+  loader_settled_cv_.NotifyAll();
+  Wake(wakeup_.get());
 }
 
 std::optional<keeper::StartingKeeper> Daemon::StartKeeperForLoad() {
@@ -608,13 +633,25 @@ void Daemon::OnLoaderWakeup() {
   OnMoveDone();
   std::optional<Result<WeightStore>> result;
   std::string adopted_how;
+  std::optional<Status> behind_failure;
   {
     MutexLock lock(result_mu_);
+    behind_failure.swap(behind_failure_);
     if (load_finished_ && load_result_) {
       result = std::move(load_result_);
       load_result_.reset();
       adopted_how = std::move(adopted_how_);
     }
+  }
+  if (behind_failure && state_ != CacheState::kDraining) {
+    // `--adopt-verify behind`: the memory served since ready is not what was loaded. It is
+    // never served again: drain (the keeper is dropped with it) and exit with the reason.
+    LOG_ERROR << "the adopted memory failed its verification behind ready: "
+              << behind_failure->ToString();
+    failure_ = *behind_failure;
+    if (events_.on_failed) events_.on_failed(failure_);
+    BeginDrain("the adopted memory failed its verification behind ready");
+    return;
   }
   if (!result) {
     if (state_ == CacheState::kLoading && events_.on_progress) {

@@ -271,6 +271,9 @@ class Daemon {
   // deposit of a store that was loaded, with the keeper started for it if any.
   std::optional<AdoptedStore> AdoptKept();
   std::optional<keeper::StartingKeeper> StartKeeperForLoad();
+  // `--adopt-verify behind`: every checksum of the adopted memory, after ready, on the loader
+  // thread; a failure is handed to the event loop (behind_failure_), which drains.
+  void VerifyAdoptedBehindReady(const protocol::Handoff& handoff);
   void DepositLoaded(const WeightStore& store,
                      std::optional<keeper::StartingKeeper> started = std::nullopt);
   // The end of a deliberate stop: the keeper is told the cache is dead.
@@ -417,6 +420,8 @@ class Daemon {
   std::optional<Result<WeightStore>> load_result_ WEIGHTCACHE_GUARDED_BY(result_mu_);
   // Set with load_result_ when the store was adopted from the keeper: how (for on_adopted).
   std::string adopted_how_ WEIGHTCACHE_GUARDED_BY(result_mu_);
+  // VerifyAdoptedBehindReady's failure, for the event loop.
+  std::optional<Status> behind_failure_ WEIGHTCACHE_GUARDED_BY(result_mu_);
   bool loader_started_ WEIGHTCACHE_GUARDED_BY(result_mu_) = false;
   bool loader_settled_ WEIGHTCACHE_GUARDED_BY(result_mu_) = false;  // its teardown is done
   CondVar loader_settled_cv_;

@@ -125,7 +125,8 @@ Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& han
 
 Status ValidateKeptHandoff(const protocol::Handoff& handoff, const identity::CacheConfig& config,
                            const std::string& model_path, const KeeperLinkOptions& options,
-                           const GpuAdoptContext* gpu, std::string* timings) {
+                           const GpuAdoptContext* gpu, std::string* timings,
+                           bool checksums_behind) {
   auto start = Clock::now();
   auto step_done = [&](std::string_view step) {
     const auto now = Clock::now();
@@ -147,6 +148,7 @@ Status ValidateKeptHandoff(const protocol::Handoff& handoff, const identity::Cac
     WEIGHTCACHE_RETURN_IF_ERROR(CheckCheckpointUnchanged(config, model_path));
     step_done("checkpoint check");
   }
+  if (checksums_behind) return Status::Ok();
   if (handoff.tier() == Tier::kGpu) {
     if (gpu == nullptr) {
       return InternalError("gpu tier: no CUDA driver to check the kept allocations");
@@ -160,17 +162,52 @@ Status ValidateKeptHandoff(const protocol::Handoff& handoff, const identity::Cac
   return Status::Ok();
 }
 
-WeightStore StoreFromHandoff(protocol::Handoff handoff) {
+namespace {
+
+// A handoff's totals, around its manifest memfd.
+StoreSummary SummaryOf(const protocol::Handoff& handoff, UniqueFd manifest_fd) {
   StoreSummary summary;
   summary.manifest.size = handoff.info.manifest_size;
-  summary.manifest.fd = std::move(handoff.manifest_fd);
+  summary.manifest.fd = std::move(manifest_fd);
   summary.tensor_count = handoff.manifest.tensor_count();
   for (size_t i = 0; i < handoff.manifest.tensor_count(); ++i) {
     summary.tensor_bytes += handoff.manifest.record(i).nbytes;
   }
   summary.resident_bytes = handoff.bytes();
+  return summary;
+}
+
+Result<UniqueFd> Duplicate(const UniqueFd& fd) {
+  UniqueFd dup(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
+  if (!dup) return IoError("dup of a kept fd", errno);
+  return dup;
+}
+
+}  // namespace
+
+WeightStore StoreFromHandoff(protocol::Handoff handoff) {
+  StoreSummary summary = SummaryOf(handoff, std::move(handoff.manifest_fd));
   const Tier tier = handoff.tier();
   return WeightStore(tier, std::move(handoff.allocations), std::move(summary));
+}
+
+Result<WeightStore> StoreOfDuplicates(const protocol::Handoff& handoff) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(UniqueFd manifest, Duplicate(handoff.manifest_fd));
+  std::vector<UniqueFd> allocations;
+  for (const UniqueFd& fd : handoff.allocations) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(UniqueFd dup, Duplicate(fd));
+    allocations.push_back(std::move(dup));
+  }
+  return WeightStore(handoff.tier(), std::move(allocations),
+                     SummaryOf(handoff, std::move(manifest)));
+}
+
+Status VerifyKeptBehindReady(const protocol::Handoff& handoff, const identity::CacheConfig& config,
+                             const GpuAdoptContext* gpu, std::string* timings) {
+  KeeperLinkOptions every;
+  every.verify = protocol::ChecksumCheck::kFull;
+  // The identity and the checkpoint were checked before ready; the memory is what is left.
+  return ValidateKeptHandoff(handoff, config, /*model_path=*/"", every, gpu, timings);
 }
 
 std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
@@ -235,11 +272,27 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
   if (!withdrawn->has_value()) return std::nullopt;  // the keeper went away meanwhile
   protocol::Handoff handoff = std::move(**withdrawn);
   std::string timings = "withdrawal " + FormatMillis(Clock::now() - withdraw_start);
-  Status valid = ValidateKeptHandoff(handoff, config, model_path, options, gpu, &timings);
+  Status valid = ValidateKeptHandoff(handoff, config, model_path, options, gpu, &timings,
+                                     options.verify_behind_ready);
   if (!valid.ok()) return reject(valid);
+  if (options.verify_behind_ready) {
+    auto store = StoreOfDuplicates(handoff);
+    if (!store.ok()) return reject(store.status());
+    const std::string behind =
+        "all " + std::to_string(handoff.manifest.tensor_count()) + " tensors, behind ready";
+    AdoptedStore adopted{std::move(store).value(), (*query)->keeper_pid,
+                         (*query)->depositor_pid,  behind,
+                         std::move(timings),       std::nullopt};
+    adopted.verify_behind.emplace(std::move(handoff));
+    return adopted;
+  }
   const std::string verified = DescribeVerified(adopt, handoff.manifest.tensor_count());
-  AdoptedStore adopted{StoreFromHandoff(std::move(handoff)), (*query)->keeper_pid,
-                       (*query)->depositor_pid, verified, std::move(timings)};
+  AdoptedStore adopted{StoreFromHandoff(std::move(handoff)),
+                       (*query)->keeper_pid,
+                       (*query)->depositor_pid,
+                       verified,
+                       std::move(timings),
+                       std::nullopt};
   return adopted;
 }
 

@@ -52,6 +52,13 @@ struct KeeperLinkOptions {
   // every byte once (host: mapped here; gpu: the checksum kernel).
   protocol::ChecksumCheck verify = protocol::ChecksumCheck::kSample;
   uint32_t sample_tensors = 64;
+  // `--adopt-verify behind`: a re-adoption from the keeper serves once everything but the
+  // memory is checked (the fds, the config digest, the checkpoint as it is now), and checks
+  // every tensor's checksum against the memory right after `ready`, on the loader thread; a
+  // mismatch drains the daemon (exit non-zero) and drops the keeper. What it buys: no CUDA
+  // context before `ready` on the gpu tier (~0.12 s of a restart on an H200). What it gives
+  // up: clients that attach in that window get memory not yet re-verified since its load.
+  bool verify_behind_ready = false;
   std::vector<uid_t> allow_uids;  // the daemon's --allow-uid: they may query the keeper too
   std::chrono::milliseconds timeout{5'000};  // each keeper call
 };
@@ -72,7 +79,15 @@ struct AdoptedStore {
   // 1.1 ms, context and import 150.2 ms, checksums 14.2 ms" (the last two only on the gpu
   // tier).
   std::string timings;
+  // With verify_behind_ready: the withdrawn handoff (its own fds; the store holds duplicates)
+  // whose checksums VerifyKeptBehindReady checks after `ready`.
+  std::optional<protocol::Handoff> verify_behind;
 };
+
+// verify_behind_ready's check, after `ready`: every tensor's checksum against the kept memory
+// (gpu tier: VerifyGpuHandoff, `gpu` required). `timings` gets the steps' times.
+Status VerifyKeptBehindReady(const protocol::Handoff& handoff, const identity::CacheConfig& config,
+                             const GpuAdoptContext* gpu, std::string* timings);
 
 // The kept cache of `paths`, validated (the rules above), or std::nullopt: no keeper, keeper
 // disabled or pathless, nothing deposited yet, or a validation failure (logged; the keeper is
@@ -121,9 +136,11 @@ Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& han
 // `model_path` is empty: a published cache); the manifest's checksums match the memory, a sample
 // or every tensor as `options.verify` says (gpu tier: VerifyGpuHandoff, `gpu` required).
 // `timings`, when given, gets the steps' times appended ("checkpoint check 0.3 ms, ...").
+// `checksums_behind`: everything but the checksums (verify_behind_ready's part before ready).
 Status ValidateKeptHandoff(const protocol::Handoff& handoff, const identity::CacheConfig& config,
                            const std::string& model_path, const KeeperLinkOptions& options,
-                           const GpuAdoptContext* gpu, std::string* timings = nullptr);
+                           const GpuAdoptContext* gpu, std::string* timings = nullptr,
+                           bool checksums_behind = false);
 
 // What a deposit or an upgrade's handover says about `store` of `config`, sent by this process.
 protocol::DepositInfo DescribeStore(const identity::CacheConfig& config, const WeightStore& store);
@@ -139,5 +156,7 @@ std::string DescribeVerified(const protocol::AdoptOptions& adopt, size_t tensors
 // The WeightStore a validated handoff describes: its manifest memfd and allocation fds, the
 // totals from its manifest.
 WeightStore StoreFromHandoff(protocol::Handoff handoff);
+// The same store, of duplicates of the handoff's fds (the handoff keeps its own).
+Result<WeightStore> StoreOfDuplicates(const protocol::Handoff& handoff);
 
 }  // namespace weightcache::daemon

@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpu/gpu_e2e_support.h"
@@ -133,6 +134,46 @@ TEST_F(KeeperGpuTest, Kill9WithAnEngineAttachedThenRestartReadoptsVerifiedWithou
   EXPECT_FALSE(os::IsLockHeld(keeper_lock));
   (*holder)->CloseStdin();
   EXPECT_EQ((*holder)->Wait(30s), 0) << (*holder)->StderrLog();
+}
+
+// `--adopt-verify behind` on a real GPU: the restart is ready on the kept allocations before
+// any CUDA context of its own, then imports them and runs the checksum kernel over every
+// tensor; an engine attached meanwhile reads correct bytes.
+TEST_F(KeeperGpuTest, Kill9ThenRestartWithAdoptVerifyBehindIsReadyThenVerifiesOnTheGpu) {
+  auto first = Serve("first");
+  ASSERT_NE(first, nullptr);
+  ASSERT_OK_AND_MOVE(socket, first->WaitReady(runtime(), kNamespace, uuid_, nullptr));
+  ASSERT_TRUE(first->Kill9().ok());
+
+  auto second = Serve("second", {"--adopt-verify", "behind"});
+  ASSERT_NE(second, nullptr);
+  ASSERT_OK_AND_MOVE(again, second->WaitReady(runtime(), kNamespace, uuid_, nullptr));
+  EXPECT_EQ(again, socket);
+  const std::string all = "all " + std::to_string(model_.tensor_count) + " tensors";
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (second->Log().find("verified behind ready") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const std::string log = second->Log();
+  const size_t ready = log.find("ready: adopted");
+  ASSERT_NE(ready, std::string::npos) << log;
+  EXPECT_NE(log.find("checksums of " + all + ", behind ready"), std::string::npos) << log;
+  const size_t behind =
+      log.find("the adopted memory is verified behind ready: checksums of " + all);
+  ASSERT_NE(behind, std::string::npos) << log;
+  std::cout << "keeper_gpu_test: " << log.substr(ready, log.find('\n', ready) - ready) << "\n"
+            << "keeper_gpu_test: " << log.substr(behind, log.find('\n', behind) - behind)
+            << std::endl;
+  EXPECT_LT(ProcessReadChars(second->pid()), model_.total_bytes / 4) << log;
+  JsonRun verify =
+      RunJson({CliPath(), "attach", "--model", model_.dir, "--model-id", kModelId, "--tier", "gpu",
+               "--device", "0", "--runtime-dir", runtime(), "--json", "--verify"});
+  ASSERT_EQ(verify.exit_code, 0) << verify.out << verify.err;
+  EXPECT_EQ(verify.json["source"], "daemon");
+  EXPECT_TRUE(verify.json["verify"]["ok"].get<bool>()) << verify.json.dump();
+  ASSERT_OK_AND_MOVE(code, second->Terminate());
+  EXPECT_EQ(code, 0);
 }
 
 // The upgrade handover (docs/upgrade.md) on a real GPU: `weightcache upgrade` starts a

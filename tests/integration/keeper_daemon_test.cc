@@ -336,6 +336,68 @@ TEST_F(KeeperDaemonTest, AChangedCheckpointIsLoadedNotAdoptedAndTheOldKeeperIsAn
   EXPECT_TRUE(second->Running());  // the other cache is not touched
 }
 
+// `--adopt-verify behind`: the restart is ready on the kept memory before its checksums are
+// checked, then checks every tensor and says so; the bytes are the checkpoint's.
+TEST_F(KeeperDaemonTest, AdoptVerifyBehindIsReadyFirstThenVerifiesEveryTensor) {
+  std::unique_ptr<ServeProcess> first;
+  const std::string socket = StartReady(first, "first.log");
+  ASSERT_FALSE(socket.empty());
+  Kill(*first);
+  std::unique_ptr<ServeProcess> second;
+  ASSERT_EQ(StartReady(second, "second.log", {"--adopt-verify", "behind"}), socket);
+  ExpectAdopted(*second);
+  EXPECT_NE(second->Log().find("checksums of all 12 tensors, behind ready"), std::string::npos)
+      << second->Log();
+  const auto deadline = std::chrono::steady_clock::now() + kTimeout;
+  while (second->Log().find("verified behind ready") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_NE(second->Log().find("the adopted memory is verified behind ready: checksums of all 12 "
+                               "tensors match"),
+            std::string::npos)
+      << second->Log();
+  ExpectEqualBytes(socket);
+  EXPECT_TRUE(second->Running());
+}
+
+// The same with a kept entry whose checksums do not match: served at first, then the daemon
+// finds the mismatch, drains, drops the keeper (nobody may adopt that memory again) and exits
+// non-zero naming it.
+TEST_F(KeeperDaemonTest, AdoptVerifyBehindFindingAMismatchDrainsAndDropsTheKeeper) {
+  std::unique_ptr<ServeProcess> probe;
+  const std::string socket = StartReady(probe, "probe.log", {"--no-keeper"});
+  ASSERT_FALSE(socket.empty());
+  probe->Signal(SIGTERM);
+  ASSERT_EQ(probe->WaitExit(kTimeout), 0);
+  keeper::SpawnOptions spawn;
+  spawn.program = CliPath();
+  spawn.socket = KeeperOf(socket).socket;
+  auto keeper_pid = keeper::SpawnKeeper(spawn);
+  ASSERT_TRUE(keeper_pid.ok()) << keeper_pid.status().ToString();
+  auto corrupt = MakeSealedCache({1 << 16, 1 << 16}, 3, /*corrupt=*/0);
+  ASSERT_TRUE(corrupt.ok()) << corrupt.status().ToString();
+  ASSERT_TRUE(keeper::DepositToKeeper(
+                  KeeperOf(socket).socket, corrupt->Info(ConfigFor(model_, "tiny").Digest()),
+                  corrupt->manifest_fd.get(), corrupt->allocation_fds(), kTimeout)
+                  .ok());
+
+  auto serve = Start("serve.log", {"--adopt-verify", "behind"});
+  ASSERT_NE(serve, nullptr);
+  const std::optional<int> exit = serve->WaitExit(kTimeout);
+  ASSERT_TRUE(exit.has_value()) << serve->Log();
+  EXPECT_EQ(*exit, 1) << serve->Log();  // kProtocol: the memory is not what its manifest says
+  // (Whether it announced `ready` first depends on which the event loop saw first: the
+  // adoption or the check's failure; a failure it saw first is never served.)
+  const std::string log = serve->Log();
+  EXPECT_NE(log.find("the adopted memory failed its verification behind ready: "),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("checksum"), std::string::npos) << log;
+  EXPECT_NE(log.find("keeper dropped"), std::string::npos) << log;
+  EXPECT_FALSE(os::IsLockHeld(KeeperOf(socket).lock));
+}
+
 TEST_F(KeeperDaemonTest, AKeptEntryWhoseChecksumsDoNotMatchIsDroppedAndTheCacheLoaded) {
   // The cache's keeper holds memory that claims this cache but whose first tensor does not
   // have its manifest's checksum (a corrupted deposit).
