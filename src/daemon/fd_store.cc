@@ -194,8 +194,13 @@ std::optional<AdoptedStore> FdStore::Adopt(const identity::CacheConfig& config,
   adopt.sample_tensors = verify.sample_tensors;
   std::string verified = DescribeVerified(adopt, handoff->manifest.tensor_count());
   const int64_t depositor = handoff->info.depositor_pid;
-  return AdoptedStore{StoreFromHandoff(std::move(handoff).value()), /*keeper_pid=*/0, depositor,
-                      std::move(verified), std::move(timings)};
+  // Verified before ready, whatever --adopt-verify says (behind is the keeper's only).
+  return AdoptedStore{StoreFromHandoff(std::move(handoff).value()),
+                      /*keeper_pid=*/0,
+                      depositor,
+                      std::move(verified),
+                      std::move(timings),
+                      /*verify_behind=*/std::nullopt};
 }
 
 Status FdStore::Deposit(const identity::CacheConfig& config, const WeightStore& store) {
