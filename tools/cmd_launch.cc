@@ -261,6 +261,11 @@ void RegisterLaunchCommand(CLI::App& root) {
   sub->add_option("--demote", s.demote,
                   "serve's --demote for every daemon: `host` moves an evicted idle gpu cache to "
                   "host RAM instead of stopping it (docs/budget.md)");
+  sub->add_option("--adopt-verify", s.adopt_verify,
+                  "serve's --adopt-verify for every daemon: what a daemon restarted after a crash "
+                  "(by --supervise, or by hand) checks of its keeper's memory before ready: "
+                  "sample, full, or behind (every tensor right after ready; docs/keeper.md)")
+      ->check(CLI::IsMember({"sample", "full", "behind"}));
   sub->add_option("--allow-uid", s.allow_uids,
                   "serve's --allow-uid for every daemon: a uid besides the owner's that may "
                   "attach (repeatable; e.g. engines running as another user)");

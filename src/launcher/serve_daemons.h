@@ -51,6 +51,9 @@ struct ServeFlags {
   std::string host_budget;
   bool pin = false;
   std::string demote;  // serve's --demote ("host"); "" = not given
+  // serve's --adopt-verify (sample|full|behind, docs/keeper.md); "" = not given. With
+  // --supervise, a daemon restarted after a crash re-adopts its keeper's memory this way.
+  std::string adopt_verify;
   // serve's --allow-uid / --allow-gid: the peers besides the owner that may attach (an engine
   // running as another user than the daemons', e.g. in another pod); forwarded as given.
   std::vector<uint32_t> allow_uids;

@@ -117,6 +117,7 @@ TEST(LaunchFlagsTest, EveryJobFlagReachesEveryDaemonAsServeParsesIt) {
   flags.gpu_budget = "80%";
   flags.pin = true;
   flags.demote = "host";
+  flags.adopt_verify = "behind";
   flags.allow_uids = {1001, 1002};
   flags.allow_gids = {2000};
   flags.metrics_addr = "127.0.0.1:9400";
@@ -137,10 +138,11 @@ TEST(LaunchFlagsTest, EveryJobFlagReachesEveryDaemonAsServeParsesIt) {
     // Budget flags as given; the metrics port + the daemon's rank (pp_rank * tp_size + tp_rank).
     const std::string metrics =
         "127.0.0.1:" + std::to_string(9400 + plan[i].pp_rank * 2 + plan[i].tp_rank);
-    EXPECT_THAT(serve->remaining(),
-                ElementsAre("--memory-budget", "20G", "--threads", "4", "--gpu-budget", "80%",
-                            "--pin", "--demote", "host", "--allow-uid", "1001", "--allow-uid",
-                            "1002", "--allow-gid", "2000", "--metrics-addr", metrics));
+    EXPECT_THAT(
+        serve->remaining(),
+        ElementsAre("--memory-budget", "20G", "--threads", "4", "--gpu-budget", "80%", "--pin",
+                    "--demote", "host", "--adopt-verify", "behind", "--allow-uid", "1001",
+                    "--allow-uid", "1002", "--allow-gid", "2000", "--metrics-addr", metrics));
 
     for (CLI::Option* opt : RegisteredIdentityFlags(launch)) {
       CLI::Option* served = Counterpart(serve, opt);
