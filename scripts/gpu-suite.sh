@@ -206,8 +206,11 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
   run_bench 240 shard_bench --work "$work/shard" --reps 3
   # Issue 15: the same checkpoint; after kill -9, the restarted daemon's time to ready on the
   # memory its keeper held; the unavailable window of `weightcache upgrade` under 8 clients
-  # attaching in a loop (docs/benchmarks.md).
+  # attaching in a loop (docs/benchmarks.md). Twice: the restart checking every tensor before
+  # `ready` (full), and ready first with every tensor checked right after (behind).
   run_bench 180 restart_bench --work "$work/restart" --reps 3 --clients 8
+  run_bench 180 restart_bench --work "$work/restart-behind" --reps 3 --clients 8 \
+    --adopt-verify behind
   [[ -z ${BENCH_WORK:-} ]] && rm -rf "$work"
   # Issue 16 at full size: three 16 GB caches under a 40 GB gpu budget, demotion, promotion
   # and a verified attach, with real daemons and the CLI (scripts/gpu-budget.sh; its lines in
