@@ -274,10 +274,11 @@ void Daemon::LoaderMain() {
   std::string memory;  // the loader's memory at its steps, for the log line below
   LoadLeftovers leftovers;
   Result<WeightStore> result = Load(&memory, &leftovers);
+  std::optional<keeper::StartingKeeper> unused;  // the keeper of a load that did not complete
   if (result.ok()) {
     DepositLoaded(*result, std::move(keeper));
   } else {
-    keeper.reset();  // the keeper started for a failed load exits now, holding nothing
+    unused = std::move(keeper);
   }
   {
     MutexLock lock(result_mu_);
@@ -289,6 +290,9 @@ void Daemon::LoaderMain() {
   // gpu tier's pipeline, arena mappings and CUDA context) goes after, here, so that its
   // teardown is not on the ready path (docs/daemon.md "The load's teardown comes after ready").
   const auto teardown_start = Clock::now();
+  // A failed or cancelled load's keeper holds nothing: it goes, and is waited for, so that the
+  // daemon (which joins this thread before it exits) leaves none behind.
+  if (unused) EndUnusedKeeper(std::move(*unused), options_.paths, options_.keeper);
   const bool had_leftovers = !leftovers.empty();
   leftovers.Release();
   // Everything the load allocated is gone now — the checkpoint with its parsed headers

@@ -329,6 +329,22 @@ Result<std::optional<keeper::StartingKeeper>> StartCacheKeeper(const identity::C
   return std::optional<keeper::StartingKeeper>(std::move(starting));
 }
 
+void EndUnusedKeeper(keeper::StartingKeeper started, const identity::CachePaths& paths,
+                     const KeeperLinkOptions& options) {
+  started.Abandon();
+  auto pid = started.WaitReady();
+  if (!pid.ok()) return;  // it did not start: nothing of ours to wait for
+  const auto deadline = Clock::now() + options.timeout;
+  while (os::IsLockHeld(paths.keeper_lock) && os::ReadLockOwner(paths.keeper_lock) == *pid) {
+    if (Clock::now() >= deadline) {
+      LOG_WARN << "the keeper (pid " << *pid << ") started for the load still runs "
+               << options.timeout.count() << " ms after the load ended without a deposit";
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
 Status DepositWithKeeper(const identity::CachePaths& paths, const identity::CacheConfig& config,
                          const WeightStore& store, const KeeperLinkOptions& options,
                          std::optional<keeper::StartingKeeper> started) {

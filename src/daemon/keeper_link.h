@@ -105,6 +105,13 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
 Result<std::optional<keeper::StartingKeeper>> StartCacheKeeper(const identity::CachePaths& paths,
                                                                const KeeperLinkOptions& options);
 
+// A keeper StartCacheKeeper started for a load that did not complete: abandoned (it exits once
+// its depositor pipe closes), then waited for, bounded by options.timeout, so that a daemon
+// whose load failed or was cancelled leaves no keeper behind when it exits. A keeper that did
+// not start (another one holds the cache) is not waited for.
+void EndUnusedKeeper(keeper::StartingKeeper started, const identity::CachePaths& paths,
+                     const KeeperLinkOptions& options);
+
 // Hands a ready store to the cache's keeper: the one StartCacheKeeper started (`started`), or
 // one started now (a live keeper that is still waiting is used as it is). OK without doing
 // anything when keepers are disabled or the cache has no keeper path; an error (the caller

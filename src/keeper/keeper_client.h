@@ -64,6 +64,9 @@ class StartingKeeper {
   // Blocks until the keeper reported its start (bounded by SpawnOptions::start_timeout,
   // counted from StartKeeper): its pid, or its own start error as SpawnKeeper's. Once only.
   Result<pid_t> WaitReady();
+  // Gives the keeper up: closes our end of its depositor pipe, so that it exits unless it
+  // already holds a deposit. WaitReady still reads its start afterwards.
+  void Abandon() { depositor_.Reset(); }
 
  private:
   friend Result<StartingKeeper> StartKeeper(const SpawnOptions& options);

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include "checkpoint/checkpoint.h"
@@ -238,10 +239,23 @@ TEST_F(ServeTest, PlanOverTheMemoryBudgetReportsFailedWithTheReasonThenExitsNonZ
   EXPECT_NE(serve->Log().find("out of memory"), std::string::npos) << serve->Log();
 }
 
-TEST_F(ServeTest, FailedDaemonExitsByItselfAfterTheLinger) {
-  auto serve = Start({"--memory-budget", "1", "--failed-linger", "0.2"});
+// No linger (0): the daemon exits as soon as its load failed, after the keeper started with
+// that load is gone (it would otherwise outlive the daemon by the moment it takes to notice).
+TEST_F(ServeTest, FailedDaemonExitsByItselfAfterTheLingerLeavingNoKeeper) {
+  auto serve = Start({"--memory-budget", "1", "--failed-linger", "0"});
   EXPECT_EQ(serve->WaitExit(20s), 8) << serve->Log();  // kOutOfMemory (SPEC §5)
   EXPECT_TRUE(FindSockets(runtime_).empty());
+  // The keeper started with the load was given up and waited for before the daemon exited:
+  // no lock is held and no keeper socket is left, at once.
+  size_t keeper_locks = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(runtime_)) {
+    const std::string path = e.path().string();
+    EXPECT_EQ(path.find(".keeper.sock"), std::string::npos) << path;
+    if (e.path().extension() != ".lock") continue;
+    EXPECT_FALSE(os::IsLockHeld(path)) << path << "\n" << serve->Log();
+    if (path.find(".keeper.lock") != std::string::npos) ++keeper_locks;
+  }
+  EXPECT_EQ(keeper_locks, 1u) << "a keeper was started with the load";
 }
 
 }  // namespace
