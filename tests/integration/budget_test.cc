@@ -408,7 +408,7 @@ TEST_F(BudgetTest, StatusShowsTheDevicesBudgetUsedAndFree) {
     return one ? j["devices"][0] : nlohmann::json();
   };
   {
-    const nlohmann::json d = device();
+    nlohmann::json d = device();  // not const: operator[] of a missing key is then defined
     EXPECT_EQ(d["budget_bytes"], uint64_t{2} << 30) << d;
     EXPECT_EQ(d["budget_source"], "serve flag") << d;
     EXPECT_EQ(d["free_bytes"], (uint64_t{2} << 30) - bytes_[0]) << d;
@@ -420,7 +420,7 @@ TEST_F(BudgetTest, StatusShowsTheDevicesBudgetUsedAndFree) {
   }
   // budget.conf, once written, is the device's budget.
   std::ofstream(identity::BudgetConfigPath(DeviceDir(*socket))) << "host_budget = 1G\n";
-  const nlohmann::json d = device();
+  nlohmann::json d = device();
   EXPECT_EQ(d["budget_bytes"], uint64_t{1} << 30) << d;
   EXPECT_EQ(d["budget_source"], "budget.conf") << d;
   EXPECT_EQ(d["used_bytes"], bytes_[0]) << d;
