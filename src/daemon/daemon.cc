@@ -319,14 +319,17 @@ void Daemon::WaitLoaderSettled() {
   while (loader_started_ && !loader_settled_) loader_settled_cv_.Wait(result_mu_);
 }
 
+std::optional<GpuAdoptContext> Daemon::GpuAdoptContextOf() const {
+  if (options_.config.tier != Tier::kGpu || !options_.device.has_value()) return std::nullopt;
+  auto driver = options_.env.load_driver();
+  if (!driver.ok()) return std::nullopt;
+  return GpuAdoptContext{*driver, *options_.device};
+}
+
 std::optional<AdoptedStore> Daemon::AdoptKept() {
   const KeeperLinkOptions& keeper = options_.keeper;
   if (options_.fd_store) {
-    std::optional<GpuAdoptContext> gpu;
-    if (options_.config.tier == Tier::kGpu && options_.device.has_value()) {
-      auto driver = options_.env.load_driver();
-      if (driver.ok()) gpu = GpuAdoptContext{*driver, *options_.device};
-    }
+    const std::optional<GpuAdoptContext> gpu = GpuAdoptContextOf();
     return options_.fd_store->Adopt(options_.config, options_.model_path, keeper,
                                     gpu ? &*gpu : nullptr);
   }
@@ -339,21 +342,13 @@ std::optional<AdoptedStore> Daemon::AdoptKept() {
              << options_.paths.socket << "); a crash of this daemon loses the loaded memory";
     return std::nullopt;
   }
-  std::optional<GpuAdoptContext> gpu;
-  if (options_.config.tier == Tier::kGpu && options_.device.has_value()) {
-    auto driver = options_.env.load_driver();
-    if (driver.ok()) gpu = GpuAdoptContext{*driver, *options_.device};
-  }
+  const std::optional<GpuAdoptContext> gpu = GpuAdoptContextOf();
   return AdoptFromKeeper(options_.paths, options_.config, options_.model_path, keeper,
                          gpu ? &*gpu : nullptr);
 }
 
 void Daemon::VerifyAdoptedBehindReady(const protocol::Handoff& handoff) {
-  std::optional<GpuAdoptContext> gpu;
-  if (options_.config.tier == Tier::kGpu && options_.device.has_value()) {
-    auto driver = options_.env.load_driver();
-    if (driver.ok()) gpu = GpuAdoptContext{*driver, *options_.device};
-  }
+  const std::optional<GpuAdoptContext> gpu = GpuAdoptContextOf();
   const auto start = Clock::now();
   std::string timings;
   Status verified =

@@ -270,6 +270,9 @@ class Daemon {
   // store, without keepers, or when the start failed: then the deposit starts one); and the
   // deposit of a store that was loaded, with the keeper started for it if any.
   std::optional<AdoptedStore> AdoptKept();
+  // What checking kept gpu memory needs (the driver and the device); nullopt off the gpu tier
+  // or without a driver.
+  std::optional<GpuAdoptContext> GpuAdoptContextOf() const;
   std::optional<keeper::StartingKeeper> StartKeeperForLoad();
   // `--adopt-verify behind`: every checksum of the adopted memory, after ready, on the loader
   // thread; a failure is handed to the event loop (behind_failure_), which drains.

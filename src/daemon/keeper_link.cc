@@ -37,6 +37,12 @@ keeper::KeeperPaths PathsOf(const identity::CachePaths& paths) {
   return {paths.keeper_socket, paths.keeper_lock};
 }
 
+Result<UniqueFd> Duplicate(const UniqueFd& fd) {
+  UniqueFd dup(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
+  if (!dup) return IoError("dup of a kept fd", errno);
+  return dup;
+}
+
 // Gpu tier: each withdrawn fd imported and mapped here (which checks it is a VMM allocation
 // of this device of the manifest's size), and the checksum kernel over it.
 struct GpuVerifier {
@@ -47,8 +53,7 @@ struct GpuVerifier {
     WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(gpu.driver, gpu.device));
     std::vector<UniqueFd> fds;
     for (const UniqueFd& fd : handoff.allocations) {
-      UniqueFd dup(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
-      if (!dup) return IoError("dup of a withdrawn allocation fd", errno);
+      WEIGHTCACHE_ASSIGN_OR_RETURN(UniqueFd dup, Duplicate(fd));
       fds.push_back(std::move(dup));
     }
     auto imported = cuda::ImportedArena::Import(gpu.driver, device, std::move(fds),
@@ -123,43 +128,75 @@ Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& han
   return protocol::CheckAdoptable(handoff, checked);
 }
 
-Status ValidateKeptHandoff(const protocol::Handoff& handoff, const identity::CacheConfig& config,
-                           const std::string& model_path, const KeeperLinkOptions& options,
-                           const GpuAdoptContext* gpu, std::string* timings,
-                           bool checksums_behind) {
-  auto start = Clock::now();
-  auto step_done = [&](std::string_view step) {
+namespace {
+
+// Appends "<step> X ms" to `timings` (when given): the time since the previous step.
+class StepTimes {
+ public:
+  explicit StepTimes(std::string* timings) : timings_(timings), start_(Clock::now()) {}
+  void operator()(std::string_view step) {
     const auto now = Clock::now();
-    if (timings != nullptr) {
-      *timings += std::string(timings->empty() ? "" : ", ") + std::string(step) + " " +
-                  FormatMillis(now - start);
+    if (timings_ != nullptr) {
+      *timings_ += std::string(timings_->empty() ? "" : ", ") + std::string(step) + " " +
+                   FormatMillis(now - start_);
     }
-    start = now;
-  };
+    start_ = now;
+  }
+
+ private:
+  std::string* timings_;
+  Clock::time_point start_;
+};
+
+// What kept memory is checked against: `config`'s digest, a sample or every tensor.
+protocol::AdoptOptions AdoptOptionsFor(const identity::CacheConfig& config,
+                                       protocol::ChecksumCheck checksums, uint32_t sample) {
   protocol::AdoptOptions adopt;
   adopt.expected_digest = config.Digest();
-  adopt.checksums = options.verify;
-  adopt.sample_tensors = options.sample_tensors;
-  if (handoff.info.config_digest != adopt.expected_digest) {
+  adopt.checksums = checksums;
+  adopt.sample_tensors = sample;
+  return adopt;
+}
+
+// Everything but the memory: the config digest, the checkpoint as it is now.
+Status CheckKeptIdentity(const protocol::Handoff& handoff, const identity::CacheConfig& config,
+                         const std::string& model_path, StepTimes& step_done) {
+  if (handoff.info.config_digest != config.Digest()) {
     return Status(StatusCode::kMismatch, "the kept memory is cache " + handoff.info.config_digest +
-                                             ", this daemon serves " + adopt.expected_digest);
+                                             ", this daemon serves " + config.Digest());
   }
   if (!model_path.empty()) {
     WEIGHTCACHE_RETURN_IF_ERROR(CheckCheckpointUnchanged(config, model_path));
     step_done("checkpoint check");
   }
-  if (checksums_behind) return Status::Ok();
+  return Status::Ok();
+}
+
+// The manifest's checksums against the memory, as `adopt` says (gpu tier: VerifyGpuHandoff).
+Status CheckKeptMemory(const protocol::Handoff& handoff, const protocol::AdoptOptions& adopt,
+                       const GpuAdoptContext* gpu, StepTimes& step_done) {
   if (handoff.tier() == Tier::kGpu) {
     if (gpu == nullptr) {
       return InternalError("gpu tier: no CUDA driver to check the kept allocations");
     }
-    WEIGHTCACHE_RETURN_IF_ERROR(VerifyGpuHandoff(*gpu, handoff, adopt, step_done));
-    step_done("checksums");
+    WEIGHTCACHE_RETURN_IF_ERROR(VerifyGpuHandoff(
+        *gpu, handoff, adopt, [&step_done](std::string_view step) { step_done(step); }));
   } else {
     WEIGHTCACHE_RETURN_IF_ERROR(protocol::CheckAdoptable(handoff, adopt));
-    step_done("checksums");
   }
+  step_done("checksums");
   return Status::Ok();
+}
+
+}  // namespace
+
+Status ValidateKeptHandoff(const protocol::Handoff& handoff, const identity::CacheConfig& config,
+                           const std::string& model_path, const KeeperLinkOptions& options,
+                           const GpuAdoptContext* gpu, std::string* timings) {
+  StepTimes step_done(timings);
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckKeptIdentity(handoff, config, model_path, step_done));
+  return CheckKeptMemory(handoff, AdoptOptionsFor(config, options.verify, options.sample_tensors),
+                         gpu, step_done);
 }
 
 namespace {
@@ -175,12 +212,6 @@ StoreSummary SummaryOf(const protocol::Handoff& handoff, UniqueFd manifest_fd) {
   }
   summary.resident_bytes = handoff.bytes();
   return summary;
-}
-
-Result<UniqueFd> Duplicate(const UniqueFd& fd) {
-  UniqueFd dup(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
-  if (!dup) return IoError("dup of a kept fd", errno);
-  return dup;
 }
 
 }  // namespace
@@ -204,10 +235,10 @@ Result<WeightStore> StoreOfDuplicates(const protocol::Handoff& handoff) {
 
 Status VerifyKeptBehindReady(const protocol::Handoff& handoff, const identity::CacheConfig& config,
                              const GpuAdoptContext* gpu, std::string* timings) {
-  KeeperLinkOptions every;
-  every.verify = protocol::ChecksumCheck::kFull;
   // The identity and the checkpoint were checked before ready; the memory is what is left.
-  return ValidateKeptHandoff(handoff, config, /*model_path=*/"", every, gpu, timings);
+  StepTimes step_done(timings);
+  return CheckKeptMemory(handoff, AdoptOptionsFor(config, protocol::ChecksumCheck::kFull, 0), gpu,
+                         step_done);
 }
 
 std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
@@ -272,10 +303,11 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
   if (!withdrawn->has_value()) return std::nullopt;  // the keeper went away meanwhile
   protocol::Handoff handoff = std::move(**withdrawn);
   std::string timings = "withdrawal " + FormatMillis(Clock::now() - withdraw_start);
-  Status valid = ValidateKeptHandoff(handoff, config, model_path, options, gpu, &timings,
-                                     options.verify_behind_ready);
-  if (!valid.ok()) return reject(valid);
   if (options.verify_behind_ready) {
+    // Everything but the memory now; VerifyKeptBehindReady checks the memory after `ready`.
+    StepTimes step_done(&timings);
+    Status valid = CheckKeptIdentity(handoff, config, model_path, step_done);
+    if (!valid.ok()) return reject(valid);
     auto store = StoreOfDuplicates(handoff);
     if (!store.ok()) return reject(store.status());
     const std::string behind =
@@ -286,6 +318,8 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
     adopted.verify_behind.emplace(std::move(handoff));
     return adopted;
   }
+  Status valid = ValidateKeptHandoff(handoff, config, model_path, options, gpu, &timings);
+  if (!valid.ok()) return reject(valid);
   const std::string verified = DescribeVerified(adopt, handoff.manifest.tensor_count());
   AdoptedStore adopted{StoreFromHandoff(std::move(handoff)),
                        (*query)->keeper_pid,

@@ -143,11 +143,9 @@ Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& han
 // `model_path` is empty: a published cache); the manifest's checksums match the memory, a sample
 // or every tensor as `options.verify` says (gpu tier: VerifyGpuHandoff, `gpu` required).
 // `timings`, when given, gets the steps' times appended ("checkpoint check 0.3 ms, ...").
-// `checksums_behind`: everything but the checksums (verify_behind_ready's part before ready).
 Status ValidateKeptHandoff(const protocol::Handoff& handoff, const identity::CacheConfig& config,
                            const std::string& model_path, const KeeperLinkOptions& options,
-                           const GpuAdoptContext* gpu, std::string* timings = nullptr,
-                           bool checksums_behind = false);
+                           const GpuAdoptContext* gpu, std::string* timings = nullptr);
 
 // What a deposit or an upgrade's handover says about `store` of `config`, sent by this process.
 protocol::DepositInfo DescribeStore(const identity::CacheConfig& config, const WeightStore& store);

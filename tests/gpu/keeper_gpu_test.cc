@@ -83,6 +83,18 @@ class KeeperGpuTest : public ::testing::Test {
   }
 
   TempDir dir_;
+  // A fresh client process attaches with --verify: served by the daemon, every tensor's
+  // checksum recomputed over the device memory and equal to the manifest's.
+  void ExpectAFreshAttachVerifiesEveryTensor() {
+    JsonRun verify =
+        RunJson({CliPath(), "attach", "--model", model_.dir, "--model-id", kModelId, "--tier",
+                 "gpu", "--device", "0", "--runtime-dir", runtime(), "--json", "--verify"});
+    ASSERT_EQ(verify.exit_code, 0) << verify.out << verify.err;
+    EXPECT_EQ(verify.json["source"], "daemon");
+    EXPECT_TRUE(verify.json["verify"]["ok"].get<bool>()) << verify.json.dump();
+    EXPECT_EQ(verify.json["verify"]["tensors"].get<size_t>(), model_.tensor_count);
+  }
+
   TestModel model_;
   std::string uuid_;
 };
@@ -119,13 +131,8 @@ TEST_F(KeeperGpuTest, Kill9WithAnEngineAttachedThenRestartReadoptsVerifiedWithou
   // engine attaches to the adopted cache and reads the same.
   ExpectHolderAndAFreshEngineRead(**holder, attached);
   if (HasFatalFailure()) return;
-  JsonRun verify =
-      RunJson({CliPath(), "attach", "--model", model_.dir, "--model-id", kModelId, "--tier", "gpu",
-               "--device", "0", "--runtime-dir", runtime(), "--json", "--verify"});
-  ASSERT_EQ(verify.exit_code, 0) << verify.out << verify.err;
-  EXPECT_EQ(verify.json["source"], "daemon");
-  EXPECT_TRUE(verify.json["verify"]["ok"].get<bool>()) << verify.json.dump();
-  EXPECT_EQ(verify.json["verify"]["tensors"].get<size_t>(), model_.tensor_count);
+  ExpectAFreshAttachVerifiesEveryTensor();
+  if (HasFatalFailure()) return;
 
   // A deliberate stop frees the kept memory: the keeper exits.
   ASSERT_OK_AND_MOVE(code, second->Terminate());
@@ -166,12 +173,8 @@ TEST_F(KeeperGpuTest, Kill9ThenRestartWithAdoptVerifyBehindIsReadyThenVerifiesOn
             << "keeper_gpu_test: " << log.substr(behind, log.find('\n', behind) - behind)
             << std::endl;
   EXPECT_LT(ProcessReadChars(second->pid()), model_.total_bytes / 4) << log;
-  JsonRun verify =
-      RunJson({CliPath(), "attach", "--model", model_.dir, "--model-id", kModelId, "--tier", "gpu",
-               "--device", "0", "--runtime-dir", runtime(), "--json", "--verify"});
-  ASSERT_EQ(verify.exit_code, 0) << verify.out << verify.err;
-  EXPECT_EQ(verify.json["source"], "daemon");
-  EXPECT_TRUE(verify.json["verify"]["ok"].get<bool>()) << verify.json.dump();
+  ExpectAFreshAttachVerifiesEveryTensor();
+  if (HasFatalFailure()) return;
   ASSERT_OK_AND_MOVE(code, second->Terminate());
   EXPECT_EQ(code, 0);
 }

@@ -172,6 +172,23 @@ class KeeperDaemonTest : public ::testing::Test {
     EXPECT_GE(ProcessReadChars(serve.pid()), tensor_bytes_) << serve.Log();
   }
 
+  // A keeper for the cache at `socket` that holds memory claiming that cache, but whose first
+  // tensor does not have its manifest's checksum (a corrupted deposit); its pid.
+  void KeepACorruptCache(const std::string& socket, pid_t* keeper_pid) {
+    keeper::SpawnOptions spawn;
+    spawn.program = CliPath();
+    spawn.socket = KeeperOf(socket).socket;
+    auto pid = keeper::SpawnKeeper(spawn);
+    ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+    *keeper_pid = *pid;
+    auto corrupt = MakeSealedCache({1 << 16, 1 << 16}, 3, /*corrupt=*/0);
+    ASSERT_TRUE(corrupt.ok()) << corrupt.status().ToString();
+    ASSERT_TRUE(keeper::DepositToKeeper(
+                    KeeperOf(socket).socket, corrupt->Info(ConfigFor(model_, "tiny").Digest()),
+                    corrupt->manifest_fd.get(), corrupt->allocation_fds(), kTimeout)
+                    .ok());
+  }
+
   CommandResult Cli(std::vector<std::string> args) {
     args.insert(args.begin(), CliPath());
     return RunCommand(args);
@@ -370,17 +387,9 @@ TEST_F(KeeperDaemonTest, AdoptVerifyBehindFindingAMismatchDrainsAndDropsTheKeepe
   ASSERT_FALSE(socket.empty());
   probe->Signal(SIGTERM);
   ASSERT_EQ(probe->WaitExit(kTimeout), 0);
-  keeper::SpawnOptions spawn;
-  spawn.program = CliPath();
-  spawn.socket = KeeperOf(socket).socket;
-  auto keeper_pid = keeper::SpawnKeeper(spawn);
-  ASSERT_TRUE(keeper_pid.ok()) << keeper_pid.status().ToString();
-  auto corrupt = MakeSealedCache({1 << 16, 1 << 16}, 3, /*corrupt=*/0);
-  ASSERT_TRUE(corrupt.ok()) << corrupt.status().ToString();
-  ASSERT_TRUE(keeper::DepositToKeeper(
-                  KeeperOf(socket).socket, corrupt->Info(ConfigFor(model_, "tiny").Digest()),
-                  corrupt->manifest_fd.get(), corrupt->allocation_fds(), kTimeout)
-                  .ok());
+  pid_t keeper_pid = 0;
+  KeepACorruptCache(socket, &keeper_pid);
+  if (HasFatalFailure()) return;
 
   auto serve = Start("serve.log", {"--adopt-verify", "behind"});
   ASSERT_NE(serve, nullptr);
@@ -411,17 +420,9 @@ TEST_F(KeeperDaemonTest, AKeptEntryWhoseChecksumsDoNotMatchIsDroppedAndTheCacheL
   ASSERT_EQ(probe->WaitExit(kTimeout), 0);
   EXPECT_FALSE(Exists(KeeperOf(socket).socket));  // --no-keeper: none was started
 
-  keeper::SpawnOptions spawn;
-  spawn.program = CliPath();
-  spawn.socket = KeeperOf(socket).socket;
-  auto keeper_pid = keeper::SpawnKeeper(spawn);
-  ASSERT_TRUE(keeper_pid.ok()) << keeper_pid.status().ToString();
-  auto corrupt = MakeSealedCache({1 << 16, 1 << 16}, 3, /*corrupt=*/0);
-  ASSERT_TRUE(corrupt.ok()) << corrupt.status().ToString();
-  ASSERT_TRUE(keeper::DepositToKeeper(
-                  KeeperOf(socket).socket, corrupt->Info(ConfigFor(model_, "tiny").Digest()),
-                  corrupt->manifest_fd.get(), corrupt->allocation_fds(), kTimeout)
-                  .ok());
+  pid_t keeper_pid = 0;
+  KeepACorruptCache(socket, &keeper_pid);
+  if (HasFatalFailure()) return;
 
   std::unique_ptr<ServeProcess> serve;
   ASSERT_EQ(StartReady(serve, "serve.log"), socket);
@@ -433,7 +434,7 @@ TEST_F(KeeperDaemonTest, AKeptEntryWhoseChecksumsDoNotMatchIsDroppedAndTheCacheL
   // The bad keeper was dropped; the daemon deposited its own load with a new one.
   auto held = keeper::QueryKeeper(KeeperOf(socket), kTimeout);
   ASSERT_TRUE(held.ok() && held->has_value());
-  EXPECT_NE((*held)->keeper_pid, *keeper_pid);
+  EXPECT_NE((*held)->keeper_pid, keeper_pid);
   EXPECT_EQ((*held)->depositor_pid, serve->pid());
   // No fd of the refused withdrawal stays in the daemon.
   EXPECT_EQ(OpenMemfds(serve->pid()), loaded_fds);
