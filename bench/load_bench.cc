@@ -1,21 +1,27 @@
 // load_bench — the cold-load path, measured against its own limits in one run (SPEC §8:
 // cold load disk → gpu ≥ 90 % of min(file read GB/s, pinned H2D GB/s) measured alike).
 //
-//   load_bench [DATA_DIR] [--gib N] [--threads T] [--buffer-mib M] [--buffers K]
+//   load_bench [DATA_DIR] [--gib N] [--files F] [--threads T] [--buffer-mib M] [--buffers K]
 //              [--direct | --mapped | --auto] [--streams S] [--chunk-mib M] [--depth D]
-//              [--checksum-threads H] [--warm-only] [--device-checksum | --no-checksum]
+//              [--checksum-threads H] [--warm-only] [--reps R]
+//              [--device-checksum | --no-checksum]
 // (--mapped: the copy engine reads the page cache through registered mappings, checksums by
 // the GPU kernel; --auto: mapped when the files are in the page cache, as the daemon loads.)
 //
 // DATA_DIR holds the files to load (every regular file, in name order). If it is missing,
-// empty or not given, N GiB (default 4) of files are written there (or in a temp dir, removed
-// afterwards). For each cache state (cold: posix_fadvise(DONTNEED) on every file first, with
-// the resident fraction checked by mincore; warm: right after a full read) it measures:
+// empty or not given, N GiB (default 4) of files are written there as F files (default 4), or
+// in a temp dir, removed afterwards; a tmpfs such as /dev/shm measures "tmpfs → GPU". For each
+// cache state (cold: posix_fadvise(DONTNEED) on every file first, with the resident fraction
+// checked by mincore; warm: right after a full read) it measures:
 //   (a) file read GB/s: the pipeline's reader threads and read size, into pinned memory;
 //   (b) pinned H2D GB/s: one 1 GiB cuMemcpyHtoDAsync (best of 3);
-//   (c) the pipeline (checksums on, as the daemon runs it) into one cuMemAlloc region;
-// and reports pipeline / min(a, b). Then it times the GPU checksum kernel over the loaded
-// region and checks its checksums against the pipeline's. One JSON object per line.
+//   (c) the pipeline (checksums on, as the daemon runs it) into one cuMemAlloc region, R times
+//       warm (--reps, default 1);
+// and reports pipeline / min(a, b). Warm, it also measures (a) and (b) at once (the readers
+// while a copy stream moves another pinned buffer to the device in a loop): what the host's
+// memory gives the two halves of the staged path when they share it. Then it times the GPU
+// checksum kernel over the loaded region and checks its checksums against the pipeline's.
+// One JSON object per line.
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -30,6 +36,7 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -72,13 +79,13 @@ struct File {
   wc::UniqueFd fd;
 };
 
-// Write `total` bytes as 4 files of pseudo-random data, synced, then dropped from the cache.
-void WriteDataset(const std::string& dir, uint64_t total) {
+// Write `total` bytes as `count` files of pseudo-random data, synced.
+void WriteDataset(const std::string& dir, uint64_t total, int count) {
   std::vector<uint64_t> block(64 * kMiB / 8);
   std::mt19937_64 rng(7);
   for (auto& w : block) w = rng();
-  const uint64_t per_file = total / 4;
-  for (int f = 0; f < 4; ++f) {
+  const uint64_t per_file = total / count;
+  for (int f = 0; f < count; ++f) {
     const std::string path = dir + "/shard-" + std::to_string(f) + ".bin";
     wc::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
     if (!fd.valid()) Die("create " + path + ": " + std::strerror(errno));
@@ -181,6 +188,49 @@ double MeasureRead(const cu::DriverApi* api, const std::vector<File>& files, int
   return total / s / 1e9;
 }
 
+struct Concurrent {
+  double read_gb_per_s;
+  double h2d_gb_per_s;
+};
+
+// (a) and (b) at once: the file read pass while one stream copies a pinned buffer to the device
+// in a loop, both rates over the read pass's wall time.
+Concurrent MeasureReadUnderH2D(const cu::DriverApi* api, CUcontext ctx,
+                               const std::vector<File>& files, int threads, uint64_t piece,
+                               CUdeviceptr dst, uint64_t bytes) {
+  auto host = cu::PinnedHostBuffer::Create(api, bytes);
+  if (!host.ok()) Die(host.status().ToString());
+  std::memset(host->data(), 0x5A, bytes);
+  std::atomic<bool> stop{false};
+  std::atomic<bool> failed{false};
+  std::atomic<uint64_t> copied{0};
+  std::thread copier([&] {
+    std::optional<cu::CudaStream> stream;
+    if (api->cuCtxSetCurrent(ctx) == CUDA_SUCCESS) {
+      if (auto s = cu::CudaStream::Create(api); s.ok()) stream.emplace(std::move(*s));
+    }
+    while (stream && !stop.load()) {
+      if (api->cuMemcpyHtoDAsync(dst, host->data(), bytes, stream->get()) != CUDA_SUCCESS ||
+          api->cuStreamSynchronize(stream->get()) != CUDA_SUCCESS) {
+        break;
+      }
+      copied += bytes;
+    }
+    failed = !stop.load();
+  });
+  // The copier's first copy starts the loop; the read pass then runs beside it.
+  while (copied.load() == 0 && !failed.load()) std::this_thread::yield();
+  const uint64_t copied_before = copied.load();
+  const auto t0 = Clock::now();
+  const double read = MeasureRead(api, files, threads, piece, /*direct=*/false);
+  const double s = Seconds(t0);
+  const uint64_t during = copied.load() - copied_before;
+  stop = true;
+  copier.join();
+  if (failed) Die("the H2D copy loop beside the read pass failed");
+  return {read, during / s / 1e9};
+}
+
 // (b) One big pinned H2D copy, best of 3.
 double MeasureH2D(const cu::DriverApi* api, CUdeviceptr dst, uint64_t bytes) {
   auto host = cu::PinnedHostBuffer::Create(api, bytes);
@@ -204,13 +254,19 @@ double MeasureH2D(const cu::DriverApi* api, CUdeviceptr dst, uint64_t bytes) {
 int main(int argc, char** argv) {
   std::string dir;
   uint64_t gib = 4;
+  int file_count = 4;
+  int reps = 1;
   cu::UploadOptions options;
   options.checksums = cu::ChecksumMode::kCompute;
   bool warm_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
-    if (a == "--gib") {
+    if (a == "--files") {
+      file_count = std::max(1, std::atoi(next().c_str()));
+    } else if (a == "--reps") {
+      reps = std::max(1, std::atoi(next().c_str()));
+    } else if (a == "--gib") {
       gib = std::strtoull(next().c_str(), nullptr, 10);
     } else if (a == "--threads") {
       options.reader_threads = std::atoi(next().c_str());
@@ -243,9 +299,10 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(
           stderr,
-          "usage: load_bench [DATA_DIR] [--gib N] [--threads T] [--buffer-mib M] "
+          "usage: load_bench [DATA_DIR] [--gib N] [--files F] [--threads T] [--buffer-mib M] "
           "[--buffers K] [--direct | --mapped | --auto] [--streams S] [--chunk-mib M] "
-          "[--depth D] [--checksum-threads H] [--warm-only] [--device-checksum | --no-checksum]\n");
+          "[--depth D] [--checksum-threads H] [--warm-only] [--reps R] "
+          "[--device-checksum | --no-checksum]\n");
       return 2;
     }
   }
@@ -276,8 +333,12 @@ int main(int argc, char** argv) {
   std::vector<File> files = OpenDataset(dir);
   if (files.empty()) {
     const auto t0 = Clock::now();
-    WriteDataset(dir, gib * kGiB);
-    Emit({{"kind", "dataset"}, {"dir", dir}, {"bytes", gib * kGiB}, {"write_s", Seconds(t0)}});
+    WriteDataset(dir, gib * kGiB, file_count);
+    Emit({{"kind", "dataset"},
+          {"dir", dir},
+          {"bytes", gib * kGiB},
+          {"files", file_count},
+          {"write_s", Seconds(t0)}});
     files = OpenDataset(dir);
   }
   uint64_t total = 0;
@@ -345,24 +406,38 @@ int main(int argc, char** argv) {
           {"resident_before", resident},
           {"threads", threads},
           {"gb_per_s", read}});
+    if (!cold) {
+      const uint64_t bytes = std::min<uint64_t>(256 * kMiB, device_bytes);
+      const Concurrent both = MeasureReadUnderH2D(api, ctx, files, threads,
+                                                  options.staging_buffer_bytes, region, bytes);
+      Emit({{"kind", "read_under_h2d"},
+            {"cache", cache},
+            {"threads", threads},
+            {"read_gb_per_s", both.read_gb_per_s},
+            {"h2d_gb_per_s", both.h2d_gb_per_s}});
+    }
 
-    resident = cold ? nlohmann::json(DropCache(files)) : nlohmann::json(nullptr);
-    auto report = pipeline->Run(sources, items);
-    if (!report.ok()) Die(report.status().ToString());
-    checksums = report->checksums;
-    const double limit = std::min(read, h2d);
-    Emit({{"kind", "pipeline"},
-          {"cache", cache},
-          {"resident_before", resident},
-          {"bytes", report->bytes},
-          {"seconds", report->seconds},
-          {"gb_per_s", report->gb_per_s},
-          {"direct_sources", report->direct_sources},
-          {"path", cu::ReadModeName(report->path)},
-          {"ratio_to_h2d", report->gb_per_s / h2d},
-          {"limit_gb_per_s", limit},
-          {"ratio", report->gb_per_s / limit},
-          {"target_ratio", 0.9}});
+    for (int rep = 0; rep < (cold ? 1 : reps); ++rep) {
+      resident = cold ? nlohmann::json(DropCache(files)) : nlohmann::json(nullptr);
+      auto report = pipeline->Run(sources, items);
+      if (!report.ok()) Die(report.status().ToString());
+      checksums = report->checksums;
+      const double limit = std::min(read, h2d);
+      Emit({{"kind", "pipeline"},
+            {"cache", cache},
+            {"rep", rep},
+            {"resident_before", resident},
+            {"bytes", report->bytes},
+            {"seconds", report->seconds},
+            {"gb_per_s", report->gb_per_s},
+            {"staging_s", report->staging_seconds},
+            {"direct_sources", report->direct_sources},
+            {"path", cu::ReadModeName(report->path)},
+            {"ratio_to_h2d", report->gb_per_s / h2d},
+            {"limit_gb_per_s", limit},
+            {"ratio", report->gb_per_s / limit},
+            {"target_ratio", 0.9}});
+    }
   }
 
   // The GPU checksum kernel over everything just loaded; it must agree with the pipeline.

@@ -17,6 +17,8 @@
 #    kill -9, the restart adopts the kept memory, engine B attaches; both equal the reference);
 # 3c. many models per GPU (issue 16): gpu_model_check.py budget (demotion by a second cache's
 #    admission, promotion by an engine's attach, the engine equals the reference);
+# 3d. the same at 16 GB (a Llama-3-8B-shaped checkpoint), restarted with --adopt-verify behind,
+#    then an upgrade handoff with engine A attached: $OUT/python-keeper-8b.json;
 # 4. the same model sharded (issue 12): for TP = 2 and 4, that many `serve --tp-size N
 #    --tp-rank r` daemons on device 0; each rank attached holds only its slices, its disk
 #    fallback gives the same bytes, and the state dict reassembled from the slices equals the
@@ -28,7 +30,8 @@
 # Knobs: OUT (./gpu-out), DEPS (.deps/usr), PY (python3), WORK (a temp dir, removed after),
 #        TESTS (pytest's arguments, absolute paths: pytest runs in WORK; default the whole
 #        tests/python), SKIP_MODEL=1 (no step 3 and after), SKIP_SHARD=1 (no step 4),
-#        SKIP_PUBLISH_BIG=1 (no 16 GB publish in step 4b), SKIP_PY_BENCH=1 (no step 5).
+#        SKIP_PUBLISH_BIG=1 (no 16 GB publish in step 4b), SKIP_KEEPER_BIG=1 (no step 3d),
+#        SKIP_PY_BENCH=1 (no step 5).
 # Exit status: non-zero if the build, a test or the model check fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -224,6 +227,33 @@ else
         --reference "$work/reference.json" --runtime-dir "$budget_runtime" \
         --cli "$WEIGHTCACHE_CLI" --device "$uuid" &&
       say "python budget: PASS $(grep -E '^\{"budget_check"' "$log" | tail -1)"
+  fi
+  # 3d. crash survival at 16 GB (issue 15): the same check on a Llama-3-8B-shaped checkpoint
+  #     (291 tensors, 16.06 GB, 4 shards), restarted with --adopt-verify behind (ready, then the
+  #     GPU checksum kernel over every tensor), then an upgrade handoff while engine A is
+  #     attached (SKIP_KEEPER_BIG=1 skips it: ~16 GB of disk, a few minutes).
+  if [[ -f $work/reference.json && -z ${SKIP_KEEPER_BIG:-} ]]; then
+    big=$work/llama3-8b
+    big_runtime=$(mktemp -d /tmp/wck.XXXXXX)
+    step make-8b "$py" "$check" make --shape llama3-8b --out "$big" &&
+      step reference-8b "$py" "$check" reference --model "$big" --out "$work/reference-8b.json" &&
+      step keeper-8b "$py" "$check" keeper --model "$big" --reference "$work/reference-8b.json" \
+        --runtime-dir "$big_runtime" --cli "$WEIGHTCACHE_CLI" --device "$uuid" \
+        --adopt-verify behind --upgrade &&
+      grep -E '^\{"keeper_check"' "$log" | tail -1 >"$OUT/python-keeper-8b.json" &&
+      "$py" - "$OUT/python-keeper-8b.json" <<'PY' | tee -a "$summary"
+import json, sys
+j = json.load(open(sys.argv[1]))["keeper_check"]
+u = j.get("upgrade", {})
+print(f"python keeper 16 GB: PASS, {j['tensors']} tensors {j['weight_bytes'] / 1e9:.2f} GB; "
+      f"restart ready {j['restart_ready_since_serve_started_s'] * 1000:.1f} ms since serve "
+      f"started ({j['restart_spawn_to_ready_line_ms']} ms spawn to the ready line; target "
+      f"<= 100 ms), read {j['restarted_read_chars']} B; {j['verified_line'].split(': ', 1)[-1]}; "
+      f"engines A/B equal the disk model: {j['engine_a_after']} {j['engine_b']}; upgrade "
+      f"handover {u.get('handover_us', 0) / 1000:.1f} ms, A/C after it: {u.get('engine_a_after')} "
+      f"{u.get('engine_c')}")
+PY
+    rm -rf "$big" "$big_runtime"
   fi
   # 4. sharded: N rank daemons on this one GPU, a runtime dir per N (SKIP_SHARD=1 skips it).
   if [[ -f $work/reference.json && -z ${SKIP_SHARD:-} ]]; then

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """A real model through weightcache on a GPU (run by scripts/gpu-python.sh on the device).
 
-  make      --out DIR              a small Llama (random weights, bf16, ~330 MB) saved with
-                                   save_pretrained as sharded safetensors
+  make      --out DIR [--shape S]  a Llama with random weights in bf16, saved with
+                                   save_pretrained as sharded safetensors: `small` (~330 MB, the
+                                   default) or `llama3-8b` (Llama-3-8B's shape: 291 tensors,
+                                   16.06 GB in 4 shards)
   reference --model DIR --out F    transformers loads DIR from disk onto cuda:0 and generates
                                    32 tokens greedily; token ids → F
   attach    --model DIR --reference F --runtime-dir R
@@ -29,6 +31,12 @@
                                    headers (/proc/PID/io rchar); A generates again, and engine B
                                    (a fresh process: `attach` above) attaches to the adopted
                                    cache; both must give the reference's tokens and logits.
+                                   --adopt-verify behind: ready first, then every tensor
+                                   checksummed on the GPU (the "verified behind ready" line).
+                                   --upgrade: then `weightcache upgrade` while A is attached; the
+                                   restarted daemon exits 0, A and a fresh engine C must give the
+                                   reference's output. One JSON line: the restart's time to
+                                   ready, bytes read, the handover time.
   budget --model DIR --other-model DIR2 --reference F --runtime-dir R --cli PATH --device UUID
                                    (issue 16) two `serve --gpu-budget B --demote host` caches,
                                    B = 1.5 x one checkpoint: the second's admission demotes the
@@ -52,13 +60,24 @@ PROMPT = [1, 306, 4966, 263, 931, 29892, 727, 471, 263, 2217, 5807, 297]
 NEW_TOKENS = 32
 
 
-def config():
+# The shapes `make` writes: (LlamaConfig arguments, max_shard_size).
+SHAPES = {
+    # ~165 M parameters: 330 MB in bf16, several shards at max_shard_size=100MB.
+    "small": (dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                   num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+                   max_position_embeddings=2048, tie_word_embeddings=False), "100MB"),
+    # Llama-3-8B's shape: 8.03 B parameters, 291 tensors, 16.06 GB in bf16, 4 shards.
+    "llama3-8b": (dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=8192, rope_theta=500000.0,
+                       tie_word_embeddings=False), "5GB"),
+}
+
+
+def config(shape: str = "small"):
     from transformers import LlamaConfig
 
-    # ~165 M parameters: 330 MB in bf16, several shards at max_shard_size=100MB.
-    return LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                       num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-                       max_position_embeddings=2048, tie_word_embeddings=False)
+    return LlamaConfig(**SHAPES[shape][0])
 
 
 def dtype_kw(torch):
@@ -83,8 +102,13 @@ def cmd_make(args):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config()).to(torch.bfloat16)
-    model.save_pretrained(args.out, max_shard_size="100MB", safe_serialization=True)
+    if args.shape == "small":
+        model = LlamaForCausalLM(config()).to(torch.bfloat16)
+    else:  # 8 B parameters: initialized on the GPU in bf16 (the CPU would take minutes)
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda:0"):
+            model = LlamaForCausalLM(config(args.shape))
+    model.save_pretrained(args.out, max_shard_size=SHAPES[args.shape][1], safe_serialization=True)
     n = sum(p.numel() for p in model.parameters())
     print(json.dumps({"made": args.out, "parameters": n, "bytes": n * 2}))
 
@@ -371,12 +395,12 @@ def cmd_shard_attach(args):
         sys.exit(1)
 
 
-def wait_for(predicate, timeout: float, what: str):
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.01):
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(what)
-        time.sleep(0.01)
+        time.sleep(interval)
 
 
 def read_chars(pid: int) -> int:
@@ -387,7 +411,31 @@ def read_chars(pid: int) -> int:
     raise RuntimeError(f"no rchar in /proc/{pid}/io")
 
 
+def read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def line_with(text: str, needle: str) -> str:
+    return next((line for line in text.splitlines() if needle in line), "")
+
+
+def gone(pid: int) -> bool:
+    """True once `pid` exited (a zombie counts: not our child, nobody here reaps it)."""
+    try:
+        return read_text(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+# A restarted daemon that re-adopts reads the checkpoint's headers (for the identity) and
+# nothing else: far below this, whatever the checkpoint's size (restart_bench: 157 KB at 16 GB).
+ADOPT_READ_BOUND = 16 << 20
+
+
 def cmd_keeper(args):
+    import glob
+    import re
     import signal
     import subprocess
 
@@ -396,57 +444,110 @@ def cmd_keeper(args):
     import weightcache
 
     serve = [args.cli, "serve", "--model", args.model, "--tier", "gpu", "--device", args.device,
-             "--runtime-dir", args.runtime_dir, "--adopt-verify", "full"]
+             "--runtime-dir", args.runtime_dir, "--adopt-verify", args.adopt_verify]
     logs = [os.path.join(args.runtime_dir, f"serve-{i}.log") for i in (1, 2)]
+    socket_glob = os.path.join(args.runtime_dir, "default", args.device, "*.sock")
     first = subprocess.Popen(serve, stdout=open(logs[0], "w"), stderr=subprocess.STDOUT)
     second = None
-    try:
-        import glob
+    successor_pid = None
 
-        socket_glob = os.path.join(args.runtime_dir, "default", args.device, "*.sock")
+    def engine(daemon_pid: int, label: str, failures: list) -> dict:
+        """A fresh process (`attach` above) on the cache: the reference's output, no copy."""
+        run = subprocess.run([sys.executable, __file__, "attach", "--model", args.model,
+                              "--reference", args.reference, "--runtime-dir", args.runtime_dir],
+                             capture_output=True, text=True)
+        if run.returncode != 0:
+            failures.append(f"engine {label} failed: {run.stderr[-2000:]}")
+        out = json.loads(run.stdout.strip().splitlines()[-1]) if run.stdout.strip() else {}
+        if out.get("daemon_pid") not in (None, daemon_pid):
+            failures.append(f"engine {label} attached to pid {out.get('daemon_pid')}, not "
+                            f"{daemon_pid}")
+        return {k: out.get(k) for k in ("tokens_equal", "logits_equal", "daemon_pid",
+                                        "load_state_dict_ms")}
+
+    def equal(report: dict) -> dict:
+        return {k: report[k] for k in ("tokens_equal", "logits_equal")}
+
+    try:
         wait_for(lambda: glob.glob(socket_glob) or first.poll() is not None, 30,
                  "the daemon published no socket in 30 s")
         torch.cuda.set_device(0)
         sd = weightcache.load_state_dict(args.model, device="cuda:0", on_missing="error",
-                                         runtime_dir=args.runtime_dir)
+                                         runtime_dir=args.runtime_dir, wait_timeout=300)
         att = sd.attachment
         assert att.source == "daemon" and att.daemon_pid == first.pid, att.source_reason
+        tensors = len(att)
         engine_a = build_model(sd, args.model, torch)
         failures, before = compare_to_reference(engine_a, args.reference, torch)
 
+        # kill -9 while engine A holds the daemon's memory (its tensors stay valid), then the
+        # same `serve` again: it must re-adopt the kept memory without reading the weights.
         first.send_signal(signal.SIGKILL)
         first.wait()
+        spawned = time.monotonic()
         second = subprocess.Popen(serve, stdout=open(logs[1], "w"), stderr=subprocess.STDOUT)
-        wait_for(lambda: "ready:" in open(logs[1]).read() or second.poll() is not None, 60,
-                 "the restarted daemon is not ready after 60 s")
-        log = open(logs[1]).read()
-        ready = next((line for line in log.splitlines() if "ready:" in line), "")
-        if "ready: adopted" not in ready or f"checksums of all {len(att)} tensors" not in ready:
-            failures.append(f"the restarted daemon did not adopt every tensor verified: {log}")
+        wait_for(lambda: "ready:" in read_text(logs[1]) or second.poll() is not None, 60,
+                 "the restarted daemon is not ready after 60 s", interval=0.001)
+        ready_observed_ms = (time.monotonic() - spawned) * 1000
+        ready = line_with(read_text(logs[1]), "ready:")
+        since_start = re.search(r"\(([0-9.e-]+) s since serve started\)", ready)
+        verified = ""
+        if "ready: adopted" not in ready:
+            failures.append(f"the restarted daemon did not adopt: {read_text(logs[1])}")
+        elif args.adopt_verify == "full":
+            if f"checksums of all {tensors} tensors" not in ready:
+                failures.append(f"the restarted daemon did not verify every tensor: {ready}")
+        else:  # behind: ready first, then the GPU checksum kernel over every tensor
+            if "behind ready" not in ready:
+                failures.append(f"the ready line does not say the checks come behind: {ready}")
+            wait_for(lambda: "verif" in read_text(logs[1]).split(ready, 1)[-1]
+                     or second.poll() is not None, 60,
+                     "the adopted memory was not verified within 60 s of ready")
+            verified = line_with(read_text(logs[1]), "verified behind ready")
+            if f"checksums of all {tensors} tensors match" not in verified:
+                failures.append(f"the memory was not verified behind ready: "
+                                f"{read_text(logs[1])[-2000:]}")
         rchar = read_chars(second.pid)
-        if rchar >= att.total_bytes // 4:
-            failures.append(f"the restarted daemon read {rchar} B, a load's worth")
+        if rchar >= ADOPT_READ_BOUND:
+            failures.append(f"the restarted daemon read {rchar} B (bound {ADOPT_READ_BOUND})")
 
         # Engine A, still holding the killed daemon's memory, and engine B, a fresh process
         # attached to the adopted cache: both give the reference's output.
         a_failures, after = compare_to_reference(engine_a, args.reference, torch)
         failures += [f"engine A after the restart: {f}" for f in a_failures]
-        b = subprocess.run([sys.executable, __file__, "attach", "--model", args.model,
-                            "--reference", args.reference, "--runtime-dir", args.runtime_dir],
-                           capture_output=True, text=True)
-        if b.returncode != 0:
-            failures.append(f"engine B failed: {b.stderr[-2000:]}")
-        engine_b = json.loads(b.stdout.strip().splitlines()[-1]) if b.stdout.strip() else {}
-        if engine_b.get("daemon_pid") not in (None, second.pid):
-            failures.append(f"engine B attached to pid {engine_b.get('daemon_pid')}, "
-                            f"not the restarted daemon {second.pid}")
-        print(json.dumps({"keeper_check": {
-            "engine_a_before": {k: before[k] for k in ("tokens_equal", "logits_equal")},
-            "engine_a_after": {k: after[k] for k in ("tokens_equal", "logits_equal")},
-            "engine_b": {k: engine_b.get(k) for k in ("tokens_equal", "logits_equal",
-                                                       "daemon_pid")},
-            "ready_line": ready, "restarted_read_chars": rchar,
-            "weight_bytes": att.total_bytes}}))
+        engine_b = engine(second.pid, "B", failures)
+        report = {
+            "tensors": tensors, "weight_bytes": att.total_bytes,
+            "adopt_verify": args.adopt_verify,
+            "engine_a_before": equal(before), "engine_a_after": equal(after),
+            "engine_b": engine_b, "ready_line": ready, "verified_line": verified,
+            "restart_ready_since_serve_started_s":
+                float(since_start.group(1)) if since_start else None,
+            "restart_spawn_to_ready_line_ms": round(ready_observed_ms, 1),
+            "restarted_read_chars": rchar}
+
+        if args.upgrade:
+            # The upgrade handoff while engine A is attached: the successor serves the same
+            # memory, the restarted daemon exits, A and a fresh engine C give the reference.
+            sockets = glob.glob(socket_glob)
+            up = subprocess.run([args.cli, "upgrade", "--socket", sockets[0], "--json"],
+                                capture_output=True, text=True, timeout=120)
+            if up.returncode != 0:
+                failures.append(f"upgrade exited {up.returncode}: {up.stderr[-2000:]}")
+            else:
+                handed = json.loads(up.stdout.strip().splitlines()[-1])
+                successor_pid = handed["successor_pid"]
+                second.wait(timeout=60)
+                u_failures, after_upgrade = compare_to_reference(engine_a, args.reference, torch)
+                failures += [f"engine A after the upgrade: {f}" for f in u_failures]
+                report["upgrade"] = {
+                    "successor_pid": successor_pid, "handover_us": handed["handover_us"],
+                    "old_daemon_exit": second.returncode,
+                    "engine_a_after": equal(after_upgrade),
+                    "engine_c": engine(successor_pid, "C", failures)}
+                if second.returncode != 0:
+                    failures.append(f"the upgraded daemon exited {second.returncode}")
+        print(json.dumps({"keeper_check": report}))
         if failures:
             print("FAIL: " + "; ".join(failures), file=sys.stderr)
             sys.exit(1)
@@ -455,6 +556,9 @@ def cmd_keeper(args):
             if p is not None and p.poll() is None:
                 p.terminate()  # a deliberate stop: the keeper drops the memory
                 p.wait()
+        if successor_pid is not None and not gone(successor_pid):
+            os.kill(successor_pid, signal.SIGTERM)
+            wait_for(lambda: gone(successor_pid), 60, "the successor did not stop in 60 s")
 
 
 def cache_rows(cli: str, runtime_dir: str) -> list:
@@ -561,6 +665,7 @@ def main():
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make")
     m.add_argument("--out", required=True)
+    m.add_argument("--shape", choices=sorted(SHAPES), default="small")
     r = sub.add_parser("reference")
     r.add_argument("--model", required=True)
     r.add_argument("--out", required=True)
@@ -579,6 +684,10 @@ def main():
     k.add_argument("--runtime-dir", required=True)
     k.add_argument("--cli", required=True)
     k.add_argument("--device", required=True)
+    k.add_argument("--adopt-verify", choices=("full", "behind"), default="full")
+    k.add_argument("--upgrade", action="store_true",
+                   help="then hand the cache to a successor with `weightcache upgrade` while "
+                        "engine A is attached; A and a fresh engine C must give the reference")
     bu = sub.add_parser("budget")
     bu.add_argument("--model", required=True)
     bu.add_argument("--other-model", required=True)
