@@ -4,9 +4,12 @@
 //   load_bench [DATA_DIR] [--gib N] [--files F] [--threads T] [--buffer-mib M] [--buffers K]
 //              [--direct | --mapped | --auto] [--streams S] [--chunk-mib M] [--depth D]
 //              [--checksum-threads H] [--warm-only] [--reps R]
-//              [--device-checksum | --no-checksum]
+//              [--device-checksum | --no-checksum] [--hybrid F [--mapped-threads M]]
 // (--mapped: the copy engine reads the page cache through registered mappings, checksums by
-// the GPU kernel; --auto: mapped when the files are in the page cache, as the daemon loads.)
+// the GPU kernel; --auto: mapped when the files are in the page cache, as the daemon loads;
+// --hybrid F: the last fraction F of each file's items go through a second, mapped pipeline of
+// M threads (default 2) at the same time as the rest go through the staged one: the two paths
+// have different limits, CPU copies against the driver's page registration.)
 //
 // DATA_DIR holds the files to load (every regular file, in name order). If it is missing,
 // empty or not given, N GiB (default 4) of files are written there as F files (default 4), or
@@ -256,13 +259,19 @@ int main(int argc, char** argv) {
   uint64_t gib = 4;
   int file_count = 4;
   int reps = 1;
+  double hybrid = 0;
+  int mapped_threads = 2;
   cu::UploadOptions options;
   options.checksums = cu::ChecksumMode::kCompute;
   bool warm_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
-    if (a == "--files") {
+    if (a == "--hybrid") {
+      hybrid = std::clamp(std::atof(next().c_str()), 0.0, 1.0);
+    } else if (a == "--mapped-threads") {
+      mapped_threads = std::max(1, std::atoi(next().c_str()));
+    } else if (a == "--files") {
       file_count = std::max(1, std::atoi(next().c_str()));
     } else if (a == "--reps") {
       reps = std::max(1, std::atoi(next().c_str()));
@@ -302,7 +311,7 @@ int main(int argc, char** argv) {
           "usage: load_bench [DATA_DIR] [--gib N] [--files F] [--threads T] [--buffer-mib M] "
           "[--buffers K] [--direct | --mapped | --auto] [--streams S] [--chunk-mib M] "
           "[--depth D] [--checksum-threads H] [--warm-only] [--reps R] "
-          "[--device-checksum | --no-checksum]\n");
+          "[--device-checksum | --no-checksum] [--hybrid F [--mapped-threads M]]\n");
       return 2;
     }
   }
@@ -371,6 +380,27 @@ int main(int argc, char** argv) {
   const auto tp = Clock::now();
   auto pipeline = cu::UploadPipeline::Create(api, options);
   if (!pipeline.ok()) Die(pipeline.status().ToString());
+  // --hybrid: which items the mapped pipeline takes (the last fraction of each file's).
+  std::vector<size_t> staged_index, mapped_index;
+  std::vector<cu::UploadItem> staged_items, mapped_items;
+  std::optional<cu::UploadPipeline> mapped_pipeline;
+  if (hybrid > 0) {
+    for (size_t s = 0; s < files.size(); ++s) {
+      const uint64_t cut = static_cast<uint64_t>(static_cast<double>(files[s].size) * (1 - hybrid));
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (items[i].source != s) continue;
+        const bool mapped = items[i].file_offset >= cut;
+        (mapped ? mapped_index : staged_index).push_back(i);
+        (mapped ? mapped_items : staged_items).push_back(items[i]);
+      }
+    }
+    cu::UploadOptions m = options;
+    m.read_mode = cu::ReadMode::kMapped;
+    m.reader_threads = mapped_threads;
+    auto made = cu::UploadPipeline::Create(api, m);
+    if (!made.ok()) Die(made.status().ToString());
+    mapped_pipeline.emplace(std::move(made).value());
+  }
   const double pipeline_create_s = Seconds(tp);
   const int threads = pipeline->options().reader_threads;
   const bool direct = options.read_mode == cu::ReadMode::kDirect;
@@ -388,6 +418,8 @@ int main(int argc, char** argv) {
         {"checksums", options.checksums == cu::ChecksumMode::kNone     ? "none"
                       : options.checksums == cu::ChecksumMode::kDevice ? "device"
                                                                        : "host"},
+        {"hybrid_mapped_fraction", hybrid},
+        {"hybrid_mapped_threads", hybrid > 0 ? mapped_threads : 0},
         {"pipeline_create_s", pipeline_create_s}});
 
   const double h2d = MeasureH2D(api, region, std::min<uint64_t>(kGiB, device_bytes));
@@ -419,7 +451,39 @@ int main(int argc, char** argv) {
 
     for (int rep = 0; rep < (cold ? 1 : reps); ++rep) {
       resident = cold ? nlohmann::json(DropCache(files)) : nlohmann::json(nullptr);
-      auto report = pipeline->Run(sources, items);
+      auto report = [&]() -> wc::Result<cu::UploadReport> {
+        if (!mapped_pipeline) return pipeline->Run(sources, items);
+        // Both pipelines at once, one report: the wall time of the two, the checksums merged
+        // back into item order.
+        const auto t0 = Clock::now();
+        std::optional<wc::Result<cu::UploadReport>> mapped_report;
+        std::thread mapped_thread([&] {
+          if (api->cuCtxSetCurrent(ctx) != CUDA_SUCCESS) {
+            mapped_report.emplace(wc::InternalError("cuCtxSetCurrent on the mapped thread"));
+            return;
+          }
+          mapped_report.emplace(mapped_pipeline->Run(sources, mapped_items));
+        });
+        auto staged_report = pipeline->Run(sources, staged_items);
+        mapped_thread.join();
+        if (!staged_report.ok()) return staged_report.status();
+        if (!mapped_report->ok()) return mapped_report->status();
+        cu::UploadReport both = std::move(staged_report).value();
+        both.seconds = Seconds(t0);
+        both.bytes = total;
+        both.gb_per_s = static_cast<double>(total) / both.seconds / 1e9;
+        if (!both.checksums.empty()) {
+          std::vector<uint64_t> merged(items.size());
+          for (size_t k = 0; k < staged_index.size(); ++k) {
+            merged[staged_index[k]] = both.checksums[k];
+          }
+          for (size_t k = 0; k < mapped_index.size(); ++k) {
+            merged[mapped_index[k]] = (**mapped_report).checksums[k];
+          }
+          both.checksums = std::move(merged);
+        }
+        return both;
+      }();
       if (!report.ok()) Die(report.status().ToString());
       checksums = report->checksums;
       const double limit = std::min(read, h2d);
@@ -432,7 +496,7 @@ int main(int argc, char** argv) {
             {"gb_per_s", report->gb_per_s},
             {"staging_s", report->staging_seconds},
             {"direct_sources", report->direct_sources},
-            {"path", cu::ReadModeName(report->path)},
+            {"path", mapped_pipeline ? "hybrid" : cu::ReadModeName(report->path)},
             {"ratio_to_h2d", report->gb_per_s / h2d},
             {"limit_gb_per_s", limit},
             {"ratio", report->gb_per_s / limit},
