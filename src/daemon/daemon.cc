@@ -255,7 +255,8 @@ void Daemon::LoaderMain() {
         (adopted->keeper_pid != 0 ? "from keeper pid " + std::to_string(adopted->keeper_pid)
                                   : std::string("from the service manager's fd store")) +
         " (loaded by pid " + std::to_string(adopted->depositor_pid) + "), checksums of " +
-        adopted->verified + " verified (" + adopted->timings + ")";
+        adopted->verified + (adopted->verify_behind ? "" : " verified") + " (" + adopted->timings +
+        ")";
     {
       MutexLock lock(result_mu_);
       load_result_.emplace(std::move(adopted->store));

@@ -310,8 +310,8 @@ std::optional<AdoptedStore> AdoptFromKeeper(const identity::CachePaths& paths,
     if (!valid.ok()) return reject(valid);
     auto store = StoreOfDuplicates(handoff);
     if (!store.ok()) return reject(store.status());
-    const std::string behind =
-        "all " + std::to_string(handoff.manifest.tensor_count()) + " tensors, behind ready";
+    const std::string behind = "all " + std::to_string(handoff.manifest.tensor_count()) +
+                               " tensors to be checked behind ready";
     AdoptedStore adopted{std::move(store).value(), (*query)->keeper_pid,
                          (*query)->depositor_pid,  behind,
                          std::move(timings),       std::nullopt};

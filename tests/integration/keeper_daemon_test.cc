@@ -363,7 +363,8 @@ TEST_F(KeeperDaemonTest, AdoptVerifyBehindIsReadyFirstThenVerifiesEveryTensor) {
   std::unique_ptr<ServeProcess> second;
   ASSERT_EQ(StartReady(second, "second.log", {"--adopt-verify", "behind"}), socket);
   ExpectAdopted(*second);
-  EXPECT_NE(second->Log().find("checksums of all 12 tensors, behind ready"), std::string::npos)
+  EXPECT_NE(second->Log().find("checksums of all 12 tensors to be checked behind ready ("),
+            std::string::npos)
       << second->Log();
   const auto deadline = std::chrono::steady_clock::now() + kTimeout;
   while (second->Log().find("verified behind ready") == std::string::npos &&
