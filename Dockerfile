@@ -8,7 +8,7 @@
 #
 # Stage 1 builds on the CUDA devel image (nvcc: `pip install .` compiles the GPU checksum kernel
 # whenever nvcc is found, so `verify` and `attach --verify` work on the gpu tier). Stage 2 keeps
-# only the virtual environment: the CLI links libcrypto, libsystemd and libstdc++ dynamically, and
+# only the virtual environment: the CLI links libnettle, libsystemd and libstdc++ dynamically, and
 # finds the CUDA driver (libcuda.so.1) at run time, which the NVIDIA container toolkit mounts
 # from the host; the base image brings no CUDA libraries the binary would use.
 ARG CUDA_VERSION=13.0.0
@@ -22,7 +22,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
        cmake ninja-build g++ pkg-config nlohmann-json3-dev libcli11-dev libxxhash-dev \
-       libssl-dev libsystemd-dev libucx-dev libcurl4-openssl-dev python3 python3-dev python3-venv \
+       nettle-dev libsystemd-dev libucx-dev libcurl4-openssl-dev python3 python3-dev python3-venv \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -36,7 +36,7 @@ RUN python3 -m venv /opt/weightcache \
 FROM nvidia/cuda:${CUDA_VERSION}-base-ubuntu${UBUNTU_VERSION} AS runtime
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 libssl3t64 libsystemd0 libucx0 libcurl4t64 \
+    && apt-get install -y --no-install-recommends python3 libnettle8t64 libsystemd0 libucx0 libcurl4t64 \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 weightcache \
     && useradd --system --uid 10001 --gid 10001 --home-dir /run/weightcache --no-create-home \

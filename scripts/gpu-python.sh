@@ -60,8 +60,7 @@ arch=x86_64-linux-gnu
 prefix=$root/build-python-gpu/target
 rm -rf "$prefix"
 export CMAKE_ARGS="-DCMAKE_PREFIX_PATH=$deps -DCMAKE_CXX_FLAGS=-g\ -isystem\ $deps/include/$arch \
--DOPENSSL_ROOT_DIR=$deps -DOPENSSL_USE_STATIC_LIBS=ON -DOPENSSL_INCLUDE_DIR=$deps/include \
--DOPENSSL_CRYPTO_LIBRARY=$deps/lib/$arch/libcrypto.a -DOPENSSL_SSL_LIBRARY=$deps/lib/$arch/libssl.a \
+-DNETTLE_INCLUDE_DIR=$deps/include -DNETTLE_LIBRARY=$deps/lib/$arch/libnettle.a \
 -Dnlohmann_json_DIR=$deps/share/cmake/nlohmann_json -DCLI11_DIR=$deps/share/cmake/CLI11 \
 -DXXHASH_INCLUDE_DIR=$deps/include"
 if "$py" -m pip install --no-build-isolation --no-deps --no-index -v --target "$prefix" \

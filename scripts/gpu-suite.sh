@@ -83,16 +83,13 @@ fi
 arch=x86_64-linux-gnu
 build_ok=1
 {
-  # Debian multiarch: OpenSSL's configuration.h lives under include/<arch>; the CMake package
+  # Debian multiarch: headers under include/<arch> (e.g. Nettle's); the CMake package
   # files of GTest under lib/<arch>/cmake. Everything is named explicitly so the result does
   # not depend on whether this host's CMake knows the multiarch layout.
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_PREFIX_PATH="$deps" \
     -DCMAKE_CXX_FLAGS="-isystem $deps/include/$arch" \
-    -DOPENSSL_ROOT_DIR="$deps" -DOPENSSL_USE_STATIC_LIBS=ON \
-    -DOPENSSL_INCLUDE_DIR="$deps/include" \
-    -DOPENSSL_CRYPTO_LIBRARY="$deps/lib/$arch/libcrypto.a" \
-    -DOPENSSL_SSL_LIBRARY="$deps/lib/$arch/libssl.a" \
+    -DNETTLE_INCLUDE_DIR="$deps/include" -DNETTLE_LIBRARY="$deps/lib/$arch/libnettle.a" \
     -DGTest_DIR="$deps/lib/$arch/cmake/GTest" \
     -Dnlohmann_json_DIR="$deps/share/cmake/nlohmann_json" \
     -DCLI11_DIR="$deps/share/cmake/CLI11" \

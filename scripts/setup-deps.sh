@@ -3,7 +3,7 @@
 # Debian packages with apt-get, Python packages with pip; nothing else is fetched.
 set -euo pipefail
 debs=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
-      nlohmann-json3-dev libcli11-dev libxxhash-dev libssl-dev libgtest-dev libgmock-dev
+      nlohmann-json3-dev libcli11-dev libxxhash-dev nettle-dev libgtest-dev libgmock-dev
       python3 python3-pip python3-venv pkg-config libsystemd-dev
       make         # the SDK check's pkg-config consumer (tests/sdk/c/Makefile)
       prometheus   # the metrics test's real Prometheus server (docs/metrics.md)

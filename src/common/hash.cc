@@ -1,6 +1,6 @@
 #include "common/hash.h"
 
-#include <openssl/evp.h>
+#include <nettle/sha2.h>
 // Header-only use: no libxxhash at run time. Not under clang-tidy's analyzer: xxhash states
 // its precondition (null input only with length 0) as a no-op XXH_ASSERT, so the analyzer
 // walks impossible null-with-length paths inside it; there it sees only the declarations.
@@ -10,39 +10,30 @@
 #include <xxhash.h>
 
 #include <cstdio>
-#include <stdexcept>
 
 namespace weightcache {
 
 struct Sha256::Ctx {
-  EVP_MD_CTX* md = nullptr;
-  ~Ctx() { EVP_MD_CTX_free(md); }
+  sha256_ctx state;
 };
 
-Sha256::Sha256() : ctx_(std::make_unique<Ctx>()) {
-  ctx_->md = EVP_MD_CTX_new();
-  // Allocation failure here is an out-of-memory condition the process cannot recover from.
-  if (ctx_->md == nullptr || EVP_DigestInit_ex(ctx_->md, EVP_sha256(), nullptr) != 1) {
-    std::abort();
-  }
-}
+Sha256::Sha256() : ctx_(std::make_unique<Ctx>()) { sha256_init(&ctx_->state); }
 
 Sha256::~Sha256() = default;
 
 void Sha256::Update(const void* data, size_t size) {
-  if (size > 0) EVP_DigestUpdate(ctx_->md, data, size);
+  if (size > 0) sha256_update(&ctx_->state, size, static_cast<const uint8_t*>(data));
 }
 
 std::string Sha256::FinalHex() {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  EVP_DigestFinal_ex(ctx_->md, digest, &len);
+  uint8_t digest[SHA256_DIGEST_SIZE];
+  sha256_digest(&ctx_->state, sizeof(digest), digest);
   static constexpr char kHex[] = "0123456789abcdef";
   std::string out;
-  out.reserve(size_t{len} * 2);
-  for (unsigned int i = 0; i < len; ++i) {
-    out.push_back(kHex[digest[i] >> 4]);
-    out.push_back(kHex[digest[i] & 0xf]);
+  out.reserve(sizeof(digest) * 2);
+  for (const uint8_t byte : digest) {
+    out.push_back(kHex[byte >> 4]);
+    out.push_back(kHex[byte & 0xf]);
   }
   return out;
 }

@@ -1,7 +1,7 @@
 #include "fleet/etcd_client.h"
 
 #include <curl/curl.h>
-#include <openssl/evp.h>
+#include <nettle/base64.h>
 
 #include <algorithm>
 #include <cctype>
@@ -158,20 +158,14 @@ json LeaseBody(int64_t lease) { return json{{"ID", std::to_string(lease)}}; }
 }  // namespace
 
 std::string Base64Encode(std::string_view data) {
-  std::string out(4 * ((data.size() + 2) / 3), '\0');
+  std::string out(BASE64_ENCODE_RAW_LENGTH(data.size()), '\0');
   if (data.empty()) return out;
-  const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
-                                reinterpret_cast<const unsigned char*>(data.data()),
-                                static_cast<int>(data.size()));
-  out.resize(static_cast<size_t>(n));
+  base64_encode_raw(out.data(), data.size(), reinterpret_cast<const uint8_t*>(data.data()));
   return out;
 }
 
 Result<std::string> Base64Decode(std::string_view text) {
   if (text.size() % 4 != 0) return ProtocolError("base64 length is not a multiple of 4");
-  if (text.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
-    return ProtocolError("base64 text too long");
-  }
   size_t padding = 0;
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
@@ -183,13 +177,17 @@ Result<std::string> Base64Decode(std::string_view text) {
     }
     if (!alpha || padding > 0) return ProtocolError("invalid base64");
   }
-  std::string out(text.size() / 4 * 3, '\0');
+  std::string out(BASE64_DECODE_LENGTH(text.size()), '\0');
   if (text.empty()) return out;
-  const int n = EVP_DecodeBlock(reinterpret_cast<unsigned char*>(out.data()),
-                                reinterpret_cast<const unsigned char*>(text.data()),
-                                static_cast<int>(text.size()));
-  if (n < 0 || static_cast<size_t>(n) < padding) return ProtocolError("invalid base64");
-  out.resize(static_cast<size_t>(n) - padding);  // EVP_DecodeBlock counts padding as zeros
+  base64_decode_ctx ctx;
+  base64_decode_init(&ctx);
+  size_t n = out.size();
+  if (base64_decode_update(&ctx, &n, reinterpret_cast<uint8_t*>(out.data()), text.size(),
+                           text.data()) != 1 ||
+      base64_decode_final(&ctx) != 1) {
+    return ProtocolError("invalid base64");
+  }
+  out.resize(n);
   return out;
 }
 
