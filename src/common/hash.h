@@ -1,5 +1,6 @@
 // Hashing: SHA-256 (Nettle: no process-wide initialisation, so a fresh client pays nothing for
-// its first digest) for identities and digests, XXH64 (libxxhash) for content checksums. Objects are single-threaded; the free functions are thread-safe.
+// its first digest) for identities and digests, XXH64 (libxxhash) for content checksums.
+// Objects are single-threaded; the free functions are thread-safe.
 #pragma once
 
 #include <array>
