@@ -168,13 +168,16 @@ bench_ok=1
 if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
   work=${BENCH_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/wc-bench-XXXXXX")}
   mkdir -p "$work"
-  run_bench() {  # timeout name args...
+  run_bench() {  # timeout name args... (skipped unless BENCHES is empty or names it)
+    if [[ -n ${BENCHES:-} && " $BENCHES " != *" $2 "* ]]; then
+      return
+    fi
+    run_bench_exe "$@"
+  }
+  run_bench_exe() {  # timeout name args... (whatever BENCHES says)
     local limit=$1 name=$2
     shift 2
     local exe="$build/bench/$name" t0 rc
-    if [[ -n ${BENCHES:-} && " $BENCHES " != *" $name "* ]]; then
-      return
-    fi
     if [[ ! -x $exe ]]; then
       say "bench $name: not built"
       bench_ok=0
@@ -210,7 +213,7 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
         rm -rf "${shm:?}"/*
         for v in "${variants[@]}"; do
           # shellcheck disable=SC2086  # a variant is a list of flags
-          BENCHES="load_bench" run_bench 120 load_bench "$shm" --gib "$gib" --files "$files" \
+          run_bench_exe 120 load_bench "$shm" --gib "$gib" --files "$files" \
             --warm-only --reps 3 $v
         done
       done

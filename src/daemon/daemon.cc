@@ -255,8 +255,7 @@ void Daemon::LoaderMain() {
         (adopted->keeper_pid != 0 ? "from keeper pid " + std::to_string(adopted->keeper_pid)
                                   : std::string("from the service manager's fd store")) +
         " (loaded by pid " + std::to_string(adopted->depositor_pid) + "), checksums of " +
-        adopted->verified + (adopted->verify_behind ? "" : " verified") + " (" + adopted->timings +
-        ")";
+        adopted->verified + " (" + adopted->timings + ")";
     {
       MutexLock lock(result_mu_);
       load_result_.emplace(std::move(adopted->store));
@@ -519,7 +518,7 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
     if (!installed.ok()) return installed;
     if (events_.on_adopted) {
       events_.on_adopted("handed over by pid " + std::to_string(taken_over_->predecessor_pid) +
-                         ", checksums of " + taken_over_->verified + " verified");
+                         ", checksums of " + taken_over_->verified);
     }
     if (events_.on_ready) events_.on_ready(store_->summary(), SecondsSince(load_start_));
   } else if (identity::IsPublishedSource(options_.config.source)) {

@@ -108,9 +108,10 @@ Status CheckCheckpointUnchanged(const identity::CacheConfig& config,
 
 std::string DescribeVerified(const protocol::AdoptOptions& adopt, size_t tensors) {
   if (adopt.checksums == protocol::ChecksumCheck::kFull || tensors <= adopt.sample_tensors) {
-    return "all " + std::to_string(tensors) + " tensors";
+    return "all " + std::to_string(tensors) + " tensors verified";
   }
-  return std::to_string(adopt.sample_tensors) + " of " + std::to_string(tensors) + " tensors";
+  return std::to_string(adopt.sample_tensors) + " of " + std::to_string(tensors) +
+         " tensors verified";
 }
 
 Status VerifyGpuHandoff(const GpuAdoptContext& gpu, const protocol::Handoff& handoff,

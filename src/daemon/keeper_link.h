@@ -74,7 +74,8 @@ struct AdoptedStore {
   WeightStore store;
   int64_t keeper_pid = 0;
   int64_t depositor_pid = 0;  // the daemon that loaded it
-  std::string verified;       // "64 of 291 tensors" / "all 291 tensors"
+  // What was checked: DescribeVerified's, or "all 291 tensors to be checked behind ready".
+  std::string verified;
   // Where the adoption's time went, for the ready line: "checkpoint check 0.3 ms, withdrawal
   // 1.1 ms, context and import 150.2 ms, checksums 14.2 ms" (the last two only on the gpu
   // tier).
@@ -155,7 +156,8 @@ protocol::DepositInfo DescribeStore(const identity::CacheConfig& config, const W
 // saying what changed.
 Status CheckCheckpointUnchanged(const identity::CacheConfig& config, const std::string& model_path);
 
-// "all 291 tensors" / "64 of 291 tensors": what `adopt` checks of a manifest of `tensors`.
+// "all 291 tensors verified" / "64 of 291 tensors verified": what `adopt` checked of a manifest
+// of `tensors`.
 std::string DescribeVerified(const protocol::AdoptOptions& adopt, size_t tensors);
 
 // The WeightStore a validated handoff describes: its manifest memfd and allocation fds, the

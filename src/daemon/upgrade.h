@@ -66,7 +66,7 @@ struct TakenOver {
   os::LockFile lock;
   WeightStore store;
   int64_t predecessor_pid = 0;
-  std::string verified;  // "64 of 291 tensors" / "all 291 tensors"
+  std::string verified;  // DescribeVerified's: "64 of 291 tensors verified"
 };
 
 // Successor side: reads the Handover on `channel` (by `timeout`) and validates it (the rules

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cctype>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
