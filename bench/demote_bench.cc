@@ -3,7 +3,7 @@
 // promotion ≥ 0.9 × pinned H2D, demotion ≥ 20 GB/s).
 //
 //   demote_bench [--gib N] [--device I] [--reps R] [--alloc-gib A]
-//                [--strategy staged|registered|both] [--threads T] [--staging-mib M]
+//                [--strategy staged|registered|kept|both] [--threads T] [--staging-mib M]
 //
 // An exported VMM arena of N GiB (default 16) in allocations of A GiB (default 2), as a gpu
 // cache holds it, filled on the device; then for each strategy (default both), R times
@@ -11,18 +11,26 @@
 // memory freed, promotion (cuda::CopyMemfdsToDevice: new arena, copy from the sealed memfds),
 // the host copy freed. Strategies (cuda/tier_copy.h): staged (T workers, default the
 // library's: the cores, 4 to 16; each with two pinned buffers of M MiB, default 16; the host
-// copy in memfd segments of at most 512 MiB) and registered (the segments' mappings pinned).
+// copy in memfd segments of at most 512 MiB) and registered (the segments' mappings pinned
+// chunk by chunk by T workers as they are copied); then (kept, and with both) the probe of a
+// host copy kept registered while demoted: a staged demotion, the segments registered whole by
+// T workers (timed apart) and copied into a new arena on 4 streams.
 // Pinned H2D and D2H: one 1 GiB cuMemcpy{HtoD,DtoH}Async with pinned host memory (best of 3),
 // the links' rates the targets are measured against. Each line also carries the kernel's
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled (whether a memfd can get huge pages). One
 // JSON object per line.
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -32,6 +40,7 @@
 #include "cuda/tier_copy.h"
 #include "cuda/upload_resources.h"
 #include "cuda/vmm.h"
+#include "os/memfd.h"
 
 namespace wc = weightcache;
 namespace cu = weightcache::cuda;
@@ -105,6 +114,78 @@ PinnedRates Pinned(const cu::DriverApi* api) {
   return rates;
 }
 
+// The "kept" probe (issue 16): what a demoted cache would gain by keeping its host copy
+// registered with the driver (pinned) for the whole time it is demoted, which needs a CUDA
+// context kept alive meanwhile. Measures the registration of the sealed segments by `threads`
+// workers (what would run behind the demotion) and, apart from it, the promotion's copy from
+// the registered mappings into a new arena on 4 streams (what an attach would wait for).
+struct KeptRates {
+  double register_s = 0;
+  double copy_s = 0;
+  std::vector<wc::UniqueFd> fds;  // the new arena's
+};
+
+KeptRates Kept(const cu::DriverApi* api, CUdevice device, const std::vector<wc::UniqueFd>& memfds,
+               const std::vector<uint64_t>& sizes, size_t threads) {
+  auto arena = Check(cu::ExportedArena::Create(api, device, sizes), "kept: arena");
+  std::vector<wc::os::MappedRegion> regions;
+  for (const auto& fd : memfds) {
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) Die("kept: fstat of a segment");
+    regions.push_back(Check(wc::os::MapReadOnly(fd.get(), static_cast<size_t>(st.st_size)),
+                            "kept: mapping a segment"));
+  }
+  using Clock = std::chrono::steady_clock;
+  auto t0 = Clock::now();
+  {
+    std::vector<std::thread> workers;
+    std::atomic<bool> failed{false};
+    for (size_t w = 0; w < std::min(threads, regions.size()); ++w) {
+      workers.emplace_back([&, w] {
+        if (api->cuCtxSetCurrent(arena.context()) != CUDA_SUCCESS) failed = true;
+        for (size_t i = w; i < regions.size(); i += threads) {
+          if (api->cuMemHostRegister(regions[i].data(), regions[i].size(),
+                                     CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY) !=
+              CUDA_SUCCESS) {
+            failed = true;
+          }
+        }
+      });
+    }
+    for (auto& t : workers) t.join();
+    if (failed) Die("kept: cuMemHostRegister of a segment");
+  }
+  KeptRates rates;
+  rates.register_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::vector<cu::CudaStream> streams;
+  for (int i = 0; i < 4; ++i) streams.push_back(Check(cu::CudaStream::Create(api), "stream"));
+  constexpr size_t kPiece = size_t{64} << 20;
+  t0 = Clock::now();
+  CUdeviceptr at = arena.base();
+  size_t piece = 0;
+  for (const auto& region : regions) {
+    const auto* host = static_cast<const std::byte*>(region.data());
+    for (size_t off = 0; off < region.size(); off += kPiece, ++piece) {
+      const size_t n = std::min(kPiece, region.size() - off);
+      CheckCu(api,
+              api->cuMemcpyHtoDAsync(at + off, host + off, n,
+                                     streams[piece % streams.size()].get()),
+              "kept: cuMemcpyHtoDAsync");
+    }
+    at += region.size();
+  }
+  CheckCu(api, api->cuCtxSynchronize(), "kept: cuCtxSynchronize");
+  rates.copy_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  unsigned char last = 0;
+  CheckCu(api, api->cuMemcpyDtoH(&last, arena.base() + arena.total_bytes() - 1, 1),
+          "kept: reading back");
+  if (last != 0x5a) Die("kept: the promoted arena's last byte differs from the source's");
+  for (auto& region : regions) api->cuMemHostUnregister(region.data());
+  streams.clear();
+  rates.fds = std::move(arena).ReleaseToFds();
+  return rates;
+}
+
 int Run(int argc, char** argv) {
   const cu::TierCopyOptions defaults;
   uint64_t gib = 16, alloc_gib = 2, staging_mib = defaults.staging_bytes >> 20;
@@ -145,7 +226,8 @@ int Run(int argc, char** argv) {
   if (strategy == "registered" || strategy == "both") {
     strategies.emplace_back("registered", cu::TierCopyStrategy::kRegistered);
   }
-  if (strategies.empty()) Die("--strategy must be staged, registered or both");
+  const bool kept = strategy == "kept" || strategy == "both";
+  if (strategies.empty() && !kept) Die("--strategy must be staged, registered, kept or both");
   const std::string shmem_enabled = ShmemEnabled();
   const cu::DriverApi* api = Check(cu::LoadDriver(), "loading the CUDA driver");
   CUdevice device = 0;
@@ -190,7 +272,7 @@ int Run(int argc, char** argv) {
       memfds.clear();
       Emit({{"rep", r},
             {"strategy", label},
-            {"threads", kind == cu::TierCopyStrategy::kStaged ? threads : 4},
+            {"threads", threads},
             {"staging_mib", kind == cu::TierCopyStrategy::kStaged ? staging_mib : 0},
             {"gib", gib},
             {"allocations", sizes.size()},
@@ -209,6 +291,36 @@ int Run(int argc, char** argv) {
             {"target_promote_vs_pinned", 0.9},
             {"target_demote_gb_s", 20}});
     }
+  }
+  // The kept probe: staged demotion, then the segments registered and copied back.
+  for (int r = 0; kept && r < reps; ++r) {
+    std::vector<int> borrowed;
+    for (const auto& fd : device_fds) borrowed.push_back(fd.get());
+    cu::TierCopyOptions options;
+    options.threads = threads;
+    options.staging_bytes = staging_mib << 20;
+    cu::TierCopyReport demote;
+    auto memfds = Check(
+        cu::CopyDeviceToMemfds(api, device, borrowed, sizes, "demote_bench", &demote, options),
+        "demotion");
+    device_fds.clear();
+    KeptRates k = Kept(api, device, memfds, sizes, threads);
+    device_fds = std::move(k.fds);
+    memfds.clear();
+    const double bytes = static_cast<double>(gib * kGiB);
+    Emit({{"rep", r},
+          {"strategy", "kept"},
+          {"threads", threads},
+          {"gib", gib},
+          {"segments", demote.segments},
+          {"pinned_h2d_gb_s", pinned.h2d},
+          {"demote_gb_s", demote.gb_per_s},
+          {"kept_register_s", k.register_s},
+          {"kept_register_gb_s", bytes / 1e9 / k.register_s},
+          {"promote_s", k.copy_s},
+          {"promote_gb_s", bytes / 1e9 / k.copy_s},
+          {"promote_vs_pinned_h2d", ratio(bytes / 1e9 / k.copy_s, pinned.h2d)},
+          {"target_promote_vs_pinned", 0.9}});
   }
   return 0;
 }

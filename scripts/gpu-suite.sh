@@ -26,7 +26,8 @@
 #        BENCHES (only these benches, e.g. "shard_bench gpu_attach_bench"; default all; "gpu_budget"
 #        names scripts/gpu-budget.sh, three 16 GB caches under a 40 GB budget; "load_matrix",
 #        run only when named, load_bench from /dev/shm at 16 and 64 GiB in 1 and 4 files, in
-#        the daemon's shape and its variants: ~5 minutes and 64 GiB of /dev/shm),
+#        the daemon's shape and its variants: ~5 minutes and 64 GiB of /dev/shm; "rss_64", run
+#        only when named, gpu_attach_bench's daemon at 64 GiB and 291 tensors: its VmHWM),
 #        BENCH_WORK (scratch for the benches' checkpoints; default a temp dir, removed).
 # Exit status: non-zero if the build or any test fails, or a benchmark fails or times out.
 # Budget: under 9 minutes on 1 x H200 (build ~2, tests ~2, benches ~5; each bench has its own
@@ -219,6 +220,11 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
       done
     done
     rm -rf "$shm"
+  fi
+  # Issue 14 part 6: the daemon's peak host memory (VmHWM) loading a 64 GiB checkpoint from
+  # /dev/shm, against the same figure at 16 GiB below (only when BENCHES names "rss_64").
+  if [[ " ${BENCHES:-} " == *" rss_64 "* ]]; then
+    run_bench_exe 300 gpu_attach_bench --work "$work/gpu64" --gib 64 --counts 291 --iters 5
   fi
   run_bench 120 load_bench "$work/load" --gib 4
   # The same files, warm, through the mapped path (the copy engine reading the page cache).

@@ -43,10 +43,6 @@ bool DrainStream(const DriverApi* api, CUstream stream, Status* status) {
 constexpr uint64_t kChunkBytes = uint64_t{128} << 20;
 // Chunks registered and in flight at once, per worker.
 constexpr size_t kInFlight = 2;
-// Worker threads, each with its own stream and every kWorkers-th chunk: registering a chunk
-// (pinning, and for a demotion allocating, its pages) costs host time that one thread would
-// not overlap with the copies enough to keep the link busy.
-constexpr size_t kWorkers = 4;
 
 enum class Direction { kDeviceToHost, kHostToDevice };
 
@@ -149,12 +145,15 @@ class ChunkCopier {
   std::deque<InFlight> in_flight_;
 };
 
-// Every chunk copied by up to kWorkers threads (chunk c by worker c % kWorkers), with `context`
-// current on each. The first error of any worker is returned, once all have finished.
+// Every chunk copied by up to `max_workers` threads (chunk c by worker c % workers), each with
+// its own stream and `context` current: registering a chunk (pinning, and for a demotion
+// allocating, its pages) costs host time that one thread would not overlap with the copies
+// enough to keep the link busy. The first error of any worker is returned, once all have
+// finished.
 Status CopyInParallel(const DriverApi* api, CUcontext context, Direction direction,
                       unsigned register_flags, const std::vector<Chunk>& chunks,
-                      TierCopyReport& report) {
-  const size_t workers = std::min(kWorkers, chunks.size());
+                      size_t max_workers, TierCopyReport& report) {
+  const size_t workers = std::min(std::max<size_t>(max_workers, 1), chunks.size());
   std::vector<TierCopyReport> reports(workers);
   std::vector<Status> statuses(workers);
   std::vector<std::thread> threads;
@@ -539,7 +538,7 @@ Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice 
       regions.push_back(std::move(region));
     }
     copied = CopyInParallel(api, arena.context(), Direction::kDeviceToHost,
-                            CU_MEMHOSTREGISTER_PORTABLE, chunks, r);
+                            CU_MEMHOSTREGISTER_PORTABLE, chunks, options.threads, r);
   }
   Finish(r, start);
   if (!copied.ok()) return copied.Context("demotion to host memory");
@@ -596,7 +595,8 @@ Result<std::vector<UniqueFd>> CopyMemfdsToDevice(const DriverApi* api, CUdevice 
                    bases[segments[i].alloc] + segments[i].offset, segments[i].bytes, chunks);
     }
     copied = CopyInParallel(api, arena->context(), Direction::kHostToDevice,
-                            CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY, chunks, r);
+                            CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY, chunks,
+                            options.threads, r);
   }
   Finish(r, start);
   if (!copied.ok()) return copied.Context("promotion to device memory");

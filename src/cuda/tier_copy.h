@@ -19,7 +19,7 @@
 //      copies a piece D2H into one buffer while it pwrite()s the previous one into its segment,
 //      which allocates the segment's pages as it fills them (no fault, no zeroing, no mapping).
 //    - kRegistered: each segment's own mapping is registered with the driver chunk by chunk by
-//      four workers (cuMemHostRegister; read-only for a promotion, whose memfds are sealed) and
+//      `threads` workers (cuMemHostRegister; read-only for a promotion, whose memfds are sealed) and
 //      copied to or from directly; a chunk the driver refuses to register is copied pageable
 //      (correct, slower; the report says how many were). Kept to measure against kStaged.
 //  * Either function returns a complete result or releases everything it acquired: no memfd,
@@ -51,7 +51,7 @@ size_t DefaultTierCopyThreads();
 
 struct TierCopyOptions {
   TierCopyStrategy strategy = TierCopyStrategy::kStaged;
-  size_t threads = DefaultTierCopyThreads();  // kStaged: worker threads (at least 1)
+  size_t threads = DefaultTierCopyThreads();  // worker threads (at least 1)
   size_t staging_bytes = size_t{16} << 20;    // kStaged: each worker's two buffers, each
   // Demotion: the largest memfd of the host copy (a multiple of the page size; at least one
   // page). A smaller copy is cut into about `threads` segments so that every worker has one.
