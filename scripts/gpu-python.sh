@@ -19,6 +19,8 @@
 #    admission, promotion by an engine's attach, the engine equals the reference);
 # 3d. the same at 16 GB (a Llama-3-8B-shaped checkpoint), restarted with --adopt-verify behind,
 #    then an upgrade handoff with engine A attached: $OUT/python-keeper-8b.json;
+# 3e. bench/py_restart_bench.py on the same checkpoint (issue 14 part 5): fresh processes to a
+#    dict of torch tensors, weightcache vs load_file: $OUT/py-restart.jsonl;
 # 4. the same model sharded (issue 12): for TP = 2 and 4, that many `serve --tp-size N
 #    --tp-rank r` daemons on device 0; each rank attached holds only its slices, its disk
 #    fallback gives the same bytes, and the state dict reassembled from the slices equals the
@@ -252,6 +254,16 @@ print(f"python keeper 16 GB: PASS, {j['tensors']} tensors {j['weight_bytes'] / 1
       f"handover {u.get('handover_us', 0) / 1000:.1f} ms, A/C after it: {u.get('engine_a_after')} "
       f"{u.get('engine_c')}")
 PY
+    # 3e. restart to weights (issue 14 part 5): fresh processes to a dict of torch tensors from
+    #     a daemon serving this checkpoint, next to load_file of its shards (page cache warm and
+    #     dropped); the fingerprints of both dicts must be equal. A measurement: its verdict is
+    #     printed; only a failed run or unequal bytes fail the step.
+    if [[ -d $big ]]; then
+      step restart-bench "$py" bench/py_restart_bench.py --model "$big" --device "$uuid" \
+        --cli "$WEIGHTCACHE_CLI" &&
+        grep -E '^\{"bench": "py_restart' "$log" >"$OUT/py-restart.jsonl" &&
+        grep -E '^target:' "$log" | tail -1 | sed 's/^/py_restart /' | tee -a "$summary"
+    fi
     rm -rf "$big" "$big_runtime"
   fi
   # 4. sharded: N rank daemons on this one GPU, a runtime dir per N (SKIP_SHARD=1 skips it).
