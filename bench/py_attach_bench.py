@@ -116,8 +116,8 @@ def median_ms(fn, iters):
 
 
 def fresh_process_attach(model, runtime, tier, device, cuda_index):
-    """(wall ms of weightcache.attach, its attach_ms, its resolve_ms, the import's ms) in a new
-    interpreter."""
+    """(wall ms of weightcache.attach, its attach_ms, its resolve_ms, the import's ms, its
+    discover_ms, map_ms and table_ms) in a new interpreter."""
     code = f"""
 import time
 t_import = time.perf_counter()
@@ -135,7 +135,9 @@ t0 = time.perf_counter()
 att = weightcache.attach({str(model)!r}, tier={tier!r}, device={device!r}, runtime_dir={runtime!r},
                          on_missing="error")
 wall = (time.perf_counter() - t0) * 1e3
-print(json.dumps([wall, att.attach_ms, att.timings["resolve_ms"], import_ms]))
+t = att.timings
+print(json.dumps([wall, att.attach_ms, t["resolve_ms"], import_ms, t["discover_ms"], t["map_ms"],
+                  t["table_ms"]]))
 """
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -181,15 +183,12 @@ def bench_one(label, model, runtime, args, torch):
         cold.append(fresh_process_attach(model, runtime, tier, device, args.cuda_index))
         warm.append(fresh_process_attach(model, runtime, tier, device, args.cuda_index))
     for key, runs in (("cold", cold), ("warm", warm)):
-        walls = [w for w, _, _, _ in runs]
+        walls = [r[0] for r in runs]
         row[f"fresh_process_{key}_cache_ms"] = round(statistics.median(walls), 3)
         row[f"fresh_process_{key}_cache_min_ms"] = round(min(walls), 3)
-        row[f"fresh_process_{key}_cache_attach_ms"] = round(
-            statistics.median(a for _, a, _, _ in runs), 3)
-        row[f"fresh_process_{key}_cache_resolve_ms"] = round(
-            statistics.median(r for _, _, r, _ in runs), 3)
-        row[f"fresh_process_{key}_cache_import_ms"] = round(
-            statistics.median(i for _, _, _, i in runs), 3)
+        for i, part in enumerate(("attach", "resolve", "import", "discover", "map", "table"), 1):
+            row[f"fresh_process_{key}_cache_{part}_ms"] = round(
+                statistics.median(r[i] for r in runs), 3)
     print(json.dumps(row), flush=True)
     return row
 

@@ -393,7 +393,9 @@ for line in open(sys.argv[1]):
     print(f"py_attach {j['checkpoint']} ({j['tensors']} tensors): attach+names "
           f"{j['attach_names_ms']} ms, load_state_dict {j.get('load_state_dict_ms')} ms "
           f"(per-tensor {j.get('torch_per_tensor_ms')} ms), fresh process warm/cold cache "
-          f"{j['fresh_process_warm_cache_ms']}/{j['fresh_process_cold_cache_ms']} ms")
+          f"{j['fresh_process_warm_cache_ms']}/{j['fresh_process_cold_cache_ms']} ms "
+          f"(warm: discover {j['fresh_process_warm_cache_discover_ms']}, map "
+          f"{j['fresh_process_warm_cache_map_ms']}, table {j['fresh_process_warm_cache_table_ms']} ms)")
 PY
   else
     say "py_attach_bench FAILED (see py-attach-bench.log)"

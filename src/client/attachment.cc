@@ -12,6 +12,7 @@
 #include "common/logging.h"
 #include "identity/device_inventory.h"
 #include "identity/resolve.h"
+#include "os/file_mapping.h"
 #include "sharding/planner.h"
 
 namespace weightcache {
@@ -81,6 +82,8 @@ Result<std::vector<Tensor>> BuildViews(protocol::Manifest& manifest,
   const size_t count = manifest.tensor_count();
   std::vector<Tensor> views;
   views.reserve(count);
+  // 1.3 MB at 10,000 tensors: in a fresh process, new memory faulted in a page at a time.
+  os::PrefaultWritable(views.data(), count * sizeof(Tensor));
   DTypeCache cache;
   for (size_t i = 0; i < count; ++i) {
     const protocol::TensorRecord r = manifest.record(i);

@@ -35,6 +35,19 @@ void UnmapAnonymous(void* p, size_t bytes) {
   if (p != nullptr) ::munmap(p, bytes);
 }
 
+void PrefaultWritable(void* p, size_t bytes) {
+#ifdef MADV_POPULATE_WRITE
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);
+  if (end > begin)
+    (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 Result<double> PageCacheResidency(const ReadOnlyMapping& mapping) {
   if (mapping.size() == 0) return 1.0;
   const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
