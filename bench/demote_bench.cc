@@ -167,10 +167,10 @@ KeptRates Kept(const cu::DriverApi* api, CUdevice device, const std::vector<wc::
     const auto* host = static_cast<const std::byte*>(region.data());
     for (size_t off = 0; off < region.size(); off += kPiece, ++piece) {
       const size_t n = std::min(kPiece, region.size() - off);
-      CheckCu(api,
-              api->cuMemcpyHtoDAsync(at + off, host + off, n,
-                                     streams[piece % streams.size()].get()),
-              "kept: cuMemcpyHtoDAsync");
+      CheckCu(
+          api,
+          api->cuMemcpyHtoDAsync(at + off, host + off, n, streams[piece % streams.size()].get()),
+          "kept: cuMemcpyHtoDAsync");
     }
     at += region.size();
   }

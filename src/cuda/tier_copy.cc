@@ -19,6 +19,7 @@
 #include "cuda/imported_arena.h"
 #include "cuda/pinned_host_buffer.h"
 #include "cuda/upload_resources.h"
+#include "cuda/vmm.h"
 #include "os/memfd.h"
 
 namespace weightcache::cuda {
@@ -151,8 +152,8 @@ class ChunkCopier {
 // enough to keep the link busy. The first error of any worker is returned, once all have
 // finished.
 Status CopyInParallel(const DriverApi* api, CUcontext context, Direction direction,
-                      unsigned register_flags, const std::vector<Chunk>& chunks,
-                      size_t max_workers, TierCopyReport& report) {
+                      unsigned register_flags, const std::vector<Chunk>& chunks, size_t max_workers,
+                      TierCopyReport& report) {
   const size_t workers = std::min(std::max<size_t>(max_workers, 1), chunks.size());
   std::vector<TierCopyReport> reports(workers);
   std::vector<Status> statuses(workers);
@@ -549,6 +550,163 @@ Result<std::vector<UniqueFd>> CopyDeviceToMemfds(const DriverApi* api, CUdevice 
   return memfds;
 }
 
+// ---- the pinned host copy ----
+
+struct PinnedHostCopy::State {
+  explicit State(PrimaryContext c) : context(std::move(c)) {}
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+  // Unregisters what was registered (the context current here), before the members unmap the
+  // segments and release the context.
+  ~State() {
+    if (std::none_of(registered.begin(), registered.end(), [](char r) { return r != 0; })) return;
+    const DriverApi* api = context.api();
+    if (Status current = context.MakeCurrent(); !current.ok()) {
+      LOG_ERROR << current.ToString() << ": the pinned host copy stays registered";
+      return;
+    }
+    for (size_t i = 0; i < regions.size(); ++i) {
+      if (registered[i] == 0) continue;
+      if (CUresult rc = api->cuMemHostUnregister(regions[i].data()); rc != CUDA_SUCCESS) {
+        LOG_ERROR << DriverError(api, rc, "cuMemHostUnregister of a pinned host copy's segment")
+                         .ToString();
+      }
+    }
+  }
+
+  PrimaryContext context;
+  std::vector<os::MappedRegion> regions;
+  std::vector<char> registered;  // per region; written by one worker each, read after the join
+};
+
+PinnedHostCopy::PinnedHostCopy(std::unique_ptr<State> state) : state_(std::move(state)) {}
+PinnedHostCopy::PinnedHostCopy(PinnedHostCopy&&) noexcept = default;
+PinnedHostCopy& PinnedHostCopy::operator=(PinnedHostCopy&&) noexcept = default;
+PinnedHostCopy::~PinnedHostCopy() = default;
+
+size_t PinnedHostCopy::segments() const { return state_->regions.size(); }
+uint64_t PinnedHostCopy::bytes() const {
+  uint64_t total = 0;
+  for (const auto& region : state_->regions) total += region.size();
+  return total;
+}
+const std::byte* PinnedHostCopy::data(size_t i) const {
+  return static_cast<const std::byte*>(state_->regions[i].data());
+}
+uint64_t PinnedHostCopy::size(size_t i) const { return state_->regions[i].size(); }
+
+Result<PinnedHostCopy> PinnedHostCopy::Pin(const DriverApi* api, CUdevice device,
+                                           std::span<const int> memfds, size_t threads) {
+  if (memfds.empty() || threads == 0) {
+    return InvalidArgument("pinning a host copy: no memfds or no threads");
+  }
+  std::vector<os::MappedRegion> regions;
+  for (size_t i = 0; i < memfds.size(); ++i) {
+    Status sealed = os::CheckSealedReadOnly(memfds[i]);
+    if (!sealed.ok()) return sealed.Context("pinning a host copy: memfd " + std::to_string(i));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(uint64_t bytes, os::FileSize(memfds[i]));
+    if (bytes == 0) {
+      return InvalidArgument("pinning a host copy: memfd " + std::to_string(i) + " is empty");
+    }
+    WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region, os::MapReadOnly(memfds[i], bytes));
+    regions.push_back(std::move(region));
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(PrimaryContext context, PrimaryContext::Retain(api, device));
+  auto state = std::make_unique<State>(std::move(context));
+  state->regions = std::move(regions);
+  state->registered.assign(state->regions.size(), 0);
+  const size_t workers = std::min(threads, state->regions.size());
+  std::vector<Status> statuses(workers);
+  {
+    std::vector<std::jthread> pool;
+    pool.reserve(workers);
+    for (size_t w = 0; w < workers; ++w) {
+      pool.emplace_back([&, w] {
+        if (Status current = state->context.MakeCurrent(); !current.ok()) {
+          statuses[w] = current;
+          return;
+        }
+        for (size_t i = w; i < state->regions.size() && statuses[w].ok(); i += workers) {
+          os::MappedRegion& region = state->regions[i];
+          const CUresult rc =
+              api->cuMemHostRegister(region.data(), region.size(),
+                                     CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY);
+          if (rc != CUDA_SUCCESS) {
+            statuses[w] = DriverError(api, rc,
+                                      "cuMemHostRegister of a " + std::to_string(region.size()) +
+                                          "-byte segment of the host copy");
+          } else {
+            state->registered[i] = 1;
+          }
+        }
+      });
+    }
+  }
+  for (Status& s : statuses) {
+    if (!s.ok()) return s.Context("pinning a host copy");  // `state` unwinds what was done
+  }
+  return PinnedHostCopy(std::move(state));
+}
+
+namespace {
+
+// Streams a promotion from a pinned host copy spreads its pieces over, and the piece size:
+// four streams keep the copy engines busy (the load's pipeline uses as many).
+constexpr size_t kPinnedStreams = 4;
+constexpr uint64_t kPinnedPieceBytes = uint64_t{64} << 20;
+
+// A pinned host copy is of the promotion's memfds: the same segments, one for one.
+Status CheckPinnedMatches(const PinnedHostCopy& pinned, std::span<const HostSegment> segments) {
+  if (pinned.segments() != segments.size()) {
+    return InvalidArgument("promotion: the pinned host copy has " +
+                           std::to_string(pinned.segments()) + " segments, the memfds " +
+                           std::to_string(segments.size()));
+  }
+  for (size_t i = 0; i < segments.size(); ++i) {
+    if (pinned.size(i) != segments[i].bytes) {
+      return InvalidArgument("promotion: segment " + std::to_string(i) + " of the pinned host " +
+                             "copy holds " + std::to_string(pinned.size(i)) + " bytes, its memfd " +
+                             std::to_string(segments[i].bytes));
+    }
+  }
+  return Status::Ok();
+}
+
+// Promotion's copy from a pinned host copy (CheckPinnedMatches passed): every segment's bytes
+// to its place in the arena, in pieces dealt round-robin over kPinnedStreams streams, then all
+// of them waited for.
+Status CopyFromPinned(const DriverApi* api, const PinnedHostCopy& pinned,
+                      std::span<const HostSegment> segments, std::span<const CUdeviceptr> bases,
+                      TierCopyReport& report) {
+  std::vector<CudaStream> streams;
+  for (size_t s = 0; s < kPinnedStreams; ++s) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(api));
+    streams.push_back(std::move(stream));
+  }
+  Status status = Status::Ok();
+  size_t piece = 0;
+  for (size_t i = 0; i < segments.size() && status.ok(); ++i) {
+    const CUdeviceptr to = bases[segments[i].alloc] + segments[i].offset;
+    for (uint64_t at = 0; at < segments[i].bytes && status.ok(); at += kPinnedPieceBytes) {
+      const size_t n = static_cast<size_t>(std::min(kPinnedPieceBytes, segments[i].bytes - at));
+      if (CUresult rc = api->cuMemcpyHtoDAsync(to + at, pinned.data(i) + at, n,
+                                               streams[piece++ % streams.size()].get());
+          rc != CUDA_SUCCESS) {
+        status = DriverError(api, rc, "cuMemcpyHtoDAsync from the pinned host copy");
+      } else {
+        report.bytes += n;
+        ++report.chunks;
+      }
+    }
+  }
+  // The pinned copy outlives this call, so a stream that cannot be waited for leaves no copy
+  // reading freed memory; the error is kept.
+  for (const CudaStream& stream : streams) (void)DrainStream(api, stream.get(), &status);
+  return status;
+}
+
+}  // namespace
+
 Result<std::vector<UniqueFd>> CopyMemfdsToDevice(const DriverApi* api, CUdevice device,
                                                  std::span<const int> memfds,
                                                  std::span<const uint64_t> sizes,
@@ -557,8 +715,11 @@ Result<std::vector<UniqueFd>> CopyMemfdsToDevice(const DriverApi* api, CUdevice 
   WEIGHTCACHE_RETURN_IF_ERROR(CheckSizes(sizes, "promotion"));
   WEIGHTCACHE_RETURN_IF_ERROR(CheckOptions(options, "promotion"));
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<HostSegment> segments, SegmentsOf(memfds, sizes));
+  if (options.pinned != nullptr) {
+    WEIGHTCACHE_RETURN_IF_ERROR(CheckPinnedMatches(*options.pinned, segments));
+  }
   std::vector<os::MappedRegion> regions;  // kRegistered: each segment's mapping
-  if (options.strategy == TierCopyStrategy::kRegistered) {
+  if (options.strategy == TierCopyStrategy::kRegistered && options.pinned == nullptr) {
     for (const HostSegment& segment : segments) {
       WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
                                    os::MapReadOnly(segment.fd, segment.bytes));
@@ -584,7 +745,9 @@ Result<std::vector<UniqueFd>> CopyMemfdsToDevice(const DriverApi* api, CUdevice 
   r.segments = segments.size();
   const auto start = std::chrono::steady_clock::now();
   Status copied = Status::Ok();
-  if (options.strategy == TierCopyStrategy::kStaged) {
+  if (options.pinned != nullptr) {
+    copied = CopyFromPinned(api, *options.pinned, segments, bases, r);
+  } else if (options.strategy == TierCopyStrategy::kStaged) {
     copied =
         StagedInParallel(api, arena->context(), Direction::kHostToDevice,
                          DealPieces(segments, bases, options.staging_bytes, options.threads), r);

@@ -19,9 +19,12 @@
 //      copies a piece D2H into one buffer while it pwrite()s the previous one into its segment,
 //      which allocates the segment's pages as it fills them (no fault, no zeroing, no mapping).
 //    - kRegistered: each segment's own mapping is registered with the driver chunk by chunk by
-//      `threads` workers (cuMemHostRegister; read-only for a promotion, whose memfds are sealed) and
-//      copied to or from directly; a chunk the driver refuses to register is copied pageable
-//      (correct, slower; the report says how many were). Kept to measure against kStaged.
+//      `threads` workers (cuMemHostRegister; read-only for a promotion, whose memfds are
+//      sealed) and copied to or from directly; a chunk the driver refuses to register is copied
+//      pageable (correct, slower; the report says how many were). Kept to measure against
+//      kStaged.
+//    A promotion may instead copy from a PinnedHostCopy of its memfds (TierCopyOptions::pinned):
+//    registered once behind the demotion, the copy is then DMA alone.
 //  * Either function returns a complete result or releases everything it acquired: no memfd,
 //    mapping, registration, stream, imported handle, arena or context reference survives an
 //    error (proved against the fault-injecting fake driver in tests/unit/cuda/).
@@ -32,7 +35,9 @@
 
 #include <cuda.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -45,6 +50,43 @@ namespace weightcache::cuda {
 
 enum class TierCopyStrategy { kStaged, kRegistered };
 
+// A demoted cache's host copy kept registered with the driver (pinned) while the cache is
+// demoted (`serve --demote host-pinned`, docs/budget.md), so that its promotion is one DMA pass
+// from the segments' own mappings at the pinned-H2D rate. Pinning shmem pages is the slow part
+// of a promotion from pageable memory and does not scale with threads (measured on the H200
+// machine: 14–16 GB/s for 16 GiB with 16 threads; a staged promotion 20–21 GB/s, a promotion
+// from the pinned copy 55 GB/s = 0.99 × pinned H2D), so the pinning is done once, behind the
+// demotion, off the attach's path. The price: the device's primary context stays retained
+// while the copy is pinned (its device memory in use, though the cache holds none).
+//
+// Contract: Pin maps each sealed memfd read-only and registers the mapping
+// (CU_MEMHOSTREGISTER_READ_ONLY | PORTABLE) on `threads` workers; it returns a complete copy
+// or releases everything it acquired. The memfds are borrowed: the caller keeps them open
+// (and sealed: the registration is of their pages). Move-only; destruction unregisters every
+// mapping (the context made current on the destroying thread), unmaps them and releases the
+// context. Pinning the same memfds twice is allowed (two registrations of distinct mappings).
+class PinnedHostCopy {
+ public:
+  static Result<PinnedHostCopy> Pin(const DriverApi* api, CUdevice device,
+                                    std::span<const int> memfds, size_t threads);
+  PinnedHostCopy(PinnedHostCopy&&) noexcept;
+  PinnedHostCopy& operator=(PinnedHostCopy&&) noexcept;
+  PinnedHostCopy(const PinnedHostCopy&) = delete;
+  PinnedHostCopy& operator=(const PinnedHostCopy&) = delete;
+  ~PinnedHostCopy();
+
+  size_t segments() const;
+  uint64_t bytes() const;
+  // Segment i's pinned mapping and its size.
+  const std::byte* data(size_t i) const;
+  uint64_t size(size_t i) const;
+
+ private:
+  struct State;
+  explicit PinnedHostCopy(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
 // The default worker count: this machine's cores, at least 4 and at most 16 (the H200 machine's
 // 16 cores write 16 segments at 24 GB/s, 8 at 17 GB/s).
 size_t DefaultTierCopyThreads();
@@ -56,6 +98,10 @@ struct TierCopyOptions {
   // Demotion: the largest memfd of the host copy (a multiple of the page size; at least one
   // page). A smaller copy is cut into about `threads` segments so that every worker has one.
   uint64_t segment_bytes = uint64_t{512} << 20;
+  // Promotion: the same memfds pinned by PinnedHostCopy::Pin (borrowed, must outlive the call):
+  // copied by DMA from its mappings on kPinnedStreams streams (`strategy` is then not used).
+  // Its segments must be the memfds' one for one (kInvalidArgument otherwise).
+  const PinnedHostCopy* pinned = nullptr;
 };
 
 struct TierCopyReport {

@@ -404,5 +404,126 @@ TEST(TierCopy, EveryFailingStepReleasesEverything) {
   EXPECT_EQ(CountOpenFds(), fds_before);
 }
 
+// ---- the pinned host copy (serve --demote host-pinned) ----
+
+TEST(PinnedHostCopy, APromotionFromItKeepsEveryByteAndPinsNothingMore) {
+  const int fds_before = CountOpenFds();
+  {
+    FakeDriver fake;
+    fake.BackVmmMemory();
+    const std::vector<UniqueFd> host = HostCopy();
+    {
+      auto pinned = PinnedHostCopy::Pin(fake.api(), kDevice, Borrow(host), 2);
+      ASSERT_TRUE(pinned.ok()) << pinned.status().ToString();
+      EXPECT_EQ(pinned->segments(), kSizes.size());
+      EXPECT_EQ(pinned->bytes(), 6 * kMiB);
+      EXPECT_EQ(fake.live_host_registrations(), 2);  // each segment's mapping, whole
+      EXPECT_EQ(fake.total_context_refs(), 1);       // retained while pinned
+
+      TierCopyOptions options = Options(TierCopyStrategy::kStaged);
+      options.pinned = &*pinned;
+      const int registered_before = fake.CallCount("cuMemHostRegister");
+      TierCopyReport report;
+      auto device = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, &report, options);
+      ASSERT_TRUE(device.ok()) << device.status().ToString();
+      EXPECT_EQ(fake.CallCount("cuMemHostRegister"), registered_before);  // DMA alone
+      EXPECT_EQ(report.bytes, 6 * kMiB);
+      EXPECT_EQ(report.chunks, 2u);  // one piece (of up to 64 MiB) per segment
+      for (size_t a = 0; a < kSizes.size(); ++a) {
+        EXPECT_EQ(fake.ExportedBytes((*device)[a].get(), 0, kSizes[a]),
+                  Pattern(kSizes[a], static_cast<int>(a)))
+            << "allocation " << a;
+      }
+      // The promotion kept nothing of its own; the pinned copy still holds its registrations.
+      EXPECT_EQ(fake.live_host_registrations(), 2);
+      EXPECT_EQ(fake.total_context_refs(), 1);
+
+      auto other = PinnedHostCopy::Pin(fake.api(), kDevice, Borrow(host), 1);
+      ASSERT_TRUE(other.ok()) << other.status().ToString();
+      EXPECT_EQ(fake.live_host_registrations(), 4);
+      *pinned = std::move(*other);  // the old copy is unpinned by the assignment
+      EXPECT_EQ(fake.live_host_registrations(), 2);
+      EXPECT_EQ(fake.total_context_refs(), 1);
+    }
+    ExpectNothingLive(fake);
+  }
+  EXPECT_EQ(CountOpenFds(), fds_before);
+}
+
+TEST(PinnedHostCopy, APinnedCopyOfOtherSegmentsIsRefusedBeforeAnyDriverCall) {
+  FakeDriver fake;
+  fake.BackVmmMemory();
+  const std::vector<UniqueFd> host = HostCopy();
+  auto pinned = PinnedHostCopy::Pin(fake.api(), kDevice, Borrow(host), 2);
+  ASSERT_TRUE(pinned.ok()) << pinned.status().ToString();
+  // The same bytes in three segments (a demotion's cut): not the pinned copy's two.
+  auto device = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(host), kSizes, nullptr,
+                                   Options(TierCopyStrategy::kStaged));
+  ASSERT_TRUE(device.ok());
+  auto memfds = CopyDeviceToMemfds(fake.api(), kDevice, Borrow(*device), kSizes, "t", nullptr,
+                                   Options(TierCopyStrategy::kStaged));
+  ASSERT_TRUE(memfds.ok());
+  ASSERT_EQ(memfds->size(), 3u);
+  TierCopyOptions options = Options(TierCopyStrategy::kStaged);
+  options.pinned = &*pinned;
+  const int steps_before = fake.steps();
+  auto refused = CopyMemfdsToDevice(fake.api(), kDevice, Borrow(*memfds), kSizes, nullptr, options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("the pinned host copy has 2 segments, the memfds 3"),
+            std::string::npos)
+      << refused.status().ToString();
+  EXPECT_EQ(fake.steps(), steps_before);
+}
+
+TEST(PinnedHostCopy, AnUnsealedOrEmptyMemfdIsRefusedBeforeAnyDriverCall) {
+  FakeDriver fake;
+  auto open = os::CreateMemfd("tier-copy-test", kMiB);
+  ASSERT_TRUE(open.ok());
+  const int fds[] = {open->get()};
+  auto pinned = PinnedHostCopy::Pin(fake.api(), kDevice, fds, 2);
+  ASSERT_FALSE(pinned.ok());
+  EXPECT_NE(pinned.status().ToString().find("memfd 0"), std::string::npos)
+      << pinned.status().ToString();
+  EXPECT_FALSE(PinnedHostCopy::Pin(fake.api(), kDevice, {}, 2).ok());
+  EXPECT_EQ(fake.steps(), 0);
+}
+
+TEST(PinnedHostCopy, EveryFailingStepReleasesEverything) {
+  const int fds_before = CountOpenFds();
+  int total = 0;
+  for (int step = 0; step == 0 || step <= total; ++step) {
+    SCOPED_TRACE("failing step " + std::to_string(step));
+    FakeDriver fake;
+    fake.BackVmmMemory();
+    const std::vector<UniqueFd> host = HostCopy();
+    if (step > 0) fake.FailStep(step, CUDA_ERROR_UNKNOWN);
+    Status status;
+    {
+      auto pinned = PinnedHostCopy::Pin(fake.api(), kDevice, Borrow(host), 2);
+      status = pinned.ok() ? Status::Ok() : pinned.status();
+    }
+    if (step == 0) {
+      ASSERT_TRUE(status.ok()) << status.ToString();
+      total = fake.steps();
+      ASSERT_GT(total, 4);
+      ExpectNothingLive(fake);
+      continue;
+    }
+    const std::string failed = fake.calls()[static_cast<size_t>(step - 1)];
+    if (status.ok()) {
+      // The failure hit the teardown (the destructor making the context current, or a
+      // release): logged, and its resource stays in the fake's books by design.
+      EXPECT_TRUE(failed == "cuCtxSetCurrent" || failed.find("Unregister") != std::string::npos ||
+                  failed.find("Release") != std::string::npos)
+          << failed;
+      continue;
+    }
+    EXPECT_EQ(status.code(), StatusCode::kCuda) << failed << ": " << status.ToString();
+    ExpectNothingLive(fake);
+  }
+  EXPECT_EQ(CountOpenFds(), fds_before);
+}
+
 }  // namespace
 }  // namespace weightcache::cuda
