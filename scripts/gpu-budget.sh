@@ -2,7 +2,8 @@
 # Many models on one GPU (issue 16), at full size, with real daemons and the CLI: three caches
 # of a 16 GB checkpoint (the Llama-3-8B shape that bench/shard_bench writes; three identities
 # of one checkpoint, by --revision a, b and c) on one device under a gpu budget of 40 GB
-# (decimal), every one `serve --demote host`:
+# (decimal), every one `serve --demote $DEMOTE` (default host-pinned: the host copy pinned
+# behind the demotion, so that the promotion is DMA alone; DEMOTE=host for the staged copies):
 #
 #   1. a and b load (32.1 GB of 40), each attached once (the LRU order is then a, b; c is
 #      attached once too when it is ready);
@@ -24,12 +25,13 @@
 # Writes $OUT/budget.log (every command and its output, then the three daemons' logs);
 # appends its headline lines to $OUT/summary.txt.
 # Knobs: OUT (./gpu-out), BUILD_DIR (build-gpu), WORK (the checkpoint's dir; default on
-# /dev/shm when it has 20 GB free, else a temp dir; removed after).
+# /dev/shm when it has 20 GB free, else a temp dir; removed after), DEMOTE (host-pinned|host).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-out}
 build=${BUILD_DIR:-build-gpu}
 wc=$PWD/$build/tools/weightcache
+demote=${DEMOTE:-host-pinned}
 mkdir -p "$OUT"
 log=$OUT/budget.log
 : >"$log"
@@ -72,7 +74,7 @@ serve() {  # revision
   local t0 rc
   t0=$(ms_now)
   echo "== serve --revision $1" >>"$log"
-  "$wc" serve "${identity[@]}" --revision "$1" --gpu-budget "$budget" --demote host \
+  "$wc" serve "${identity[@]}" --revision "$1" --gpu-budget "$budget" --demote "$demote" \
     --detach --json --log-file "$runtime/serve-$1.log" >>"$log" 2>&1
   rc=$?
   echo "serve $1: exit $rc in $(($(ms_now) - t0)) ms" >>"$log"
@@ -133,7 +135,14 @@ rate() {  # daemon log, "demoted to host RAM" or "promoted back to the GPU"
 say "budget: a demoted: $(rate "$runtime/serve-a.log" "demoted to host RAM")"
 say "budget: b demoted: $(rate "$runtime/serve-b.log" "demoted to host RAM")"
 say "budget: a promoted: $(rate "$runtime/serve-a.log" "promoted back to the GPU") (the attach waited $attach_ms ms)"
+if [[ $demote == host-pinned ]]; then
+  # "host copy pinned in N ms (B bytes in S segments): ...", and the promotion's own line.
+  pinned=$(grep -h "host copy pinned in" "$runtime/serve-a.log" | tail -1 | sed -E 's/.*(host copy pinned in [0-9]+ ms \([^)]*\)).*/\1/')
+  say "budget: a's ${pinned:-host copy was not pinned (see budget.log)}"
+  grep -q "promoted back to the GPU.*DMA from the pinned host copy" "$runtime/serve-a.log" ||
+    fail "a's promotion did not copy from the pinned host copy"
+fi
 if ((failures == 0)); then
-  say "budget: PASS (three 16 GB caches under a 40 GB budget: demote, promote, verify)"
+  say "budget: PASS (three 16 GB caches under a 40 GB budget, --demote $demote: demote, promote, verify)"
 fi
 ((failures == 0))

@@ -260,7 +260,8 @@ void RegisterLaunchCommand(CLI::App& root) {
   sub->add_flag("--pin", s.pin, "serve's --pin for every daemon: never evicted for another cache");
   sub->add_option("--demote", s.demote,
                   "serve's --demote for every daemon: `host` moves an evicted idle gpu cache to "
-                  "host RAM instead of stopping it (docs/budget.md)");
+                  "host RAM instead of stopping it, `host-pinned` also pins that copy for a "
+                  "promotion at the pinned-H2D rate (docs/budget.md)");
   sub->add_option("--adopt-verify", s.adopt_verify,
                   "serve's --adopt-verify for every daemon: what a daemon restarted after a crash "
                   "(by --supervise, or by hand) checks of its keeper's memory before ready: "

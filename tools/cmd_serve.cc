@@ -59,7 +59,7 @@ struct ServeArgs {
   std::string gpu_budget;  // the device's budget (docs/budget.md); "" = budget.conf, if any
   std::string host_budget;
   bool pin = false;    // never evicted to make room for another cache
-  std::string demote;  // "host": demoted to host RAM when evicted (docs/budget.md)
+  std::string demote;  // "host" / "host-pinned": demoted to host RAM when evicted (docs/budget.md)
   // --wait[=SECONDS]: when nothing can be freed, wait for room (docs/budget.md). < 0: fail at
   // once (no --wait); 0: no limit (a bare --wait); otherwise the seconds to wait at most.
   double wait_s = -1;
@@ -347,10 +347,12 @@ Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
                                               const identity::ResolvedIdentity& id) {
   daemon::DemotionOptions demotion;
   if (args.demote.empty()) return demotion;
-  if (args.demote != "host") {
-    return InvalidArgument("--demote " + args.demote + ": the only tier to demote to is host");
+  if (args.demote != "host" && args.demote != "host-pinned") {
+    return InvalidArgument("--demote " + args.demote +
+                           ": the only tier to demote to is host (`host` or `host-pinned`)");
   }
   demotion.enabled = true;
+  demotion.pin_host_copy = args.demote == "host-pinned";
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<uint64_t> host_budget,
                                TierBudget(args, id, Tier::kHost));
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<uint64_t> gpu_budget,
@@ -766,8 +768,10 @@ void RegisterServeCommand(CLI::App& root) {
   sub->add_flag("--pin", args->pin, "never evict this cache to make room for another");
   sub->add_option("--demote", args->demote,
                   "`host`: when evicted, an idle gpu-tier cache moves its memory to host RAM "
-                  "(within the host budget) and stays up; the next attach promotes it back "
-                  "(docs/budget.md)");
+                  "(within the host budget) and stays up; the next attach promotes it back. "
+                  "`host-pinned`: the same, and the host copy is pinned behind the demotion so "
+                  "that a promotion runs at the pinned-H2D rate, for a CUDA context (its device "
+                  "memory) held while demoted (docs/budget.md)");
   CLI::Option* wait =
       sub->add_flag(
              "--wait{0}", args->wait_s,

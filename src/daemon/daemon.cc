@@ -614,6 +614,13 @@ Status Daemon::Run(int signal_fd, DaemonEvents events) {
            << connections_.size() << " connection(s)";
   connections_.clear();
   StopLoader();
+  // A demoted cache's pinned host copy (or one the mover finished pinning after the drain
+  // began): unpinned, its context released.
+  pinned_copy_.reset();
+  {
+    MutexLock lock(move_mu_);
+    pin_result_.reset();
+  }
   socket_.Withdraw();
   // Run ends by a drain or a handover. A drain is always deliberate (Stop, SIGTERM/SIGINT, a
   // failed load's linger): the kept memory goes. A crash never gets here. A handover keeps
@@ -1284,7 +1291,8 @@ void Daemon::HandleEvict(Connection& conn) {
   } else if (clients_ > 0) {
     reply.reason = std::to_string(clients_) + " client(s) attached";
   } else if (state_ == CacheState::kDemoted &&
-             (move_ != Move::kNone || !promotion_waiters_.empty())) {
+             (move_ == Move::kDemoting || move_ == Move::kPromoting ||
+              !promotion_waiters_.empty())) {
     reply.reason = move_ == Move::kDemoting ? "being demoted" : "being promoted for an attach";
   } else if (state_ == CacheState::kDemoted && stop_requested_by_.empty()) {
     reply.evicted = true;  // a demoted cache asked for its host memory: it stops
@@ -1385,14 +1393,39 @@ void Daemon::StartDemotion() {
   });
 }
 
-void Daemon::StartPromotion() {
-  move_ = Move::kPromoting;
+// --demote host-pinned: the host copy registered behind the demotion (cuda::PinnedHostCopy),
+// so that the promotion is DMA alone. A failure only costs the promotion its speed.
+void Daemon::StartPinning() {
+  move_ = Move::kPinning;
   move_start_ = Clock::now();
-  LOG_INFO << "promoting back to the GPU for " << promotion_waiters_.size() << " attach(es)";
   std::vector<int> memfds;
   memfds.reserve(demoted_.size());
   for (const UniqueFd& fd : demoted_) memfds.push_back(fd.get());
-  mover_ = std::thread([this, memfds = std::move(memfds), sizes = allocation_sizes_] {
+  mover_ = std::thread([this, memfds = std::move(memfds)] {
+    Result<cuda::PinnedHostCopy> result = [&]() -> Result<cuda::PinnedHostCopy> {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, options_.env.load_driver());
+      WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *options_.device));
+      return cuda::PinnedHostCopy::Pin(api, device, memfds, cuda::DefaultTierCopyThreads());
+    }();
+    {
+      MutexLock lock(move_mu_);
+      pin_result_.emplace(std::move(result));
+    }
+    Wake(wakeup_.get());
+  });
+}
+
+void Daemon::StartPromotion() {
+  move_ = Move::kPromoting;
+  move_start_ = Clock::now();
+  LOG_INFO << "promoting back to the GPU for " << promotion_waiters_.size() << " attach(es)"
+           << (pinned_copy_ ? " from the pinned host copy" : "");
+  std::vector<int> memfds;
+  memfds.reserve(demoted_.size());
+  for (const UniqueFd& fd : demoted_) memfds.push_back(fd.get());
+  // The loop leaves pinned_copy_ alone until this promotion's result is taken (OnMoveDone).
+  const cuda::PinnedHostCopy* pinned = pinned_copy_ ? &*pinned_copy_ : nullptr;
+  mover_ = std::thread([this, memfds = std::move(memfds), sizes = allocation_sizes_, pinned] {
     std::string how;
     Result<std::vector<UniqueFd>> result = [&]() -> Result<std::vector<UniqueFd>> {
       if (options_.demotion.readmit) {
@@ -1402,8 +1435,10 @@ void Daemon::StartPromotion() {
       WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, options_.env.load_driver());
       WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *options_.device));
       cuda::TierCopyReport report;
-      auto fds = cuda::CopyMemfdsToDevice(api, device, memfds, sizes, &report);
-      how = DescribeCopy(report);
+      cuda::TierCopyOptions copy;
+      copy.pinned = pinned;
+      auto fds = cuda::CopyMemfdsToDevice(api, device, memfds, sizes, &report, copy);
+      how = DescribeCopy(report) + (pinned != nullptr ? ", DMA from the pinned host copy" : "");
       return fds;
     }();
     {
@@ -1417,18 +1452,21 @@ void Daemon::StartPromotion() {
 
 void Daemon::OnMoveDone() {
   std::optional<Result<std::vector<UniqueFd>>> result;
+  std::optional<Result<cuda::PinnedHostCopy>> pinned;
   std::string how;
   {
     MutexLock lock(move_mu_);
-    if (!move_result_) return;
-    result = std::move(move_result_);
-    move_result_.reset();
+    if (!move_result_ && !pin_result_) return;
+    result = std::exchange(move_result_, std::nullopt);
+    pinned = std::exchange(pin_result_, std::nullopt);
     how = std::move(move_how_);
   }
   if (mover_.joinable()) mover_.join();
   const Move move = std::exchange(move_, Move::kNone);
   if (state_ == CacheState::kDraining) return;  // the drain decides now; the copy just goes
-  if (move == Move::kDemoting) {
+  if (move == Move::kPinning) {
+    FinishPinning(std::move(*pinned));
+  } else if (move == Move::kDemoting) {
     FinishDemotion(std::move(*result), how);
   } else {
     FinishPromotion(std::move(*result), how);
@@ -1456,6 +1494,26 @@ void Daemon::FinishDemotion(Result<std::vector<UniqueFd>> memfds, const std::str
       << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - move_start_).count()
       << " ms (copy: " << how << "); its GPU memory is freed";
   if (options_.demotion.moved) options_.demotion.moved(Tier::kHost);
+  if (!promotion_waiters_.empty()) {
+    StartPromotion();  // an attach is waiting already: pinning first would only delay it
+  } else if (options_.demotion.pin_host_copy) {
+    StartPinning();
+  }
+}
+
+void Daemon::FinishPinning(Result<cuda::PinnedHostCopy> pinned) {
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - move_start_).count();
+  if (pinned.ok()) {
+    pinned_copy_.emplace(std::move(pinned).value());
+    LOG_INFO << "host copy pinned in " << ms << " ms (" << pinned_copy_->bytes() << " bytes in "
+             << pinned_copy_->segments()
+             << " segments): the promotion will be DMA alone; the device's CUDA context is held "
+                "while demoted";
+  } else {
+    LOG_WARN << "pinning the host copy: " << pinned.status().ToString()
+             << "; the promotion will stage its copy";
+  }
   if (!promotion_waiters_.empty()) StartPromotion();
 }
 
@@ -1466,7 +1524,8 @@ void Daemon::FinishPromotion(Result<std::vector<UniqueFd>> fds, const std::strin
   Status failure;
   if (fds.ok()) {
     (void)store_->ExchangeFds(std::move(fds).value());
-    demoted_.clear();  // the host copy goes
+    pinned_copy_.reset();  // unpinned, its context released
+    demoted_.clear();      // the host copy goes
     state_ = CacheState::kReady;
     options_.metrics->RecordPromotion();
     LOG_INFO << "promoted back to the GPU in " << ms << " ms (copy: " << how << ")";

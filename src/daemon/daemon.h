@@ -65,6 +65,7 @@
 #include "common/mutex.h"
 #include "common/unique_fd.h"
 #include "common/unique_handle.h"
+#include "cuda/tier_copy.h"
 #include "cuda/vmm.h"
 #include "daemon/fd_store.h"
 #include "daemon/keeper_link.h"
@@ -91,6 +92,10 @@ namespace weightcache::daemon {
 // budget ledger's (serve sets them); empty ones do nothing.
 struct DemotionOptions {
   bool enabled = false;
+  // `--demote host-pinned`: once demoted, the host copy is registered with the driver
+  // (cuda::PinnedHostCopy) behind the demotion, so that a promotion is one DMA pass at the
+  // pinned-H2D rate; the device's primary context is held while the cache is demoted.
+  bool pin_host_copy = false;
   // On the loop thread, before accepting a demotion: Ok when `bytes` more fit the host budget,
   // else why not (then the cache is stopped instead, as without --demote).
   std::function<Status(uint64_t bytes)> host_room;
@@ -331,9 +336,11 @@ class Daemon {
   // the loop takes in OnMoveDone (woken through the loader's eventfd).
   Status CanDemote() const;
   void StartDemotion();
+  void StartPinning();
   void StartPromotion();
   void OnMoveDone();
   void FinishDemotion(Result<std::vector<UniqueFd>> memfds, const std::string& how);
+  void FinishPinning(Result<cuda::PinnedHostCopy> pinned);
   void FinishPromotion(Result<std::vector<UniqueFd>> fds, const std::string& how);
   // Serves `store` from now on (a load's, or a publish's commit, which may replace a ready
   // one: the old store is retired until no queued reply borrows its fds).
@@ -431,16 +438,20 @@ class Daemon {
   std::thread loader_;
 
   // Demotion and promotion: what the mover thread is doing, the store's allocation sizes
-  // (from its manifest), the sealed memfds while demoted, and the connections (by id) whose
-  // Attach waits for the promotion.
-  enum class Move : uint8_t { kNone, kDemoting, kPromoting };
+  // (from its manifest), the sealed memfds while demoted (and, with --demote host-pinned, their
+  // pinned mappings once the mover has registered them behind the demotion: read by the mover
+  // during a promotion, otherwise the loop's), and the connections (by id) whose Attach waits
+  // for the promotion.
+  enum class Move : uint8_t { kNone, kDemoting, kPinning, kPromoting };
   Move move_ = Move::kNone;
   Clock::time_point move_start_;
   std::vector<uint64_t> allocation_sizes_;
   std::vector<UniqueFd> demoted_;
+  std::optional<cuda::PinnedHostCopy> pinned_copy_;
   std::vector<uint64_t> promotion_waiters_;
   Mutex move_mu_;
   std::optional<Result<std::vector<UniqueFd>>> move_result_ WEIGHTCACHE_GUARDED_BY(move_mu_);
+  std::optional<Result<cuda::PinnedHostCopy>> pin_result_ WEIGHTCACHE_GUARDED_BY(move_mu_);
   std::string move_how_ WEIGHTCACHE_GUARDED_BY(move_mu_);  // bytes, seconds, GB/s
   std::thread mover_;
 

@@ -50,7 +50,7 @@ struct ServeFlags {
   std::string gpu_budget;
   std::string host_budget;
   bool pin = false;
-  std::string demote;  // serve's --demote ("host"); "" = not given
+  std::string demote;  // serve's --demote ("host", "host-pinned"); "" = not given
   // serve's --adopt-verify (sample|full|behind, docs/keeper.md); "" = not given. With
   // --supervise, a daemon restarted after a crash re-adopts its keeper's memory this way.
   std::string adopt_verify;

@@ -214,7 +214,9 @@ TEST_F(BudgetTest, DemoteHostOnAHostTierCacheIsPlainlyEvicted) {
 TEST_F(BudgetTest, DemoteToAnotherTierThanHostIsRefused) {
   CommandResult r = ServeRefused(0, {"--demote", "disk"});
   EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_NE(r.err.find("--demote disk: the only tier to demote to is host"), std::string::npos)
+  EXPECT_NE(
+      r.err.find("--demote disk: the only tier to demote to is host (`host` or `host-pinned`)"),
+      std::string::npos)
       << r.err;
 }
 

@@ -38,7 +38,7 @@
                                    reference's output. One JSON line: the restart's time to
                                    ready, bytes read, the handover time.
   budget --model DIR --other-model DIR2 --reference F --runtime-dir R --cli PATH --device UUID
-                                   (issue 16) two `serve --gpu-budget B --demote host` caches,
+                                   (issue 16) two `serve --gpu-budget B --demote host-pinned` caches,
                                    B = 1.5 x one checkpoint: the second's admission demotes the
                                    first to host RAM (`ls`: demoted, host); an engine attaching
                                    to the first promotes it back (the second is demoted to make
@@ -600,7 +600,7 @@ def cmd_budget(args):
     def serve(model_dir: str, model_id: str, log: str):
         cmd = [args.cli, "serve", "--model", model_dir, "--tier", "gpu",
                "--device", args.device, "--runtime-dir", args.runtime_dir, "--gpu-budget", budget,
-               "--demote", "host", "--no-keeper"]
+               "--demote", args.demote, "--no-keeper"]
         p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
         procs.append(p)
         wait_for(lambda: "ready:" in open(log).read() or p.poll() is not None, 120,
@@ -640,11 +640,16 @@ def cmd_budget(args):
         for name, r in (("first", first), ("promoted", promoted)):
             if not (r.get("tokens_equal") and r.get("logits_equal")):
                 failures.append(f"{name} engine: tokens/logits differ from the disk-loaded model")
+        pinned_promotion = any("promoted back to the GPU" in line and "pinned host copy" in line
+                               for line in open(logs["a"]).read().splitlines())
+        if args.demote == "host-pinned" and not pinned_promotion:
+            failures.append("--demote host-pinned: a's promotion did not copy from the pinned "
+                            "host copy")
         if promoted.get("daemon_pid") != a.pid:
             failures.append(f"the promoted engine attached to pid {promoted.get('daemon_pid')}, "
                             f"not a's daemon {a.pid}")
         print(json.dumps({"budget_check": {
-            "weight_bytes": weights, "gpu_budget": int(budget),
+            "weight_bytes": weights, "gpu_budget": int(budget), "demote": args.demote,
             "first": {k: first.get(k) for k in ("tokens_equal", "logits_equal")},
             "promoted": {k: promoted.get(k) for k in ("tokens_equal", "logits_equal",
                                                       "load_state_dict_ms")},
@@ -695,6 +700,9 @@ def main():
     bu.add_argument("--runtime-dir", required=True)
     bu.add_argument("--cli", required=True)
     bu.add_argument("--device", required=True)
+    bu.add_argument("--demote", choices=("host", "host-pinned"), default="host-pinned",
+                    help="serve's --demote for both caches (host-pinned: the promotion must "
+                         "copy from the pinned host copy)")
     args = p.parse_args()
     {"make": cmd_make, "budget": cmd_budget, "reference": cmd_reference, "attach": cmd_attach,
      "shard-attach": cmd_shard_attach, "keeper": cmd_keeper}[args.cmd](args)

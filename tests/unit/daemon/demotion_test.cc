@@ -3,7 +3,9 @@
 // idle cache (state `demoted`, tier host, the ledger hook told), an Attach promotes it back and
 // gets the same bytes in the same layout; a host budget too small stops the cache instead; a
 // promotion that fails refuses the waiting attach and leaves the cache demoted, and the next
-// attach promotes it.
+// attach promotes it; with --demote host-pinned the promotion copies from the host copy pinned
+// behind the demotion, a failed pinning leaves a staged promotion, and an Evict of a pinned
+// demoted cache stops it and unpins.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -258,6 +260,99 @@ TEST_F(DemotionTest, AFailedPromotionRefusesTheAttachAndTheNextOnePromotes) {
   ASSERT_TRUE(promoted.ok()) << promoted.status().ToString();
   EXPECT_EQ(Bytes(*promoted), before);
   EXPECT_TRUE(d->Stop().ok());
+}
+
+// Whether a cuMemHostRegister was called after the last cuMemCreate: a staged promotion pins
+// its staging buffers after making the new arena; one from a pinned host copy pins nothing.
+bool RegisteredAfterTheLastArena(const FakeDriver& fake) {
+  const std::vector<std::string>& calls = fake.calls();
+  bool registered = false;
+  for (const std::string& call : calls) {
+    if (call == "cuMemCreate") registered = false;
+    if (call == "cuMemHostRegister") registered = true;
+  }
+  return registered;
+}
+
+// --demote host-pinned: the host copy is pinned behind the demotion (the context held while
+// demoted), the promotion copies from it by DMA alone, and then unpins it and lets the context
+// go. An Attach sent once the ledger hook heard of the demotion finds the pinning started (the
+// hook runs just before it) and waits for it.
+TEST_F(DemotionTest, WithHostPinnedThePromotionCopiesFromThePinnedHostCopy) {
+  daemon::DemotionOptions demotion = Demote();
+  demotion.pin_host_copy = true;
+  auto d = Start(std::move(demotion));
+  ASSERT_NE(d, nullptr);
+  std::vector<std::string> before;
+  {
+    auto first = Attach(*d);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    before = Bytes(*first);
+  }
+  ASSERT_TRUE(Evict(*d).evicted);
+  moved_.WaitFor(1);
+  // Pinned: every segment registered, the context retained for it alone.
+  while (fake_->live_host_registrations() == 0) std::this_thread::sleep_for(1ms);
+  auto promoted = Attach(*d);
+  ASSERT_TRUE(promoted.ok()) << promoted.status().ToString();
+  EXPECT_EQ(Bytes(*promoted), before);
+  EXPECT_EQ(moved_.WaitFor(2), (std::vector<Tier>{Tier::kHost, Tier::kGpu}));
+  EXPECT_FALSE(RegisteredAfterTheLastArena(*fake_)) << "the promotion staged its copy";
+  EXPECT_GT(fake_->CallCount("cuMemHostUnregister"), 0);
+  // Unpinned and the context released once promoted (the daemon keeps only the fds).
+  EXPECT_EQ(fake_->live_host_registrations(), 0);
+  EXPECT_EQ(fake_->total_context_refs(), 0);
+  EXPECT_TRUE(d->Stop().ok());
+}
+
+// Pinning that fails costs the promotion only its speed: it stages, with the same bytes.
+TEST_F(DemotionTest, WithHostPinnedAFailedPinningLeavesAStagedPromotion) {
+  daemon::DemotionOptions demotion = Demote();
+  demotion.pin_host_copy = true;
+  // The hook runs on the loop just before the pinning starts: its first registration fails.
+  demotion.moved = [this](Tier tier) {
+    if (tier == Tier::kHost) {
+      fake_->FailCall("cuMemHostRegister", fake_->CallCount("cuMemHostRegister") + 1,
+                      CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    moved_.Add(tier);
+  };
+  auto d = Start(std::move(demotion));
+  ASSERT_NE(d, nullptr);
+  std::vector<std::string> before;
+  {
+    auto first = Attach(*d);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    before = Bytes(*first);
+  }
+  ASSERT_TRUE(Evict(*d).evicted);
+  moved_.WaitFor(1);
+  auto promoted = Attach(*d);
+  ASSERT_TRUE(promoted.ok()) << promoted.status().ToString();
+  EXPECT_EQ(Bytes(*promoted), before);
+  EXPECT_TRUE(RegisteredAfterTheLastArena(*fake_)) << "staging buffers pinned for the copy";
+  EXPECT_EQ(fake_->live_host_registrations(), 0);
+  EXPECT_EQ(fake_->total_context_refs(), 0);
+  EXPECT_TRUE(d->Stop().ok());
+}
+
+// A demoted cache that is pinning (or pinned) and has no waiting attach is idle: an Evict stops
+// it, and its pinned copy is let go with it.
+TEST_F(DemotionTest, WithHostPinnedAnEvictOfThePinnedCacheStopsItAndUnpins) {
+  daemon::DemotionOptions demotion = Demote();
+  demotion.pin_host_copy = true;
+  auto d = Start(std::move(demotion));
+  ASSERT_NE(d, nullptr);
+  ASSERT_TRUE(Evict(*d).evicted);
+  moved_.WaitFor(1);
+  while (fake_->live_host_registrations() == 0) std::this_thread::sleep_for(1ms);
+  protocol::EvictReply again = Evict(*d);
+  EXPECT_TRUE(again.evicted);
+  EXPECT_EQ(again.reason, "");
+  while (std::filesystem::exists(d->socket())) std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(d->Stop().ok());
+  EXPECT_EQ(fake_->live_host_registrations(), 0);
+  EXPECT_EQ(fake_->total_context_refs(), 0);
 }
 
 }  // namespace
