@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 import sys
-import sysconfig
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
@@ -27,7 +25,6 @@ from . import errors
 from ._weightcache import Attachment, AttachOptions, Tensor, dtype_names
 from ._weightcache import _dlpack_capsules, _view_plan
 from ._weightcache import attach as _attach
-from .publish import publish, publish_state_dict
 from .errors import (
     AlreadyServedError,
     DaemonTimeoutError,
@@ -44,6 +41,8 @@ from .errors import (
 
 if TYPE_CHECKING:
     import torch
+
+    from ._publishing import publish, publish_state_dict
 
 __all__ = [
     "Attachment",
@@ -72,6 +71,23 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # publish() and publish_state_dict() (and the subprocess machinery they start daemons with)
+    # are imported on first use: an engine that only attaches does not pay for them in its
+    # `import weightcache` (part of a restart's time to weights, docs/benchmarks.md).
+    if name in ("publish", "publish_state_dict"):
+        from . import _publishing
+
+        globals().update(publish=_publishing.publish,
+                         publish_state_dict=_publishing.publish_state_dict)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | {"publish", "publish_state_dict"})
 
 # The identity keywords attach() and load_state_dict() accept: AttachOptions' fields.
 _IDENTITY_KEYS = (
@@ -308,6 +324,9 @@ def numpy_views(att: Attachment) -> Dict[str, Any]:
 def cli_path() -> str:
     """The `weightcache` CLI: $WEIGHTCACHE_CLI, else the one `pip install .` put in this
     environment's scripts dir, else the first on PATH."""
+    import shutil
+    import sysconfig
+
     env = os.environ.get("WEIGHTCACHE_CLI")
     if env:
         return env
