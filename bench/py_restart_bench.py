@@ -57,7 +57,9 @@ def fingerprint(sd):
     return out
 """
 
-WEIGHTCACHE_CHILD = """
+# Every child: the same start (torch imported, the CUDA context made), then its loader's
+# import and load between t_ctx / t_import / t_dict, then the same report.
+CHILD_START = """
 import time
 t_code = time.monotonic()
 import json, torch
@@ -66,26 +68,24 @@ torch.cuda.init()
 torch.empty(1, device="cuda:{index}")
 torch.cuda.synchronize()
 t_ctx = time.monotonic()
-import weightcache
-t_import = time.monotonic()
-sd = weightcache.load_state_dict({model!r}, device="cuda:{index}", runtime_dir={runtime!r},
-                                 on_missing="error")
-t_dict = time.monotonic()
+"""
+
+CHILD_END = """
 {fingerprint}
 print(json.dumps(dict(code=t_code, torch=t_torch, ctx=t_ctx, imported=t_import, dict=t_dict,
                       tensors=len(sd), bytes=sum(t.numel() * t.element_size() for t in sd.values()),
                       fingerprint=fingerprint(sd))))
 """
 
-LOAD_FILE_CHILD = """
-import time
-t_code = time.monotonic()
-import json, torch
-t_torch = time.monotonic()
-torch.cuda.init()
-torch.empty(1, device="cuda:{index}")
-torch.cuda.synchronize()
-t_ctx = time.monotonic()
+WEIGHTCACHE_CHILD = CHILD_START + """
+import weightcache
+t_import = time.monotonic()
+sd = weightcache.load_state_dict({model!r}, device="cuda:{index}", runtime_dir={runtime!r},
+                                 on_missing="error")
+t_dict = time.monotonic()
+""" + CHILD_END
+
+LOAD_FILE_CHILD = CHILD_START + """
 from safetensors.torch import load_file
 t_import = time.monotonic()
 sd = {{}}
@@ -93,11 +93,7 @@ for shard in {shards!r}:
     sd.update(load_file(shard, device="cuda:{index}"))
 torch.cuda.synchronize()
 t_dict = time.monotonic()
-{fingerprint}
-print(json.dumps(dict(code=t_code, torch=t_torch, ctx=t_ctx, imported=t_import, dict=t_dict,
-                      tensors=len(sd), bytes=sum(t.numel() * t.element_size() for t in sd.values()),
-                      fingerprint=fingerprint(sd))))
-"""
+""" + CHILD_END
 
 
 def drop_page_cache(paths):

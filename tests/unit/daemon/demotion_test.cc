@@ -147,6 +147,20 @@ class DemotionTest : public ::testing::Test {
     }
   }
 
+  // A first attach's bytes (then its detach), and an Evict that demotes, waited for until the
+  // ledger hook heard of it.
+  std::vector<std::string> AttachThenDemote(const InProcessDaemon& d) {
+    std::vector<std::string> before;
+    {
+      auto first = Attach(d);
+      EXPECT_TRUE(first.ok()) << first.status().ToString();
+      if (first.ok()) before = Bytes(*first);
+    }
+    EXPECT_TRUE(Evict(d).evicted);
+    moved_.WaitFor(1);
+    return before;
+  }
+
   protocol::StatusReply QueryStatus(const InProcessDaemon& d) {
     auto conn = protocol::Connection::Connect(d.socket(), 5s);
     EXPECT_TRUE(conn.ok()) << conn.status().ToString();
@@ -238,14 +252,8 @@ TEST_F(DemotionTest, AHostBudgetTooSmallStopsTheCacheInstead) {
 TEST_F(DemotionTest, AFailedPromotionRefusesTheAttachAndTheNextOnePromotes) {
   auto d = Start(Demote());
   ASSERT_NE(d, nullptr);
-  std::vector<std::string> before;
-  {
-    auto first = Attach(*d);
-    ASSERT_TRUE(first.ok()) << first.status().ToString();
-    before = Bytes(*first);
-  }
-  ASSERT_TRUE(Evict(*d).evicted);
-  moved_.WaitFor(1);
+  const std::vector<std::string> before = AttachThenDemote(*d);
+  ASSERT_FALSE(before.empty());
   fake_->FailCall("cuMemCreate", fake_->CallCount("cuMemCreate") + 1, CUDA_ERROR_OUT_OF_MEMORY);
   auto refused = Attach(*d);
   ASSERT_FALSE(refused.ok());
@@ -283,14 +291,8 @@ TEST_F(DemotionTest, WithHostPinnedThePromotionCopiesFromThePinnedHostCopy) {
   demotion.pin_host_copy = true;
   auto d = Start(std::move(demotion));
   ASSERT_NE(d, nullptr);
-  std::vector<std::string> before;
-  {
-    auto first = Attach(*d);
-    ASSERT_TRUE(first.ok()) << first.status().ToString();
-    before = Bytes(*first);
-  }
-  ASSERT_TRUE(Evict(*d).evicted);
-  moved_.WaitFor(1);
+  const std::vector<std::string> before = AttachThenDemote(*d);
+  ASSERT_FALSE(before.empty());
   // Pinned: every segment registered, the context retained for it alone.
   while (fake_->live_host_registrations() == 0) std::this_thread::sleep_for(1ms);
   auto promoted = Attach(*d);
@@ -319,14 +321,8 @@ TEST_F(DemotionTest, WithHostPinnedAFailedPinningLeavesAStagedPromotion) {
   };
   auto d = Start(std::move(demotion));
   ASSERT_NE(d, nullptr);
-  std::vector<std::string> before;
-  {
-    auto first = Attach(*d);
-    ASSERT_TRUE(first.ok()) << first.status().ToString();
-    before = Bytes(*first);
-  }
-  ASSERT_TRUE(Evict(*d).evicted);
-  moved_.WaitFor(1);
+  const std::vector<std::string> before = AttachThenDemote(*d);
+  ASSERT_FALSE(before.empty());
   auto promoted = Attach(*d);
   ASSERT_TRUE(promoted.ok()) << promoted.status().ToString();
   EXPECT_EQ(Bytes(*promoted), before);
