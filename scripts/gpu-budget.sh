@@ -14,7 +14,10 @@
 #      recently used idle cache, demotes;
 #   4. `status --json` after each step; the demotions' and the promotion's copy rates from the
 #      daemons' own log lines ("demoted to host RAM in … (copy: N bytes in S s (G GB/s))",
-#      "promoted back to the GPU in …").
+#      "promoted back to the GPU in …");
+#   5. a fourth cache, d, needs room: c (now the least recently used) demotes and its daemon is
+#      killed with SIGKILL in the middle of the copy; d is admitted and ready, the ledger holds
+#      a and d, and the device's memory shows c's freed.
 #
 # Checks (each FAIL is counted; exit 1 if any): every step's exit code; a demoted after step 2
 # and b after step 3, from `status --json`; the attach of step 3 verified every tensor and
@@ -52,7 +55,7 @@ fi
 runtime=$(mktemp -d /tmp/wcbud-XXXXXX)
 cleanup() {
   "$wc" stop --all --runtime-dir "$runtime" >>"$log" 2>&1
-  for r in a b c; do
+  for r in a b c d; do
     echo "==== the daemon of revision $r: its log" >>"$log"
     cat "$runtime/serve-$r.log" >>"$log" 2>/dev/null
   done
@@ -88,7 +91,9 @@ import json, sys
 out = []
 for d in json.load(sys.stdin)["devices"]:
     for c in d["caches"]:
-        out.append("%s:%s" % (c["config"]["revision"], c["cache_state"]))
+        # A dead daemon'"'"'s leftover socket has no config (it answers no Status).
+        out.append("%s:%s" % (c.get("config", {}).get("revision", "?"),
+                              c.get("cache_state", c.get("state", "?"))))
     if d.get("used_bytes") is not None:
         out.append("(ledger: %.1f GB used)" % (d["used_bytes"] / 1e9))
 print(" ".join(sorted(out)))'
@@ -142,7 +147,54 @@ if [[ $demote == host-pinned ]]; then
   grep -q "promoted back to the GPU.*DMA from the pinned host copy" "$runtime/serve-a.log" ||
     fail "a's promotion did not copy from the pinned host copy"
 fi
+# 5. kill -9 in the middle of a demotion: a fourth cache, d, needs room; the least recently
+#    used idle gpu cache, c (a was attached after it), demotes, and c's daemon is killed with
+#    SIGKILL while it copies. d's admission must go on (the dead daemon's ledger entry is
+#    reclaimed), d becomes ready, the ledger holds a and d on the gpu tier (32.1 GB), and the
+#    device's memory shows c's 16 GB freed.
+echo "== serve --revision d in the background; kill -9 of c in the middle of its demotion" >>"$log"
+c_pid=$("$wc" status --runtime-dir "$runtime" --json 2>>"$log" | python3 -c '
+import json, sys
+for d in json.load(sys.stdin)["devices"]:
+    for c in d["caches"]:
+        if c.get("config", {}).get("revision") == "c":
+            print(c.get("pid", ""))')
+"$wc" serve "${identity[@]}" --revision d --gpu-budget "$budget" --demote "$demote" \
+  --detach --json --log-file "$runtime/serve-d.log" >>"$log" 2>&1 &
+serve_d=$!
+killed=0
+for _ in $(seq 1 3000); do  # the demotion starts within seconds; a 10 ms poll of c's log
+  if grep -q "demoting to host RAM" "$runtime/serve-c.log" 2>/dev/null; then
+    kill -9 "$c_pid" 2>>"$log" && killed=1
+    break
+  fi
+  sleep 0.01
+done
+wait "$serve_d"
+rc=$?
+echo "serve d: exit $rc" >>"$log"
+if ((killed == 0)); then
+  fail "c never started demoting (pid '${c_pid}'); no kill"
+elif grep -q "demoted to host RAM in" "$runtime/serve-c.log"; then
+  fail "c's demotion finished before the kill -9 reached it (not a mid-demotion kill)"
+else
+  ((rc == 0)) || fail "serve --revision d exited $rc after c was killed mid-demotion"
+  after_kill=$(states)
+  say "budget: after kill -9 of c mid-demotion and d's admission: $after_kill"
+  [[ " $after_kill " == *" d:gpu "* && " $after_kill " == *" a:gpu "* ]] ||
+    fail "a and d are not both on the gpu after the kill ($after_kill)"
+  [[ " $after_kill " == *"(ledger: 32.1 GB used)"* ]] ||
+    fail "the ledger does not hold a and d alone ($after_kill)"
+  [[ " $after_kill " != *" c:gpu "* && " $after_kill " != *" c:demoted "* ]] ||
+    fail "the killed c is still listed as holding memory ($after_kill)"
+  used_mib=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>>"$log" | head -1)
+  say "budget: device memory used after the kill: ${used_mib:-?} MiB (a and d: 30,630 MiB of weights)"
+  if [[ -n $used_mib ]] && ((used_mib > 36000)); then
+    fail "the device holds ${used_mib} MiB after the kill: c's 16 GB were not freed"
+  fi
+fi
+
 if ((failures == 0)); then
-  say "budget: PASS (three 16 GB caches under a 40 GB budget, --demote $demote: demote, promote, verify)"
+  say "budget: PASS (three 16 GB caches under a 40 GB budget, --demote $demote: demote, promote, verify, kill -9 mid-demotion)"
 fi
 ((failures == 0))
