@@ -1369,6 +1369,11 @@ void Daemon::StartDemotion() {
     return;
   }
   allocation_sizes_ = manifest->allocation_sizes();
+  // The keeper's duplicates of the GPU allocations (or the fd store's) go before the copy, not
+  // after it: a daemon killed in the middle of its demotion must give the memory back (the
+  // Evict was accepted and the ledger counts the memory as leaving the GPU), not leave it to
+  // its keeper as an orphan outside the budget. The copy reads the daemon's own fds.
+  DropKeeperAtStop();
   state_ = CacheState::kDemoted;  // attaches from now on wait for the promotion
   move_ = Move::kDemoting;
   move_start_ = Clock::now();
@@ -1483,9 +1488,8 @@ void Daemon::FinishDemotion(Result<std::vector<UniqueFd>> memfds, const std::str
                          memfds.status().message() + ")";
     return;
   }
-  // The keeper's duplicates of the GPU allocations go first (they would keep the memory), then
-  // ours: the GPU memory is freed (no client maps it: the cache had none).
-  DropKeeperAtStop();
+  // Our fds go (the keeper's went when the demotion started): the GPU memory is freed (no
+  // client maps it: the cache had none).
   (void)store_->ExchangeFds({});
   demoted_ = std::move(memfds).value();
   options_.metrics->RecordDemotion();
