@@ -8,6 +8,7 @@
 // demoted cache stops it and unpins.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <memory>
@@ -20,6 +21,7 @@
 #include "common/mutex.h"
 #include "daemon/daemon.h"
 #include "identity/resolve.h"
+#include "keeper/keeper_client.h"
 #include "protocol/connection.h"
 #include "support/test_env.h"
 #include "unit/client/client_fixtures.h"
@@ -349,6 +351,42 @@ TEST_F(DemotionTest, WithHostPinnedAnEvictOfThePinnedCacheStopsItAndUnpins) {
   EXPECT_TRUE(d->Stop().ok());
   EXPECT_EQ(fake_->live_host_registrations(), 0);
   EXPECT_EQ(fake_->total_context_refs(), 0);
+}
+
+// The keeper's deposit is dropped when the demotion starts, before the copy: a daemon killed in
+// the middle of its demotion must give its GPU memory back, not leave it to the keeper as an
+// orphan the ledger no longer counts (found on the H200 by scripts/gpu-budget.sh step 5). With a
+// real keeper process (the built CLI's `keeper`), the keeper is asked what it holds from inside
+// the demotion's first device-to-host copy.
+TEST_F(DemotionTest, TheKeeperIsDroppedBeforeTheDemotionCopiesAnything) {
+  auto options = DaemonOptionsFor(identity_, env_);
+  ASSERT_TRUE(options.ok()) << options.status().ToString();
+  options->keeper.enabled = true;
+  options->keeper.program = CliPath();
+  options->demotion = Demote();
+  const keeper::KeeperPaths paths{options->paths.keeper_socket, options->paths.keeper_lock};
+  auto started = InProcessDaemon::Start(std::move(options).value());
+  ASSERT_TRUE(started.ok()) << started.status().ToString();
+  std::unique_ptr<InProcessDaemon> d = std::move(started).value();
+  ASSERT_TRUE(d->WaitLoaded().ok());
+  // The deposit follows ready: wait until the keeper holds the cache.
+  for (;;) {
+    auto held = keeper::QueryKeeper(paths, 5s);
+    ASSERT_TRUE(held.ok()) << held.status().ToString();
+    if (held->has_value() && (*held)->state == protocol::KeeperState::kHolding) break;
+    std::this_thread::sleep_for(5ms);
+  }
+  // 1: no live keeper during the copy; 2: the keeper still held the cache; 3: a query error.
+  std::atomic<int> during_copy{0};
+  fake_->BeforeCall("cuMemcpyDtoHAsync", [&] {
+    if (during_copy.load() != 0) return;
+    auto held = keeper::QueryKeeper(paths, 5s);
+    during_copy = !held.ok() ? 3 : held->has_value() ? 2 : 1;
+  });
+  ASSERT_TRUE(Evict(*d).evicted);
+  moved_.WaitFor(1);
+  EXPECT_EQ(during_copy.load(), 1) << "2: the keeper still held the GPU memory during the copy";
+  EXPECT_TRUE(d->Stop().ok());
 }
 
 }  // namespace
