@@ -12,17 +12,14 @@
 // the host copy freed. Strategies (cuda/tier_copy.h): staged (T workers, default the
 // library's: the cores, 4 to 16; each with two pinned buffers of M MiB, default 16; the host
 // copy in memfd segments of at most 512 MiB) and registered (the segments' mappings pinned
-// chunk by chunk by T workers as they are copied); then (kept, and with both) the probe of a
-// host copy kept registered while demoted: a staged demotion, the segments registered whole by
-// T workers (timed apart) and copied into a new arena on 4 streams.
+// chunk by chunk by T workers as they are copied); then (kept, and with both) the path of
+// `serve --demote host-pinned`: a staged demotion, the segments pinned whole by T workers
+// (cuda::PinnedHostCopy, timed apart) and the promotion by DMA alone from them.
 // Pinned H2D and D2H: one 1 GiB cuMemcpy{HtoD,DtoH}Async with pinned host memory (best of 3),
 // the links' rates the targets are measured against. Each line also carries the kernel's
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled (whether a memfd can get huge pages). One
 // JSON object per line.
-#include <sys/stat.h>
-
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -30,7 +27,6 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -40,7 +36,6 @@
 #include "cuda/tier_copy.h"
 #include "cuda/upload_resources.h"
 #include "cuda/vmm.h"
-#include "os/memfd.h"
 
 namespace wc = weightcache;
 namespace cu = weightcache::cuda;
@@ -111,78 +106,6 @@ PinnedRates Pinned(const cu::DriverApi* api) {
   api->cuEventDestroy(start);
   api->cuEventDestroy(stop);
   api->cuMemFree(dev);
-  return rates;
-}
-
-// The "kept" probe (issue 16): what a demoted cache would gain by keeping its host copy
-// registered with the driver (pinned) for the whole time it is demoted, which needs a CUDA
-// context kept alive meanwhile. Measures the registration of the sealed segments by `threads`
-// workers (what would run behind the demotion) and, apart from it, the promotion's copy from
-// the registered mappings into a new arena on 4 streams (what an attach would wait for).
-struct KeptRates {
-  double register_s = 0;
-  double copy_s = 0;
-  std::vector<wc::UniqueFd> fds;  // the new arena's
-};
-
-KeptRates Kept(const cu::DriverApi* api, CUdevice device, const std::vector<wc::UniqueFd>& memfds,
-               const std::vector<uint64_t>& sizes, size_t threads) {
-  auto arena = Check(cu::ExportedArena::Create(api, device, sizes), "kept: arena");
-  std::vector<wc::os::MappedRegion> regions;
-  for (const auto& fd : memfds) {
-    struct stat st {};
-    if (::fstat(fd.get(), &st) != 0) Die("kept: fstat of a segment");
-    regions.push_back(Check(wc::os::MapReadOnly(fd.get(), static_cast<size_t>(st.st_size)),
-                            "kept: mapping a segment"));
-  }
-  using Clock = std::chrono::steady_clock;
-  auto t0 = Clock::now();
-  {
-    std::vector<std::thread> workers;
-    std::atomic<bool> failed{false};
-    for (size_t w = 0; w < std::min(threads, regions.size()); ++w) {
-      workers.emplace_back([&, w] {
-        if (api->cuCtxSetCurrent(arena.context()) != CUDA_SUCCESS) failed = true;
-        for (size_t i = w; i < regions.size(); i += threads) {
-          if (api->cuMemHostRegister(regions[i].data(), regions[i].size(),
-                                     CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY) !=
-              CUDA_SUCCESS) {
-            failed = true;
-          }
-        }
-      });
-    }
-    for (auto& t : workers) t.join();
-    if (failed) Die("kept: cuMemHostRegister of a segment");
-  }
-  KeptRates rates;
-  rates.register_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  std::vector<cu::CudaStream> streams;
-  for (int i = 0; i < 4; ++i) streams.push_back(Check(cu::CudaStream::Create(api), "stream"));
-  constexpr size_t kPiece = size_t{64} << 20;
-  t0 = Clock::now();
-  CUdeviceptr at = arena.base();
-  size_t piece = 0;
-  for (const auto& region : regions) {
-    const auto* host = static_cast<const std::byte*>(region.data());
-    for (size_t off = 0; off < region.size(); off += kPiece, ++piece) {
-      const size_t n = std::min(kPiece, region.size() - off);
-      CheckCu(
-          api,
-          api->cuMemcpyHtoDAsync(at + off, host + off, n, streams[piece % streams.size()].get()),
-          "kept: cuMemcpyHtoDAsync");
-    }
-    at += region.size();
-  }
-  CheckCu(api, api->cuCtxSynchronize(), "kept: cuCtxSynchronize");
-  rates.copy_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  unsigned char last = 0;
-  CheckCu(api, api->cuMemcpyDtoH(&last, arena.base() + arena.total_bytes() - 1, 1),
-          "kept: reading back");
-  if (last != 0x5a) Die("kept: the promoted arena's last byte differs from the source's");
-  for (auto& region : regions) api->cuMemHostUnregister(region.data());
-  streams.clear();
-  rates.fds = std::move(arena).ReleaseToFds();
   return rates;
 }
 
@@ -292,7 +215,9 @@ int Run(int argc, char** argv) {
             {"target_demote_gb_s", 20}});
     }
   }
-  // The kept probe: staged demotion, then the segments registered and copied back.
+  // kept (`serve --demote host-pinned`): a staged demotion, then the daemon's own path: the
+  // segments pinned whole (cuda::PinnedHostCopy, timed apart: it runs behind the demotion) and
+  // the promotion by DMA alone from them.
   for (int r = 0; kept && r < reps; ++r) {
     std::vector<int> borrowed;
     for (const auto& fd : device_fds) borrowed.push_back(fd.get());
@@ -304,10 +229,17 @@ int Run(int argc, char** argv) {
         cu::CopyDeviceToMemfds(api, device, borrowed, sizes, "demote_bench", &demote, options),
         "demotion");
     device_fds.clear();
-    KeptRates k = Kept(api, device, memfds, sizes, threads);
-    device_fds = std::move(k.fds);
+    std::vector<int> hosts;
+    for (const auto& fd : memfds) hosts.push_back(fd.get());
+    const auto pin_start = std::chrono::steady_clock::now();
+    auto pinned_copy = Check(cu::PinnedHostCopy::Pin(api, device, hosts, threads), "pinning");
+    const double pin_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - pin_start).count();
+    options.pinned = &pinned_copy;
+    cu::TierCopyReport promote;
+    device_fds =
+        Check(cu::CopyMemfdsToDevice(api, device, hosts, sizes, &promote, options), "promotion");
     memfds.clear();
-    const double bytes = static_cast<double>(gib * kGiB);
     Emit({{"rep", r},
           {"strategy", "kept"},
           {"threads", threads},
@@ -315,11 +247,11 @@ int Run(int argc, char** argv) {
           {"segments", demote.segments},
           {"pinned_h2d_gb_s", pinned.h2d},
           {"demote_gb_s", demote.gb_per_s},
-          {"kept_register_s", k.register_s},
-          {"kept_register_gb_s", bytes / 1e9 / k.register_s},
-          {"promote_s", k.copy_s},
-          {"promote_gb_s", bytes / 1e9 / k.copy_s},
-          {"promote_vs_pinned_h2d", ratio(bytes / 1e9 / k.copy_s, pinned.h2d)},
+          {"kept_register_s", pin_s},
+          {"kept_register_gb_s", static_cast<double>(pinned_copy.bytes()) / 1e9 / pin_s},
+          {"promote_s", promote.seconds},
+          {"promote_gb_s", promote.gb_per_s},
+          {"promote_vs_pinned_h2d", ratio(promote.gb_per_s, pinned.h2d)},
           {"target_promote_vs_pinned", 0.9}});
   }
   return 0;
