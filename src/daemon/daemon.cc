@@ -1338,6 +1338,19 @@ std::string DescribeCopy(const cuda::TierCopyReport& report) {
 
 }  // namespace
 
+Result<Daemon::CopyDevice> Daemon::CacheDevice() const {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, options_.env.load_driver());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *options_.device));
+  return CopyDevice{api, device};
+}
+
+std::vector<int> Daemon::DemotedFds() const {
+  std::vector<int> fds;
+  fds.reserve(demoted_.size());
+  for (const UniqueFd& fd : demoted_) fds.push_back(fd.get());
+  return fds;
+}
+
 Status Daemon::CanDemote() const {
   if (!options_.demotion.enabled) return Status(StatusCode::kUnavailable, "no --demote host");
   if (options_.config.tier != Tier::kGpu) {
@@ -1380,8 +1393,8 @@ void Daemon::StartDemotion() {
   mover_ = std::thread([this, fds = store_->fds(), sizes = allocation_sizes_] {
     std::string how;
     Result<std::vector<UniqueFd>> result = [&]() -> Result<std::vector<UniqueFd>> {
-      WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, options_.env.load_driver());
-      WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *options_.device));
+      WEIGHTCACHE_ASSIGN_OR_RETURN(const CopyDevice gpu, CacheDevice());
+      const auto& [api, device] = gpu;
       cuda::TierCopyReport report;
       auto memfds = cuda::CopyDeviceToMemfds(
           api, device, fds, sizes, "weightcache:" + options_.config.ShortDigest() + ":demoted",
@@ -1403,13 +1416,11 @@ void Daemon::StartDemotion() {
 void Daemon::StartPinning() {
   move_ = Move::kPinning;
   move_start_ = Clock::now();
-  std::vector<int> memfds;
-  memfds.reserve(demoted_.size());
-  for (const UniqueFd& fd : demoted_) memfds.push_back(fd.get());
+  std::vector<int> memfds = DemotedFds();
   mover_ = std::thread([this, memfds = std::move(memfds)] {
     Result<cuda::PinnedHostCopy> result = [&]() -> Result<cuda::PinnedHostCopy> {
-      WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, options_.env.load_driver());
-      WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *options_.device));
+      WEIGHTCACHE_ASSIGN_OR_RETURN(const CopyDevice gpu, CacheDevice());
+      const auto& [api, device] = gpu;
       return cuda::PinnedHostCopy::Pin(api, device, memfds, cuda::DefaultTierCopyThreads());
     }();
     {
@@ -1425,9 +1436,7 @@ void Daemon::StartPromotion() {
   move_start_ = Clock::now();
   LOG_INFO << "promoting back to the GPU for " << promotion_waiters_.size() << " attach(es)"
            << (pinned_copy_ ? " from the pinned host copy" : "");
-  std::vector<int> memfds;
-  memfds.reserve(demoted_.size());
-  for (const UniqueFd& fd : demoted_) memfds.push_back(fd.get());
+  std::vector<int> memfds = DemotedFds();
   // The loop leaves pinned_copy_ alone until this promotion's result is taken (OnMoveDone).
   const cuda::PinnedHostCopy* pinned = pinned_copy_ ? &*pinned_copy_ : nullptr;
   mover_ = std::thread([this, memfds = std::move(memfds), sizes = allocation_sizes_, pinned] {
@@ -1437,8 +1446,8 @@ void Daemon::StartPromotion() {
         Status admitted = options_.demotion.readmit();
         if (!admitted.ok()) return admitted.Context("re-admission under the gpu budget");
       }
-      WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, options_.env.load_driver());
-      WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *options_.device));
+      WEIGHTCACHE_ASSIGN_OR_RETURN(const CopyDevice gpu, CacheDevice());
+      const auto& [api, device] = gpu;
       cuda::TierCopyReport report;
       cuda::TierCopyOptions copy;
       copy.pinned = pinned;
@@ -1772,8 +1781,8 @@ Status Daemon::CanPublish(const Connection& conn) const {
 void Daemon::WarmContext() {
   const auto start = Clock::now();
   Result<cuda::PrimaryContext> context = [&]() -> Result<cuda::PrimaryContext> {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, options_.env.load_driver());
-    WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *options_.device));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(const CopyDevice gpu, CacheDevice());
+    const auto& [api, device] = gpu;
     return cuda::PrimaryContext::Retain(api, device);
   }();
   if (!context.ok()) {

@@ -335,6 +335,14 @@ class Daemon {
   // Demotion and promotion (docs/budget.md): the copies run on the mover thread, whose result
   // the loop takes in OnMoveDone (woken through the loader's eventfd).
   Status CanDemote() const;
+  // The driver and the cache's device (options_.device), for the mover's copies and the
+  // publisher's context; and the demoted memfds, borrowed, for a copy of the host copy.
+  struct CopyDevice {
+    const cuda::DriverApi* api = nullptr;
+    CUdevice device = 0;
+  };
+  Result<CopyDevice> CacheDevice() const;
+  std::vector<int> DemotedFds() const;
   void StartDemotion();
   void StartPinning();
   void StartPromotion();
