@@ -1416,8 +1416,7 @@ void Daemon::StartDemotion() {
 void Daemon::StartPinning() {
   move_ = Move::kPinning;
   move_start_ = Clock::now();
-  std::vector<int> memfds = DemotedFds();
-  mover_ = std::thread([this, memfds = std::move(memfds)] {
+  mover_ = std::thread([this, memfds = DemotedFds()] {
     Result<cuda::PinnedHostCopy> result = [&]() -> Result<cuda::PinnedHostCopy> {
       WEIGHTCACHE_ASSIGN_OR_RETURN(const CopyDevice gpu, CacheDevice());
       const auto& [api, device] = gpu;
@@ -1436,10 +1435,9 @@ void Daemon::StartPromotion() {
   move_start_ = Clock::now();
   LOG_INFO << "promoting back to the GPU for " << promotion_waiters_.size() << " attach(es)"
            << (pinned_copy_ ? " from the pinned host copy" : "");
-  std::vector<int> memfds = DemotedFds();
   // The loop leaves pinned_copy_ alone until this promotion's result is taken (OnMoveDone).
   const cuda::PinnedHostCopy* pinned = pinned_copy_ ? &*pinned_copy_ : nullptr;
-  mover_ = std::thread([this, memfds = std::move(memfds), sizes = allocation_sizes_, pinned] {
+  mover_ = std::thread([this, memfds = DemotedFds(), sizes = allocation_sizes_, pinned] {
     std::string how;
     Result<std::vector<UniqueFd>> result = [&]() -> Result<std::vector<UniqueFd>> {
       if (options_.demotion.readmit) {
