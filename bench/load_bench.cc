@@ -5,8 +5,12 @@
 //              [--direct | --mapped | --auto] [--streams S] [--chunk-mib M] [--depth D]
 //              [--checksum-threads H] [--warm-only] [--reps R]
 //              [--device-checksum | --no-checksum] [--hybrid F [--mapped-threads M]]
-// (--mapped: the copy engine reads the page cache through registered mappings, checksums by
-// the GPU kernel; --auto: mapped when the files are in the page cache, as the daemon loads;
+//              [--io-uring [--uring-depth D] [--uring-piece-mib P] [--uring-inline]]
+// (--io-uring: each reader reads its staging fills as P MiB pieces (default 4), D in flight
+// (default 8) on its own io_uring, handed to the kernel's io-wq workers, or with
+// --uring-inline tried in the reader's own thread first; --mapped: the copy engine reads the
+// page cache through registered mappings, checksums by the GPU kernel; --auto: mapped when the
+// files are in the page cache, as the daemon loads;
 // --hybrid F: the last fraction F of each file's items go through a second, mapped pipeline of
 // M threads (default 2) at the same time as the rest go through the staged one: the two paths
 // have different limits, CPU copies against the driver's page registration.)
@@ -50,6 +54,7 @@
 #include "cuda/driver_api.h"
 #include "cuda/upload_pipeline.h"
 #include "cuda/upload_resources.h"
+#include "os/uring_read.h"
 
 namespace wc = weightcache;
 namespace cu = weightcache::cuda;
@@ -264,6 +269,8 @@ int main(int argc, char** argv) {
   cu::UploadOptions options;
   options.checksums = cu::ChecksumMode::kCompute;
   bool warm_only = false;
+  bool io_uring = false;
+  wc::os::UringOptions uring;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -289,6 +296,14 @@ int main(int argc, char** argv) {
       options.read_mode = cu::ReadMode::kMapped;
     } else if (a == "--auto") {
       options.read_mode = cu::ReadMode::kAuto;
+    } else if (a == "--io-uring") {
+      io_uring = true;
+    } else if (a == "--uring-depth") {
+      uring.depth = static_cast<unsigned>(std::max(1, std::atoi(next().c_str())));
+    } else if (a == "--uring-piece-mib") {
+      uring.piece_bytes = std::strtoull(next().c_str(), nullptr, 10) * kMiB;
+    } else if (a == "--uring-inline") {
+      uring.dispatch = wc::os::UringDispatch::kInline;
     } else if (a == "--streams") {
       options.copy_streams = std::atoi(next().c_str());
     } else if (a == "--chunk-mib") {
@@ -311,9 +326,23 @@ int main(int argc, char** argv) {
           "usage: load_bench [DATA_DIR] [--gib N] [--files F] [--threads T] [--buffer-mib M] "
           "[--buffers K] [--direct | --mapped | --auto] [--streams S] [--chunk-mib M] "
           "[--depth D] [--checksum-threads H] [--warm-only] [--reps R] "
-          "[--device-checksum | --no-checksum] [--hybrid F [--mapped-threads M]]\n");
+          "[--device-checksum | --no-checksum] [--hybrid F [--mapped-threads M]] "
+          "[--io-uring [--uring-depth D] [--uring-piece-mib P] [--uring-inline]]\n");
       return 2;
     }
+  }
+
+  if (io_uring) {
+    // Refused here, before any GPU work, when this build or kernel has no io_uring.
+    if (auto probe = wc::os::UringReader::Create(uring); !probe.ok()) {
+      std::fprintf(stderr, "load_bench: --io-uring: %s\n", probe.status().ToString().c_str());
+      return 1;
+    }
+    options.run_reader = [uring]() -> wc::Result<std::unique_ptr<wc::os::RunReader>> {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(std::unique_ptr<wc::os::UringReader> r,
+                                   wc::os::UringReader::Create(uring));
+      return std::unique_ptr<wc::os::RunReader>(std::move(r));
+    };
   }
 
   auto api_or = cu::LoadDriver();
@@ -415,6 +444,12 @@ int main(int argc, char** argv) {
         {"copy_streams", options.copy_streams},
         {"mapped_chunk_mib", options.mapped_chunk_bytes / kMiB},
         {"mapped_depth", options.mapped_depth},
+        {"io_uring", io_uring},
+        {"uring_depth", io_uring ? uring.depth : 0},
+        {"uring_piece_mib", io_uring ? uring.piece_bytes / kMiB : 0},
+        {"uring_dispatch", !io_uring                                          ? "none"
+                           : uring.dispatch == wc::os::UringDispatch::kInline ? "inline"
+                                                                              : "workers"},
         {"checksums", options.checksums == cu::ChecksumMode::kNone     ? "none"
                       : options.checksums == cu::ChecksumMode::kDevice ? "device"
                                                                        : "host"},

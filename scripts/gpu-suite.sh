@@ -26,7 +26,8 @@
 #        BENCHES (only these benches, e.g. "shard_bench gpu_attach_bench"; default all; "gpu_budget"
 #        names scripts/gpu-budget.sh, three 16 GB caches under a 40 GB budget; "load_matrix",
 #        run only when named, load_bench from /dev/shm at 16 and 64 GiB in 1 and 4 files, in
-#        the daemon's shape and its variants: ~5 minutes and 64 GiB of /dev/shm; "rss_64", run
+#        the daemon's shape and its variants: ~5 minutes and 64 GiB of /dev/shm; "load_uring",
+#        run only when named, the same with the readers' runs through io_uring; "rss_64", run
 #        only when named, gpu_attach_bench's daemon at 64 GiB and 291 tensors: its VmHWM),
 #        BENCH_WORK (scratch for the benches' checkpoints; default a temp dir, removed).
 # Exit status: non-zero if the build or any test fails, or a benchmark fails or times out.
@@ -95,6 +96,8 @@ build_ok=1
     -Dnlohmann_json_DIR="$deps/share/cmake/nlohmann_json" \
     -DCLI11_DIR="$deps/share/cmake/CLI11" \
     -DXXHASH_INCLUDE_DIR="$deps/include" \
+    -DWEIGHTCACHE_IO_URING=ON -DLIBURING_INCLUDE_DIR="$deps/include" \
+    -DLIBURING_LIBRARY="$deps/lib/$arch/liburing.a" \
     -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DWEIGHTCACHE_BUILD_KERNELS=ON -DWEIGHTCACHE_BUILD_TESTS=ON -DWEIGHTCACHE_BUILD_BENCH=ON &&
     if [[ -n ${TARGETS:-} ]]; then
@@ -217,6 +220,30 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
           run_bench_exe 120 load_bench "$shm" --gib "$gib" --files "$files" \
             --warm-only --reps 3 $v
         done
+      done
+    done
+    rm -rf "$shm"
+  fi
+  # Issue 14 part 1's io_uring variant: the daemon's staged path with its readers' runs read
+  # through io_uring (load_bench --io-uring, os/uring_read.h) next to the daemon's preads, from
+  # /dev/shm at 16 GiB in 1 and 4 files and 64 GiB in 1 (only when BENCHES names "load_uring").
+  if [[ " ${BENCHES:-} " == *" load_uring "* ]]; then
+    shm=$(mktemp -d /dev/shm/wc-uring-XXXXXX)
+    base="--buffers 32 --streams 4 --device-checksum"
+    variants=(
+      "--threads 16 $base"                                            # the daemon's (pread)
+      "--threads 16 $base --io-uring"                                 # 4 MiB pieces, 8 in flight, io-wq
+      "--threads 16 $base --io-uring --uring-inline"                  # tried in the reader first
+      "--threads 4 $base --io-uring --uring-depth 8"                  # 4 readers, 32 pieces at once
+      "--threads 8 $base --io-uring --uring-depth 16 --uring-piece-mib 2"
+      "--threads 16 $base --buffer-mib 64 --io-uring --uring-depth 4 --uring-piece-mib 16"
+    )
+    for shape in "16 1" "16 4" "64 1"; do
+      read -r gib files <<<"$shape"
+      rm -rf "${shm:?}"/*
+      for v in "${variants[@]}"; do
+        # shellcheck disable=SC2086  # a variant is a list of flags
+        run_bench_exe 150 load_bench "$shm" --gib "$gib" --files "$files" --warm-only --reps 3 $v
       done
     done
     rm -rf "$shm"

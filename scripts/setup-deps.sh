@@ -11,6 +11,7 @@ debs=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
       # real etcd (etcd-server) and read it back with etcdctl (etcd-client); openssl makes the
       # test CA and certificates of the etcds:// test.
       libcurl4-openssl-dev etcd-server etcd-client openssl
+      liburing-dev  # the load bench's io_uring reads (src/os/uring_read.h)
       libucx-dev   # the fleet transport: UCX's UCP (RMA between nodes, docs/fleet.md "Transport")
       systemd)     # systemd-analyze verify/security, systemd-sysusers (scripts/check-deploy.sh)
 missing=()

@@ -5,7 +5,7 @@
 # is needed there at run time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pkgs=(nlohmann-json3-dev libcli11-dev libxxhash-dev nettle-dev libgtest-dev libgmock-dev)
+pkgs=(nlohmann-json3-dev libcli11-dev libxxhash-dev nettle-dev libgtest-dev libgmock-dev liburing-dev)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 (cd "$work" && apt-get download "${pkgs[@]}" >/dev/null)

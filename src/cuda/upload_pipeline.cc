@@ -387,13 +387,14 @@ class UploadRun {
 
   UploadRun(const Resources& r, std::span<const UploadSource> sources,
             std::span<const UploadItem> items, std::span<const Batch> batches,
-            std::span<const UniqueFd> direct_fds, ChunkLayout* chunks, const UploadControl& control,
-            uint64_t total)
+            std::span<const UniqueFd> direct_fds, const RunReaderFactory* run_reader,
+            ChunkLayout* chunks, const UploadControl& control, uint64_t total)
       : r_(r),
         sources_(sources),
         items_(items),
         batches_(batches),
         direct_fds_(direct_fds),
+        run_reader_(run_reader),
         chunks_(chunks),
         control_(control),
         total_(total),
@@ -448,6 +449,12 @@ class UploadRun {
       return Fail(DriverError(r_.api, rc, "cuCtxSetCurrent on upload thread"));
     }
     std::unique_ptr<uint8_t[]> stage;  // this reader's gather stage, on its first strided item
+    std::unique_ptr<os::RunReader> run_reader;  // null: pread
+    if (run_reader_ != nullptr) {
+      Result<std::unique_ptr<os::RunReader>> made = (*run_reader_)();
+      if (!made.ok()) return Fail(made.status().Context("making an upload reader's run reader"));
+      run_reader = std::move(made).value();
+    }
     while (!stop_.load()) {
       const size_t b = next_batch_.fetch_add(1);
       if (b >= batches_.size()) return;
@@ -459,7 +466,9 @@ class UploadRun {
       Result<std::byte*> made = r_.ring->Wait(slot);  // at once, unless the ring is being made
       if (!made.ok()) return Fail(made.status());
       std::byte* buf = *made;
-      if (Status s = ReadBatch(batches_[b], buf, stage); !s.ok()) return Fail(std::move(s));
+      if (Status s = ReadBatch(batches_[b], buf, stage, run_reader.get()); !s.ok()) {
+        return Fail(std::move(s));
+      }
       if (Status s = IssueCopies(b, slot, buf); !s.ok()) return Fail(std::move(s));
       HandOff(b, slot);
     }
@@ -485,9 +494,11 @@ class UploadRun {
     return true;
   }
 
-  Status ReadBatch(const Batch& batch, std::byte* buf, std::unique_ptr<uint8_t[]>& stage) {
+  Status ReadBatch(const Batch& batch, std::byte* buf, std::unique_ptr<uint8_t[]>& stage,
+                   os::RunReader* run_reader) {
     for (const ReadOp& r : batch.reads) {
-      WEIGHTCACHE_RETURN_IF_ERROR(r.strided ? ReadStrided(r, buf, stage) : ReadOne(r, buf));
+      WEIGHTCACHE_RETURN_IF_ERROR(r.strided ? ReadStrided(r, buf, stage)
+                                            : ReadOne(r, buf, run_reader));
     }
     return Status::Ok();
   }
@@ -511,7 +522,7 @@ class UploadRun {
     return s;
   }
 
-  Status ReadOne(const ReadOp& r, std::byte* buf) {
+  Status ReadOne(const ReadOp& r, std::byte* buf, os::RunReader* run_reader) {
     const UploadSource& src = sources_[r.source];
     const int dfd = direct_fds_[r.source].get();
     if (dfd >= 0) {
@@ -527,7 +538,12 @@ class UploadRun {
                        n.status().sys_errno());
       }
     }
-    Result<uint64_t> n = PreadFull(src.fd, buf + r.buf_offset, r.length, r.file_offset);
+    Result<uint64_t> n = run_reader != nullptr
+                             ? run_reader->Read(src.fd, buf + r.buf_offset, r.length, r.file_offset)
+                             : PreadFull(src.fd, buf + r.buf_offset, r.length, r.file_offset);
+    if (!n.ok() && run_reader != nullptr) {  // its message says what failed
+      return n.status().Context(DescribeRead(src, r.file_offset, r.length, r.first_item));
+    }
     if (!n.ok()) {
       return IoError(DescribeRead(src, r.file_offset, r.length, r.first_item),
                      n.status().sys_errno());
@@ -629,7 +645,8 @@ class UploadRun {
   const std::span<const UploadItem> items_;
   const std::span<const Batch> batches_;
   const std::span<const UniqueFd> direct_fds_;
-  ChunkLayout* const chunks_;  // null without checksums
+  const RunReaderFactory* run_reader_;  // null: pread
+  ChunkLayout* const chunks_;           // null without checksums
   const UploadControl& control_;
   const uint64_t total_;
 
@@ -663,6 +680,7 @@ Result<UploadPipeline> UploadPipeline::Create(const DriverApi* api, const Upload
         "upload pipeline needs at least one staging buffer, reader thread, checksum thread "
         "and copy stream");
   }
+
   CUcontext context = nullptr;
   WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuCtxGetCurrent(&context), "cuCtxGetCurrent");
   if (context == nullptr) {
@@ -764,7 +782,8 @@ Result<UploadReport> UploadPipeline::RunStaged(std::span<const UploadSource> sou
   ring.StartMaking();
 
   UploadRun run({api_, context_, &ring, streams_, std::span(events_).first(n)}, sources, items,
-                batches, direct_fds, checksums ? &chunks : nullptr, control, total);
+                batches, direct_fds, options_.run_reader ? &options_.run_reader : nullptr,
+                checksums ? &chunks : nullptr, control, total);
   run.Stage(static_cast<size_t>(options_.reader_threads),
             static_cast<size_t>(options_.checksum_threads));
   Status drained = run.Drain();

@@ -34,6 +34,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -41,6 +42,7 @@
 
 #include "cuda/driver_api.h"
 #include "cuda/upload_resources.h"
+#include "os/run_reader.h"
 #include "weightcache/status.h"
 
 namespace weightcache::cuda {
@@ -91,6 +93,9 @@ enum class ChecksumMode {
              // needs the kernel (GpuChecksumKernelBuilt)
 };
 
+// Makes a reader thread's RunReader (UploadOptions::run_reader).
+using RunReaderFactory = std::function<Result<std::unique_ptr<os::RunReader>>()>;
+
 struct UploadOptions {
   // A multiple of kChecksumChunkBytes (so pieces of an item stay chunk-aligned) and of 4096
   // (O_DIRECT), at least two chunks.
@@ -109,6 +114,11 @@ struct UploadOptions {
   uint64_t mapped_chunk_bytes = uint64_t{64} << 20;
   int mapped_depth = 2;
   double min_residency = 0.99;
+  // The staged path's buffered reads of whole runs (not O_DIRECT's, not strided gathers): each
+  // reader thread makes one RunReader when it starts and reads through it; a failure to make
+  // one fails the Run. Empty (the daemon's): pread. load_bench measures io_uring through it
+  // (os/uring_read.h).
+  RunReaderFactory run_reader;
 };
 
 struct UploadControl {

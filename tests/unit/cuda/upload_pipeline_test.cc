@@ -21,6 +21,7 @@
 #include "common/unique_fd.h"
 #include "cuda/checksum_gpu.h"
 #include "os/strided_read.h"
+#include "os/uring_read.h"
 #include "support/test_env.h"
 #include "unit/cuda/fake_driver.h"
 
@@ -261,6 +262,74 @@ TEST_F(UploadPipelineTest, DirectReadsMatchBufferedReads) {
   // O_DIRECT is refused by tmpfs; either way the bytes are right and the fd was not touched.
   EXPECT_LE(report->direct_sources, 1u);
   EXPECT_EQ(::fcntl(sources_[a].fd, F_GETFL) & O_DIRECT, 0);
+}
+
+// UploadOptions::run_reader: each reader thread reads its runs through its own RunReader.
+// Through io_uring (os/uring_read.h, the variant load_bench measures) the bytes and checksums
+// are those of the files; a failing read names the file and the item around the reader's own
+// message, with the errno; nothing is left behind.
+TEST_F(UploadPipelineTest, RunsReadThroughIoUringArriveIntactAndAFailedReadIsNamed) {
+  if (!os::UringReader::Built()) GTEST_SKIP() << "built without liburing";
+  if (auto r = os::UringReader::Create({}); !r.ok()) {
+    GTEST_SKIP() << "this kernel refuses io_uring: " << r.status().ToString();
+  }
+  const size_t a = AddFile("a.bin", 6 * kChunk + 77, 61);
+  const size_t b = AddFile("b.bin", 3 * kChunk, 62);
+  AddItem(a, 3, 6 * kChunk + 70);
+  AddItem(b, 5, 2 * kChunk);
+  AddStridedItem(a, 10, 4, 1000, 5000);  // gathered by os::ReadStrided, as in every mode
+  UploadOptions o = SmallRing();
+  std::atomic<int> made{0};
+  for (os::UringDispatch dispatch : {os::UringDispatch::kWorkers, os::UringDispatch::kInline}) {
+    // Pieces that divide nothing: odd last pieces; fewer in flight than a fill has.
+    o.run_reader = [&made, dispatch]() -> Result<std::unique_ptr<os::RunReader>> {
+      ++made;
+      WEIGHTCACHE_ASSIGN_OR_RETURN(
+          std::unique_ptr<os::UringReader> r,
+          os::UringReader::Create({.depth = 3, .piece_bytes = 100000, .dispatch = dispatch}));
+      return std::unique_ptr<os::RunReader>(std::move(r));
+    };
+    for (std::string& d : device_) d.assign(d.size(), '\xEE');
+    auto report = Run(o);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    ExpectDeviceMatchesFiles();
+    ASSERT_EQ(report->checksums.size(), items_.size());
+    for (size_t i = 0; i < items_.size(); ++i) {
+      EXPECT_EQ(report->checksums[i], TensorChecksum(Held(items_[i]).data(), items_[i].length))
+          << "item " << i;
+    }
+  }
+  EXPECT_EQ(made.load(), 2 * o.reader_threads);  // one per reader thread per run
+  ExpectAllReleased();
+
+  fds_.emplace_back(::open(dir_.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  sources_.push_back({fds_.back().get(), dir_.path() + " (a directory)"});
+  AddItem(sources_.size() - 1, 0, 10);
+  auto failed = Run(o);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kIo);
+  EXPECT_EQ(failed.status().sys_errno(), EISDIR);
+  EXPECT_NE(failed.status().message().find("(a directory) at offset 0 (10 bytes, item 3): "
+                                           "io_uring read at file offset 0"),
+            std::string::npos)
+      << failed.status().message();
+  ExpectAllReleased();
+}
+
+// A reader thread that cannot make its RunReader fails the run with that error, and the run
+// releases everything like any other failure.
+TEST_F(UploadPipelineTest, AReaderThatCannotMakeItsRunReaderFailsTheRun) {
+  const size_t a = AddFile("a.bin", 6 * kChunk, 63);
+  AddItem(a, 0, 6 * kChunk);
+  UploadOptions o = SmallRing();
+  o.run_reader = []() -> Result<std::unique_ptr<os::RunReader>> {
+    return Status(StatusCode::kUnavailable, "no ring for you");
+  };
+  auto report = Run(o);
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(report.status().message(), "making an upload reader's run reader: no ring for you");
+  ExpectAllReleased();
 }
 
 TEST_F(UploadPipelineTest, ShortReadNamesFileAndOffset) {
