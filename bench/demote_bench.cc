@@ -16,10 +16,14 @@
 // `serve --demote host-pinned`: a staged demotion, the segments pinned whole by T workers
 // (cuda::PinnedHostCopy, timed apart) and the promotion by DMA alone from them.
 // Pinned H2D and D2H: one 1 GiB cuMemcpy{HtoD,DtoH}Async with pinned host memory (best of 3),
-// the links' rates the targets are measured against. Each line also carries the kernel's
+// the links' rates the targets are measured against. The host half of a staged demotion alone,
+// its limit on this machine: T threads pwrite()ing a private buffer of M MiB into new memfd
+// segments of the demotion's size, no GPU (best of 2; `host_write_gb_s`). Each line also
+// carries the kernel's
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled (whether a memfd can get huge pages). One
 // JSON object per line.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +31,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -36,6 +41,7 @@
 #include "cuda/tier_copy.h"
 #include "cuda/upload_resources.h"
 #include "cuda/vmm.h"
+#include "os/memfd.h"
 
 namespace wc = weightcache;
 namespace cu = weightcache::cuda;
@@ -109,6 +115,49 @@ PinnedRates Pinned(const cu::DriverApi* api) {
   return rates;
 }
 
+// The host half of a staged demotion, without the GPU: `threads` workers, each taking whole
+// segments of `segment_bytes` in turn, making each a memfd and pwrite()ing a private buffer of
+// `buffer_bytes` (resident, as a staging buffer is) into it until it is full. GB/s of the best
+// of 2 passes; every memfd is closed before the next pass.
+double HostWriteLimit(uint64_t total, uint64_t segment_bytes, size_t threads,
+                      uint64_t buffer_bytes) {
+  double best = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    const size_t count = static_cast<size_t>((total + segment_bytes - 1) / segment_bytes);
+    std::vector<wc::UniqueFd> memfds(count);
+    std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> workers;
+    for (size_t t = 0; t < threads; ++t) {
+      workers.emplace_back([&] {
+        std::vector<std::byte> buffer(buffer_bytes, std::byte{0x5a});
+        for (size_t i = next++; i < count; i = next++) {
+          const uint64_t bytes = std::min(segment_bytes, total - i * segment_bytes);
+          auto fd = wc::os::CreateMemfd("demote_bench-limit", bytes);
+          if (!fd.ok()) {
+            failed = true;
+            return;
+          }
+          for (uint64_t at = 0; at < bytes; at += buffer_bytes) {
+            const uint64_t n = std::min(buffer_bytes, bytes - at);
+            if (!wc::os::PwriteAll(fd->get(), buffer.data(), n, at).ok()) {
+              failed = true;
+              return;
+            }
+          }
+          memfds[i] = std::move(fd).value();
+        }
+      });
+    }
+    for (std::thread& w : workers) w.join();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (failed) Die("the host write limit: a memfd could not be made or written");
+    best = std::max(best, static_cast<double>(total) / 1e9 / s);
+  }
+  return best;
+}
+
 int Run(int argc, char** argv) {
   const cu::TierCopyOptions defaults;
   uint64_t gib = 16, alloc_gib = 2, staging_mib = defaults.staging_bytes >> 20;
@@ -172,6 +221,8 @@ int Run(int argc, char** argv) {
     device_fds = std::move(arena).ReleaseToFds();
   }
   auto ratio = [](double a, double b) { return b > 0 ? a / b : 0; };
+  const double host_write =
+      HostWriteLimit(gib * kGiB, defaults.segment_bytes, threads, staging_mib << 20);
   for (const auto& [label, kind] : strategies) {
     cu::TierCopyOptions options;
     options.strategy = kind;
@@ -211,6 +262,8 @@ int Run(int argc, char** argv) {
             {"promote_unregistered_chunks", promote.unregistered},
             {"promote_vs_pinned_h2d", ratio(promote.gb_per_s, pinned.h2d)},
             {"demote_vs_pinned_d2h", ratio(demote.gb_per_s, pinned.d2h)},
+            {"host_write_gb_s", host_write},
+            {"demote_vs_host_write", ratio(demote.gb_per_s, host_write)},
             {"target_promote_vs_pinned", 0.9},
             {"target_demote_gb_s", 20}});
     }
@@ -247,6 +300,8 @@ int Run(int argc, char** argv) {
           {"segments", demote.segments},
           {"pinned_h2d_gb_s", pinned.h2d},
           {"demote_gb_s", demote.gb_per_s},
+          {"host_write_gb_s", host_write},
+          {"demote_vs_host_write", ratio(demote.gb_per_s, host_write)},
           {"kept_register_s", pin_s},
           {"kept_register_gb_s", static_cast<double>(pinned_copy.bytes()) / 1e9 / pin_s},
           {"promote_s", promote.seconds},

@@ -109,6 +109,10 @@ serve a
 touch_cache a
 serve b
 touch_cache b
+# Host memory before the first demotion: a demotion allocates shmem pages, which come from
+# free memory or from reclaiming the page cache (the checkpoints' own pages among them).
+meminfo() { awk '/^(MemFree|Cached|Shmem):/ {printf "%s %.1f GB  ", $1, $2 * 1024 / 1e9}' /proc/meminfo; }
+say "budget: host memory before c's admission: $(meminfo)"
 serve c
 touch_cache c
 after_c=$(states)
@@ -139,6 +143,7 @@ rate() {  # daemon log, "demoted to host RAM" or "promoted back to the GPU"
 }
 say "budget: a demoted: $(rate "$runtime/serve-a.log" "demoted to host RAM")"
 say "budget: b demoted: $(rate "$runtime/serve-b.log" "demoted to host RAM")"
+say "budget: host memory after a's promotion: $(meminfo)"
 say "budget: a promoted: $(rate "$runtime/serve-a.log" "promoted back to the GPU") (the attach waited $attach_ms ms)"
 if [[ $demote == host-pinned ]]; then
   # "host copy pinned in N ms (B bytes in S segments): ...", and the promotion's own line.
