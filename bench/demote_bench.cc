@@ -4,6 +4,7 @@
 //
 //   demote_bench [--gib N] [--device I] [--reps R] [--alloc-gib A]
 //                [--strategy staged|registered|kept|both] [--threads T] [--staging-mib M]
+//                [--settle-ms S]
 //
 // An exported VMM arena of N GiB (default 16) in allocations of A GiB (default 2), as a gpu
 // cache holds it, filled on the device; then for each strategy (default both), R times
@@ -21,7 +22,9 @@
 // segments of the demotion's size, no GPU (best of 2; `host_write_gb_s`). Each line also
 // carries the kernel's
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled (whether a memfd can get huge pages). One
-// JSON object per line.
+// JSON object per line. --settle-ms: a pause of S ms before each demotion (default 0), to see
+// whether what the previous repetition released (an unpinned host copy, freed memfds) still
+// costs the next demotion.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -30,6 +33,7 @@
 #include <exception>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -161,7 +165,7 @@ double HostWriteLimit(uint64_t total, uint64_t segment_bytes, size_t threads,
 int Run(int argc, char** argv) {
   const cu::TierCopyOptions defaults;
   uint64_t gib = 16, alloc_gib = 2, staging_mib = defaults.staging_bytes >> 20;
-  int device_index = 0, reps = 3;
+  int device_index = 0, reps = 3, settle_ms = 0;
   size_t threads = defaults.threads;
   std::string strategy = "both";
   for (int i = 1; i < argc; ++i) {
@@ -184,6 +188,8 @@ int Run(int argc, char** argv) {
       threads = std::stoull(next());
     } else if (a == "--staging-mib") {
       staging_mib = std::stoull(next());
+    } else if (a == "--settle-ms") {
+      settle_ms = std::stoi(next());
     } else {
       Die("unknown argument " + a);
     }
@@ -221,6 +227,9 @@ int Run(int argc, char** argv) {
     device_fds = std::move(arena).ReleaseToFds();
   }
   auto ratio = [](double a, double b) { return b > 0 ? a / b : 0; };
+  const auto settle = [settle_ms] {
+    if (settle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
+  };
   const double host_write =
       HostWriteLimit(gib * kGiB, defaults.segment_bytes, threads, staging_mib << 20);
   for (const auto& [label, kind] : strategies) {
@@ -232,6 +241,7 @@ int Run(int argc, char** argv) {
       std::vector<int> borrowed;
       borrowed.reserve(device_fds.size());
       for (const auto& fd : device_fds) borrowed.push_back(fd.get());
+      settle();
       cu::TierCopyReport demote;
       auto memfds = Check(
           cu::CopyDeviceToMemfds(api, device, borrowed, sizes, "demote_bench", &demote, options),
@@ -264,6 +274,7 @@ int Run(int argc, char** argv) {
             {"demote_vs_pinned_d2h", ratio(demote.gb_per_s, pinned.d2h)},
             {"host_write_gb_s", host_write},
             {"demote_vs_host_write", ratio(demote.gb_per_s, host_write)},
+            {"settle_ms", settle_ms},
             {"target_promote_vs_pinned", 0.9},
             {"target_demote_gb_s", 20}});
     }
@@ -277,6 +288,7 @@ int Run(int argc, char** argv) {
     cu::TierCopyOptions options;
     options.threads = threads;
     options.staging_bytes = staging_mib << 20;
+    settle();
     cu::TierCopyReport demote;
     auto memfds = Check(
         cu::CopyDeviceToMemfds(api, device, borrowed, sizes, "demote_bench", &demote, options),
@@ -285,14 +297,22 @@ int Run(int argc, char** argv) {
     std::vector<int> hosts;
     for (const auto& fd : memfds) hosts.push_back(fd.get());
     const auto pin_start = std::chrono::steady_clock::now();
-    auto pinned_copy = Check(cu::PinnedHostCopy::Pin(api, device, hosts, threads), "pinning");
+    std::optional<cu::PinnedHostCopy> pinned_copy =
+        Check(cu::PinnedHostCopy::Pin(api, device, hosts, threads), "pinning");
     const double pin_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - pin_start).count();
-    options.pinned = &pinned_copy;
+    const uint64_t pinned_bytes = pinned_copy->bytes();
+    options.pinned = &*pinned_copy;
     cu::TierCopyReport promote;
     device_fds =
         Check(cu::CopyMemfdsToDevice(api, device, hosts, sizes, &promote, options), "promotion");
+    // The daemon unpins at promotion and closes the host copy: timed, as the next demotion
+    // may run right after it.
+    const auto unpin_start = std::chrono::steady_clock::now();
+    pinned_copy.reset();
     memfds.clear();
+    const double unpin_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - unpin_start).count();
     Emit({{"rep", r},
           {"strategy", "kept"},
           {"threads", threads},
@@ -303,7 +323,9 @@ int Run(int argc, char** argv) {
           {"host_write_gb_s", host_write},
           {"demote_vs_host_write", ratio(demote.gb_per_s, host_write)},
           {"kept_register_s", pin_s},
-          {"kept_register_gb_s", static_cast<double>(pinned_copy.bytes()) / 1e9 / pin_s},
+          {"kept_register_gb_s", static_cast<double>(pinned_bytes) / 1e9 / pin_s},
+          {"kept_unpin_and_close_s", unpin_s},
+          {"settle_ms", settle_ms},
           {"promote_s", promote.seconds},
           {"promote_gb_s", promote.gb_per_s},
           {"promote_vs_pinned_h2d", ratio(promote.gb_per_s, pinned.h2d)},

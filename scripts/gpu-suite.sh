@@ -27,7 +27,9 @@
 #        names scripts/gpu-budget.sh, three 16 GB caches under a 40 GB budget; "load_matrix",
 #        run only when named, load_bench from /dev/shm at 16 and 64 GiB in 1 and 4 files, in
 #        the daemon's shape and its variants: ~5 minutes and 64 GiB of /dev/shm; "load_uring",
-#        run only when named, the same with the readers' runs through io_uring; "rss_64", run
+#        run only when named, the same with the readers' runs through io_uring; "demote_settle",
+#        run only when named, demote_bench's host-pinned path with and without a pause between
+#        repetitions; "rss_64", run
 #        only when named, gpu_attach_bench's daemon at 64 GiB and 291 tensors: its VmHWM),
 #        BENCH_WORK (scratch for the benches' checkpoints; default a temp dir, removed).
 # Exit status: non-zero if the build or any test fails, or a benchmark fails or times out.
@@ -259,6 +261,14 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
   rm -rf "$work/load"
   # Issue 16: demotion to host RAM and promotion back of a 16 GiB arena vs pinned H2D.
   run_bench 180 demote_bench --gib 16 --reps 3 --strategy both
+  # Whether a demotion right after an unpinned host copy is released pays for it: the
+  # host-pinned path alone, back to back and then with 3 s between repetitions (only when
+  # BENCHES names "demote_settle").
+  if [[ " ${BENCHES:-} " == *" demote_settle "* ]]; then
+    run_bench_exe 120 demote_bench --gib 16 --reps 3 --strategy kept
+    run_bench_exe 120 demote_bench --gib 16 --reps 3 --strategy kept --settle-ms 3000
+    run_bench_exe 120 demote_bench --gib 16 --reps 2 --strategy staged --settle-ms 3000
+  fi
   run_bench 120 attach_bench --gib 16 --reps 5
   run_bench 100 host_attach_bench "$work/host" --iters 50 --threads 8 --load-mib 1024
   rm -rf "$work/host"
