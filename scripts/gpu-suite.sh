@@ -29,7 +29,8 @@
 #        the daemon's shape and its variants: ~5 minutes and 64 GiB of /dev/shm; "load_uring",
 #        run only when named, the same with the readers' runs through io_uring; "demote_settle",
 #        run only when named, demote_bench's host-pinned path with and without a pause between
-#        repetitions; "rss_64", run
+#        repetitions; "demote_staging", run only when named, the staged demotion with 1 to
+#        16 MiB staging buffers; "rss_64", run
 #        only when named, gpu_attach_bench's daemon at 64 GiB and 291 tensors: its VmHWM),
 #        BENCH_WORK (scratch for the benches' checkpoints; default a temp dir, removed).
 # Exit status: non-zero if the build or any test fails, or a benchmark fails or times out.
@@ -270,6 +271,15 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
     run_bench_exe 120 demote_bench --gib 16 --reps 2 --strategy staged --settle-ms 3000
     # A daemon's 16 GB cache is one allocation (the bench's default is 8 of 2 GiB).
     run_bench_exe 120 demote_bench --gib 16 --alloc-gib 16 --reps 2 --strategy staged
+  fi
+  # The staged demotion with smaller staging buffers: whether the CPU's reads of what the DMA
+  # just wrote come from the last-level cache when a worker's two buffers are small (only when
+  # BENCHES names "demote_staging").
+  if [[ " ${BENCHES:-} " == *" demote_staging "* ]]; then
+    for mib in 1 2 4 16; do
+      run_bench_exe 120 demote_bench --gib 16 --alloc-gib 16 --reps 2 --strategy staged \
+        --staging-mib "$mib"
+    done
   fi
   run_bench 120 attach_bench --gib 16 --reps 5
   run_bench 100 host_attach_bench "$work/host" --iters 50 --threads 8 --load-mib 1024
