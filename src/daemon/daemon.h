@@ -350,6 +350,7 @@ class Daemon {
   void FinishDemotion(Result<std::vector<UniqueFd>> memfds, const std::string& how);
   void FinishPinning(Result<cuda::PinnedHostCopy> pinned);
   void FinishPromotion(Result<std::vector<UniqueFd>> fds, const std::string& how);
+  void ReleaseHostCopyBehind();
   // Serves `store` from now on (a load's, or a publish's commit, which may replace a ready
   // one: the old store is retired until no queued reply borrows its fds).
   Status InstallStore(WeightStore store);
@@ -462,6 +463,9 @@ class Daemon {
   std::optional<Result<cuda::PinnedHostCopy>> pin_result_ WEIGHTCACHE_GUARDED_BY(move_mu_);
   std::string move_how_ WEIGHTCACHE_GUARDED_BY(move_mu_);  // bytes, seconds, GB/s
   std::thread mover_;
+  // Releases a promoted cache's host copy (ReleaseHostCopyBehind); joined by the next release
+  // and by StopLoader.
+  std::thread releaser_;
 
   // Committer handoff: sealing and checksumming a published arena is one pass over all of its
   // bytes, done off the event loop so that other connections are served meanwhile.
