@@ -138,8 +138,10 @@ struct AttachTimings {
   // Mapping the memory: host tier, every memfd; gpu tier, importing, mapping and enabling
   // access to every VMM allocation (the CUDA driver's share). 0 for a fallback load.
   double map_ms = 0;
-  // Building the tensor table from the manifest. With many tensors on the gpu tier this runs
-  // on a second thread while the driver maps (table_concurrent), hidden inside map_ms.
+  // Checking the manifest's tensor records (dtypes, sizes) at attach. With many tensors on the
+  // gpu tier this runs on a second thread while the driver maps (table_concurrent), hidden
+  // inside map_ms. The table itself (tensors(), Find()) is built from the checked manifest on
+  // its first use, once, in the thread that asks first.
   double table_ms = 0;
   bool table_concurrent = false;
   // Loading from disk (fallback only).

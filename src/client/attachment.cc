@@ -60,13 +60,6 @@ struct DTypeCache {
   std::string_view name;  // the static spelling (checkpoint::DTypeName)
 };
 
-// The public table from the validated manifest, in one pass and with no per-tensor
-// allocation: each Tensor's name, shape and strides point into the manifest (names are NUL-
-// terminated there), its address is the allocation's base plus the offset. What the manifest
-// decoder leaves to its consumer is checked here: the dtype is known and nbytes is the element
-// count times its size. Records are in name order (checked by the decoder): no sort.
-// The manifest's records are checked here first (discovery deferred them: on the gpu tier this
-// runs on its own thread while the driver maps).
 // The manifest's slice as the client's (its length is the held shape's, checked by the
 // decoder against the full length).
 std::optional<TensorSlice> SliceOf(const protocol::TensorRecord& r) {
@@ -75,16 +68,15 @@ std::optional<TensorSlice> SliceOf(const protocol::TensorRecord& r) {
                      r.slice->full_length};
 }
 
-Result<std::vector<Tensor>> BuildViews(protocol::Manifest& manifest,
-                                       std::span<const uint64_t> allocation_base,
-                                       const std::string& who) {
+// What the manifest decoder leaves to its consumer, checked at attach: the records (discovery
+// deferred them: on the gpu tier this runs on its own thread while the driver maps), each dtype
+// known and each nbytes the element count times its size. Returns the tensors' total bytes.
+// The table itself is built from the checked manifest on first use (BuildViews).
+Result<uint64_t> CheckRecords(protocol::Manifest& manifest, const std::string& who) {
   if (Status s = manifest.ValidateRecords(); !s.ok()) return s.Context(who);
   const size_t count = manifest.tensor_count();
-  std::vector<Tensor> views;
-  views.reserve(count);
-  // 1.3 MB at 10,000 tensors: in a fresh process, new memory faulted in a page at a time.
-  os::PrefaultWritable(views.data(), count * sizeof(Tensor));
   DTypeCache cache;
+  uint64_t total = 0;
   for (size_t i = 0; i < count; ++i) {
     const protocol::TensorRecord r = manifest.record(i);
     if (r.dtype.data() != cache.bytes.data() || r.dtype.size() != cache.bytes.size()) {
@@ -105,6 +97,30 @@ Result<std::vector<Tensor>> BuildViews(protocol::Manifest& manifest,
                            std::to_string(r.nbytes) + " bytes for " + std::to_string(elements) +
                            " elements of " + std::string(r.dtype));
     }
+    total += r.nbytes;  // bounded by the allocations' sizes, which the decoder checked
+  }
+  return total;
+}
+
+// The public table from a manifest CheckRecords passed, in one pass and with no per-tensor
+// allocation: each Tensor's name, shape and strides point into the manifest (names are NUL-
+// terminated there), its address is the allocation's base plus the offset. Records are in
+// name order (checked by the decoder): no sort.
+std::vector<Tensor> BuildViews(const protocol::Manifest& manifest,
+                               std::span<const uint64_t> allocation_base) {
+  const size_t count = manifest.tensor_count();
+  std::vector<Tensor> views;
+  views.reserve(count);
+  // 1.3 MB at 10,000 tensors: in a fresh process, new memory faulted in a page at a time.
+  os::PrefaultWritable(views.data(), count * sizeof(Tensor));
+  DTypeCache cache;
+  for (size_t i = 0; i < count; ++i) {
+    const protocol::TensorRecord r = manifest.record(i);
+    if (r.dtype.data() != cache.bytes.data() || r.dtype.size() != cache.bytes.size()) {
+      // Known: CheckRecords parsed every record's dtype.
+      const checkpoint::DType dtype = checkpoint::ParseDType(r.dtype).value();
+      cache = {r.dtype, dtype, checkpoint::DTypeBits(dtype), checkpoint::DTypeName(dtype)};
+    }
     views.push_back(Tensor{.name = r.name,
                            .dtype = cache.name,
                            .shape = r.shape,
@@ -117,10 +133,13 @@ Result<std::vector<Tensor>> BuildViews(protocol::Manifest& manifest,
   return views;
 }
 
-// Adopts the views and the manifest they point into.
-void KeepTable(std::vector<Tensor> views, protocol::Manifest manifest, Attachment::Impl& impl) {
-  impl.tensors = TensorTable::FromViews(std::move(views));
+// Keeps the checked manifest and what its table will be built from on first use.
+void KeepManifest(protocol::Manifest manifest, std::vector<uint64_t> allocation_base,
+                  uint64_t total_bytes, Attachment::Impl& impl) {
   impl.manifest = std::move(manifest);
+  impl.table_bases = std::move(allocation_base);
+  impl.table_from_manifest = true;
+  impl.total_bytes = total_bytes;
 }
 
 }  // namespace
@@ -155,9 +174,9 @@ Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attach
   reply.fds.clear();  // the mappings keep the memory; the fds would only pin it longer
   impl.timings.map_ms = MsSince(map_start);
   const auto table_start = Clock::now();
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<Tensor> views, BuildViews(reply.manifest, base, who));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(uint64_t total, CheckRecords(reply.manifest, who));
   impl.timings.table_ms = MsSince(table_start);
-  KeepTable(std::move(views), std::move(reply.manifest), impl);
+  KeepManifest(std::move(reply.manifest), std::move(base), total, impl);
   impl.host_regions = std::move(regions);
   return Status::Ok();
 }
@@ -172,11 +191,11 @@ Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::Attach
   std::vector<uint64_t> base;
   for (const auto& a : arena->allocations()) base.push_back(a.ptr);
 
-  std::optional<Result<std::vector<Tensor>>> views;
+  std::optional<Result<uint64_t>> checked;
   Status mapped;
   const auto build = [&] {
     const auto table_start = Clock::now();
-    views.emplace(BuildViews(reply.manifest, base, who));
+    checked.emplace(CheckRecords(reply.manifest, who));
     impl.timings.table_ms = MsSince(table_start);
   };
   impl.timings.table_concurrent = reply.manifest.tensor_count() >= kConcurrentTableMinTensors;
@@ -190,8 +209,8 @@ Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::Attach
   impl.timings.map_ms = MsSince(map_start);
   // A bad entry unwinds the imported arena with everything else.
   if (!mapped.ok()) return mapped.Context(who);
-  if (!views->ok()) return views->status();
-  KeepTable(std::move(*views).value(), std::move(reply.manifest), impl);
+  if (!checked->ok()) return checked->status();
+  KeepManifest(std::move(reply.manifest), std::move(base), **checked, impl);
   impl.gpu_arena.emplace(std::move(arena).value());
   return Status::Ok();
 }
@@ -321,7 +340,9 @@ Result<Attachment> AttachAndDiagnose(const AttachOptions& options, const identit
     WEIGHTCACHE_RETURN_IF_ERROR(LoadFallback(options, id, env, *impl));
     impl->timings.fallback_ms = MsSince(fallback_start);
   }
-  for (const Tensor& t : impl->tensors.tensors()) impl->total_bytes += t.nbytes;
+  if (!impl->table_from_manifest) {
+    for (const Tensor& t : impl->tensors.tensors()) impl->total_bytes += t.nbytes;
+  }
   impl->attach_ms = MsSince(start);
   return AttachmentAccess::Make(std::move(impl));
 }
@@ -354,8 +375,17 @@ Attachment::Attachment(Attachment&& other) noexcept = default;
 Attachment& Attachment::operator=(Attachment&& other) noexcept = default;
 Attachment::~Attachment() = default;
 
-const std::vector<Tensor>& Attachment::tensors() const { return impl_->tensors.tensors(); }
-const Tensor* Attachment::Find(std::string_view name) const { return impl_->tensors.Find(name); }
+const client::TensorTable& Attachment::Impl::Table() {
+  if (table_from_manifest) {
+    std::call_once(table_once, [this] {
+      tensors = client::TensorTable::FromViews(client::BuildViews(manifest, table_bases));
+    });
+  }
+  return tensors;
+}
+
+const std::vector<Tensor>& Attachment::tensors() const { return impl_->Table().tensors(); }
+const Tensor* Attachment::Find(std::string_view name) const { return impl_->Table().Find(name); }
 uint64_t Attachment::total_bytes() const { return impl_->total_bytes; }
 Tier Attachment::tier() const { return impl_->tier; }
 AttachSource Attachment::source() const { return impl_->source; }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -47,7 +48,16 @@ struct Attachment::Impl {
   std::optional<client::HostFallback> host_fallback;
   std::optional<client::GpuFallback> gpu_fallback;
 
-  client::TensorTable tensors;                     // sorted by name
+  // Sorted by name. A fallback load fills it; a daemon attach builds it on first use (Table():
+  // tensors(), Find()) from the manifest it checked at attach and the allocations' bases, once,
+  // whichever thread asks first: at 10,000 tensors its 1.3 MB of records were half of a fresh
+  // process's attach (docs/benchmarks.md, issue 14 part 4), which only needs the mapping.
+  client::TensorTable tensors;
+  bool table_from_manifest = false;
+  std::vector<uint64_t> table_bases;  // allocation i's address, for the table
+  std::once_flag table_once;
+  const client::TensorTable& Table();
+
   std::unique_ptr<client::DaemonWatcher> watcher;  // null for fallback
 };
 
@@ -71,14 +81,14 @@ Result<Attachment> Attach(const AttachOptions& options, const identity::Env& env
 //
 // Maps a host-tier AttachReply: every memfd checked sealed read-only and large enough, mapped
 // PROT_READ/MAP_SHARED, then closed; every tensor's dtype and size checked. Fills
-// impl.host_regions, impl.tensors (views into the manifest), impl.manifest and the map/table
-// timings.
+// impl.host_regions, impl.manifest and what its table is built from (Impl::Table), the total
+// bytes and the map/table timings (table_ms: the records' checks).
 Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attachment::Impl& impl);
 
 // Imports a gpu-tier AttachReply into `device` (ImportedArena): reserves the VA range, then
-// maps while the tensor table is built from the reserved addresses — on a second thread when
-// the manifest has kConcurrentTableMinTensors or more. Fills impl.gpu_arena, impl.tensors,
-// impl.manifest and the map/table timings.
+// maps while the manifest's records are checked — on a second thread when the manifest has
+// kConcurrentTableMinTensors or more. Fills impl.gpu_arena, impl.manifest and what its table is
+// built from (the reserved addresses), the total bytes and the map/table timings.
 inline constexpr size_t kConcurrentTableMinTensors = 2048;
 Status MapGpuReply(const cuda::DriverApi* api, CUdevice device, protocol::AttachReply& reply,
                    const std::string& who, Attachment::Impl& impl);
