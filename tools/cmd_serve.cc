@@ -331,13 +331,12 @@ constexpr std::chrono::seconds kLedgerLockWait{5};
 // An idle cache of the LRU order gives its memory back when asked (an Evict over its socket):
 // it stops, or is demoted to host RAM (--demote host); it refuses when it has clients or is
 // pinned.
-Status EvictVictim(const daemon::LedgerEntry& victim) {
+Result<daemon::EvictAnswer> EvictVictim(const daemon::LedgerEntry& victim) {
   const auto timeout = std::chrono::seconds(5);
   WEIGHTCACHE_ASSIGN_OR_RETURN(auto conn, protocol::Connection::Connect(victim.socket, timeout));
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::EvictReply reply,
                                conn.Evict(os::Deadline::After(timeout)));
-  if (!reply.evicted) return Status(StatusCode::kUnavailable, "refused: " + reply.reason);
-  return Status::Ok();
+  return daemon::EvictAnswer{.accepted = reply.evicted, .reason = reply.reason};
 }
 
 // `serve --demote host` (docs/budget.md, "Demotion and promotion"): the daemon's hooks into the

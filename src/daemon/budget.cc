@@ -138,6 +138,10 @@ Result<uint64_t> ProcessStartTime(pid_t pid) {
   for (int field = 3; field <= 22; ++field) {
     while (pos < text->size() && (*text)[pos] == ' ') ++pos;
     const size_t end = text->find(' ', pos);
+    if (field == 3 && pos < text->size() && ((*text)[pos] == 'Z' || (*text)[pos] == 'X')) {
+      // Exited, waiting for its parent to reap it: it holds no memory and serves nothing.
+      return Status(StatusCode::kNotFound, "process " + std::to_string(pid) + " has exited");
+    }
     if (field == 22) {
       const std::string value = text->substr(pos, end == std::string::npos ? end : end - pos);
       uint64_t start = 0;
@@ -451,6 +455,22 @@ Result<BudgetConfig> ReadBudgetConfig(const std::string& path) {
   return config;
 }
 
+namespace {
+
+// Whether the owner of `victim` is gone, or goes within `grace`: a daemon killed in the middle
+// of an Evict closes its connection before its exit is complete (its files are released, the
+// GPU driver's among them, before it becomes a zombie).
+bool OwnerGoneWithin(const LedgerEntry& victim, std::chrono::milliseconds grace) {
+  const auto until = std::chrono::steady_clock::now() + grace;
+  for (;;) {
+    if (!OwnerAlive(victim)) return true;
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+}  // namespace
+
 Status AdmitEvicting(BudgetLedger& ledger, const LedgerEntry& self, uint64_t budget,
                      const EvictFn& evict, std::chrono::steady_clock::time_point deadline) {
   const std::string tier(BudgetTierName(self.tier));
@@ -477,12 +497,22 @@ Status AdmitEvicting(BudgetLedger& ledger, const LedgerEntry& self, uint64_t bud
     std::vector<LedgerEntry> going;
     std::string refused;
     for (const LedgerEntry& v : plan.victims) {
-      Status asked = evict ? evict(v) : Status(StatusCode::kUnavailable, "no eviction");
-      if (asked.ok()) {
+      Result<EvictAnswer> answer =
+          evict ? evict(v) : EvictAnswer{.accepted = false, .reason = "no eviction"};
+      if (answer.ok() && answer->accepted) {
         LOG_INFO << "evicting " << Describe(v) << " to make room for " << FormatBytes(self.bytes);
         going.push_back(v);
+      } else if (answer.ok()) {
+        refused += (refused.empty() ? "" : "; ") + Describe(v) + ": refused: " + answer->reason;
+      } else if (OwnerGoneWithin(v, kVictimExitGrace)) {
+        // No answer because it died (killed in the middle of the Evict, crashed): its memory
+        // goes with it, and the next read reclaims its entry (found on the H200 by
+        // scripts/gpu-budget.sh step 5: the newcomer gave up instead).
+        LOG_INFO << Describe(v) << " died without answering the Evict ("
+                 << answer.status().message() << "): its entry is reclaimed";
+        going.push_back(v);
       } else {
-        refused += (refused.empty() ? "" : "; ") + Describe(v) + ": " + asked.message();
+        refused += (refused.empty() ? "" : "; ") + Describe(v) + ": " + answer.status().message();
       }
     }
     if (going.empty()) {

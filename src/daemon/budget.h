@@ -73,7 +73,8 @@ struct Ledger {
   LedgerEntry* Find(std::string_view socket);
 };
 
-// The start time of `pid` (/proc/<pid>/stat field 22); kNotFound when there is no such process.
+// The start time of `pid` (/proc/<pid>/stat field 22); kNotFound when there is no such process
+// or it has exited (a zombie, state Z or X: it holds nothing any more).
 Result<uint64_t> ProcessStartTime(pid_t pid);
 
 // Whether the entry's owner is still the process that registered it (same pid, same start
@@ -196,9 +197,18 @@ struct BudgetConfig {
 };
 Result<BudgetConfig> ReadBudgetConfig(const std::string& path);
 
-// Asks the daemon of `victim` to give its memory back (an Evict request): Ok when it accepted
-// and is stopping; an error saying why not (it gained a client, it is pinned, it is gone).
-using EvictFn = std::function<Status(const LedgerEntry& victim)>;
+// A victim's answer to an Evict: accepted (it is stopping, or demoting to host RAM), or refused
+// with its reason (it gained a client, it is pinned).
+struct EvictAnswer {
+  bool accepted = false;
+  std::string reason;
+};
+// Asks the daemon of `victim` to give its memory back (an Evict request). An error means no
+// answer came (the daemon is unreachable, hung, or died before answering).
+using EvictFn = std::function<Result<EvictAnswer>(const LedgerEntry& victim)>;
+
+// How long a victim that gave no answer has to turn out dead before it counts as refusing.
+inline constexpr std::chrono::milliseconds kVictimExitGrace{2000};
 
 // Admission of `self` under `budget` bytes of its tier (docs/budget.md "Admission"). Under the
 // ledger's lock: when the plan fits with no victim, `self` is registered and Ok is returned; when
@@ -206,7 +216,9 @@ using EvictFn = std::function<Status(const LedgerEntry& victim)>;
 // need, holders with their clients). Otherwise, outside the lock, each victim in LRU order is
 // asked to evict (`evict`), the ledger is polled until the accepted ones are gone (their
 // daemons remove their entries once their memory is freed, or a demoted one moves its entry to
-// another tier), and the plan is made again.
+// another tier), and the plan is made again. A victim that gives no answer and whose owner is
+// gone within kVictimExitGrace (exited, or a zombie) counts as accepted: its entry is reclaimed
+// by the next read.
 // kOutOfMemory when every victim refused (naming each and why), kTimeout when an evicted cache
 // still holds its memory at `deadline`.
 Status AdmitEvicting(BudgetLedger& ledger, const LedgerEntry& self, uint64_t budget,

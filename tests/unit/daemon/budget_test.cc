@@ -420,9 +420,9 @@ TEST(AdmitEvicting, EvictsTheVictimThenRegistersOrNamesTheRefusal) {
   const LedgerEntry self = Entry("/d/new.sock", 60, 300);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   std::vector<std::string> asked;
-  auto refuse = [&](const LedgerEntry& v) -> Status {
+  auto refuse = [&](const LedgerEntry& v) -> Result<EvictAnswer> {
     asked.push_back(v.socket);
-    return Status(StatusCode::kUnavailable, "refused: 1 client(s) attached");
+    return EvictAnswer{.accepted = false, .reason = "1 client(s) attached"};
   };
   Status refused = AdmitEvicting(ledger, self, 100, refuse, deadline);
   EXPECT_EQ(refused.code(), StatusCode::kOutOfMemory) << refused.ToString();
@@ -433,7 +433,10 @@ TEST(AdmitEvicting, EvictsTheVictimThenRegistersOrNamesTheRefusal) {
       << refused.ToString();
   EXPECT_EQ(asked, std::vector<std::string>{"/d/old.sock"});
   // An evicted daemon removes its entry as it stops (here: the evict function does it).
-  auto accept = [&](const LedgerEntry& v) { return ledger.Remove(v.socket); };
+  auto accept = [&](const LedgerEntry& v) -> Result<EvictAnswer> {
+    WEIGHTCACHE_RETURN_IF_ERROR(ledger.Remove(v.socket));
+    return EvictAnswer{.accepted = true};
+  };
   Status admitted = AdmitEvicting(ledger, self, 100, accept, deadline);
   ASSERT_TRUE(admitted.ok()) << admitted.ToString();
   auto now = ledger.Read();
@@ -442,12 +445,67 @@ TEST(AdmitEvicting, EvictsTheVictimThenRegistersOrNamesTheRefusal) {
   EXPECT_EQ(now->entries[0].socket, "/d/new.sock");
 }
 
+// A victim killed in the middle of the Evict gives no answer (its connection closes): it is
+// not a refusal. Its owner is gone — here a zombie, killed and not yet reaped, which
+// ProcessStartTime counts as exited — so its entry is reclaimed and the newcomer admitted
+// (found on the H200 by scripts/gpu-budget.sh step 5: the newcomer exited 8 instead).
+TEST(AdmitEvicting, AVictimThatDiesWithoutAnsweringIsReclaimedAndTheNewcomerAdmitted) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::pause();
+    ::_exit(0);
+  }
+  LedgerEntry victim = Entry("/d/old.sock", 60, 100);
+  victim.pid = child;
+  auto started = ProcessStartTime(child);
+  ASSERT_TRUE(started.ok()) << started.status().ToString();
+  victim.pid_start_time = *started;
+  ASSERT_TRUE(ledger.Put(victim).ok());
+  auto killed_unanswered = [&](const LedgerEntry& v) -> Result<EvictAnswer> {
+    EXPECT_EQ(v.pid, child);
+    ::kill(child, SIGKILL);
+    return Status(StatusCode::kUnavailable, "peer closed the connection");
+  };
+  Status admitted = AdmitEvicting(ledger, Entry("/d/new.sock", 60, 300), 100, killed_unanswered,
+                                  std::chrono::steady_clock::now() + std::chrono::seconds(10));
+  // Still unreaped: a zombie is not a live owner.
+  auto zombie = ProcessStartTime(child);
+  EXPECT_EQ(zombie.status().code(), StatusCode::kNotFound) << zombie.status().ToString();
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ASSERT_TRUE(admitted.ok()) << admitted.ToString();
+  auto now = ledger.Read();
+  ASSERT_TRUE(now.ok());
+  ASSERT_EQ(now->entries.size(), 1u);
+  EXPECT_EQ(now->entries[0].socket, "/d/new.sock");
+}
+
+// No answer from a victim that stays alive (hung, unreachable) is a refusal, after the grace
+// for its exit, naming why.
+TEST(AdmitEvicting, AVictimThatGivesNoAnswerAndLivesOnIsARefusal) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  ASSERT_TRUE(ledger.Put(Entry("/d/old.sock", 60, 100)).ok());  // this process: alive
+  auto silent = [](const LedgerEntry&) -> Result<EvictAnswer> {
+    return Status(StatusCode::kTimeout, "no Evict reply within 5 s");
+  };
+  Status s = AdmitEvicting(ledger, Entry("/d/new.sock", 60, 300), 100, silent,
+                           std::chrono::steady_clock::now() + std::chrono::seconds(10));
+  EXPECT_EQ(s.code(), StatusCode::kOutOfMemory) << s.ToString();
+  EXPECT_NE(s.message().find("/d/old.sock"), std::string::npos) << s.ToString();
+  EXPECT_NE(s.message().find("no Evict reply within 5 s"), std::string::npos) << s.ToString();
+}
+
 // A victim that accepts but never gives its memory back: kTimeout naming it.
 TEST(AdmitEvicting, AVictimThatKeepsItsMemoryPastTheDeadlineIsATimeout) {
   TempDir dir;
   BudgetLedger ledger(dir.path());
   ASSERT_TRUE(ledger.Put(Entry("/d/old.sock", 60, 100)).ok());
-  auto accept_and_stay = [](const LedgerEntry&) { return Status::Ok(); };
+  auto accept_and_stay = [](const LedgerEntry&) -> Result<EvictAnswer> {
+    return EvictAnswer{.accepted = true};
+  };
   Status s = AdmitEvicting(ledger, Entry("/d/new.sock", 60, 300), 100, accept_and_stay,
                            std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
   EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.ToString();
@@ -462,13 +520,14 @@ TEST(AdmitEvicting, AVictimDemotedToTheHostTierCountsAsFreed) {
   BudgetLedger ledger(dir.path());
   ASSERT_TRUE(ledger.Put(Entry("/d/old.sock", 60, 100, BudgetTier::kGpu)).ok());
   const LedgerEntry self = Entry("/d/new.sock", 60, 300, BudgetTier::kGpu);
-  auto demote = [&](const LedgerEntry& v) {
-    return ledger
-        .Update([&](Ledger& now) {
-          now.Find(v.socket)->tier = BudgetTier::kHost;
-          return Status::Ok();
-        })
-        .status();
+  auto demote = [&](const LedgerEntry& v) -> Result<EvictAnswer> {
+    WEIGHTCACHE_RETURN_IF_ERROR(ledger
+                                    .Update([&](Ledger& now) {
+                                      now.Find(v.socket)->tier = BudgetTier::kHost;
+                                      return Status::Ok();
+                                    })
+                                    .status());
+    return EvictAnswer{.accepted = true};
   };
   Status admitted = AdmitEvicting(ledger, self, 100, demote,
                                   std::chrono::steady_clock::now() + std::chrono::seconds(10));
