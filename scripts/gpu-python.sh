@@ -33,7 +33,7 @@
 #        TESTS (pytest's arguments, absolute paths: pytest runs in WORK; default the whole
 #        tests/python), SKIP_MODEL=1 (no step 3 and after), SKIP_SHARD=1 (no step 4),
 #        SKIP_PUBLISH_BIG=1 (no 16 GB publish in step 4b), SKIP_KEEPER_BIG=1 (no step 3d),
-#        SKIP_PY_BENCH=1 (no step 5).
+#        SKIP_PY_BENCH=1 (no step 5), PY_BENCH_ONLY=1 (steps 1 and 5 only).
 # Exit status: non-zero if the build, a test or the model check fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -134,6 +134,41 @@ fi
 "$WEIGHTCACHE_CLI" stop "${vid[@]}" >/dev/null 2>&1
 wait "$vpid" 2>/dev/null
 rm -rf "$vdir"
+
+# 5. bench/py_attach_bench.py (issue 14): attach + names(), load_state_dict and a fresh
+#    process attaching with only --model (fingerprint cache cold and warm), gpu tier on device
+#    0, then one line per target (value, target, met / NOT met). A measurement, not a check:
+#    its failure, or a target not met, is reported, not fatal.
+py_bench() {  # uuid of device 0 ("": no GPU, nothing to measure)
+  [[ -n $1 && -z ${SKIP_PY_BENCH:-} ]] || return 0
+  if "$py" bench/py_attach_bench.py "$work/py-attach-bench" --tier gpu --device "$1" \
+    >"$OUT/py-attach-bench.jsonl" 2>"$OUT/py-attach-bench.log"; then
+    "$py" - "$OUT/py-attach-bench.jsonl" <<'PY' | tee -a "$summary"
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("target:"):  # the bench's verdict per issue-14 target
+        print("py_attach " + line.rstrip())
+        continue
+    j = json.loads(line)
+    print(f"py_attach {j['checkpoint']} ({j['tensors']} tensors): attach+names "
+          f"{j['attach_names_ms']} ms, load_state_dict {j.get('load_state_dict_ms')} ms "
+          f"(per-tensor {j.get('torch_per_tensor_ms')} ms), fresh process warm/cold cache "
+          f"{j['fresh_process_warm_cache_ms']}/{j['fresh_process_cold_cache_ms']} ms "
+          f"(warm: discover {j['fresh_process_warm_cache_discover_ms']}, map "
+          f"{j['fresh_process_warm_cache_map_ms']}, table {j['fresh_process_warm_cache_table_ms']} ms)")
+PY
+  else
+    say "py_attach_bench FAILED (see py-attach-bench.log)"
+  fi
+}
+
+# PY_BENCH_ONLY=1: step 5 alone, right after the build.
+if [[ -n ${PY_BENCH_ONLY:-} ]]; then
+  py_bench "$("$WEIGHTCACHE_CLI" devices --json 2>/dev/null |
+    "$py" -c 'import json,sys; print(json.load(sys.stdin)["devices"][0]["uuid"])' 2>/dev/null)"
+  say "== python on gpu: py_attach_bench only (PY_BENCH_ONLY) in $(($(date +%s) - start)) s"
+  exit 0
+fi
 
 # ---- pytest (host tier, with torch) -------------------------------------------------------------
 # A crash shows its native frames too (tests/python/native/segv_trace.c), resolved to lines
@@ -376,31 +411,7 @@ PY
   fi
 fi
 
-# 5. bench/py_attach_bench.py (issue 14): attach + names(), load_state_dict and a fresh
-#    process attaching with only --model (fingerprint cache cold and warm), gpu tier on device
-#    0, then one line per target (value, target, met / NOT met). A measurement, not a check:
-#    its failure, or a target not met, is reported, not fatal.
-if [[ -n ${uuid:-} && -z ${SKIP_PY_BENCH:-} ]]; then
-  if "$py" bench/py_attach_bench.py "$work/py-attach-bench" --tier gpu --device "$uuid" \
-    >"$OUT/py-attach-bench.jsonl" 2>"$OUT/py-attach-bench.log"; then
-    "$py" - "$OUT/py-attach-bench.jsonl" <<'PY' | tee -a "$summary"
-import json, sys
-for line in open(sys.argv[1]):
-    if line.startswith("target:"):  # the bench's verdict per issue-14 target
-        print("py_attach " + line.rstrip())
-        continue
-    j = json.loads(line)
-    print(f"py_attach {j['checkpoint']} ({j['tensors']} tensors): attach+names "
-          f"{j['attach_names_ms']} ms, load_state_dict {j.get('load_state_dict_ms')} ms "
-          f"(per-tensor {j.get('torch_per_tensor_ms')} ms), fresh process warm/cold cache "
-          f"{j['fresh_process_warm_cache_ms']}/{j['fresh_process_cold_cache_ms']} ms "
-          f"(warm: discover {j['fresh_process_warm_cache_discover_ms']}, map "
-          f"{j['fresh_process_warm_cache_map_ms']}, table {j['fresh_process_warm_cache_table_ms']} ms)")
-PY
-  else
-    say "py_attach_bench FAILED (see py-attach-bench.log)"
-  fi
-fi
+py_bench "${uuid:-}"
 
 elapsed=$(($(date +%s) - start))
 if ((ok)); then
