@@ -28,7 +28,8 @@
 # Writes $OUT/budget.log (every command and its output, then the three daemons' logs);
 # appends its headline lines to $OUT/summary.txt.
 # Knobs: OUT (./gpu-out), BUILD_DIR (build-gpu), WORK (the checkpoint's dir; default on
-# /dev/shm when it has 20 GB free, else a temp dir; removed after), DEMOTE (host-pinned|host).
+# /dev/shm when it has 20 GB free, else a temp dir; removed after), DEMOTE (host-pinned|host),
+# SERVE_FLAGS (more flags for every `serve`, e.g. --no-keeper).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-out}
@@ -77,8 +78,9 @@ serve() {  # revision
   local t0 rc
   t0=$(ms_now)
   echo "== serve --revision $1" >>"$log"
+  # shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
   "$wc" serve "${identity[@]}" --revision "$1" --gpu-budget "$budget" --demote "$demote" \
-    --detach --json --log-file "$runtime/serve-$1.log" >>"$log" 2>&1
+    ${SERVE_FLAGS:-} --detach --json --log-file "$runtime/serve-$1.log" >>"$log" 2>&1
   rc=$?
   echo "serve $1: exit $rc in $(($(ms_now) - t0)) ms" >>"$log"
   ((rc == 0)) || fail "serve --revision $1 exited $rc (its log is at the end of budget.log)"
@@ -164,8 +166,9 @@ for d in json.load(sys.stdin)["devices"]:
     for c in d["caches"]:
         if c.get("config", {}).get("revision") == "c":
             print(c.get("pid", ""))')
+# shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
 "$wc" serve "${identity[@]}" --revision d --gpu-budget "$budget" --demote "$demote" \
-  --detach --json --log-file "$runtime/serve-d.log" >>"$log" 2>&1 &
+  ${SERVE_FLAGS:-} --detach --json --log-file "$runtime/serve-d.log" >>"$log" 2>&1 &
 serve_d=$!
 killed=0
 for _ in $(seq 1 3000); do  # the demotion starts within seconds; a 10 ms poll of c's log
