@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -17,6 +19,7 @@ namespace weightcache::os {
 
 struct UringReader::Ring {
   io_uring ring{};
+  bool broken = false;  // a submission failed: entries that never completed are left in it
   Ring() = default;
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;
@@ -54,9 +57,24 @@ struct Piece {
 // One read asks for at most 1 GiB (Linux caps a read at 0x7ffff000 bytes).
 constexpr uint64_t kMaxReadBytes = uint64_t{1} << 30;
 
+// Waits for one completion without submitting anything (a broken ring's stale entries must
+// not enter the kernel). Reads into the caller's buffer are still in flight, so it does not
+// give up: an error other than EINTR is retried after a pause.
+int WaitOne(io_uring* ring) {
+  io_uring_cqe* cqe = nullptr;
+  for (;;) {
+    const int rc = io_uring_wait_cqe(ring, &cqe);
+    if (rc == 0 || rc == -EINTR) return rc;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 }  // namespace
 
 Result<uint64_t> UringReader::Read(int fd, std::byte* dst, uint64_t length, uint64_t offset) {
+  if (ring_->broken) {
+    return Status(StatusCode::kIo, "this io_uring reader failed to submit before: make another");
+  }
   const uint64_t piece_bytes = options_.piece_bytes;
   std::vector<Piece> pieces;
   pieces.reserve(static_cast<size_t>((length + piece_bytes - 1) / piece_bytes));
@@ -79,24 +97,24 @@ Result<uint64_t> UringReader::Read(int fd, std::byte* dst, uint64_t length, uint
     io_uring_sqe_set_flags(sqe, flags);
     ++in_flight;
   };
+  // After a failed submission the prepared entries stay in the ring, never to complete: they
+  // are not counted, nothing is submitted again, and the reader is broken for later reads.
   while (true) {
     while (failed.ok() && in_flight < options_.depth && next < pieces.size()) prepare(next++);
     if (in_flight == 0) break;
-    const int rc = io_uring_submit_and_wait(ring, 1);
-    if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
-      // What was prepared never entered the kernel and never completes; what is already there
-      // must still complete before the caller's buffer is released: wait for that alone.
+    // Submits what was prepared (new pieces, resumed ones) and waits for one completion.
+    const int rc = ring_->broken ? WaitOne(ring) : io_uring_submit_and_wait(ring, 1);
+    if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY && !ring_->broken) {
       if (failed.ok()) {
         failed = IoError("io_uring_submit at file offset " + std::to_string(offset), -rc);
       }
+      ring_->broken = true;
       in_flight -= std::min(in_flight, io_uring_sq_ready(ring));
-      if (in_flight == 0) break;
+      continue;
     }
+    // Every completion there is now; a read to resume is prepared for the next submission.
     io_uring_cqe* cqe = nullptr;
-    while (in_flight > 0) {
-      const int wait = failed.ok() ? io_uring_peek_cqe(ring, &cqe) : io_uring_wait_cqe(ring, &cqe);
-      if (wait == -EINTR) continue;
-      if (wait < 0) break;  // -EAGAIN from peek: nothing completed yet
+    while (in_flight > 0 && io_uring_peek_cqe(ring, &cqe) == 0) {
       const size_t i = io_uring_cqe_get_data64(cqe);
       const int res = cqe->res;
       io_uring_cqe_seen(ring, cqe);
@@ -115,8 +133,6 @@ Result<uint64_t> UringReader::Read(int fd, std::byte* dst, uint64_t length, uint
         p.done += static_cast<uint64_t>(res);
         if (p.done < p.length && failed.ok()) prepare(i);
       }
-      if (!failed.ok() && in_flight == 0) break;
-      if (failed.ok() && io_uring_sq_ready(ring) > 0) break;  // resubmit before waiting more
     }
   }
   if (!failed.ok()) return failed;
