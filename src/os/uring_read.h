@@ -16,7 +16,10 @@
 //  * Read() returns only when no read it submitted is still in flight (`dst` is borrowed for the
 //    call only), with the bytes read: `length`, or fewer when the file ends first (the bytes up
 //    to its end are all in). A failed read is kIo naming the file offset and the errno; the
-//    first failure is reported after every other piece has completed.
+//    first failure is reported after every other piece has completed. A failed submission
+//    (io_uring_submit) leaves entries in the ring that never ran: that Read waits for the ones
+//    that did, and the reader refuses every later Read (kIo: make another). Create refuses a
+//    depth or piece size of 0 (kInvalidArgument).
 //  * Reads go through `fd` as it is (buffered, or whatever its flags say; O_DIRECT's alignment
 //    rules are the caller's) and never change its file offset.
 //  * Thread-safety: one thread at a time per reader; each pipeline reader owns its own.
