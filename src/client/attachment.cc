@@ -339,8 +339,6 @@ Result<Attachment> AttachAndDiagnose(const AttachOptions& options, const identit
     const auto fallback_start = Clock::now();
     WEIGHTCACHE_RETURN_IF_ERROR(LoadFallback(options, id, env, *impl));
     impl->timings.fallback_ms = MsSince(fallback_start);
-  }
-  if (!impl->table_from_manifest) {
     for (const Tensor& t : impl->tensors.tensors()) impl->total_bytes += t.nbytes;
   }
   impl->attach_ms = MsSince(start);

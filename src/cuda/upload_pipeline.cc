@@ -680,7 +680,6 @@ Result<UploadPipeline> UploadPipeline::Create(const DriverApi* api, const Upload
         "upload pipeline needs at least one staging buffer, reader thread, checksum thread "
         "and copy stream");
   }
-
   CUcontext context = nullptr;
   WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuCtxGetCurrent(&context), "cuCtxGetCurrent");
   if (context == nullptr) {

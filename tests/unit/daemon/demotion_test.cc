@@ -112,6 +112,13 @@ class DemotionTest : public ::testing::Test {
     return d;
   }
 
+  // `--demote host-pinned`: the host copy pinned behind the demotion.
+  daemon::DemotionOptions DemoteHostPinned() {
+    daemon::DemotionOptions d = Demote();
+    d.pin_host_copy = true;
+    return d;
+  }
+
   // Hello then Attach on a new connection; the connection closes with the reply (a detach).
   Result<protocol::AttachReply> Attach(const InProcessDaemon& d) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(auto conn, protocol::Connection::Connect(d.socket(), 5s));
@@ -300,9 +307,7 @@ bool RegisteredAfterTheLastArena(const FakeDriver& fake) {
 // go. An Attach sent once the ledger hook heard of the demotion finds the pinning started (the
 // hook runs just before it) and waits for it.
 TEST_F(DemotionTest, WithHostPinnedThePromotionCopiesFromThePinnedHostCopy) {
-  daemon::DemotionOptions demotion = Demote();
-  demotion.pin_host_copy = true;
-  auto d = Start(std::move(demotion));
+  auto d = Start(DemoteHostPinned());
   ASSERT_NE(d, nullptr);
   const std::vector<std::string> before = AttachThenDemote(*d);
   ASSERT_FALSE(before.empty());
@@ -324,9 +329,7 @@ TEST_F(DemotionTest, WithHostPinnedThePromotionCopiesFromThePinnedHostCopy) {
 // machine, and the loop used to do it before it answered (found by demote_bench's
 // kept_unpin_and_close_s). The first unpin is held back until the attach has its reply.
 TEST_F(DemotionTest, WithHostPinnedTheWaitingAttachIsAnsweredBeforeTheHostCopyIsUnpinned) {
-  daemon::DemotionOptions demotion = Demote();
-  demotion.pin_host_copy = true;
-  auto d = Start(std::move(demotion));
+  auto d = Start(DemoteHostPinned());
   ASSERT_NE(d, nullptr);
   const std::vector<std::string> before = AttachThenDemote(*d);
   ASSERT_FALSE(before.empty());
@@ -356,8 +359,7 @@ TEST_F(DemotionTest, WithHostPinnedTheWaitingAttachIsAnsweredBeforeTheHostCopyIs
 
 // Pinning that fails costs the promotion only its speed: it stages, with the same bytes.
 TEST_F(DemotionTest, WithHostPinnedAFailedPinningLeavesAStagedPromotion) {
-  daemon::DemotionOptions demotion = Demote();
-  demotion.pin_host_copy = true;
+  daemon::DemotionOptions demotion = DemoteHostPinned();
   // The hook runs on the loop just before the pinning starts: its first registration fails.
   demotion.moved = [this](Tier tier) {
     if (tier == Tier::kHost) {
@@ -382,9 +384,7 @@ TEST_F(DemotionTest, WithHostPinnedAFailedPinningLeavesAStagedPromotion) {
 // A demoted cache that is pinning (or pinned) and has no waiting attach is idle: an Evict stops
 // it, and its pinned copy is let go with it.
 TEST_F(DemotionTest, WithHostPinnedAnEvictOfThePinnedCacheStopsItAndUnpins) {
-  daemon::DemotionOptions demotion = Demote();
-  demotion.pin_host_copy = true;
-  auto d = Start(std::move(demotion));
+  auto d = Start(DemoteHostPinned());
   ASSERT_NE(d, nullptr);
   ASSERT_TRUE(Evict(*d).evicted);
   moved_.WaitFor(1);
