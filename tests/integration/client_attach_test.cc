@@ -217,6 +217,40 @@ TEST_F(ClientAttachTest, EveryTensorsBytesEqualTheFileBytesThroughTheCppApi) {
   }
 }
 
+// The table of a daemon attach is built on first use: threads that ask for it at once all get
+// the one table (built once), with every tensor's bytes equal to the files' (TSan tier too).
+TEST_F(ClientAttachTest, TheTableBuiltOnFirstUseIsOneTableForThreadsAskingAtOnce) {
+  auto serve = Serve();
+  ASSERT_TRUE(WaitForState(*serve, runtime_, protocol::CacheState::kReady).ok());
+  auto a = Attachment::Attach(Options());
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_EQ(a->source(), AttachSource::kDaemon) << a->source_reason();
+  constexpr int kThreads = 8;
+  std::vector<const std::vector<Tensor>*> seen(kThreads, nullptr);
+  std::vector<const Tensor*> found(kThreads, nullptr);
+  const std::string first_name(ref_.tensors.begin()->first);
+  {
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kThreads; ++i) {
+      threads.emplace_back([&, i] {
+        // Half ask through Find, half through tensors(): either builds the table.
+        if (i % 2 == 0) found[i] = a->Find(first_name);
+        seen[i] = &a->tensors();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (int i = 0; i < kThreads; ++i) {
+    EXPECT_EQ(seen[i], seen[0]) << "thread " << i;
+    if (i % 2 == 0) {
+      ASSERT_NE(found[i], nullptr) << "thread " << i;
+      EXPECT_EQ(found[i], a->Find(first_name)) << "thread " << i;
+    }
+  }
+  EXPECT_EQ(seen[0]->size(), ref_.tensors.size());
+  EXPECT_EQ(CompareWithReference(*a, ref_), "");
+}
+
 TEST_F(ClientAttachTest, AttachCliVerifiesAndVerifyCommandMatchesTheFiles) {
   auto serve = Serve();
   ASSERT_TRUE(WaitForState(*serve, runtime_, protocol::CacheState::kReady).ok());
