@@ -4,7 +4,7 @@
 //
 //   demote_bench [--gib N] [--device I] [--reps R] [--alloc-gib A]
 //                [--strategy staged|registered|kept|both] [--threads T] [--staging-mib M]
-//                [--settle-ms S]
+//                [--settle-ms S] [--host-write-passes P] [--host-write-only]
 //
 // An exported VMM arena of N GiB (default 16) in allocations of A GiB (default 2), as a gpu
 // cache holds it, filled on the device; then for each strategy (default both), R times
@@ -19,12 +19,15 @@
 // Pinned H2D and D2H: one 1 GiB cuMemcpy{HtoD,DtoH}Async with pinned host memory (best of 3),
 // the links' rates the targets are measured against. The host half of a staged demotion alone,
 // its limit on this machine: T threads pwrite()ing a private buffer of M MiB into new memfd
-// segments of the demotion's size, no GPU (best of 2; `host_write_gb_s`). Each line also
-// carries the kernel's
-// /sys/kernel/mm/transparent_hugepage/shmem_enabled (whether a memfd can get huge pages). One
-// JSON object per line. --settle-ms: a pause of S ms before each demotion (default 0), to see
-// whether what the previous repetition released (an unpinned host copy, freed memfds) still
-// costs the next demotion.
+// segments of the demotion's size, no GPU (`--host-write-passes P` passes, default 2, each
+// pass's memfds closed before the next; `host_write_gb_s` is the best, `host_write_passes_gb_s`
+// each in order: the first pass takes host memory this machine may never have touched, which
+// costs more in a VM whose memory is backed as it is first used). Each line also carries the
+// kernel's /sys/kernel/mm/transparent_hugepage/shmem_enabled (whether a memfd can get huge
+// pages). One JSON object per line. --settle-ms: a pause of S ms before each demotion (default
+// 0), to see whether what the previous repetition released (an unpinned host copy, freed
+// memfds) still costs the next demotion. --host-write-only: the host write passes alone (no
+// GPU, no driver), one line per pass with MemTotal and MemFree before it, --settle-ms apart.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -119,55 +122,70 @@ PinnedRates Pinned(const cu::DriverApi* api) {
   return rates;
 }
 
+// /proc/meminfo's MemTotal and MemFree, GB (1e9 bytes); 0 where unreadable.
+struct MemInfo {
+  double total_gb = 0;
+  double free_gb = 0;
+};
+MemInfo ReadMemInfo() {
+  std::ifstream in("/proc/meminfo");
+  MemInfo info;
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemTotal:") info.total_gb = static_cast<double>(kib) * 1024 / 1e9;
+    if (key == "MemFree:") info.free_gb = static_cast<double>(kib) * 1024 / 1e9;
+  }
+  return info;
+}
+
 // The host half of a staged demotion, without the GPU: `threads` workers, each taking whole
 // segments of `segment_bytes` in turn, making each a memfd and pwrite()ing a private buffer of
-// `buffer_bytes` (resident, as a staging buffer is) into it until it is full. GB/s of the best
-// of 2 passes; every memfd is closed before the next pass.
-double HostWriteLimit(uint64_t total, uint64_t segment_bytes, size_t threads,
-                      uint64_t buffer_bytes) {
-  double best = 0;
-  for (int pass = 0; pass < 2; ++pass) {
-    const size_t count = static_cast<size_t>((total + segment_bytes - 1) / segment_bytes);
-    std::vector<wc::UniqueFd> memfds(count);
-    std::atomic<size_t> next{0};
-    std::atomic<bool> failed{false};
-    const auto t0 = std::chrono::steady_clock::now();
-    std::vector<std::thread> workers;
-    for (size_t t = 0; t < threads; ++t) {
-      workers.emplace_back([&] {
-        std::vector<std::byte> buffer(buffer_bytes, std::byte{0x5a});
-        for (size_t i = next++; i < count; i = next++) {
-          const uint64_t bytes = std::min(segment_bytes, total - i * segment_bytes);
-          auto fd = wc::os::CreateMemfd("demote_bench-limit", bytes);
-          if (!fd.ok()) {
+// `buffer_bytes` (resident, as a staging buffer is) into it until it is full. GB/s of one
+// pass; every memfd is closed before it returns.
+double HostWritePass(uint64_t total, uint64_t segment_bytes, size_t threads,
+                     uint64_t buffer_bytes) {
+  const size_t count = static_cast<size_t>((total + segment_bytes - 1) / segment_bytes);
+  std::vector<wc::UniqueFd> memfds(count);
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> workers;
+  for (size_t t = 0; t < threads; ++t) {
+    workers.emplace_back([&] {
+      std::vector<std::byte> buffer(buffer_bytes, std::byte{0x5a});
+      for (size_t i = next++; i < count; i = next++) {
+        const uint64_t bytes = std::min(segment_bytes, total - i * segment_bytes);
+        auto fd = wc::os::CreateMemfd("demote_bench-limit", bytes);
+        if (!fd.ok()) {
+          failed = true;
+          return;
+        }
+        for (uint64_t at = 0; at < bytes; at += buffer_bytes) {
+          const uint64_t n = std::min(buffer_bytes, bytes - at);
+          if (!wc::os::PwriteAll(fd->get(), buffer.data(), n, at).ok()) {
             failed = true;
             return;
           }
-          for (uint64_t at = 0; at < bytes; at += buffer_bytes) {
-            const uint64_t n = std::min(buffer_bytes, bytes - at);
-            if (!wc::os::PwriteAll(fd->get(), buffer.data(), n, at).ok()) {
-              failed = true;
-              return;
-            }
-          }
-          memfds[i] = std::move(fd).value();
         }
-      });
-    }
-    for (std::thread& w : workers) w.join();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (failed) Die("the host write limit: a memfd could not be made or written");
-    best = std::max(best, static_cast<double>(total) / 1e9 / s);
+        memfds[i] = std::move(fd).value();
+      }
+    });
   }
-  return best;
+  for (std::thread& w : workers) w.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (failed) Die("the host write limit: a memfd could not be made or written");
+  return static_cast<double>(total) / 1e9 / s;
 }
 
 int Run(int argc, char** argv) {
   const cu::TierCopyOptions defaults;
   uint64_t gib = 16, alloc_gib = 2, staging_mib = defaults.staging_bytes >> 20;
-  int device_index = 0, reps = 3, settle_ms = 0;
+  int device_index = 0, reps = 3, settle_ms = 0, host_write_passes = 2;
   size_t threads = defaults.threads;
   std::string strategy = "both";
+  bool host_write_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -190,12 +208,38 @@ int Run(int argc, char** argv) {
       staging_mib = std::stoull(next());
     } else if (a == "--settle-ms") {
       settle_ms = std::stoi(next());
+    } else if (a == "--host-write-passes") {
+      host_write_passes = std::stoi(next());
+    } else if (a == "--host-write-only") {
+      host_write_only = true;
     } else {
       Die("unknown argument " + a);
     }
   }
-  if (gib == 0 || alloc_gib == 0 || reps < 1 || threads == 0 || staging_mib == 0) {
-    Die("--gib, --alloc-gib, --reps, --threads and --staging-mib must be > 0");
+  if (gib == 0 || alloc_gib == 0 || reps < 1 || threads == 0 || staging_mib == 0 ||
+      host_write_passes < 1) {
+    Die("--gib, --alloc-gib, --reps, --threads, --staging-mib and --host-write-passes must be > 0");
+  }
+  const auto settle = [settle_ms] {
+    if (settle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
+  };
+  if (host_write_only) {
+    for (int pass = 0; pass < host_write_passes; ++pass) {
+      if (pass > 0) settle();
+      const MemInfo before = ReadMemInfo();
+      const double gb_s =
+          HostWritePass(gib * kGiB, defaults.segment_bytes, threads, staging_mib << 20);
+      Emit({{"mode", "host_write_only"},
+            {"pass", pass},
+            {"gib", gib},
+            {"threads", threads},
+            {"buffer_mib", staging_mib},
+            {"host_write_gb_s", gb_s},
+            {"mem_total_gb_before", before.total_gb},
+            {"mem_free_gb_before", before.free_gb},
+            {"settle_ms", settle_ms}});
+    }
+    return 0;
   }
   std::vector<std::pair<std::string, cu::TierCopyStrategy>> strategies;
   if (strategy == "staged" || strategy == "both") {
@@ -227,11 +271,13 @@ int Run(int argc, char** argv) {
     device_fds = std::move(arena).ReleaseToFds();
   }
   auto ratio = [](double a, double b) { return b > 0 ? a / b : 0; };
-  const auto settle = [settle_ms] {
-    if (settle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
-  };
+  std::vector<double> host_write_passes_gb_s;
+  for (int pass = 0; pass < host_write_passes; ++pass) {
+    host_write_passes_gb_s.push_back(
+        HostWritePass(gib * kGiB, defaults.segment_bytes, threads, staging_mib << 20));
+  }
   const double host_write =
-      HostWriteLimit(gib * kGiB, defaults.segment_bytes, threads, staging_mib << 20);
+      *std::max_element(host_write_passes_gb_s.begin(), host_write_passes_gb_s.end());
   for (const auto& [label, kind] : strategies) {
     cu::TierCopyOptions options;
     options.strategy = kind;
@@ -273,6 +319,7 @@ int Run(int argc, char** argv) {
             {"promote_vs_pinned_h2d", ratio(promote.gb_per_s, pinned.h2d)},
             {"demote_vs_pinned_d2h", ratio(demote.gb_per_s, pinned.d2h)},
             {"host_write_gb_s", host_write},
+            {"host_write_passes_gb_s", host_write_passes_gb_s},
             {"demote_vs_host_write", ratio(demote.gb_per_s, host_write)},
             {"settle_ms", settle_ms},
             {"target_promote_vs_pinned", 0.9},

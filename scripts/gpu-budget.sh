@@ -25,11 +25,12 @@
 #
 #   scripts/gpu-budget.sh      # after scripts/gpu-suite.sh built build-gpu (with benches)
 #
-# Writes $OUT/budget.log (every command and its output, then the three daemons' logs);
-# appends its headline lines to $OUT/summary.txt.
+# Writes $OUT/$LABEL.log (every command and its output, then the three daemons' logs);
+# appends its headline lines, each starting with "$LABEL:", to $OUT/summary.txt.
 # Knobs: OUT (./gpu-out), BUILD_DIR (build-gpu), WORK (the checkpoint's dir; default on
 # /dev/shm when it has 20 GB free, else a temp dir; removed after), DEMOTE (host-pinned|host),
-# SERVE_FLAGS (more flags for every `serve`, e.g. --no-keeper).
+# SERVE_FLAGS (more flags for every `serve`, e.g. --no-keeper), LABEL (default budget: a
+# second run in one call names its own log and lines).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-out}
@@ -37,9 +38,10 @@ build=${BUILD_DIR:-build-gpu}
 wc=$PWD/$build/tools/weightcache
 demote=${DEMOTE:-host-pinned}
 mkdir -p "$OUT"
-log=$OUT/budget.log
+label=${LABEL:-budget}
+log=$OUT/$label.log
 : >"$log"
-say() { echo "$*" | tee -a "$OUT/summary.txt"; }
+say() { echo "${*/#budget:/$label:}" | tee -a "$OUT/summary.txt"; }
 failures=0
 fail() {
   say "budget: FAIL: $*"
@@ -83,7 +85,7 @@ serve() {  # revision
     ${SERVE_FLAGS:-} --detach --json --log-file "$runtime/serve-$1.log" >>"$log" 2>&1
   rc=$?
   echo "serve $1: exit $rc in $(($(ms_now) - t0)) ms" >>"$log"
-  ((rc == 0)) || fail "serve --revision $1 exited $rc (its log is at the end of budget.log)"
+  ((rc == 0)) || fail "serve --revision $1 exited $rc (its log is at the end of $label.log)"
 }
 # `status --json`: each cache of the runtime dir as "revision:state" (`cache_state`: gpu or
 # host when ready, else the state, e.g. demoted), sorted; then the device's used bytes.
@@ -113,7 +115,7 @@ serve b
 touch_cache b
 # Host memory before the first demotion: a demotion allocates shmem pages, which come from
 # free memory or from reclaiming the page cache (the checkpoints' own pages among them).
-meminfo() { awk '/^(MemFree|Cached|Shmem):/ {printf "%s %.1f GB  ", $1, $2 * 1024 / 1e9}' /proc/meminfo; }
+meminfo() { awk '/^(MemTotal|MemFree|Cached|Shmem):/ {printf "%s %.1f GB  ", $1, $2 * 1024 / 1e9}' /proc/meminfo; }
 say "budget: host memory before c's admission: $(meminfo)"
 serve c
 touch_cache c
@@ -150,7 +152,7 @@ say "budget: a promoted: $(rate "$runtime/serve-a.log" "promoted back to the GPU
 if [[ $demote == host-pinned ]]; then
   # "host copy pinned in N ms (B bytes in S segments): ...", and the promotion's own line.
   pinned=$(grep -h "host copy pinned in" "$runtime/serve-a.log" | tail -1 | sed -E 's/.*(host copy pinned in [0-9]+ ms \([^)]*\)).*/\1/')
-  say "budget: a's ${pinned:-host copy was not pinned (see budget.log)}"
+  say "budget: a's ${pinned:-host copy was not pinned (see $label.log)}"
   grep -q "promoted back to the GPU.*DMA from the pinned host copy" "$runtime/serve-a.log" ||
     fail "a's promotion did not copy from the pinned host copy"
 fi

@@ -30,7 +30,8 @@
 #        run only when named, the same with the readers' runs through io_uring; "demote_settle",
 #        run only when named, demote_bench's host-pinned path with and without a pause between
 #        repetitions; "demote_staging", run only when named, the staged demotion with 1 to
-#        16 MiB staging buffers; "rss_64", run
+#        16 MiB staging buffers; "budget_fresh_warm", run only when named, demote_bench's host
+#        write passes alone, then gpu-budget.sh twice (fresh host memory, then reused); "rss_64", run
 #        only when named, gpu_attach_bench's daemon at 64 GiB and 291 tensors: its VmHWM),
 #        BENCH_WORK (scratch for the benches' checkpoints; default a temp dir, removed).
 # Exit status: non-zero if the build or any test fails, or a benchmark fails or times out.
@@ -300,6 +301,24 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
   # Issue 16 at full size: three 16 GB caches under a 40 GB gpu budget, demotion, promotion
   # and a verified attach, with real daemons and the CLI (scripts/gpu-budget.sh; its lines in
   # summary.txt start with "budget:"). BENCHES names it "gpu_budget".
+  # Whether the daemons' demotions pay for host memory touched for the first time (a VM whose
+  # memory is backed as it is first used): the host write passes alone on this fresh machine
+  # (the first takes new memory, the next ones reuse it), then gpu-budget.sh twice, its second
+  # run on memory the first one used (only when BENCHES names "budget_fresh_warm").
+  if [[ " ${BENCHES:-} " == *" budget_fresh_warm "* ]]; then
+    run_bench_exe 60 demote_bench --host-write-only --gib 16 --host-write-passes 3
+    for run in fresh warm; do
+      t0=$(date +%s)
+      if OUT=$OUT BUILD_DIR=$build LABEL=budget-$run timeout --kill-after=10 240 \
+        scripts/gpu-budget.sh; then
+        say "bench gpu_budget ($run): ok ($(($(date +%s) - t0)) s)"
+      else
+        say "bench gpu_budget ($run): FAILED (budget-$run.log)"
+        bench_ok=0
+      fi
+    done
+    run_bench_exe 60 demote_bench --host-write-only --gib 16 --host-write-passes 2
+  fi
   if [[ -z ${BENCHES:-} || " $BENCHES " == *" gpu_budget "* ]]; then
     t0=$(date +%s)
     if OUT=$OUT BUILD_DIR=$build timeout --kill-after=10 240 scripts/gpu-budget.sh; then
