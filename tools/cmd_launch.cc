@@ -91,7 +91,7 @@ int RunLaunch(const LaunchArgs& args) {
   if (!signal_fd.ok()) return Fail(kCmd, signal_fd.status());
   // The fleet flags' own rules first (and a build without the fleet refuses them): each
   // daemon's ports are checked once the plan is known, below.
-  if (auto fleet = RegistryServeArgs(args.registry, args.serve.identity.tier, 0); !fleet.ok()) {
+  if (auto fleet = RegistryServeArgs(args.registry, 0); !fleet.ok()) {
     return Fail(kCmd, fleet.status());
   }
 
@@ -122,7 +122,7 @@ int RunLaunch(const LaunchArgs& args) {
   std::map<int, std::vector<std::string>> fleet_args;
   for (const launcher::DaemonPlacement& p : *plan) {
     const int rank = launcher::JobRank(p, args.serve.identity.tp_size);
-    auto forwarded = RegistryServeArgs(args.registry, args.serve.identity.tier, rank);
+    auto forwarded = RegistryServeArgs(args.registry, rank);
     if (!forwarded.ok()) return Fail(kCmd, forwarded.status());
     fleet_args[rank] = std::move(forwarded).value();
   }

@@ -22,6 +22,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -373,7 +374,7 @@ Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
       return Status::Ok();
     };
   }
-  demotion.moved = [device_dir, socket](Tier tier) {
+  demotion.moved = [device_dir, socket](Tier tier, std::span<const int> /*fds*/) {
     const pid_t self = ::getpid();
     Status updated = daemon::BudgetLedger(device_dir)
                          .UpdateUntil(
@@ -559,15 +560,20 @@ int Run(ServeArgs& args) {
   auto registration_or = ServeRegistration::Create(args.registry, *id);
   if (!registration_or.ok()) return Fail(kCmd, registration_or.status());
   std::shared_ptr<ServeRegistration> registration = std::move(registration_or).value();
-  // --fill-from registry (docs/fleet.md "Fill"): the host-tier load tries other nodes first.
-  if (registration) options.load.host_fill = registration->Filler();
+  // --fill-from (docs/fleet.md "Fill"): the load tries other nodes first, on either tier.
+  if (registration) options.load.peer_fill = registration->Filler();
   if (registration && options.demotion.moved) {
     // Weak: the daemon's copies of the options must not keep the registration (and its
     // lease) alive past our reset below.
     options.demotion.moved = [moved = options.demotion.moved,
-                              weak = std::weak_ptr<ServeRegistration>(registration)](Tier tier) {
-      moved(tier);
-      if (auto live = weak.lock()) live->Moved(tier);
+                              weak = std::weak_ptr<ServeRegistration>(registration)](
+                                 Tier tier, std::span<const int> fds) {
+      auto live = weak.lock();
+      // Leaving the GPU, the fill source lets go of its mapping of the GPU memory before the
+      // ledger stops counting that memory; back on the GPU, it serves once the ledger does.
+      if (live && tier == Tier::kHost) live->Moved(tier, fds);
+      moved(tier, fds);
+      if (live && tier != Tier::kHost) live->Moved(tier, fds);
     };
   }
   options.handshake_timeout = Millis(args.handshake_timeout_s);

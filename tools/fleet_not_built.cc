@@ -38,8 +38,7 @@ Status RefuseFleetFlags(const RegistryFlags& flags) {
 
 }  // namespace
 
-Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, Tier /*tier*/,
-                                                   int /*rank*/) {
+Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, int /*rank*/) {
   WEIGHTCACHE_RETURN_IF_ERROR(RefuseFleetFlags(flags));
   return std::vector<std::string>();
 }

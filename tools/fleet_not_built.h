@@ -31,16 +31,16 @@ struct RegistryFlags {
 enum class RegistryFlagScope { kServe, kLaunch, kList };
 void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope);
 // Empty without any fleet flag; FleetNotBuilt with one.
-Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, Tier tier, int rank);
+Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, int rank);
 
 class ServeRegistration {
  public:
   // nullptr without --registry and --fill-*; FleetNotBuilt with any of them.
   static Result<std::unique_ptr<ServeRegistration>> Create(const RegistryFlags& flags,
                                                            const identity::ResolvedIdentity& id);
-  daemon::HostFill Filler() const { return {}; }
+  daemon::PeerFill Filler() const { return {}; }
   void Ready(const daemon::StoreSummary& /*summary*/, std::span<const int> /*fds*/) {}
-  void Moved(Tier /*tier*/) {}
+  void Moved(Tier /*tier*/, std::span<const int> /*fds*/) {}
   void Draining() {}
 
  private:

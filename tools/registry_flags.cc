@@ -1,5 +1,6 @@
 #include "registry_flags.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <array>
@@ -13,6 +14,10 @@
 
 #include "common/hash.h"
 #include "common/logging.h"
+#include "cuda/driver_api.h"
+#include "cuda/imported_arena.h"
+#include "cuda/vmm.h"
+#include "identity/device_inventory.h"
 #include "launcher/serve_daemons.h"
 #include "os/file_mapping.h"
 #include "os/host_name.h"
@@ -23,9 +28,13 @@
 namespace weightcache::cli {
 
 // Members in acquisition order: the server, destroyed first, stops reading the memory.
+// Declared in the order they are acquired; destroyed in reverse: the server (which stops
+// reading) first, then the memory it served, then the context that memory is mapped in.
 struct ServeRegistration::FillSource {
-  std::vector<os::MappedRegion> mappings;  // read-only mappings of the sealed memfds
-  std::vector<uint8_t> poisoned;           // WEIGHTCACHE_TEST_FILL_POISON's copy
+  std::optional<cuda::PrimaryContext> context;  // gpu tier: current on the server's thread
+  std::optional<cuda::ImportedArena> device;    // gpu tier: the allocations, mapped
+  std::vector<os::MappedRegion> mappings;       // host tier: the sealed memfds, read-only
+  std::vector<uint8_t> poisoned;                // WEIGHTCACHE_TEST_FILL_POISON's copy
   std::unique_ptr<fleet::ArenaServer> server;
 };
 
@@ -69,17 +78,19 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
                   "this node's name in the registry (default: the hostname)");
   sub->add_option("--fill-from", flags->fill_from,
                   "\"registry\" (with --registry) or HOST:PORT[,HOST:PORT...] (other nodes' "
-                  "--fill-serve; host tier): before reading the checkpoint, pull the arena from "
-                  "the ready sources of the same fleet key, verified (layout, every tensor's "
+                  "--fill-serve): before reading the checkpoint, pull the arena from the ready "
+                  "sources of the same fleet key and tier, verified (layout, every tensor's "
                   "checksum, a sample of our own checkpoint) before ready; any failure reads the "
-                  "disk (docs/fleet.md \"Fill\")" +
+                  "disk. The gpu tier pulls into device memory, which needs a UCX built with "
+                  "CUDA (docs/fleet.md \"Fill\")" +
                       (scope == RegistryFlagScope::kLaunch
                            ? std::string(" (launch: each listed PORT becomes PORT + the rank)")
                            : std::string()));
   sub->add_option("--fill-serve", flags->fill_serve,
-                  "HOST:PORT (port 0: a free one; host tier): once ready, serve the arena to "
-                  "other nodes' --fill-from over UCX; the bound endpoint is logged, and goes "
-                  "into the registry entry unless --advertise is given. Needs --fill-allow" +
+                  "HOST:PORT (port 0: a free one): once ready, serve the arena to other nodes' "
+                  "--fill-from over UCX (the gpu tier serves device memory, holding a CUDA "
+                  "context while it does); the bound endpoint is logged, and goes into the "
+                  "registry entry unless --advertise is given. Needs --fill-allow" +
                       per_rank);
   sub->add_option("--fill-allow", flags->fill_allow,
                   "ADDR|CIDR[,...]: the peers that may fill from --fill-serve (\"0.0.0.0/0,::/0\" "
@@ -129,7 +140,7 @@ Result<std::vector<std::string>> ListedSources(const std::string& fill_from) {
 
 // The rules between the fleet flags, for serve and for launch before it starts a daemon; the
 // parsed --fill-allow (empty without it).
-Result<fleet::PeerAllowList> CheckFleetFlags(const RegistryFlags& flags, Tier tier) {
+Result<fleet::PeerAllowList> CheckFleetFlags(const RegistryFlags& flags) {
   if (flags.fill_from == "registry" && flags.url.empty()) {
     return InvalidArgument(
         "--fill-from registry needs --registry (or list the sources: "
@@ -143,12 +154,6 @@ Result<fleet::PeerAllowList> CheckFleetFlags(const RegistryFlags& flags, Tier ti
   }
   if (!flags.fill_serve.empty() && flags.fill_allow.empty()) {
     return InvalidArgument("--fill-serve needs --fill-allow (the peers that may fill from it)");
-  }
-  const bool fill = !flags.fill_from.empty() || !flags.fill_serve.empty();
-  if (fill && tier != Tier::kHost) {
-    return InvalidArgument(
-        "--fill-from and --fill-serve: host tier only (the gpu tier's fill "
-        "is not built yet, docs/fleet.md)");
   }
   if (flags.fill_allow.empty()) return fleet::PeerAllowList();
   auto parsed = fleet::PeerAllowList::Parse(flags.fill_allow);
@@ -165,9 +170,8 @@ std::string NumberText(double value) {
 
 }  // namespace
 
-Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, Tier tier,
-                                                   int rank) {
-  WEIGHTCACHE_RETURN_IF_ERROR(CheckFleetFlags(flags, tier).status());
+Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, int rank) {
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckFleetFlags(flags).status());
   std::vector<std::string> args;
   auto add = [&args](const char* flag, const std::string& value) {
     if (value.empty()) return;
@@ -216,7 +220,7 @@ Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, T
 
 Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
     const RegistryFlags& flags, const identity::ResolvedIdentity& id) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::PeerAllowList allow, CheckFleetFlags(flags, id.config.tier));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::PeerAllowList allow, CheckFleetFlags(flags));
   const bool fill = !flags.fill_from.empty() || !flags.fill_serve.empty();
   if (flags.url.empty() && !fill) return std::unique_ptr<ServeRegistration>();
   fleet::RegistryEntry entry;
@@ -259,18 +263,21 @@ Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
     LOG_INFO << "registry: " << flags.url << ", key " << fleet::EntryKey(flags.prefix, entry)
              << " (registered once the cache is ready)";
   }
-  return std::unique_ptr<ServeRegistration>(new ServeRegistration(
-      std::move(registrar), std::move(entry), id.config.tier, flags, std::move(allow)));
+  return std::unique_ptr<ServeRegistration>(
+      new ServeRegistration(std::move(registrar), std::move(entry), id.config.tier, id.device,
+                            flags, std::move(allow)));
 }
 
 ServeRegistration::ServeRegistration(std::unique_ptr<fleet::Registrar> registrar,
                                      fleet::RegistryEntry entry, Tier configured,
+                                     std::optional<identity::DeviceInfo> device,
                                      RegistryFlags flags, fleet::PeerAllowList allow)
     : registrar_(std::move(registrar)),
       flags_(std::move(flags)),
       allow_(std::move(allow)),
       entry_(std::move(entry)),
-      configured_(configured) {}
+      configured_(configured),
+      device_(std::move(device)) {}
 
 ServeRegistration::~ServeRegistration() {
   if (registrar_) registrar_->Stop();
@@ -329,15 +336,44 @@ void ApplyFillTestHooks(fleet::FetchOptions* fetch) {
   };
 }
 
+// The gpu tier's memory to serve: the store's VMM allocations imported (duplicates of `fds`)
+// and mapped into the device's primary context, which the server's progress thread makes
+// current (UCX's CUDA transports copy from there).
+Status MapDeviceMemory(const identity::DeviceInfo& info, std::span<const int> fds,
+                       const std::vector<uint64_t>& sizes, ServeRegistration::FillSource* source,
+                       fleet::ArenaServerOptions* options) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, info));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::PrimaryContext context,
+                               cuda::PrimaryContext::Retain(api, device));
+  std::vector<UniqueFd> owned;
+  for (const int fd : fds) {
+    UniqueFd dup(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+    if (!dup.valid()) return IoError("duplicating an allocation's fd", errno);
+    owned.push_back(std::move(dup));
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::ImportedArena arena,
+                               cuda::ImportedArena::Import(api, device, std::move(owned), sizes));
+  for (const cuda::ImportedAllocation& a : arena.allocations()) {
+    options->regions.push_back(
+        {reinterpret_cast<const void*>(a.ptr), a.size, fleet::RegionMemory::kCuda});
+  }
+  source->context.emplace(std::move(context));
+  source->device.emplace(std::move(arena));
+  options->on_progress_thread = [context = &*source->context] { return context->MakeCurrent(); };
+  return Status::Ok();
+}
+
 Result<ServeRegistration::FillSource> StartFillSource(const RegistryFlags& flags,
                                                       const fleet::PeerAllowList& allow,
-                                                      const daemon::StoreSummary& summary,
-                                                      std::span<const int> fds) {
+                                                      std::vector<uint8_t> manifest_bytes,
+                                                      std::span<const int> fds, Tier tier,
+                                                      const std::optional<identity::DeviceInfo>& device) {
   ServeRegistration::FillSource source;
   fleet::ArenaServerOptions options;
   options.listen = flags.fill_serve;
   options.allow = allow;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(options.manifest, ReadManifest(summary.manifest));
+  options.manifest = std::move(manifest_bytes);
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Manifest manifest,
                                protocol::Manifest::Decode(options.manifest));
   if (manifest.allocation_sizes().size() != fds.size()) {
@@ -345,19 +381,25 @@ Result<ServeRegistration::FillSource> StartFillSource(const RegistryFlags& flags
                          " allocations, its manifest " +
                          std::to_string(manifest.allocation_sizes().size()));
   }
-  for (size_t a = 0; a < fds.size(); ++a) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
-                                 os::MapReadOnly(fds[a], manifest.allocation_sizes()[a]));
-    options.regions.push_back({region.data(), region.size()});
-    source.mappings.push_back(std::move(region));
-  }
-  if (PoisonFillForTest() && !options.regions.empty()) {
-    const auto* first = static_cast<const uint8_t*>(options.regions[0].data);
-    source.poisoned.assign(first, first + options.regions[0].bytes);
-    source.poisoned[0] ^= 0xff;
-    options.regions[0].data = source.poisoned.data();
-    LOG_WARN << "fill source: WEIGHTCACHE_TEST_FILL_POISON: serving allocation 0 with its "
-                "first byte flipped";
+  if (tier == Tier::kGpu) {
+    if (!device) return InternalError("a gpu-tier cache without its device");
+    WEIGHTCACHE_RETURN_IF_ERROR(
+        MapDeviceMemory(*device, fds, manifest.allocation_sizes(), &source, &options));
+  } else {
+    for (size_t a = 0; a < fds.size(); ++a) {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
+                                   os::MapReadOnly(fds[a], manifest.allocation_sizes()[a]));
+      options.regions.push_back({region.data(), region.size()});
+      source.mappings.push_back(std::move(region));
+    }
+    if (PoisonFillForTest() && !options.regions.empty()) {
+      const auto* first = static_cast<const uint8_t*>(options.regions[0].data);
+      source.poisoned.assign(first, first + options.regions[0].bytes);
+      source.poisoned[0] ^= 0xff;
+      options.regions[0].data = source.poisoned.data();
+      LOG_WARN << "fill source: WEIGHTCACHE_TEST_FILL_POISON: serving allocation 0 with its "
+                  "first byte flipped";
+    }
   }
   WEIGHTCACHE_ASSIGN_OR_RETURN(source.server, fleet::ArenaServer::Start(std::move(options)));
   return source;
@@ -376,18 +418,29 @@ std::string ManifestDigest(const daemon::ManifestFile& manifest) {
 
 }  // namespace
 
+void ServeRegistration::StartFillSourceLocked(std::span<const int> fds) {
+  if (flags_.fill_serve.empty() || fill_) return;
+  auto started = StartFillSource(flags_, allow_, manifest_, fds, configured_, device_);
+  if (!started.ok()) {
+    LOG_WARN << "fill source: not serving: " << started.status().ToString();
+    return;
+  }
+  fill_ = std::make_unique<FillSource>(std::move(started).value());
+  LOG_INFO << "fill source: serving the arena at " << fill_->server->endpoint() << " to "
+           << allow_.ToString() << " (" << TierName(configured_) << " memory)";
+  if (flags_.advertise.empty()) entry_.endpoint = fill_->server->endpoint();
+}
+
 void ServeRegistration::Ready(const daemon::StoreSummary& summary, std::span<const int> fds) {
   const std::string manifest_digest = ManifestDigest(summary.manifest);
   MutexLock lock(mu_);
-  if (!flags_.fill_serve.empty() && !fill_) {
-    auto started = StartFillSource(flags_, allow_, summary, fds);
-    if (started.ok()) {
-      fill_ = std::make_unique<FillSource>(std::move(started).value());
-      LOG_INFO << "fill source: serving the arena at " << fill_->server->endpoint() << " to "
-               << allow_.ToString();
-      if (flags_.advertise.empty()) entry_.endpoint = fill_->server->endpoint();
+  if (!flags_.fill_serve.empty()) {
+    auto manifest = ReadManifest(summary.manifest);
+    if (manifest.ok()) {
+      manifest_ = std::move(manifest).value();
+      StartFillSourceLocked(fds);
     } else {
-      LOG_WARN << "fill source: not serving: " << started.status().ToString();
+      LOG_WARN << "fill source: not serving: " << manifest.status().ToString();
     }
   }
   ready_ = true;
@@ -399,11 +452,13 @@ void ServeRegistration::Ready(const daemon::StoreSummary& summary, std::span<con
   PublishLocked();
 }
 
-void ServeRegistration::Moved(Tier tier) {
+void ServeRegistration::Moved(Tier tier, std::span<const int> fds) {
+  if (tier != configured_) StopFillSource();  // its mapping of the GPU memory goes first
   MutexLock lock(mu_);
   if (!ready_) return;
   entry_.tier = std::string(TierName(tier));
   entry_.state = tier == configured_ ? fleet::EntryState::kReady : fleet::EntryState::kDemoted;
+  if (tier == configured_ && !manifest_.empty()) StartFillSourceLocked(fds);
   PublishLocked();
 }
 
@@ -425,13 +480,16 @@ void ServeRegistration::StopFillSource() {
   fill_->server->Stop();
   LOG_INFO << "fill source: stopped (" << fill_->server->peers_accepted() << " peer(s) served)";
   fill_.reset();
+  // Without --advertise the entry named the server's endpoint, which is gone now.
+  if (flags_.advertise.empty()) entry_.endpoint.clear();
 }
 
-daemon::HostFill ServeRegistration::Filler() const {
+daemon::PeerFill ServeRegistration::Filler() const {
   if (flags_.fill_from.empty()) return {};
   MutexLock lock(mu_);
-  return [flags = flags_, fleet_key = entry_.fleet_key,
-          node = entry_.node](const daemon::HostFillRequest& request) -> Result<std::string> {
+  return [flags = flags_, fleet_key = entry_.fleet_key, node = entry_.node,
+          tier = std::string(TierName(configured_))](
+             const daemon::PeerFillRequest& request) -> Result<std::string> {
     fleet::FetchOptions fetch;
     std::vector<std::string> nodes;  // what the log calls each source
     if (flags.fill_from != "registry") {
@@ -443,7 +501,8 @@ daemon::HostFill ServeRegistration::Filler() const {
                                    fleet::LookupSources(client, flags.prefix, fleet_key));
       for (const fleet::RegistryEntry& e : entries) {
         // Ourselves excluded: an entry of this node is never a source of its own fill.
-        if (e.state != fleet::EntryState::kReady || e.endpoint.empty() || e.tier != "host" ||
+        // A source of another tier has another layout (allocation granularity): not one.
+        if (e.state != fleet::EntryState::kReady || e.endpoint.empty() || e.tier != tier ||
             e.node == node) {
           continue;
         }
@@ -452,13 +511,16 @@ daemon::HostFill ServeRegistration::Filler() const {
       }
       if (fetch.sources.empty()) {
         return Status(StatusCode::kNotFound,
-                      "no ready host-tier source with an endpoint among the registry's " +
+                      "no ready " + tier + "-tier source with an endpoint among the registry's " +
                           std::to_string(entries.size()) + " entries of fleet key " +
                           fleet_key.substr(0, 16));
       }
     }
+    const fleet::RegionMemory memory = request.memory == daemon::FillMemory::kDevice
+                                           ? fleet::RegionMemory::kCuda
+                                           : fleet::RegionMemory::kHost;
     for (const std::span<uint8_t> allocation : request.allocations) {
-      fetch.destination.push_back({allocation.data(), allocation.size()});
+      fetch.destination.push_back({allocation.data(), allocation.size(), memory});
     }
     fetch.accept = [&request](const std::string& /*source*/, std::span<const uint8_t> manifest) {
       return request.accept(manifest);
@@ -470,7 +532,8 @@ daemon::HostFill ServeRegistration::Filler() const {
     for (size_t i = 0; i < fetch.sources.size(); ++i) {
       listed += (i == 0 ? "" : ", ") + nodes[i] + " " + fetch.sources[i];
     }
-    LOG_INFO << "fill: pulling from " << fetch.sources.size() << " source(s): " << listed;
+    LOG_INFO << "fill: pulling into " << fleet::RegionMemoryName(memory) << " memory from "
+             << fetch.sources.size() << " source(s): " << listed;
     WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::FetchResult result, fleet::FetchArena(fetch));
     std::string each;
     size_t used = 0;

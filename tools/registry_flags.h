@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -33,7 +34,7 @@ struct RegistryFlags {
   int ttl_s = 10;
   std::string advertise;  // HOST:PORT of the transport; "" until one serves
   std::string node_name;  // "" = the hostname
-  // The fill (docs/fleet.md "Fill"), host tier only:
+  // The fill (docs/fleet.md "Fill"), either tier:
   std::string fill_from;   // --fill-from registry|HOST:PORT[,...]: fill before the disk
   std::string fill_serve;  // --fill-serve HOST:PORT: serve our arena to fillers once ready
   std::string fill_allow;  // --fill-allow ADDR|CIDR[,...]: who may fill from us
@@ -46,13 +47,13 @@ enum class RegistryFlagScope { kServe, kLaunch, kList };
 // --fill-from --fill-serve --fill-allow.
 void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope);
 
-// The serve arguments of `flags` for the daemon of job rank `rank` of a launch on `tier`:
+// The serve arguments of `flags` for the daemon of job rank `rank` of a launch:
 // every flag given, TLS files made absolute, --advertise, --fill-serve and each source
 // --fill-from lists made PORT + rank (launcher::AddrForRank): rank r of a source node serves
 // at its PORT + r. Empty without any fleet flag. kInvalidArgument for what
 // serve would refuse among the flags themselves (the rules of ServeRegistration::Create),
 // so that launch refuses it before any daemon starts.
-Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, Tier tier, int rank);
+Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, int rank);
 
 // The etcd client the flags describe. kInvalidArgument for a bad URL or TLS combination.
 Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags);
@@ -63,29 +64,34 @@ Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags);
 // waits for etcd, so the daemon's event loop never does. Thread-safe. Without --registry
 // (the fill flags alone: listed sources, an unregistered source) nothing is registered.
 //
-// With --fill-serve, Ready() also starts the fill source (a fleet::ArenaServer over read-only
-// mappings of the store's sealed memfds, the daemon's manifest as its blob) and advertises
-// its endpoint (--advertise overrides it); Draining() and the destructor stop it after the
-// entry is withdrawn. With --fill-from, Filler() is the load's host fill (weight_store.h).
+// With --fill-serve, Ready() also starts the fill source (a fleet::ArenaServer, the daemon's
+// manifest as its blob) and advertises its endpoint (--advertise overrides it); Draining() and
+// the destructor stop it after the entry is withdrawn. It serves read-only mappings of the
+// store's sealed memfds (host tier), or the store's VMM allocations imported into the device's
+// primary context (gpu tier: the context is held while it serves). A gpu-tier source stops
+// serving when its cache is demoted (Moved to the host tier, before the ledger stops counting
+// the GPU memory it mapped) and serves again once it is promoted back. With --fill-from,
+// Filler() is the load's fill (weight_store.h), of host or device memory as the tier is.
 class ServeRegistration {
  public:
   // nullptr without --registry and --fill-from/--fill-serve. kInvalidArgument for bad flags
   // (URL, TLS files, TTL, prefix, node name, --advertise, --fill-from neither "registry"
   // (which needs --registry) nor a HOST:PORT list, --fill-serve without --fill-allow or the
-  // reverse, a bad allow-list, --fill-* on the gpu tier).
+  // reverse, a bad allow-list).
   static Result<std::unique_ptr<ServeRegistration>> Create(const RegistryFlags& flags,
                                                            const identity::ResolvedIdentity& id);
   ~ServeRegistration();
 
-  // --fill-from registry: looks up ready host-tier sources of our fleet key (not this node);
-  // --fill-from HOST:PORT,...: those; and pulls from them with fleet::FetchArena. Empty
-  // without --fill-from.
-  daemon::HostFill Filler() const;
+  // --fill-from registry: looks up ready sources of our fleet key and tier (not this node);
+  // --fill-from HOST:PORT,...: those; and pulls from them with fleet::FetchArena into host or
+  // device memory. Empty without --fill-from.
+  daemon::PeerFill Filler() const;
 
   // `fds`: the store's allocation fds (Daemon::StoreFds), borrowed for the call; the fill
   // source maps them.
   void Ready(const daemon::StoreSummary& summary, std::span<const int> fds);
-  void Moved(Tier tier);  // the cache's memory is now in `tier` (--demote host)
+  // The cache's memory is now in `tier` (--demote host), in `fds` (borrowed for the call).
+  void Moved(Tier tier, std::span<const int> fds);
   void Draining();
 
   // The fill source's server and the memory it serves (defined in registry_flags.cc).
@@ -93,8 +99,12 @@ class ServeRegistration {
 
  private:
   ServeRegistration(std::unique_ptr<fleet::Registrar> registrar, fleet::RegistryEntry entry,
-                    Tier configured, RegistryFlags flags, fleet::PeerAllowList allow);
+                    Tier configured, std::optional<identity::DeviceInfo> device,
+                    RegistryFlags flags, fleet::PeerAllowList allow);
   void PublishLocked() WEIGHTCACHE_REQUIRES(mu_);
+  // Starts the fill source over `fds` when --fill-serve is given and none runs (a failure is
+  // logged: the cache serves on without one).
+  void StartFillSourceLocked(std::span<const int> fds) WEIGHTCACHE_REQUIRES(mu_);
   void StopFillSource();
 
   std::unique_ptr<fleet::Registrar> registrar_;
@@ -105,7 +115,11 @@ class ServeRegistration {
   std::unique_ptr<FillSource> fill_ WEIGHTCACHE_GUARDED_BY(mu_);
   fleet::RegistryEntry entry_ WEIGHTCACHE_GUARDED_BY(mu_);
   bool ready_ WEIGHTCACHE_GUARDED_BY(mu_) = false;
+  // The ready store's encoded manifest (what the fill source sends in its hello), kept for a
+  // gpu-tier source started again after a promotion.
+  std::vector<uint8_t> manifest_ WEIGHTCACHE_GUARDED_BY(mu_);
   const Tier configured_;
+  const std::optional<identity::DeviceInfo> device_;  // the gpu tier's device
 };
 
 }  // namespace weightcache::cli

@@ -1505,7 +1505,7 @@ void Daemon::FinishDemotion(Result<std::vector<UniqueFd>> memfds, const std::str
       << "demoted to host RAM in "
       << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - move_start_).count()
       << " ms (copy: " << how << "); its GPU memory is freed";
-  if (options_.demotion.moved) options_.demotion.moved(Tier::kHost);
+  if (options_.demotion.moved) options_.demotion.moved(Tier::kHost, DemotedFds());
   if (!promotion_waiters_.empty()) {
     StartPromotion();  // an attach is waiting already: pinning first would only delay it
   } else if (options_.demotion.pin_host_copy) {
@@ -1554,7 +1554,7 @@ void Daemon::FinishPromotion(Result<std::vector<UniqueFd>> fds, const std::strin
     state_ = CacheState::kReady;
     options_.metrics->RecordPromotion();
     LOG_INFO << "promoted back to the GPU in " << ms << " ms (copy: " << how << ")";
-    if (options_.demotion.moved) options_.demotion.moved(options_.config.tier);
+    if (options_.demotion.moved) options_.demotion.moved(options_.config.tier, store_->fds());
     DepositLoaded(*store_);  // a crash keeps the memory again
   } else {
     failure = Status(StatusCode::kUnavailable,
@@ -1563,7 +1563,7 @@ void Daemon::FinishPromotion(Result<std::vector<UniqueFd>> fds, const std::strin
                          fds.status().ToString());
     LOG_ERROR << failure.message();
     // A readmission may have moved the ledger entry to the gpu tier already.
-    if (options_.demotion.moved) options_.demotion.moved(Tier::kHost);
+    if (options_.demotion.moved) options_.demotion.moved(Tier::kHost, DemotedFds());
   }
   for (uint64_t id : waiters) {
     for (auto& [fd, conn] : connections_) {

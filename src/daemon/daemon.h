@@ -99,8 +99,11 @@ struct DemotionOptions {
   // On the loop thread, before accepting a demotion: Ok when `bytes` more fit the host budget,
   // else why not (then the cache is stopped instead, as without --demote).
   std::function<Status(uint64_t bytes)> host_room;
-  // On the loop thread: the cache's memory now lives on `tier` (its ledger entry follows).
-  std::function<void(Tier tier)> moved;
+  // On the loop thread: the cache's memory now lives on `tier` (its ledger entry follows), in
+  // `fds` (borrowed for the call, one per allocation: the host copy's memfds when demoted, the
+  // new exported VMM allocations when promoted). On a demotion the daemon's own GPU fds are
+  // closed already: whatever else maps that memory keeps it allocated until it lets go.
+  std::function<void(Tier tier, std::span<const int> fds)> moved;
   // On the mover thread, before a promotion copies anything: room under the gpu budget (it may
   // evict other caches and wait for them). An error refuses the waiting attaches.
   std::function<Status()> readmit;

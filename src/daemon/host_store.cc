@@ -23,7 +23,6 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
-#include <random>
 #include <span>
 #include <string>
 #include <thread>
@@ -33,6 +32,7 @@
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "daemon/load_memory.h"
+#include "daemon/peer_fill.h"
 #include "os/memfd.h"
 #include "protocol/manifest.h"
 #include "sharding/gather.h"
@@ -213,86 +213,25 @@ Status RunHostItems(const checkpoint::Checkpoint& checkpoint, const HostLayout& 
   return status.Context("host tier: reading " + checkpoint.path());
 }
 
-namespace {
-
-Status FillMismatch(std::string message) {
-  return Status(StatusCode::kMismatch, std::move(message));
-}
-
-// A source's manifest against our own plan's (the same encoder, zero checksums): everything
-// but the checksums must be equal, else its bytes would land in the wrong places.
-Status SameLayout(const protocol::Manifest& ours, const protocol::Manifest& theirs) {
-  if (theirs.tier() != ours.tier()) {
-    return FillMismatch(std::string("its manifest is of the ") +
-                        std::string(TierName(theirs.tier())) + " tier");
-  }
-  if (theirs.allocation_sizes() != ours.allocation_sizes()) {
-    return FillMismatch("its allocations differ from our plan's (" +
-                        std::to_string(theirs.allocation_sizes().size()) + " vs " +
-                        std::to_string(ours.allocation_sizes().size()) + " allocations)");
-  }
-  if (theirs.tensor_count() != ours.tensor_count()) {
-    return FillMismatch("it holds " + std::to_string(theirs.tensor_count()) + " tensors, we plan " +
-                        std::to_string(ours.tensor_count()));
-  }
-  for (size_t i = 0; i < ours.tensor_count(); ++i) {
-    const protocol::TensorEntry a = ours.tensor(i);
-    const protocol::TensorEntry b = theirs.tensor(i);
-    if (a.name != b.name) {
-      return FillMismatch("tensor " + std::to_string(i) + " is " + std::string(b.name) + ", ours " +
-                          std::string(a.name));
-    }
-    if (a.dtype != b.dtype || a.ndim != b.ndim || a.shape != b.shape || a.slice != b.slice) {
-      return FillMismatch("tensor " + std::string(a.name) + ": another dtype, shape or slice");
-    }
-    if (a.allocation != b.allocation || a.offset != b.offset || a.nbytes != b.nbytes) {
-      return FillMismatch("tensor " + std::string(a.name) + ": another place in the arena");
-    }
-  }
-  return Status::Ok();
-}
-
-// What accept() keeps across the sources of one fill: our plan's manifest and the first
-// accepted source's bytes (every other source must serve the same manifest).
-struct FillAcceptor {
-  protocol::Manifest ours;
-  std::vector<uint8_t> accepted;
-
-  Status Accept(std::span<const uint8_t> manifest) {
-    if (!accepted.empty()) {
-      if (std::equal(manifest.begin(), manifest.end(), accepted.begin(), accepted.end())) {
-        return Status::Ok();
-      }
-      return FillMismatch("its manifest differs from the first accepted source's");
-    }
-    auto theirs = protocol::Manifest::Decode(manifest);
-    if (!theirs.ok()) return Status(theirs.status()).Context("its manifest");
-    if (Status same = SameLayout(ours, *theirs); !same.ok()) {
-      return same.Context("the source's layout is not our plan's");
-    }
-    accepted.assign(manifest.begin(), manifest.end());
-    return Status::Ok();
-  }
-};
-
-}  // namespace
-
 Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
                                       const HostLayout& layout, const std::vector<UniqueFd>& memfds,
-                                      const HostFill& fill, int threads, const LoadControl& control,
+                                      const PeerFill& fill, int threads, const LoadControl& control,
                                       std::vector<uint64_t>* chunk_hashes) {
   const size_t n = layout.order.size();
   if (n == 0 || memfds.empty()) return FillMismatch("nothing to fill: the plan holds no tensor");
+  const FillPlan plan{checkpoint,  layout.order, layout.sizes,
+                      layout.copy, layout.plan,  layout.plan.allocation_bytes};
   FillAcceptor acceptor;
   {
     // Our plan's manifest, encoded exactly as a source's was (its checksums are zero here).
     std::vector<uint64_t> zeros(layout.chunk_begin.back(), 0);
-    WEIGHTCACHE_ASSIGN_OR_RETURN(StoreSummary plan, SummarizeHostStore(checkpoint, layout, zeros));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(StoreSummary ours, SummarizeHostStore(checkpoint, layout, zeros));
     WEIGHTCACHE_ASSIGN_OR_RETURN(
-        acceptor.ours, protocol::MapManifestMemfd(plan.manifest.fd.get(), plan.manifest.size));
+        acceptor.ours, protocol::MapManifestMemfd(ours.manifest.fd.get(), ours.manifest.size));
   }
   std::vector<os::MappedRegion> mappings;
-  HostFillRequest request;
+  PeerFillRequest request;
+  request.memory = FillMemory::kHost;
   for (size_t a = 0; a < memfds.size(); ++a) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(
         os::MappedRegion region,
@@ -303,14 +242,8 @@ Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
   request.accept = [&acceptor](std::span<const uint8_t> manifest) {
     return acceptor.Accept(manifest);
   };
-  // The allocations' bytes (padding included) scaled to the held tensor bytes the load's
-  // progress counts, as a disk load would report them.
-  const uint64_t held = std::accumulate(layout.sizes.begin(), layout.sizes.end(), uint64_t{0});
-  request.progress = [&control, held](uint64_t done, uint64_t total) {
-    if (!control.progress || total == 0) return;
-    const long double share = static_cast<long double>(std::min(done, total)) / total;
-    control.progress(static_cast<uint64_t>(share * held), held);
-  };
+  request.progress = ScaledFillProgress(
+      control.progress, std::accumulate(layout.sizes.begin(), layout.sizes.end(), uint64_t{0}));
   request.cancel = control.cancel;
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::string description, fill(request));
   if (acceptor.accepted.empty()) return InternalError("the fill accepted no source's manifest");
@@ -319,8 +252,7 @@ Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
 
   // Every tensor's checksum over OUR memory against the manifest's: the chunk hashes on up to
   // `threads` threads (the loader's work items, disjoint slices of the hashes), then combined
-  // per tensor. Position k of the file order holds tensor order[k], the record of rank k among
-  // the order's indices (name order).
+  // per tensor.
   const std::vector<HostItem> items = MakeHostItems(layout.sizes);
   std::atomic<size_t> next_item{0};
   const auto hash_items = [&] {
@@ -346,63 +278,20 @@ Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
     hash_items();
     for (auto& t : pool) t.join();
   }
-  std::vector<size_t> positions(n);
-  std::iota(positions.begin(), positions.end(), size_t{0});
-  std::sort(positions.begin(), positions.end(),
-            [&](size_t a, size_t b) { return layout.order[a] < layout.order[b]; });
-  for (size_t record = 0; record < n; ++record) {
-    const size_t k = positions[record];
-    const uint64_t checksum = CombineChunkHashes(
+  std::vector<uint64_t> checksums(n);
+  for (size_t k = 0; k < n; ++k) {
+    checksums[k] = CombineChunkHashes(
         std::span<const uint64_t>(*chunk_hashes)
             .subspan(layout.chunk_begin[k], layout.chunk_begin[k + 1] - layout.chunk_begin[k]));
-    if (checksum != theirs.tensor(record).checksum) {
-      return FillMismatch("tensor " + checkpoint.tensors()[layout.order[k]].name +
-                          ": the checksum of the filled bytes differs from the source's manifest");
-    }
   }
-
-  // A random sample of chunks against our own checkpoint: the fleet key leaves out the files,
-  // and the manifest (with its checksums) comes from the source itself.
-  std::vector<uint64_t> ends(n);
-  std::partial_sum(layout.sizes.begin(), layout.sizes.end(), ends.begin());
-  if (ends.back() > 0) {
-    std::random_device entropy;
-    std::mt19937_64 random((uint64_t{entropy()} << 32) | entropy());
-    const auto expected = std::make_unique<uint8_t[]>(kFillSampleBytes);
-    std::unique_ptr<uint8_t[]> stage;
-    for (int s = 0; s < kFillSampleChunks; ++s) {
-      const uint64_t at = random() % ends.back();
-      const size_t k = std::upper_bound(ends.begin(), ends.end(), at) - ends.begin();
-      const uint64_t from =
-          (at - (ends[k] - layout.sizes[k])) / kFillSampleBytes * kFillSampleBytes;
-      const uint64_t length = std::min(kFillSampleBytes, layout.sizes[k] - from);
-      const auto& t = checkpoint.tensors()[layout.order[k]];
-      WEIGHTCACHE_RETURN_IF_ERROR(sharding::ReadHeldBytes(checkpoint, t, layout.copy[k], from,
-                                                          length, expected.get(), stage));
-      const auto& place = layout.plan.placements[k];
-      const uint8_t* data = request.allocations[place.allocation].data() + place.offset + from;
-      if (std::memcmp(data, expected.get(), length) != 0) {
-        return FillMismatch("tensor " + t.name + ": the filled bytes at offset " +
-                            std::to_string(from) + " differ from the checkpoint's (" +
-                            checkpoint.path() + ")");
-      }
-    }
-  }
-
-  // The bytes between tensors are the source's: zero them, as a disk load leaves them.
-  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> used(memfds.size());
-  for (size_t k = 0; k < n; ++k) {
-    const auto& place = layout.plan.placements[k];
-    used[place.allocation].emplace_back(place.offset, place.offset + layout.sizes[k]);
-  }
-  for (size_t a = 0; a < used.size(); ++a) {
-    std::sort(used[a].begin(), used[a].end());
-    uint64_t at = 0;
-    used[a].emplace_back(request.allocations[a].size(), request.allocations[a].size());
-    for (const auto& [begin, end] : used[a]) {
-      if (begin > at) std::memset(request.allocations[a].data() + at, 0, begin - at);
-      at = std::max(at, end);
-    }
+  WEIGHTCACHE_RETURN_IF_ERROR(CompareFillChecksums(plan, checksums, theirs));
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckFillSample(
+      plan, [&request](uint32_t allocation, uint64_t offset, uint64_t length, uint8_t* out) {
+        std::memcpy(out, request.allocations[allocation].data() + offset, length);
+        return Status::Ok();
+      }));
+  for (const FillGap& gap : FillGaps(plan)) {
+    std::memset(request.allocations[gap.allocation].data() + gap.offset, 0, gap.length);
   }
   return description;
 }
@@ -470,8 +359,8 @@ Result<WeightStore> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
   std::string filled_from;
   const uint64_t total_held =
       std::accumulate(layout.sizes.begin(), layout.sizes.end(), uint64_t{0});
-  if (options.host_fill) {
-    auto filled = FillHostFromPeers(checkpoint, layout, memfds, options.host_fill, options.threads,
+  if (options.peer_fill) {
+    auto filled = FillHostFromPeers(checkpoint, layout, memfds, options.peer_fill, options.threads,
                                     control, &chunk_hashes);
     if (filled.ok()) {
       filled_from = "filled from " + *filled;

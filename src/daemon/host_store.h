@@ -88,24 +88,22 @@ Status RunHostItems(const checkpoint::Checkpoint& checkpoint, const HostLayout& 
                     const std::vector<HostItem>& items, const std::vector<UniqueFd>& memfds,
                     int threads, const LoadControl& control, std::vector<uint64_t>* chunk_hashes);
 
-// The fill from other nodes (LoadOptions::host_fill) into `memfds` (created, not yet sealed):
+// The fill from other nodes (LoadOptions::peer_fill) into `memfds` (created, not yet sealed):
 // maps them writable, runs `fill` with an accept() that decodes each source's manifest and
 // takes it only when its layout (tier, allocation sizes, every tensor's name, dtype, shape,
 // slice, allocation, offset and bytes) equals our plan's and it is byte-equal to the first
-// accepted one; then hashes every tensor in OUR memory into `chunk_hashes` (on up to `threads`
-// threads, clamped to 1..256 and the work items) and compares each
-// checksum with that manifest's, compares kFillSampleChunks random chunks (seeded from
-// std::random_device) with the checkpoint's own bytes, and zeroes the bytes between tensors.
+// accepted one (daemon/peer_fill.h); then hashes every tensor in OUR memory into
+// `chunk_hashes` (on up to `threads` threads, clamped to 1..256 and the work items) and compares
+// each checksum with that manifest's, compares kFillSampleChunks random chunks with the
+// checkpoint's own bytes, and zeroes the bytes between tensors.
 // `control`'s progress gets the fill's, in the tensors' bytes the load holds (a failed fill
 // is followed by the disk's pass from 0); its cancel flag is handed to the fill.
 // OK: the description of the fill; the memfds hold verified bytes. An error (kMismatch for a
 // layout, checksum or sample difference, naming the tensor): the memfds hold partial or wrong
 // data and must be discarded. The mappings are gone on return (the memfds can be sealed).
-inline constexpr int kFillSampleChunks = 16;
-inline constexpr uint64_t kFillSampleBytes = uint64_t{256} << 10;
 Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
                                       const HostLayout& layout, const std::vector<UniqueFd>& memfds,
-                                      const HostFill& fill, int threads, const LoadControl& control,
+                                      const PeerFill& fill, int threads, const LoadControl& control,
                                       std::vector<uint64_t>* chunk_hashes);
 
 // Seals every memfd read-only; the error names the allocation. No writable mapping may exist

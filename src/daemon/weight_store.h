@@ -56,7 +56,7 @@ struct StoreSummary {
   uint64_t tensor_bytes = 0;    // sum of the tensors' bytes (what the checkpoint holds)
   uint64_t resident_bytes = 0;  // sum of the allocations (what the cache occupies)
   // How the bytes came: "" = read from the checkpoint; otherwise a host-tier fill from other
-  // nodes (LoadOptions::host_fill), e.g. "filled from 1 source(s) (node-a 12 MB) in 0.1 s, ...".
+  // nodes (LoadOptions::peer_fill), e.g. "filled from 1 source(s) (node-a 12 MB) in 0.1 s, ...".
   std::string filled_from;
 };
 
@@ -94,14 +94,22 @@ class WeightStore {
   StoreSummary summary_;
 };
 
-// A host-tier fill from elsewhere (the fleet: docs/fleet.md "Fill"), offered the allocations
-// before the checkpoint's tensor data is read. The loader checks what it brings (host_store.h,
-// FillHostFromPeers): a source's manifest must be accepted by `accept` (its layout equal to
-// our own plan, every accepted source's manifest byte-equal to the first's) before a byte of
-// it is read; afterwards every tensor's checksum over our memory must equal that manifest's,
-// and a random sample of chunks must equal our own checkpoint's bytes.
-struct HostFillRequest {
-  std::vector<std::span<uint8_t>> allocations;  // writable mappings of the unsealed memfds
+// A fill from elsewhere (the fleet: docs/fleet.md "Fill"), offered the allocations before the
+// checkpoint's tensor data is read. The loader checks what it brings (host_store.h,
+// FillHostFromPeers; gpu_store.cc, FillGpuFromPeers): a source's manifest must be accepted by
+// `accept` (its layout equal to our own plan, every accepted source's manifest byte-equal to
+// the first's) before a byte of it is read; afterwards every tensor's checksum over our memory
+// must equal that manifest's, and a random sample of chunks must equal our own checkpoint's
+// bytes.
+enum class FillMemory {
+  kHost,    // writable mappings of the unsealed memfds (host tier)
+  kDevice,  // the arena's device memory, mapped in the primary context of the load's device,
+            // which is current on the calling (loader) thread (gpu tier)
+};
+struct PeerFillRequest {
+  // Each allocation's address and size in this process: host or device memory (`memory`).
+  std::vector<std::span<uint8_t>> allocations;
+  FillMemory memory = FillMemory::kHost;
   std::function<Status(std::span<const uint8_t> manifest)> accept;
   // The allocations' bytes written so far, of all of them, from the filling thread; the
   // loader reports them as the load's progress. Never null.
@@ -113,7 +121,7 @@ struct HostFillRequest {
 // OK: every byte of every allocation written, `description` says from where ("1 source(s)
 // (node-a 12 MB) in 0.10 s, 0.12 GB/s"). An error: the allocations hold partial data (the
 // loader discards them and reads the disk).
-using HostFill = std::function<Result<std::string>(const HostFillRequest& request)>;
+using PeerFill = std::function<Result<std::string>(const PeerFillRequest& request)>;
 
 struct LoadOptions {
   int threads = 16;            // reader threads (host tier: pread; gpu tier: pipeline readers)
@@ -126,9 +134,9 @@ struct LoadOptions {
   // A sharded cache: this rank's plan of the checkpoint being loaded (either tier loads only
   // what it lists, ListHeldTensors); null = every tensor whole.
   const sharding::ShardPlan* shard_plan = nullptr;
-  // Host tier: tried before the disk when set (serve --fill-from); any failure is logged and
+  // Either tier: tried before the disk when set (serve --fill-from); any failure is logged and
   // the load reads the disk as if it were not set.
-  HostFill host_fill;
+  PeerFill peer_fill;
 };
 
 // What a finished load still holds that serving does not need: the gpu tier's upload pipeline

@@ -154,6 +154,12 @@ class ArenaServer::Impl {
   }
 
   void Run() {
+    if (options.on_progress_thread) {
+      if (Status ready = options.on_progress_thread(); !ready.ok()) {
+        LOG_ERROR << "fleet: transport " << endpoint
+                  << ": preparing the progress thread: " << ready.ToString();
+      }
+    }
     while (!stopping) {
       while (ucp_worker_progress(worker.get()) != 0) {
       }
@@ -212,6 +218,11 @@ Result<std::unique_ptr<ArenaServer>> ArenaServer::Start(ArenaServerOptions optio
   WEIGHTCACHE_ASSIGN_OR_RETURN(s.context, ucx::CreateContext());
   WEIGHTCACHE_ASSIGN_OR_RETURN(s.worker,
                                ucx::CreateWorker(s.context.get(), ucx::Threading::kMulti));
+  if (std::any_of(s.options.regions.begin(), s.options.regions.end(),
+                  [](const ServedRegion& r) { return r.memory == RegionMemory::kCuda; })) {
+    WEIGHTCACHE_RETURN_IF_ERROR(
+        ucx::CheckMemoryType(s.context.get(), UCS_MEMORY_TYPE_CUDA).Context("arena server"));
+  }
 
   Hello hello;
   hello.manifest = s.options.manifest;
@@ -220,6 +231,10 @@ Result<std::unique_ptr<ArenaServer>> ArenaServer::Start(ArenaServerOptions optio
     params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
     params.address = const_cast<void*>(region.data);  // registered for remote reads only
     params.length = region.bytes;
+    if (region.memory == RegionMemory::kCuda) {
+      params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+      params.memory_type = UCS_MEMORY_TYPE_CUDA;
+    }
     ucp_mem_h memh = nullptr;
     ucs_status_t status = ucp_mem_map(s.context.get(), &params, &memh);
     if (status != UCS_OK) return ucx::UcxError("arena server: ucp_mem_map", status);
@@ -361,6 +376,7 @@ class Fetch {
                                  ucx::CreateWorker(context_.get(), ucx::Threading::kSingle));
     const ucs_status_t got_fd = ucp_worker_get_efd(worker_.get(), &efd_);
     if (got_fd != UCS_OK) return ucx::UcxError("arena fetch: ucp_worker_get_efd", got_fd);
+    WEIGHTCACHE_RETURN_IF_ERROR(RegisterDestination());
     sources_.resize(options_.sources.size());
     for (size_t i = 0; i < sources_.size(); ++i) Connect(i);
     WEIGHTCACHE_RETURN_IF_ERROR(Handshake());
@@ -559,7 +575,15 @@ class Fetch {
       queue_.pop_front();
       const Stripe& stripe = stripes_[s];
       ucp_request_param_t param{};
-      auto* into = static_cast<uint8_t*>(options_.destination[stripe.region].data) + stripe.offset;
+      const DestinationRegion& region = options_.destination[stripe.region];
+      if (region.memory == RegionMemory::kCuda) {
+        // The device memory's type and registration, so that UCX neither probes the pointer
+        // nor registers it per read.
+        param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH;
+        param.memory_type = UCS_MEMORY_TYPE_CUDA;
+        param.memh = destination_memory_[stripe.region].get();
+      }
+      auto* into = static_cast<uint8_t*>(region.data) + stripe.offset;
       ucs_status_ptr_t request = ucp_get_nbx(source.ep, into, stripe.bytes,
                                              source.remote_addresses[stripe.region] + stripe.offset,
                                              source.rkeys[stripe.region].get(), &param);
@@ -640,6 +664,36 @@ class Fetch {
 
   bool Cancelled() const { return options_.cancel != nullptr && options_.cancel->load(); }
 
+  // CUDA destinations are registered once for the whole fetch (host ones, as before, are
+  // left to UCX's registration cache); destination_memory_ is parallel to the destination.
+  Status RegisterDestination() {
+    const bool cuda =
+        std::any_of(options_.destination.begin(), options_.destination.end(),
+                    [](const DestinationRegion& r) { return r.memory == RegionMemory::kCuda; });
+    if (!cuda) return Status::Ok();
+    WEIGHTCACHE_RETURN_IF_ERROR(
+        ucx::CheckMemoryType(context_.get(), UCS_MEMORY_TYPE_CUDA).Context("arena fetch"));
+    for (const DestinationRegion& region : options_.destination) {
+      if (region.memory != RegionMemory::kCuda) {
+        destination_memory_.emplace_back(context_.get(), nullptr);
+        continue;
+      }
+      ucp_mem_map_params_t params{};
+      params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                          UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+      params.address = region.data;
+      params.length = region.bytes;
+      params.memory_type = UCS_MEMORY_TYPE_CUDA;
+      ucp_mem_h memh = nullptr;
+      const ucs_status_t status = ucp_mem_map(context_.get(), &params, &memh);
+      if (status != UCS_OK) {
+        return ucx::UcxError("arena fetch: registering a CUDA destination region", status);
+      }
+      destination_memory_.emplace_back(context_.get(), memh);
+    }
+    return Status::Ok();
+  }
+
   // Before the transfer, when no source survived the handshake, Transfer's check reports it.
   Status Failure(StatusCode code, const std::string& what) const {
     std::string message = "arena fetch: " + what + " (" + std::to_string(done_) + " of " +
@@ -662,11 +716,16 @@ class Fetch {
   // Declared in acquisition order; the destructor closes the endpoints before these go.
   ucx::UcpContext context_;
   ucx::UcpWorker worker_;
-  int efd_ = -1;                // the worker's event fd (owned by the worker)
+  std::vector<ucx::UcpMem> destination_memory_;  // CUDA destinations' registrations
+  int efd_ = -1;                                 // the worker's event fd (owned by the worker)
   std::deque<Source> sources_;  // a deque: the error handlers hold each Source's address
 };
 
 }  // namespace
+
+std::string_view RegionMemoryName(RegionMemory memory) {
+  return memory == RegionMemory::kCuda ? "cuda" : "host";
+}
 
 Result<FetchResult> FetchArena(const FetchOptions& options) {
   if (options.sources.empty()) return InvalidArgument("arena fetch: no source");

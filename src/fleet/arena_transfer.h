@@ -32,6 +32,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "fleet/arena_transfer_allow_list.h"
@@ -39,10 +40,18 @@
 
 namespace weightcache::fleet {
 
+// What memory a region is: host memory, or CUDA device memory mapped in this process (a gpu-tier
+// cache's VMM allocations, in a context of the process). UCX moves CUDA memory with its CUDA
+// transports (cuda_copy, cuda_ipc, GPUDirect RDMA where present); a UCX built without them
+// refuses it up front (kUnavailable, "… has no CUDA memory support …").
+enum class RegionMemory { kHost, kCuda };
+std::string_view RegionMemoryName(RegionMemory memory);
+
 // One contiguous piece of an arena the server exposes, in this process's memory.
 struct ServedRegion {
   const void* data = nullptr;
   uint64_t bytes = 0;
+  RegionMemory memory = RegionMemory::kHost;
 };
 
 struct ArenaServerOptions {
@@ -53,6 +62,9 @@ struct ArenaServerOptions {
   size_t max_peers = 64;               // connections held at once; more are rejected
   // Test hook: sent instead of the real hello (a hostile source). Empty: the real hello.
   std::vector<uint8_t> hello_override_for_test;
+  // Run first on the server's progress thread (e.g. to make a CUDA context current there for
+  // CUDA regions); an error stops nothing but is logged. Null: nothing.
+  std::function<Status()> on_progress_thread;
 };
 
 class ArenaServer {
@@ -78,11 +90,13 @@ class ArenaServer {
   std::unique_ptr<Impl> impl_;
 };
 
-// Where one region of the arena lands on the fetching node (writable host memory, e.g. a
-// MapReadWrite of the memfd before it is sealed).
+// Where one region of the arena lands on the fetching node: writable host memory (e.g. a
+// MapReadWrite of the memfd before it is sealed), or CUDA device memory mapped in the calling
+// thread's current context (registered with UCX for the fetch).
 struct DestinationRegion {
   void* data = nullptr;
   uint64_t bytes = 0;
+  RegionMemory memory = RegionMemory::kHost;
 };
 
 struct FetchOptions {
@@ -128,7 +142,8 @@ struct FetchResult {
   double gb_per_s = 0;  // 1e9 bytes per second
 };
 
-// kInvalidArgument for bad options (no source, no destination, a zero stripe size); otherwise
+// kInvalidArgument for bad options (no source, no destination, a zero stripe size);
+// kUnavailable for a CUDA destination when this UCX has no CUDA memory support; otherwise
 // OK with every byte read, or kUnavailable (every source dropped) / kTimeout (the deadline),
 // the message naming each source and why.
 Result<FetchResult> FetchArena(const FetchOptions& options);

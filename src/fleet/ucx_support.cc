@@ -53,6 +53,20 @@ Result<UcpContext> CreateContext() {
   return UcpContext(context);
 }
 
+Status CheckMemoryType(ucp_context_h context, ucs_memory_type_t type) {
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  const ucs_status_t status = ucp_context_query(context, &attr);
+  if (status != UCS_OK) return UcxError("ucp_context_query", status);
+  if ((attr.memory_types & UCS_BIT(type)) != 0) return Status::Ok();
+  return Status(StatusCode::kUnavailable,
+                std::string("this UCX (") + ucp_get_version_string() + ") has no " +
+                    ucs_memory_type_names[type] +
+                    " memory support: a gpu-tier fill needs a UCX built with CUDA (its "
+                    "cuda_copy/cuda_ipc transports; Debian's libucx has none, PyPI's "
+                    "libucx-cu13 has them)");
+}
+
 Result<UcpWorker> CreateWorker(ucp_context_h context, Threading threading) {
   ucp_worker_params_t params{};
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;

@@ -66,6 +66,9 @@ Status UcxError(const std::string& what, ucs_status_t status);
 // A context with the features the transport uses (RMA, stream, wakeup), configured from the
 // UCX_* environment.
 Result<UcpContext> CreateContext();
+// Ok when `context` can register and move memory of `type` (ucp_context_query's memory types);
+// kUnavailable naming the type and this UCX's version otherwise (Debian's UCX has no CUDA).
+Status CheckMemoryType(ucp_context_h context, ucs_memory_type_t type);
 enum class Threading { kSingle, kMulti };
 Result<UcpWorker> CreateWorker(ucp_context_h context, Threading threading);
 

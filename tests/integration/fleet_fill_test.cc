@@ -489,10 +489,6 @@ TEST_F(FleetLaunchTest, BadFleetFlagsStopTheLaunchBeforeAnyDaemonStarts) {
     EXPECT_EQ(Launch("b", 1, c.flags, nullptr, &err), 2) << c.error << ": " << err;
     EXPECT_TRUE(Contains(err, c.error)) << err;
   }
-  // The gpu tier has no fill yet: refused up front too.
-  std::string err;
-  EXPECT_EQ(Launch("b", 1, {"--tier", "gpu", "--fill-from", "registry"}, nullptr, &err), 2) << err;
-  EXPECT_TRUE(Contains(err, "host tier only")) << err;
   EXPECT_TRUE(FindSockets(dir_.Join("run-b")).empty()) << "a daemon was started";
 }
 

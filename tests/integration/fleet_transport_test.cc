@@ -18,6 +18,7 @@
 
 #include "arena_pattern.h"
 #include "fleet/arena_transfer.h"
+#include "fleet/ucx_support.h"
 #include "os/tcp_socket.h"
 #include "support/child_process.h"
 #include "support/test_env.h"
@@ -466,6 +467,32 @@ TEST_F(FleetTransportTest, BadOptionsAreRefusedUpFront) {
   auto started = fleet::ArenaServer::Start(server);
   EXPECT_EQ(started.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(started.status().message(), HasSubstr("no region to serve"));
+}
+
+// Device memory needs UCX's CUDA transports: a UCX built without them (Debian's, CI's) refuses
+// a CUDA region up front, on either side, naming why (the gpu tier's fill then loads from disk).
+TEST_F(FleetTransportTest, CudaRegionsNeedAUcxBuiltWithCuda) {
+  auto context = fleet::ucx::CreateContext();
+  ASSERT_TRUE(context.ok()) << context.status().ToString();
+  if (fleet::ucx::CheckMemoryType(context->get(), UCS_MEMORY_TYPE_CUDA).ok()) {
+    GTEST_SKIP() << "this UCX moves CUDA memory (scripts/gpu-fill.sh measures it on a GPU)";
+  }
+  MakeDestination({4096});
+  fleet::ArenaServerOptions server;
+  server.regions = {{buffers_[0].data(), buffers_[0].size(), fleet::RegionMemory::kCuda}};
+  auto started = fleet::ArenaServer::Start(server);
+  ASSERT_FALSE(started.ok());
+  EXPECT_EQ(started.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(started.status().message(), HasSubstr("has no cuda memory support"));
+
+  fleet::FetchOptions options;
+  options.sources = {"127.0.0.1:1"};
+  options.destination = {{buffers_[0].data(), buffers_[0].size(), fleet::RegionMemory::kCuda}};
+  auto fetched = fleet::FetchArena(options);
+  ASSERT_FALSE(fetched.ok());
+  EXPECT_EQ(fetched.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(fetched.status().message(), HasSubstr("arena fetch: this UCX ("));
+  EXPECT_THAT(fetched.status().message(), HasSubstr("has no cuda memory support"));
 }
 
 TEST_F(FleetTransportTest, AnUnreachableSourceIsAnErrorNamingIt) {

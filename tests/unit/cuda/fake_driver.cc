@@ -236,6 +236,12 @@ FakeDriver::FakeDriver(uint64_t granularity, int device_count)
     WC_HOOK("cuStreamDestroy");
     return g_fake->StreamDestroy(s);
   };
+  // What the code under test queued on the legacy default stream (its synchronous copies and
+  // memsets run at once in the fake; named streams are synchronized by their own calls).
+  api_.cuCtxSynchronize = []() -> CUresult {
+    WC_HOOK("cuCtxSynchronize");
+    return g_fake->StreamSynchronize(nullptr);
+  };
   api_.cuStreamSynchronize = [](CUstream s) -> CUresult {
     WC_HOOK("cuStreamSynchronize");
     return g_fake->StreamSynchronize(s);
@@ -286,6 +292,19 @@ FakeDriver::FakeDriver(uint64_t granularity, int device_count)
   api_.cuMemcpyHtoD = [](CUdeviceptr dst, const void* src, size_t n) -> CUresult {
     WC_HOOK("cuMemcpyHtoD");
     const CUresult rc = g_fake->MemcpyAsync(reinterpret_cast<void*>(dst), src, n, nullptr);
+    return rc != CUDA_SUCCESS ? rc : g_fake->StreamSynchronize(nullptr);
+  };
+  api_.cuMemcpyDtoH = [](void* dst, CUdeviceptr src, size_t n) -> CUresult {
+    WC_HOOK("cuMemcpyDtoH");
+    const CUresult rc = g_fake->MemcpyAsync(dst, reinterpret_cast<const void*>(src), n, nullptr);
+    return rc != CUDA_SUCCESS ? rc : g_fake->StreamSynchronize(nullptr);
+  };
+  // A memset as a synchronous copy of `n` bytes of `value` (backed memory takes them).
+  api_.cuMemsetD8 = [](CUdeviceptr dst, unsigned char value, size_t n) -> CUresult {
+    WC_HOOK("cuMemsetD8");
+    const std::vector<unsigned char> bytes(n, value);
+    const CUresult rc =
+        g_fake->MemcpyAsync(reinterpret_cast<void*>(dst), bytes.data(), n, nullptr);
     return rc != CUDA_SUCCESS ? rc : g_fake->StreamSynchronize(nullptr);
   };
   // The unified-addressing copy (a published tensor from any pointer): as cuMemcpyHtoD, the

@@ -7,15 +7,18 @@
 // behind the demotion, a failed pinning leaves a staged promotion, and an Evict of a pinned
 // demoted cache stops it and unpins.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/mutex.h"
@@ -53,13 +56,25 @@ std::string CacheBytesOnTier(const std::string& exposition, const std::string& t
 using cuda::testing::FakeDriver;
 using protocol::CacheState;
 
-// The ledger hook's view: every tier the daemon said its memory moved to.
+// The ledger hook's view: every tier the daemon said its memory moved to, and the memory it
+// named there (the fds' count and, for host memfds, their bytes).
 class MovedLog {
  public:
-  void Add(Tier tier) {
+  void Add(Tier tier, std::span<const int> fds = {}) {
     MutexLock lock(mu_);
     tiers_.push_back(tier);
+    uint64_t bytes = 0;
+    for (const int fd : fds) {
+      struct stat st {};
+      if (tier == Tier::kHost && ::fstat(fd, &st) == 0) bytes += static_cast<uint64_t>(st.st_size);
+    }
+    fds_.push_back({fds.size(), bytes});
     cv_.NotifyAll();
+  }
+  // (fd count, host bytes) of each move, in order.
+  std::vector<std::pair<size_t, uint64_t>> Fds() {
+    MutexLock lock(mu_);
+    return fds_;
   }
   // Blocks until `n` moves were reported (no timeout: ctest's bounds a hang).
   std::vector<Tier> WaitFor(size_t n) {
@@ -72,6 +87,7 @@ class MovedLog {
   Mutex mu_;
   CondVar cv_;
   std::vector<Tier> tiers_ WEIGHTCACHE_GUARDED_BY(mu_);
+  std::vector<std::pair<size_t, uint64_t>> fds_ WEIGHTCACHE_GUARDED_BY(mu_);
 };
 
 class DemotionTest : public ::testing::Test {
@@ -108,7 +124,7 @@ class DemotionTest : public ::testing::Test {
   daemon::DemotionOptions Demote() {
     daemon::DemotionOptions d;
     d.enabled = true;
-    d.moved = [this](Tier tier) { moved_.Add(tier); };
+    d.moved = [this](Tier tier, std::span<const int> fds) { moved_.Add(tier, fds); };
     return d;
   }
 
@@ -233,6 +249,15 @@ TEST_F(DemotionTest, EvictDemotesToHostAndTheNextAttachPromotesTheSameBytes) {
   EXPECT_EQ(second->manifest.allocation_sizes(), sizes);
   EXPECT_EQ(Bytes(*second), before);
   EXPECT_EQ(moved_.WaitFor(2), (std::vector<Tier>{Tier::kHost, Tier::kGpu}));
+  // The hook named the memory each time: the host copy's memfds, as many bytes as the
+  // allocations (in segments: at least one memfd per allocation), then one fd per allocation.
+  uint64_t total = 0;
+  for (const uint64_t size : sizes) total += size;
+  const auto named = moved_.Fds();
+  ASSERT_EQ(named.size(), 2u);
+  EXPECT_GE(named[0].first, sizes.size());
+  EXPECT_EQ(named[0].second, total);
+  EXPECT_EQ(named[1].first, sizes.size());
   status = QueryStatus(*d);
   EXPECT_EQ(status.state, CacheState::kReady);
   EXPECT_EQ(status.tier, Tier::kGpu);
@@ -361,7 +386,7 @@ TEST_F(DemotionTest, WithHostPinnedTheWaitingAttachIsAnsweredBeforeTheHostCopyIs
 TEST_F(DemotionTest, WithHostPinnedAFailedPinningLeavesAStagedPromotion) {
   daemon::DemotionOptions demotion = DemoteHostPinned();
   // The hook runs on the loop just before the pinning starts: its first registration fails.
-  demotion.moved = [this](Tier tier) {
+  demotion.moved = [this](Tier tier, std::span<const int> /*fds*/) {
     if (tier == Tier::kHost) {
       fake_->FailCall("cuMemHostRegister", fake_->CallCount("cuMemHostRegister") + 1,
                       CUDA_ERROR_OUT_OF_MEMORY);

@@ -214,7 +214,7 @@ TEST_F(HostStoreTest, LoadedStoreHoldsTheCheckpointBytesAndTheirChecksums) {
 }
 
 // The fill (FillHostFromPeers): a "source" is a store loaded from a checkpoint, copied into
-// the filler's allocations by a fake HostFill that offers its manifest to accept() first, as
+// the filler's allocations by a fake PeerFill that offers its manifest to accept() first, as
 // FetchArena does, then copies its bytes (optionally one byte flipped).
 class HostFillTest : public HostStoreTest {
  protected:
@@ -234,8 +234,8 @@ class HostFillTest : public HostStoreTest {
     return bytes;
   }
   // Copies `source` into the request's allocations once accept() takes its manifest.
-  static HostFill CopyFrom(const WeightStore& source, bool flip_first_byte = false) {
-    return [&source, flip_first_byte](const HostFillRequest& request) -> Result<std::string> {
+  static PeerFill CopyFrom(const WeightStore& source, bool flip_first_byte = false) {
+    return [&source, flip_first_byte](const PeerFillRequest& request) -> Result<std::string> {
       const std::vector<uint8_t> manifest = ManifestBytes(source);
       WEIGHTCACHE_RETURN_IF_ERROR(request.accept(manifest));
       const std::vector<int> fds = source.fds();
@@ -272,7 +272,7 @@ TEST_F(HostFillTest, AFillFromAnEqualStoreIsVerifiedAndServedWithItsManifest) {
   LoadOptions options;
   options.cache_name = "weightcache:filler";
   options.threads = 3;
-  options.host_fill = CopyFrom(source);
+  options.peer_fill = CopyFrom(source);
   std::string memory;
   Result<WeightStore> store = LoadHostStore(ckpt, options, LoadControl{}, &memory);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
@@ -292,7 +292,7 @@ TEST_F(HostFillTest, TheFillReportsTheLoadsProgressAndACancelEndsTheLoad) {
   const uint64_t held = source.summary().tensor_bytes;
   LoadOptions options;
   options.cache_name = "weightcache:filler";
-  options.host_fill = CopyFrom(source);
+  options.peer_fill = CopyFrom(source);
   std::vector<std::pair<uint64_t, uint64_t>> reported;
   LoadControl control;
   control.progress = [&reported](uint64_t done, uint64_t total) {
@@ -310,7 +310,7 @@ TEST_F(HostFillTest, TheFillReportsTheLoadsProgressAndACancelEndsTheLoad) {
 
   // A stop arrives while the fill runs: the fill sees the flag and fails; the load ends.
   std::atomic<bool> cancel{false};
-  options.host_fill = [&cancel](const HostFillRequest& request) -> Result<std::string> {
+  options.peer_fill = [&cancel](const PeerFillRequest& request) -> Result<std::string> {
     cancel.store(true);
     EXPECT_EQ(request.cancel, &cancel);
     return Status(StatusCode::kUnavailable, "arena fetch: cancelled");
@@ -340,7 +340,7 @@ TEST_F(HostFillTest, ASourceOfAnotherLayoutIsRefusedBeforeItsBytesAreRead) {
   // Through the loader: logged, then the disk load; the store is the checkpoint's.
   LoadOptions options;
   options.cache_name = "weightcache:filler";
-  options.host_fill = CopyFrom(source);
+  options.peer_fill = CopyFrom(source);
   std::string memory;
   Result<WeightStore> store = LoadHostStore(ours, options, LoadControl{}, &memory);
   ASSERT_TRUE(store.ok()) << store.status().ToString();

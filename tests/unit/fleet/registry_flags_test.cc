@@ -60,7 +60,7 @@ TEST(RegistryFlagsTest, LaunchForwardsEveryFleetFlagAndServeParsesItBack) {
     EXPECT_EQ(opt->count(), 1u) << opt->get_name() << " is not set by this test's command line";
   }
 
-  auto forwarded = RegistryServeArgs(launch, Tier::kHost, 3);
+  auto forwarded = RegistryServeArgs(launch, 3);
   ASSERT_TRUE(forwarded.ok()) << forwarded.status().ToString();
   std::vector<std::string> serve_args = {"serve"};
   serve_args.insert(serve_args.end(), forwarded->begin(), forwarded->end());
@@ -92,23 +92,25 @@ TEST(RegistryFlagsTest, LaunchForwardsEveryFleetFlagAndServeParsesItBack) {
 
 TEST(RegistryFlagsTest, NoRegistryForwardsNothingAndFillFlagsWithoutItAreRefused) {
   RegistryFlags none;
-  auto empty = RegistryServeArgs(none, Tier::kGpu, 0);
+  auto empty = RegistryServeArgs(none, 0);
   ASSERT_TRUE(empty.ok());
   EXPECT_TRUE(empty->empty());
 
   RegistryFlags orphan;
   orphan.fill_from = "registry";
-  auto refused = RegistryServeArgs(orphan, Tier::kHost, 0);
+  auto refused = RegistryServeArgs(orphan, 0);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(refused.status().message(), HasSubstr("--fill-from registry needs --registry"));
 
-  RegistryFlags gpu;
-  gpu.url = "etcd://127.0.0.1:2379";
-  gpu.fill_from = "registry";
-  auto gpu_fill = RegistryServeArgs(gpu, Tier::kGpu, 0);
-  ASSERT_FALSE(gpu_fill.ok());
-  EXPECT_THAT(gpu_fill.status().message(), HasSubstr("host tier only"));
+  // Either tier fills: the flags are the same (the daemon pulls into host or device memory).
+  RegistryFlags fill;
+  fill.url = "etcd://127.0.0.1:2379";
+  fill.fill_from = "registry";
+  auto forwarded = RegistryServeArgs(fill, 0);
+  ASSERT_TRUE(forwarded.ok()) << forwarded.status().ToString();
+  EXPECT_EQ(forwarded->back(), "registry");
+  EXPECT_EQ(forwarded->at(forwarded->size() - 2), "--fill-from");
 }
 
 // Without a registry the fill flags go alone; a listed source is per rank like --fill-serve
@@ -118,13 +120,13 @@ TEST(RegistryFlagsTest, ListedSourcesAreForwardedPerRankWithoutARegistry) {
   flags.fill_from = "10.0.0.1:7400,node-b:7400";
   flags.fill_serve = "0.0.0.0:7400";
   flags.fill_allow = "10.0.0.0/8";
-  auto forwarded = RegistryServeArgs(flags, Tier::kHost, 2);
+  auto forwarded = RegistryServeArgs(flags, 2);
   ASSERT_TRUE(forwarded.ok()) << forwarded.status().ToString();
   EXPECT_EQ(*forwarded,
             (std::vector<std::string>{"--fill-from", "10.0.0.1:7402,node-b:7402", "--fill-allow",
                                       "10.0.0.0/8", "--fill-serve", "0.0.0.0:7402"}));
   flags.fill_from = "10.0.0.1:7400,10.0.0.1";
-  auto bad = RegistryServeArgs(flags, Tier::kHost, 0);
+  auto bad = RegistryServeArgs(flags, 0);
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(bad.status().message(), HasSubstr("(\"10.0.0.1\" is not HOST:PORT)"));
 }

@@ -1,0 +1,299 @@
+// The gpu tier's fill from other nodes (LoadGpuStore with LoadOptions::peer_fill, docs/fleet.md
+// "Fill") over the fake driver with its VMM memory backed, so that what the fill wrote and what
+// the checks read back are real bytes. A "source" is a gpu store loaded from a checkpoint
+// written by the safetensors library; a fake PeerFill offers its manifest to accept() first, as
+// FetchArena does, then writes its bytes into the filler's device allocations through the
+// driver (optionally one byte flipped, or junk in the gaps between tensors). Whole and TP=2
+// sharded caches (rank for rank).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpoint/checkpoint.h"
+#include "daemon/weight_store.h"
+#include "identity/resolve.h"
+#include "os/memfd.h"
+#include "protocol/manifest.h"
+#include "sharding/planner.h"
+#include "support/test_env.h"
+#include "unit/cuda/fake_driver.h"
+#include "unit/sharding/sharding_fixture.h"
+
+namespace weightcache::daemon {
+namespace {
+
+using cuda::testing::FakeDriver;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kGranularity = 4096;
+
+class GpuFillTest : public sharding::testing::ShardingFixture {
+ protected:
+  void SetUp() override {
+    fake_.emplace(kGranularity);
+    fake_->BackVmmMemory();
+    env_.load_driver = [this]() -> Result<const cuda::DriverApi*> { return fake_->api(); };
+    env_.lookup = identity::MapEnv({});
+  }
+
+  // A dense Llama-shaped checkpoint (config.json and the built-in rules beside it).
+  std::string MakeModel(const std::string& name) {
+    const sharding::testing::DenseModel model;
+    return Make(name, model.Tensors(), model.Config(), 2);
+  }
+
+  // A copy of `dir` with every tensor byte changed and the headers kept: the same fleet key and
+  // layout, other weights (another fine-tune with equal headers).
+  std::string OtherWeightsOf(const std::string& dir, const std::string& name) {
+    const std::string out = tmp_.Join(name);
+    std::filesystem::copy(dir, out, std::filesystem::copy_options::recursive);
+    for (const auto& entry : std::filesystem::directory_iterator(out)) {
+      if (entry.path().extension() != ".safetensors") continue;
+      std::fstream f(entry.path(), std::ios::in | std::ios::out | std::ios::binary);
+      uint64_t header = 0;
+      f.read(reinterpret_cast<char*>(&header), sizeof(header));
+      std::string data((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      for (size_t i = header; i < data.size(); ++i) data[i] = static_cast<char>(data[i] ^ 0x55);
+      f.seekp(static_cast<std::streamoff>(sizeof(header)));
+      f.write(data.data(), static_cast<std::streamsize>(data.size()));
+    }
+    return out;
+  }
+
+  sharding::testing::OpenedModel Open(const std::string& dir) {
+    auto opened = sharding::testing::OpenWithBuiltinRules(dir);
+    EXPECT_TRUE(opened.ok()) << opened.status().ToString();
+    return std::move(opened).value();
+  }
+
+  LoadOptions Options(const std::string& dir, const sharding::ShardPlan* plan) {
+    IdentityOptions identity;
+    identity.model_dir = dir;
+    identity.tier = Tier::kGpu;
+    identity.device = "1";
+    identity.runtime_dir = tmp_.Join("run");
+    auto id = identity::ResolveIdentity(identity, env_);
+    EXPECT_TRUE(id.ok()) << id.status().ToString();
+    LoadOptions options;
+    options.threads = 2;
+    options.device = *id->device;
+    options.driver = fake_->api();
+    options.cache_name = "weightcache:test";
+    options.shard_plan = plan;
+    return options;
+  }
+
+  WeightStore Load(const checkpoint::Checkpoint& ckpt, const LoadOptions& options,
+                   const LoadControl& control = {}) {
+    std::string memory;
+    auto store = LoadGpuStore(ckpt, options, control, &memory);
+    EXPECT_TRUE(store.ok()) << store.status().ToString();
+    return std::move(store).value();
+  }
+
+  static std::vector<uint8_t> ManifestBytes(const WeightStore& store) {
+    std::vector<uint8_t> bytes(store.summary().manifest.size);
+    EXPECT_EQ(::pread(store.summary().manifest.fd.get(), bytes.data(), bytes.size(), 0),
+              static_cast<ssize_t>(bytes.size()));
+    return bytes;
+  }
+
+  // Every allocation's bytes, read back through its exported fd.
+  std::vector<std::string> ArenaBytes(const WeightStore& store) const {
+    auto manifest = protocol::Manifest::Decode(ManifestBytes(store));
+    EXPECT_TRUE(manifest.ok());
+    std::vector<std::string> out;
+    const std::vector<int> fds = store.fds();
+    for (size_t a = 0; a < fds.size(); ++a) {
+      out.push_back(fake_->ExportedBytes(fds[a], 0, manifest->allocation_sizes()[a]));
+    }
+    return out;
+  }
+
+  enum class Poison { kNone, kFlipFirstByte, kJunkInGaps };
+  // Writes `source`'s allocations into the request's device allocations (through the driver,
+  // in 4 KiB pieces, each reported) once accept() takes its manifest.
+  PeerFill CopyFrom(const WeightStore& source, Poison poison = Poison::kNone) {
+    return [this, &source, poison](const PeerFillRequest& request) -> Result<std::string> {
+      EXPECT_EQ(request.memory, FillMemory::kDevice);
+      WEIGHTCACHE_RETURN_IF_ERROR(request.accept(ManifestBytes(source)));
+      std::vector<std::string> bytes = ArenaBytes(source);
+      if (bytes.size() != request.allocations.size()) return InternalError("allocation count");
+      if (poison == Poison::kFlipFirstByte) bytes[0][0] = static_cast<char>(bytes[0][0] ^ 0xff);
+      // Junk in the gaps: the tensors' bytes in their places, 0xee everywhere else.
+      if (poison == Poison::kJunkInGaps) bytes = TensorBytesOnly(source, bytes);
+      uint64_t total = 0;
+      for (const auto& a : request.allocations) total += a.size();
+      uint64_t done = 0;
+      for (size_t a = 0; a < bytes.size(); ++a) {
+        const auto ptr = reinterpret_cast<CUdeviceptr>(request.allocations[a].data());
+        for (size_t at = 0; at < bytes[a].size(); at += 4096) {
+          const size_t n = std::min<size_t>(4096, bytes[a].size() - at);
+          if (fake_->api()->cuMemcpyHtoD(ptr + at, bytes[a].data() + at, n) != CUDA_SUCCESS) {
+            return InternalError("cuMemcpyHtoD");
+          }
+          done += n;
+          request.progress(done, total);
+        }
+      }
+      return std::string("the test source");
+    };
+  }
+
+  // `bytes` with every byte outside a tensor of `store`'s manifest set to 0xee.
+  static std::vector<std::string> TensorBytesOnly(const WeightStore& store,
+                                                  std::vector<std::string> bytes) {
+    auto manifest = protocol::Manifest::Decode(ManifestBytes(store));
+    std::vector<std::string> out;
+    for (const std::string& a : bytes) out.emplace_back(a.size(), '\xee');
+    for (size_t i = 0; i < manifest->tensor_count(); ++i) {
+      const protocol::TensorEntry e = manifest->tensor(i);
+      std::memcpy(out[e.allocation].data() + e.offset, bytes[e.allocation].data() + e.offset,
+                  e.nbytes);
+    }
+    return out;
+  }
+  std::optional<FakeDriver> fake_;
+  identity::Env env_ = identity::Env::Default();
+};
+
+TEST_F(GpuFillTest, AFillFromAnEqualStoreIsVerifiedAndServedWithTheSameBytes) {
+  const std::string dir = MakeModel("fill");
+  const auto model = Open(dir);
+  const WeightStore source = Load(model.ckpt, Options(dir, nullptr));
+
+  // The disk upload pins its staging ring first: no pinning, no disk pass.
+  const int pinned = fake_->CallCount("cuMemHostRegister");
+  LoadOptions options = Options(dir, nullptr);
+  options.peer_fill = CopyFrom(source);
+  const WeightStore filled = Load(model.ckpt, options);
+  EXPECT_EQ(filled.summary().filled_from, "filled from the test source");
+  EXPECT_EQ(fake_->CallCount("cuMemHostRegister"), pinned) << "the disk upload ran too";
+  // The same checksums and layout (the manifest the filler serves is the source's), and the
+  // same bytes on the device.
+  EXPECT_EQ(ManifestBytes(filled), ManifestBytes(source));
+  EXPECT_EQ(ArenaBytes(filled), ArenaBytes(source));
+}
+
+// Sharded caches fill rank for rank: each rank's daemon fills from the same rank's cache.
+TEST_F(GpuFillTest, ATp2RankFillsFromTheSameRanksCache) {
+  const std::string dir = MakeModel("tp2");
+  const auto model = Open(dir);
+  for (uint32_t rank : {0u, 1u}) {
+    SCOPED_TRACE("tp rank " + std::to_string(rank));
+    auto plan =
+        sharding::PlanShard(model.ckpt, model.rules, model.config, {.tp_size = 2, .tp_rank = rank});
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    const WeightStore source = Load(model.ckpt, Options(dir, &*plan));
+    LoadOptions options = Options(dir, &*plan);
+    options.peer_fill = CopyFrom(source);
+    std::vector<std::pair<uint64_t, uint64_t>> progress;
+    LoadControl control;
+    control.progress = [&](uint64_t done, uint64_t total) { progress.emplace_back(done, total); };
+    const WeightStore filled = Load(model.ckpt, options, control);
+    EXPECT_EQ(filled.summary().filled_from, "filled from the test source");
+    EXPECT_EQ(ManifestBytes(filled), ManifestBytes(source));
+    EXPECT_EQ(ArenaBytes(filled), ArenaBytes(source));
+    // The pull is the load's progress, in the rank's held bytes.
+    ASSERT_GE(progress.size(), 2u);
+    EXPECT_EQ(progress.back(), std::make_pair(plan->bytes, plan->bytes));
+  }
+  // Rank 0's cache is no source for rank 1: another layout, refused before a byte is read;
+  // rank 1 loads from disk.
+  auto plan0 =
+      sharding::PlanShard(model.ckpt, model.rules, model.config, {.tp_size = 2, .tp_rank = 0});
+  auto plan1 =
+      sharding::PlanShard(model.ckpt, model.rules, model.config, {.tp_size = 2, .tp_rank = 1});
+  ASSERT_TRUE(plan0.ok() && plan1.ok());
+  const WeightStore rank0 = Load(model.ckpt, Options(dir, &*plan0));
+  LoadOptions options = Options(dir, &*plan1);
+  options.peer_fill = CopyFrom(rank0);
+  const WeightStore rank1 = Load(model.ckpt, options);
+  EXPECT_EQ(rank1.summary().filled_from, "");
+  EXPECT_EQ(ManifestBytes(rank1), ManifestBytes(Load(model.ckpt, Options(dir, &*plan1))));
+}
+
+TEST_F(GpuFillTest, AWrongByteFailsTheChecksumAndTheDiskLoadReplacesIt) {
+  const std::string dir = MakeModel("poison");
+  const auto model = Open(dir);
+  const WeightStore source = Load(model.ckpt, Options(dir, nullptr));
+  LoadOptions options = Options(dir, nullptr);
+  options.peer_fill = CopyFrom(source, Poison::kFlipFirstByte);
+  const WeightStore store = Load(model.ckpt, options);
+  EXPECT_EQ(store.summary().filled_from, "");
+  EXPECT_EQ(ManifestBytes(store), ManifestBytes(source));
+  EXPECT_EQ(ArenaBytes(store), ArenaBytes(source)) << "the disk pass rewrote the flipped byte";
+}
+
+// A source with other weights under equal headers: its manifest is consistent with its own
+// bytes (every checksum passes) and only the sample against our checkpoint catches it.
+TEST_F(GpuFillTest, OtherWeightsUnderEqualHeadersAreCaughtByTheSample) {
+  const std::string dir = MakeModel("ours");
+  const std::string other = OtherWeightsOf(dir, "theirs");
+  const auto ours = Open(dir);
+  const auto theirs = Open(other);
+  const WeightStore source = Load(theirs.ckpt, Options(other, nullptr));
+  LoadOptions options = Options(dir, nullptr);
+  options.peer_fill = CopyFrom(source);
+  const WeightStore store = Load(ours.ckpt, options);
+  EXPECT_EQ(store.summary().filled_from, "");
+  EXPECT_NE(ManifestBytes(store), ManifestBytes(source));
+  EXPECT_EQ(ManifestBytes(store), ManifestBytes(Load(ours.ckpt, Options(dir, nullptr))));
+}
+
+// The bytes between tensors (each allocation's padding) come from the source: zeroed, as a
+// disk load leaves them.
+TEST_F(GpuFillTest, TheGapsBetweenTensorsAreZeroed) {
+  const std::string dir = MakeModel("gaps");
+  const auto model = Open(dir);
+  const WeightStore source = Load(model.ckpt, Options(dir, nullptr));
+  const std::vector<std::string> expected = ArenaBytes(source);
+  const std::vector<std::string> tensors_only = TensorBytesOnly(source, expected);
+  size_t gap_bytes = 0;
+  for (const std::string& a : tensors_only) gap_bytes += std::count(a.begin(), a.end(), '\xee');
+  ASSERT_GT(gap_bytes, 0u) << "the test needs padding between or after the tensors";
+
+  LoadOptions options = Options(dir, nullptr);
+  options.peer_fill = CopyFrom(source, Poison::kJunkInGaps);
+  const WeightStore store = Load(model.ckpt, options);
+  EXPECT_EQ(store.summary().filled_from, "filled from the test source");
+  EXPECT_EQ(ArenaBytes(store), expected);
+}
+
+TEST_F(GpuFillTest, AFailedFillIsFollowedByTheDiskAndACancelEndsTheLoad) {
+  const std::string dir = MakeModel("fails");
+  const auto model = Open(dir);
+  const WeightStore reference = Load(model.ckpt, Options(dir, nullptr));
+  LoadOptions options = Options(dir, nullptr);
+  options.peer_fill = [](const PeerFillRequest&) -> Result<std::string> {
+    return Status(StatusCode::kUnavailable, "arena fetch: every source failed");
+  };
+  const WeightStore store = Load(model.ckpt, options);
+  EXPECT_EQ(store.summary().filled_from, "");
+  EXPECT_EQ(ArenaBytes(store), ArenaBytes(reference));
+
+  std::atomic<bool> cancel{false};
+  options.peer_fill = [&cancel](const PeerFillRequest& request) -> Result<std::string> {
+    cancel.store(true);
+    EXPECT_EQ(request.cancel, &cancel);
+    return Status(StatusCode::kUnavailable, "arena fetch: cancelled");
+  };
+  LoadControl control;
+  control.cancel = &cancel;
+  std::string memory;
+  Result<WeightStore> cancelled = LoadGpuStore(model.ckpt, options, control, &memory);
+  ASSERT_FALSE(cancelled.ok());
+  EXPECT_EQ(cancelled.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(cancelled.status().message(), HasSubstr("load cancelled (during the fill)"));
+}
+
+}  // namespace
+}  // namespace weightcache::daemon
