@@ -30,7 +30,9 @@
 #        run only when named, the same with the readers' runs through io_uring; "demote_settle",
 #        run only when named, demote_bench's host-pinned path with and without a pause between
 #        repetitions; "demote_staging", run only when named, the staged demotion with 1 to
-#        16 MiB staging buffers; "budget_fresh_warm", run only when named, demote_bench's host
+#        16 MiB staging buffers; "gpu_fill", scripts/gpu-fill.sh (two daemons, one fills its
+#        16 GB gpu-tier cache from the other over UCX's CUDA support; needs the staged
+#        libucx-cu13 wheel); "budget_fresh_warm", run only when named, demote_bench's host
 #        write passes alone, then gpu-budget.sh twice (fresh host memory, then reused); "rss_64", run
 #        only when named, gpu_attach_bench's daemon at 64 GiB and 291 tensors: its VmHWM),
 #        BENCH_WORK (scratch for the benches' checkpoints; default a temp dir, removed).
@@ -88,6 +90,25 @@ if [[ ! -d $deps/include ]]; then
 fi
 arch=x86_64-linux-gnu
 build_ok=1
+# The fleet's transport with CUDA (issue 19's gpu-tier fill): Debian's UCX has no CUDA
+# transports, so the device build takes UCX from PyPI's libucx-cu13 wheel when
+# stage-device-deps.sh staged it (.deps/wheels): unpacked under the build dir, its pkg-config
+# files pointed at it, its libraries found at run time through the build's RPATH and
+# LD_LIBRARY_PATH (the daemons the scripts start inherit it). Without it the fleet is built
+# against whatever UCX this machine has, or not at all (configure says which).
+ucx_wheel=$(find "$root/.deps/wheels" -name "libucx_cu13-*.whl" 2>/dev/null | head -1)
+if [[ -n $ucx_wheel ]]; then
+  ucx_dir=$root/$build/ucx
+  mkdir -p "$build"
+  if [[ ! -d $ucx_dir/libucx/lib ]]; then
+    rm -rf "$ucx_dir" && python3 -m zipfile -e "$ucx_wheel" "$ucx_dir" >/dev/null
+  fi
+  sed -i "s|^prefix *=.*|prefix = $ucx_dir/libucx|" "$ucx_dir"/libucx/lib/pkgconfig/*.pc
+  chmod +x "$ucx_dir"/libucx/bin/* 2>/dev/null
+  export PKG_CONFIG_PATH=$ucx_dir/libucx/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  export LD_LIBRARY_PATH=$ucx_dir/libucx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  say "ucx: $(basename "$ucx_wheel") (CUDA transports) for the fleet"
+fi
 {
   # Debian multiarch: headers under include/<arch> (e.g. Nettle's); the CMake package
   # files of GTest under lib/<arch>/cmake. Everything is named explicitly so the result does
@@ -318,6 +339,23 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
       fi
     done
     run_bench_exe 60 demote_bench --host-write-only --gib 16 --host-write-passes 2
+  fi
+  # Issue 19 on one GPU: a 16 GB gpu-tier cache filled from another daemon's device memory
+  # over UCX's CUDA support, against D2D and the page-cache load of the same run
+  # (scripts/gpu-fill.sh; its lines in summary.txt start with "fill:"). BENCHES names it
+  # "gpu_fill"; it needs the fleet built with a CUDA-enabled UCX (the staged wheel).
+  if [[ -z ${BENCHES:-} || " $BENCHES " == *" gpu_fill "* ]]; then
+    if [[ -z ${ucx_wheel:-} ]]; then
+      say "bench gpu_fill: skipped (no CUDA-enabled UCX staged: scripts/stage-device-deps.sh)"
+    else
+      t0=$(date +%s)
+      if OUT=$OUT BUILD_DIR=$build timeout --kill-after=10 300 scripts/gpu-fill.sh; then
+        say "bench gpu_fill: ok ($(($(date +%s) - t0)) s)"
+      else
+        say "bench gpu_fill: FAILED (fill.log)"
+        bench_ok=0
+      fi
+    fi
   fi
   if [[ -z ${BENCHES:-} || " $BENCHES " == *" gpu_budget "* ]]; then
     t0=$(date +%s)

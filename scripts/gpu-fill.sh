@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# The gpu tier's fleet fill (issue 19) on one GPU, with real daemons and the CLI: two daemons
+# with separate runtime dirs on the same device emulate two nodes. Node A serves a 16 GB cache
+# (the Llama-3-8B shape that bench/shard_bench writes) with `--fill-serve`; node B starts with
+# `--fill-from A`, pulls A's device memory over UCX's CUDA support into its own VMM arena,
+# checks it (every tensor's checksum by the GPU kernel, a sample of its own checkpoint) and is
+# ready without reading the checkpoint. Measured against the device-to-device copy of the same
+# run (torch, 16 GiB) and against B loading the same checkpoint from the page cache.
+#
+#   1. the D2D limit: torch copies 16 GiB on the device, best of 3;
+#   2. A loads and serves (`--fill-serve 127.0.0.1:0 --fill-allow 127.0.0.1`);
+#   3. B fills from A, once per UCX transport set in UCX_VARIANTS (default: UCX's own choice,
+#      then without cuda_ipc, then sm+cuda_copy, then tcp+cuda_copy), each followed by
+#      `attach --verify` on B and B's stop;
+#   4. B again without --fill-from: the disk (page cache) load of the same run;
+#   5. ucx_perftest (the wheel's, when present): UCX's own ucp_get rate from CUDA memory
+#      between two processes, 64 MiB messages — the transport's ceiling here.
+#
+# Checks (each FAIL counted; exit 1 if any): A ready and serving; B ready for every variant;
+# the first variant filled from A ("filled from 1 source(s)"); every attach verified every
+# tensor from B's daemon.
+#
+#   scripts/gpu-fill.sh        # after scripts/gpu-suite.sh built build-gpu (fleet ON)
+#
+# Writes $OUT/fill.log (every command and its output, then the daemons' logs); appends its
+# headline lines, each starting with "fill:", to $OUT/summary.txt.
+# Knobs: OUT (./gpu-out), BUILD_DIR (build-gpu), WORK (the checkpoint's dir; default on
+# /dev/shm when it has 20 GB free), UCX_VARIANTS (space-separated UCX_TLS values; "default"
+# leaves UCX_TLS unset), UCX_PERFTEST (its path; default the wheel's under BUILD_DIR).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-$PWD/gpu-out}
+build=${BUILD_DIR:-build-gpu}
+wc=$PWD/$build/tools/weightcache
+mkdir -p "$OUT"
+log=$OUT/fill.log
+: >"$log"
+say() { echo "$*" | tee -a "$OUT/summary.txt"; }
+failures=0
+fail() {
+  say "fill: FAIL: $*"
+  failures=$((failures + 1))
+}
+
+if [[ -z ${WORK:-} ]]; then
+  if (($(df --output=avail -B1 /dev/shm | tail -1) > 20000000000)); then
+    WORK=$(mktemp -d /dev/shm/wc-fill-XXXXXX)
+  else
+    WORK=$(mktemp -d "${TMPDIR:-/tmp}/wc-fill-XXXXXX")
+  fi
+fi
+run_a=$(mktemp -d /tmp/wcfill-a-XXXXXX)
+run_b=$(mktemp -d /tmp/wcfill-b-XXXXXX)
+cleanup() {
+  "$wc" stop --all --runtime-dir "$run_a" >>"$log" 2>&1
+  "$wc" stop --all --runtime-dir "$run_b" >>"$log" 2>&1
+  for f in "$run_a"/serve-a.log "$run_b"/serve-b-*.log; do
+    [[ -f $f ]] || continue
+    echo "==== $(basename "$f")" >>"$log"
+    cat "$f" >>"$log"
+  done
+  rm -rf "$WORK" "$run_a" "$run_b"
+}
+trap cleanup EXIT
+
+if [[ ! -x $wc ]] || ! "$wc" serve --help 2>/dev/null | grep -q -- "--fill-from"; then
+  fail "$wc has no fleet support (built without UCX or libcurl: see build.log)"
+  exit 1
+fi
+model=$WORK/model
+echo "== writing the 16 GB checkpoint" >>"$log"
+if ! "$build/bench/shard_bench" --write-only "$model" >>"$log" 2>&1; then
+  fail "writing the checkpoint (shard_bench --write-only) failed"
+  exit 1
+fi
+bytes=$(du -sb "$model" | cut -f1)
+
+# 1. The device's own copy rate, the limit a fill on one GPU is measured against.
+d2d=$(python3 - <<'PY' 2>>"$log"
+import torch
+n = 16 << 30
+a = torch.empty(n, dtype=torch.uint8, device="cuda")
+b = torch.empty_like(a)
+best = 0.0
+for _ in range(3):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record(); b.copy_(a); e.record(); e.synchronize()
+    best = max(best, n / 1e9 / (s.elapsed_time(e) / 1e3))
+print(f"{best:.1f}")
+PY
+)
+say "fill: D2D (torch, 16 GiB, best of 3): ${d2d:-?} GB/s"
+
+ms_now() { date +%s%3N; }
+identity=(--model "$model" --tier gpu --device 0)
+
+# 2. Node A.
+echo "== serve A --fill-serve" >>"$log"
+t0=$(ms_now)
+"$wc" serve "${identity[@]}" --runtime-dir "$run_a" --fill-serve 127.0.0.1:0 \
+  --fill-allow 127.0.0.1 --detach --json --log-file "$run_a/serve-a.log" >>"$log" 2>&1 ||
+  fail "serve A exited $?"
+say "fill: A loaded from disk in $(($(ms_now) - t0)) ms: $(grep -h -o 'ready: .*' "$run_a/serve-a.log" | tail -1)"
+endpoint=$(grep -h -o 'serving the arena at [0-9.]*:[0-9]*' "$run_a/serve-a.log" | tail -1 | awk '{print $NF}')
+if [[ -z $endpoint ]]; then
+  fail "A serves no fill source: $(grep -h 'fill source' "$run_a/serve-a.log" | tail -1)"
+  exit 1
+fi
+say "fill: A serves its device memory at $endpoint"
+
+# 3. Node B, once per transport set.
+variants=${UCX_VARIANTS:-"default ^cuda_ipc sm,cuda_copy tcp,cuda_copy"}
+first=1
+for v in $variants; do
+  blog=$run_b/serve-b-${v//[^a-z0-9_]/_}.log
+  echo "== serve B --fill-from $endpoint (UCX_TLS=$v)" >>"$log"
+  t0=$(ms_now)
+  if [[ $v == default ]]; then
+    env -u UCX_TLS "$wc" serve "${identity[@]}" --runtime-dir "$run_b" --fill-from "$endpoint" \
+      --detach --json --log-file "$blog" >>"$log" 2>&1
+  else
+    UCX_TLS=$v "$wc" serve "${identity[@]}" --runtime-dir "$run_b" --fill-from "$endpoint" \
+      --detach --json --log-file "$blog" >>"$log" 2>&1
+  fi
+  rc=$?
+  ms=$(($(ms_now) - t0))
+  ((rc == 0)) || fail "serve B (UCX_TLS=$v) exited $rc"
+  ready=$(grep -h -o 'ready: .*' "$blog" | tail -1)
+  filled=$(grep -h -o 'filled from [0-9]* source(s) .*' "$blog" | tail -1)
+  why=$(grep -h -o 'fill: .*loading from disk' "$blog" | tail -1)
+  say "fill: B (UCX_TLS=$v): serve returned in $ms ms; ${filled:-not filled: ${why:-see fill.log}}"
+  say "fill:   $ready"
+  if ((first)) && [[ -z $filled ]]; then
+    fail "B did not fill from A with UCX's own transport choice"
+  fi
+  first=0
+  attach=$("$wc" attach "${identity[@]}" --runtime-dir "$run_b" --on-missing error --verify --json \
+    --wait 60 2>>"$log")
+  echo "$attach" >>"$log"
+  python3 - "$attach" <<'PY' >>"$log" 2>&1 || fail "the attach to B (UCX_TLS=$v) did not verify"
+import json, sys
+a = json.loads(sys.argv[1])
+assert a["source"] == "daemon", a["source"]
+assert a["verify"]["ok"] is True and a["verify"]["tensors"] == a["tensors"], a["verify"]
+PY
+  "$wc" stop --all --runtime-dir "$run_b" >>"$log" 2>&1
+done
+
+# 4. The disk (page cache) load of the same checkpoint on B, for comparison.
+blog=$run_b/serve-b-disk.log
+t0=$(ms_now)
+"$wc" serve "${identity[@]}" --runtime-dir "$run_b" --detach --json --log-file "$blog" >>"$log" 2>&1 ||
+  fail "serve B from disk exited $?"
+say "fill: B from the page cache: serve returned in $(($(ms_now) - t0)) ms; $(grep -h -o 'ready: .*' "$blog" | tail -1)"
+"$wc" stop --all --runtime-dir "$run_b" >>"$log" 2>&1
+
+# 5. UCX's own rate: ucp_get from CUDA memory, two processes, 64 MiB.
+perftest=${UCX_PERFTEST:-$build/ucx/libucx/bin/ucx_perftest}
+if [[ -x $perftest ]]; then
+  for v in default "^cuda_ipc"; do
+    envs=()
+    [[ $v != default ]] && envs=(UCX_TLS="$v")
+    echo "== ucx_perftest ucp_get cuda (UCX_TLS=$v)" >>"$log"
+    env "${envs[@]}" timeout 60 "$perftest" -p 13337 >>"$log" 2>&1 &
+    server=$!
+    sleep 1
+    env "${envs[@]}" timeout 60 "$perftest" 127.0.0.1 -p 13337 -t ucp_get -m cuda,cuda \
+      -s 67108864 -n 64 -w 4 >"$WORK/perftest.out" 2>&1
+    cat "$WORK/perftest.out" >>"$log"
+    line=$(grep -E '^Final:|^ +[0-9]+ ' "$WORK/perftest.out" | tail -1)
+    wait "$server" 2>/dev/null
+    say "fill: ucx_perftest ucp_get cuda→cuda 64 MiB (UCX_TLS=$v): ${line:-no result (fill.log)}"
+  done
+fi
+
+say "fill: checkpoint $bytes bytes"
+if ((failures == 0)); then
+  say "fill: PASS (a 16 GB gpu-tier cache filled from another daemon's device memory over UCX, verified)"
+fi
+((failures == 0))
