@@ -262,6 +262,11 @@ void RegisterLaunchCommand(CLI::App& root) {
                   "serve's --demote for every daemon: `host` moves an evicted idle gpu cache to "
                   "host RAM instead of stopping it, `host-pinned` also pins that copy for a "
                   "promotion at the pinned-H2D rate (docs/budget.md)");
+  sub->add_option("--seed-from", s.seed_from,
+                  "auto: every daemon first copies its weights from a ready cache of its own "
+                  "identity (its rank) on another GPU of this node, verified, then reads the "
+                  "disk if none could (serve's --seed-from, docs/seeding.md)")
+      ->check(CLI::IsMember({"auto"}));
   sub->add_option("--adopt-verify", s.adopt_verify,
                   "serve's --adopt-verify for every daemon: what a daemon restarted after a crash "
                   "(by --supervise, or by hand) checks of its keeper's memory before ready: "

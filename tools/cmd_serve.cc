@@ -44,6 +44,7 @@
 #include "os/read_file.h"
 #include "os/syscalls.h"
 #include "protocol/connection.h"
+#include "seed_fill.h"
 #include "sharding/planner.h"
 
 namespace weightcache::cli {
@@ -83,6 +84,7 @@ struct ServeArgs {
   std::string metrics_addr;  // --metrics-addr: HOST:PORT or a Unix socket path (docs/metrics.md)
   double metrics_timeout_s = 5;
   RegistryFlags registry;  // --registry and its flags (docs/fleet.md)
+  std::string seed_from;   // --seed-from auto|SOCKET (docs/seeding.md)
 };
 
 // The successor of an Upgrade (docs/upgrade.md): started with our own command line, minus any
@@ -515,6 +517,7 @@ int Run(ServeArgs& args) {
     // A daemon never picks a GPU by default: an implicit GPU 0 is the bug SPEC §1 forbids.
     return Fail(kCmd, InvalidArgument("--tier gpu needs --device N|UUID"));
   }
+  if (Status seed = CheckSeedFrom(args.seed_from); !seed.ok()) return Fail(kCmd, seed);
   daemon::DaemonOptions options;
   if (!args.memory_budget.empty()) {
     auto budget = daemon::ParseByteSize(args.memory_budget);
@@ -560,8 +563,12 @@ int Run(ServeArgs& args) {
   auto registration_or = ServeRegistration::Create(args.registry, *id);
   if (!registration_or.ok()) return Fail(kCmd, registration_or.status());
   std::shared_ptr<ServeRegistration> registration = std::move(registration_or).value();
-  // --fill-from (docs/fleet.md "Fill"): the load tries other nodes first, on either tier.
-  if (registration) options.load.peer_fill = registration->Filler();
+  // --seed-from (docs/seeding.md), then --fill-from (docs/fleet.md "Fill"): the load tries a
+  // peer cache of this node, then other nodes, then reads the disk; on either tier. A peer
+  // still loading is not waited for: only ready ones seed.
+  options.load.peer_fill =
+      FirstFillOf(SeedFiller(*id, args.seed_from, std::chrono::milliseconds(0)),
+                  registration ? registration->Filler() : daemon::PeerFill());
   if (registration && options.demotion.moved) {
     // Weak: the daemon's copies of the options must not keep the registration (and its
     // lease) alive past our reset below.
@@ -847,6 +854,14 @@ void RegisterServeCommand(CLI::App& root) {
                   "seconds a scraper has to send its request, and then to take the response, "
                   "before its connection is closed (default 5)")
       ->check(CLI::PositiveNumber);
+  sub->add_option("--seed-from", args->seed_from,
+                  "auto, or the socket of a cache of this exact identity: before reading the "
+                  "checkpoint, copy the weights from a peer cache (auto: the same identity on "
+                  "another device of this runtime dir and namespace, each in turn; the gpu tier "
+                  "copies device to device, which another GPU's cache allows with peer access), "
+                  "verified like a fill (layout, every tensor's checksum, a sample of our own "
+                  "checkpoint) before ready; tried before --fill-from; any failure reads the disk "
+                  "(docs/seeding.md)");
   AddRegistryFlags(sub, &args->registry, RegistryFlagScope::kServe);
   SetAction(sub, [args, wait] {
     if (wait->count() == 0) args->wait_s = -1;  // no --wait: fail at once

@@ -263,9 +263,8 @@ Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
     LOG_INFO << "registry: " << flags.url << ", key " << fleet::EntryKey(flags.prefix, entry)
              << " (registered once the cache is ready)";
   }
-  return std::unique_ptr<ServeRegistration>(
-      new ServeRegistration(std::move(registrar), std::move(entry), id.config.tier, id.device,
-                            flags, std::move(allow)));
+  return std::unique_ptr<ServeRegistration>(new ServeRegistration(
+      std::move(registrar), std::move(entry), id.config.tier, id.device, flags, std::move(allow)));
 }
 
 ServeRegistration::ServeRegistration(std::unique_ptr<fleet::Registrar> registrar,
@@ -364,11 +363,10 @@ Status MapDeviceMemory(const identity::DeviceInfo& info, std::span<const int> fd
   return Status::Ok();
 }
 
-Result<ServeRegistration::FillSource> StartFillSource(const RegistryFlags& flags,
-                                                      const fleet::PeerAllowList& allow,
-                                                      std::vector<uint8_t> manifest_bytes,
-                                                      std::span<const int> fds, Tier tier,
-                                                      const std::optional<identity::DeviceInfo>& device) {
+Result<ServeRegistration::FillSource> StartFillSource(
+    const RegistryFlags& flags, const fleet::PeerAllowList& allow,
+    std::vector<uint8_t> manifest_bytes, std::span<const int> fds, Tier tier,
+    const std::optional<identity::DeviceInfo>& device) {
   ServeRegistration::FillSource source;
   fleet::ArenaServerOptions options;
   options.listen = flags.fill_serve;

@@ -70,6 +70,7 @@ std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& pla
     if (flags.pin) argv.push_back("--pin");
     add("--demote", flags.demote);
     add("--adopt-verify", flags.adopt_verify);
+    add("--seed-from", flags.seed_from);
     for (uint32_t uid : flags.allow_uids) add("--allow-uid", std::to_string(uid));
     for (uint32_t gid : flags.allow_gids) add("--allow-gid", std::to_string(gid));
     const int rank = JobRank(p, flags.identity.tp_size);

@@ -54,6 +54,9 @@ struct ServeFlags {
   // serve's --adopt-verify (sample|full|behind, docs/keeper.md); "" = not given. With
   // --supervise, a daemon restarted after a crash re-adopts its keeper's memory this way.
   std::string adopt_verify;
+  // serve's --seed-from ("auto": each daemon seeds from a peer cache of its own rank on another
+  // GPU of this node, docs/seeding.md); "" = not given.
+  std::string seed_from;
   // serve's --allow-uid / --allow-gid: the peers besides the owner that may attach (an engine
   // running as another user than the daemons', e.g. in another pod); forwarded as given.
   std::vector<uint32_t> allow_uids;

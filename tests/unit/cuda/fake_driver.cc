@@ -303,8 +303,7 @@ FakeDriver::FakeDriver(uint64_t granularity, int device_count)
   api_.cuMemsetD8 = [](CUdeviceptr dst, unsigned char value, size_t n) -> CUresult {
     WC_HOOK("cuMemsetD8");
     const std::vector<unsigned char> bytes(n, value);
-    const CUresult rc =
-        g_fake->MemcpyAsync(reinterpret_cast<void*>(dst), bytes.data(), n, nullptr);
+    const CUresult rc = g_fake->MemcpyAsync(reinterpret_cast<void*>(dst), bytes.data(), n, nullptr);
     return rc != CUDA_SUCCESS ? rc : g_fake->StreamSynchronize(nullptr);
   };
   // The unified-addressing copy (a published tensor from any pointer): as cuMemcpyHtoD, the

@@ -1,0 +1,196 @@
+#include "seed_fill.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "client/peer_caches.h"
+#include "common/logging.h"
+#include "cuda/driver_api.h"
+#include "cuda/imported_arena.h"
+#include "cuda/upload_resources.h"
+#include "identity/device_inventory.h"
+#include "identity/paths.h"
+#include "os/memfd.h"
+
+namespace weightcache::cli {
+namespace {
+
+// The copy's pieces: progress is reported and the cancel flag polled between them.
+constexpr uint64_t kPieceBytes = uint64_t{256} << 20;
+constexpr size_t kHostCopyThreads = 8;
+
+bool Cancelled(const daemon::PeerFillRequest& request) {
+  return request.cancel != nullptr && request.cancel->load();
+}
+
+uint64_t TotalBytes(const daemon::PeerFillRequest& request) {
+  uint64_t total = 0;
+  for (const auto& a : request.allocations) total += a.size();
+  return total;
+}
+
+// Host tier: the peer's sealed memfds mapped read-only, copied into ours by threads taking
+// pieces in turn.
+Status CopyHostPeer(const daemon::PeerFillRequest& request, client::DaemonSession& session) {
+  const std::vector<uint64_t>& sizes = session.reply.manifest.allocation_sizes();
+  std::vector<os::MappedRegion> theirs;
+  for (size_t a = 0; a < sizes.size(); ++a) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
+                                 os::MapReadOnly(session.reply.fds[a].get(), sizes[a]));
+    theirs.push_back(std::move(region));
+  }
+  struct Piece {
+    size_t allocation;
+    uint64_t offset;
+    uint64_t bytes;
+  };
+  std::vector<Piece> pieces;
+  for (size_t a = 0; a < sizes.size(); ++a) {
+    for (uint64_t at = 0; at < sizes[a]; at += kPieceBytes) {
+      pieces.push_back({a, at, std::min(kPieceBytes, sizes[a] - at)});
+    }
+  }
+  const uint64_t total = TotalBytes(request);
+  std::atomic<size_t> next{0};
+  std::mutex progress_mu;
+  uint64_t done = 0;
+  const auto work = [&] {
+    for (size_t p = next++; p < pieces.size() && !Cancelled(request); p = next++) {
+      const Piece& piece = pieces[p];
+      std::memcpy(request.allocations[piece.allocation].data() + piece.offset,
+                  static_cast<const uint8_t*>(theirs[piece.allocation].data()) + piece.offset,
+                  piece.bytes);
+      std::lock_guard<std::mutex> lock(progress_mu);
+      done += piece.bytes;
+      request.progress(done, total);
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t t = 1; t < std::min(kHostCopyThreads, pieces.size()); ++t) threads.emplace_back(work);
+  work();
+  for (std::thread& t : threads) t.join();
+  if (Cancelled(request)) return Status(StatusCode::kUnavailable, "seed: cancelled");
+  return Status::Ok();
+}
+
+// Gpu tier: the peer's allocations mapped in our context (current on this, the loader's,
+// thread) with access for our device, then copied device to device piece by piece.
+Status CopyDevicePeer(const identity::ResolvedIdentity& identity,
+                      const daemon::PeerFillRequest& request, client::DaemonSession& session) {
+  if (!identity.device) return InternalError("seed: a gpu-tier cache without its device");
+  WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *identity.device));
+  auto imported = cuda::ImportedArena::Import(api, device, std::move(session.reply.fds),
+                                              session.reply.manifest.allocation_sizes());
+  if (!imported.ok()) {
+    return Status(imported.status())
+        .Context("mapping the peer's memory for " + identity.device_key +
+                 " (another GPU's needs peer access to it)");
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::CudaStream stream, cuda::CudaStream::Create(api));
+  const uint64_t total = TotalBytes(request);
+  uint64_t done = 0;
+  const auto theirs = imported->allocations();
+  for (size_t a = 0; a < theirs.size(); ++a) {
+    const auto ours = reinterpret_cast<CUdeviceptr>(request.allocations[a].data());
+    for (uint64_t at = 0; at < theirs[a].size; at += kPieceBytes) {
+      if (Cancelled(request)) return Status(StatusCode::kUnavailable, "seed: cancelled");
+      const uint64_t n = std::min(kPieceBytes, theirs[a].size - at);
+      CUresult rc = api->cuMemcpyDtoDAsync(ours + at, theirs[a].ptr + at, n, stream.get());
+      if (rc == CUDA_SUCCESS) rc = api->cuStreamSynchronize(stream.get());
+      if (rc != CUDA_SUCCESS) return cuda::DriverError(api, rc, "seed: cuMemcpyDtoDAsync");
+      done += n;
+      request.progress(done, total);
+    }
+  }
+  return Status::Ok();
+}
+
+// One peer: its attach, its manifest offered to accept(), its bytes copied. The description
+// of what was copied.
+Result<std::string> SeedFromPeer(const identity::ResolvedIdentity& identity,
+                                 const client::PeerCache& peer,
+                                 const daemon::PeerFillRequest& request,
+                                 std::chrono::milliseconds wait, const identity::Env& env) {
+  const auto start = std::chrono::steady_clock::now();
+  WEIGHTCACHE_ASSIGN_OR_RETURN(client::DaemonSession session,
+                               client::ConnectPeer(identity, peer, wait, env));
+  WEIGHTCACHE_RETURN_IF_ERROR(request.accept(session.reply.manifest.bytes()));
+  if (session.reply.fds.size() != request.allocations.size()) {
+    return Status(StatusCode::kMismatch, "it has " + std::to_string(session.reply.fds.size()) +
+                                             " allocations, we plan " +
+                                             std::to_string(request.allocations.size()));
+  }
+  LOG_INFO << "seed: copying from the peer cache of " << peer.device_key << " (" << peer.socket
+           << ", pid " << session.pid << ")";
+  WEIGHTCACHE_RETURN_IF_ERROR(request.memory == daemon::FillMemory::kDevice
+                                  ? CopyDevicePeer(identity, request, session)
+                                  : CopyHostPeer(request, session));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const uint64_t bytes = TotalBytes(request);
+  char rate[96];
+  std::snprintf(rate, sizeof(rate), " in %.3f s, %.2f GB/s", seconds,
+                seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0);
+  return "the peer cache of " + peer.device_key + " (" + peer.socket + ", " +
+         std::to_string(bytes) + " bytes)" + rate;
+}
+
+}  // namespace
+
+Status CheckSeedFrom(const std::string& seed_from) {
+  if (seed_from.empty() || seed_from == "auto" || seed_from.front() == '/') return Status::Ok();
+  return InvalidArgument("--seed-from: \"" + seed_from +
+                         "\" is neither \"auto\" nor an absolute socket path");
+}
+
+daemon::PeerFill SeedFiller(const identity::ResolvedIdentity& identity, std::string seed_from,
+                            std::chrono::milliseconds wait, identity::Env env) {
+  if (seed_from.empty()) return {};
+  return [identity, seed_from = std::move(seed_from), wait,
+          env = std::move(env)](const daemon::PeerFillRequest& request) -> Result<std::string> {
+    std::vector<client::PeerCache> peers;
+    if (seed_from == "auto") {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(peers, client::PeerCacheSockets(identity));
+      if (peers.empty()) {
+        return Status(StatusCode::kNotFound,
+                      "seed: no peer cache of " + identity.config.ShortDigest() +
+                          " on another device under " + identity.paths.namespace_dir);
+      }
+    } else {
+      const size_t slash = seed_from.rfind('/');
+      const size_t parent = seed_from.rfind('/', slash == 0 ? 0 : slash - 1);
+      peers.push_back({seed_from.substr(parent + 1, slash - parent - 1), seed_from});
+    }
+    std::string skipped;
+    for (const client::PeerCache& peer : peers) {
+      auto seeded = SeedFromPeer(identity, peer, request, wait, env);
+      if (seeded.ok()) return seeded;
+      if (Cancelled(request)) return seeded.status();
+      LOG_INFO << "seed: not from " << peer.socket << ": " << seeded.status().ToString();
+      skipped += (skipped.empty() ? "" : "; ") + peer.socket + ": " + seeded.status().ToString();
+    }
+    return Status(StatusCode::kUnavailable, "seed: no peer cache could seed us (" + skipped + ")");
+  };
+}
+
+daemon::PeerFill FirstFillOf(daemon::PeerFill first, daemon::PeerFill second) {
+  if (!first) return second;
+  if (!second) return first;
+  return [first = std::move(first), second = std::move(second)](
+             const daemon::PeerFillRequest& request) -> Result<std::string> {
+    auto done = first(request);
+    if (done.ok() || (request.cancel != nullptr && request.cancel->load())) return done;
+    LOG_WARN << "fill: " << done.status().ToString() << "; trying the fleet";
+    return second(request);
+  };
+}
+
+}  // namespace weightcache::cli

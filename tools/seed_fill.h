@@ -1,0 +1,46 @@
+// `serve --seed-from auto|SOCKET` (docs/seeding.md): the load's fill (daemon::PeerFill) from a
+// peer cache — the same identity on another device of this node (client/peer_caches.h) —
+// instead of the checkpoint. The loader checks what it brings exactly as it checks a fill from
+// the fleet (daemon/peer_fill.h: the peer's manifest against our plan, every tensor's checksum
+// over our own memory, a sample of our own checkpoint, the gaps zeroed) and reads the disk when
+// anything fails.
+//
+// How the bytes move:
+//  * gpu tier: the peer's allocations (the fds of its attach) are imported and mapped in our
+//    device's primary context — peer access when the peer is another GPU, which the driver
+//    refuses where the GPUs cannot reach each other (then the next peer, then the disk) — and
+//    copied device to device (cuMemcpyDtoDAsync: NVLink or PCIe peer-to-peer, or one device's
+//    own copy engines when an explicit SOCKET names a cache of the same GPU);
+//  * host tier: the peer's sealed memfds are mapped read-only and copied by threads.
+//
+// Contract: "auto" tries every peer cache in device-key order until one seeds us; SOCKET tries
+// that one (a cache of our exact config, e.g. in another runtime dir). A peer that is missing,
+// loading past the wait, of another config (kMismatch) or whose copy fails is skipped, with its
+// reason in the error when none is left. Every input is the peer's and untrusted: its config is
+// compared by discovery, its manifest by accept(), its bytes by the loader's checks.
+#pragma once
+
+#include <chrono>
+#include <string>
+
+#include "daemon/weight_store.h"
+#include "identity/env.h"
+#include "identity/resolve.h"
+#include "weightcache/status.h"
+
+namespace weightcache::cli {
+
+// kInvalidArgument unless `seed_from` is "", "auto" or an absolute socket path.
+Status CheckSeedFrom(const std::string& seed_from);
+
+// The load's fill from peer caches; empty for an empty `seed_from`. `wait`: how long a peer
+// that is still loading is waited for.
+daemon::PeerFill SeedFiller(const identity::ResolvedIdentity& identity, std::string seed_from,
+                            std::chrono::milliseconds wait,
+                            identity::Env env = identity::Env::Default());
+
+// `first`, and when it fails (logged) `second`: seeding before the fleet's fill. Either may be
+// empty; both empty gives an empty fill.
+daemon::PeerFill FirstFillOf(daemon::PeerFill first, daemon::PeerFill second);
+
+}  // namespace weightcache::cli
