@@ -53,6 +53,7 @@ nlohmann::json Describe(const identity::SocketEntry& entry, std::chrono::millise
     row["device"] = st.device_uuid;
     row["model_id"] = st.model_id;
     row["digest"] = st.config_digest;
+    if (!st.origin.empty()) row["origin"] = st.origin;
     row["tensors"] = st.tensor_count;
     row["bytes"] = st.bytes;
     row["bytes_done"] = st.bytes_done;

@@ -64,6 +64,7 @@ int Run(const LsArgs& args) {
   out << std::left << std::setw(10) << "NAMESPACE" << std::setw(42) << "DEVICE" << std::setw(24)
       << "MODEL" << std::setw(35) << "RANKS" << std::setw(6) << "TIER" << std::setw(12) << "STATE"
       << std::setw(12) << "BYTES" << std::setw(8) << "CLIENTS" << std::setw(8) << "PID"
+      << std::setw(10) << "ORIGIN"
       << "DIGEST\n";
   for (const auto& r : rows) {
     auto str = [&](const char* key) {
@@ -87,10 +88,16 @@ int Run(const LsArgs& args) {
     const std::string bytes = r.contains("bytes") ? daemon::FormatBytes(r["bytes"]) : "-";
     std::string digest = str("digest");
     if (digest.size() > 16) digest.resize(16);
+    // "disk", "fleet", "published", "adopted", or "peer <device key>": the kind in the column,
+    // the peer's device on a line of its own.
+    const std::string origin = str("origin");
+    const std::string origin_kind = origin.substr(0, origin.find(' '));
     out << std::left << std::setw(10) << str("namespace") << std::setw(42) << str("device")
         << std::setw(24) << model << std::setw(35) << Ranks(config) << std::setw(6) << str("tier")
         << std::setw(12) << state << std::setw(12) << bytes << std::setw(8) << str("clients")
-        << std::setw(8) << str("pid") << digest << "\n";
+        << std::setw(8) << str("pid") << std::setw(10) << origin_kind << digest << "\n";
+    if (origin_kind == "peer")
+      out << "    seeded from the peer cache of " << origin.substr(5) << "\n";
     if (r.contains("failure_reason")) out << "    failed: " << str("failure_reason") << "\n";
     if (r.contains("error")) out << "    error: " << str("error") << "\n";
     if (state == "orphan") {

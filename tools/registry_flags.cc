@@ -487,7 +487,7 @@ daemon::PeerFill ServeRegistration::Filler() const {
   MutexLock lock(mu_);
   return [flags = flags_, fleet_key = entry_.fleet_key, node = entry_.node,
           tier = std::string(TierName(configured_))](
-             const daemon::PeerFillRequest& request) -> Result<std::string> {
+             const daemon::PeerFillRequest& request) -> Result<daemon::FillOutcome> {
     fleet::FetchOptions fetch;
     std::vector<std::string> nodes;  // what the log calls each source
     if (flags.fill_from != "registry") {
@@ -542,7 +542,7 @@ daemon::PeerFill ServeRegistration::Filler() const {
     }
     char rate[96];
     std::snprintf(rate, sizeof(rate), " in %.3f s, %.2f GB/s", result.seconds, result.gb_per_s);
-    return std::to_string(used) + " source(s) (" + each + ")" + rate;
+    return daemon::FillOutcome{"fleet", std::to_string(used) + " source(s) (" + each + ")" + rate};
   };
 }
 

@@ -115,10 +115,10 @@ Status CopyDevicePeer(const identity::ResolvedIdentity& identity,
 
 // One peer: its attach, its manifest offered to accept(), its bytes copied. The description
 // of what was copied.
-Result<std::string> SeedFromPeer(const identity::ResolvedIdentity& identity,
-                                 const client::PeerCache& peer,
-                                 const daemon::PeerFillRequest& request,
-                                 std::chrono::milliseconds wait, const identity::Env& env) {
+Result<daemon::FillOutcome> SeedFromPeer(const identity::ResolvedIdentity& identity,
+                                         const client::PeerCache& peer,
+                                         const daemon::PeerFillRequest& request,
+                                         std::chrono::milliseconds wait, const identity::Env& env) {
   const auto start = std::chrono::steady_clock::now();
   WEIGHTCACHE_ASSIGN_OR_RETURN(client::DaemonSession session,
                                client::ConnectPeer(identity, peer, wait, env));
@@ -139,8 +139,9 @@ Result<std::string> SeedFromPeer(const identity::ResolvedIdentity& identity,
   char rate[96];
   std::snprintf(rate, sizeof(rate), " in %.3f s, %.2f GB/s", seconds,
                 seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0);
-  return "the peer cache of " + peer.device_key + " (" + peer.socket + ", " +
-         std::to_string(bytes) + " bytes)" + rate;
+  return daemon::FillOutcome{"peer " + peer.device_key,
+                             "the peer cache of " + peer.device_key + " (" + peer.socket + ", " +
+                                 std::to_string(bytes) + " bytes)" + rate};
 }
 
 }  // namespace
@@ -154,8 +155,8 @@ Status CheckSeedFrom(const std::string& seed_from) {
 daemon::PeerFill SeedFiller(const identity::ResolvedIdentity& identity, std::string seed_from,
                             std::chrono::milliseconds wait, identity::Env env) {
   if (seed_from.empty()) return {};
-  return [identity, seed_from = std::move(seed_from), wait,
-          env = std::move(env)](const daemon::PeerFillRequest& request) -> Result<std::string> {
+  return [identity, seed_from = std::move(seed_from), wait, env = std::move(env)](
+             const daemon::PeerFillRequest& request) -> Result<daemon::FillOutcome> {
     std::vector<client::PeerCache> peers;
     if (seed_from == "auto") {
       WEIGHTCACHE_ASSIGN_OR_RETURN(peers, client::PeerCacheSockets(identity));
@@ -185,7 +186,7 @@ daemon::PeerFill FirstFillOf(daemon::PeerFill first, daemon::PeerFill second) {
   if (!first) return second;
   if (!second) return first;
   return [first = std::move(first), second = std::move(second)](
-             const daemon::PeerFillRequest& request) -> Result<std::string> {
+             const daemon::PeerFillRequest& request) -> Result<daemon::FillOutcome> {
     auto done = first(request);
     if (done.ok() || (request.cancel != nullptr && request.cancel->load())) return done;
     LOG_WARN << "fill: " << done.status().ToString() << "; trying the fleet";

@@ -1087,6 +1087,7 @@ protocol::StatusReply Daemon::MakeStatusReply() const {
   if (store_) {
     reply.tensor_count = store_->summary().tensor_count;
     reply.bytes = store_->summary().resident_bytes;
+    reply.origin = store_->summary().origin;
   }
   reply.clients = clients_;
   reply.pid = ::getpid();

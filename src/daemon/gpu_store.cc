@@ -53,7 +53,7 @@ Result<std::vector<uint64_t>> DeviceChecksums(const cuda::DriverApi* api,
 }
 
 struct GpuFill {
-  std::string description;
+  FillOutcome outcome;
   std::vector<uint64_t> checksums;  // parallel to held.order, over our memory
 };
 
@@ -97,7 +97,7 @@ Result<GpuFill> FillGpuFromPeers(const cuda::DriverApi* api,
       control.progress, std::accumulate(held.sizes.begin(), held.sizes.end(), uint64_t{0}));
   request.cancel = control.cancel;
   GpuFill result;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(result.description, fill(request));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(result.outcome, fill(request));
   if (acceptor.accepted.empty()) return InternalError("the fill accepted no source's manifest");
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Manifest theirs,
                                protocol::Manifest::Decode(acceptor.accepted));
@@ -300,7 +300,7 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
 
   // serve --fill-from (docs/fleet.md "Fill"): other nodes' copies first, verified; the disk
   // upload below runs only when that fails (over whatever the fill left).
-  std::string filled_from;
+  std::optional<FillOutcome> fill;
   std::vector<uint64_t> checksums;
   if (options.peer_fill) {
     std::vector<cuda::DeviceRange> ranges;
@@ -310,7 +310,7 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
     auto filled = FillGpuFromPeers(api, checkpoint, held, plan, ranges, allocation_sizes,
                                    options.peer_fill, control);
     if (filled.ok()) {
-      filled_from = "filled from " + filled->description;
+      fill = std::move(filled->outcome);
       checksums = std::move(filled->checksums);
       if (control.progress) control.progress(held_bytes, held_bytes);
     } else if (control.cancel != nullptr && control.cancel->load()) {
@@ -322,7 +322,7 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   const double fill_ms = lap();
   std::optional<cuda::UploadPipeline> pipeline;
   std::string timeline_upload;
-  if (filled_from.empty()) {
+  if (!fill) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(DiskUpload upload,
                                  UploadFromDisk(api, checkpoint, options, control, held, plan,
                                                 allocations, &pipeline, memory));
@@ -341,7 +341,10 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   summary.tensor_count = order.size();
   summary.tensor_bytes = held_bytes;
   summary.resident_bytes = arena->total_bytes();
-  summary.filled_from = std::move(filled_from);
+  if (fill) {
+    summary.origin = std::move(fill->origin);
+    summary.filled_from = "filled from " + fill->description;
+  }
   // The upload is complete (Run synchronized its streams): from here the fds are all the
   // daemon needs. The fds alone serve: no mapping, no handle, no CUDA context. The device
   // memory lives while any fd does — ours, or the duplicates attached clients received.

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -213,7 +214,7 @@ Status RunHostItems(const checkpoint::Checkpoint& checkpoint, const HostLayout& 
   return status.Context("host tier: reading " + checkpoint.path());
 }
 
-Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
+Result<FillOutcome> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
                                       const HostLayout& layout, const std::vector<UniqueFd>& memfds,
                                       const PeerFill& fill, int threads, const LoadControl& control,
                                       std::vector<uint64_t>* chunk_hashes) {
@@ -245,7 +246,7 @@ Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
   request.progress = ScaledFillProgress(
       control.progress, std::accumulate(layout.sizes.begin(), layout.sizes.end(), uint64_t{0}));
   request.cancel = control.cancel;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::string description, fill(request));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(FillOutcome outcome, fill(request));
   if (acceptor.accepted.empty()) return InternalError("the fill accepted no source's manifest");
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Manifest theirs,
                                protocol::Manifest::Decode(acceptor.accepted));
@@ -293,7 +294,7 @@ Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
   for (const FillGap& gap : FillGaps(plan)) {
     std::memset(request.allocations[gap.allocation].data() + gap.offset, 0, gap.length);
   }
-  return description;
+  return outcome;
 }
 
 Status SealHostMemfds(const std::vector<UniqueFd>& memfds) {
@@ -356,14 +357,14 @@ Result<WeightStore> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
 
   const std::vector<HostItem> items = MakeHostItems(layout.sizes);
   std::vector<uint64_t> chunk_hashes(layout.chunk_begin.back());
-  std::string filled_from;
+  std::optional<FillOutcome> fill;
   const uint64_t total_held =
       std::accumulate(layout.sizes.begin(), layout.sizes.end(), uint64_t{0});
   if (options.peer_fill) {
     auto filled = FillHostFromPeers(checkpoint, layout, memfds, options.peer_fill, options.threads,
                                     control, &chunk_hashes);
     if (filled.ok()) {
-      filled_from = "filled from " + *filled;
+      fill = std::move(filled).value();
       if (control.progress) control.progress(total_held, total_held);
     } else if (control.cancel != nullptr && control.cancel->load()) {
       return Status(StatusCode::kUnavailable, "load cancelled (during the fill)");
@@ -374,7 +375,7 @@ Result<WeightStore> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
     }
   }
   const auto read_start = std::chrono::steady_clock::now();
-  if (filled_from.empty()) {
+  if (!fill) {
     WEIGHTCACHE_RETURN_IF_ERROR(
         RunHostItems(checkpoint, layout, items, memfds, options.threads, control, &chunk_hashes));
   }
@@ -386,7 +387,10 @@ Result<WeightStore> LoadHostStore(const checkpoint::Checkpoint& checkpoint,
 
   WEIGHTCACHE_ASSIGN_OR_RETURN(StoreSummary summary,
                                SummarizeHostStore(checkpoint, layout, chunk_hashes));
-  summary.filled_from = std::move(filled_from);
+  if (fill) {
+    summary.origin = std::move(fill->origin);
+    summary.filled_from = "filled from " + fill->description;
+  }
   const uint64_t total = summary.tensor_bytes;
   LOG_INFO << "host tier: " << layout.order.size() << " tensors in " << memfds.size()
            << " sealed memfd(s), " << layout.plan.total_bytes << " bytes; read+checksum " << read_ms

@@ -98,10 +98,11 @@ Status RunHostItems(const checkpoint::Checkpoint& checkpoint, const HostLayout& 
 // checkpoint's own bytes, and zeroes the bytes between tensors.
 // `control`'s progress gets the fill's, in the tensors' bytes the load holds (a failed fill
 // is followed by the disk's pass from 0); its cancel flag is handed to the fill.
-// OK: the description of the fill; the memfds hold verified bytes. An error (kMismatch for a
-// layout, checksum or sample difference, naming the tensor): the memfds hold partial or wrong
-// data and must be discarded. The mappings are gone on return (the memfds can be sealed).
-Result<std::string> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
+// OK: the fill's outcome (its origin and description); the memfds hold verified bytes. An
+// error (kMismatch for a layout, checksum or sample difference, naming the tensor): the memfds
+// hold partial or wrong data and must be discarded. The mappings are gone on return (the memfds can
+// be sealed).
+Result<FillOutcome> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
                                       const HostLayout& layout, const std::vector<UniqueFd>& memfds,
                                       const PeerFill& fill, int threads, const LoadControl& control,
                                       std::vector<uint64_t>* chunk_hashes);

@@ -205,6 +205,9 @@ namespace {
 // A handoff's totals, around its manifest memfd.
 StoreSummary SummaryOf(const protocol::Handoff& handoff, UniqueFd manifest_fd) {
   StoreSummary summary;
+  // A keeper's deposit or an upgrade's handover: where the bytes first came from is not handed
+  // over with them.
+  summary.origin = "adopted";
   summary.manifest.size = handoff.info.manifest_size;
   summary.manifest.fd = std::move(manifest_fd);
   summary.tensor_count = handoff.manifest.tensor_count();

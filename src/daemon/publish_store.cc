@@ -124,6 +124,7 @@ Result<StoreSummary> PublishedSummary(const Publication& pub, std::span<const ui
   StoreSummary summary;
   WEIGHTCACHE_ASSIGN_OR_RETURN(summary.manifest,
                                PublicationManifest(pub, checksums, "weightcache-manifest"));
+  summary.origin = "published";
   summary.tensor_count = pub.plan.tensors.size();
   summary.tensor_bytes = pub.tensor_bytes;
   summary.resident_bytes = 0;

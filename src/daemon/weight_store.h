@@ -55,8 +55,13 @@ struct StoreSummary {
   uint64_t tensor_count = 0;
   uint64_t tensor_bytes = 0;    // sum of the tensors' bytes (what the checkpoint holds)
   uint64_t resident_bytes = 0;  // sum of the allocations (what the cache occupies)
-  // How the bytes came: "" = read from the checkpoint; otherwise a host-tier fill from other
-  // nodes (LoadOptions::peer_fill), e.g. "filled from 1 source(s) (node-a 12 MB) in 0.1 s, ...".
+  // Where the bytes came from (`status` and `ls` show it): "disk" (the checkpoint), "fleet"
+  // (other nodes, serve --fill-from), "peer <device key>" (a peer cache of this node, serve
+  // --seed-from), "published" (an engine's publish) or "adopted" (a keeper's memory, after a
+  // restart).
+  std::string origin = "disk";
+  // A fill's own account (LoadOptions::peer_fill), "" after a disk load: e.g. "filled from 1
+  // source(s) (node-a 12 MB) in 0.1 s, ...".
   std::string filled_from;
 };
 
@@ -118,10 +123,15 @@ struct PeerFillRequest {
   // and fail soon (the loader then stops too, "load cancelled").
   const std::atomic<bool>* cancel = nullptr;
 };
-// OK: every byte of every allocation written, `description` says from where ("1 source(s)
-// (node-a 12 MB) in 0.10 s, 0.12 GB/s"). An error: the allocations hold partial data (the
-// loader discards them and reads the disk).
-using PeerFill = std::function<Result<std::string>(const PeerFillRequest& request)>;
+// OK: every byte of every allocation written; `origin` is the store's origin once the bytes
+// pass the checks (StoreSummary::origin: "fleet", "peer <device key>"), `description` says
+// from where ("1 source(s) (node-a 12 MB) in 0.10 s, 0.12 GB/s"). An error: the allocations
+// hold partial data (the loader discards them and reads the disk).
+struct FillOutcome {
+  std::string origin;
+  std::string description;
+};
+using PeerFill = std::function<Result<FillOutcome>(const PeerFillRequest& request)>;
 
 struct LoadOptions {
   int threads = 16;            // reader threads (host tier: pread; gpu tier: pipeline readers)

@@ -47,7 +47,7 @@
 
 namespace weightcache::protocol {
 
-inline constexpr uint16_t kProtocolVersion = 7;
+inline constexpr uint16_t kProtocolVersion = 8;
 inline constexpr uint8_t kFrameMagic[4] = {'W', 'C', 'P', 'F'};
 inline constexpr size_t kFrameHeaderSize = 24;
 

@@ -293,7 +293,8 @@ Result<std::vector<uint8_t>> EncodeStatusReply(const StatusReply& msg) {
                          {"bytes", msg.bytes},
                          {"clients", msg.clients},
                          {"pid", msg.pid},
-                         {"config_digest", msg.config_digest}});
+                         {"config_digest", msg.config_digest},
+                         {"origin", msg.origin}});
 }
 
 Result<StatusReply> DecodeStatusReply(std::span<const uint8_t> payload) {
@@ -316,6 +317,7 @@ Result<StatusReply> DecodeStatusReply(std::span<const uint8_t> payload) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.clients, f.U32("clients"));
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.pid, f.I64("pid"));
   WEIGHTCACHE_ASSIGN_OR_RETURN(msg.config_digest, f.String("config_digest"));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.origin, f.String("origin"));
   WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
   return msg;
 }

@@ -83,6 +83,9 @@ struct StatusReply {
   uint32_t clients = 0;
   int64_t pid = 0;
   std::string config_digest;  // 64 hex chars
+  // Where the cache's bytes came from (StoreSummary::origin: "disk", "fleet", "peer <device
+  // key>", "published", "adopted"); "" before its store exists (loading, awaiting). Version 8.
+  std::string origin;
 };
 
 // Attach request: empty payload. The reply is AttachReply (or Error, e.g. not ready).

@@ -11,7 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "corpus", "frame_fuzzer")
 
 
-def frame(msg_type, payload=b"", fds=0, version=7):
+def frame(msg_type, payload=b"", fds=0, version=8):
     return b"WCPF" + struct.pack("<HHIIQ", version, msg_type, 0, fds, len(payload)) + payload
 
 
@@ -57,7 +57,7 @@ def main():
                                    ("lm_head", "F8_E4M3", [32, 32], 1, 0, 1024, 8,
                                     (0, 32, 64))], metadata=b"engine 1.0")
     seeds = {
-        "hello": frame(1, js({"protocol_version": 7, "config": {"model_id": "m", "tp_size": 2},
+        "hello": frame(1, js({"protocol_version": 8, "config": {"model_id": "m", "tp_size": 2},
                               "client_pid": 12, "client_name": "engine"})),
         "hello_reply": frame(2, js({"state": "loading", "bytes_done": 1, "bytes_total": 2,
                                     "failure_reason": "", "failure_code": 0, "match": False,
@@ -69,7 +69,8 @@ def main():
                                      "failure_reason": "", "failure_code": 0, "tier": "gpu",
                                      "device_uuid": "GPU-00000000-0000-0000-0000-000000000000",
                                      "model_id": "m", "tensor_count": 2, "bytes": 5,
-                                     "clients": 1, "pid": 9, "config_digest": "ab" * 32})),
+                                     "clients": 1, "pid": 9, "config_digest": "ab" * 32,
+                                     "origin": "disk"})),
         "attach": frame(5),
         # Since version 2 the manifest travels as a sealed memfd (the first of 1 + 2 fds); the
         # payload only announces its size and the allocation count.
@@ -90,7 +91,7 @@ def main():
         "publish_arena": frame(11, struct.pack("<QII", len(m), 2, 0), fds=3),
         "publish_commit": frame(12, js({"checksums": [1, 2]})),
         "publish_committed": frame(13, js({"tensor_count": 2, "bytes": 8192})),
-        "two_frames": frame(3) + frame(1, js({"protocol_version": 7, "config": {},
+        "two_frames": frame(3) + frame(1, js({"protocol_version": 8, "config": {},
                                               "client_pid": 1, "client_name": ""})),
     }
     for name, data in seeds.items():

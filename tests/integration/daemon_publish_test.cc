@@ -198,6 +198,7 @@ TEST_F(PublishTest, AwaitingUntilPublishedThenAttachMapsThePublishedBytes) {
   auto status = QueryStatus(socket_);
   ASSERT_TRUE(status.ok());
   EXPECT_EQ(status->tensor_count, w.plan.size());
+  EXPECT_EQ(status->origin, "published");
   auto attached = Attach();
   ASSERT_TRUE(attached.ok()) << attached.status().ToString();
   ExpectBytes(*attached, w);

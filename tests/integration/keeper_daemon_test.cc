@@ -205,6 +205,7 @@ TEST_F(KeeperDaemonTest, KilledWhenReadyIdleIsReadoptedWithEqualBytesWithoutRead
   const std::string socket = StartReady(first, "first.log");
   ASSERT_FALSE(socket.empty());
   ExpectLoaded(*first);  // the control of the rchar measure
+  EXPECT_EQ(QueryStatus(socket)->origin, "disk");
   const size_t loaded_fds = OpenMemfds(first->pid());
   EXPECT_GE(loaded_fds, 2u);  // the manifest and at least one allocation
   Kill(*first);
@@ -219,6 +220,7 @@ TEST_F(KeeperDaemonTest, KilledWhenReadyIdleIsReadoptedWithEqualBytesWithoutRead
   std::unique_ptr<ServeProcess> second;
   ASSERT_EQ(StartReady(second, "second.log"), socket);
   ExpectAdopted(*second);
+  EXPECT_EQ(QueryStatus(socket)->origin, "adopted");  // what `ls` shows
   EXPECT_NE(second->Log().find("checksums of all 12 tensors verified"), std::string::npos)
       << second->Log();
   ExpectEqualBytes(socket);

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -124,6 +125,19 @@ TEST_F(SeedTest, TheSameIdentityOnAnotherGpuSeedsOurCache) {
       << b.log;
   EXPECT_FALSE(Contains(b.log, "loading from disk")) << b.log;
   ExpectVerified(run, 1);
+
+  // `ls` says where each cache's bytes came from: A's from disk, B's from A's device.
+  const CommandResult ls = RunCommand({CliPath(), "ls", "--json", "--runtime-dir", run});
+  ASSERT_EQ(ls.exit_code, 0) << ls.err;
+  std::map<std::string, std::string> origins;
+  const auto listed = nlohmann::json::parse(ls.out);
+  for (const auto& row : listed["caches"]) {
+    origins[row["device"].get<std::string>()] = row.value("origin", "(none)");
+  }
+  EXPECT_EQ(origins[Uuid(0)], "disk") << ls.out;
+  EXPECT_EQ(origins[Uuid(1)], "peer " + Uuid(0)) << ls.out;
+  const CommandResult text = RunCommand({CliPath(), "ls", "--runtime-dir", run});
+  EXPECT_TRUE(Contains(text.out, "seeded from the peer cache of " + Uuid(0))) << text.out;
 }
 
 TEST_F(SeedTest, ACacheOfAnotherConfigIsNoPeerAndAnExplicitOneIsRefusedByName) {

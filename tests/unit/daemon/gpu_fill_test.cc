@@ -122,7 +122,7 @@ class GpuFillTest : public sharding::testing::ShardingFixture {
   // Writes `source`'s allocations into the request's device allocations (through the driver,
   // in 4 KiB pieces, each reported) once accept() takes its manifest.
   PeerFill CopyFrom(const WeightStore& source, Poison poison = Poison::kNone) {
-    return [this, &source, poison](const PeerFillRequest& request) -> Result<std::string> {
+    return [this, &source, poison](const PeerFillRequest& request) -> Result<FillOutcome> {
       EXPECT_EQ(request.memory, FillMemory::kDevice);
       WEIGHTCACHE_RETURN_IF_ERROR(request.accept(ManifestBytes(source)));
       std::vector<std::string> bytes = ArenaBytes(source);
@@ -144,7 +144,7 @@ class GpuFillTest : public sharding::testing::ShardingFixture {
           request.progress(done, total);
         }
       }
-      return std::string("the test source");
+      return FillOutcome{"test", "the test source"};
     };
   }
 
@@ -176,6 +176,7 @@ TEST_F(GpuFillTest, AFillFromAnEqualStoreIsVerifiedAndServedWithTheSameBytes) {
   options.peer_fill = CopyFrom(source);
   const WeightStore filled = Load(model.ckpt, options);
   EXPECT_EQ(filled.summary().filled_from, "filled from the test source");
+  EXPECT_EQ(filled.summary().origin, "test");
   EXPECT_EQ(fake_->CallCount("cuMemHostRegister"), pinned) << "the disk upload ran too";
   // The same checksums and layout (the manifest the filler serves is the source's), and the
   // same bytes on the device.
@@ -229,6 +230,7 @@ TEST_F(GpuFillTest, AWrongByteFailsTheChecksumAndTheDiskLoadReplacesIt) {
   options.peer_fill = CopyFrom(source, Poison::kFlipFirstByte);
   const WeightStore store = Load(model.ckpt, options);
   EXPECT_EQ(store.summary().filled_from, "");
+  EXPECT_EQ(store.summary().origin, "disk");
   EXPECT_EQ(ManifestBytes(store), ManifestBytes(source));
   EXPECT_EQ(ArenaBytes(store), ArenaBytes(source)) << "the disk pass rewrote the flipped byte";
 }
@@ -273,7 +275,7 @@ TEST_F(GpuFillTest, AFailedFillIsFollowedByTheDiskAndACancelEndsTheLoad) {
   const auto model = Open(dir);
   const WeightStore reference = Load(model.ckpt, Options(dir, nullptr));
   LoadOptions options = Options(dir, nullptr);
-  options.peer_fill = [](const PeerFillRequest&) -> Result<std::string> {
+  options.peer_fill = [](const PeerFillRequest&) -> Result<FillOutcome> {
     return Status(StatusCode::kUnavailable, "arena fetch: every source failed");
   };
   const WeightStore store = Load(model.ckpt, options);
@@ -281,7 +283,7 @@ TEST_F(GpuFillTest, AFailedFillIsFollowedByTheDiskAndACancelEndsTheLoad) {
   EXPECT_EQ(ArenaBytes(store), ArenaBytes(reference));
 
   std::atomic<bool> cancel{false};
-  options.peer_fill = [&cancel](const PeerFillRequest& request) -> Result<std::string> {
+  options.peer_fill = [&cancel](const PeerFillRequest& request) -> Result<FillOutcome> {
     cancel.store(true);
     EXPECT_EQ(request.cancel, &cancel);
     return Status(StatusCode::kUnavailable, "arena fetch: cancelled");

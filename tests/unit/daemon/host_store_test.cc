@@ -235,7 +235,7 @@ class HostFillTest : public HostStoreTest {
   }
   // Copies `source` into the request's allocations once accept() takes its manifest.
   static PeerFill CopyFrom(const WeightStore& source, bool flip_first_byte = false) {
-    return [&source, flip_first_byte](const PeerFillRequest& request) -> Result<std::string> {
+    return [&source, flip_first_byte](const PeerFillRequest& request) -> Result<FillOutcome> {
       const std::vector<uint8_t> manifest = ManifestBytes(source);
       WEIGHTCACHE_RETURN_IF_ERROR(request.accept(manifest));
       const std::vector<int> fds = source.fds();
@@ -257,7 +257,7 @@ class HostFillTest : public HostStoreTest {
         }
       }
       if (flip_first_byte) request.allocations[0][0] ^= 0xff;
-      return std::string("the test source");
+      return FillOutcome{"test", "the test source"};
     };
   }
 };
@@ -277,6 +277,7 @@ TEST_F(HostFillTest, AFillFromAnEqualStoreIsVerifiedAndServedWithItsManifest) {
   Result<WeightStore> store = LoadHostStore(ckpt, options, LoadControl{}, &memory);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   EXPECT_EQ(store->summary().filled_from, "filled from the test source");
+  EXPECT_EQ(store->summary().origin, "test");
   EXPECT_GT(MakeHostItems(PlanHostLayout(ckpt, PageSize()).sizes).size(), ckpt.tensors().size());
   // The same checksums, layout and bytes: the manifest the filler serves is the source's.
   EXPECT_EQ(ManifestBytes(*store), ManifestBytes(source));
@@ -310,7 +311,7 @@ TEST_F(HostFillTest, TheFillReportsTheLoadsProgressAndACancelEndsTheLoad) {
 
   // A stop arrives while the fill runs: the fill sees the flag and fails; the load ends.
   std::atomic<bool> cancel{false};
-  options.peer_fill = [&cancel](const PeerFillRequest& request) -> Result<std::string> {
+  options.peer_fill = [&cancel](const PeerFillRequest& request) -> Result<FillOutcome> {
     cancel.store(true);
     EXPECT_EQ(request.cancel, &cancel);
     return Status(StatusCode::kUnavailable, "arena fetch: cancelled");
@@ -332,7 +333,7 @@ TEST_F(HostFillTest, ASourceOfAnotherLayoutIsRefusedBeforeItsBytesAreRead) {
   auto memfds = CreateHostMemfds("weightcache:filler", layout.plan);
   ASSERT_TRUE(memfds.ok());
   std::vector<uint64_t> chunk_hashes(layout.chunk_begin.back());
-  const Result<std::string> filled = FillHostFromPeers(ours, layout, *memfds, CopyFrom(source),
+  const Result<FillOutcome> filled = FillHostFromPeers(ours, layout, *memfds, CopyFrom(source),
                                                        /*threads=*/2, LoadControl{}, &chunk_hashes);
   ASSERT_FALSE(filled.ok());
   EXPECT_EQ(filled.status().code(), StatusCode::kMismatch) << filled.status().ToString();
@@ -345,6 +346,7 @@ TEST_F(HostFillTest, ASourceOfAnotherLayoutIsRefusedBeforeItsBytesAreRead) {
   Result<WeightStore> store = LoadHostStore(ours, options, LoadControl{}, &memory);
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   EXPECT_EQ(store->summary().filled_from, "");
+  EXPECT_EQ(store->summary().origin, "disk");
   EXPECT_EQ(ManifestBytes(*store), ManifestBytes(LoadSource(ours)));
 }
 
@@ -355,7 +357,7 @@ TEST_F(HostFillTest, AWrongByteFailsTheChecksumOverOurMemory) {
   auto memfds = CreateHostMemfds("weightcache:filler", layout.plan);
   ASSERT_TRUE(memfds.ok());
   std::vector<uint64_t> chunk_hashes(layout.chunk_begin.back());
-  const Result<std::string> filled =
+  const Result<FillOutcome> filled =
       FillHostFromPeers(ckpt, layout, *memfds, CopyFrom(source, /*flip_first_byte=*/true),
                         /*threads=*/2, LoadControl{}, &chunk_hashes);
   ASSERT_FALSE(filled.ok());

@@ -59,25 +59,27 @@ TEST(FrameHeaderTest, EncodeDecodeRoundTripWithExactLayout) {
 TEST(FrameHeaderTest, EachMalformationHasItsOwnError) {
   ExpectProtocolError(HeaderError(Header(kProtocolVersion, 1, 0, 0, 0, "HTTP"), Expect::kRequest),
                       "bad frame magic");
-  ExpectProtocolError(HeaderError(Header(8, 1, 0, 0, 0), Expect::kRequest),
-                      "unsupported protocol version 8 (this build speaks version 7)");
+  ExpectProtocolError(HeaderError(Header(9, 1, 0, 0, 0), Expect::kRequest),
+                      "unsupported protocol version 9 (this build speaks version 8)");
   // Version 1 carried the manifest inside AttachReply, version 2 had 112-byte manifest
   // records with names copied by the client, version 3 had no failure_code in HelloReply and
   // StatusReply, version 4 had 48-byte manifest records without the slice, version 5 had no
   // publishing messages and no `awaiting` state, version 6 no manifest metadata section and no
-  // plan aliases; their peers are refused, not misread.
+  // plan aliases, version 7 no `origin` in StatusReply; their peers are refused, not misread.
   ExpectProtocolError(HeaderError(Header(1, 1, 0, 0, 0), Expect::kRequest),
-                      "unsupported protocol version 1 (this build speaks version 7)");
+                      "unsupported protocol version 1 (this build speaks version 8)");
   ExpectProtocolError(HeaderError(Header(2, 1, 0, 0, 0), Expect::kRequest),
-                      "unsupported protocol version 2 (this build speaks version 7)");
+                      "unsupported protocol version 2 (this build speaks version 8)");
   ExpectProtocolError(HeaderError(Header(3, 1, 0, 0, 0), Expect::kRequest),
-                      "unsupported protocol version 3 (this build speaks version 7)");
+                      "unsupported protocol version 3 (this build speaks version 8)");
   ExpectProtocolError(HeaderError(Header(4, 1, 0, 0, 0), Expect::kRequest),
-                      "unsupported protocol version 4 (this build speaks version 7)");
+                      "unsupported protocol version 4 (this build speaks version 8)");
   ExpectProtocolError(HeaderError(Header(5, 1, 0, 0, 0), Expect::kRequest),
-                      "unsupported protocol version 5 (this build speaks version 7)");
+                      "unsupported protocol version 5 (this build speaks version 8)");
   ExpectProtocolError(HeaderError(Header(6, 1, 0, 0, 0), Expect::kRequest),
-                      "unsupported protocol version 6 (this build speaks version 7)");
+                      "unsupported protocol version 6 (this build speaks version 8)");
+  ExpectProtocolError(HeaderError(Header(7, 1, 0, 0, 0), Expect::kRequest),
+                      "unsupported protocol version 7 (this build speaks version 8)");
   ExpectProtocolError(HeaderError(Header(kProtocolVersion, 77, 0, 0, 0), Expect::kRequest),
                       "unknown message type 77");
   ExpectProtocolError(HeaderError(Header(kProtocolVersion, 0, 0, 0, 0), Expect::kRequest),
@@ -105,9 +107,9 @@ TEST(FrameHeaderTest, EachMalformationHasItsOwnError) {
 }
 
 TEST(FrameHeaderTest, ErrorFramesOfAnyVersionAreReadable) {
-  EXPECT_TRUE(DecodeFrameHeader(Header(8, 9, 0, 0, 10), Expect::kReply).ok());
-  ExpectProtocolError(HeaderError(Header(8, 4, 0, 0, 10), Expect::kReply),
-                      "unsupported protocol version 8");
+  EXPECT_TRUE(DecodeFrameHeader(Header(9, 9, 0, 0, 10), Expect::kReply).ok());
+  ExpectProtocolError(HeaderError(Header(9, 4, 0, 0, 10), Expect::kReply),
+                      "unsupported protocol version 9");
 }
 
 TEST(FrameHeaderTest, EncoderRefusesWhatThePeerWouldReject) {

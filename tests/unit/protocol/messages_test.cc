@@ -130,9 +130,11 @@ TEST_F(MessagesTest, StatusReplyRoundTrips) {
   s.clients = 3;
   s.pid = 777;
   s.config_digest = std::string(64, 'f');
+  s.origin = "peer GPU-12345678-1234-1234-1234-123456789abd";
   Frame f = Transfer(EncodeStatusReply(s), Expect::kReply);
   auto d = DecodeStatusReply(f.payload);
   ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->origin, s.origin);
   EXPECT_EQ(d->state, CacheState::kReady);
   EXPECT_EQ(d->tier, Tier::kGpu);
   EXPECT_EQ(d->device_uuid, s.device_uuid);
@@ -331,10 +333,10 @@ TEST(MessageDecodeTest, StrictFieldChecking) {
                                         R"("client_name":"x","extra":true})"))
                           .status(),
                       "Hello: unknown field 'extra'");
-  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":8,"config":{},"client_pid":7,)"
+  ExpectProtocolError(DecodeHello(Bytes(R"({"protocol_version":9,"config":{},"client_pid":7,)"
                                         R"("client_name":"x"})"))
                           .status(),
-                      "Hello: client speaks protocol version 8, this build speaks 7");
+                      "Hello: client speaks protocol version 9, this build speaks 8");
   ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":-1})")).status(),
                       "StopReply: field 'clients' must be a non-negative integer");
   ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":4294967296})")).status(),
