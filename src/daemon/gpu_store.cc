@@ -26,6 +26,21 @@
 namespace weightcache::daemon {
 namespace {
 
+// The milliseconds since the last call (or the construction): the load's phases, for the debug
+// timeline line (where a slow load spends its time).
+class Lap {
+ public:
+  double operator()() {
+    const auto now = std::chrono::steady_clock::now();
+    const double ms = std::chrono::duration<double, std::milli>(now - mark_).count();
+    mark_ = now;
+    return ms;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point mark_ = std::chrono::steady_clock::now();
+};
+
 // The checksums of `ranges` of device memory: by the GPU kernel when this build has it; else
 // copied to the host in pieces and hashed there (a build without nvcc, the fake driver).
 Result<std::vector<uint64_t>> DeviceChecksums(const cuda::DriverApi* api,
@@ -140,14 +155,7 @@ Result<DiskUpload> UploadFromDisk(const cuda::DriverApi* api,
                                   std::span<const cuda::ExportedAllocation> allocations,
                                   std::optional<cuda::UploadPipeline>* pipeline,
                                   std::string* memory) {
-  using Clock = std::chrono::steady_clock;
-  auto mark = Clock::now();
-  const auto lap = [&mark] {
-    const auto now = Clock::now();
-    const double ms = std::chrono::duration<double, std::milli>(now - mark).count();
-    mark = now;
-    return ms;
-  };
+  Lap lap;
   const auto& tensors = checkpoint.tensors();
   const std::vector<size_t>& order = held.order;
   const std::vector<uint64_t>& sizes = held.sizes;
@@ -243,15 +251,7 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
                                  std::string* memory) {
   const cuda::DriverApi* api = options.driver;
   if (api == nullptr) return InternalError("gpu tier: no CUDA driver given to the load");
-  // The load's phases, for the debug timeline line (where a slow load spends its time).
-  using Clock = std::chrono::steady_clock;
-  auto mark = Clock::now();
-  const auto lap = [&mark] {
-    const auto now = Clock::now();
-    const double ms = std::chrono::duration<double, std::milli>(now - mark).count();
-    mark = now;
-    return ms;
-  };
+  Lap lap;
   // The device was resolved once (identity::ResolveIdentity): its ordinal, checked by UUID.
   auto device_or = identity::CudaDevice(api, options.device);
   if (!device_or.ok()) return device_or.status().Context("gpu tier");
@@ -328,6 +328,7 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
                                                 allocations, &pipeline, memory));
     checksums = std::move(upload.checksums);
     timeline_upload = std::move(upload.timeline);
+    (void)lap();  // the upload timed its own phases; `release` starts here
   } else {
     *memory = "filled=" + DescribeProcessMemory(ReadProcessMemory());
   }

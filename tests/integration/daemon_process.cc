@@ -6,7 +6,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "client/discovery.h"
 #include "identity/paths.h"
@@ -32,6 +35,24 @@ std::unique_ptr<ServeProcess> ServeProcess::Start(const std::vector<std::string>
 void ServeProcess::Signal(int signo) {
   const Status sent = child_.Signal(signo);
   EXPECT_TRUE(sent.ok()) << sent.ToString();
+}
+
+std::string FakeGpuUuid(int index) {
+  char uuid[64];
+  std::snprintf(uuid, sizeof(uuid), "GPU-00000000-0000-0000-0000-%012d", index);
+  return uuid;
+}
+
+std::string WriteFakeInventory(const std::string& path, int gpus) {
+  nlohmann::json inventory = nlohmann::json::array();
+  for (int i = 0; i < gpus; ++i) {
+    inventory.push_back({{"index", i},
+                         {"uuid", FakeGpuUuid(i)},
+                         {"name", "Fake H200"},
+                         {"memory_bytes", 150'000'000'000ULL}});
+  }
+  std::ofstream(path) << inventory.dump();
+  return path;
 }
 
 std::string MakeCheckpoint(const std::string& dir, int tensors, int shards, int seed,

@@ -57,6 +57,11 @@ void DropAllKeepers(const std::string& runtime_dir, std::chrono::milliseconds ti
 std::string MakeCheckpoint(const std::string& dir, int tensors, int shards = 1, int seed = 1,
                            int max_elems = 65536);
 
+// An inventory file (`--device-inventory`) of `gpus` fake H200s, index i with the UUID
+// FakeGpuUuid(i), written at `path`; returns `path`.
+std::string FakeGpuUuid(int index);
+std::string WriteFakeInventory(const std::string& path, int gpus);
+
 // The CacheConfig `serve --model dir --model-id id` computes (the client's derivation).
 identity::CacheConfig ConfigFor(const std::string& model_dir, const std::string& model_id);
 

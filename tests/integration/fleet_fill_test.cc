@@ -293,14 +293,7 @@ class FleetLaunchTest : public FleetFillTest {
   void SetUp() override {
     FleetFillTest::SetUp();
     if (IsSkipped()) return;
-    nlohmann::json inventory = nlohmann::json::array();
-    for (int i = 0; i < 2; ++i) {
-      inventory.push_back({{"index", i},
-                           {"uuid", "GPU-00000000-0000-0000-0000-00000000000" + std::to_string(i)},
-                           {"name", "Fake H200"},
-                           {"memory_bytes", 150'000'000'000ULL}});
-    }
-    std::ofstream(dir_.Join("inventory.json")) << inventory.dump();
+    WriteFakeInventory(dir_.Join("inventory.json"), 2);
     std::ofstream(dir_.Join("rules.json"))
         << R"({"format": 1, "rules": [{"match": ".*", "mode": "replicate"}]})";
   }

@@ -22,8 +22,6 @@ bool Contains(const std::string& text, const std::string& what) {
   return text.find(what) != std::string::npos;
 }
 
-std::string Uuid(int i) { return "GPU-00000000-0000-0000-0000-00000000000" + std::to_string(i); }
-
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
@@ -33,14 +31,7 @@ class SeedTest : public ::testing::Test {
  protected:
   void SetUp() override {
     model_ = MakeCheckpoint(dir_.Join("model"), 8, 2, 5, 65536);
-    nlohmann::json inventory = nlohmann::json::array();
-    for (int i = 0; i < 4; ++i) {
-      inventory.push_back({{"index", i},
-                           {"uuid", Uuid(i)},
-                           {"name", "Fake H200"},
-                           {"memory_bytes", 150'000'000'000ULL}});
-    }
-    std::ofstream(dir_.Join("inventory.json")) << inventory.dump();
+    WriteFakeInventory(dir_.Join("inventory.json"), 4);
     std::ofstream(dir_.Join("rules.json"))
         << R"({"format": 1, "rules": [{"match": ".*", "mode": "replicate"}]})";
   }
@@ -48,6 +39,22 @@ class SeedTest : public ::testing::Test {
     for (const std::string& run : runtimes_) {
       RunCommand({CliPath(), "stop", "--all", "--runtime-dir", run});
     }
+  }
+
+  // `weightcache <sub>` of our checkpoint's host-tier identity over the fake GPUs, then `rest`.
+  std::vector<std::string> Command(const char* sub, std::vector<std::string> rest) const {
+    std::vector<std::string> argv = {CliPath(),
+                                     sub,
+                                     "--model",
+                                     model_,
+                                     "--model-id",
+                                     "tiny",
+                                     "--tier",
+                                     "host",
+                                     "--device-inventory",
+                                     dir_.Join("inventory.json")};
+    argv.insert(argv.end(), rest.begin(), rest.end());
+    return argv;
   }
 
   struct Served {
@@ -61,26 +68,9 @@ class SeedTest : public ::testing::Test {
   Served Serve(const std::string& run, int device, std::vector<std::string> extra = {}) {
     runtimes_.push_back(run);
     const std::string log = dir_.Join("serve-" + std::to_string(serves_++) + ".log");
-    std::vector<std::string> argv = {CliPath(),
-                                     "serve",
-                                     "--model",
-                                     model_,
-                                     "--model-id",
-                                     "tiny",
-                                     "--tier",
-                                     "host",
-                                     "--device",
-                                     std::to_string(device),
-                                     "--device-inventory",
-                                     dir_.Join("inventory.json"),
-                                     "--runtime-dir",
-                                     run,
-                                     "--threads",
-                                     "2",
-                                     "--no-keeper",
-                                     "--detach",
-                                     "--log-file",
-                                     log};
+    std::vector<std::string> argv =
+        Command("serve", {"--device", std::to_string(device), "--runtime-dir", run, "--threads",
+                          "2", "--no-keeper", "--detach", "--log-file", log});
     argv.insert(argv.end(), extra.begin(), extra.end());
     const CommandResult r = RunCommand(argv, {"WEIGHTCACHE_LOG_LEVEL=info"});
     Served served;
@@ -98,9 +88,8 @@ class SeedTest : public ::testing::Test {
   // checksum recomputed over the mapped memory, against the files.
   void ExpectVerified(const std::string& run, int device) {
     const CommandResult r =
-        RunCommand({CliPath(), "attach", "--model", model_, "--model-id", "tiny", "--tier", "host",
-                    "--device", std::to_string(device), "--device-inventory",
-                    dir_.Join("inventory.json"), "--runtime-dir", run, "--verify", "--json"});
+        RunCommand(Command("attach", {"--device", std::to_string(device), "--runtime-dir", run,
+                                      "--verify", "--json"}));
     ASSERT_EQ(r.exit_code, 0) << r.err;
     const auto j = nlohmann::json::parse(r.out);
     EXPECT_EQ(j["source"], "daemon") << r.out;
@@ -120,8 +109,8 @@ TEST_F(SeedTest, TheSameIdentityOnAnotherGpuSeedsOurCache) {
   ASSERT_EQ(a.exit_code, 0) << a.err << a.log;
   const Served b = Serve(run, 1, {"--seed-from", "auto"});
   ASSERT_EQ(b.exit_code, 0) << b.err << b.log;
-  EXPECT_TRUE(Contains(b.log, "seed: copying from the peer cache of " + Uuid(0))) << b.log;
-  EXPECT_TRUE(Contains(b.log, "filled from the peer cache of " + Uuid(0) + " (" + a.socket))
+  EXPECT_TRUE(Contains(b.log, "seed: copying from the peer cache of " + FakeGpuUuid(0))) << b.log;
+  EXPECT_TRUE(Contains(b.log, "filled from the peer cache of " + FakeGpuUuid(0) + " (" + a.socket))
       << b.log;
   EXPECT_FALSE(Contains(b.log, "loading from disk")) << b.log;
   ExpectVerified(run, 1);
@@ -134,10 +123,10 @@ TEST_F(SeedTest, TheSameIdentityOnAnotherGpuSeedsOurCache) {
   for (const auto& row : listed["caches"]) {
     origins[row["device"].get<std::string>()] = row.value("origin", "(none)");
   }
-  EXPECT_EQ(origins[Uuid(0)], "disk") << ls.out;
-  EXPECT_EQ(origins[Uuid(1)], "peer " + Uuid(0)) << ls.out;
+  EXPECT_EQ(origins[FakeGpuUuid(0)], "disk") << ls.out;
+  EXPECT_EQ(origins[FakeGpuUuid(1)], "peer " + FakeGpuUuid(0)) << ls.out;
   const CommandResult text = RunCommand({CliPath(), "ls", "--runtime-dir", run});
-  EXPECT_TRUE(Contains(text.out, "seeded from the peer cache of " + Uuid(0))) << text.out;
+  EXPECT_TRUE(Contains(text.out, "seeded from the peer cache of " + FakeGpuUuid(0))) << text.out;
 }
 
 TEST_F(SeedTest, ACacheOfAnotherConfigIsNoPeerAndAnExplicitOneIsRefusedByName) {
@@ -167,7 +156,7 @@ TEST_F(SeedTest, AnExplicitSocketSeedsFromAnotherRuntimeDir) {
   ASSERT_EQ(a.exit_code, 0) << a.err << a.log;
   const Served b = Serve(dir_.Join("run-b"), 0, {"--seed-from", a.socket});
   ASSERT_EQ(b.exit_code, 0) << b.err << b.log;
-  EXPECT_TRUE(Contains(b.log, "filled from the peer cache of " + Uuid(0))) << b.log;
+  EXPECT_TRUE(Contains(b.log, "filled from the peer cache of " + FakeGpuUuid(0))) << b.log;
   EXPECT_FALSE(Contains(b.log, "loading from disk")) << b.log;
   ExpectVerified(dir_.Join("run-b"), 0);
 }
@@ -179,10 +168,8 @@ TEST_F(SeedTest, BadSeedFlagsAreUsageErrors) {
                        "--seed-from: \"disk\" is neither \"auto\" nor an absolute "
                        "socket path"))
       << relative.err;
-  const CommandResult launch =
-      RunCommand({CliPath(), "launch", "--model", model_, "--model-id", "tiny", "--tier", "host",
-                  "--device-inventory", dir_.Join("inventory.json"), "--runtime-dir",
-                  dir_.Join("run"), "--seed-from", "/run/x.sock"});
+  const CommandResult launch = RunCommand(
+      Command("launch", {"--runtime-dir", dir_.Join("run"), "--seed-from", "/run/x.sock"}));
   EXPECT_EQ(launch.exit_code, 2) << launch.err;
   EXPECT_TRUE(Contains(launch.err, "--seed-from")) << launch.err;
 }
@@ -193,31 +180,10 @@ TEST_F(SeedTest, ASecondTp2JobSeedsEachRankFromTheFirstJobsSameRank) {
   const std::string run = dir_.Join("run");
   runtimes_.push_back(run);
   auto launch = [&](int base, std::vector<std::string> extra) {
-    std::vector<std::string> argv = {CliPath(),
-                                     "launch",
-                                     "--model",
-                                     model_,
-                                     "--model-id",
-                                     "tiny",
-                                     "--tier",
-                                     "host",
-                                     "--tp-size",
-                                     "2",
-                                     "--shard-rules",
-                                     dir_.Join("rules.json"),
-                                     "--base-gpu-id",
-                                     std::to_string(base),
-                                     "--device-inventory",
-                                     dir_.Join("inventory.json"),
-                                     "--runtime-dir",
-                                     run,
-                                     "--threads",
-                                     "2",
-                                     "--ready-timeout",
-                                     "60",
-                                     "--json",
-                                     "--log-dir",
-                                     dir_.Join("logs-" + std::to_string(base))};
+    std::vector<std::string> argv = Command(
+        "launch", {"--tp-size", "2", "--shard-rules", dir_.Join("rules.json"), "--base-gpu-id",
+                   std::to_string(base), "--runtime-dir", run, "--threads", "2", "--ready-timeout",
+                   "60", "--json", "--log-dir", dir_.Join("logs-" + std::to_string(base))});
     argv.insert(argv.end(), extra.begin(), extra.end());
     return RunCommand(argv, {"WEIGHTCACHE_LOG_LEVEL=info"});
   };
@@ -231,9 +197,9 @@ TEST_F(SeedTest, ASecondTp2JobSeedsEachRankFromTheFirstJobsSameRank) {
     const std::string log = ReadFile(d["log"].get<std::string>());
     const int tp_rank = d["tp_rank"].get<int>();
     SCOPED_TRACE("tp rank " + std::to_string(tp_rank));
-    EXPECT_EQ(d["device_uuid"], Uuid(2 + tp_rank)) << second.out;
+    EXPECT_EQ(d["device_uuid"], FakeGpuUuid(2 + tp_rank)) << second.out;
     // Rank r's peer is the first job's rank r, on GPU r.
-    EXPECT_TRUE(Contains(log, "filled from the peer cache of " + Uuid(tp_rank))) << log;
+    EXPECT_TRUE(Contains(log, "filled from the peer cache of " + FakeGpuUuid(tp_rank))) << log;
     EXPECT_FALSE(Contains(log, "loading from disk")) << log;
   }
 }
