@@ -12,6 +12,8 @@
 #   3. B fills from A, once per UCX transport set in UCX_VARIANTS (default: UCX's own choice,
 #      then without cuda_ipc, then sm+cuda_copy, then tcp+cuda_copy), each followed by
 #      `attach --verify` on B and B's stop;
+#   3b. B seeded from A's socket instead (`--seed-from`, issue 18's one-GPU form: a D2D copy
+#      through the device's own copy engines, checked like a fill), verified;
 #   4. B again without --fill-from: the disk (page cache) load of the same run;
 #   5. ucx_perftest (the wheel's, when present): UCX's own ucp_get rate from CUDA memory
 #      between two processes, 64 MiB messages — the transport's ceiling here.
@@ -97,9 +99,12 @@ identity=(--model "$model" --tier gpu --device 0)
 # 2. Node A.
 echo "== serve A --fill-serve" >>"$log"
 t0=$(ms_now)
-"$wc" serve "${identity[@]}" --runtime-dir "$run_a" --fill-serve 127.0.0.1:0 \
-  --fill-allow 127.0.0.1 --detach --json --log-file "$run_a/serve-a.log" >>"$log" 2>&1 ||
+a_json=$("$wc" serve "${identity[@]}" --runtime-dir "$run_a" --fill-serve 127.0.0.1:0 \
+  --fill-allow 127.0.0.1 --detach --json --log-file "$run_a/serve-a.log" 2>>"$log") ||
   fail "serve A exited $?"
+echo "$a_json" >>"$log"
+a_socket=$(python3 -c 'import json, sys; print(json.loads(sys.argv[1])["daemons"][0]["socket"])' \
+  "$a_json" 2>>"$log")
 say "fill: A loaded from disk in $(($(ms_now) - t0)) ms: $(grep -h -o 'ready: .*' "$run_a/serve-a.log" | tail -1)"
 endpoint=$(grep -h -o 'serving the arena at [0-9.]*:[0-9]*' "$run_a/serve-a.log" | tail -1 | awk '{print $NF}')
 if [[ -z $endpoint ]]; then
@@ -145,6 +150,27 @@ assert a["verify"]["ok"] is True and a["verify"]["tensors"] == a["tensors"], a["
 PY
   "$wc" stop --all --runtime-dir "$run_b" >>"$log" 2>&1
 done
+
+# 3b. Issue 18's one-GPU form: B seeded from A's cache by its socket (`--seed-from`: A's
+#     allocations mapped in B's context, copied device to device, checked like a fill).
+if [[ -n $a_socket ]]; then
+  blog=$run_b/serve-b-seed.log
+  t0=$(ms_now)
+  "$wc" serve "${identity[@]}" --runtime-dir "$run_b" --seed-from "$a_socket" --detach --json \
+    --log-file "$blog" >>"$log" 2>&1 || fail "serve B --seed-from exited $?"
+  seeded=$(grep -h -o 'filled from the peer cache .*' "$blog" | tail -1)
+  say "fill: B seeded from A's socket (D2D): serve returned in $(($(ms_now) - t0)) ms; ${seeded:-not seeded: $(grep -h -o 'fill: .*loading from disk' "$blog" | tail -1)}"
+  say "fill:   $(grep -h -o 'ready: .*' "$blog" | tail -1)"
+  [[ -n $seeded ]] || fail "B was not seeded from A's socket"
+  attach=$("$wc" attach "${identity[@]}" --runtime-dir "$run_b" --on-missing error --verify --json \
+    --wait 60 2>>"$log")
+  echo "$attach" >>"$log"
+  python3 -c 'import json, sys; a = json.loads(sys.argv[1]); assert a["source"] == "daemon" and a["verify"]["ok"] is True' \
+    "$attach" >>"$log" 2>&1 || fail "the attach to the seeded B did not verify"
+  "$wc" stop --all --runtime-dir "$run_b" >>"$log" 2>&1
+else
+  fail "no socket for A in serve --json's output"
+fi
 
 # 4. The disk (page cache) load of the same checkpoint on B, for comparison.
 blog=$run_b/serve-b-disk.log
