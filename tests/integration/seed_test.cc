@@ -5,6 +5,7 @@
 // from disk and verifies; a cache of another config is never a peer (auto) and is refused
 // by name (explicit socket); a second TP=2 job seeds each rank from the first job's same rank.
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <fstream>
 #include <map>
@@ -60,6 +61,7 @@ class SeedTest : public ::testing::Test {
   struct Served {
     int exit_code = -1;
     std::string socket;  // from serve --detach's output
+    pid_t pid = 0;       // likewise
     std::string log;     // the daemon's log
     std::string err;
   };
@@ -81,6 +83,8 @@ class SeedTest : public ::testing::Test {
     if (at != std::string::npos) {
       served.socket = r.out.substr(at + 7, r.out.find('\n', at) - at - 7);
     }
+    const size_t pid = r.out.find("\npid ");
+    if (pid != std::string::npos) served.pid = std::stoi(r.out.substr(pid + 5));
     return served;
   }
 
@@ -147,6 +151,23 @@ TEST_F(SeedTest, ACacheOfAnotherConfigIsNoPeerAndAnExplicitOneIsRefusedByName) {
   EXPECT_TRUE(Contains(c.log, "revision")) << c.log;
   EXPECT_TRUE(Contains(c.log, "loaded from disk")) << c.log;
   ExpectVerified(dir_.Join("run-c"), 2);
+}
+
+// A hung peer (stopped: its socket accepts, nothing answers) costs the new cache its answer
+// deadline, not its start: it is skipped and the disk load follows.
+TEST_F(SeedTest, AHungPeerIsSkippedAndTheDiskLoadFollows) {
+  const std::string run = dir_.Join("run");
+  const Served a = Serve(run, 0);
+  ASSERT_EQ(a.exit_code, 0) << a.err << a.log;
+  ASSERT_GT(a.pid, 0);
+  ASSERT_EQ(::kill(a.pid, SIGSTOP), 0);
+  // Without the deadline this serve would wait for the peer until ctest's timeout.
+  const Served b = Serve(run, 1, {"--seed-from", "auto"});
+  ::kill(a.pid, SIGCONT);
+  ASSERT_EQ(b.exit_code, 0) << b.err << b.log;
+  EXPECT_TRUE(Contains(b.log, "seed: not from " + a.socket)) << b.log;
+  EXPECT_TRUE(Contains(b.log, "loaded from disk")) << b.log;
+  ExpectVerified(run, 1);
 }
 
 // An explicit socket reaches a cache of our exact identity anywhere, e.g. in another runtime
