@@ -2,9 +2,11 @@
 
 #include <sys/stat.h>
 
+#include <string>
 #include <utility>
 
 #include "identity/paths.h"
+#include "protocol/messages.h"
 
 namespace weightcache::client {
 
@@ -42,8 +44,27 @@ Result<DaemonSession> ConnectPeer(const ResolvedIdentity& identity, const PeerCa
   DiscoveryPolicy policy;
   policy.wait_timeout = wait;
   policy.client_name = "weightcache-seed";
-  WEIGHTCACHE_ASSIGN_OR_RETURN(Discovery found,
-                               Discover(PeerIdentity(identity, peer), policy, nullptr, env));
+  const ResolvedIdentity theirs = PeerIdentity(identity, peer);
+  // A look first, without an Attach (the same trust and config checks): an attach to a demoted
+  // peer would promote it back to its GPU, perhaps evicting other caches under its budget, for
+  // our copy. Only a ready peer is attached. (A peer demoted between the look and the attach
+  // is promoted: the window is one round trip.)
+  {
+    auto look = ConnectPublisher(theirs, policy, env);
+    if (!look.ok()) {
+      if (look.status().code() == StatusCode::kNoDaemon) {
+        return Status(StatusCode::kNoDaemon, "peer cache " + peer.socket + ": no live daemon");
+      }
+      return look.status();
+    }
+    if (look->hello.state != protocol::CacheState::kReady) {
+      return Status(StatusCode::kUnavailable,
+                    "peer cache " + peer.socket + " is " +
+                        std::string(protocol::CacheStateName(look->hello.state)) +
+                        ": only a ready cache seeds");
+    }
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(Discovery found, Discover(theirs, policy, nullptr, env));
   if (!found.session) {
     return Status(found.missing_code, "peer cache " + peer.socket + ": " + found.missing_reason);
   }

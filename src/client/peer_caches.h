@@ -39,8 +39,10 @@ Result<std::vector<PeerCache>> PeerCacheSockets(const ResolvedIdentity& identity
 // Our identity with the peer's paths: what discovery needs to reach `peer` and check it.
 ResolvedIdentity PeerIdentity(const ResolvedIdentity& identity, const PeerCache& peer);
 
-// Discovery of `peer` with our config, within `wait` (a loading peer is waited for that
-// long). The session holds the peer's attach (manifest and allocation fds): ours to map.
+// Discovery of `peer` with our config, within `wait`. A peer that is not ready (loading,
+// demoted to host RAM, draining) is kUnavailable without an attach, so that seeding never
+// promotes a demoted peer. The session holds the peer's attach (manifest and allocation fds):
+// ours to map.
 Result<DaemonSession> ConnectPeer(const ResolvedIdentity& identity, const PeerCache& peer,
                                   std::chrono::milliseconds wait,
                                   const identity::Env& env = identity::Env::Default());
