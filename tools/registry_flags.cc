@@ -357,9 +357,14 @@ Status MapDeviceMemory(const identity::DeviceInfo& info, std::span<const int> fd
     options->regions.push_back(
         {reinterpret_cast<const void*>(a.ptr), a.size, fleet::RegionMemory::kCuda});
   }
+  // By value: `source` is moved once the server runs (the handle stays retained by it).
+  options->on_progress_thread = [api, current = context.get()]() -> Status {
+    const CUresult rc = api->cuCtxSetCurrent(current);
+    return rc == CUDA_SUCCESS ? Status::Ok()
+                              : cuda::DriverError(api, rc, "cuCtxSetCurrent (fill source)");
+  };
   source->context.emplace(std::move(context));
   source->device.emplace(std::move(arena));
-  options->on_progress_thread = [context = &*source->context] { return context->MakeCurrent(); };
   return Status::Ok();
 }
 
