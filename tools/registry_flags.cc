@@ -408,17 +408,6 @@ Result<ServeRegistration::FillSource> StartFillSource(
   return source;
 }
 
-std::string ManifestDigest(const daemon::ManifestFile& manifest) {
-  if (!manifest.fd.valid() || manifest.size == 0) return "";
-  auto mapping = os::ReadOnlyMapping::Map(manifest.fd.get(), "the cache manifest");
-  if (!mapping.ok() || mapping->size() < manifest.size) {
-    LOG_WARN << "registry: no manifest digest: "
-             << (mapping.ok() ? std::string("short manifest") : mapping.status().ToString());
-    return "";
-  }
-  return Sha256Hex(std::string_view(reinterpret_cast<const char*>(mapping->data()), manifest.size));
-}
-
 }  // namespace
 
 void ServeRegistration::StartFillSourceLocked(std::span<const int> fds) {
@@ -435,10 +424,18 @@ void ServeRegistration::StartFillSourceLocked(std::span<const int> fds) {
 }
 
 void ServeRegistration::Ready(const daemon::StoreSummary& summary, std::span<const int> fds) {
-  const std::string manifest_digest = ManifestDigest(summary.manifest);
+  // The manifest, read once: its digest goes into the entry, its bytes into the fill source's
+  // hello.
+  auto manifest = ReadManifest(summary.manifest);
+  std::string manifest_digest;
+  if (manifest.ok()) {
+    manifest_digest = Sha256Hex(
+        std::string_view(reinterpret_cast<const char*>(manifest->data()), manifest->size()));
+  } else {
+    LOG_WARN << "registry: no manifest digest: " << manifest.status().ToString();
+  }
   MutexLock lock(mu_);
   if (!flags_.fill_serve.empty()) {
-    auto manifest = ReadManifest(summary.manifest);
     if (manifest.ok()) {
       manifest_ = std::move(manifest).value();
       StartFillSourceLocked(fds);

@@ -227,21 +227,16 @@ Result<std::unique_ptr<ArenaServer>> ArenaServer::Start(ArenaServerOptions optio
   Hello hello;
   hello.manifest = s.options.manifest;
   for (const ServedRegion& region : s.options.regions) {
-    ucp_mem_map_params_t params{};
-    params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-    params.address = const_cast<void*>(region.data);  // registered for remote reads only
-    params.length = region.bytes;
-    if (region.memory == RegionMemory::kCuda) {
-      params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
-      params.memory_type = UCS_MEMORY_TYPE_CUDA;
-    }
-    ucp_mem_h memh = nullptr;
-    ucs_status_t status = ucp_mem_map(s.context.get(), &params, &memh);
-    if (status != UCS_OK) return ucx::UcxError("arena server: ucp_mem_map", status);
-    s.memory.emplace_back(s.context.get(), memh);
+    // Registered for remote reads only.
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        ucx::UcpMem memory,
+        ucx::MapMemory(s.context.get(), const_cast<void*>(region.data), region.bytes,
+                       region.memory == RegionMemory::kCuda, "arena server"));
+    const ucp_mem_h memh = memory.get();
+    s.memory.push_back(std::move(memory));
     void* packed = nullptr;
     size_t packed_bytes = 0;
-    status = ucp_rkey_pack(s.context.get(), memh, &packed, &packed_bytes);
+    ucs_status_t status = ucp_rkey_pack(s.context.get(), memh, &packed, &packed_bytes);
     if (status != UCS_OK) return ucx::UcxError("arena server: ucp_rkey_pack", status);
     HelloRegion& out = hello.regions.emplace_back();
     out.remote_address = reinterpret_cast<uintptr_t>(region.data);
@@ -678,18 +673,11 @@ class Fetch {
         destination_memory_.emplace_back(context_.get(), nullptr);
         continue;
       }
-      ucp_mem_map_params_t params{};
-      params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                          UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
-      params.address = region.data;
-      params.length = region.bytes;
-      params.memory_type = UCS_MEMORY_TYPE_CUDA;
-      ucp_mem_h memh = nullptr;
-      const ucs_status_t status = ucp_mem_map(context_.get(), &params, &memh);
-      if (status != UCS_OK) {
-        return ucx::UcxError("arena fetch: registering a CUDA destination region", status);
-      }
-      destination_memory_.emplace_back(context_.get(), memh);
+      WEIGHTCACHE_ASSIGN_OR_RETURN(
+          ucx::UcpMem memory,
+          ucx::MapMemory(context_.get(), region.data, region.bytes, /*cuda=*/true,
+                         "arena fetch: registering a CUDA destination region"));
+      destination_memory_.push_back(std::move(memory));
     }
     return Status::Ok();
   }

@@ -67,6 +67,22 @@ Status CheckMemoryType(ucp_context_h context, ucs_memory_type_t type) {
                     "libucx-cu13 has them)");
 }
 
+Result<UcpMem> MapMemory(ucp_context_h context, void* address, size_t bytes, bool cuda,
+                         const std::string& what) {
+  ucp_mem_map_params_t params{};
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = address;
+  params.length = bytes;
+  if (cuda) {
+    params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    params.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
+  ucp_mem_h memh = nullptr;
+  const ucs_status_t status = ucp_mem_map(context, &params, &memh);
+  if (status != UCS_OK) return UcxError(what + ": ucp_mem_map", status);
+  return UcpMem(context, memh);
+}
+
 Result<UcpWorker> CreateWorker(ucp_context_h context, Threading threading) {
   ucp_worker_params_t params{};
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;

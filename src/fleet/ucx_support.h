@@ -69,6 +69,11 @@ Result<UcpContext> CreateContext();
 // Ok when `context` can register and move memory of `type` (ucp_context_query's memory types);
 // kUnavailable naming the type and this UCX's version otherwise (Debian's UCX has no CUDA).
 Status CheckMemoryType(ucp_context_h context, ucs_memory_type_t type);
+// Registers `bytes` at `address` with `context` (ucp_mem_map), as CUDA device memory when
+// `cuda` (UCS_MEMORY_TYPE_CUDA; the caller checked CheckMemoryType first). `what` names the
+// region in the error.
+Result<UcpMem> MapMemory(ucp_context_h context, void* address, size_t bytes, bool cuda,
+                         const std::string& what);
 enum class Threading { kSingle, kMulti };
 Result<UcpWorker> CreateWorker(ucp_context_h context, Threading threading);
 
