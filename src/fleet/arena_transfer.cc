@@ -232,7 +232,7 @@ Result<std::unique_ptr<ArenaServer>> ArenaServer::Start(ArenaServerOptions optio
         ucx::UcpMem memory,
         ucx::MapMemory(s.context.get(), const_cast<void*>(region.data), region.bytes,
                        region.memory == RegionMemory::kCuda, "arena server"));
-    const ucp_mem_h memh = memory.get();
+    ucp_mem_h memh = memory.get();
     s.memory.push_back(std::move(memory));
     void* packed = nullptr;
     size_t packed_bytes = 0;
