@@ -319,9 +319,19 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
   run_bench 180 restart_bench --work "$work/restart-behind" --reps 3 --clients 8 \
     --adopt-verify behind
   [[ -z ${BENCH_WORK:-} ]] && rm -rf "$work"
-  # Issue 16 at full size: three 16 GB caches under a 40 GB gpu budget, demotion, promotion
-  # and a verified attach, with real daemons and the CLI (scripts/gpu-budget.sh; its lines in
-  # summary.txt start with "budget:"). BENCHES names it "gpu_budget".
+  # One of the scripts of real daemons and the CLI (scripts/gpu-*.sh), with its own timeout,
+  # its log under $OUT and its headline lines appended to summary.txt by itself.
+  run_script() {  # label timeout log script [VAR=value...]
+    local label=$1 limit=$2 script_log=$3 script=$4 t0
+    shift 4
+    t0=$(date +%s)
+    if env OUT="$OUT" BUILD_DIR="$build" "$@" timeout --kill-after=10 "$limit" "$script"; then
+      say "bench $label: ok ($(($(date +%s) - t0)) s)"
+    else
+      say "bench $label: FAILED ($script_log)"
+      bench_ok=0
+    fi
+  }
   # Whether the daemons' demotions pay for host memory touched for the first time (a VM whose
   # memory is backed as it is first used): the host write passes alone on this fresh machine
   # (the first takes new memory, the next ones reuse it), then gpu-budget.sh twice, its second
@@ -329,14 +339,8 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
   if [[ " ${BENCHES:-} " == *" budget_fresh_warm "* ]]; then
     run_bench_exe 60 demote_bench --host-write-only --gib 16 --host-write-passes 3
     for run in fresh warm; do
-      t0=$(date +%s)
-      if OUT=$OUT BUILD_DIR=$build LABEL=budget-$run timeout --kill-after=10 240 \
-        scripts/gpu-budget.sh; then
-        say "bench gpu_budget ($run): ok ($(($(date +%s) - t0)) s)"
-      else
-        say "bench gpu_budget ($run): FAILED (budget-$run.log)"
-        bench_ok=0
-      fi
+      run_script "gpu_budget ($run)" 240 "budget-$run.log" scripts/gpu-budget.sh \
+        LABEL="budget-$run"
     done
     run_bench_exe 60 demote_bench --host-write-only --gib 16 --host-write-passes 2
   fi
@@ -348,23 +352,14 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
     if [[ -z ${ucx_wheel:-} ]]; then
       say "bench gpu_fill: skipped (no CUDA-enabled UCX staged: scripts/stage-device-deps.sh)"
     else
-      t0=$(date +%s)
-      if OUT=$OUT BUILD_DIR=$build timeout --kill-after=10 300 scripts/gpu-fill.sh; then
-        say "bench gpu_fill: ok ($(($(date +%s) - t0)) s)"
-      else
-        say "bench gpu_fill: FAILED (fill.log)"
-        bench_ok=0
-      fi
+      run_script gpu_fill 300 fill.log scripts/gpu-fill.sh
     fi
   fi
+  # Issue 16 at full size: three 16 GB caches under a 40 GB gpu budget, demotion, promotion
+  # and a verified attach, with real daemons and the CLI (scripts/gpu-budget.sh; its lines in
+  # summary.txt start with "budget:"). BENCHES names it "gpu_budget".
   if [[ -z ${BENCHES:-} || " $BENCHES " == *" gpu_budget "* ]]; then
-    t0=$(date +%s)
-    if OUT=$OUT BUILD_DIR=$build timeout --kill-after=10 240 scripts/gpu-budget.sh; then
-      say "bench gpu_budget: ok ($(($(date +%s) - t0)) s)"
-    else
-      say "bench gpu_budget: FAILED (budget.log)"
-      bench_ok=0
-    fi
+    run_script gpu_budget 240 budget.log scripts/gpu-budget.sh
   fi
 
   if grep -q '"error"' "$OUT/bench.jsonl"; then
