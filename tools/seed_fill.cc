@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -18,6 +19,7 @@
 #include "identity/device_inventory.h"
 #include "identity/paths.h"
 #include "os/memfd.h"
+#include "os/read_file.h"
 
 namespace weightcache::cli {
 namespace {
@@ -113,6 +115,15 @@ Status CopyDevicePeer(const identity::ResolvedIdentity& identity,
   return Status::Ok();
 }
 
+// Test seam (tests/integration/seed_test.cc): with WEIGHTCACHE_TEST_SEED_PAUSE_FIFO naming a
+// FIFO, the seed, once it holds the peer's fds and before it copies, opens that FIFO and reads
+// it to its end. A test kills the peer there: the fds keep its memory, so the copy goes on.
+void PauseBeforeCopyForTest() {
+  const char* fifo = std::getenv("WEIGHTCACHE_TEST_SEED_PAUSE_FIFO");
+  if (fifo == nullptr || *fifo == '\0') return;
+  os::WaitForFifoEof(fifo);
+}
+
 // One peer: its attach, its manifest offered to accept(), its bytes copied. The description
 // of what was copied.
 Result<daemon::FillOutcome> SeedFromPeer(const identity::ResolvedIdentity& identity,
@@ -130,6 +141,7 @@ Result<daemon::FillOutcome> SeedFromPeer(const identity::ResolvedIdentity& ident
   }
   LOG_INFO << "seed: copying from the peer cache of " << peer.device_key << " (" << peer.socket
            << ", pid " << session.pid << ")";
+  PauseBeforeCopyForTest();
   WEIGHTCACHE_RETURN_IF_ERROR(request.memory == daemon::FillMemory::kDevice
                                   ? CopyDevicePeer(identity, request, session)
                                   : CopyHostPeer(request, session));

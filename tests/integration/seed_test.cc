@@ -3,16 +3,23 @@
 // inventory file) give the caches their device keys: the host-tier cache of one identity with
 // affinity to GPU 0 seeds the same identity's cache on GPU 1, which never reads its tensors
 // from disk and verifies; a cache of another config is never a peer (auto) and is refused
-// by name (explicit socket); a second TP=2 job seeds each rank from the first job's same rank.
+// by name (explicit socket); a hung peer is skipped, and a peer killed mid-seed still seeds us
+// (our fds keep its memory); a second TP=2 job seeds each rank from the first job's same rank.
+#include <errno.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 
+#include <chrono>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "common/unique_fd.h"
 #include "integration/daemon_process.h"
 #include "support/test_env.h"
 
@@ -67,14 +74,17 @@ class SeedTest : public ::testing::Test {
   };
   // `serve --detach` of the host-tier cache of our checkpoint with affinity to fake GPU
   // `device`, under `run`, then `extra`; returns once it is ready (or failed).
-  Served Serve(const std::string& run, int device, std::vector<std::string> extra = {}) {
+  // `env`: the serve's environment beyond the log level.
+  Served Serve(const std::string& run, int device, std::vector<std::string> extra = {},
+               std::vector<std::string> env = {}) {
     runtimes_.push_back(run);
     const std::string log = dir_.Join("serve-" + std::to_string(serves_++) + ".log");
     std::vector<std::string> argv =
         Command("serve", {"--device", std::to_string(device), "--runtime-dir", run, "--threads",
                           "2", "--no-keeper", "--detach", "--log-file", log});
     argv.insert(argv.end(), extra.begin(), extra.end());
-    const CommandResult r = RunCommand(argv, {"WEIGHTCACHE_LOG_LEVEL=info"});
+    env.emplace_back("WEIGHTCACHE_LOG_LEVEL=info");
+    const CommandResult r = RunCommand(argv, env);
     Served served;
     served.exit_code = r.exit_code;
     served.err = r.err;
@@ -167,6 +177,49 @@ TEST_F(SeedTest, AHungPeerIsSkippedAndTheDiskLoadFollows) {
   ASSERT_EQ(b.exit_code, 0) << b.err << b.log;
   EXPECT_TRUE(Contains(b.log, "seed: not from " + a.socket)) << b.log;
   EXPECT_TRUE(Contains(b.log, "loaded from disk")) << b.log;
+  ExpectVerified(run, 1);
+}
+
+// A peer killed (-9) once the seed holds its fds, before the copy (the daemon's test seam holds
+// the seed there): the fds keep the peer's memory, so the copy goes on from them, is checked
+// like any fill, and our cache is served with the peer's bytes, not the disk's.
+TEST_F(SeedTest, APeerKilledBeforeTheCopyLeavesItsMemoryToTheSeed) {
+  const std::string run = dir_.Join("run");
+  const Served a = Serve(run, 0);
+  ASSERT_EQ(a.exit_code, 0) << a.err << a.log;
+  ASSERT_GT(a.pid, 0);
+  const std::string fifo = dir_.Join("seed.fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << errno;
+  Served b;
+  std::thread serve_b([&] {
+    b = Serve(run, 1, {"--seed-from", "auto"}, {"WEIGHTCACHE_TEST_SEED_PAUSE_FIFO=" + fifo});
+  });
+  // Opening the FIFO's write end without blocking succeeds once B waits on its read end. No
+  // ASSERT until the join: B's serve must always be let go.
+  UniqueFd writer;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!writer && std::chrono::steady_clock::now() < until) {
+    writer = UniqueFd(::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC));
+    if (!writer) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(writer) << "B never held the peer's fds";
+  bool a_gone = false;
+  if (writer) {
+    EXPECT_EQ(::kill(a.pid, SIGKILL), 0) << errno;
+    // A detached daemon is not our child: gone once the kernel no longer knows its pid.
+    while (!a_gone && std::chrono::steady_clock::now() < until) {
+      a_gone = ::kill(a.pid, 0) != 0 && errno == ESRCH;
+      if (!a_gone) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_TRUE(a_gone) << "A (pid " << a.pid << ") outlived SIGKILL";
+  }
+  writer.Reset();  // B reads EOF and copies
+  serve_b.join();
+  ASSERT_TRUE(a_gone);
+  ASSERT_EQ(b.exit_code, 0) << b.err << b.log;
+  EXPECT_TRUE(Contains(b.log, "filled from the peer cache of " + FakeGpuUuid(0) + " (" + a.socket))
+      << b.log;
+  EXPECT_FALSE(Contains(b.log, "loading from disk")) << b.log;
   ExpectVerified(run, 1);
 }
 
