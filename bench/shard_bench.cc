@@ -30,8 +30,10 @@
 //
 //   shard_bench [--work DIR] [--reps N] [--device I] [--threads T] [--tp N] [--layers L]
 //               [--vocab V] [--tier gpu|host]
-//   shard_bench --write-only DIR [--tp N] [--layers L] [--vocab V]   (no GPU: the checkpoint
-//               and its plan, e.g. `--layers 2 --vocab 1024` for a small one)
+//   shard_bench --write-only DIR [--tp N] [--layers L] [--vocab V] [--content zeros|random]
+//               (no GPU: the checkpoint and its plan, e.g. `--layers 2 --vocab 1024` for a
+//               small one; `--content random`: every tensor a different window of one random
+//               buffer, for the scripts that check copied bytes, which zeros cannot prove)
 //   shard_bench --probe-mem UUID                                     (internal)
 //
 // `--tier host` runs the same phases with host-tier daemons, no GPU and no device probe (each
@@ -207,23 +209,32 @@ nlohmann::json LlamaConfig(const LlamaShape& s) {
 
 // Writes the tensors of the spec file (argv[2]) with the safetensors library into `shards`
 // files of about equal bytes, in spec order, named and indexed as Hugging Face does, and the
-// spec's config.json. Every tensor points at one zero buffer: generation costs only the write.
+// spec's config.json. Every tensor points into one buffer, so generation costs only the write:
+// zeros, or (argv[4] "random") random bytes of which each tensor takes a window at its own
+// offset, so that no two tensors of one size are equal and a misplaced one shows.
 constexpr char kWriter[] = R"PY(
 import json, math, os, sys, time
 import numpy as np
 import safetensors
-out, spec_path, shards = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out, spec_path, shards, content = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 with open(spec_path) as f:
     spec = json.load(f)
 tensors = spec["tensors"]
 sizes = [2 * math.prod(t["shape"]) for t in tensors]
 total = sum(sizes)
 os.makedirs(out, exist_ok=True)
-buf = np.zeros(max(sizes), dtype=np.uint8)
+slack = 1 << 20
+if content == "random":
+    rng = np.random.default_rng(20261205)
+    buf = np.frombuffer(rng.bytes(max(sizes) + slack), dtype=np.uint8)
+else:
+    buf = np.zeros(max(sizes) + slack, dtype=np.uint8)
+def window(k):  # tensor k's offset into buf (even: whole bf16 values)
+    return 0 if content != "random" else (k * 8198) % slack
 groups = [[] for _ in range(shards)]
 start = 0
-for t, n in zip(tensors, sizes):
-    groups[min(shards - 1, start * shards // total)].append((t, n))
+for k, (t, n) in enumerate(zip(tensors, sizes)):
+    groups[min(shards - 1, start * shards // total)].append((t, n, k))
     start += n
 groups = [g for g in groups if g]
 weight_map = {}
@@ -231,16 +242,16 @@ t0 = time.time()
 for i, group in enumerate(groups):
     name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
     specs = {t["name"]: safetensors.TensorSpec(dtype="bfloat16", shape=t["shape"],
-                                               data_ptr=buf.ctypes.data, data_len=n)
-             for t, n in group}
+                                               data_ptr=buf.ctypes.data + window(k), data_len=n)
+             for t, n, k in group}
     safetensors.serialize_file(specs, os.path.join(out, name), metadata={"format": "pt"})
-    weight_map.update({t["name"]: name for t, _ in group})
+    weight_map.update({t["name"]: name for t, _, _ in group})
 with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 with open(os.path.join(out, "config.json"), "w") as f:
     json.dump(spec["config"], f, indent=2)
 print(json.dumps({"files": len(groups), "write_s": time.time() - t0,
-                  "safetensors": safetensors.__version__}))
+                  "safetensors": safetensors.__version__, "content": content}))
 )PY";
 
 uint64_t TotalBytes(const std::vector<TensorSpec>& specs) {
@@ -252,7 +263,8 @@ uint64_t TotalBytes(const std::vector<TensorSpec>& specs) {
 // Writes the checkpoint of `shape` into `dir` and checks what Checkpoint::Open reads back:
 // the tensor count, the total bytes, and each tensor's name, dtype (BF16) and shape. The
 // "checkpoint" record.
-Result<nlohmann::json> WriteCheckpoint(const std::string& dir, const LlamaShape& shape) {
+Result<nlohmann::json> WriteCheckpoint(const std::string& dir, const LlamaShape& shape,
+                                       bool random_content = false) {
   const std::vector<TensorSpec> specs = LlamaTensors(shape);
   nlohmann::json spec = {{"config", LlamaConfig(shape)}, {"tensors", nlohmann::json::array()}};
   for (const TensorSpec& t : specs) {
@@ -270,7 +282,9 @@ Result<nlohmann::json> WriteCheckpoint(const std::string& dir, const LlamaShape&
        std::to_string(TotalBytes(specs) / kMiB) + " MiB, into " + dir);
   int code = 0;
   nlohmann::json wrote = CaptureJson(
-      {WEIGHTCACHE_PYTHON, "-c", kWriter, dir, spec_path, std::to_string(kShardFiles)}, &code);
+      {WEIGHTCACHE_PYTHON, "-c", kWriter, dir, spec_path, std::to_string(kShardFiles),
+       random_content ? "random" : "zeros"},
+      &code);
   fs::remove(spec_path);
   if (code != 0 || wrote.is_discarded()) {
     return InternalError("writing the checkpoint into " + dir +
@@ -303,6 +317,7 @@ Result<nlohmann::json> WriteCheckpoint(const std::string& dir, const LlamaShape&
                         {"files", ckpt.shards().size()},
                         {"write_s", wrote["write_s"]},
                         {"safetensors", wrote["safetensors"]},
+                        {"content", wrote["content"]},
                         {"layers", shape.layers},
                         {"vocab", shape.vocab}};
 }
@@ -685,11 +700,12 @@ struct Args {
   uint32_t tp = 4;
   Tier tier = Tier::kGpu;
   LlamaShape shape;
+  bool random_content = false;  // --content random
 };
 
 // `--write-only DIR`: the checkpoint and its plan, no GPU.
 int WriteOnlyMain(const Args& args) {
-  auto wrote = WriteCheckpoint(args.write_only, args.shape);
+  auto wrote = WriteCheckpoint(args.write_only, args.shape, args.random_content);
   if (!wrote.ok()) {
     Emit({{"phase", "checkpoint"}, {"error", wrote.status().ToString()}});
     return 1;
@@ -852,7 +868,8 @@ std::optional<uint64_t> Positive(const std::string& v) {
 constexpr char kUsage[] =
     "usage: shard_bench [--work DIR] [--reps N] [--device I] [--threads T] [--tp N] "
     "[--layers L] [--vocab V] [--tier gpu|host]\n"
-    "       shard_bench --write-only DIR [--tp N] [--layers L] [--vocab V]\n";
+    "       shard_bench --write-only DIR [--tp N] [--layers L] [--vocab V] "
+    "[--content zeros|random]\n";
 
 int Main(const std::vector<std::string>& a) {
   if (a.size() == 2 && a[0] == "--probe-mem") return ProbeMemMain(a[1]);
@@ -870,6 +887,15 @@ int Main(const std::vector<std::string>& a) {
     }
     if (k == "--write-only") {
       args.write_only = v;
+      continue;
+    }
+    if (k == "--content") {
+      if (v != "zeros" && v != "random") {
+        std::fprintf(stderr, "shard_bench: --content: expected zeros or random, got \"%s\"\n",
+                     v.c_str());
+        return 2;
+      }
+      args.random_content = v == "random";
       continue;
     }
     if (k == "--tier") {

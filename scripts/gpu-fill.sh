@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The gpu tier's fleet fill (issue 19) on one GPU, with real daemons and the CLI: two daemons
 # with separate runtime dirs on the same device emulate two nodes. Node A serves a 16 GB cache
-# (the Llama-3-8B shape that bench/shard_bench writes) with `--fill-serve`; node B starts with
+# (the Llama-3-8B shape that bench/shard_bench writes, with random bytes: every tensor its own,
+# so that a copy that missed or misplaced one fails the checks) with `--fill-serve`; node B starts with
 # `--fill-from A`, pulls A's device memory over UCX's CUDA support into its own VMM arena,
 # checks it (every tensor's checksum by the GPU kernel, a sample of its own checkpoint) and is
 # ready without reading the checkpoint. Measured against the device-to-device copy of the same
@@ -71,7 +72,7 @@ if [[ ! -x $wc ]] || ! "$wc" serve --help 2>/dev/null | grep -q -- "--fill-from"
 fi
 model=$WORK/model
 echo "== writing the 16 GB checkpoint" >>"$log"
-if ! "$build/bench/shard_bench" --write-only "$model" >>"$log" 2>&1; then
+if ! "$build/bench/shard_bench" --write-only "$model" --content random >>"$log" 2>&1; then
   fail "writing the checkpoint (shard_bench --write-only) failed"
   exit 1
 fi

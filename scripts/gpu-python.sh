@@ -17,6 +17,8 @@
 #    kill -9, the restart adopts the kept memory, engine B attaches; both equal the reference);
 # 3c. many models per GPU (issue 16): gpu_model_check.py budget (demotion by a second cache's
 #    admission, promotion by an engine's attach, the engine equals the reference);
+# 3f. peer seeding (issue 18, two GPUs only): gpu_model_check.py seed (GPU 1's cache seeded
+#    from GPU 0's; an engine on GPU 1 equals the reference);
 # 3d. the same at 16 GB (a Llama-3-8B-shaped checkpoint), restarted with --adopt-verify behind,
 #    then an upgrade handoff with engine A attached: $OUT/python-keeper-8b.json;
 # 3e. bench/py_restart_bench.py on the same checkpoint (issue 14 part 5): fresh processes to a
@@ -263,6 +265,20 @@ else
         --reference "$work/reference.json" --runtime-dir "$budget_runtime" \
         --cli "$WEIGHTCACHE_CLI" --device "$uuid" &&
       say "python budget: PASS $(grep -E '^\{"budget_check"' "$log" | tail -1)"
+  fi
+  # 3f. peer seeding (issue 18; two GPUs): the model served on GPU 0, GPU 1's cache seeded
+  #     from it (serve --seed-from auto); an engine with CUDA_VISIBLE_DEVICES=<GPU 1> attaches
+  #     to the seeded cache and must generate the reference's tokens and logits.
+  uuid1=$("$WEIGHTCACHE_CLI" devices --json 2>>"$log" |
+    "$py" -c 'import json,sys; d = json.load(sys.stdin)["devices"]; print(d[1]["uuid"] if len(d) > 1 else "")' 2>>"$log")
+  if [[ -f $work/reference.json && -n $uuid1 ]]; then
+    seed_runtime=$(mktemp -d /tmp/wcs.XXXXXX)
+    step seed "$py" "$check" seed --model "$model" --reference "$work/reference.json" \
+      --runtime-dir "$seed_runtime" --cli "$WEIGHTCACHE_CLI" --device0 "$uuid" --device1 "$uuid1" &&
+      say "python seed: PASS $(grep -E '^\{"seed_check"' "$log" | tail -1)"
+    rm -rf "$seed_runtime"
+  elif [[ -z $uuid1 ]]; then
+    say "python seed: skipped (one GPU visible; the engine-on-a-seeded-GPU check needs 2)"
   fi
   # 3d. crash survival at 16 GB (issue 15): the same check on a Llama-3-8B-shaped checkpoint
   #     (291 tensors, 16.06 GB, 4 shards), restarted with --adopt-verify behind (ready, then the

@@ -32,7 +32,8 @@
 #        repetitions; "demote_staging", run only when named, the staged demotion with 1 to
 #        16 MiB staging buffers; "gpu_fill", scripts/gpu-fill.sh (two daemons, one fills its
 #        16 GB gpu-tier cache from the other over UCX's CUDA support; needs the staged
-#        libucx-cu13 wheel); "budget_fresh_warm", run only when named, demote_bench's host
+#        libucx-cu13 wheel); "gpu_seed", scripts/gpu-seed.sh (two GPUs: GPU 1's 16 GB cache
+#        seeded from GPU 0's; skipped with one GPU); "budget_fresh_warm", run only when named, demote_bench's host
 #        write passes alone, then gpu-budget.sh twice (fresh host memory, then reused); "rss_64", run
 #        only when named, gpu_attach_bench's daemon at 64 GiB and 291 tensors: its VmHWM),
 #        BENCH_WORK (scratch for the benches' checkpoints; default a temp dir, removed).
@@ -354,6 +355,13 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
     else
       run_script gpu_fill 300 fill.log scripts/gpu-fill.sh
     fi
+  fi
+  # Issue 18 on two GPUs: GPU 1's cache seeded from GPU 0's over NVLink, whole and TP=2 rank
+  # for rank, against P2P, the page-cache and the disk load of the same run
+  # (scripts/gpu-seed.sh; its lines in summary.txt start with "seed:"; with one GPU it says
+  # "skipped"). BENCHES names it "gpu_seed".
+  if [[ -z ${BENCHES:-} || " $BENCHES " == *" gpu_seed "* ]]; then
+    run_script gpu_seed 300 seed.log scripts/gpu-seed.sh
   fi
   # Issue 16 at full size: three 16 GB caches under a 40 GB gpu budget, demotion, promotion
   # and a verified attach, with real daemons and the CLI (scripts/gpu-budget.sh; its lines in

@@ -43,6 +43,14 @@
                                    first to host RAM (`ls`: demoted, host); an engine attaching
                                    to the first promotes it back (the second is demoted to make
                                    room) and must give the reference's tokens and logits.
+  seed --model DIR --reference F --runtime-dir R --cli PATH --device0 UUID --device1 UUID
+                                   (issue 18, two GPUs) `serve` on device0, then `serve
+                                   --seed-from auto` on device1, which must copy device0's
+                                   cache (its log: "filled from the peer cache of <device0>")
+                                   instead of reading the disk; an engine started with
+                                   CUDA_VISIBLE_DEVICES=<device1> (its cuda:0 is device1, whose
+                                   daemon it finds by that UUID) attaches to the seeded cache and
+                                   must give the reference's tokens and logits.
 
 Weights not in the checkpoint: rotary inv_freq (a non-persistent buffer) is recomputed on the
 GPU by re-creating the rotary module; tied embeddings are re-tied (model.tie_weights()).
@@ -665,6 +673,66 @@ def cmd_budget(args):
         sys.exit(1)
 
 
+def cmd_seed(args):
+    """GPU 1's cache seeded from GPU 0's; an engine on GPU 1 generates from the seeded memory."""
+    import subprocess
+
+    procs = []
+    failures = []
+
+    def serve(device: str, log: str, *extra: str):
+        cmd = [args.cli, "serve", "--model", args.model, "--tier", "gpu", "--device", device,
+               "--runtime-dir", args.runtime_dir, "--no-keeper", *extra]
+        p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        procs.append(p)
+        wait_for(lambda: "ready:" in read_text(log) or p.poll() is not None, 120,
+                 f"serve on {device}: not ready after 120 s")
+        if p.poll() is not None:
+            raise RuntimeError(f"serve on {device} exited {p.returncode}: {read_text(log)[-2000:]}")
+        return p
+
+    logs = {d: os.path.join(args.runtime_dir, f"serve-{d}.log") for d in ("gpu0", "gpu1")}
+    try:
+        serve(args.device0, logs["gpu0"])
+        t0 = time.perf_counter()
+        b = serve(args.device1, logs["gpu1"], "--seed-from", "auto")
+        seed_serve_s = time.perf_counter() - t0
+        seeded = line_with(read_text(logs["gpu1"]), "filled from the peer cache of " + args.device0)
+        if not seeded:
+            failures.append("the cache on device1 was not seeded from device0: "
+                            + read_text(logs["gpu1"])[-1500:])
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=args.device1)
+        r = subprocess.run([sys.executable, __file__, "attach", "--model", args.model,
+                            "--reference", args.reference, "--runtime-dir", args.runtime_dir],
+                           capture_output=True, text=True, env=env)
+        lines = r.stdout.strip().splitlines()
+        engine = json.loads(lines[-1]) if lines else {}
+        if r.returncode != 0:
+            failures.append(f"the engine on device1 failed: {r.stderr[-2000:]}")
+        if not (engine.get("tokens_equal") and engine.get("logits_equal")):
+            failures.append("the engine on device1: tokens/logits differ from the disk-loaded "
+                            "model")
+        if engine.get("device_uuid") != args.device1:
+            failures.append(f"the engine attached on {engine.get('device_uuid')}, not device1")
+        if engine.get("daemon_pid") != b.pid:
+            failures.append(f"the engine attached to pid {engine.get('daemon_pid')}, not the "
+                            f"seeded daemon {b.pid}")
+        print(json.dumps({"seed_check": {
+            "device0": args.device0, "device1": args.device1,
+            "seeded": seeded.split("filled from ", 1)[-1],
+            "seed_serve_s": round(seed_serve_s, 3),
+            "engine": {k: engine.get(k) for k in ("tokens_equal", "logits_equal",
+                                                  "load_state_dict_ms", "device_uuid")}}}))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+    if failures:
+        print("FAIL: " + "; ".join(failures), file=sys.stderr)
+        sys.exit(1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -703,8 +771,15 @@ def main():
     bu.add_argument("--demote", choices=("host", "host-pinned"), default="host-pinned",
                     help="serve's --demote for both caches (host-pinned: the promotion must "
                          "copy from the pinned host copy)")
+    se = sub.add_parser("seed")
+    se.add_argument("--model", required=True)
+    se.add_argument("--reference", required=True)
+    se.add_argument("--runtime-dir", required=True)
+    se.add_argument("--cli", required=True)
+    se.add_argument("--device0", required=True, help="the UUID of the GPU that serves first")
+    se.add_argument("--device1", required=True, help="the UUID of the GPU seeded from it")
     args = p.parse_args()
-    {"make": cmd_make, "budget": cmd_budget, "reference": cmd_reference, "attach": cmd_attach,
+    {"make": cmd_make, "budget": cmd_budget, "seed": cmd_seed, "reference": cmd_reference, "attach": cmd_attach,
      "shard-attach": cmd_shard_attach, "keeper": cmd_keeper}[args.cmd](args)
 
 
