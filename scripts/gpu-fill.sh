@@ -29,7 +29,10 @@
 # headline lines, each starting with "fill:", to $OUT/summary.txt.
 # Knobs: OUT (./gpu-out), BUILD_DIR (build-gpu), WORK (the checkpoint's dir; default on
 # /dev/shm when it has 20 GB free), UCX_VARIANTS (space-separated UCX_TLS values; "default"
-# leaves UCX_TLS unset), UCX_PERFTEST (its path; default the wheel's under BUILD_DIR).
+# leaves UCX_TLS unset), UCX_PERFTEST (its path; default the wheel's under BUILD_DIR),
+# DRY_RUN=host (no GPU: the same steps on the host tier over a fake GPU (a device inventory)
+# and a small checkpoint, over UCX's host transports ("default tcp"), without the D2D limit: a
+# rehearsal of this script's own logic on a CPU machine, e.g. BUILD_DIR=build).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-out}
@@ -44,6 +47,20 @@ fail() {
   say "fill: FAIL: $*"
   failures=$((failures + 1))
 }
+
+tier=gpu
+write_args=()
+default_variants="default ^cuda_ipc sm,cuda_copy tcp,cuda_copy"
+if [[ ${DRY_RUN:-} == host ]]; then
+  tier=host
+  write_args=(--layers 2 --vocab 1024)
+  default_variants="default tcp"
+  inventory=$(mktemp /tmp/wcfill-inventory-XXXXXX.json)
+  echo '[{"index": 0, "uuid": "GPU-00000000-0000-0000-0000-000000000000", "name": "Fake H200",
+    "memory_bytes": 150000000000}]' >"$inventory"
+  export WEIGHTCACHE_DEVICE_INVENTORY=$inventory
+  say "fill: DRY_RUN=host: the host tier over a fake GPU, a small checkpoint, no D2D limit"
+fi
 
 if [[ -z ${WORK:-} ]]; then
   if (($(df --output=avail -B1 /dev/shm | tail -1) > 20000000000)); then
@@ -62,7 +79,7 @@ cleanup() {
     echo "==== $(basename "$f")" >>"$log"
     cat "$f" >>"$log"
   done
-  rm -rf "$WORK" "$run_a" "$run_b"
+  rm -rf "$WORK" "$run_a" "$run_b" "${inventory:-}"
 }
 trap cleanup EXIT
 
@@ -72,14 +89,15 @@ if [[ ! -x $wc ]] || ! "$wc" serve --help 2>/dev/null | grep -q -- "--fill-from"
 fi
 model=$WORK/model
 echo "== writing the 16 GB checkpoint" >>"$log"
-if ! "$build/bench/shard_bench" --write-only "$model" --content random >>"$log" 2>&1; then
+if ! "$build/bench/shard_bench" --write-only "$model" --content random "${write_args[@]}" \
+  >>"$log" 2>&1; then
   fail "writing the checkpoint (shard_bench --write-only) failed"
   exit 1
 fi
 bytes=$(du -sb "$model" | cut -f1)
 
 # 1. The device's own copy rate, the limit a fill on one GPU is measured against.
-d2d=$(python3 - <<'PY' 2>>"$log"
+[[ $tier == gpu ]] && d2d=$(python3 - <<'PY' 2>>"$log"
 import torch
 n = 16 << 30
 a = torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -95,7 +113,7 @@ PY
 say "fill: D2D (torch, 16 GiB, best of 3): ${d2d:-?} GB/s"
 
 ms_now() { date +%s%3N; }
-identity=(--model "$model" --tier gpu --device 0)
+identity=(--model "$model" --tier "$tier" --device 0)
 
 # 2. Node A.
 echo "== serve A --fill-serve" >>"$log"
@@ -115,7 +133,7 @@ fi
 say "fill: A serves its device memory at $endpoint"
 
 # 3. Node B, once per transport set.
-variants=${UCX_VARIANTS:-"default ^cuda_ipc sm,cuda_copy tcp,cuda_copy"}
+variants=${UCX_VARIANTS:-$default_variants}
 first=1
 for v in $variants; do
   blog=$run_b/serve-b-${v//[^a-z0-9_]/_}.log
@@ -202,6 +220,6 @@ fi
 
 say "fill: checkpoint $bytes bytes"
 if ((failures == 0)); then
-  say "fill: PASS (a 16 GB gpu-tier cache filled from another daemon's device memory over UCX, verified)"
+  say "fill: PASS (B filled from A's memory over UCX, and seeded from A's socket; each verified)"
 fi
 ((failures == 0))

@@ -13,15 +13,18 @@ ctest --test-dir "$build" -LE gpu --output-on-failure -j "${JOBS:-$(nproc)}" --t
 # against a daemon of the installed CLI. Not under sanitizers (the consumers would need them).
 if [[ -z ${SANITIZE:-} ]]; then
   BUILD_DIR=$build scripts/sdk-check.sh
-  # The two-GPU seeding script (scripts/gpu-seed.sh) rehearsed on the host tier over 4 fake
-  # GPUs: its own steps and checks, so that it does not rot while no two-GPU machine is lent.
-  seed_out=$(mktemp -d)
-  if ! DRY_RUN=host BUILD_DIR=$build OUT=$seed_out scripts/gpu-seed.sh >/dev/null; then
-    cat "$seed_out/summary.txt" "$seed_out/seed.log" >&2
-    echo "test.sh: DRY_RUN=host scripts/gpu-seed.sh failed" >&2
-    exit 1
-  fi
-  rm -rf "$seed_out"
+  # The GPU scripts of the fleet fill and of seeding (scripts/gpu-fill.sh, gpu-seed.sh)
+  # rehearsed on the host tier over fake GPUs: their own steps and checks, so that they do not
+  # rot between the device calls that run them.
+  for script in gpu-fill gpu-seed; do
+    rehearsal=$(mktemp -d)
+    if ! DRY_RUN=host BUILD_DIR=$build OUT=$rehearsal "scripts/$script.sh" >/dev/null; then
+      cat "$rehearsal"/*.txt "$rehearsal"/*.log >&2
+      echo "test.sh: DRY_RUN=host scripts/$script.sh failed" >&2
+      exit 1
+    fi
+    rm -rf "$rehearsal"
+  done
 fi
 # The Python tier: one wheel (python -m build, its own incremental build dir build-python/,
 # pyproject.toml), installed here for pytest; tests/python/test_wheel.py installs the same
