@@ -82,12 +82,48 @@ Status CopyHostPeer(const daemon::PeerFillRequest& request, client::DaemonSessio
   return Status::Ok();
 }
 
+// Gpu tier, before the peer is attached: whether our device can read the memory of the peer's
+// GPU. Its device key names it (the UUID of the device dir its socket lies in); a key that is
+// no GPU UUID (an explicit socket outside the runtime dir's layout) is left to the mapping.
+// Our own GPU can; another needs peer access (cuDeviceCanAccessPeer: NVLink or PCIe P2P), and
+// must be visible to this process. There is no staged copy through host memory: a pair
+// without peer access is the peer's skip reason, and the next peer, the fleet or the disk
+// follows (docs/seeding.md).
+Status CheckPeerAccess(const cuda::DriverApi* api, const identity::ResolvedIdentity& identity,
+                       const client::PeerCache& peer) {
+  if (!identity.device) return InternalError("seed: a gpu-tier cache without its device");
+  const identity::DeviceInfo& ours = *identity.device;
+  if (peer.device_key == ours.uuid || !identity::IsValidDeviceUuid(peer.device_key)) {
+    return Status::Ok();
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, ours));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(int ordinal, identity::FindCudaOrdinal(api, peer.device_key));
+  if (ordinal < 0) {
+    return Status(StatusCode::kUnavailable,
+                  "the peer's GPU " + peer.device_key +
+                      " is not visible to this daemon (CUDA_VISIBLE_DEVICES), so its memory "
+                      "cannot be mapped here");
+  }
+  CUdevice theirs = 0;
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGet(&theirs, ordinal),
+                                 "seed: cuDeviceGet(" + std::to_string(ordinal) + ")");
+  int can = 0;
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceCanAccessPeer(&can, device, theirs),
+                                 "seed: cuDeviceCanAccessPeer");
+  if (can == 0) {
+    return Status(StatusCode::kUnavailable,
+                  ours.uuid + " has no peer access to " + peer.device_key +
+                      " (cuDeviceCanAccessPeer: no NVLink or PCIe peer-to-peer path between "
+                      "them)");
+  }
+  return Status::Ok();
+}
+
 // Gpu tier: the peer's allocations mapped in our context (current on this, the loader's,
 // thread) with access for our device, then copied device to device piece by piece.
-Status CopyDevicePeer(const identity::ResolvedIdentity& identity,
+Status CopyDevicePeer(const cuda::DriverApi* api, const identity::ResolvedIdentity& identity,
                       const daemon::PeerFillRequest& request, client::DaemonSession& session) {
   if (!identity.device) return InternalError("seed: a gpu-tier cache without its device");
-  WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
   WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *identity.device));
   auto imported = cuda::ImportedArena::Import(api, device, std::move(session.reply.fds),
                                               session.reply.manifest.allocation_sizes());
@@ -131,6 +167,11 @@ Result<daemon::FillOutcome> SeedFromPeer(const identity::ResolvedIdentity& ident
                                          const daemon::PeerFillRequest& request,
                                          std::chrono::milliseconds wait, const identity::Env& env) {
   const auto start = std::chrono::steady_clock::now();
+  const cuda::DriverApi* api = nullptr;
+  if (request.memory == daemon::FillMemory::kDevice) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(api, env.load_driver());
+    WEIGHTCACHE_RETURN_IF_ERROR(CheckPeerAccess(api, identity, peer));
+  }
   WEIGHTCACHE_ASSIGN_OR_RETURN(client::DaemonSession session,
                                client::ConnectPeer(identity, peer, wait, env));
   WEIGHTCACHE_RETURN_IF_ERROR(request.accept(session.reply.manifest.bytes()));
@@ -143,7 +184,7 @@ Result<daemon::FillOutcome> SeedFromPeer(const identity::ResolvedIdentity& ident
            << ", pid " << session.pid << ")";
   PauseBeforeCopyForTest();
   WEIGHTCACHE_RETURN_IF_ERROR(request.memory == daemon::FillMemory::kDevice
-                                  ? CopyDevicePeer(identity, request, session)
+                                  ? CopyDevicePeer(api, identity, request, session)
                                   : CopyHostPeer(request, session));
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -7,9 +7,9 @@
 //
 // How the bytes move:
 //  * gpu tier: the peer's allocations (the fds of its attach) are imported and mapped in our
-//    device's primary context — peer access when the peer is another GPU, which the driver
-//    refuses where the GPUs cannot reach each other (then the next peer, then the disk) — and
-//    copied device to device (cuMemcpyDtoDAsync: NVLink or PCIe peer-to-peer, or one device's
+//    device's primary context — peer access when the peer is another GPU, asked of the driver
+//    (cuDeviceCanAccessPeer) before the peer is attached: a pair that cannot reach each other
+//    skips that peer by name (then the next peer, then the disk) — and copied device to device (cuMemcpyDtoDAsync: NVLink or PCIe peer-to-peer, or one device's
 //    own copy engines when an explicit SOCKET names a cache of the same GPU);
 //  * host tier: the peer's sealed memfds are mapped read-only and copied by threads.
 //
@@ -38,6 +38,7 @@ Status CheckSeedFrom(const std::string& seed_from);
 daemon::PeerFill SeedFiller(const identity::ResolvedIdentity& identity, std::string seed_from,
                             std::chrono::milliseconds wait,
                             identity::Env env = identity::Env::Default());
+// (`env` gives the CUDA driver too: a test's fake, tests/unit/daemon/gpu_seed_test.cc.)
 
 // `first`, and when it fails (logged) `second`: seeding before the fleet's fill. Either may be
 // empty; both empty gives an empty fill.

@@ -124,6 +124,10 @@ FakeDriver::FakeDriver(uint64_t granularity, int device_count)
     *dev = ordinal;
     return CUDA_SUCCESS;
   };
+  api_.cuDeviceCanAccessPeer = [](int* can, CUdevice dev, CUdevice peer) -> CUresult {
+    WC_HOOK("cuDeviceCanAccessPeer");
+    return g_fake->CanAccessPeer(can, dev, peer);
+  };
   api_.cuDeviceGetUuid = [](CUuuid* uuid, CUdevice dev) -> CUresult {
     WC_HOOK("cuDeviceGetUuid");
     if (dev < 0 || dev >= g_fake->device_count_) return CUDA_ERROR_INVALID_DEVICE;
@@ -287,6 +291,10 @@ FakeDriver::FakeDriver(uint64_t granularity, int device_count)
   api_.cuMemcpyDtoHAsync = [](void* dst, CUdeviceptr src, size_t n, CUstream s) -> CUresult {
     WC_HOOK("cuMemcpyDtoHAsync");
     return g_fake->MemcpyAsync(dst, reinterpret_cast<const void*>(src), n, s);
+  };
+  api_.cuMemcpyDtoDAsync = [](CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) -> CUresult {
+    WC_HOOK("cuMemcpyDtoDAsync");
+    return g_fake->MemcpyDtoDAsync(dst, src, n, s);
   };
   // A synchronous copy: queued on the legacy default stream, then run with everything before it.
   api_.cuMemcpyHtoD = [](CUdeviceptr dst, const void* src, size_t n) -> CUresult {
@@ -711,6 +719,12 @@ CUresult FakeDriver::SetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
         desc[i].location.id >= device_count_) {
       return CUDA_ERROR_INVALID_DEVICE;
     }
+    // Another device's memory needs peer access to it (SetPeerAccess).
+    for (const Mapping* m : covered) {
+      if (!peer_access_ && memory_.at(m->memory).device != desc[i].location.id) {
+        return CUDA_ERROR_INVALID_DEVICE;
+      }
+    }
   }
   for (Mapping* m : covered) {
     for (size_t i = 0; i < count; ++i) m->access[desc[i].location.id] = desc[i].flags;
@@ -908,6 +922,60 @@ CUresult FakeDriver::MemcpyAsync(void* dst, const void* src, size_t bytes, CUstr
   stream.queue.push_back({dst, src, bytes, stream.next_seq++});
   if (stream.queue.size() > max_queued_) RunUntil(stream, stream.queue.front().seq);
   return CUDA_SUCCESS;
+}
+
+CUresult FakeDriver::CanAccessPeer(int* can, CUdevice dev, CUdevice peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (dev < 0 || dev >= device_count_ || peer < 0 || peer >= device_count_ || dev == peer) {
+    return CUDA_ERROR_INVALID_DEVICE;
+  }
+  *can = peer_access_ ? 1 : 0;
+  return CUDA_SUCCESS;
+}
+
+void FakeDriver::SetPeerAccess(bool allowed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  peer_access_ = allowed;
+}
+
+CUresult FakeDriver::MemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s) {
+  const void* from = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (current_context_ == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
+    const auto device =
+        static_cast<CUdevice>(reinterpret_cast<uintptr_t>(current_context_) - 0xc0de0000);
+    // Each end: a VMM mapping (the whole range in one), readable and writable by the current
+    // context's device, or cuMemAlloc'ed memory (host memory in the fake).
+    for (const CUdeviceptr end : {dst, src}) {
+      auto m = mappings_.upper_bound(end);
+      if (m != mappings_.begin() && end < std::prev(m)->first + std::prev(m)->second.size) {
+        --m;
+      } else {
+        auto r = reservations_.upper_bound(end);
+        if (r != reservations_.begin() && end < std::prev(r)->first + std::prev(r)->second) {
+          return Violation("cuMemcpyDtoDAsync: an end in unmapped VMM memory");
+        }
+        continue;  // cuMemAlloc'ed: host memory in the fake
+      }
+      if (end + bytes > m->first + m->second.size) {
+        return Violation("cuMemcpyDtoDAsync: a range past its mapping");
+      }
+      auto access = m->second.access.find(device);
+      if (access == m->second.access.end() ||
+          access->second != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) {
+        return Violation("cuMemcpyDtoDAsync: a mapping without read-write access for device " +
+                         std::to_string(device));
+      }
+      if (end == src) {
+        const std::vector<uint8_t>& backing = memory_.at(m->second.memory).bytes;
+        if (backing.empty()) return CUDA_SUCCESS;  // not backed: checked and dropped
+        from = backing.data() + (src - m->first);
+      }
+    }
+  }
+  return MemcpyAsync(reinterpret_cast<void*>(dst),
+                     from != nullptr ? from : reinterpret_cast<const void*>(src), bytes, s);
 }
 
 void FakeDriver::RunUntil(Stream& s, uint64_t seq) {

@@ -98,6 +98,10 @@ class FakeDriver {
   // accept in cuMemImportFromShareableHandle, for `size` bytes on `device`.
   UniqueFd ForeignExport(uint64_t size, CUdevice device);
 
+  // Whether cuDeviceCanAccessPeer says yes for two different devices (the default), and
+  // cuMemSetAccess grants a device access to another device's memory.
+  void SetPeerAccess(bool allowed);
+
   // Memory objects created from now on get host bytes (zeros) that copies into their mappings
   // land in. For tests that check what was uploaded; keep their allocations small.
   void BackVmmMemory();
@@ -168,6 +172,10 @@ class FakeDriver {
   CUresult EventRecord(CUevent e, CUstream s);
   CUresult EventSynchronize(CUevent e);
   CUresult MemcpyAsync(void* dst, const void* src, size_t bytes, CUstream s);
+  // Both ends device memory; a VMM end must be mapped with read-write access for the current
+  // context's device (a violation otherwise, as the GPU would fault).
+  CUresult MemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s);
+  CUresult CanAccessPeer(int* can, CUdevice dev, CUdevice peer);
   CUresult ModuleLoadData(CUmodule* m, const void* image);
   CUresult ModuleUnload(CUmodule m);
   CUresult ModuleGetFunction(CUfunction* f, CUmodule m, const char* name);
@@ -229,6 +237,7 @@ class FakeDriver {
   // VMM.
   std::map<uint64_t, MemoryObject> memory_;  // id -> object
   bool back_vmm_ = false;
+  bool peer_access_ = true;
   std::map<CUmemGenericAllocationHandle, uint64_t> handles_;  // handle -> memory id
   std::map<CUdeviceptr, uint64_t> reservations_;              // base -> size
   std::map<CUdeviceptr, Mapping> mappings_;                   // ptr -> mapping
