@@ -281,10 +281,10 @@ Result<nlohmann::json> WriteCheckpoint(const std::string& dir, const LlamaShape&
   Note("writing " + std::to_string(specs.size()) + " tensors, " +
        std::to_string(TotalBytes(specs) / kMiB) + " MiB, into " + dir);
   int code = 0;
-  nlohmann::json wrote = CaptureJson(
-      {WEIGHTCACHE_PYTHON, "-c", kWriter, dir, spec_path, std::to_string(kShardFiles),
-       random_content ? "random" : "zeros"},
-      &code);
+  nlohmann::json wrote =
+      CaptureJson({WEIGHTCACHE_PYTHON, "-c", kWriter, dir, spec_path, std::to_string(kShardFiles),
+                   random_content ? "random" : "zeros"},
+                  &code);
   fs::remove(spec_path);
   if (code != 0 || wrote.is_discarded()) {
     return InternalError("writing the checkpoint into " + dir +

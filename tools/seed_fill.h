@@ -9,8 +9,9 @@
 //  * gpu tier: the peer's allocations (the fds of its attach) are imported and mapped in our
 //    device's primary context — peer access when the peer is another GPU, asked of the driver
 //    (cuDeviceCanAccessPeer) before the peer is attached: a pair that cannot reach each other
-//    skips that peer by name (then the next peer, then the disk) — and copied device to device (cuMemcpyDtoDAsync: NVLink or PCIe peer-to-peer, or one device's
-//    own copy engines when an explicit SOCKET names a cache of the same GPU);
+//    skips that peer by name (then the next peer, then the disk) — and copied device to
+//    device (cuMemcpyDtoDAsync: NVLink or PCIe peer-to-peer, or one device's own copy engines
+//    when an explicit SOCKET names a cache of the same GPU);
 //  * host tier: the peer's sealed memfds are mapped read-only and copied by threads.
 //
 // Contract: "auto" tries every peer cache in device-key order until one seeds us; SOCKET tries
