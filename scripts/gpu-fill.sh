@@ -35,18 +35,9 @@
 # rehearsal of this script's own logic on a CPU machine, e.g. BUILD_DIR=build).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-$PWD/gpu-out}
-build=${BUILD_DIR:-build-gpu}
-wc=$PWD/$build/tools/weightcache
-mkdir -p "$OUT"
-log=$OUT/fill.log
-: >"$log"
-say() { echo "$*" | tee -a "$OUT/summary.txt"; }
-failures=0
-fail() {
-  say "fill: FAIL: $*"
-  failures=$((failures + 1))
-}
+# shellcheck source=scripts/gpu-script-common.sh
+. scripts/gpu-script-common.sh
+gpu_script_init fill fill.log
 
 tier=gpu
 write_args=()
@@ -55,10 +46,7 @@ if [[ ${DRY_RUN:-} == host ]]; then
   tier=host
   write_args=(--layers 2 --vocab 1024)
   default_variants="default tcp"
-  inventory=$(mktemp /tmp/wcfill-inventory-XXXXXX.json)
-  echo '[{"index": 0, "uuid": "GPU-00000000-0000-0000-0000-000000000000", "name": "Fake H200",
-    "memory_bytes": 150000000000}]' >"$inventory"
-  export WEIGHTCACHE_DEVICE_INVENTORY=$inventory
+  fake_gpus 1
   say "fill: DRY_RUN=host: the host tier over a fake GPU, a small checkpoint, no D2D limit"
 fi
 

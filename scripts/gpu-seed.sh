@@ -39,30 +39,16 @@
 # a rehearsal of this script's own logic on a CPU machine, e.g. BUILD_DIR=build).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-$PWD/gpu-out}
-build=${BUILD_DIR:-build-gpu}
-wc=$PWD/$build/tools/weightcache
-mkdir -p "$OUT"
-log=$OUT/seed.log
-: >"$log"
-say() { echo "$*" | tee -a "$OUT/summary.txt"; }
-failures=0
-fail() {
-  say "seed: FAIL: $*"
-  failures=$((failures + 1))
-}
+# shellcheck source=scripts/gpu-script-common.sh
+. scripts/gpu-script-common.sh
+gpu_script_init seed seed.log
 
 tier=gpu
 write_args=()
 if [[ ${DRY_RUN:-} == host ]]; then
   tier=host
   write_args=(--layers 2 --vocab 1024)
-  inventory=$(mktemp /tmp/wcseed-inventory-XXXXXX.json)
-  python3 -c '
-import json, sys
-json.dump([{"index": i, "uuid": f"GPU-00000000-0000-0000-0000-00000000000{i}", "name": "Fake H200",
-            "memory_bytes": 150 * 10**9} for i in range(4)], open(sys.argv[1], "w"))' "$inventory"
-  export WEIGHTCACHE_DEVICE_INVENTORY=$inventory
+  fake_gpus 4
   say "seed: DRY_RUN=host: the host tier over 4 fake GPUs, a small checkpoint, no limits"
 fi
 
@@ -70,6 +56,10 @@ mapfile -t uuids < <("$wc" devices --json 2>>"$log" |
   python3 -c 'import json, sys; [print(d["uuid"]) for d in json.load(sys.stdin)["devices"]]' \
     2>>"$log")
 if ((${#uuids[@]} < 2)); then
+  if [[ $tier == host ]]; then  # the rehearsal's 4 fake GPUs are missing: a broken CLI
+    fail "\`weightcache devices --json\` listed ${#uuids[@]} of the 4 fake GPUs (seed.log)"
+    exit 1
+  fi
   say "seed: skipped (${#uuids[@]} GPU(s) visible; peer seeding needs 2)"
   exit 0
 fi

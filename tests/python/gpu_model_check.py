@@ -290,9 +290,7 @@ def cmd_attach(args):
     if free_before - free_after >= 0.5 * weights:
         failures.append(f"device memory in use grew by {free_before - free_after} B while "
                         f"attaching {weights} B of weights: a second copy?")
-    if failures:
-        print("FAIL: " + "; ".join(failures), file=sys.stderr)
-        sys.exit(1)
+    exit_on(failures)
 
 
 def reassemble(name: str, pieces: list, torch):
@@ -398,9 +396,7 @@ def cmd_shard_attach(args):
     report = {"tp": args.tp, **compared, "tensors": len(full), "whole_bytes": whole_bytes,
               "ranks": ranks, "reassembled_differ": len(differ)}
     print(json.dumps({"shard_check": report}))
-    if failures:
-        print("FAIL: " + "; ".join(failures), file=sys.stderr)
-        sys.exit(1)
+    exit_on(failures)
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.01):
@@ -434,6 +430,21 @@ def gone(pid: int) -> bool:
         return read_text(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def exit_on(failures: list) -> None:
+    """Exits 1 naming every failure, if any."""
+    if failures:
+        print("FAIL: " + "; ".join(failures), file=sys.stderr)
+        sys.exit(1)
+
+
+def stop(procs: list) -> None:
+    """SIGTERM to every process still running, then waits for it."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.terminate()
+            p.wait()
 
 
 # A restarted daemon that re-adopts reads the checkpoint's headers (for the identity) and
@@ -556,14 +567,9 @@ def cmd_keeper(args):
                 if second.returncode != 0:
                     failures.append(f"the upgraded daemon exited {second.returncode}")
         print(json.dumps({"keeper_check": report}))
-        if failures:
-            print("FAIL: " + "; ".join(failures), file=sys.stderr)
-            sys.exit(1)
+        exit_on(failures)
     finally:
-        for p in (first, second):
-            if p is not None and p.poll() is None:
-                p.terminate()  # a deliberate stop: the keeper drops the memory
-                p.wait()
+        stop([first, second])  # a deliberate stop: the keeper drops the memory
         if successor_pid is not None and not gone(successor_pid):
             os.kill(successor_pid, signal.SIGTERM)
             wait_for(lambda: gone(successor_pid), 60, "the successor did not stop in 60 s")
@@ -664,13 +670,8 @@ def cmd_budget(args):
             "engine_process_s_with_promotion": round(promote_s, 3),
             "moves": lines}}))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                p.wait()
-    if failures:
-        print("FAIL: " + "; ".join(failures), file=sys.stderr)
-        sys.exit(1)
+        stop(procs)
+    exit_on(failures)
 
 
 def cmd_seed(args):
@@ -724,13 +725,8 @@ def cmd_seed(args):
             "engine": {k: engine.get(k) for k in ("tokens_equal", "logits_equal",
                                                   "load_state_dict_ms", "device_uuid")}}}))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                p.wait()
-    if failures:
-        print("FAIL: " + "; ".join(failures), file=sys.stderr)
-        sys.exit(1)
+        stop(procs)
+    exit_on(failures)
 
 
 def main():
