@@ -238,6 +238,7 @@ Result<FillOutcome> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
         os::MappedRegion region,
         os::MapReadWrite(memfds[a].get(), layout.plan.allocation_bytes[a]));
     request.allocations.emplace_back(static_cast<uint8_t*>(region.data()), region.size());
+    request.fds.push_back(memfds[a].get());
     mappings.push_back(std::move(region));
   }
   request.accept = [&acceptor](std::span<const uint8_t> manifest) {

@@ -115,6 +115,11 @@ struct PeerFillRequest {
   // Each allocation's address and size in this process: host or device memory (`memory`).
   std::vector<std::span<uint8_t>> allocations;
   FillMemory memory = FillMemory::kHost;
+  // Host tier: each allocation's memfd, writable until the load seals it. A pwrite into it
+  // gets shmem's pages inside the write, with no user page fault per 4 KiB page as a copy into
+  // the mapping takes (daemon/host_store.cc): the faster way in for a fill that holds its
+  // source bytes in this process. Empty on the gpu tier.
+  std::vector<int> fds;
   std::function<Status(std::span<const uint8_t> manifest)> accept;
   // The allocations' bytes written so far, of all of them, from the filling thread; the
   // loader reports them as the load's progress. Never null.
