@@ -39,14 +39,9 @@ cd "$(dirname "$0")/.." || exit 1
 . scripts/gpu-script-common.sh
 gpu_script_init fill fill.log
 
-tier=gpu
-write_args=()
 default_variants="default ^cuda_ipc sm,cuda_copy tcp,cuda_copy"
-if [[ ${DRY_RUN:-} == host ]]; then
-  tier=host
-  write_args=(--layers 2 --vocab 1024)
+if dry_run_tier 1; then
   default_variants="default tcp"
-  fake_gpus 1
   say "fill: DRY_RUN=host: the host tier over a fake GPU, a small checkpoint, no D2D limit"
 fi
 

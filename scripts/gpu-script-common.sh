@@ -5,9 +5,11 @@
 #                              default build-gpu), wc (its CLI), log ($OUT/LOG, emptied),
 #                              failures=0; `say` appends a line to $OUT/summary.txt as well,
 #                              `fail` says "NAME: FAIL: …" and counts it
-#   fake_gpus N                DRY_RUN=host: a device inventory of N fake GPUs, exported as
-#                              WEIGHTCACHE_DEVICE_INVENTORY; its file is $inventory (removed by
-#                              the caller's cleanup)
+#   dry_run_tier N             tier (gpu) and write_args (shard_bench's: none); with
+#                              DRY_RUN=host, the rehearsal's: tier host, a small checkpoint and
+#                              a device inventory of N fake GPUs, exported as
+#                              WEIGHTCACHE_DEVICE_INVENTORY (its file is $inventory, removed by
+#                              the caller's cleanup); returns 0 for a rehearsal
 # shellcheck shell=bash
 
 gpu_script_init() {
@@ -29,7 +31,13 @@ fail() {
   failures=$((failures + 1))
 }
 
-fake_gpus() {
+# shellcheck disable=SC2034  # tier and write_args: for the sourcing script
+dry_run_tier() {
+  tier=gpu
+  write_args=()
+  [[ ${DRY_RUN:-} == host ]] || return 1
+  tier=host
+  write_args=(--layers 2 --vocab 1024)
   inventory=$(mktemp "/tmp/wc-$script_name-inventory-XXXXXX.json")
   python3 -c '
 import json, sys

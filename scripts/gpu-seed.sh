@@ -43,12 +43,7 @@ cd "$(dirname "$0")/.." || exit 1
 . scripts/gpu-script-common.sh
 gpu_script_init seed seed.log
 
-tier=gpu
-write_args=()
-if [[ ${DRY_RUN:-} == host ]]; then
-  tier=host
-  write_args=(--layers 2 --vocab 1024)
-  fake_gpus 4
+if dry_run_tier 4; then
   say "seed: DRY_RUN=host: the host tier over 4 fake GPUs, a small checkpoint, no limits"
 fi
 

@@ -105,24 +105,22 @@ Status CopyHostPeer(const daemon::PeerFillRequest& request, client::DaemonSessio
 // must be visible to this process. There is no staged copy through host memory: a pair
 // without peer access is the peer's skip reason, and the next peer, the fleet or the disk
 // follows (docs/seeding.md).
-Status CheckPeerAccess(const cuda::DriverApi* api, const identity::ResolvedIdentity& identity,
-                       const client::PeerCache& peer) {
-  if (!identity.device) return InternalError("seed: a gpu-tier cache without its device");
-  const identity::DeviceInfo& ours = *identity.device;
+Status CheckPeerAccess(const cuda::DriverApi* api, const identity::DeviceInfo& ours,
+                       CUdevice device, const client::PeerCache& peer) {
   if (peer.device_key == ours.uuid || !identity::IsValidDeviceUuid(peer.device_key)) {
     return Status::Ok();
   }
-  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, ours));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(int ordinal, identity::FindCudaOrdinal(api, peer.device_key));
-  if (ordinal < 0) {
+  identity::DeviceInfo peer_device;
+  peer_device.uuid = peer.device_key;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(peer_device.cuda_ordinal,
+                               identity::FindCudaOrdinal(api, peer.device_key));
+  if (peer_device.cuda_ordinal < 0) {
     return Status(StatusCode::kUnavailable,
                   "the peer's GPU " + peer.device_key +
                       " is not visible to this daemon (CUDA_VISIBLE_DEVICES), so its memory "
                       "cannot be mapped here");
   }
-  CUdevice theirs = 0;
-  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceGet(&theirs, ordinal),
-                                 "seed: cuDeviceGet(" + std::to_string(ordinal) + ")");
+  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice theirs, identity::CudaDevice(api, peer_device));
   int can = 0;
   WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuDeviceCanAccessPeer(&can, device, theirs),
                                  "seed: cuDeviceCanAccessPeer");
@@ -136,11 +134,10 @@ Status CheckPeerAccess(const cuda::DriverApi* api, const identity::ResolvedIdent
 }
 
 // Gpu tier: the peer's allocations mapped in our context (current on this, the loader's,
-// thread) with access for our device, then copied device to device piece by piece.
-Status CopyDevicePeer(const cuda::DriverApi* api, const identity::ResolvedIdentity& identity,
+// thread) with access for our `device`, then copied device to device piece by piece.
+Status CopyDevicePeer(const cuda::DriverApi* api, CUdevice device,
+                      const identity::ResolvedIdentity& identity,
                       const daemon::PeerFillRequest& request, client::DaemonSession& session) {
-  if (!identity.device) return InternalError("seed: a gpu-tier cache without its device");
-  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, *identity.device));
   auto imported = cuda::ImportedArena::Import(api, device, std::move(session.reply.fds),
                                               session.reply.manifest.allocation_sizes());
   if (!imported.ok()) {
@@ -183,10 +180,14 @@ Result<daemon::FillOutcome> SeedFromPeer(const identity::ResolvedIdentity& ident
                                          const daemon::PeerFillRequest& request,
                                          std::chrono::milliseconds wait, const identity::Env& env) {
   const auto start = std::chrono::steady_clock::now();
+  // Gpu tier: our device, once, and whether it can read the peer's before the peer is attached.
   const cuda::DriverApi* api = nullptr;
+  CUdevice device = 0;
   if (request.memory == daemon::FillMemory::kDevice) {
+    if (!identity.device) return InternalError("seed: a gpu-tier cache without its device");
     WEIGHTCACHE_ASSIGN_OR_RETURN(api, env.load_driver());
-    WEIGHTCACHE_RETURN_IF_ERROR(CheckPeerAccess(api, identity, peer));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(device, identity::CudaDevice(api, *identity.device));
+    WEIGHTCACHE_RETURN_IF_ERROR(CheckPeerAccess(api, *identity.device, device, peer));
   }
   WEIGHTCACHE_ASSIGN_OR_RETURN(client::DaemonSession session,
                                client::ConnectPeer(identity, peer, wait, env));
@@ -200,7 +201,7 @@ Result<daemon::FillOutcome> SeedFromPeer(const identity::ResolvedIdentity& ident
            << ", pid " << session.pid << ")";
   PauseBeforeCopyForTest();
   WEIGHTCACHE_RETURN_IF_ERROR(request.memory == daemon::FillMemory::kDevice
-                                  ? CopyDevicePeer(api, identity, request, session)
+                                  ? CopyDevicePeer(api, device, identity, request, session)
                                   : CopyHostPeer(request, session));
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

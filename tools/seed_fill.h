@@ -12,7 +12,8 @@
 //    skips that peer by name (then the next peer, then the disk) — and copied device to
 //    device (cuMemcpyDtoDAsync: NVLink or PCIe peer-to-peer, or one device's own copy engines
 //    when an explicit SOCKET names a cache of the same GPU);
-//  * host tier: the peer's sealed memfds are mapped read-only and copied by threads.
+//  * host tier: the peer's sealed memfds are mapped read-only and pwritten into ours by threads
+//    (PeerFillRequest::fds: shmem allocates inside the write, no page fault per page).
 //
 // Contract: "auto" tries every peer cache in device-key order until one seeds us; SOCKET tries
 // that one (a cache of our exact config, e.g. in another runtime dir). A peer that is missing,

@@ -72,6 +72,10 @@ CUcontext FakeDriver::ContextOf(CUdevice device) {
   return reinterpret_cast<CUcontext>(static_cast<uintptr_t>(0xc0de0000 + device));
 }
 
+CUdevice FakeDriver::DeviceOf(CUcontext context) {
+  return static_cast<CUdevice>(reinterpret_cast<uintptr_t>(context) - 0xc0de0000);
+}
+
 CUuuid FakeDriver::UuidOf(CUdevice device) {
   CUuuid uuid{};
   for (size_t i = 0; i < sizeof(uuid.bytes); ++i) uuid.bytes[i] = static_cast<char>(0x10 + i);
@@ -557,7 +561,7 @@ CUresult FakeDriver::CtxGetCurrent(CUcontext* ctx) {
 CUresult FakeDriver::CtxGetDevice(CUdevice* dev) {
   std::lock_guard<std::mutex> lock(mu_);
   if (current_context_ == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
-  *dev = static_cast<CUdevice>(reinterpret_cast<uintptr_t>(current_context_) - 0xc0de0000);
+  *dev = DeviceOf(current_context_);
   return CUDA_SUCCESS;
 }
 
@@ -943,8 +947,7 @@ CUresult FakeDriver::MemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t by
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (current_context_ == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
-    const auto device =
-        static_cast<CUdevice>(reinterpret_cast<uintptr_t>(current_context_) - 0xc0de0000);
+    const CUdevice device = DeviceOf(current_context_);
     // Each end: a VMM mapping (the whole range in one), readable and writable by the current
     // context's device, or cuMemAlloc'ed memory (host memory in the fake).
     for (const CUdeviceptr end : {dst, src}) {

@@ -70,6 +70,8 @@ class FakeDriver {
 
   // The primary context the fake hands out for `device`.
   static CUcontext ContextOf(CUdevice device);
+  // The device whose primary context `context` is (ContextOf's inverse).
+  static CUdevice DeviceOf(CUcontext context);
   // The UUID cuDeviceGetUuid reports for `device` (bytes 10 11 … 1e, then the ordinal).
   static CUuuid UuidOf(CUdevice device);
 
