@@ -100,7 +100,7 @@ if [[ -n $ext ]]; then
     env | grep -E "^(LD_PRELOAD|LDFLAGS|CXXFLAGS|CMAKE_)" || true
     "$py" -c "import numpy, numpy._core._multiarray_umath as m; print('numpy', numpy.__version__, m.__file__)"
   } >>"$OUT/python-build.log" 2>&1
-  if ldd "$ext" | grep -q "libstdc++"; then
+  if grep -q "libstdc++" <<<"$(ldd "$ext")"; then
     say "python ext: libstdc++ shared ($(ldd "$ext" | awk '/libstdc/ {print $3}'))"
   else
     say "python ext: libstdc++ NOT a shared dependency (linked in statically?)"

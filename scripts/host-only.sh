@@ -22,7 +22,7 @@ cmake -S . -B "$build" -G Ninja -DWEIGHTCACHE_GPU=OFF -DCMAKE_DISABLE_FIND_PACKA
   { cat "$build/configure.log"; exit 1; }
 fail() { echo "host-only: FAIL: $*" >&2; exit 1; }
 # The configure output names what the gpu tier needs.
-grep -F "gpu tier OFF" "$build/configure.log" | grep -qF "CUDA toolkit headers (cuda.h" ||
+grep -qF "CUDA toolkit headers (cuda.h" <<<"$(grep -F "gpu tier OFF" "$build/configure.log")" ||
   { cat "$build/configure.log"; fail "configure did not say what the gpu tier needs"; }
 cmake --build "$build" -j "${JOBS:-$(nproc)}" --target weightcache
 # Nothing was compiled against the toolkit: no compile command names a CUDA include dir.

@@ -82,9 +82,9 @@ echo "== sdk-check: C consumer, pkg-config (shared and static)"
 cp -r tests/sdk/c "$work/c"
 PKG_CONFIG_PATH=$prefix/lib/pkgconfig make -s -C "$work/c" >"$work/c.log" 2>&1 ||
   { cat "$work/c.log"; fail "building the C consumer failed"; }
-readelf -d "$work/c/attach_check" | grep -q 'NEEDED.*libweightcache.so.1' ||
+grep -q 'NEEDED.*libweightcache.so.1' <<<"$(readelf -d "$work/c/attach_check")" ||
   fail "the C consumer does not link libweightcache.so.1"
-if readelf -d "$work/c/attach_check_static" | grep -q 'NEEDED.*libweightcache'; then
+if grep -q 'NEEDED.*libweightcache' <<<"$(readelf -d "$work/c/attach_check_static")"; then
   fail "the static C consumer links libweightcache.so"
 fi
 "$work/c/attach_check" "$work/model" "$runtime"
@@ -96,9 +96,9 @@ if ! { cmake -S tests/sdk/cxx -B "$work/cxx" -G Ninja -DCMAKE_PREFIX_PATH="$pref
   cat "$work/cxx.log"
   fail "building the C++ consumer failed"
 fi
-readelf -d "$work/cxx/attach_check" | grep -q 'NEEDED.*libweightcache.so.1' ||
+grep -q 'NEEDED.*libweightcache.so.1' <<<"$(readelf -d "$work/cxx/attach_check")" ||
   fail "the C++ consumer does not link libweightcache.so.1"
-if readelf -d "$work/cxx/attach_check_static" | grep -q 'NEEDED.*libweightcache'; then
+if grep -q 'NEEDED.*libweightcache' <<<"$(readelf -d "$work/cxx/attach_check_static")"; then
   fail "the static C++ consumer links libweightcache.so"
 fi
 "$work/cxx/attach_check" "$work/model" "$runtime"
