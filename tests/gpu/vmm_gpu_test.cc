@@ -18,6 +18,7 @@
 #include "cuda/exported_arena.h"
 #include "cuda/imported_arena.h"
 #include "gpu/peer_channel.h"
+#include "support/test_env.h"
 
 namespace weightcache::testing {
 namespace {
@@ -27,7 +28,6 @@ using cuda::ExportedArena;
 using cuda::ImportedArena;
 using ::testing::HasSubstr;
 
-constexpr uint64_t kMiB = uint64_t{1} << 20;
 // Not granularity multiples on purpose: the arena rounds them up.
 const std::vector<uint64_t> kRequested = {3 * kMiB, 64 * kMiB + 1, 2 * kMiB};
 

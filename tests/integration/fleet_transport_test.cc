@@ -32,7 +32,7 @@ using testing::MatchesPattern;
 using testing::TempDir;
 using testing::TestChild;
 
-constexpr uint64_t kMiB = uint64_t{1} << 20;
+using testing::kMiB;
 
 class FleetTransportTest : public ::testing::Test {
  protected:

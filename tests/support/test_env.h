@@ -9,6 +9,9 @@
 
 namespace weightcache::testing {
 
+inline constexpr uint64_t kMiB = uint64_t{1} << 20;
+inline constexpr uint64_t kGiB = uint64_t{1} << 30;
+
 // A fresh directory under $TMPDIR (or /tmp), mode 0700, removed recursively on destruction.
 class TempDir {
  public:

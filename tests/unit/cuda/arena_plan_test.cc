@@ -5,11 +5,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "support/test_env.h"
+
 namespace weightcache::checkpoint {
 namespace {
 
-constexpr uint64_t kMiB = uint64_t{1} << 20;
-constexpr uint64_t kGiB = uint64_t{1} << 30;
+using testing::kGiB;
+using testing::kMiB;
 constexpr uint64_t kGranularity = 2 * kMiB;
 
 // Every placement aligned, inside its allocation, and no two non-empty tensors overlap.

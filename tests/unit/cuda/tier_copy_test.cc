@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "os/memfd.h"
+#include "support/test_env.h"
 #include "unit/cuda/fake_driver.h"
 
 namespace weightcache::cuda {
@@ -22,7 +23,7 @@ namespace {
 using testing::CountOpenFds;
 using testing::FakeDriver;
 
-constexpr uint64_t kMiB = uint64_t{1} << 20;
+using weightcache::testing::kMiB;
 constexpr CUdevice kDevice = 1;
 const std::vector<uint64_t> kSizes = {2 * kMiB, 4 * kMiB};
 

@@ -14,6 +14,7 @@
 
 #include "cuda/exported_arena.h"
 #include "cuda/imported_arena.h"
+#include "support/test_env.h"
 #include "unit/cuda/fake_driver.h"
 
 namespace weightcache::cuda {
@@ -23,7 +24,7 @@ using testing::CountOpenFds;
 using testing::FakeDriver;
 using ::testing::HasSubstr;
 
-constexpr uint64_t kMiB = uint64_t{1} << 20;
+using weightcache::testing::kMiB;
 constexpr uint64_t kGranularity = 2 * kMiB;
 // Device 1, never an implicit device 0. Requested sizes round to 2, 4 and 2 MiB.
 constexpr CUdevice kDevice = 1;

@@ -22,6 +22,7 @@
 #include "common/checksum.h"
 #include "os/memfd.h"
 #include "protocol/manifest.h"
+#include "support/test_env.h"
 #include "unit/checkpoint/checkpoint_fixture.h"
 
 namespace weightcache::daemon {
@@ -29,7 +30,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr uint64_t kMiB = uint64_t{1} << 20;
+using testing::kMiB;
 
 // Every byte of every tensor, in order, exactly once: the items of MakeHostItems walk the
 // sizes without gap or overlap.

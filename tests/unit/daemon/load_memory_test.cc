@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include "support/test_env.h"
+
 // The benches' parser of the log line (header-only, outside src/: included by path so that
 // the daemon's format and the bench's regex are tested against each other).
 #include "../../../bench/proc_memory.h"
@@ -16,7 +18,7 @@
 namespace weightcache::daemon {
 namespace {
 
-constexpr uint64_t kMiB = uint64_t{1} << 20;
+using testing::kMiB;
 
 TEST(LoadMemoryTest, ReadsTheKernelsSplitOfRss) {
   const ProcessMemory m = ReadProcessMemory();

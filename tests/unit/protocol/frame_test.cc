@@ -11,6 +11,7 @@
 #include "protocol/messages.h"
 #include "protocol/wire.h"
 #include "unit/os/fd_test_util.h"
+#include "unit/protocol/protocol_test_util.h"
 
 namespace weightcache::protocol {
 namespace {
@@ -32,11 +33,6 @@ std::vector<uint8_t> Header(uint16_t version, uint16_t type, uint32_t flags, uin
 
 Status HeaderError(const std::vector<uint8_t>& bytes, Expect expect) {
   return DecodeFrameHeader(bytes, expect).status();
-}
-
-void ExpectProtocolError(const Status& s, const std::string& needle) {
-  EXPECT_EQ(s.code(), StatusCode::kProtocol) << s.ToString();
-  EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
 }
 
 TEST(FrameHeaderTest, EncodeDecodeRoundTripWithExactLayout) {

@@ -8,14 +8,10 @@
 
 #include "os/memfd.h"
 #include "protocol/wire.h"
+#include "unit/protocol/protocol_test_util.h"
 
 namespace weightcache::protocol {
 namespace {
-
-void ExpectProtocolError(const Status& s, const std::string& needle) {
-  EXPECT_EQ(s.code(), StatusCode::kProtocol) << s.ToString();
-  EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
-}
 
 // A valid two-allocation manifest; tests corrupt one field at its documented offset.
 class ManifestTest : public ::testing::Test {

@@ -9,6 +9,7 @@
 #include "protocol/wire.h"
 #include "support/test_env.h"
 #include "unit/os/fd_test_util.h"
+#include "unit/protocol/protocol_test_util.h"
 
 namespace weightcache::protocol {
 namespace {
@@ -17,11 +18,6 @@ using nlohmann::json;
 
 std::span<const uint8_t> Bytes(const std::string& s) {
   return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
-}
-
-void ExpectProtocolError(const Status& s, const std::string& needle) {
-  EXPECT_EQ(s.code(), StatusCode::kProtocol) << s.ToString();
-  EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
 }
 
 // Every message goes through a real socketpair: encode, WriteFrame, ReadFrame, decode.

@@ -16,6 +16,7 @@ namespace {
 
 using testing::DenseModel;
 using ::testing::HasSubstr;
+using testing::S;
 using testing::TensorSpec;
 
 struct Held {
@@ -87,9 +88,6 @@ class BuiltinSetsTest : public testing::ShardingFixture {
 std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> S(const Held& h) {
   if (!h.slice) return std::nullopt;
   return std::make_tuple(h.slice->dim, h.slice->offset, h.slice->length);
-}
-std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> S(uint32_t d, uint64_t o, uint64_t l) {
-  return std::make_tuple(d, o, l);
 }
 
 TEST_F(BuiltinSetsTest, LlamaAndMistral) {

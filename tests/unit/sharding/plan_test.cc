@@ -21,6 +21,7 @@ using ::testing::AllOf;
 using testing::DenseModel;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using testing::S;
 using testing::StatusIs;
 using testing::TensorSpec;
 using weightcache::testing::PythonExe;
@@ -72,9 +73,6 @@ std::string Rules(const std::string& rules, const std::string& extra = "") {
 std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> S(const PlannedTensor* p) {
   if (p == nullptr || !p->slice) return std::nullopt;
   return std::make_tuple(p->slice->dim, p->slice->offset, p->slice->length);
-}
-std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> S(uint32_t d, uint64_t o, uint64_t l) {
-  return std::make_tuple(d, o, l);
 }
 
 TEST_F(PlanTest, CopyGeometryPicksExactlyTheSliceBytes) {

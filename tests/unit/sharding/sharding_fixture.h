@@ -9,7 +9,9 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
@@ -20,6 +22,13 @@
 #include "weightcache/status.h"
 
 namespace weightcache::sharding::testing {
+
+// A slice as (dim, offset, length): the tests' expectations compare each planned slice (their
+// own S(...) overloads turn a planned tensor into one) with this.
+inline std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> S(uint32_t dim, uint64_t offset,
+                                                                 uint64_t length) {
+  return std::make_tuple(dim, offset, length);
+}
 
 // A Status (or the status of a Result) with this code and a message matching `message`.
 MATCHER_P2(StatusIs, code, message, "") {
