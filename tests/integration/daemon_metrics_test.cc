@@ -342,7 +342,10 @@ TEST_F(MetricsTest, StatusListsCachesLeastRecentlyAttachedFirst) {
 // then answers weightcache_attaches_total with the values of a known sequence of attaches.
 TEST_F(MetricsTest, ARealPrometheusScrapesTheEndpoint) {
   const std::string prometheus = "/usr/bin/prometheus";
-  if (!std::filesystem::exists(prometheus)) GTEST_SKIP() << prometheus << " is not installed";
+  if (!std::filesystem::exists(prometheus)) {
+    ASSERT_FALSE(ToolsRequired()) << prometheus << " (Debian prometheus) is not installed";
+    GTEST_SKIP() << prometheus << " (Debian prometheus) is not installed";
+  }
   auto serve = ServeProcess::Start(
       HostServeArgs(model_, runtime_, {"--metrics-addr", "127.0.0.1:0"}), dir_.Join("serve.log"));
   ASSERT_NE(serve, nullptr);

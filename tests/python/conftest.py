@@ -22,6 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 MAKE_CHECKPOINT = ROOT / "tests" / "tools" / "make_checkpoint.py"
 
 
+def import_tool(module: str):
+    """A module a test needs beyond the package (prometheus_client): the test skips without it,
+    unless WEIGHTCACHE_REQUIRE_TOOLS is set (.ci/run sets it: CI installs them), where a missing
+    one is an error, as for the C++ tests (tests/support/test_env.h ToolsRequired)."""
+    if os.environ.get("WEIGHTCACHE_REQUIRE_TOOLS") is not None:
+        import importlib
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
 def make_checkpoint(out: Path, *, tensors: int = 30, dtypes: str = "all", shards: int = 2,
                     seed: int = 1) -> dict:
     """Writes a checkpoint into `out`; returns its manifest (per tensor dtype, shape, nbytes,

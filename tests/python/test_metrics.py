@@ -7,11 +7,10 @@ import re
 import time
 import urllib.request
 
-import pytest
-
 import weightcache
+from conftest import import_tool
 
-prometheus_parser = pytest.importorskip("prometheus_client.parser")
+prometheus_parser = import_tool("prometheus_client.parser")
 
 
 def _metrics_url(daemon, timeout=30.0) -> str:

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/unique_fd.h"
+#include "support/test_env.h"
 
 namespace weightcache::testing {
 
@@ -148,8 +149,7 @@ Status EtcdServer::Restart() {
 std::unique_ptr<EtcdServer> StartEtcdOrSkip(EtcdTransport transport) {
   auto server = EtcdServer::Start(transport);
   if (server.ok()) return std::move(server).value();
-  if (server.status().code() == StatusCode::kUnavailable &&
-      std::getenv("WEIGHTCACHE_REQUIRE_ETCD") == nullptr) {
+  if (server.status().code() == StatusCode::kUnavailable && !ToolsRequired()) {
     // GTEST_SKIP returns (void) from its function: a lambda records the skip, we return null.
     [&] {
       GTEST_SKIP() << "needs the etcd binary (Debian etcd-server): " << server.status().message();

@@ -62,8 +62,8 @@ class EtcdServer {
 
 // For a fixture's SetUp or a test body: the started server; nullptr after a GTEST_SKIP naming
 // the binary when etcd (or, for kTls, openssl) is not installed, or after a test failure when
-// it is installed but does not start. With WEIGHTCACHE_REQUIRE_ETCD set (.ci/run sets it: CI
-// installs etcd), a missing binary is a failure too, so CI can never skip these tests.
+// it is installed but does not start. With WEIGHTCACHE_REQUIRE_TOOLS set (ToolsRequired(),
+// test_env.h), a missing binary is a failure too, so CI can never skip these tests.
 std::unique_ptr<EtcdServer> StartEtcdOrSkip(EtcdTransport transport = EtcdTransport::kPlain);
 
 }  // namespace weightcache::testing

@@ -26,6 +26,8 @@ TempDir::~TempDir() {
   std::filesystem::remove_all(path_, ec);
 }
 
+bool ToolsRequired() { return std::getenv("WEIGHTCACHE_REQUIRE_TOOLS") != nullptr; }
+
 std::string SourceDir() { return WEIGHTCACHE_SOURCE_DIR; }
 std::string PythonExe() { return WEIGHTCACHE_PYTHON; }
 std::string CliPath() { return WEIGHTCACHE_CLI_PATH; }

@@ -26,6 +26,11 @@ class TempDir {
   std::string path_;
 };
 
+// Whether the tools some tests need beyond the build (etcd, openssl, prometheus) must be there:
+// with WEIGHTCACHE_REQUIRE_TOOLS set (.ci/run sets it: CI installs them, scripts/setup-deps.sh),
+// a test that would skip for want of one fails instead, so CI never passes by skipping them.
+bool ToolsRequired();
+
 std::string SourceDir();  // repository root
 std::string PythonExe();  // the Python 3 found at configure time
 std::string CliPath();    // the built `weightcache` binary
