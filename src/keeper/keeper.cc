@@ -104,7 +104,9 @@ bool Keeper::PeerAllowed(uid_t uid) const {
 }
 
 Status Keeper::Run(int signal_fd, int depositor_fd) {
-  std::optional<Clock::time_point> accept_paused_until;
+  // accept() rests (too many connections) while now < accept_paused_until: the clock's epoch
+  // is long past, so nothing rests at first.
+  Clock::time_point accept_paused_until{};
   Clock::time_point next_socket_check = started_ + kSocketCheckInterval;
   // Watched until the deposit: the depositor's end closing first means it died or gave up.
   const bool watching_depositor = depositor_fd >= 0;
@@ -122,7 +124,6 @@ Status Keeper::Run(int signal_fd, int depositor_fd) {
       }
       return true;
     });
-    if (accept_paused_until && now >= *accept_paused_until) accept_paused_until.reset();
     if (now >= next_socket_check) {
       // Nobody can reach a keeper whose socket was removed (its runtime dir deleted): the
       // memory it holds can never be adopted or dropped, so it goes now.
@@ -137,11 +138,12 @@ Status Keeper::Run(int signal_fd, int depositor_fd) {
     Clock::time_point wake = deposit_ || watching_depositor ? Clock::time_point::max()
                                                             : started_ + options_.deposit_timeout;
     for (const auto& c : connections_) wake = std::min(wake, c->deadline);
-    if (accept_paused_until) wake = std::min(wake, *accept_paused_until);
+    const bool accept_paused = now < accept_paused_until;
+    if (accept_paused) wake = std::min(wake, accept_paused_until);
     wake = std::min(wake, next_socket_check);
 
     std::vector<pollfd> fds;
-    fds.push_back({accept_paused_until ? -1 : listener_.get(), POLLIN, 0});
+    fds.push_back({accept_paused ? -1 : listener_.get(), POLLIN, 0});
     fds.push_back({signal_fd, POLLIN, 0});
     fds.push_back({deposit_ ? -1 : depositor_fd, POLLIN, 0});
     for (const auto& c : connections_) fds.push_back({c->fd.get(), POLLIN, 0});

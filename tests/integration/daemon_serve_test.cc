@@ -101,7 +101,9 @@ TEST_F(ServeTest, ReachesReadyAndAttachMapsSealedBytesEqualToTheCheckpoint) {
 
   for (size_t i = 0; i < manifest.tensor_count(); ++i) {
     const protocol::TensorEntry entry = manifest.tensor(i);
-    if (i > 0) EXPECT_LT(manifest.tensor(i - 1).name, entry.name);  // name order
+    if (i > 0) {
+      EXPECT_LT(manifest.tensor(i - 1).name, entry.name);  // name order
+    }
     const auto* info = checkpoint->Find(entry.name);
     ASSERT_NE(info, nullptr) << entry.name;
     ASSERT_EQ(entry.nbytes, info->nbytes) << entry.name;

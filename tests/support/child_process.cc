@@ -45,7 +45,8 @@ Result<TestChild> TestChild::Spawn(const ChildSpec& spec) {
                                  .in = spec.in,
                                  .out = spec.out,
                                  .err = spec.err,
-                                 .session = launcher::Session::kInherit};
+                                 .session = launcher::Session::kInherit,
+                                 .pass_fds = {}};
   // ChildProcess takes absolute paths only; a relative one names a file in this directory.
   if (options.argv[0].front() != '/') {
     std::error_code ec;

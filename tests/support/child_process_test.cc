@@ -164,7 +164,8 @@ TEST(TestChildTest, ARelativeProgramPathIsTakenFromTheCurrentDirectory) {
   ASSERT_EQ(::chmod(dir.Join("prog").c_str(), 0700), 0);
   const std::string cwd = std::filesystem::current_path().string();
   ASSERT_EQ(::chdir(dir.path().c_str()), 0);
-  auto child = TestChild::Spawn({.argv = {"./prog"}, .out = Stdio::kNull, .err = Stdio::kNull});
+  auto child = TestChild::Spawn(
+      {.argv = {"./prog"}, .env_overrides = {}, .out = Stdio::kNull, .err = Stdio::kNull});
   ASSERT_EQ(::chdir(cwd.c_str()), 0);
   ASSERT_TRUE(child.ok()) << child.status().ToString();
   EXPECT_EQ(child->WaitExit(30s), 6);

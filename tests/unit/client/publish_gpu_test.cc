@@ -107,7 +107,9 @@ class PublishGpuTest : public ::testing::Test {
     before_ = BooksNow();
   }
   void TearDown() override {
-    if (daemon_) EXPECT_TRUE(daemon_->Stop().ok());
+    if (daemon_) {
+      EXPECT_TRUE(daemon_->Stop().ok());
+    }
     daemon_.reset();
     fake_.reset();
   }

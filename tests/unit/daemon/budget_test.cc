@@ -435,7 +435,7 @@ TEST(AdmitEvicting, EvictsTheVictimThenRegistersOrNamesTheRefusal) {
   // An evicted daemon removes its entry as it stops (here: the evict function does it).
   auto accept = [&](const LedgerEntry& v) -> Result<EvictAnswer> {
     WEIGHTCACHE_RETURN_IF_ERROR(ledger.Remove(v.socket));
-    return EvictAnswer{.accepted = true};
+    return EvictAnswer{.accepted = true, .reason = {}};
   };
   Status admitted = AdmitEvicting(ledger, self, 100, accept, deadline);
   ASSERT_TRUE(admitted.ok()) << admitted.ToString();
@@ -504,7 +504,7 @@ TEST(AdmitEvicting, AVictimThatKeepsItsMemoryPastTheDeadlineIsATimeout) {
   BudgetLedger ledger(dir.path());
   ASSERT_TRUE(ledger.Put(Entry("/d/old.sock", 60, 100)).ok());
   auto accept_and_stay = [](const LedgerEntry&) -> Result<EvictAnswer> {
-    return EvictAnswer{.accepted = true};
+    return EvictAnswer{.accepted = true, .reason = {}};
   };
   Status s = AdmitEvicting(ledger, Entry("/d/new.sock", 60, 300), 100, accept_and_stay,
                            std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
@@ -527,7 +527,7 @@ TEST(AdmitEvicting, AVictimDemotedToTheHostTierCountsAsFreed) {
                                       return Status::Ok();
                                     })
                                     .status());
-    return EvictAnswer{.accepted = true};
+    return EvictAnswer{.accepted = true, .reason = {}};
   };
   Status admitted = AdmitEvicting(ledger, self, 100, demote,
                                   std::chrono::steady_clock::now() + std::chrono::seconds(10));

@@ -306,7 +306,9 @@ TEST_F(HostFillTest, TheFillReportsTheLoadsProgressAndACancelEndsTheLoad) {
   EXPECT_LT(reported.front().first, held) << "the first piece is not the whole cache";
   for (size_t i = 0; i < reported.size(); ++i) {
     EXPECT_EQ(reported[i].second, held) << i;
-    if (i > 0) EXPECT_GE(reported[i].first, reported[i - 1].first) << i;
+    if (i > 0) {
+      EXPECT_GE(reported[i].first, reported[i - 1].first) << i;
+    }
   }
   EXPECT_EQ(reported.back().first, held);
 
