@@ -317,6 +317,17 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
       return Status(StatusCode::kUnavailable, "load cancelled (during the fill)");
     } else {
       LOG_WARN << "fill: " << filled.status().ToString() << "; loading from disk";
+      // The disk upload writes the tensors only: whatever the failed fill wrote between them
+      // (a rejected source's padding) would stay there and be mapped by every client. The
+      // whole arena is zeroed first, as a load from disk alone leaves it (milliseconds).
+      for (const cuda::DeviceRange& range : ranges) {
+        const CUresult rc = api->cuMemsetD8(range.ptr, 0, range.size);
+        if (rc != CUDA_SUCCESS) return cuda::DriverError(api, rc, "cuMemsetD8 (after the fill)");
+      }
+      const CUresult synced = api->cuCtxSynchronize();
+      if (synced != CUDA_SUCCESS) {
+        return cuda::DriverError(api, synced, "cuCtxSynchronize (after the fill)");
+      }
     }
   }
   const double fill_ms = lap();

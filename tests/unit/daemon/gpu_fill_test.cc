@@ -118,7 +118,7 @@ class GpuFillTest : public sharding::testing::ShardingFixture {
     return out;
   }
 
-  enum class Poison { kNone, kFlipFirstByte, kJunkInGaps };
+  enum class Poison { kNone, kFlipFirstByte, kJunkInGaps, kJunkInGapsAndAWrongByte };
   // Writes `source`'s allocations into the request's device allocations (through the driver,
   // in 4 KiB pieces, each reported) once accept() takes its manifest.
   PeerFill CopyFrom(const WeightStore& source, Poison poison = Poison::kNone) {
@@ -127,9 +127,14 @@ class GpuFillTest : public sharding::testing::ShardingFixture {
       WEIGHTCACHE_RETURN_IF_ERROR(request.accept(ManifestBytes(source)));
       std::vector<std::string> bytes = ArenaBytes(source);
       if (bytes.size() != request.allocations.size()) return InternalError("allocation count");
-      if (poison == Poison::kFlipFirstByte) bytes[0][0] = static_cast<char>(bytes[0][0] ^ 0xff);
       // Junk in the gaps: the tensors' bytes in their places, 0xee everywhere else.
-      if (poison == Poison::kJunkInGaps) bytes = TensorBytesOnly(source, bytes);
+      if (poison == Poison::kJunkInGaps || poison == Poison::kJunkInGapsAndAWrongByte) {
+        bytes = TensorBytesOnly(source, bytes);
+      }
+      // The first tensor starts the first allocation: its checksum fails.
+      if (poison == Poison::kFlipFirstByte || poison == Poison::kJunkInGapsAndAWrongByte) {
+        bytes[0][0] = static_cast<char>(bytes[0][0] ^ 0xff);
+      }
       uint64_t total = 0;
       for (const auto& a : request.allocations) total += a.size();
       uint64_t done = 0;
@@ -267,6 +272,22 @@ TEST_F(GpuFillTest, TheGapsBetweenTensorsAreZeroed) {
   options.peer_fill = CopyFrom(source, Poison::kJunkInGaps);
   const WeightStore store = Load(model.ckpt, options);
   EXPECT_EQ(store.summary().filled_from, "filled from the test source");
+  EXPECT_EQ(ArenaBytes(store), expected);
+}
+
+// A rejected source's padding does not outlive it: the disk load that follows writes only the
+// tensors, and the gaps are zero as after a disk load alone.
+TEST_F(GpuFillTest, ARejectedFillLeavesNoneOfItsBytesInTheGaps) {
+  const std::string dir = MakeModel("rejected-gaps");
+  const auto model = Open(dir);
+  const WeightStore source = Load(model.ckpt, Options(dir, nullptr));
+  const std::vector<std::string> expected = ArenaBytes(source);
+
+  LoadOptions options = Options(dir, nullptr);
+  options.peer_fill = CopyFrom(source, Poison::kJunkInGapsAndAWrongByte);
+  const WeightStore store = Load(model.ckpt, options);
+  EXPECT_EQ(store.summary().filled_from, "") << "the wrong byte must fail the fill";
+  EXPECT_EQ(store.summary().origin, "disk");
   EXPECT_EQ(ArenaBytes(store), expected);
 }
 
