@@ -726,6 +726,13 @@ int Run(ServeArgs& args) {
     progress.EndLine();
     notify("STATUS=failed: " + why.ToString());
   };
+  // The successor of an upgrade runs with our flags: our fill source lets go of its port first.
+  events.on_handing_over = [&] {
+    if (registration) registration->HandingOver();
+  };
+  events.on_handover_failed = [&] {
+    if (registration) registration->HandoverFailed((*daemon)->StoreFds());
+  };
   events.on_draining = [&](std::string_view reason) {
     progress.EndLine();
     if (registration) registration->Draining();

@@ -3,12 +3,15 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <numeric>
+#include <random>
 #include <string_view>
 #include <utility>
 
@@ -135,6 +138,11 @@ Result<std::vector<std::string>> ListedSources(const std::string& fill_from) {
     sources.push_back(source);
     at = comma + 1;
   }
+  if (sources.size() > fleet::kMaxFetchSources) {
+    return InvalidArgument("--fill-from lists " + std::to_string(sources.size()) +
+                           " sources; a fill connects to at most " +
+                           std::to_string(fleet::kMaxFetchSources));
+  }
   return sources;
 }
 
@@ -154,6 +162,15 @@ Result<fleet::PeerAllowList> CheckFleetFlags(const RegistryFlags& flags) {
   }
   if (!flags.fill_serve.empty() && flags.fill_allow.empty()) {
     return InvalidArgument("--fill-serve needs --fill-allow (the peers that may fill from it)");
+  }
+  // The entry names the bound endpoint unless --advertise does: "0.0.0.0:7400" would send every
+  // other node to its own host.
+  if (!flags.url.empty() && flags.advertise.empty() &&
+      fleet::IsWildcardEndpoint(flags.fill_serve)) {
+    return InvalidArgument("--fill-serve " + flags.fill_serve +
+                           " listens on every address, and the registry entry needs one other "
+                           "nodes can reach: give --advertise HOST:PORT (this node's address and "
+                           "the port it serves at)");
   }
   if (flags.fill_allow.empty()) return fleet::PeerAllowList();
   auto parsed = fleet::PeerAllowList::Parse(flags.fill_allow);
@@ -474,6 +491,16 @@ void ServeRegistration::Draining() {
   StopFillSource();
 }
 
+void ServeRegistration::HandingOver() { StopFillSource(); }
+
+void ServeRegistration::HandoverFailed(std::span<const int> fds) {
+  MutexLock lock(mu_);
+  // Served again only where it served before: a ready cache in its own tier.
+  if (!ready_ || manifest_.empty() || entry_.tier != TierName(configured_)) return;
+  StartFillSourceLocked(fds);
+  PublishLocked();  // the endpoint, when the entry names the bound one
+}
+
 void ServeRegistration::StopFillSource() {
   MutexLock lock(mu_);
   if (!fill_) return;
@@ -514,6 +541,24 @@ daemon::PeerFill ServeRegistration::Filler() const {
                       "no ready " + tier + "-tier source with an endpoint among the registry's " +
                           std::to_string(entries.size()) + " entries of fleet key " +
                           fleet_key.substr(0, 16));
+      }
+      if (fetch.sources.size() > fleet::kMaxFetchSources) {
+        // At random: the joining nodes spread over the sources, and no writer of the registry
+        // can make a filler connect to all of its entries (fleet::kMaxFetchSources).
+        std::vector<size_t> order(fetch.sources.size());
+        std::iota(order.begin(), order.end(), size_t{0});
+        std::shuffle(order.begin(), order.end(), std::mt19937_64(std::random_device{}()));
+        order.resize(fleet::kMaxFetchSources);
+        std::vector<std::string> sources;
+        std::vector<std::string> names;
+        for (size_t i : order) {
+          sources.push_back(fetch.sources[i]);
+          names.push_back(nodes[i]);
+        }
+        LOG_INFO << "fill: " << fetch.sources.size() << " ready sources; "
+                 << fleet::kMaxFetchSources << " chosen at random";
+        fetch.sources = std::move(sources);
+        nodes = std::move(names);
       }
     }
     const fleet::RegionMemory memory = request.memory == daemon::FillMemory::kDevice

@@ -93,6 +93,11 @@ class ServeRegistration {
   // The cache's memory is now in `tier` (--demote host), in `fds` (borrowed for the call).
   void Moved(Tier tier, std::span<const int> fds);
   void Draining();
+  // An upgrade: the fill source stops before the successor starts (it binds the same
+  // --fill-serve address: a fixed port would be taken), and starts again over `fds` when the
+  // successor did not take over. The entry is the successor's to publish.
+  void HandingOver();
+  void HandoverFailed(std::span<const int> fds);
 
   // The fill source's server and the memory it serves (defined in registry_flags.cc).
   struct FillSource;

@@ -1657,8 +1657,10 @@ Status Daemon::StartUpgrade(const std::string& binary, const std::string& reques
   UniqueFd ours(pair[0]);
   UniqueFd theirs(pair[1]);
   const auto started = Clock::now();
+  if (events_.on_handing_over) events_.on_handing_over();
   auto successor = options_.start_successor(binary, theirs.get());
   if (!successor.ok()) {
+    if (events_.on_handover_failed) events_.on_handover_failed();
     Status status = successor.status();
     return fail(status.Context("starting successor " + binary));
   }
@@ -1727,6 +1729,7 @@ void Daemon::FinishUpgrade(const Status& result) {
                 << " after the failed upgrade: " << listen_fd.status().ToString();
     }
     LOG_WARN << "upgrade failed, serving on: " << result.ToString();
+    if (events_.on_handover_failed) events_.on_handover_failed();
     if (requester != nullptr) {
       QueueError(*requester, result);
       FlushAndRearm(*requester);

@@ -192,6 +192,11 @@ struct DaemonEvents {
   // The number of attached clients changed (an attach, or an attached client's disconnect):
   // the budget ledger's clients and LRU time (docs/budget.md). Runs on the event loop.
   std::function<void(uint32_t clients)> on_clients;
+  // An upgrade (docs/upgrade.md): on_handing_over right before the successor is started, to
+  // let go of what the successor takes up again with the same flags (serve's --fill-serve
+  // port); on_handover_failed when it did not take over and this daemon serves on. Event loop.
+  std::function<void()> on_handing_over;
+  std::function<void()> on_handover_failed;
 };
 
 class Daemon {

@@ -161,7 +161,9 @@ class ArenaServer::Impl {
       }
     }
     while (!stopping) {
-      while (ucp_worker_progress(worker.get()) != 0) {
+      // A busy peer (reads served in software over TCP) keeps progress non-zero for as long as
+      // it reads: `stopping` is checked inside too, so Stop never waits for a transfer.
+      while (!stopping && ucp_worker_progress(worker.get()) != 0) {
       }
       Reap();
       if (stopping) break;
@@ -373,7 +375,15 @@ class Fetch {
     if (got_fd != UCS_OK) return ucx::UcxError("arena fetch: ucp_worker_get_efd", got_fd);
     WEIGHTCACHE_RETURN_IF_ERROR(RegisterDestination());
     sources_.resize(options_.sources.size());
-    for (size_t i = 0; i < sources_.size(); ++i) Connect(i);
+    for (size_t i = 0; i < sources_.size(); ++i) {
+      // Resolving a name can block for the resolver's timeout: a stop or the deadline is
+      // honoured between sources.
+      if (Cancelled()) return Failure(StatusCode::kUnavailable, "cancelled");
+      if (Clock::now() >= deadline_) {
+        return Failure(StatusCode::kTimeout, "the fetch passed its deadline while connecting");
+      }
+      Connect(i);
+    }
     WEIGHTCACHE_RETURN_IF_ERROR(Handshake());
     WEIGHTCACHE_RETURN_IF_ERROR(Transfer());
 
@@ -687,6 +697,7 @@ class Fetch {
     std::string message = "arena fetch: " + what + " (" + std::to_string(done_) + " of " +
                           std::to_string(total_) + " bytes read)";
     for (const Source& source : sources_) {
+      if (source.endpoint.empty()) continue;  // not connected yet
       message += "; " + source.endpoint + ": ";
       message += source.phase == Phase::kDropped ? source.why.ToString() : "still serving";
     }
@@ -717,6 +728,10 @@ std::string_view RegionMemoryName(RegionMemory memory) {
 
 Result<FetchResult> FetchArena(const FetchOptions& options) {
   if (options.sources.empty()) return InvalidArgument("arena fetch: no source");
+  if (options.sources.size() > kMaxFetchSources) {
+    return InvalidArgument("arena fetch: " + std::to_string(options.sources.size()) +
+                           " sources (at most " + std::to_string(kMaxFetchSources) + ")");
+  }
   if (options.destination.empty()) return InvalidArgument("arena fetch: no destination region");
   if (options.stripe_bytes == 0) return InvalidArgument("arena fetch: a stripe size of 0");
   if (options.max_in_flight_per_source == 0) {

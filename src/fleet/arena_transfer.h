@@ -99,8 +99,15 @@ struct DestinationRegion {
   RegionMemory memory = RegionMemory::kHost;
 };
 
+// The most sources one fetch connects to. Each holds a hello of up to kMaxHelloBodyBytes in
+// memory while it is checked, and each name may take a resolver's timeout: a registry writer
+// must not be able to make a filler connect to thousands. Striping gains nothing past a few
+// sources (the filler's own link is the limit, docs/fleet.md "Fill time"); the registry path
+// picks this many at random among the ready ones.
+inline constexpr size_t kMaxFetchSources = 8;
+
 struct FetchOptions {
-  std::vector<std::string> sources;  // host:port of each ArenaServer
+  std::vector<std::string> sources;  // host:port of each ArenaServer, 1..kMaxFetchSources
   std::vector<DestinationRegion> destination;
   // Called once per source with its manifest blob, before any byte is read from it: an error
   // keeps the source out of the fetch (the daemon compares the source's plan with its own).

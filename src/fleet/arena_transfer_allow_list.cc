@@ -66,6 +66,18 @@ Result<PeerAllowList> PeerAllowList::Parse(std::string_view text) {
       return InvalidArgument("peer allow-list entry '" + std::string(item) +
                              "' has host bits set past its prefix length");
     }
+    // Allows() matches an IPv4-mapped peer (::ffff:10.0.0.5, how a dual-stack listener sees an
+    // IPv4 client, and how a refusal logs it) as IPv4: an entry written that way is one too.
+    // Its prefix is /96 or longer (a shorter one has the ffff bits past it, refused above).
+    in6_addr v6{};
+    std::memcpy(&v6, entry.bytes.data(), sizeof(v6));
+    if (entry.family == AF_INET6 && IN6_IS_ADDR_V4MAPPED(&v6)) {
+      std::array<uint8_t, 16> v4{};
+      std::memcpy(v4.data(), entry.bytes.data() + 12, 4);
+      entry.bytes = v4;
+      entry.family = AF_INET;
+      entry.prefix -= 96;
+    }
     list.entries_.push_back(entry);
   }
   return list;

@@ -6,6 +6,8 @@
 #include <set>
 
 #include "common/logging.h"
+#include "common/terminal_text.h"
+#include "os/tcp_socket.h"
 #include "sharding/strict_json.h"
 
 namespace weightcache::fleet {
@@ -71,6 +73,11 @@ bool IsEndpoint(std::string_view e) {
          });
 }
 
+bool IsWildcardEndpoint(const std::string& endpoint) {
+  auto split = os::SplitHostPort(endpoint);
+  return split.ok() && os::IsWildcardHost(split->host);
+}
+
 std::string_view EntryStateName(EntryState state) {
   switch (state) {
     case EntryState::kLoading:
@@ -125,6 +132,10 @@ Status RegistryEntry::Validate() const {
   }
   if (!endpoint.empty() && !IsEndpoint(endpoint)) {
     return FieldError("endpoint", "must be \"\" or HOST:PORT");
+  }
+  if (!endpoint.empty() && IsWildcardEndpoint(endpoint)) {
+    return FieldError("endpoint",
+                      "is a wildcard address (0.0.0.0 or ::), which no other node can connect to");
   }
   if (tier != "gpu" && tier != "host") return FieldError("tier", "must be \"gpu\" or \"host\"");
   const bool gpu_uuid =
@@ -181,8 +192,9 @@ Result<RegistryEntry> RegistryEntry::FromJson(const json& j) {
   for (const Field& f : kFields) known.insert(f.name);
   for (const auto& item : j.items()) {
     if (known.count(item.key()) == 0) {
-      return ProtocolError("registry entry has an unknown field \"" + item.key().substr(0, 64) +
-                           "\"");
+      // A registry writer chooses these bytes: escaped before they reach a log.
+      return ProtocolError("registry entry has an unknown field \"" +
+                           EscapeForTerminal(item.key().substr(0, 64)) + "\"");
     }
   }
   RegistryEntry e;
@@ -274,7 +286,7 @@ Result<std::vector<RegistryEntry>> LookupEntries(const EtcdClient& client, std::
   std::vector<RegistryEntry> out;
   for (const KeyValue& kv : kvs) {
     auto entry = RegistryEntry::FromJsonText(kv.value);
-    const std::string shown_key = kv.key.substr(0, 300);
+    const std::string shown_key = EscapeForTerminal(kv.key.substr(0, 300));  // a writer's bytes
     if (!entry.ok()) {
       LOG_WARN << "registry: skipping " << shown_key << ": " << entry.status().message();
       continue;

@@ -81,6 +81,9 @@ Status ValidateNodeName(std::string_view node);
 // A transport endpoint "HOST:PORT": a port 1-65535, a host of printable characters without
 // spaces or '/' (an entry's `endpoint`, serve's --advertise and --fill-from lists).
 bool IsEndpoint(std::string_view endpoint);
+// An endpoint whose host is the "any" address (0.0.0.0:7400, [::]:7400): a bind address, never
+// one to publish or connect to (Validate refuses it in an entry).
+bool IsWildcardEndpoint(const std::string& endpoint);
 
 // "<prefix>/v1/caches/" and "<prefix>/v1/caches/<fleet key>/".
 std::string CachesPrefix(std::string_view prefix);

@@ -1,5 +1,6 @@
 #include "os/tcp_socket.h"
 
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -27,6 +28,13 @@ Result<HostPort> SplitHostPort(const std::string& text) {
   if (out.host.empty()) return InvalidArgument("\"" + text + "\" has no host");
   out.port = static_cast<uint16_t>(std::stoul(port));
   return out;
+}
+
+bool IsWildcardHost(const std::string& host) {
+  in_addr v4{};
+  if (::inet_pton(AF_INET, host.c_str(), &v4) == 1) return v4.s_addr == htonl(INADDR_ANY);
+  in6_addr v6{};
+  return ::inet_pton(AF_INET6, host.c_str(), &v6) == 1 && IN6_IS_ADDR_UNSPECIFIED(&v6);
 }
 
 Result<TcpListener> ListenTcp(const HostPort& where, int backlog) {

@@ -5,6 +5,8 @@
 //    getaddrinfo; IPv6 literals may be bracketed) with SO_REUSEADDR, listens, and returns the
 //    socket (CLOEXEC, non-blocking) and the port it is bound to (port 0 picks a free one).
 //  * SplitHostPort parses "HOST:PORT" / "[V6]:PORT" strictly (the port 0..65535, digits only).
+//  * IsWildcardHost: the host is the IPv4 or IPv6 "any" address (0.0.0.0, ::, in any textual
+//    form inet_pton takes): fine to bind, meaningless to connect to from another machine.
 //  * Thread-safe: no shared state.
 #pragma once
 
@@ -22,6 +24,7 @@ struct HostPort {
 };
 
 Result<HostPort> SplitHostPort(const std::string& text);
+bool IsWildcardHost(const std::string& host);
 
 struct TcpListener {
   UniqueFd fd;

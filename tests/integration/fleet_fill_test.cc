@@ -174,6 +174,62 @@ TEST_F(FleetFillTest, NodeBFillsFromAListedSourceWithoutARegistry) {
   ExpectVerifiedOnB();
 }
 
+// An upgrade's successor runs with the old daemon's flags, so it binds the same --fill-serve
+// address: a fixed port (as launch gives each rank, PORT + rank) must be free by then. The old
+// daemon lets go of it before it starts the successor; before, the successor found the port
+// taken, logged "fill source: not serving" and served no fills until its own restart.
+TEST_F(FleetFillTest, AnUpgradedSourceServesFillsAtItsFixedPort) {
+  const int port = FreeLoopbackPort();
+  ASSERT_NE(port, 0);
+  const std::string endpoint = "127.0.0.1:" + std::to_string(port);
+  auto a = ServeProcess::Start(
+      HostServeArgs(model_, dir_.Join("run-a"),
+                    {"--no-keeper", "--fill-serve", endpoint, "--fill-allow", "127.0.0.1"}),
+      dir_.Join("serve-a.log"));
+  ASSERT_NE(a, nullptr);
+  const Result<std::string> socket = WaitForState(*a, dir_.Join("run-a"), CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << a->Log();
+  const std::string serving = "fill source: serving the arena at " + endpoint + " ";
+  ASSERT_TRUE(Contains(a->Log(), serving)) << a->Log();
+
+  const CommandResult up = RunCommand({CliPath(), "upgrade", "--socket", *socket, "--json"});
+  ASSERT_EQ(up.exit_code, 0) << up.err << "\n" << a->Log();
+  const nlohmann::json reply = nlohmann::json::parse(up.out, nullptr, false);
+  ASSERT_TRUE(reply.is_object() && reply.contains("successor_pid")) << up.out;
+  const auto successor = reply["successor_pid"].get<pid_t>();
+  // The successor shares A's log: it serves at the same endpoint once ready.
+  const auto until = std::chrono::steady_clock::now() + 30s;
+  auto count = [&] {
+    const std::string log = a->Log();
+    size_t n = 0;
+    for (size_t at = log.find(serving); at != std::string::npos; at = log.find(serving, at + 1)) {
+      ++n;
+    }
+    return n;
+  };
+  while (count() < 2 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(count(), 2u) << a->Log();
+  EXPECT_FALSE(Contains(a->Log(), "fill source: not serving")) << a->Log();
+
+  auto b = ServeProcess::Start(
+      HostServeArgs(model_, dir_.Join("run-b"), {"--no-keeper", "--fill-from", endpoint}),
+      dir_.Join("serve-b.log"));
+  ASSERT_NE(b, nullptr);
+  const std::string log = ReadyLogOfB(*b);
+  EXPECT_TRUE(Contains(log, "filled from 1 source(s) (listed " + endpoint + " ")) << log;
+  ExpectVerifiedOnB();
+
+  const CommandResult stop = RunCommand({CliPath(), "stop", "--socket", *socket});
+  EXPECT_EQ(stop.exit_code, 0) << stop.err;
+  for (int i = 0; i < 300 && ::kill(successor, 0) == 0; ++i) std::this_thread::sleep_for(100ms);
+  if (::kill(successor, 0) == 0) {
+    ADD_FAILURE() << "the successor outlived `stop`";
+    ::kill(successor, SIGKILL);
+  }
+}
+
 TEST_F(FleetFillTest, TwoSourcesAreStripedAcross) {
   auto a = StartSource();
   ASSERT_NE(a, nullptr);
@@ -506,6 +562,9 @@ TEST_F(FleetFillTest, BadFillFlagsAreUsageErrors) {
       {{"--fill-allow", "127.0.0.1"}, "--fill-allow is the peer list of --fill-serve"},
       {{"--registry", etcd_->url(), "--fill-serve", "127.0.0.1:0", "--fill-allow", "10.0.0.1/8"},
        "--fill-allow"},
+      {{"--registry", etcd_->url(), "--fill-serve", "0.0.0.0:7400", "--fill-allow", "127.0.0.1"},
+       "listens on every address, and the registry entry needs one other nodes can reach: give "
+       "--advertise HOST:PORT"},
   };
   for (const auto& c : cases) {
     const CommandResult r = serve(c.flags);

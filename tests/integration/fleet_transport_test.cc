@@ -462,6 +462,13 @@ TEST_F(FleetTransportTest, BadOptionsAreRefusedUpFront) {
   options.stripe_bytes = 0;
   result = fleet::FetchArena(options);
   EXPECT_THAT(result.status().message(), HasSubstr("a stripe size of 0"));
+  options.stripe_bytes = 4096;
+  options.sources.assign(fleet::kMaxFetchSources + 1, "127.0.0.1:1");
+  result = fleet::FetchArena(options);
+  EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(result.status().message(),
+              HasSubstr(std::to_string(fleet::kMaxFetchSources + 1) + " sources (at most " +
+                        std::to_string(fleet::kMaxFetchSources) + ")"));
 
   fleet::ArenaServerOptions server;
   auto started = fleet::ArenaServer::Start(server);

@@ -46,6 +46,22 @@ TEST(PeerAllowListTest, AddressesAndPrefixesMatchExactlyWhatTheySay) {
   EXPECT_FALSE(Allows(*list, V6("::ffff:10.9.2.3")));
 }
 
+// An entry written in the mapped form (as a refusal logs a dual-stack peer) is the IPv4 entry:
+// before, it parsed as IPv6 and matched nobody, since Allows() matches mapped peers as IPv4.
+TEST(PeerAllowListTest, AnIpv4MappedEntryIsTheIpv4Entry) {
+  auto list = PeerAllowList::Parse("::ffff:10.0.0.5,::ffff:192.168.0.0/112");
+  ASSERT_TRUE(list.ok()) << list.status().ToString();
+  EXPECT_EQ(list->ToString(), "10.0.0.5/32,192.168.0.0/16");
+  EXPECT_TRUE(Allows(*list, V4("10.0.0.5")));
+  EXPECT_TRUE(Allows(*list, V6("::ffff:10.0.0.5")));
+  EXPECT_FALSE(Allows(*list, V4("10.0.0.6")));
+  EXPECT_TRUE(Allows(*list, V6("::ffff:192.168.77.1")));
+  EXPECT_FALSE(Allows(*list, V4("192.169.0.1")));
+  auto short_prefix = PeerAllowList::Parse("::ffff:0.0.0.0/80");
+  ASSERT_FALSE(short_prefix.ok());
+  EXPECT_THAT(short_prefix.status().message(), HasSubstr("has host bits set past its prefix"));
+}
+
 TEST(PeerAllowListTest, PrefixesThatEndInsideAByte) {
   auto list = PeerAllowList::Parse("192.168.4.0/22");
   ASSERT_TRUE(list.ok());

@@ -113,6 +113,32 @@ TEST(RegistryFlagsTest, NoRegistryForwardsNothingAndFillFlagsWithoutItAreRefused
   EXPECT_EQ(forwarded->at(forwarded->size() - 2), "--fill-from");
 }
 
+// The registry entry names where fillers connect: a wildcard bind address would send each of
+// them to its own host, so it needs --advertise; without a registry nothing is published.
+TEST(RegistryFlagsTest, AWildcardFillServeIsPublishedOnlyThroughAdvertise) {
+  RegistryFlags flags;
+  flags.url = "etcd://127.0.0.1:2379";
+  flags.fill_allow = "10.0.0.0/8";
+  for (const char* wildcard : {"0.0.0.0:7400", "[::]:7400"}) {
+    flags.fill_serve = wildcard;
+    auto refused = RegistryServeArgs(flags, 0);
+    ASSERT_FALSE(refused.ok()) << wildcard;
+    EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(refused.status().message(),
+                HasSubstr(std::string("--fill-serve ") + wildcard +
+                          " listens on every address, and the registry entry needs one other "
+                          "nodes can reach: give --advertise HOST:PORT"));
+  }
+  flags.advertise = "10.0.0.7:7400";
+  EXPECT_TRUE(RegistryServeArgs(flags, 0).ok());
+  flags.advertise.clear();
+  flags.fill_serve = "10.0.0.7:7400";  // a bound address is published as it is
+  EXPECT_TRUE(RegistryServeArgs(flags, 0).ok());
+  flags.url.clear();
+  flags.fill_serve = "0.0.0.0:7400";  // listed sources: the fillers are told where to connect
+  EXPECT_TRUE(RegistryServeArgs(flags, 0).ok());
+}
+
 // Without a registry the fill flags go alone; a listed source is per rank like --fill-serve
 // (rank r of the source node serves at PORT + r).
 TEST(RegistryFlagsTest, ListedSourcesAreForwardedPerRankWithoutARegistry) {
@@ -129,6 +155,19 @@ TEST(RegistryFlagsTest, ListedSourcesAreForwardedPerRankWithoutARegistry) {
   auto bad = RegistryServeArgs(flags, 0);
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(bad.status().message(), HasSubstr("(\"10.0.0.1\" is not HOST:PORT)"));
+  // One fill connects to at most fleet::kMaxFetchSources.
+  flags.fill_from.clear();
+  for (size_t i = 0; i <= fleet::kMaxFetchSources; ++i) {
+    flags.fill_from +=
+        (i == 0 ? "" : ",") + std::string("10.0.0.") + std::to_string(i + 1) + ":7400";
+  }
+  auto many = RegistryServeArgs(flags, 0);
+  ASSERT_FALSE(many.ok());
+  EXPECT_EQ(many.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(
+      many.status().message(),
+      HasSubstr("--fill-from lists " + std::to_string(fleet::kMaxFetchSources + 1) +
+                " sources; a fill connects to at most " + std::to_string(fleet::kMaxFetchSources)));
 }
 
 }  // namespace

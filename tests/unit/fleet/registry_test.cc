@@ -99,6 +99,9 @@ TEST(RegistryEntryTest, StrictRejects) {
               StatusIs(StatusCode::kProtocol, HasSubstr("not a JSON object")));
   EXPECT_THAT(with("extra", 1),
               StatusIs(StatusCode::kProtocol, HasSubstr("unknown field \"extra\"")));
+  // A writer's bytes reach the log escaped: no newline or terminal escape gets through.
+  EXPECT_THAT(with("x\n\x1b[31mfake", 1),
+              StatusIs(StatusCode::kProtocol, HasSubstr("unknown field \"x\\x0a\\x1b[31mfake\"")));
   EXPECT_THAT(without("pid"), StatusIs(StatusCode::kProtocol, HasSubstr("lacks field pid")));
   EXPECT_THAT(with("bytes", "1"),
               StatusIs(StatusCode::kProtocol, HasSubstr("bytes is not a non-negative")));
@@ -112,6 +115,15 @@ TEST(RegistryEntryTest, StrictRejects) {
   EXPECT_THAT(with("fleet_key", "abc"), StatusIs(StatusCode::kProtocol, HasSubstr("fleet_key")));
   EXPECT_THAT(with("node", "a/b"), StatusIs(StatusCode::kProtocol, HasSubstr("node")));
   EXPECT_THAT(with("endpoint", "nohost"), StatusIs(StatusCode::kProtocol, HasSubstr("endpoint")));
+  // A bind address, which would send every filler to its own host.
+  for (const char* wildcard : {"0.0.0.0:7400", "[::]:7400", "[0:0::0]:7400"}) {
+    EXPECT_THAT(with("endpoint", wildcard),
+                StatusIs(StatusCode::kProtocol, HasSubstr("endpoint is a wildcard address")))
+        << wildcard;
+  }
+  for (const char* reachable : {"[::1]:7400", "10.0.0.1:7400", "node-b:7400", "0.0.0.1:7400"}) {
+    EXPECT_TRUE(with("endpoint", reachable).ok()) << reachable;
+  }
   EXPECT_THAT(with("tier", "disk"), StatusIs(StatusCode::kProtocol, HasSubstr("tier")));
   EXPECT_THAT(with("device", "cuda:0"), StatusIs(StatusCode::kProtocol, HasSubstr("device")));
   EXPECT_THAT(with("pid", 0), StatusIs(StatusCode::kProtocol, HasSubstr("pid")));
