@@ -114,6 +114,19 @@ class FleetFillTest : public ::testing::Test {
     EXPECT_EQ(j["verify"]["tensors"], 8) << r.out;
   }
 
+  // Node B started with `--fill-from endpoint` (no registry) fills from it alone, never from
+  // its disk, with verified bytes; B is stopped on return.
+  void ExpectBFillsFromListed(const std::string& endpoint) {
+    auto b = ServeProcess::Start(
+        HostServeArgs(model_, dir_.Join("run-b"), {"--no-keeper", "--fill-from", endpoint}),
+        dir_.Join("serve-b.log"));
+    ASSERT_NE(b, nullptr);
+    const std::string log = ReadyLogOfB(*b);
+    EXPECT_TRUE(Contains(log, "filled from 1 source(s) (listed " + endpoint + " ")) << log;
+    EXPECT_FALSE(Contains(log, "loading from disk")) << log;
+    ExpectVerifiedOnB();
+  }
+
   // Node B's log once B is ready; "" (and a failure) when B never is.
   std::string ReadyLogOfB(ServeProcess& b, std::chrono::milliseconds timeout = 30s) {
     const Result<std::string> ready =
@@ -164,14 +177,7 @@ TEST_F(FleetFillTest, NodeBFillsFromAListedSourceWithoutARegistry) {
   ASSERT_EQ(endpoint.rfind("127.0.0.1:", 0), 0u) << endpoint;
   EXPECT_FALSE(Contains(a_log, "registry:")) << a_log;
 
-  auto b = ServeProcess::Start(
-      HostServeArgs(model_, dir_.Join("run-b"), {"--no-keeper", "--fill-from", endpoint}),
-      dir_.Join("serve-b.log"));
-  ASSERT_NE(b, nullptr);
-  const std::string log = ReadyLogOfB(*b);
-  EXPECT_TRUE(Contains(log, "filled from 1 source(s) (listed " + endpoint + " ")) << log;
-  EXPECT_FALSE(Contains(log, "loading from disk")) << log;
-  ExpectVerifiedOnB();
+  ExpectBFillsFromListed(endpoint);
 }
 
 // An upgrade's successor runs with the old daemon's flags, so it binds the same --fill-serve
@@ -213,13 +219,7 @@ TEST_F(FleetFillTest, AnUpgradedSourceServesFillsAtItsFixedPort) {
   EXPECT_EQ(count(), 2u) << a->Log();
   EXPECT_FALSE(Contains(a->Log(), "fill source: not serving")) << a->Log();
 
-  auto b = ServeProcess::Start(
-      HostServeArgs(model_, dir_.Join("run-b"), {"--no-keeper", "--fill-from", endpoint}),
-      dir_.Join("serve-b.log"));
-  ASSERT_NE(b, nullptr);
-  const std::string log = ReadyLogOfB(*b);
-  EXPECT_TRUE(Contains(log, "filled from 1 source(s) (listed " + endpoint + " ")) << log;
-  ExpectVerifiedOnB();
+  ExpectBFillsFromListed(endpoint);
 
   const CommandResult stop = RunCommand({CliPath(), "stop", "--socket", *socket});
   EXPECT_EQ(stop.exit_code, 0) << stop.err;
