@@ -397,7 +397,11 @@ Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
   if (gpu_budget.has_value()) {
     demotion.readmit = [device_dir, socket, pinned, budget = *gpu_budget]() -> Status {
       daemon::BudgetLedger ledger(device_dir);
-      WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::Ledger now, ledger.Read());
+      // Bounded like the admission below: this runs on the mover thread, which a stop joins.
+      const auto deadline = std::chrono::steady_clock::now() + kEvictionTimeout;
+      WEIGHTCACHE_ASSIGN_OR_RETURN(
+          daemon::Ledger now,
+          ledger.UpdateUntil([](daemon::Ledger&) { return Status::Ok(); }, deadline));
       const daemon::LedgerEntry* mine = now.Find(socket);
       if (mine == nullptr) return Status::Ok();  // not in the ledger (removed by hand)
       WEIGHTCACHE_ASSIGN_OR_RETURN(
@@ -405,8 +409,7 @@ Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
           daemon::SelfEntry(socket, mine->bytes, daemon::BudgetTier::kGpu, pinned));
       self.last_used_ms = daemon::NowUnixMs();
       self.budget = budget;
-      return daemon::AdmitEvicting(ledger, self, budget, EvictVictim,
-                                   std::chrono::steady_clock::now() + kEvictionTimeout);
+      return daemon::AdmitEvicting(ledger, self, budget, EvictVictim, deadline);
     };
   }
   return demotion;

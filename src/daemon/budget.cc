@@ -17,6 +17,7 @@
 #include "daemon/byte_size.h"
 #include "identity/paths.h"
 #include "os/ledger_file.h"
+#include "os/lock_file.h"
 #include "os/read_file.h"
 
 namespace weightcache::daemon {
@@ -31,8 +32,9 @@ using Json = nlohmann::json;
 Status Corrupt(const std::string& path, const std::string& why) {
   return InvalidArgument("budget ledger " + path + " is corrupt (" + why +
                          "); no cache can be admitted on this device until it is fixed: "
-                         "remove it (running caches register again at their next attach or "
-                         "detach) or restore it");
+                         "restore it, or stop the device's caches (`weightcache stop --all`), "
+                         "remove it and start them again (a running cache is counted only by "
+                         "the entry its admission wrote)");
 }
 
 // The unsigned integer at `key` of `object`, at most `max`.
@@ -102,6 +104,12 @@ std::string Describe(const LedgerEntry& e) {
   std::string text = e.socket + " " + FormatBytes(e.bytes) + " (pid " + std::to_string(e.pid) +
                      ", " + std::to_string(e.clients) + (e.clients == 1 ? " client" : " clients");
   if (e.pinned) text += ", pinned";
+  // A daemon that died with its keeper holding the memory answers no Evict: say who holds it.
+  if (ProcessStartTime(e.pid).status().code() == StatusCode::kNotFound &&
+      !os::IsLockHeld(identity::LockPathFor(e.socket)) && KeptByKeeper(e)) {
+    text += "; its daemon is gone and its keeper holds the memory: `weightcache stop --socket " +
+            e.socket + "` drops it";
+  }
   return text + ")";
 }
 
@@ -158,10 +166,17 @@ Result<uint64_t> ProcessStartTime(pid_t pid) {
   return InternalError(path + ": unreachable");
 }
 
+bool KeptByKeeper(const LedgerEntry& entry) {
+  return os::IsLockHeld(identity::LockPathFor(identity::KeeperSocketFor(entry.socket)));
+}
+
 bool OwnerAlive(const LedgerEntry& entry) {
   auto start = ProcessStartTime(entry.pid);
-  if (!start.ok()) return start.status().code() != StatusCode::kNotFound;
-  return *start == entry.pid_start_time;
+  if (!start.ok() ? start.status().code() != StatusCode::kNotFound
+                  : *start == entry.pid_start_time) {
+    return true;
+  }
+  return os::IsLockHeld(identity::LockPathFor(entry.socket)) || KeptByKeeper(entry);
 }
 
 std::string SerializeLedger(const Ledger& ledger) {
@@ -479,17 +494,22 @@ Status AdmitEvicting(BudgetLedger& ledger, const LedgerEntry& self, uint64_t bud
   constexpr int kMaxRounds = 16;
   for (int round = 0; round < kMaxRounds; ++round) {
     AdmissionPlan plan;
-    auto planned = ledger.Update([&](Ledger& now) {
-      plan = PlanAdmission(now, self.tier, budget, self.bytes, self.socket);
-      if (!plan.fits) return Status(StatusCode::kOutOfMemory, plan.refusal);
-      if (!plan.victims.empty()) return Status::Ok();  // nothing changes under this lock
-      if (LedgerEntry* mine = now.Find(self.socket)) {
-        *mine = self;
-      } else {
-        now.entries.push_back(self);
-      }
-      return Status::Ok();
-    });
+    // Every wait for the ledger's lock ends at the deadline: a peer hung inside its critical
+    // section must not hold an admission (a promotion's, on the mover thread, which a stop
+    // joins) past it.
+    auto planned = ledger.UpdateUntil(
+        [&](Ledger& now) {
+          plan = PlanAdmission(now, self.tier, budget, self.bytes, self.socket);
+          if (!plan.fits) return Status(StatusCode::kOutOfMemory, plan.refusal);
+          if (!plan.victims.empty()) return Status::Ok();  // nothing changes under this lock
+          if (LedgerEntry* mine = now.Find(self.socket)) {
+            *mine = self;
+          } else {
+            now.entries.push_back(self);
+          }
+          return Status::Ok();
+        },
+        deadline);
     if (!planned.ok()) return planned.status();
     if (plan.victims.empty()) return Status::Ok();  // registered
 
@@ -525,7 +545,8 @@ Status AdmitEvicting(BudgetLedger& ledger, const LedgerEntry& self, uint64_t bud
     // reclaimed by the read), or moves it to the host tier once demoted (`serve --demote
     // host`): wait for that, then plan again.
     for (;;) {
-      WEIGHTCACHE_ASSIGN_OR_RETURN(Ledger now, ledger.Read());
+      WEIGHTCACHE_ASSIGN_OR_RETURN(
+          Ledger now, ledger.UpdateUntil([](Ledger&) { return Status::Ok(); }, deadline));
       const bool gone = std::ranges::none_of(going, [&](const LedgerEntry& v) {
         const LedgerEntry* e = now.Find(v.socket);
         return e != nullptr && e->pid == v.pid && e->tier == self.tier;

@@ -77,10 +77,18 @@ struct Ledger {
 // or it has exited (a zombie, state Z or X: it holds nothing any more).
 Result<uint64_t> ProcessStartTime(pid_t pid);
 
-// Whether the entry's owner is still the process that registered it (same pid, same start
-// time). A /proc read failing for another reason than a missing process counts as alive: a
-// live cache must never be reclaimed.
+// Whether the entry's memory may still be held, so that the entry must stay counted:
+//  * its owner is still the process that registered it (same pid, same start time; a /proc
+//    read failing for another reason than a missing process counts as alive: a live cache
+//    must never be reclaimed);
+//  * or, whatever /proc says, the lock of its socket is held (identity::LockPathFor: its
+//    daemon, or an upgrade's successor, which has another pid). Locks are seen across pid
+//    namespaces, where a pid means nothing (daemons in containers sharing one runtime dir);
+//  * or its keeper's lock is held (KeptByKeeper): the daemon died, and its keeper holds the
+//    memory for the next start (docs/keeper.md) until `stop` drops it.
 bool OwnerAlive(const LedgerEntry& entry);
+// The entry's keeper holds the memory (its lock is held).
+bool KeptByKeeper(const LedgerEntry& entry);
 
 // The ledger's text and back. Parse errors are kInvalidArgument naming `path`.
 std::string SerializeLedger(const Ledger& ledger);
@@ -220,7 +228,9 @@ inline constexpr std::chrono::milliseconds kVictimExitGrace{2000};
 // gone within kVictimExitGrace (exited, or a zombie) counts as accepted: its entry is reclaimed
 // by the next read.
 // kOutOfMemory when every victim refused (naming each and why), kTimeout when an evicted cache
-// still holds its memory at `deadline`.
+// still holds its memory at `deadline`, or when the ledger's lock is still held by another
+// process then (every wait for it ends at `deadline`: a peer hung in its critical section).
+// Each Evict is bounded by `evict` itself (EvictVictim: 5 s).
 Status AdmitEvicting(BudgetLedger& ledger, const LedgerEntry& self, uint64_t budget,
                      const EvictFn& evict, std::chrono::steady_clock::time_point deadline);
 

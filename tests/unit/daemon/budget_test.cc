@@ -18,6 +18,7 @@
 #include "daemon/byte_size.h"
 #include "identity/paths.h"
 #include "os/ledger_file.h"
+#include "os/lock_file.h"
 #include "support/test_env.h"
 
 namespace weightcache::daemon {
@@ -136,6 +137,55 @@ TEST(BudgetLedger, APidReusedByAnotherProcessIsReclaimedByItsStartTime) {
   ASSERT_TRUE(read.ok()) << read.status().ToString();
   ASSERT_EQ(read->entries.size(), 1u);
   EXPECT_EQ(read->entries[0].socket, same.socket);
+}
+
+// A dead pid's entry stays while a lock says its memory may still be held: its socket's lock
+// (its daemon seen from another pid namespace, or an upgrade's successor, which has another
+// pid) or its keeper's (the daemon died; the keeper holds the memory for the next start).
+// Reclaimed once neither is held. Before, a daemon killed with its keeper on was dropped from
+// the ledger while the keeper still held its memory, and the next cache was let onto a full
+// device.
+TEST(BudgetLedger, ADeadPidsEntryStaysWhileItsDaemonsOrKeepersLockIsHeld) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  LedgerEntry by_daemon = Entry(dir.Join("a.sock"), 10, 2);
+  by_daemon.pid = ReapedPid();
+  LedgerEntry by_keeper = Entry(dir.Join("b.sock"), 20, 1);  // the least recently used
+  by_keeper.pid = ReapedPid();
+  EXPECT_FALSE(OwnerAlive(by_daemon));
+  EXPECT_FALSE(OwnerAlive(by_keeper));
+  {
+    auto daemon_lock = os::LockFile::TryAcquire(identity::LockPathFor(by_daemon.socket));
+    ASSERT_TRUE(daemon_lock.ok()) << daemon_lock.status().ToString();
+    auto keeper_lock = os::LockFile::TryAcquire(
+        identity::LockPathFor(identity::KeeperSocketFor(by_keeper.socket)));
+    ASSERT_TRUE(keeper_lock.ok()) << keeper_lock.status().ToString();
+    EXPECT_TRUE(OwnerAlive(by_daemon));
+    EXPECT_FALSE(KeptByKeeper(by_daemon));
+    EXPECT_TRUE(OwnerAlive(by_keeper));
+    EXPECT_TRUE(KeptByKeeper(by_keeper));
+    WriteFile(ledger.path(), SerializeLedger(Ledger{{by_daemon, by_keeper}}));
+    auto read = ledger.Read();
+    ASSERT_TRUE(read.ok()) << read.status().ToString();
+    EXPECT_EQ(read->entries.size(), 2u);
+
+    // The kept cache answers no Evict (its daemon is gone) and does not go: the newcomer is
+    // refused, told who holds the memory and how to free it.
+    auto no_daemon = [](const LedgerEntry&) -> Result<EvictAnswer> {
+      return Status(StatusCode::kUnavailable, "connect: Connection refused");
+    };
+    Status refused = AdmitEvicting(ledger, Entry(dir.Join("new.sock"), 15, 300), 40, no_daemon,
+                                   std::chrono::steady_clock::now() + std::chrono::seconds(10));
+    EXPECT_EQ(refused.code(), StatusCode::kOutOfMemory) << refused.ToString();
+    EXPECT_NE(refused.message().find("its daemon is gone and its keeper holds the memory: "
+                                     "`weightcache stop --socket " +
+                                     by_keeper.socket + "` drops it"),
+              std::string::npos)
+        << refused.ToString();
+  }
+  auto read = ledger.Read();
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_TRUE(read->entries.empty());
 }
 
 // The budget an entry was admitted under round-trips; an entry written before the field
@@ -496,6 +546,25 @@ TEST(AdmitEvicting, AVictimThatGivesNoAnswerAndLivesOnIsARefusal) {
   EXPECT_EQ(s.code(), StatusCode::kOutOfMemory) << s.ToString();
   EXPECT_NE(s.message().find("/d/old.sock"), std::string::npos) << s.ToString();
   EXPECT_NE(s.message().find("no Evict reply within 5 s"), std::string::npos) << s.ToString();
+}
+
+// A peer hung inside the ledger's critical section holds no admission past its deadline:
+// before, the plan waited for the lock with no bound (F_OFD_SETLKW), and a promotion's
+// admission on the mover thread held a stop that joins it forever.
+TEST(AdmitEvicting, AHeldLedgerLockEndsTheAdmissionAtItsDeadline) {
+  TempDir dir;
+  BudgetLedger ledger(dir.path());
+  ASSERT_TRUE(ledger.Put(Entry(dir.Join("old.sock"), 60, 100)).ok());
+  auto held = os::ExclusiveFileLock::Acquire(ledger.lock_path());
+  ASSERT_TRUE(held.ok()) << held.status().ToString();
+  auto never_asked = [](const LedgerEntry&) -> Result<EvictAnswer> {
+    ADD_FAILURE() << "no plan can be made without the lock";
+    return EvictAnswer{.accepted = true, .reason = {}};
+  };
+  Status s = AdmitEvicting(ledger, Entry(dir.Join("new.sock"), 60, 300), 100, never_asked,
+                           std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
+  EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.ToString();
+  EXPECT_NE(s.message().find(ledger.lock_path()), std::string::npos) << s.ToString();
 }
 
 // A victim that accepts but never gives its memory back: kTimeout naming it.
