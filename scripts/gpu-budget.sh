@@ -158,7 +158,7 @@ if [[ $demote == host-pinned ]]; then
 fi
 # 5. kill -9 in the middle of a demotion: a fourth cache, d, needs room; the least recently
 #    used idle gpu cache, c (a was attached after it), demotes, and c's daemon is killed with
-#    SIGKILL while it copies. d's admission must go on (the dead daemon's ledger entry is
+#    SIGKILL while it copies (on its "demotion: copying" line, after its keeper let go). d's admission must go on (the dead daemon's ledger entry is
 #    reclaimed), d becomes ready, the ledger holds a and d on the gpu tier (32.1 GB), and the
 #    device's memory shows c's 16 GB freed.
 echo "== serve --revision d in the background; kill -9 of c in the middle of its demotion" >>"$log"
@@ -174,7 +174,9 @@ for d in json.load(sys.stdin)["devices"]:
 serve_d=$!
 killed=0
 for _ in $(seq 1 3000); do  # the demotion starts within seconds; a 10 ms poll of c's log
-  if grep -q "demoting to host RAM" "$runtime/serve-c.log" 2>/dev/null; then
+  # Logged once c's keeper has let go (a kill before that leaves the memory to the keeper,
+  # which the ledger then counts, and d would rightly wait: not what this step tests).
+  if grep -q "demotion: copying" "$runtime/serve-c.log" 2>/dev/null; then
     kill -9 "$c_pid" 2>>"$log" && killed=1
     break
   fi

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <numeric>
 
 #include "checkpoint/checkpoint.h"
 #include "common/logging.h"
@@ -1389,6 +1390,12 @@ void Daemon::StartDemotion() {
   // Evict was accepted and the ledger counts the memory as leaving the GPU), not leave it to
   // its keeper as an orphan outside the budget. The copy reads the daemon's own fds.
   DropKeeperAtStop();
+  // After the keeper let go: a kill from here on frees the memory (scripts/gpu-budget.sh step 5
+  // kills on this line, so that its kill is mid-copy and never races the drop).
+  LOG_INFO << "demotion: copying "
+           << FormatBytes(std::accumulate(allocation_sizes_.begin(), allocation_sizes_.end(),
+                                          uint64_t{0}))
+           << " to host RAM";
   state_ = CacheState::kDemoted;  // attaches from now on wait for the promotion
   move_ = Move::kDemoting;
   move_start_ = Clock::now();
