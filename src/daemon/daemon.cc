@@ -1393,8 +1393,8 @@ void Daemon::StartDemotion() {
   // After the keeper let go: a kill from here on frees the memory (scripts/gpu-budget.sh step 5
   // kills on this line, so that its kill is mid-copy and never races the drop).
   LOG_INFO << "demotion: copying "
-           << FormatBytes(std::accumulate(allocation_sizes_.begin(), allocation_sizes_.end(),
-                                          uint64_t{0}))
+           << FormatBytes(
+                  std::accumulate(allocation_sizes_.begin(), allocation_sizes_.end(), uint64_t{0}))
            << " to host RAM";
   state_ = CacheState::kDemoted;  // attaches from now on wait for the promotion
   move_ = Move::kDemoting;
