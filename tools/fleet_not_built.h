@@ -42,6 +42,8 @@ class ServeRegistration {
   void Ready(const daemon::StoreSummary& /*summary*/, std::span<const int> /*fds*/) {}
   void Moved(Tier /*tier*/, std::span<const int> /*fds*/) {}
   void Draining() {}
+  void HandingOver() {}
+  void HandoverFailed(std::span<const int> /*fds*/) {}
 
  private:
   ServeRegistration() = default;

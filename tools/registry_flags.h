@@ -70,7 +70,9 @@ Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags);
 // store's sealed memfds (host tier), or the store's VMM allocations imported into the device's
 // primary context (gpu tier: the context is held while it serves). A gpu-tier source stops
 // serving when its cache is demoted (Moved to the host tier, before the ledger stops counting
-// the GPU memory it mapped) and serves again once it is promoted back. With --fill-from,
+// the GPU memory it mapped) and serves again once it is promoted back. An upgrade stops it
+// before the successor starts (HandingOver) and starts it again if the upgrade fails
+// (HandoverFailed). With --fill-from,
 // Filler() is the load's fill (weight_store.h), of host or device memory as the tier is.
 class ServeRegistration {
  public:
