@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <numeric>
 #include <random>
 #include <string_view>
 #include <utility>
@@ -526,6 +525,7 @@ daemon::PeerFill ServeRegistration::Filler() const {
       WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::EtcdClient client, RegistryClient(flags));
       WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<fleet::RegistryEntry> entries,
                                    fleet::LookupSources(client, flags.prefix, fleet_key));
+      std::vector<const fleet::RegistryEntry*> ready;
       for (const fleet::RegistryEntry& e : entries) {
         // Ourselves excluded: an entry of this node is never a source of its own fill.
         // A source of another tier has another layout (allocation granularity): not one.
@@ -533,32 +533,25 @@ daemon::PeerFill ServeRegistration::Filler() const {
             e.node == node) {
           continue;
         }
-        fetch.sources.push_back(e.endpoint);
-        nodes.push_back(e.node);
+        ready.push_back(&e);
       }
-      if (fetch.sources.empty()) {
+      if (ready.empty()) {
         return Status(StatusCode::kNotFound,
                       "no ready " + tier + "-tier source with an endpoint among the registry's " +
                           std::to_string(entries.size()) + " entries of fleet key " +
                           fleet_key.substr(0, 16));
       }
-      if (fetch.sources.size() > fleet::kMaxFetchSources) {
+      if (ready.size() > fleet::kMaxFetchSources) {
         // At random: the joining nodes spread over the sources, and no writer of the registry
         // can make a filler connect to all of its entries (fleet::kMaxFetchSources).
-        std::vector<size_t> order(fetch.sources.size());
-        std::iota(order.begin(), order.end(), size_t{0});
-        std::shuffle(order.begin(), order.end(), std::mt19937_64(std::random_device{}()));
-        order.resize(fleet::kMaxFetchSources);
-        std::vector<std::string> sources;
-        std::vector<std::string> names;
-        for (size_t i : order) {
-          sources.push_back(fetch.sources[i]);
-          names.push_back(nodes[i]);
-        }
-        LOG_INFO << "fill: " << fetch.sources.size() << " ready sources; "
-                 << fleet::kMaxFetchSources << " chosen at random";
-        fetch.sources = std::move(sources);
-        nodes = std::move(names);
+        std::shuffle(ready.begin(), ready.end(), std::mt19937_64(std::random_device{}()));
+        LOG_INFO << "fill: " << ready.size() << " ready sources; " << fleet::kMaxFetchSources
+                 << " chosen at random";
+        ready.resize(fleet::kMaxFetchSources);
+      }
+      for (const fleet::RegistryEntry* e : ready) {
+        fetch.sources.push_back(e->endpoint);
+        nodes.push_back(e->node);
       }
     }
     const fleet::RegionMemory memory = request.memory == daemon::FillMemory::kDevice

@@ -105,8 +105,7 @@ std::string Describe(const LedgerEntry& e) {
                      ", " + std::to_string(e.clients) + (e.clients == 1 ? " client" : " clients");
   if (e.pinned) text += ", pinned";
   // A daemon that died with its keeper holding the memory answers no Evict: say who holds it.
-  if (ProcessStartTime(e.pid).status().code() == StatusCode::kNotFound &&
-      !os::IsLockHeld(identity::LockPathFor(e.socket)) && KeptByKeeper(e)) {
+  if (!DaemonHolds(e) && KeptByKeeper(e)) {
     text += "; its daemon is gone and its keeper holds the memory: `weightcache stop --socket " +
             e.socket + "` drops it";
   }
@@ -170,14 +169,16 @@ bool KeptByKeeper(const LedgerEntry& entry) {
   return os::IsLockHeld(identity::LockPathFor(identity::KeeperSocketFor(entry.socket)));
 }
 
-bool OwnerAlive(const LedgerEntry& entry) {
+bool DaemonHolds(const LedgerEntry& entry) {
   auto start = ProcessStartTime(entry.pid);
   if (!start.ok() ? start.status().code() != StatusCode::kNotFound
                   : *start == entry.pid_start_time) {
     return true;
   }
-  return os::IsLockHeld(identity::LockPathFor(entry.socket)) || KeptByKeeper(entry);
+  return os::IsLockHeld(identity::LockPathFor(entry.socket));
 }
+
+bool OwnerAlive(const LedgerEntry& entry) { return DaemonHolds(entry) || KeptByKeeper(entry); }
 
 std::string SerializeLedger(const Ledger& ledger) {
   Json entries = Json::array();

@@ -87,7 +87,9 @@ Result<uint64_t> ProcessStartTime(pid_t pid);
 //  * or its keeper's lock is held (KeptByKeeper): the daemon died, and its keeper holds the
 //    memory for the next start (docs/keeper.md) until `stop` drops it.
 bool OwnerAlive(const LedgerEntry& entry);
-// The entry's keeper holds the memory (its lock is held).
+// The first two of those: its daemon (or an upgrade's successor) holds the memory.
+bool DaemonHolds(const LedgerEntry& entry);
+// The last: the entry's keeper holds the memory (its lock is held).
 bool KeptByKeeper(const LedgerEntry& entry);
 
 // The ledger's text and back. Parse errors are kInvalidArgument naming `path`.
