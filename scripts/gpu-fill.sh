@@ -16,7 +16,7 @@
 #   3b. B seeded from A's socket instead (`--seed-from`, issue 18's one-GPU form: a D2D copy
 #      through the device's own copy engines, checked like a fill), verified;
 #   4. B again without --fill-from: the disk (page cache) load of the same run;
-#   5. ucx_perftest (the wheel's, when present): UCX's own ucp_get rate from CUDA memory
+#   5. ucx_perftest (the staged UCX's, when present): UCX's own ucp_get rate from CUDA memory
 #      between two processes, 64 MiB messages — the transport's ceiling here.
 #
 # Checks (each FAIL counted; exit 1 if any): A ready and serving; B ready for every variant;
@@ -29,7 +29,7 @@
 # headline lines, each starting with "fill:", to $OUT/summary.txt.
 # Knobs: OUT (./gpu-out), BUILD_DIR (build-gpu), WORK (the checkpoint's dir; default on
 # /dev/shm when it has 20 GB free), UCX_VARIANTS (space-separated UCX_TLS values; "default"
-# leaves UCX_TLS unset), UCX_PERFTEST (its path; default the wheel's under BUILD_DIR),
+# leaves UCX_TLS unset), UCX_PERFTEST (its path; default under UCX_PREFIX, set by gpu-suite.sh),
 # DRY_RUN=host (no GPU: the same steps on the host tier over a fake GPU (a device inventory)
 # and a small checkpoint, over UCX's host transports ("default tcp"), without the D2D limit: a
 # rehearsal of this script's own logic on a CPU machine, e.g. BUILD_DIR=build).
@@ -187,7 +187,7 @@ say "fill: B from the page cache: serve returned in $(($(ms_now) - t0)) ms; $(gr
 "$wc" stop --all --runtime-dir "$run_b" >>"$log" 2>&1
 
 # 5. UCX's own rate: ucp_get from CUDA memory, two processes, 64 MiB.
-perftest=${UCX_PERFTEST:-$build/ucx/libucx/bin/ucx_perftest}
+perftest=${UCX_PERFTEST:-${UCX_PREFIX:-$build/ucx/libucx}/bin/ucx_perftest}
 if [[ -x $perftest ]]; then
   for v in default "^cuda_ipc"; do
     envs=()

@@ -92,23 +92,34 @@ fi
 arch=x86_64-linux-gnu
 build_ok=1
 # The fleet's transport with CUDA (issue 19's gpu-tier fill): Debian's UCX has no CUDA
-# transports, so the device build takes UCX from PyPI's libucx-cu13 wheel when
-# stage-device-deps.sh staged it (.deps/wheels): unpacked under the build dir, its pkg-config
-# files pointed at it, its libraries found at run time through the build's RPATH and
-# LD_LIBRARY_PATH (the daemons the scripts start inherit it). Without it the fleet is built
+# transports, so the device build takes the UCX that stage-device-deps.sh staged: built from
+# source into .deps/ucx-cuda (its cuda_ipc can map a VMM arena), else PyPI's libucx-cu13
+# wheel (.deps/wheels; its cuda_ipc cannot, docs/fleet.md), unpacked under the build dir.
+# Either way its pkg-config files are pointed at it, its libraries found at run time through
+# the build's RPATH and LD_LIBRARY_PATH (the daemons the scripts start inherit it), and
+# UCX_PREFIX tells gpu-fill.sh where its ucx_perftest is. Without one the fleet is built
 # against whatever UCX this machine has, or not at all (configure says which).
+ucx_prefix=
 ucx_wheel=$(find "$root/.deps/wheels" -name "libucx_cu13-*.whl" 2>/dev/null | head -1)
-if [[ -n $ucx_wheel ]]; then
+if [[ -d $root/.deps/ucx-cuda/lib ]]; then
+  ucx_prefix=$root/.deps/ucx-cuda
+  ucx_what="UCX built from source (.deps/ucx-cuda)"
+elif [[ -n $ucx_wheel ]]; then
   ucx_dir=$root/$build/ucx
   mkdir -p "$build"
   if [[ ! -d $ucx_dir/libucx/lib ]]; then
     rm -rf "$ucx_dir" && python3 -m zipfile -e "$ucx_wheel" "$ucx_dir" >/dev/null
   fi
-  sed -i "s|^prefix *=.*|prefix = $ucx_dir/libucx|" "$ucx_dir"/libucx/lib/pkgconfig/*.pc
-  chmod +x "$ucx_dir"/libucx/bin/* 2>/dev/null
-  export PKG_CONFIG_PATH=$ucx_dir/libucx/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
-  export LD_LIBRARY_PATH=$ucx_dir/libucx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  say "ucx: $(basename "$ucx_wheel") (CUDA transports) for the fleet"
+  ucx_prefix=$ucx_dir/libucx
+  ucx_what=$(basename "$ucx_wheel")
+fi
+if [[ -n $ucx_prefix ]]; then
+  sed -i "s|^prefix *=.*|prefix = $ucx_prefix|" "$ucx_prefix"/lib/pkgconfig/*.pc
+  chmod +x "$ucx_prefix"/bin/* 2>/dev/null
+  export PKG_CONFIG_PATH=$ucx_prefix/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  export LD_LIBRARY_PATH=$ucx_prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export UCX_PREFIX=$ucx_prefix
+  say "ucx: $ucx_what, $("$ucx_prefix"/bin/ucx_info -v 2>&1 | grep -o 'version: [0-9.]*' | head -1) (CUDA transports) for the fleet"
 fi
 {
   # Debian multiarch: headers under include/<arch> (e.g. Nettle's); the CMake package
@@ -348,9 +359,9 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
   # Issue 19 on one GPU: a 16 GB gpu-tier cache filled from another daemon's device memory
   # over UCX's CUDA support, against D2D and the page-cache load of the same run
   # (scripts/gpu-fill.sh; its lines in summary.txt start with "fill:"). BENCHES names it
-  # "gpu_fill"; it needs the fleet built with a CUDA-enabled UCX (the staged wheel).
+  # "gpu_fill"; it needs the fleet built with a CUDA-enabled UCX (staged, above).
   if [[ -z ${BENCHES:-} || " $BENCHES " == *" gpu_fill "* ]]; then
-    if [[ -z ${ucx_wheel:-} ]]; then
+    if [[ -z $ucx_prefix ]]; then
       say "bench gpu_fill: skipped (no CUDA-enabled UCX staged: scripts/stage-device-deps.sh)"
     else
       run_script gpu_fill 300 fill.log scripts/gpu-fill.sh

@@ -2,7 +2,7 @@
 # Stage the build dependencies the GPU machine lacks (it has nvcc, cmake, ninja, gcc and
 # Python, but no Debian -dev packages and no network) into .deps/, which is git-ignored and
 # carried to the device machine. Header-only libraries and static archives only, so nothing
-# is needed there at run time; and one wheel, CUDA-enabled UCX (below).
+# is needed there at run time; and a CUDA-enabled UCX (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkgs=(nlohmann-json3-dev libcli11-dev libxxhash-dev nettle-dev libgtest-dev libgmock-dev liburing-dev)
@@ -13,9 +13,56 @@ rm -rf .deps && mkdir -p .deps
 for deb in "$work"/*.deb; do dpkg-deb -x "$deb" .deps; done
 # Keep what the build needs: headers, static archives, CMake package files.
 rm -rf .deps/usr/share/doc .deps/usr/share/man .deps/usr/lib/x86_64-linux-gnu/*.so*
-# The fleet's gpu-tier fill needs a UCX with CUDA transports (Debian's has none): PyPI's
-# libucx-cu13 wheel (UCX 1.22, cuda_copy/cuda_ipc, headers and pkg-config files), unpacked by
-# scripts/gpu-suite.sh on the device. 43 MB of the 64 MiB the device tool carries.
-python3 -m pip download --quiet --no-deps --only-binary=:all: --dest .deps/wheels \
-  "libucx-cu13==${UCX_WHEEL_VERSION:-1.22.0}"
+# The fleet's gpu-tier fill needs a UCX with CUDA transports (Debian's has none).
+#
+# Preferred: UCX built here from its source, UCX_SRC=<a checkout of the v1.22.0 tag> (or a
+# release tarball's tree), into .deps/ucx-cuda (~10 MB stripped; ~12 minutes on 2 cores).
+# It is what lets cuda_ipc move a VMM arena: UCX 1.22 exports such memory as a POSIX fd and
+# the peer takes it with pidfd_getfd, which is compiled in only where the build's kernel
+# headers declare SYS_pidfd_getfd. PyPI's libucx-cu13 1.22.0 wheel lacks it (`strings
+# libuct_cuda.so` has no pidfd_getfd), so its cuda_ipc cannot map the arena and a same-host
+# fill falls back to host staging over tcp: 0.5 GB/s on an H200 (docs/fleet.md). Building
+# needs autoconf, automake, libtool and nvcc here; NVML's header comes from PyPI's
+# nvidia-nvml-dev, and a link-time stub stands in for libnvidia-ml (the device's driver
+# provides the real one at run time).
+#
+# Otherwise: the wheel (UCX 1.22, 42 MB of the 64 MiB the device tool carries), unpacked by
+# scripts/gpu-suite.sh on the device.
+if [[ -n ${UCX_SRC:-} ]]; then
+  prefix=$PWD/.deps/ucx-cuda
+  cuda=${CUDA_HOME:-/usr/local/cuda}
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --dest "$work/nvml" \
+    "nvidia-nvml-dev==13.*"
+  mkdir -p "$work/nvml/include" "$work/nvml/lib"
+  (cd "$work/nvml" && python3 -m zipfile -e nvidia_nvml_dev-*.whl x >/dev/null)
+  cp "$(find "$work/nvml/x" -name nvml.h | head -1)" "$work/nvml/include/"
+  grep -oE 'DECLDIR +nvml[A-Za-z0-9_]+ *\(' "$work/nvml/include/nvml.h" |
+    sed -E 's/DECLDIR +//; s/ *\(//' | sort -u | awk '{print "void " $1 "(void) {}"}' \
+    >"$work/nvml/stub.c"
+  gcc -shared -fPIC -Wl,-soname,libnvidia-ml.so.1 -o "$work/nvml/lib/libnvidia-ml.so" \
+    "$work/nvml/stub.c"
+  build_ucx=$work/ucx
+  cp -a "$UCX_SRC" "$build_ucx"
+  (
+    cd "$build_ucx"
+    [[ -x configure ]] || ./autogen.sh >/dev/null
+    CPPFLAGS="-I$work/nvml/include" LDFLAGS="-L$work/nvml/lib -L$cuda/lib64/stubs" \
+      ./contrib/configure-release --prefix="$prefix" --with-cuda="$cuda" \
+      --with-nvcc-gencode="-gencode=arch=compute_90,code=sm_90" --without-verbs \
+      --without-rdmacm --without-knem --without-xpmem --without-ugni --without-rocm \
+      --without-ze --without-java --without-go --without-gdrcopy --disable-doxygen-doc \
+      --enable-mt --enable-cma --disable-static >"$work/ucx-configure.log"
+    grep -q 'HAVE_DECL_SYS_PIDFD_GETFD 1' config.h ||
+      { echo "UCX configure: SYS_pidfd_getfd not declared (kernel headers too old)" >&2; exit 1; }
+    make -j"$(nproc)" >"$work/ucx-make.log" && make install >/dev/null
+  )
+  # The CUDA runtime it links (13.x, as on the device), then drop what the device never runs.
+  cp -a "$cuda"/lib64/libcudart.so.13* "$prefix/lib/"
+  rm -rf "$prefix/share" "$prefix/lib"/*.la "$prefix/lib/ucx"/*.la "$prefix/lib/cmake"
+  find "$prefix" -type f \( -name '*.so*' -o -path '*/bin/*' \) -exec strip --strip-unneeded {} + \
+    2>/dev/null || true
+else
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --dest .deps/wheels \
+    "libucx-cu13==${UCX_WHEEL_VERSION:-1.22.0}"
+fi
 du -sh .deps

@@ -1,8 +1,11 @@
 #include "fleet/ucx_support.h"
 
 #include <netdb.h>
+#include <uct/api/uct.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include "common/logging.h"
 #include "os/tcp_socket.h"
@@ -39,10 +42,43 @@ Status UcxError(const std::string& what, ucs_status_t status) {
   }
 }
 
+namespace {
+
+// Whether this UCX has the transport component `name` (its module loaded: cuda_ipc needs a UCX
+// built with CUDA and a driver to load against).
+bool HasUctComponent(std::string_view name) {
+  uct_component_h* components = nullptr;
+  unsigned count = 0;
+  if (uct_query_components(&components, &count) != UCS_OK) return false;
+  bool found = false;
+  for (unsigned i = 0; i < count && !found; ++i) {
+    uct_component_attr_t attr{};
+    attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME;
+    found = uct_component_query(components[i], &attr) == UCS_OK && attr.name == name;
+  }
+  uct_release_component_list(components);
+  return found;
+}
+
+}  // namespace
+
 Result<UcpContext> CreateContext() {
   ucp_config_t* config = nullptr;
   ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
   if (status != UCS_OK) return UcxError("ucp_config_read", status);
+  // UCX turns cuda_ipc's get off where the GPU has no NVLink ("auto"), because a PCIe peer read
+  // can be slower than a write. A fill only reads (ucp_get from the source's arena), so without
+  // it a same-host pull falls back to UCX's software emulation over tcp or shared memory:
+  // 0.5 GB/s on an H200 against ~2,100 GB/s D2D (docs/fleet.md). Any cuda_ipc get beats that,
+  // so it is on unless the operator set UCX_CUDA_IPC_ENABLE_GET_ZCOPY. Only where this UCX has
+  // cuda_ipc: elsewhere UCX warns on stdout about a key no transport takes.
+  if (std::getenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") == nullptr && HasUctComponent("cuda_ipc")) {
+    const ucs_status_t modified = ucp_config_modify(config, "CUDA_IPC_ENABLE_GET_ZCOPY", "y");
+    if (modified != UCS_OK) {
+      LOG_WARN << "fleet: ucp_config_modify(CUDA_IPC_ENABLE_GET_ZCOPY): "
+               << ucs_status_string(modified);
+    }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_STREAM | UCP_FEATURE_WAKEUP;

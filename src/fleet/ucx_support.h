@@ -64,7 +64,8 @@ using UcpRkey = UniqueHandle<RkeyTraits>;
 Status UcxError(const std::string& what, ucs_status_t status);
 
 // A context with the features the transport uses (RMA, stream, wakeup), configured from the
-// UCX_* environment.
+// UCX_* environment, with cuda_ipc's get on unless UCX_CUDA_IPC_ENABLE_GET_ZCOPY says otherwise
+// (UCX leaves it off without NVLink, and a fill reads).
 Result<UcpContext> CreateContext();
 // Ok when `context` can register and move memory of `type` (ucp_context_query's memory types);
 // kUnavailable naming the type and this UCX's version otherwise (Debian's UCX has no CUDA).
