@@ -510,6 +510,24 @@ void ServeRegistration::StopFillSource() {
   if (flags_.advertise.empty()) entry_.endpoint.clear();
 }
 
+std::vector<fleet::RegistryEntry> ChooseFillSources(std::vector<fleet::RegistryEntry> entries,
+                                                    std::string_view tier, std::string_view node,
+                                                    std::mt19937_64& rng) {
+  // Ourselves excluded: an entry of this node is never a source of its own fill. A source of
+  // another tier has another layout (allocation granularity): not one.
+  std::erase_if(entries, [&](const fleet::RegistryEntry& e) {
+    return e.state != fleet::EntryState::kReady || e.endpoint.empty() || e.tier != tier ||
+           e.node == node;
+  });
+  if (entries.size() > fleet::kMaxFetchSources) {
+    std::shuffle(entries.begin(), entries.end(), rng);
+    LOG_INFO << "fill: " << entries.size() << " ready sources; " << fleet::kMaxFetchSources
+             << " chosen at random";
+    entries.resize(fleet::kMaxFetchSources);
+  }
+  return entries;
+}
+
 daemon::PeerFill ServeRegistration::Filler() const {
   if (flags_.fill_from.empty()) return {};
   MutexLock lock(mu_);
@@ -525,33 +543,19 @@ daemon::PeerFill ServeRegistration::Filler() const {
       WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::EtcdClient client, RegistryClient(flags));
       WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<fleet::RegistryEntry> entries,
                                    fleet::LookupSources(client, flags.prefix, fleet_key));
-      std::vector<const fleet::RegistryEntry*> ready;
-      for (const fleet::RegistryEntry& e : entries) {
-        // Ourselves excluded: an entry of this node is never a source of its own fill.
-        // A source of another tier has another layout (allocation granularity): not one.
-        if (e.state != fleet::EntryState::kReady || e.endpoint.empty() || e.tier != tier ||
-            e.node == node) {
-          continue;
-        }
-        ready.push_back(&e);
-      }
+      std::mt19937_64 rng(std::random_device{}());
+      const size_t listed = entries.size();
+      std::vector<fleet::RegistryEntry> ready =
+          ChooseFillSources(std::move(entries), tier, node, rng);
       if (ready.empty()) {
         return Status(StatusCode::kNotFound,
                       "no ready " + tier + "-tier source with an endpoint among the registry's " +
-                          std::to_string(entries.size()) + " entries of fleet key " +
+                          std::to_string(listed) + " entries of fleet key " +
                           fleet_key.substr(0, 16));
       }
-      if (ready.size() > fleet::kMaxFetchSources) {
-        // At random: the joining nodes spread over the sources, and no writer of the registry
-        // can make a filler connect to all of its entries (fleet::kMaxFetchSources).
-        std::shuffle(ready.begin(), ready.end(), std::mt19937_64(std::random_device{}()));
-        LOG_INFO << "fill: " << ready.size() << " ready sources; " << fleet::kMaxFetchSources
-                 << " chosen at random";
-        ready.resize(fleet::kMaxFetchSources);
-      }
-      for (const fleet::RegistryEntry* e : ready) {
-        fetch.sources.push_back(e->endpoint);
-        nodes.push_back(e->node);
+      for (fleet::RegistryEntry& e : ready) {
+        fetch.sources.push_back(std::move(e.endpoint));
+        nodes.push_back(std::move(e.node));
       }
     }
     const fleet::RegionMemory memory = request.memory == daemon::FillMemory::kDevice

@@ -7,8 +7,10 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/mutex.h"
@@ -57,6 +59,15 @@ Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, i
 
 // The etcd client the flags describe. kInvalidArgument for a bad URL or TLS combination.
 Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags);
+
+// The registry's entries that a fill of `tier` on node `node` pulls from: the ready entries of
+// that tier with an endpoint, other than the node's own, in the registry's order; when more
+// than fleet::kMaxFetchSources are, that many chosen at random with `rng`, so that the joining
+// nodes spread over the sources and no writer of the registry makes a filler connect to all of
+// its entries. Empty when none is.
+std::vector<fleet::RegistryEntry> ChooseFillSources(std::vector<fleet::RegistryEntry> entries,
+                                                    std::string_view tier, std::string_view node,
+                                                    std::mt19937_64& rng);
 
 // Serve's registration of its cache (docs/fleet.md): Ready() registers it (and a promotion
 // back to the gpu tier), Moved() follows a demotion or promotion, Draining() and the

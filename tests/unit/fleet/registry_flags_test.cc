@@ -8,6 +8,8 @@
 
 #include <CLI/CLI.hpp>
 #include <filesystem>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -168,6 +170,66 @@ TEST(RegistryFlagsTest, ListedSourcesAreForwardedPerRankWithoutARegistry) {
       many.status().message(),
       HasSubstr("--fill-from lists " + std::to_string(fleet::kMaxFetchSources + 1) +
                 " sources; a fill connects to at most " + std::to_string(fleet::kMaxFetchSources)));
+}
+
+fleet::RegistryEntry Entry(const std::string& node, const std::string& endpoint,
+                           const std::string& tier = "gpu",
+                           fleet::EntryState state = fleet::EntryState::kReady) {
+  fleet::RegistryEntry e;
+  e.node = node;
+  e.endpoint = endpoint;
+  e.tier = tier;
+  e.state = state;
+  return e;
+}
+
+std::vector<std::string> Nodes(const std::vector<fleet::RegistryEntry>& entries) {
+  std::vector<std::string> nodes;
+  for (const fleet::RegistryEntry& e : entries) nodes.push_back(e.node);
+  return nodes;
+}
+
+// Only ready entries of the filler's tier, with an endpoint, of other nodes are sources; all of
+// them, in the registry's order, while they fit.
+TEST(RegistryFlagsTest, FillSourcesAreTheOtherNodesReadyEntriesOfTheTier) {
+  std::mt19937_64 rng(1);
+  const std::vector<fleet::RegistryEntry> entries = {
+      Entry("a", "10.0.0.1:7400"),
+      Entry("self", "10.0.0.9:7400"),       // this node
+      Entry("b", "10.0.0.2:7400", "host"),  // another tier
+      Entry("c", ""),                       // no transport yet
+      Entry("d", "10.0.0.4:7400", "gpu", fleet::EntryState::kLoading),
+      Entry("e", "10.0.0.5:7400", "gpu", fleet::EntryState::kDemoted),
+      Entry("f", "10.0.0.6:7400"),
+  };
+  EXPECT_THAT(Nodes(ChooseFillSources(entries, "gpu", "self", rng)),
+              ::testing::ElementsAre("a", "f"));
+  EXPECT_THAT(Nodes(ChooseFillSources(entries, "host", "self", rng)), ::testing::ElementsAre("b"));
+  EXPECT_TRUE(ChooseFillSources({Entry("self", "10.0.0.9:7400")}, "gpu", "self", rng).empty());
+}
+
+// More ready sources than a fill uses: kMaxFetchSources distinct ones, a different choice from
+// draw to draw, so that every source serves some of the joining nodes.
+TEST(RegistryFlagsTest, ManySourcesAreCutToTheMostAFillUsesAtRandom) {
+  std::vector<fleet::RegistryEntry> entries;
+  for (int i = 0; i < 40; ++i) {
+    entries.push_back(Entry("n" + std::to_string(i), "10.0.1." + std::to_string(i) + ":7400"));
+  }
+  std::mt19937_64 rng(7);
+  std::set<std::string> ever;
+  std::set<std::vector<std::string>> choices;
+  for (int draw = 0; draw < 50; ++draw) {
+    const std::vector<std::string> chosen = Nodes(ChooseFillSources(entries, "gpu", "self", rng));
+    ASSERT_EQ(chosen.size(), fleet::kMaxFetchSources);
+    const std::set<std::string> distinct(chosen.begin(), chosen.end());
+    EXPECT_EQ(distinct.size(), chosen.size()) << "a source chosen twice";
+    ever.insert(chosen.begin(), chosen.end());
+    choices.insert(chosen);
+  }
+  // 50 draws of 8 out of 40: each source is left out of all of them with probability
+  // (32/40)^50 ~ 1.4e-5, and the seed is fixed, so this never flakes.
+  EXPECT_EQ(ever.size(), entries.size());
+  EXPECT_GT(choices.size(), 1u);
 }
 
 }  // namespace
