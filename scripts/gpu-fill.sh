@@ -29,7 +29,8 @@
 # headline lines, each starting with "fill:", to $OUT/summary.txt.
 # Knobs: OUT (./gpu-out), BUILD_DIR (build-gpu), WORK (the checkpoint's dir; default on
 # /dev/shm when it has 20 GB free), UCX_VARIANTS (space-separated UCX_TLS values; "default"
-# leaves UCX_TLS unset), UCX_PERFTEST (its path; default under UCX_PREFIX, set by gpu-suite.sh),
+# leaves UCX_TLS unset), UCX_PERFTEST (its path; default under WEIGHTCACHE_UCX_PREFIX, which
+# gpu-suite.sh sets),
 # DRY_RUN=host (no GPU: the same steps on the host tier over a fake GPU (a device inventory)
 # and a small checkpoint, over UCX's host transports ("default tcp"), without the D2D limit: a
 # rehearsal of this script's own logic on a CPU machine, e.g. BUILD_DIR=build).
@@ -187,7 +188,7 @@ say "fill: B from the page cache: serve returned in $(($(ms_now) - t0)) ms; $(gr
 "$wc" stop --all --runtime-dir "$run_b" >>"$log" 2>&1
 
 # 5. UCX's own rate: ucp_get from CUDA memory, two processes, 64 MiB.
-perftest=${UCX_PERFTEST:-${UCX_PREFIX:-$build/ucx/libucx}/bin/ucx_perftest}
+perftest=${UCX_PERFTEST:-${WEIGHTCACHE_UCX_PREFIX:-$build/ucx/libucx}/bin/ucx_perftest}
 if [[ -x $perftest ]]; then
   for v in default "^cuda_ipc"; do
     envs=()

@@ -93,12 +93,14 @@ arch=x86_64-linux-gnu
 build_ok=1
 # The fleet's transport with CUDA (issue 19's gpu-tier fill): Debian's UCX has no CUDA
 # transports, so the device build takes the UCX that stage-device-deps.sh staged: built from
-# source into .deps/ucx-cuda (its cuda_ipc can map a VMM arena), else PyPI's libucx-cu13
-# wheel (.deps/wheels; its cuda_ipc cannot, docs/fleet.md), unpacked under the build dir.
+# source into .deps/ucx-cuda (with pidfd_getfd, which cuda_ipc needs to map another
+# process's VMM memory), else PyPI's libucx-cu13 wheel (.deps/wheels; built without it,
+# docs/fleet.md), unpacked under the build dir.
 # Either way its pkg-config files are pointed at it, its libraries found at run time through
 # the build's RPATH and LD_LIBRARY_PATH (the daemons the scripts start inherit it), and
-# UCX_PREFIX tells gpu-fill.sh where its ucx_perftest is. Without one the fleet is built
-# against whatever UCX this machine has, or not at all (configure says which).
+# WEIGHTCACHE_UCX_PREFIX tells gpu-fill.sh where its ucx_perftest is (not UCX_*: UCX warns
+# about every UCX_* variable it does not know). Without one the fleet is built against
+# whatever UCX this machine has, or not at all (configure says which).
 ucx_prefix=
 ucx_wheel=$(find "$root/.deps/wheels" -name "libucx_cu13-*.whl" 2>/dev/null | head -1)
 if [[ -d $root/.deps/ucx-cuda/lib ]]; then
@@ -118,7 +120,7 @@ if [[ -n $ucx_prefix ]]; then
   chmod +x "$ucx_prefix"/bin/* 2>/dev/null
   export PKG_CONFIG_PATH=$ucx_prefix/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
   export LD_LIBRARY_PATH=$ucx_prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  export UCX_PREFIX=$ucx_prefix
+  export WEIGHTCACHE_UCX_PREFIX=$ucx_prefix
   say "ucx: $ucx_what, $("$ucx_prefix"/bin/ucx_info -v 2>&1 | grep -o 'version: [0-9.]*' | head -1) (CUDA transports) for the fleet"
 fi
 {

@@ -185,6 +185,7 @@ fleet::RegistryEntry Entry(const std::string& node, const std::string& endpoint,
 
 std::vector<std::string> Nodes(const std::vector<fleet::RegistryEntry>& entries) {
   std::vector<std::string> nodes;
+  nodes.reserve(entries.size());
   for (const fleet::RegistryEntry& e : entries) nodes.push_back(e.node);
   return nodes;
 }
@@ -212,6 +213,7 @@ TEST(RegistryFlagsTest, FillSourcesAreTheOtherNodesReadyEntriesOfTheTier) {
 // draw to draw, so that every source serves some of the joining nodes.
 TEST(RegistryFlagsTest, ManySourcesAreCutToTheMostAFillUsesAtRandom) {
   std::vector<fleet::RegistryEntry> entries;
+  entries.reserve(40);
   for (int i = 0; i < 40; ++i) {
     entries.push_back(Entry("n" + std::to_string(i), "10.0.1." + std::to_string(i) + ":7400"));
   }
