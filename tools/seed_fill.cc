@@ -260,6 +260,7 @@ daemon::PeerFill FirstFillOf(daemon::PeerFill first, daemon::PeerFill second) {
     auto done = first(request);
     if (done.ok() || (request.cancel != nullptr && request.cancel->load())) return done;
     LOG_WARN << "fill: " << done.status().ToString() << "; trying the fleet";
+    if (request.forget_accepted) request.forget_accepted();
     return second(request);
   };
 }

@@ -42,8 +42,9 @@ daemon::PeerFill SeedFiller(const identity::ResolvedIdentity& identity, std::str
                             identity::Env env = identity::Env::Default());
 // (`env` gives the CUDA driver too: a test's fake, tests/unit/daemon/gpu_seed_test.cc.)
 
-// `first`, and when it fails (logged) `second`: seeding before the fleet's fill. Either may be
-// empty; both empty gives an empty fill.
+// `first`, and when it fails (logged) `second`: seeding before the fleet's fill. The manifest
+// `first` accepted is forgotten before `second` runs (PeerFillRequest::forget_accepted). Either
+// may be empty; both empty gives an empty fill.
 daemon::PeerFill FirstFillOf(daemon::PeerFill first, daemon::PeerFill second);
 
 }  // namespace weightcache::cli

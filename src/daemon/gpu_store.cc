@@ -108,6 +108,7 @@ Result<GpuFill> FillGpuFromPeers(const cuda::DriverApi* api,
   request.accept = [&acceptor](std::span<const uint8_t> manifest) {
     return acceptor.Accept(manifest);
   };
+  request.forget_accepted = [&acceptor] { acceptor.Forget(); };
   request.progress = ScaledFillProgress(
       control.progress, std::accumulate(held.sizes.begin(), held.sizes.end(), uint64_t{0}));
   request.cancel = control.cancel;

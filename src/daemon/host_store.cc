@@ -244,6 +244,7 @@ Result<FillOutcome> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
   request.accept = [&acceptor](std::span<const uint8_t> manifest) {
     return acceptor.Accept(manifest);
   };
+  request.forget_accepted = [&acceptor] { acceptor.Forget(); };
   request.progress = ScaledFillProgress(
       control.progress, std::accumulate(layout.sizes.begin(), layout.sizes.end(), uint64_t{0}));
   request.cancel = control.cancel;

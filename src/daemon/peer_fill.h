@@ -50,6 +50,8 @@ struct FillAcceptor {
   std::vector<uint8_t> accepted;
 
   Status Accept(std::span<const uint8_t> manifest);
+  // The next Accept() is a first one again (PeerFillRequest::forget_accepted).
+  void Forget() { accepted.clear(); }
 };
 
 // checksums[k]: the checksum of tensor order[k] computed over OUR memory after the fill; each

@@ -121,6 +121,11 @@ struct PeerFillRequest {
   // source bytes in this process. Empty on the gpu tier.
   std::vector<int> fds;
   std::function<Status(std::span<const uint8_t> manifest)> accept;
+  // Forgets the manifest accept() took. A fill that gives up on its sources and tries others
+  // (FirstFillOf: this node's peer caches, then the fleet) calls it first, so that the next
+  // sources are held to their own manifest, not to one whose bytes never arrived: every byte
+  // is then written again and checked against the manifest of the sources that wrote it.
+  std::function<void()> forget_accepted;
   // The allocations' bytes written so far, of all of them, from the filling thread; the
   // loader reports them as the load's progress. Never null.
   std::function<void(uint64_t done, uint64_t total)> progress;

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
@@ -22,6 +23,7 @@
 #include "identity/resolve.h"
 #include "os/memfd.h"
 #include "protocol/manifest.h"
+#include "seed_fill.h"
 #include "sharding/planner.h"
 #include "support/test_env.h"
 #include "unit/cuda/fake_driver.h"
@@ -254,6 +256,35 @@ TEST_F(GpuFillTest, OtherWeightsUnderEqualHeadersAreCaughtByTheSample) {
   EXPECT_EQ(store.summary().filled_from, "");
   EXPECT_NE(ManifestBytes(store), ManifestBytes(source));
   EXPECT_EQ(ManifestBytes(store), ManifestBytes(Load(ours.ckpt, Options(dir, nullptr))));
+}
+
+// A first fill (the node's peer caches) whose manifest was accepted and whose copy then failed
+// does not bind the second (the fleet): the second's sources are held to their own manifest.
+// Here the first offers other weights under equal headers (a layout-equal manifest with other
+// checksums), so the honest second would be refused as "differs from the first accepted
+// source's" if the first's manifest were kept.
+TEST_F(GpuFillTest, ASecondFillIsNotHeldToTheManifestOfAFirstThatFailed) {
+  const std::string dir = MakeModel("ours");
+  const std::string other = OtherWeightsOf(dir, "theirs");
+  const auto ours = Open(dir);
+  const auto theirs = Open(other);
+  const WeightStore wrong = Load(theirs.ckpt, Options(other, nullptr));
+  const WeightStore source = Load(ours.ckpt, Options(dir, nullptr));
+  ASSERT_NE(ManifestBytes(wrong), ManifestBytes(source));
+  bool first_accepted = false;
+  PeerFill first = [this, &wrong,
+                    &first_accepted](const PeerFillRequest& request) -> Result<FillOutcome> {
+    WEIGHTCACHE_RETURN_IF_ERROR(request.accept(ManifestBytes(wrong)));
+    first_accepted = true;
+    return Status(StatusCode::kUnavailable, "the peer went away mid-copy");
+  };
+  LoadOptions options = Options(dir, nullptr);
+  options.peer_fill = cli::FirstFillOf(std::move(first), CopyFrom(source));
+  const WeightStore filled = Load(ours.ckpt, options);
+  EXPECT_TRUE(first_accepted);
+  EXPECT_EQ(filled.summary().filled_from, "filled from the test source");
+  EXPECT_EQ(ManifestBytes(filled), ManifestBytes(source));
+  EXPECT_EQ(ArenaBytes(filled), ArenaBytes(source));
 }
 
 // The bytes between tensors (each allocation's padding) come from the source: zeroed, as a
