@@ -159,8 +159,9 @@ fi
 # 5. kill -9 in the middle of a demotion: a fourth cache, d, needs room; the least recently
 #    used idle gpu cache, c (a was attached after it), demotes, and c's daemon is killed with
 #    SIGKILL while it copies (on its "demotion: copying" line, after its keeper let go). d's
-#    admission must go on (the dead daemon's ledger entry is reclaimed), d becomes ready, the ledger holds a and d on the gpu tier (32.1 GB), and the
-#    device's memory shows c's 16 GB freed.
+#    admission must go on (the dead daemon's ledger entry is reclaimed), d becomes ready, the
+#    ledger holds a and d on the gpu tier (32.1 GB), and the device's memory shows c's 16 GB
+#    freed.
 echo "== serve --revision d in the background; kill -9 of c in the middle of its demotion" >>"$log"
 c_pid=$("$wc" status --runtime-dir "$runtime" --json 2>>"$log" | python3 -c '
 import json, sys

@@ -16,15 +16,15 @@ rm -rf .deps/usr/share/doc .deps/usr/share/man .deps/usr/lib/x86_64-linux-gnu/*.
 # The fleet's gpu-tier fill needs a UCX with CUDA transports (Debian's has none).
 #
 # Preferred: UCX built here from its source, UCX_SRC=<a checkout of the v1.22.0 tag> (or a
-# release tarball's tree), into .deps/ucx-cuda (~10 MB stripped; ~12 minutes on 2 cores).
-# It is what lets cuda_ipc move a VMM arena: UCX 1.22 exports such memory as a POSIX fd and
-# the peer takes it with pidfd_getfd, which is compiled in only where the build's kernel
-# headers declare SYS_pidfd_getfd. PyPI's libucx-cu13 1.22.0 wheel lacks it (`strings
-# libuct_cuda.so` has no pidfd_getfd), so its cuda_ipc cannot map the arena and a same-host
-# fill falls back to host staging over tcp: 0.5 GB/s on an H200 (docs/fleet.md). Building
-# needs autoconf, automake, libtool and nvcc here; NVML's header comes from PyPI's
-# nvidia-nvml-dev, and a link-time stub stands in for libnvidia-ml (the device's driver
-# provides the real one at run time).
+# release tarball's tree), into .deps/ucx-cuda (6 MB stripped; ~12 minutes on 2 cores).
+# cuda_ipc needs it to map another process's VMM memory: UCX 1.22 exports such memory as a
+# POSIX fd and the peer takes it with pidfd_getfd, which is compiled in only where the
+# build's kernel headers declare SYS_pidfd_getfd. PyPI's libucx-cu13 1.22.0 wheel lacks it
+# (`strings libuct_cuda.so` has no pidfd_getfd). It is needed, not yet enough: the fill
+# source's memory is still packed as no-IPC (docs/fleet.md, "Two daemons on one GPU do not
+# reach cuda_ipc yet"). Building needs autoconf, automake, libtool and nvcc here; NVML's
+# header comes from PyPI's nvidia-nvml-dev, and a stub libnvidia-ml passes configure's link
+# check (UCX loads the driver's real one at run time).
 #
 # Otherwise: the wheel (UCX 1.22, 42 MB of the 64 MiB the device tool carries), unpacked by
 # scripts/gpu-suite.sh on the device.

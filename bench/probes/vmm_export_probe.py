@@ -12,38 +12,92 @@ whether cuMemRetainAllocationHandle + cuMemExportToShareableHandle(POSIX fd) suc
 
     python3 bench/probes/vmm_export_probe.py      # on the GPU machine; nothing to build
 """
-import ctypes as C, os, sys, subprocess
+import ctypes as C
+import subprocess
+import sys
+
 cu = C.CDLL("libcuda.so.1")
-def ck(r, w):
-    if r: print(w, "->", r)
-class Prop(C.Structure):
-    _fields_ = [("type", C.c_int), ("htype", C.c_int), ("ltype", C.c_int), ("lid", C.c_int),
-                ("win", C.c_void_p), ("comp", C.c_ubyte), ("rdma", C.c_ubyte), ("usage", C.c_ushort), ("res", C.c_ubyte * 4)]
-class Acc(C.Structure):
-    _fields_ = [("ltype", C.c_int), ("lid", C.c_int), ("flags", C.c_int)]
-ck(cu.cuInit(0), "init")
-dev = C.c_int(); ck(cu.cuDeviceGet(C.byref(dev), 0), "dev")
-ctx = C.c_void_p(); ck(cu.cuDevicePrimaryCtxRetain(C.byref(ctx), dev), "retain"); ck(cu.cuCtxSetCurrent(ctx), "set")
-p = Prop(type=1, htype=1, ltype=1, lid=0)
-gran = C.c_size_t(); cu.cuMemGetAllocationGranularity(C.byref(gran), C.byref(p), 0)
-size = gran.value * 16
-def mapit(handle):
+
+# cuda.h values used here.
+POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+ATTR_LEGACY_IPC = 10  # CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+ATTR_ALLOWED_HANDLE_TYPES = 14  # CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES
+
+
+class AllocationProp(C.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", C.c_int), ("handle_types", C.c_int), ("location_type", C.c_int),
+                ("location_id", C.c_int), ("win32_metadata", C.c_void_p),
+                ("compression", C.c_ubyte), ("rdma_capable", C.c_ubyte), ("usage", C.c_ushort),
+                ("reserved", C.c_ubyte * 4)]
+
+
+class AccessDesc(C.Structure):  # CUmemAccessDesc
+    _fields_ = [("location_type", C.c_int), ("location_id", C.c_int), ("flags", C.c_int)]
+
+
+def check(rc, what):
+    if rc != 0:
+        sys.exit(f"{what}: CUresult {rc}")
+
+
+def init():
+    check(cu.cuInit(0), "cuInit")
+    dev = C.c_int()
+    check(cu.cuDeviceGet(C.byref(dev), 0), "cuDeviceGet")
+    ctx = C.c_void_p()
+    check(cu.cuDevicePrimaryCtxRetain(C.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    prop = AllocationProp(type=1, handle_types=POSIX_FD, location_type=1, location_id=0)
+    granularity = C.c_size_t()
+    check(cu.cuMemGetAllocationGranularity(C.byref(granularity), C.byref(prop), 0),
+          "cuMemGetAllocationGranularity")
+    return prop, granularity.value * 16
+
+
+def map_handle(handle, size):
     ptr = C.c_ulonglong()
-    ck(cu.cuMemAddressReserve(C.byref(ptr), C.c_size_t(size), C.c_size_t(0), C.c_ulonglong(0), C.c_ulonglong(0)), "reserve")
-    ck(cu.cuMemMap(ptr, C.c_size_t(size), C.c_size_t(0), handle, C.c_ulonglong(0)), "map")
-    acc = Acc(1, 0, 3); ck(cu.cuMemSetAccess(ptr, C.c_size_t(size), C.byref(acc), C.c_size_t(1)), "access")
+    check(cu.cuMemAddressReserve(C.byref(ptr), C.c_size_t(size), C.c_size_t(0),
+                                 C.c_ulonglong(0), C.c_ulonglong(0)), "cuMemAddressReserve")
+    check(cu.cuMemMap(ptr, C.c_size_t(size), C.c_size_t(0), handle, C.c_ulonglong(0)),
+          "cuMemMap")
+    access = AccessDesc(location_type=1, location_id=0, flags=3)  # device 0, read-write
+    check(cu.cuMemSetAccess(ptr, C.c_size_t(size), C.byref(access), C.c_size_t(1)),
+          "cuMemSetAccess")
     return ptr
-def probe(name, ptr):
-    a = C.c_ulonglong(0); r = cu.cuPointerGetAttribute(C.byref(a), 14, ptr)
-    leg = C.c_int(0); rl = cu.cuPointerGetAttribute(C.byref(leg), 10, ptr)
-    rh = C.c_ulonglong(); r2 = cu.cuMemRetainAllocationHandle(C.byref(rh), C.c_void_p(ptr.value))
-    f = C.c_int(-1); r3 = cu.cuMemExportToShareableHandle(C.byref(f), rh, 1, C.c_ulonglong(0)) if r2 == 0 else -1
-    print(name, "allowed_handle_types rc", r, "value", a.value, "legacy", rl, leg.value, "retain rc", r2, "export rc", r3, "fd", f.value, flush=True)
-if len(sys.argv) > 1:
-    h2 = C.c_ulonglong(); ck(cu.cuMemImportFromShareableHandle(C.byref(h2), C.c_void_p(int(sys.argv[1])), 1), "import")
-    probe("imported (other process)", mapit(h2))
-    sys.exit(0)
-h = C.c_ulonglong(); ck(cu.cuMemCreate(C.byref(h), C.c_size_t(size), C.byref(p), C.c_ulonglong(0)), "create")
-fd = C.c_int(); ck(cu.cuMemExportToShareableHandle(C.byref(fd), h, 1, C.c_ulonglong(0)), "export")
-probe("created", mapit(h))
-subprocess.run([sys.executable, __file__, str(fd.value)], pass_fds=[fd.value])
+
+
+def report(name, ptr):
+    allowed = C.c_ulonglong(0)
+    allowed_rc = cu.cuPointerGetAttribute(C.byref(allowed), ATTR_ALLOWED_HANDLE_TYPES, ptr)
+    legacy = C.c_int(0)
+    legacy_rc = cu.cuPointerGetAttribute(C.byref(legacy), ATTR_LEGACY_IPC, ptr)
+    handle = C.c_ulonglong()
+    retain_rc = cu.cuMemRetainAllocationHandle(C.byref(handle), C.c_void_p(ptr.value))
+    fd = C.c_int(-1)
+    export_rc = (cu.cuMemExportToShareableHandle(C.byref(fd), handle, POSIX_FD, C.c_ulonglong(0))
+                 if retain_rc == 0 else None)
+    print(f"{name}: allowed handle types {allowed.value} (rc {allowed_rc}), legacy IPC "
+          f"{legacy.value} (rc {legacy_rc}), retain rc {retain_rc}, export rc {export_rc}, "
+          f"fd {fd.value}", flush=True)
+
+
+def main():
+    prop, size = init()
+    if len(sys.argv) > 1:  # the second process: import the first one's fd
+        handle = C.c_ulonglong()
+        check(cu.cuMemImportFromShareableHandle(C.byref(handle), C.c_void_p(int(sys.argv[1])),
+                                                POSIX_FD), "cuMemImportFromShareableHandle")
+        report("imported (another process)", map_handle(handle, size))
+        return
+    handle = C.c_ulonglong()
+    check(cu.cuMemCreate(C.byref(handle), C.c_size_t(size), C.byref(prop), C.c_ulonglong(0)),
+          "cuMemCreate")
+    fd = C.c_int()
+    check(cu.cuMemExportToShareableHandle(C.byref(fd), handle, POSIX_FD, C.c_ulonglong(0)),
+          "cuMemExportToShareableHandle")
+    report("created (this process)", map_handle(handle, size))
+    subprocess.run([sys.executable, __file__, str(fd.value)], pass_fds=[fd.value], check=True)
+
+
+if __name__ == "__main__":
+    main()
