@@ -572,6 +572,7 @@ int Run(ServeArgs& args) {
   options.load.peer_fill =
       FirstFillOf(SeedFiller(*id, args.seed_from, std::chrono::milliseconds(0)),
                   registration ? registration->Filler() : daemon::PeerFill());
+  options.load.keep_creating_handles = registration && registration->ServesFill();
   if (registration && options.demotion.moved) {
     // Weak: the daemon's copies of the options must not keep the registration (and its
     // lease) alive past our reset below.
@@ -707,7 +708,9 @@ int Run(ServeArgs& args) {
   };
   events.on_ready = [&](const daemon::StoreSummary& s, double seconds) {
     progress.EndLine();
-    if (registration) registration->Ready(s, (*daemon)->StoreFds());
+    if (registration) {
+      registration->Ready(s, (*daemon)->StoreFds(), (*daemon)->StoreCreatingHandles());
+    }
     // MAINPID: an upgrade's successor (NotifyAccess=all in the unit) becomes the main process.
     notify("READY=1\nMAINPID=" + std::to_string(::getpid()) +
            "\nSTATUS=ready: " + std::to_string(s.tensor_count) + " tensors, " +
@@ -734,7 +737,9 @@ int Run(ServeArgs& args) {
     if (registration) registration->HandingOver();
   };
   events.on_handover_failed = [&] {
-    if (registration) registration->HandoverFailed((*daemon)->StoreFds());
+    if (registration) {
+      registration->HandoverFailed((*daemon)->StoreFds(), (*daemon)->StoreCreatingHandles());
+    }
   };
   events.on_draining = [&](std::string_view reason) {
     progress.EndLine();

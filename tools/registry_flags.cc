@@ -351,24 +351,37 @@ void ApplyFillTestHooks(fleet::FetchOptions* fetch) {
   };
 }
 
-// The gpu tier's memory to serve: the store's VMM allocations imported (duplicates of `fds`)
-// and mapped into the device's primary context, which the server's progress thread makes
-// current (UCX's CUDA transports copy from there).
+// The gpu tier's memory to serve, mapped into the device's primary context, which the server's
+// progress thread makes current (UCX's CUDA transports copy from there): the store's creating
+// handles when it kept them, else its VMM allocations imported (duplicates of `fds`). Only the
+// first is exportable: with the second, UCX's cuda_ipc cannot hand the memory to a peer on this
+// host, which then reads it through host memory (docs/fleet.md "Two daemons on one GPU").
 Status MapDeviceMemory(const identity::DeviceInfo& info, std::span<const int> fds,
+                       std::span<const CUmemGenericAllocationHandle> creating_handles,
                        const std::vector<uint64_t>& sizes, ServeRegistration::FillSource* source,
                        fleet::ArenaServerOptions* options) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
   WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, info));
   WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::PrimaryContext context,
                                cuda::PrimaryContext::Retain(api, device));
-  std::vector<UniqueFd> owned;
-  for (const int fd : fds) {
-    UniqueFd dup(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
-    if (!dup.valid()) return IoError("duplicating an allocation's fd", errno);
-    owned.push_back(std::move(dup));
+  std::optional<cuda::ImportedArena> mapped;
+  if (creating_handles.size() == fds.size()) {
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        mapped, cuda::ImportedArena::MapCreated(api, device, creating_handles, sizes));
+  } else {
+    LOG_INFO << "fill source: serving an import of the cache's allocations (it was adopted, "
+                "promoted or published, so this process holds no creating handle): UCX cannot "
+                "export it, and a peer on this host reads it through host memory";
+    std::vector<UniqueFd> owned;
+    for (const int fd : fds) {
+      UniqueFd dup(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+      if (!dup.valid()) return IoError("duplicating an allocation's fd", errno);
+      owned.push_back(std::move(dup));
+    }
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        mapped, cuda::ImportedArena::Import(api, device, std::move(owned), sizes));
   }
-  WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::ImportedArena arena,
-                               cuda::ImportedArena::Import(api, device, std::move(owned), sizes));
+  cuda::ImportedArena& arena = *mapped;
   for (const cuda::ImportedAllocation& a : arena.allocations()) {
     options->regions.push_back(
         {reinterpret_cast<const void*>(a.ptr), a.size, fleet::RegionMemory::kCuda});
@@ -386,7 +399,8 @@ Status MapDeviceMemory(const identity::DeviceInfo& info, std::span<const int> fd
 
 Result<ServeRegistration::FillSource> StartFillSource(
     const RegistryFlags& flags, const fleet::PeerAllowList& allow,
-    std::vector<uint8_t> manifest_bytes, std::span<const int> fds, Tier tier,
+    std::vector<uint8_t> manifest_bytes, std::span<const int> fds,
+    std::span<const CUmemGenericAllocationHandle> creating_handles, Tier tier,
     const std::optional<identity::DeviceInfo>& device) {
   ServeRegistration::FillSource source;
   fleet::ArenaServerOptions options;
@@ -403,7 +417,8 @@ Result<ServeRegistration::FillSource> StartFillSource(
   if (tier == Tier::kGpu) {
     if (!device) return InternalError("a gpu-tier cache without its device");
     WEIGHTCACHE_RETURN_IF_ERROR(
-        MapDeviceMemory(*device, fds, manifest.allocation_sizes(), &source, &options));
+        MapDeviceMemory(*device, fds, creating_handles, manifest.allocation_sizes(), &source,
+                        &options));
   } else {
     for (size_t a = 0; a < fds.size(); ++a) {
       WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
@@ -426,9 +441,10 @@ Result<ServeRegistration::FillSource> StartFillSource(
 
 }  // namespace
 
-void ServeRegistration::StartFillSourceLocked(std::span<const int> fds) {
+void ServeRegistration::StartFillSourceLocked(
+    std::span<const int> fds, std::span<const CUmemGenericAllocationHandle> creating_handles) {
   if (flags_.fill_serve.empty() || fill_) return;
-  auto started = StartFillSource(flags_, allow_, manifest_, fds, configured_, device_);
+  auto started = StartFillSource(flags_, allow_, manifest_, fds, creating_handles, configured_, device_);
   if (!started.ok()) {
     LOG_WARN << "fill source: not serving: " << started.status().ToString();
     return;
@@ -439,7 +455,8 @@ void ServeRegistration::StartFillSourceLocked(std::span<const int> fds) {
   if (flags_.advertise.empty()) entry_.endpoint = fill_->server->endpoint();
 }
 
-void ServeRegistration::Ready(const daemon::StoreSummary& summary, std::span<const int> fds) {
+void ServeRegistration::Ready(const daemon::StoreSummary& summary, std::span<const int> fds,
+                              std::span<const CUmemGenericAllocationHandle> creating_handles) {
   // The manifest, read once: its digest goes into the entry, its bytes into the fill source's
   // hello.
   auto manifest = ReadManifest(summary.manifest);
@@ -454,7 +471,7 @@ void ServeRegistration::Ready(const daemon::StoreSummary& summary, std::span<con
   if (!flags_.fill_serve.empty()) {
     if (manifest.ok()) {
       manifest_ = std::move(manifest).value();
-      StartFillSourceLocked(fds);
+      StartFillSourceLocked(fds, creating_handles);
     } else {
       LOG_WARN << "fill source: not serving: " << manifest.status().ToString();
     }
@@ -474,7 +491,9 @@ void ServeRegistration::Moved(Tier tier, std::span<const int> fds) {
   if (!ready_) return;
   entry_.tier = std::string(TierName(tier));
   entry_.state = tier == configured_ ? fleet::EntryState::kReady : fleet::EntryState::kDemoted;
-  if (tier == configured_ && !manifest_.empty()) StartFillSourceLocked(fds);
+  // A promotion's new allocations were released to their fds (cuda::CopyMemfdsToDevice): the
+  // source serves an import of them.
+  if (tier == configured_ && !manifest_.empty()) StartFillSourceLocked(fds, {});
   PublishLocked();
 }
 
@@ -492,11 +511,12 @@ void ServeRegistration::Draining() {
 
 void ServeRegistration::HandingOver() { StopFillSource(); }
 
-void ServeRegistration::HandoverFailed(std::span<const int> fds) {
+void ServeRegistration::HandoverFailed(
+    std::span<const int> fds, std::span<const CUmemGenericAllocationHandle> creating_handles) {
   MutexLock lock(mu_);
   // Served again only where it served before: a ready cache in its own tier.
   if (!ready_ || manifest_.empty() || entry_.tier != TierName(configured_)) return;
-  StartFillSourceLocked(fds);
+  StartFillSourceLocked(fds, creating_handles);
   PublishLocked();  // the endpoint, when the entry names the bound one
 }
 

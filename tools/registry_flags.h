@@ -100,9 +100,17 @@ class ServeRegistration {
   // device memory. Empty without --fill-from.
   daemon::PeerFill Filler() const;
 
+  // Whether Ready() starts a fill source (--fill-serve): the load then keeps the gpu tier's
+  // creating handles (daemon::LoadOptions::keep_creating_handles).
+  bool ServesFill() const { return !flags_.fill_serve.empty(); }
+
   // `fds`: the store's allocation fds (Daemon::StoreFds), borrowed for the call; the fill
-  // source maps them.
-  void Ready(const daemon::StoreSummary& summary, std::span<const int> fds);
+  // source maps them. `creating_handles` (Daemon::StoreCreatingHandles, borrowed; empty when
+  // the store keeps none): a gpu-tier source maps those instead, so that UCX's cuda_ipc can
+  // export its memory to a peer on this host (an import of the fds cannot be exported again:
+  // docs/fleet.md "Two daemons on one GPU").
+  void Ready(const daemon::StoreSummary& summary, std::span<const int> fds,
+             std::span<const CUmemGenericAllocationHandle> creating_handles = {});
   // The cache's memory is now in `tier` (--demote host), in `fds` (borrowed for the call).
   void Moved(Tier tier, std::span<const int> fds);
   void Draining();
@@ -110,7 +118,8 @@ class ServeRegistration {
   // --fill-serve address: a fixed port would be taken), and starts again over `fds` when the
   // successor did not take over. The entry is the successor's to publish.
   void HandingOver();
-  void HandoverFailed(std::span<const int> fds);
+  void HandoverFailed(std::span<const int> fds,
+                      std::span<const CUmemGenericAllocationHandle> creating_handles = {});
 
   // The fill source's server and the memory it serves (defined in registry_flags.cc).
   struct FillSource;
@@ -122,7 +131,9 @@ class ServeRegistration {
   void PublishLocked() WEIGHTCACHE_REQUIRES(mu_);
   // Starts the fill source over `fds` when --fill-serve is given and none runs (a failure is
   // logged: the cache serves on without one).
-  void StartFillSourceLocked(std::span<const int> fds) WEIGHTCACHE_REQUIRES(mu_);
+  void StartFillSourceLocked(std::span<const int> fds,
+                             std::span<const CUmemGenericAllocationHandle> creating_handles)
+      WEIGHTCACHE_REQUIRES(mu_);
   void StopFillSource();
 
   std::unique_ptr<fleet::Registrar> registrar_;

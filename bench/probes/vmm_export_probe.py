@@ -8,11 +8,16 @@ mappings once ready), and on the H100 of 2026-12-05 the filler's UCX logged "uns
 handle type: 0" for it (docs/fleet.md, "The GPU run"). This probe prints, for an allocation
 made here with cuMemCreate (POSIX fd handles) and for the same allocation imported from that
 fd in a second process: the allowed handle types, whether it is legacy-IPC capable, and
-whether cuMemRetainAllocationHandle + cuMemExportToShareableHandle(POSIX fd) succeed.
+whether cuMemRetainAllocationHandle + cuMemExportToShareableHandle(POSIX fd) succeed. It
+does the same for the fd imported back into the first process once its own handle is released
+(the daemon's case: it keeps only the fds), and checks that a sibling process may take the fd
+with pidfd_getfd (what UCX's cuda_ipc does to open a peer's POSIX-fd key; Yama's ptrace_scope
+decides it for non-root users).
 
     python3 bench/probes/vmm_export_probe.py      # on the GPU machine; nothing to build
 """
 import ctypes as C
+import os
 import subprocess
 import sys
 
@@ -81,13 +86,38 @@ def report(name, ptr):
           f"fd {fd.value}", flush=True)
 
 
+def import_fd(fd):
+    handle = C.c_ulonglong()
+    check(cu.cuMemImportFromShareableHandle(C.byref(handle), C.c_void_p(fd), POSIX_FD),
+          "cuMemImportFromShareableHandle")
+    return handle
+
+
+def pidfd_getfd_from(pid, fd):
+    """The fd number taken from process `pid` with pidfd_getfd, or the errno as a string."""
+    libc = C.CDLL(None, use_errno=True)
+    sys_pidfd_open, sys_pidfd_getfd = 434, 438  # x86-64
+    pidfd = libc.syscall(sys_pidfd_open, pid, 0)
+    if pidfd < 0:
+        return "pidfd_open: " + os.strerror(C.get_errno())
+    taken = libc.syscall(sys_pidfd_getfd, pidfd, fd, 0)
+    os.close(pidfd)
+    return taken if taken >= 0 else "pidfd_getfd: " + os.strerror(C.get_errno())
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--getfd":  # a sibling: take the parent's fd
+        pid, fd = int(sys.argv[2]), int(sys.argv[3])
+        taken = pidfd_getfd_from(pid, fd)
+        if isinstance(taken, str):
+            print(f"sibling pidfd_getfd of the exported fd: {taken}", flush=True)
+            return
+        _, size = init()
+        report("imported via pidfd_getfd (a third process)", map_handle(import_fd(taken), size))
+        return
     prop, size = init()
     if len(sys.argv) > 1:  # the second process: import the first one's fd
-        handle = C.c_ulonglong()
-        check(cu.cuMemImportFromShareableHandle(C.byref(handle), C.c_void_p(int(sys.argv[1])),
-                                                POSIX_FD), "cuMemImportFromShareableHandle")
-        report("imported (another process)", map_handle(handle, size))
+        report("imported (another process)", map_handle(import_fd(int(sys.argv[1])), size))
         return
     handle = C.c_ulonglong()
     check(cu.cuMemCreate(C.byref(handle), C.c_size_t(size), C.byref(prop), C.c_ulonglong(0)),
@@ -95,8 +125,20 @@ def main():
     fd = C.c_int()
     check(cu.cuMemExportToShareableHandle(C.byref(fd), handle, POSIX_FD, C.c_ulonglong(0)),
           "cuMemExportToShareableHandle")
-    report("created (this process)", map_handle(handle, size))
+    created = map_handle(handle, size)
+    report("created (this process)", created)
     subprocess.run([sys.executable, __file__, str(fd.value)], pass_fds=[fd.value], check=True)
+    try:
+        scope = open("/proc/sys/kernel/yama/ptrace_scope").read().strip()
+    except OSError:
+        scope = "absent"
+    print(f"uid {os.getuid()}, yama ptrace_scope {scope}", flush=True)
+    subprocess.run([sys.executable, __file__, "--getfd", str(os.getpid()), str(fd.value)],
+                   check=True)
+    # The daemon's case: the creating handle and mapping released, only the fd kept.
+    check(cu.cuMemUnmap(created, C.c_size_t(size)), "cuMemUnmap")
+    check(cu.cuMemRelease(handle), "cuMemRelease")
+    report("imported (this process, own handle released)", map_handle(import_fd(fd.value), size))
 
 
 if __name__ == "__main__":

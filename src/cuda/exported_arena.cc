@@ -56,6 +56,12 @@ std::vector<UniqueFd> ExportedArena::TakeFds() {
   return fds;
 }
 
+std::vector<VmmHandle> ExportedArena::TakeHandles() {
+  std::vector<VmmHandle> handles = std::move(handles_);
+  handles_.clear();
+  return handles;
+}
+
 std::vector<UniqueFd> ExportedArena::ReleaseToFds() && {
   std::vector<UniqueFd> fds = TakeFds();
   ExportedArena gone(std::move(*this));  // mappings, VA, handles, context: in that order

@@ -77,6 +77,14 @@ class ExportedArena {
   // reference) until the arena is destroyed: for a loader that serves from the fds at once and
   // tears the arena down later, off its `ready` path. allocations() is empty afterwards.
   std::vector<UniqueFd> TakeFds();
+  // Moves the allocations' creating handles out, one per allocation in order; the rest is
+  // released as usual. The handles keep the memory alive on their own (no context needed) and,
+  // unlike an import of the fds, map as memory that CUDA exports again (a mapping's
+  // CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES comes from the handle it was mapped with: POSIX
+  // fd for a created handle, none for an imported one, measured on an H200, 2026-12-05). A
+  // fill source maps them so that UCX's cuda_ipc can hand its memory to a peer on the same host
+  // (ImportedArena::MapCreated).
+  std::vector<VmmHandle> TakeHandles();
 
  private:
   ExportedArena(PrimaryContext context, uint64_t granularity, std::vector<VmmHandle> handles,

@@ -86,6 +86,31 @@ Result<ImportedArena> ImportedArena::Import(const DriverApi* api, CUdevice devic
   return arena;
 }
 
+Result<ImportedArena> ImportedArena::MapCreated(
+    const DriverApi* api, CUdevice device, std::span<const CUmemGenericAllocationHandle> handles,
+    std::span<const uint64_t> sizes) {
+  const size_t n = sizes.size();
+  const std::string where = "mapping the created VMM arena on device " + std::to_string(device);
+  if (handles.size() != n) {
+    return InvalidArgument(where + ": " + std::to_string(handles.size()) + " handles for " +
+                           std::to_string(n) + " allocation sizes");
+  }
+  WEIGHTCACHE_ASSIGN_OR_RETURN(ImportedArena arena, Reserve(api, device, sizes));
+  const ScopedCurrentContext current(api, arena.context_.get());
+  std::vector<MappedRange> mappings;
+  mappings.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    Result<MappedRange> mapping = MappedRange::Map(api, arena.table_[i].ptr, handles[i], sizes[i]);
+    if (!mapping.ok()) return mapping.status().Context(where + ": " + AllocationName(i, n));
+    if (Status s = mapping->SetAccess(device, CU_MEM_ACCESS_FLAGS_PROT_READWRITE); !s.ok()) {
+      return s.Context(where + ": " + AllocationName(i, n));
+    }
+    mappings.push_back(*std::move(mapping));
+  }
+  arena.mappings_ = std::move(mappings);
+  return arena;
+}
+
 Result<ImportedArena> ImportedArena::Reserve(const DriverApi* api, CUdevice device,
                                              std::span<const uint64_t> sizes) {
   const size_t n = sizes.size();

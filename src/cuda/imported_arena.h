@@ -69,6 +69,16 @@ class ImportedArena {
   Status Map(std::vector<UniqueFd> fds);
   bool mapped() const { return !mappings_.empty(); }
 
+  // Like Import, for allocations whose creating handles this process holds
+  // (ExportedArena::TakeHandles), borrowed for the call: `handles[i]` is `sizes[i]` bytes. The
+  // mapping stays exportable, where an import of their fds would not be: CUDA exports a mapping
+  // of a created handle again, never one of an imported handle (a fill source needs that for
+  // UCX's cuda_ipc to hand its memory to a peer on the same host: docs/fleet.md). Errors as
+  // Import's; a failure leaves nothing mapped or reserved, and the handles as they were.
+  static Result<ImportedArena> MapCreated(const DriverApi* api, CUdevice device,
+                                          std::span<const CUmemGenericAllocationHandle> handles,
+                                          std::span<const uint64_t> sizes);
+
   ImportedArena(ImportedArena&&) noexcept = default;
   // Hand-written, not a UniqueHandle: the arena owns several resources (context, VA,
   // mappings) whose release order matters. It releases the old arena in destruction order

@@ -162,9 +162,14 @@ void VaRangeTraits::Close(const DriverApi* api, const Handle& h) noexcept {
 
 Result<MappedRange> MappedRange::Map(const DriverApi* api, CUdeviceptr ptr,
                                      const VmmHandle& handle) {
-  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuMemMap(ptr, handle.size(), 0, handle.get(), 0),
-                                 "cuMemMap(" + HexPtr(ptr) + ", " + Bytes(handle.size()) + ")");
-  return MappedRange(api, ptr, handle.size());
+  return Map(api, ptr, handle.get(), handle.size());
+}
+
+Result<MappedRange> MappedRange::Map(const DriverApi* api, CUdeviceptr ptr,
+                                     CUmemGenericAllocationHandle handle, uint64_t size) {
+  WEIGHTCACHE_CU_RETURN_IF_ERROR(api, cuMemMap(ptr, size, 0, handle, 0),
+                                 "cuMemMap(" + HexPtr(ptr) + ", " + Bytes(size) + ")");
+  return MappedRange(api, ptr, size);
 }
 
 void MappedRangeTraits::Close(const DriverApi* api, const Handle& h) noexcept {

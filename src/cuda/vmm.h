@@ -188,6 +188,9 @@ class MappedRange {
   // cuMemMap of all of `handle` at `ptr` (inside a VaRange that outlives the mapping). The
   // mapping holds its own reference to the memory: `handle` may be released afterwards.
   static Result<MappedRange> Map(const DriverApi* api, CUdeviceptr ptr, const VmmHandle& handle);
+  // The same for a handle owned elsewhere (borrowed for the call) of `size` bytes.
+  static Result<MappedRange> Map(const DriverApi* api, CUdeviceptr ptr,
+                                 CUmemGenericAllocationHandle handle, uint64_t size);
 
   // cuMemSetAccess over this mapping for `device`. A new mapping has no access at all.
   Status SetAccess(CUdevice device, CUmemAccess_flags flags) const;

@@ -222,6 +222,11 @@ class Daemon {
   // daemon drains or is destroyed), in manifest order; empty before ready. Run thread only:
   // from a DaemonEvents callback (serve's fill source maps them in on_ready).
   std::vector<int> StoreFds() const { return store_ ? store_->fds() : std::vector<int>{}; }
+  // The ready store's creating handles (WeightStore::creating_handles; borrowed likewise), or
+  // empty. Run thread only, as StoreFds.
+  std::vector<CUmemGenericAllocationHandle> StoreCreatingHandles() const {
+    return store_ ? store_->creating_handles() : std::vector<CUmemGenericAllocationHandle>{};
+  }
   // Blocks until the loader thread has released what its load held — the gpu tier's pipeline,
   // arena mappings and CUDA context, which it releases after `ready` (docs/daemon.md) — and
   // returns at once when no loader was started. For tests that read the driver's or the

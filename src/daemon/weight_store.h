@@ -36,6 +36,7 @@
 #include "checkpoint/checkpoint.h"
 #include "common/unique_fd.h"
 #include "cuda/driver_api.h"
+#include "cuda/vmm.h"
 #include "identity/device_inventory.h"
 #include "protocol/manifest.h"
 #include "sharding/planner.h"
@@ -68,10 +69,20 @@ struct StoreSummary {
 // The loaded weights, whatever the tier: one fd per allocation (sealed memfds, or exported VMM
 // fds with no mapping or context left in the daemon) — the fds alone keep the memory — and
 // the summary. One concrete class: both tiers serve the same way once loaded. Move-only.
+//
+// A gpu-tier store this process created may also keep the allocations' creating handles
+// (LoadOptions::keep_creating_handles, for `serve --fill-serve`): they need no context and keep
+// nothing alive that the fds do not, but a mapping of them is exportable again, which a
+// mapping of the fds is not (ExportedArena::TakeHandles). They go with the fds: ExchangeFds
+// releases them.
 class WeightStore {
  public:
-  WeightStore(Tier tier, std::vector<UniqueFd> fds, StoreSummary summary)
-      : tier_(tier), fds_(std::move(fds)), summary_(std::move(summary)) {}
+  WeightStore(Tier tier, std::vector<UniqueFd> fds, StoreSummary summary,
+              std::vector<cuda::VmmHandle> creating_handles = {})
+      : tier_(tier),
+        fds_(std::move(fds)),
+        creating_handles_(std::move(creating_handles)),
+        summary_(std::move(summary)) {}
   WeightStore(WeightStore&&) noexcept = default;
   WeightStore& operator=(WeightStore&&) noexcept = default;
   WeightStore(const WeightStore&) = delete;
@@ -85,10 +96,19 @@ class WeightStore {
     for (const auto& fd : fds_) fds.push_back(fd.get());
     return fds;
   }
+  // Borrowed, one per allocation in manifest order, or empty when the store keeps none.
+  std::vector<CUmemGenericAllocationHandle> creating_handles() const {
+    std::vector<CUmemGenericAllocationHandle> handles;
+    handles.reserve(creating_handles_.size());
+    for (const auto& handle : creating_handles_) handles.push_back(handle.get());
+    return handles;
+  }
   const StoreSummary& summary() const { return summary_; }
   // Demotion and promotion (docs/budget.md): the same layout in other memory. Takes `fds` (one
-  // per allocation, same sizes) and returns the old ones. Not while another thread reads fds().
+  // per allocation, same sizes) and returns the old ones; the creating handles, if any, are
+  // released (they name the old memory). Not while another thread reads fds().
   std::vector<UniqueFd> ExchangeFds(std::vector<UniqueFd> fds) {
+    creating_handles_.clear();
     fds_.swap(fds);
     return fds;
   }
@@ -96,6 +116,7 @@ class WeightStore {
  private:
   Tier tier_;
   std::vector<UniqueFd> fds_;
+  std::vector<cuda::VmmHandle> creating_handles_;
   StoreSummary summary_;
 };
 
@@ -157,6 +178,9 @@ struct LoadOptions {
   // Either tier: tried before the disk when set (serve --fill-from); any failure is logged and
   // the load reads the disk as if it were not set.
   PeerFill peer_fill;
+  // Gpu tier: the store keeps the allocations' creating handles (WeightStore above), so that a
+  // fill source serving it to other nodes maps exportable memory (serve --fill-serve).
+  bool keep_creating_handles = false;
 };
 
 // What a finished load still holds that serving does not need: the gpu tier's upload pipeline

@@ -477,6 +477,12 @@ unsigned long long FakeDriver::AccessAt(CUdeviceptr ptr, CUdevice device) const 
   return a == it->second.access.end() ? kNone : a->second;
 }
 
+bool FakeDriver::MappingExportable(CUdeviceptr ptr) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = mappings_.find(ptr);
+  return it != mappings_.end() && it->second.exportable;
+}
+
 CUmemAllocationProp FakeDriver::last_create_prop() const {
   std::lock_guard<std::mutex> lock(mu_);
   return last_create_prop_;
@@ -604,6 +610,7 @@ CUresult FakeDriver::Create(CUmemGenericAllocationHandle* handle, size_t size,
 CUresult FakeDriver::Release(CUmemGenericAllocationHandle handle) {
   std::lock_guard<std::mutex> lock(mu_);
   if (handles_.erase(handle) == 0) return Violation("cuMemRelease of an unknown handle");
+  imported_handles_.erase(handle);
   return CUDA_SUCCESS;
 }
 
@@ -639,6 +646,7 @@ CUresult FakeDriver::Import(CUmemGenericAllocationHandle* handle, void* os_handl
   if (it == exports_.end()) return CUDA_ERROR_INVALID_VALUE;  // not a VMM export
   *handle = next_handle_++;
   handles_[*handle] = it->second;
+  imported_handles_.insert(*handle);
   return CUDA_SUCCESS;
 }
 
@@ -691,7 +699,8 @@ CUresult FakeDriver::Map(CUdeviceptr ptr, size_t size, size_t offset,
     auto prev = std::prev(next);
     if (prev->first + prev->second.size > ptr) return Violation("cuMemMap over a mapping");
   }
-  mappings_[ptr] = Mapping{size, h->second, {}};
+  mappings_[ptr] = Mapping{size, h->second, {},
+                           memory_[h->second].exportable && imported_handles_.count(handle) == 0};
   return CUDA_SUCCESS;
 }
 

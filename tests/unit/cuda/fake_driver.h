@@ -7,7 +7,10 @@
 //  * Contexts: primary-context retain counts per device and one current context (set with
 //    cuCtxSetCurrent, or by a test through set_current_context; null at construction).
 //  * VMM: handles (created or imported) over shared "memory objects", VA reservations, mappings
-//    with the access flags set on them, and exported POSIX fds, which are real memfds (created
+//    with the access flags set on them and whether they are exportable (as the real driver's
+//    CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES: a mapping of a handle created with POSIX-fd
+//    export is, a mapping of an imported handle never is, measured on an H200), and exported
+//    POSIX fds, which are real memfds (created
 //    without CLOEXEC, like a driver that does not promise it) so the fd path is real. It checks
 //    the rules the real driver enforces (sizes multiple of the granularity, map only into a
 //    reservation, no overlap, unmap exactly what was mapped, no free of a reservation with live
@@ -123,6 +126,9 @@ class FakeDriver {
   CUcontext current_context() const;
   // As if the caller's thread had made `ctx` current before calling into the library.
   void set_current_context(CUcontext ctx);
+  // Whether the mapping that starts at `ptr` could be exported again (false if none): what
+  // UCX's cuda_ipc asks before it hands memory to a peer.
+  bool MappingExportable(CUdeviceptr ptr) const;
   // Access flags set for `device` on the mapping that starts at `ptr` (PROT_NONE if none).
   unsigned long long AccessAt(CUdeviceptr ptr, CUdevice device) const;
   // The properties last passed to cuMemCreate.
@@ -196,6 +202,7 @@ class FakeDriver {
     uint64_t size = 0;
     uint64_t memory = 0;
     std::map<CUdevice, unsigned long long> access;
+    bool exportable = false;
   };
   struct Failure {
     std::string function;
@@ -241,6 +248,7 @@ class FakeDriver {
   bool back_vmm_ = false;
   bool peer_access_ = true;
   std::map<CUmemGenericAllocationHandle, uint64_t> handles_;  // handle -> memory id
+  std::set<CUmemGenericAllocationHandle> imported_handles_;
   std::map<CUdeviceptr, uint64_t> reservations_;              // base -> size
   std::map<CUdeviceptr, Mapping> mappings_;                   // ptr -> mapping
   std::map<ino_t, uint64_t> exports_;                         // memfd inode -> memory id

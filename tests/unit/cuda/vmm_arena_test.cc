@@ -421,6 +421,90 @@ TEST(ImportedArenaTest, ImportsAnExportedArenaIntoItsOwnRangeAndLeavesTheExporte
   ExpectNothingLive(fake, fds_before);
 }
 
+// ---- The creating handles: a second mapping that stays exportable ------------------------------
+
+// A fill source's memory (docs/fleet.md "Two daemons on one GPU"): UCX's cuda_ipc hands a peer
+// on the same host only memory whose mapping CUDA would export again. A mapping of the creating
+// handles is; an import of the fds, what the daemon held before, is not.
+TEST(CreatingHandlesTest, OutliveTheArenaAndMapExportablyWhereAnImportOfTheFdsDoesNot) {
+  FakeDriver fake(kGranularity);
+  fake.BackVmmMemory();
+  const int fds_before = CountOpenFds();
+  {
+    Result<ExportedArena> created = ExportedArena::Create(fake.api(), kDevice, kRequested);
+    ASSERT_TRUE(created.ok()) << created.status().ToString();
+    const uint8_t marker = 0x5a;
+    ASSERT_EQ(fake.api()->cuMemcpyHtoD(created->allocations()[1].ptr + 7, &marker, 1),
+              CUDA_SUCCESS);
+    std::vector<UniqueFd> fds = created->TakeFds();
+    std::vector<VmmHandle> handles = created->TakeHandles();
+    ASSERT_EQ(handles.size(), 3u);
+    created = InvalidArgument("gone");  // the arena: mappings, VA and context released
+    EXPECT_EQ(fake.live_mappings(), 0);
+    EXPECT_EQ(fake.total_context_refs(), 0);
+    EXPECT_EQ(fake.live_handles(), 3);  // the taken ones, kept without a context
+
+    std::vector<CUmemGenericAllocationHandle> raw;
+    for (const VmmHandle& h : handles) raw.push_back(h.get());
+    const int imports = fake.CallCount("cuMemImportFromShareableHandle");
+    Result<ImportedArena> source = ImportedArena::MapCreated(fake.api(), kDevice, raw, kRounded);
+    ASSERT_TRUE(source.ok()) << source.status().ToString();
+    EXPECT_EQ(fake.CallCount("cuMemImportFromShareableHandle"), imports);
+    std::vector<UniqueFd> dups;
+    for (const UniqueFd& fd : fds) dups.emplace_back(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
+    Result<ImportedArena> imported = ImportedArena::Import(fake.api(), kDevice, std::move(dups),
+                                                           kRounded);
+    ASSERT_TRUE(imported.ok()) << imported.status().ToString();
+    for (size_t a = 0; a < 3; ++a) {
+      EXPECT_TRUE(fake.MappingExportable(source->allocations()[a].ptr)) << a;
+      EXPECT_FALSE(fake.MappingExportable(imported->allocations()[a].ptr)) << a;
+      EXPECT_EQ(fake.AccessAt(source->allocations()[a].ptr, kDevice),
+                CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    }
+    // The same memory as the fds name.
+    uint8_t read = 0;
+    ASSERT_EQ(fake.api()->cuMemcpyDtoH(&read, source->allocations()[1].ptr + 7, 1), CUDA_SUCCESS);
+    EXPECT_EQ(read, marker);
+    EXPECT_EQ(fake.ExportedBytes(fds[1].get(), 7, 1), std::string(1, static_cast<char>(marker)));
+
+    handles.clear();  // the mapping keeps the memory: nothing of it depends on the handles
+    EXPECT_EQ(fake.live_handles(), 0);
+    EXPECT_EQ(fake.live_mappings(), 6);
+  }
+  ExpectNothingLive(fake, fds_before);
+}
+
+TEST(CreatingHandlesTest, AFailedMapCreatedLeavesNothingMappedAndTheHandlesAsTheyWere) {
+  FakeDriver fake(kGranularity);
+  const int fds_before = CountOpenFds();
+  {
+    Result<ExportedArena> created = ExportedArena::Create(fake.api(), kDevice, kRequested);
+    ASSERT_TRUE(created.ok());
+    std::vector<VmmHandle> handles = created->TakeHandles();
+    created = InvalidArgument("gone");
+    std::vector<CUmemGenericAllocationHandle> raw;
+    for (const VmmHandle& h : handles) raw.push_back(h.get());
+
+    Result<ImportedArena> short_list = ImportedArena::MapCreated(
+        fake.api(), kDevice, std::span(raw).first(2), kRounded);
+    ASSERT_FALSE(short_list.ok());
+    EXPECT_EQ(short_list.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(short_list.status().message(), HasSubstr("2 handles for 3 allocation sizes"));
+
+    fake.FailCall("cuMemMap", fake.CallCount("cuMemMap") + 3,  // the last allocation
+                  CUDA_ERROR_OUT_OF_MEMORY);
+    Result<ImportedArena> failed = ImportedArena::MapCreated(fake.api(), kDevice, raw, kRounded);
+    ASSERT_FALSE(failed.ok());
+    EXPECT_EQ(failed.status().code(), StatusCode::kCuda);
+    EXPECT_THAT(failed.status().message(), HasSubstr("allocation 2 of 3"));
+    EXPECT_EQ(fake.live_mappings(), 0);
+    EXPECT_EQ(fake.live_reservations(), 0);
+    EXPECT_EQ(fake.total_context_refs(), 0);
+    EXPECT_EQ(fake.live_handles(), 3);
+  }
+  ExpectNothingLive(fake, fds_before);
+}
+
 // ---- ImportedArena: untrusted input -------------------------------------------------------------
 
 // Import with `fds` and `sizes`, expect kInvalidArgument with `message`, no driver state left

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "cuda/imported_arena.h"
 #include "daemon/weight_store.h"
 #include "identity/resolve.h"
 #include "os/memfd.h"
@@ -189,6 +190,42 @@ TEST_F(GpuFillTest, AFillFromAnEqualStoreIsVerifiedAndServedWithTheSameBytes) {
   // same bytes on the device.
   EXPECT_EQ(ManifestBytes(filled), ManifestBytes(source));
   EXPECT_EQ(ArenaBytes(filled), ArenaBytes(source));
+}
+
+// A cache that serves fills (serve --fill-serve) keeps its allocations' creating handles, so
+// that its fill source maps memory UCX can hand to a peer on the same host; nothing else of
+// the load stays, and the handles go with the memory they name (a demotion's ExchangeFds).
+TEST_F(GpuFillTest, AStoreThatServesFillsKeepsItsCreatingHandlesAndNothingElseOfTheLoad) {
+  const std::string dir = MakeModel("handles");
+  const auto model = Open(dir);
+  const WeightStore plain = Load(model.ckpt, Options(dir, nullptr));
+  EXPECT_TRUE(plain.creating_handles().empty());
+  EXPECT_EQ(fake_->live_handles(), 0);
+
+  LoadOptions options = Options(dir, nullptr);
+  options.keep_creating_handles = true;
+  WeightStore store = Load(model.ckpt, options);
+  const std::vector<CUmemGenericAllocationHandle> handles = store.creating_handles();
+  ASSERT_EQ(handles.size(), store.fds().size());
+  EXPECT_EQ(fake_->live_handles(), static_cast<int>(handles.size()));
+  EXPECT_EQ(fake_->live_mappings(), 0);
+  EXPECT_EQ(fake_->total_context_refs(), 0);
+
+  auto manifest = protocol::Manifest::Decode(ManifestBytes(store));
+  ASSERT_TRUE(manifest.ok());
+  {
+    auto source = cuda::ImportedArena::MapCreated(fake_->api(), 1, handles,
+                                                  manifest->allocation_sizes());
+    ASSERT_TRUE(source.ok()) << source.status().ToString();
+    for (const cuda::ImportedAllocation& a : source->allocations()) {
+      EXPECT_TRUE(fake_->MappingExportable(a.ptr));
+    }
+  }
+  // A demotion: the new memory's fds in, the old ones out; the handles go with the old ones.
+  std::vector<UniqueFd> old = store.ExchangeFds({});
+  EXPECT_TRUE(store.creating_handles().empty());
+  EXPECT_EQ(fake_->live_handles(), 0);
+  EXPECT_EQ(old.size(), handles.size());
 }
 
 // Sharded caches fill rank for rank: each rank's daemon fills from the same rank's cache.
