@@ -17,7 +17,8 @@
 #      through the device's own copy engines, checked like a fill), verified;
 #   4. B again without --fill-from: the disk (page cache) load of the same run;
 #   5. ucx_perftest (the staged UCX's, when present): UCX's own ucp_get rate from CUDA memory
-#      between two processes, 64 MiB messages — the transport's ceiling here.
+#      (cudaMalloc'ed) between two processes, 64 MiB messages, with cuda_ipc's get zcopy on as
+#      the fill turns it on — the transport's ceiling here.
 #
 # Checks (each FAIL counted; exit 1 if any): A ready and serving; B ready for every variant;
 # the first variant filled from A ("filled from 1 source(s)"); every attach verified every
@@ -187,12 +188,13 @@ t0=$(ms_now)
 say "fill: B from the page cache: serve returned in $(($(ms_now) - t0)) ms; $(grep -h -o 'ready: .*' "$blog" | tail -1)"
 "$wc" stop --all --runtime-dir "$run_b" >>"$log" 2>&1
 
-# 5. UCX's own rate: ucp_get from CUDA memory, two processes, 64 MiB.
+# 5. UCX's own rate: ucp_get from CUDA memory, two processes, 64 MiB, with the get zcopy that
+#    fleet::ucx::CreateContext turns on (UCX leaves it off without NVLink).
 perftest=${UCX_PERFTEST:-${WEIGHTCACHE_UCX_PREFIX:-$build/ucx/libucx}/bin/ucx_perftest}
 if [[ -x $perftest ]]; then
   for v in default "^cuda_ipc"; do
-    envs=()
-    [[ $v != default ]] && envs=(UCX_TLS="$v")
+    envs=(UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y)
+    [[ $v != default ]] && envs+=(UCX_TLS="$v")
     echo "== ucx_perftest ucp_get cuda (UCX_TLS=$v)" >>"$log"
     env "${envs[@]}" timeout 60 "$perftest" -p 13337 >>"$log" 2>&1 &
     server=$!

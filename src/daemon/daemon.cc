@@ -1831,7 +1831,7 @@ Result<Publication> Daemon::CreateArenaFor(protocol::PublishBegin plan) {
   if (warmer_.joinable()) warmer_.join();  // its context, if it made one, is retained below
   auto driver = options_.env.load_driver();
   if (!driver.ok()) return driver.status().Context("gpu tier publish");
-  GpuPublishTarget target{*driver, *options_.device};
+  GpuPublishTarget target{*driver, *options_.device, options_.load.keep_creating_handles};
   return CreatePublication(tier, std::move(plan), options_.load.cache_name,
                            options_.load.memory_budget, &target);
 }

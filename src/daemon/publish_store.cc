@@ -113,6 +113,7 @@ Status CreateGpuArena(Publication& pub, const GpuPublishTarget& gpu, uint64_t me
     pub.allocation_sizes.push_back(a.size);
   }
   pub.gpu_arena.emplace(std::move(arena).value());
+  pub.keep_creating_handles = gpu.keep_creating_handles;
   return Status::Ok();
 }
 
@@ -263,9 +264,11 @@ Result<WeightStore> CommitGpuPublication(Publication pub, std::span<const uint64
   }  // the module is unloaded here, before the context reference goes
   WEIGHTCACHE_ASSIGN_OR_RETURN(StoreSummary summary, PublishedSummary(pub, checksums));
   // Verified: only now does the arena become fds that clients are served (docs/publish.md).
+  std::vector<cuda::VmmHandle> handles;
+  if (pub.keep_creating_handles) handles = arena->TakeHandles();
   std::vector<UniqueFd> fds = std::move(*arena).ReleaseToFds();
   arena.reset();
-  return WeightStore(Tier::kGpu, std::move(fds), std::move(summary));
+  return WeightStore(Tier::kGpu, std::move(fds), std::move(summary), std::move(handles));
 }
 
 }  // namespace

@@ -352,6 +352,24 @@ TEST_F(PublishGpuStoreTest, AVerifiedCommitLeavesOnlyTheExportedFds) {
   EXPECT_EQ(Describe(BooksNow()), Describe(before_));
 }
 
+// A daemon that serves fills (serve --fill-serve) keeps the arena's creating handles as well:
+// its fill source maps them, as exportable memory (docs/fleet.md "Two daemons on one GPU").
+TEST_F(PublishGpuStoreTest, AVerifiedCommitForAFillSourceKeepsTheCreatingHandlesToo) {
+  if (!cuda::GpuChecksumKernelBuilt()) GTEST_SKIP() << "built without the GPU checksum kernel";
+  target_.keep_creating_handles = true;
+  {
+    auto store = Publish();
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    ASSERT_EQ(store->creating_handles().size(), 1u);
+    EXPECT_EQ(fake_->live_handles(), 1);
+    EXPECT_EQ(fake_->live_mappings(), 0);
+    EXPECT_EQ(fake_->live_reservations(), 0);
+    EXPECT_EQ(fake_->total_context_refs(), 0);
+  }
+  fake_->set_current_context(nullptr);
+  EXPECT_EQ(Describe(BooksNow()), Describe(before_));
+}
+
 TEST_F(PublishGpuStoreTest, ADriverFailureAtEveryStepReleasesEverything) {
   if (!cuda::GpuChecksumKernelBuilt()) GTEST_SKIP() << "built without the GPU checksum kernel";
   const int start = fake_->steps();
