@@ -378,8 +378,8 @@ Status MapDeviceMemory(const identity::DeviceInfo& info, std::span<const int> fd
       if (!dup.valid()) return IoError("duplicating an allocation's fd", errno);
       owned.push_back(std::move(dup));
     }
-    WEIGHTCACHE_ASSIGN_OR_RETURN(
-        mapped, cuda::ImportedArena::Import(api, device, std::move(owned), sizes));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(mapped,
+                                 cuda::ImportedArena::Import(api, device, std::move(owned), sizes));
   }
   cuda::ImportedArena& arena = *mapped;
   for (const cuda::ImportedAllocation& a : arena.allocations()) {
@@ -416,9 +416,8 @@ Result<ServeRegistration::FillSource> StartFillSource(
   }
   if (tier == Tier::kGpu) {
     if (!device) return InternalError("a gpu-tier cache without its device");
-    WEIGHTCACHE_RETURN_IF_ERROR(
-        MapDeviceMemory(*device, fds, creating_handles, manifest.allocation_sizes(), &source,
-                        &options));
+    WEIGHTCACHE_RETURN_IF_ERROR(MapDeviceMemory(*device, fds, creating_handles,
+                                                manifest.allocation_sizes(), &source, &options));
   } else {
     for (size_t a = 0; a < fds.size(); ++a) {
       WEIGHTCACHE_ASSIGN_OR_RETURN(os::MappedRegion region,
@@ -444,7 +443,8 @@ Result<ServeRegistration::FillSource> StartFillSource(
 void ServeRegistration::StartFillSourceLocked(
     std::span<const int> fds, std::span<const CUmemGenericAllocationHandle> creating_handles) {
   if (flags_.fill_serve.empty() || fill_) return;
-  auto started = StartFillSource(flags_, allow_, manifest_, fds, creating_handles, configured_, device_);
+  auto started =
+      StartFillSource(flags_, allow_, manifest_, fds, creating_handles, configured_, device_);
   if (!started.ok()) {
     LOG_WARN << "fill source: not serving: " << started.status().ToString();
     return;

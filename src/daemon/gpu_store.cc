@@ -364,9 +364,9 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
   // Releasing the rest (the mappings, VA, handles and the context reference) drops the
   // daemon's CUDA context — the device memory and driver host memory a context costs — for the
   // life of the cache: here, or after `ready` by the caller's LoadLeftovers.
-  WeightStore store(Tier::kGpu, arena->TakeFds(), std::move(summary),
-                    options.keep_creating_handles ? arena->TakeHandles()
-                                                  : std::vector<cuda::VmmHandle>{});
+  WeightStore store(
+      Tier::kGpu, arena->TakeFds(), std::move(summary),
+      options.keep_creating_handles ? arena->TakeHandles() : std::vector<cuda::VmmHandle>{});
   LoadLeftovers here;
   LoadLeftovers& leftovers = control.leftovers != nullptr ? *control.leftovers : here;
   // Released last kept first: the pipeline, the arena, then the context they were made in.

@@ -57,7 +57,7 @@ struct Publication {
   // gpu tier: mapped read-write in the daemon, its fds borrowed by PublishArena; released to
   // fds only by a verified commit.
   std::optional<cuda::ExportedArena> gpu_arena;
-  bool keep_creating_handles = false;  // GpuPublishTarget's
+  bool keep_creating_handles = false;      // GpuPublishTarget's
   std::vector<uint64_t> allocation_sizes;  // what the manifest lists (gpu: rounded up)
   ManifestFile arena_manifest;             // what PublishArena hands out (checksums 0)
   uint64_t tensor_bytes = 0;               // sum of the plan's nbytes, aliases not counted

@@ -699,8 +699,8 @@ CUresult FakeDriver::Map(CUdeviceptr ptr, size_t size, size_t offset,
     auto prev = std::prev(next);
     if (prev->first + prev->second.size > ptr) return Violation("cuMemMap over a mapping");
   }
-  mappings_[ptr] = Mapping{size, h->second, {},
-                           memory_[h->second].exportable && imported_handles_.count(handle) == 0};
+  mappings_[ptr] = Mapping{
+      size, h->second, {}, memory_[h->second].exportable && imported_handles_.count(handle) == 0};
   return CUDA_SUCCESS;
 }
 

@@ -249,9 +249,9 @@ class FakeDriver {
   bool peer_access_ = true;
   std::map<CUmemGenericAllocationHandle, uint64_t> handles_;  // handle -> memory id
   std::set<CUmemGenericAllocationHandle> imported_handles_;
-  std::map<CUdeviceptr, uint64_t> reservations_;              // base -> size
-  std::map<CUdeviceptr, Mapping> mappings_;                   // ptr -> mapping
-  std::map<ino_t, uint64_t> exports_;                         // memfd inode -> memory id
+  std::map<CUdeviceptr, uint64_t> reservations_;  // base -> size
+  std::map<CUdeviceptr, Mapping> mappings_;       // ptr -> mapping
+  std::map<ino_t, uint64_t> exports_;             // memfd inode -> memory id
   uint64_t next_memory_ = 1;
   CUmemGenericAllocationHandle next_handle_ = 0x100;
   CUdeviceptr next_va_ = 0x7f0000000000;

@@ -452,8 +452,8 @@ TEST(CreatingHandlesTest, OutliveTheArenaAndMapExportablyWhereAnImportOfTheFdsDo
     EXPECT_EQ(fake.CallCount("cuMemImportFromShareableHandle"), imports);
     std::vector<UniqueFd> dups;
     for (const UniqueFd& fd : fds) dups.emplace_back(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
-    Result<ImportedArena> imported = ImportedArena::Import(fake.api(), kDevice, std::move(dups),
-                                                           kRounded);
+    Result<ImportedArena> imported =
+        ImportedArena::Import(fake.api(), kDevice, std::move(dups), kRounded);
     ASSERT_TRUE(imported.ok()) << imported.status().ToString();
     for (size_t a = 0; a < 3; ++a) {
       EXPECT_TRUE(fake.MappingExportable(source->allocations()[a].ptr)) << a;
@@ -485,8 +485,8 @@ TEST(CreatingHandlesTest, AFailedMapCreatedLeavesNothingMappedAndTheHandlesAsThe
     std::vector<CUmemGenericAllocationHandle> raw;
     for (const VmmHandle& h : handles) raw.push_back(h.get());
 
-    Result<ImportedArena> short_list = ImportedArena::MapCreated(
-        fake.api(), kDevice, std::span(raw).first(2), kRounded);
+    Result<ImportedArena> short_list =
+        ImportedArena::MapCreated(fake.api(), kDevice, std::span(raw).first(2), kRounded);
     ASSERT_FALSE(short_list.ok());
     EXPECT_EQ(short_list.status().code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(short_list.status().message(), HasSubstr("2 handles for 3 allocation sizes"));

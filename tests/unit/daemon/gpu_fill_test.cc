@@ -214,8 +214,8 @@ TEST_F(GpuFillTest, AStoreThatServesFillsKeepsItsCreatingHandlesAndNothingElseOf
   auto manifest = protocol::Manifest::Decode(ManifestBytes(store));
   ASSERT_TRUE(manifest.ok());
   {
-    auto source = cuda::ImportedArena::MapCreated(fake_->api(), 1, handles,
-                                                  manifest->allocation_sizes());
+    auto source =
+        cuda::ImportedArena::MapCreated(fake_->api(), 1, handles, manifest->allocation_sizes());
     ASSERT_TRUE(source.ok()) << source.status().ToString();
     for (const cuda::ImportedAllocation& a : source->allocations()) {
       EXPECT_TRUE(fake_->MappingExportable(a.ptr));
