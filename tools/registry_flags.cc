@@ -369,9 +369,9 @@ Status MapDeviceMemory(const identity::DeviceInfo& info, std::span<const int> fd
     WEIGHTCACHE_ASSIGN_OR_RETURN(
         mapped, cuda::ImportedArena::MapCreated(api, device, creating_handles, sizes));
   } else {
-    LOG_INFO << "fill source: serving an import of the cache's allocations (it was adopted, "
-                "promoted or published, so this process holds no creating handle): UCX cannot "
-                "export it, and a peer on this host reads it through host memory";
+    LOG_INFO << "fill source: serving an import of the cache's allocations (adopted from a "
+                "keeper or an upgrade, or promoted back: this process holds no creating handle): "
+                "UCX cannot export it, and a peer on this host reads it through host memory";
     std::vector<UniqueFd> owned;
     for (const int fd : fds) {
       UniqueFd dup(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
