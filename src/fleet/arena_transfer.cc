@@ -385,10 +385,14 @@ class Fetch {
       Connect(i);
     }
     WEIGHTCACHE_RETURN_IF_ERROR(Handshake());
+    const auto reading = Clock::now();
     WEIGHTCACHE_RETURN_IF_ERROR(Transfer());
+    const auto end = Clock::now();
 
     FetchResult result;
-    result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    result.seconds = std::chrono::duration<double>(end - start).count();
+    result.setup_seconds = std::chrono::duration<double>(reading - start).count();
+    result.transfer_seconds = std::chrono::duration<double>(end - reading).count();
     for (Source& source : sources_) {
       result.sources.push_back({source.endpoint, source.used, source.bytes, source.why});
       result.bytes += source.bytes;
@@ -396,6 +400,9 @@ class Fetch {
     result.stripes = std::move(records_);
     result.gb_per_s =
         result.seconds > 0 ? static_cast<double>(result.bytes) / result.seconds / 1e9 : 0;
+    result.transfer_gb_per_s = result.transfer_seconds > 0 ? static_cast<double>(result.bytes) /
+                                                                 result.transfer_seconds / 1e9
+                                                           : 0;
     return result;
   }
 

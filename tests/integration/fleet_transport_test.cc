@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <string>
@@ -114,6 +115,7 @@ TEST_F(FleetTransportTest, OneSourceFillsEveryRegionWithItsBytes) {
   options.accept = [&](const std::string& from, std::span<const uint8_t> manifest) {
     EXPECT_EQ(from, source);
     seen_manifest.assign(manifest.begin(), manifest.end());
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // counted as setup
     return Status::Ok();
   };
   uint64_t last_done = 0;
@@ -126,6 +128,12 @@ TEST_F(FleetTransportTest, OneSourceFillsEveryRegionWithItsBytes) {
   ASSERT_TRUE(result.ok()) << result.status().ToString();
   EXPECT_EQ(seen_manifest, "manifest-A");
   EXPECT_EQ(result->bytes, 4 * kMiB + 5 + 4096);
+  // The hello and accept() are setup; the reads alone are the transfer its rate is of.
+  EXPECT_GE(result->setup_seconds, 0.05);
+  EXPECT_GT(result->transfer_seconds, 0);
+  EXPECT_NEAR(result->setup_seconds + result->transfer_seconds, result->seconds, 1e-6);
+  EXPECT_DOUBLE_EQ(result->transfer_gb_per_s,
+                   static_cast<double>(result->bytes) / result->transfer_seconds / 1e9);
   EXPECT_EQ(last_done, result->bytes);
   ASSERT_EQ(result->sources.size(), 1u);
   EXPECT_TRUE(result->sources[0].used);
