@@ -143,6 +143,8 @@ for v in $variants; do
   why=$(grep -h -o 'fill: .*loading from disk' "$blog" | tail -1)
   say "fill: B (UCX_TLS=$v): serve returned in $ms ms; ${filled:-not filled: ${why:-see fill.log}}"
   say "fill:   $ready"
+  setup=$(grep -h -o 'arena fetch: setup .*' "$blog" | tail -1)
+  [[ -n $setup ]] && say "fill:   $setup"
   if ((first)) && [[ -z $filled ]]; then
     fail "B did not fill from A with UCX's own transport choice"
   fi
