@@ -78,8 +78,9 @@ std::vector<fleet::RegistryEntry> ChooseFillSources(std::vector<fleet::RegistryE
 // With --fill-serve, Ready() also starts the fill source (a fleet::ArenaServer, the daemon's
 // manifest as its blob) and advertises its endpoint (--advertise overrides it); Draining() and
 // the destructor stop it after the entry is withdrawn. It serves read-only mappings of the
-// store's sealed memfds (host tier), or the store's VMM allocations imported into the device's
-// primary context (gpu tier: the context is held while it serves). A gpu-tier source stops
+// store's sealed memfds (host tier), or the store's VMM allocations mapped into the device's
+// primary context (gpu tier: from their creating handles where the store kept them, else an
+// import of its fds; the context is held while it serves). A gpu-tier source stops
 // serving when its cache is demoted (Moved to the host tier, before the ledger stops counting
 // the GPU memory it mapped) and serves again once it is promoted back. An upgrade stops it
 // before the successor starts (HandingOver) and starts it again if the upgrade fails
