@@ -39,11 +39,14 @@ class ServeRegistration {
   static Result<std::unique_ptr<ServeRegistration>> Create(const RegistryFlags& flags,
                                                            const identity::ResolvedIdentity& id);
   daemon::PeerFill Filler() const { return {}; }
-  void Ready(const daemon::StoreSummary& /*summary*/, std::span<const int> /*fds*/) {}
+  bool ServesFill() const { return false; }
+  void Ready(const daemon::StoreSummary& /*summary*/, std::span<const int> /*fds*/,
+             std::span<const CUmemGenericAllocationHandle> /*creating_handles*/ = {}) {}
   void Moved(Tier /*tier*/, std::span<const int> /*fds*/) {}
   void Draining() {}
   void HandingOver() {}
-  void HandoverFailed(std::span<const int> /*fds*/) {}
+  void HandoverFailed(std::span<const int> /*fds*/,
+                      std::span<const CUmemGenericAllocationHandle> /*creating_handles*/ = {}) {}
 
  private:
   ServeRegistration() = default;
