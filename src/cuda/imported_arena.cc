@@ -46,6 +46,15 @@ Status CheckReceivedFds(const std::vector<UniqueFd>& fds, const std::string& whe
   return Status::Ok();
 }
 
+// cuMemMap of `handle` (`size` bytes) at `ptr`, then read-write access for `device`: read-write,
+// see the header for why not read-only.
+Result<MappedRange> MapReadWrite(const DriverApi* api, CUdevice device, CUdeviceptr ptr,
+                                 CUmemGenericAllocationHandle handle, uint64_t size) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(MappedRange mapping, MappedRange::Map(api, ptr, handle, size));
+  WEIGHTCACHE_RETURN_IF_ERROR(mapping.SetAccess(device, CU_MEM_ACCESS_FLAGS_PROT_READWRITE));
+  return mapping;
+}
+
 }  // namespace
 
 ImportedArena::ImportedArena(PrimaryContext context, VaRange va, std::span<const uint64_t> sizes)
@@ -100,11 +109,9 @@ Result<ImportedArena> ImportedArena::MapCreated(
   std::vector<MappedRange> mappings;
   mappings.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    Result<MappedRange> mapping = MappedRange::Map(api, arena.table_[i].ptr, handles[i], sizes[i]);
+    Result<MappedRange> mapping =
+        MapReadWrite(api, device, arena.table_[i].ptr, handles[i], sizes[i]);
     if (!mapping.ok()) return mapping.status().Context(where + ": " + AllocationName(i, n));
-    if (Status s = mapping->SetAccess(device, CU_MEM_ACCESS_FLAGS_PROT_READWRITE); !s.ok()) {
-      return s.Context(where + ": " + AllocationName(i, n));
-    }
     mappings.push_back(*std::move(mapping));
   }
   arena.mappings_ = std::move(mappings);
@@ -167,12 +174,9 @@ Status ImportedArena::MapChecked(std::vector<UniqueFd> fds, const std::string& w
     Result<VmmHandle> handle =
         VmmHandle::ImportPosixFd(context_.api(), fds[i].get(), table_[i].size);
     if (!handle.ok()) return handle.status().Context(where + ": " + AllocationName(i, n));
-    Result<MappedRange> mapping = MappedRange::Map(context_.api(), table_[i].ptr, *handle);
+    Result<MappedRange> mapping =
+        MapReadWrite(context_.api(), device(), table_[i].ptr, handle->get(), handle->size());
     if (!mapping.ok()) return mapping.status().Context(where + ": " + AllocationName(i, n));
-    // Read-write: see the header for why not read-only.
-    if (Status s = mapping->SetAccess(device(), CU_MEM_ACCESS_FLAGS_PROT_READWRITE); !s.ok()) {
-      return s.Context(where + ": " + AllocationName(i, n));
-    }
     mappings.push_back(*std::move(mapping));
     // `handle` is released here: the mapping keeps the memory alive, and an unreleased
     // imported handle would pin it after the client unmaps.
