@@ -45,6 +45,9 @@ nlohmann::json ToJson(const ckpt::Checkpoint& c) {
   nlohmann::json out;
   out["path"] = c.path();
   out["fingerprint"] = c.fingerprint();
+  // The shards' identity on this host (CacheConfig's checkpoint_files, docs/identity.md): the
+  // engine plugins key their published caches on both (docs/engines.md "Identity").
+  out["files_digest"] = c.files_digest();
   out["total_bytes"] = c.total_bytes();
   out["tensor_count"] = c.tensors().size();
   out["metadata"] = c.metadata();
@@ -75,6 +78,7 @@ nlohmann::json ToJson(const ckpt::Checkpoint& c) {
 void PrintHuman(const ckpt::Checkpoint& c) {
   std::cout << "checkpoint:  " << EscapeForTerminal(c.path()) << "\n";
   std::cout << "fingerprint: " << c.fingerprint() << "\n";
+  std::cout << "files:       " << c.files_digest() << "\n";
   std::cout << "tensors:     " << c.tensors().size() << ", " << c.total_bytes() << " bytes ("
             << HumanBytes(c.total_bytes()) << ")\n";
   std::cout << "shards:      " << c.shards().size() << "\n";

@@ -68,6 +68,13 @@ enum class OnMissing { kFallback, kError };
 // What to do when a daemon on this device holds a different config of the same model.
 enum class OnMismatch { kError, kFallback };
 
+// How the host tier's memory is mapped into this process. kReadOnly: PROT_READ, shared with
+// the daemon's pages; a write faults (SIGSEGV). kCopyOnWrite: the same pages, mapped
+// MAP_PRIVATE and writable; a write copies that page into this process only and never reaches
+// the cache or any other client (an engine whose post-processing writes a few tensors in
+// place). The gpu tier ignores it (device memory is mapped read-write).
+enum class HostMapping { kReadOnly, kCopyOnWrite };
+
 enum class AttachSource { kDaemon, kFallback };
 WEIGHTCACHE_EXPORT std::string_view AttachSourceName(AttachSource source);  // "daemon" | "fallback"
 
@@ -88,6 +95,7 @@ struct AttachOptions {
   std::chrono::milliseconds wait_timeout{std::chrono::seconds(60)};
   // Reader threads of the fallback loader.
   int fallback_threads = 8;
+  HostMapping host_mapping = HostMapping::kReadOnly;
 };
 
 // One tensor as the caller sees it: a view into its Attachment's tensor table (built with no

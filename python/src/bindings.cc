@@ -119,8 +119,12 @@ using TensorInfo = weightcache::Tensor;
 
 class PyAttachment {
  public:
-  explicit PyAttachment(Attachment attachment)
-      : cuda_device_(attachment.cuda_device()), attachment_(std::move(attachment)) {}
+  PyAttachment(Attachment attachment, HostMapping host_mapping)
+      : cuda_device_(attachment.cuda_device()),
+        host_writable_(attachment.tier() == Tier::kHost &&
+                       (host_mapping == HostMapping::kCopyOnWrite ||
+                        attachment.source() == AttachSource::kFallback)),
+        attachment_(std::move(attachment)) {}
   PyAttachment(const PyAttachment&) = delete;
   PyAttachment& operator=(const PyAttachment&) = delete;
 
@@ -135,6 +139,9 @@ class PyAttachment {
   const std::vector<TensorInfo>& infos() const { return attachment_->tensors(); }
   // The ordinal the attach resolved (Attachment::cuda_device), -1 on the host tier.
   int cuda_device() const { return cuda_device_; }
+  // Host memory this process may write: a copy-on-write mapping of the cache (a write stays
+  // in this process), or the fallback loader's own memory. Exported writable then.
+  bool host_writable() const { return host_writable_; }
 
   // Binary search in the client's table (sorted by name).
   const TensorInfo* Find(std::string_view name) const { return attachment_->Find(name); }
@@ -176,7 +183,9 @@ class PyAttachment {
   }
 
  private:
-  int cuda_device_ = -1;               // read from the Attachment before it is moved in
+  // Both read from the Attachment before it is moved in.
+  int cuda_device_ = -1;
+  bool host_writable_ = false;
   std::vector<nb::object> callbacks_;  // destroyed after attachment_ (declared before it)
   std::optional<Attachment> attachment_;
 };
@@ -189,6 +198,8 @@ struct PyTensor {
 
   const PyAttachment& attachment() const { return nb::cast<const PyAttachment&>(owner); }
   bool host() const { return attachment().get().tier() == Tier::kHost; }
+  // Read-only exports for host memory this process must not write (a PROT_READ mapping).
+  bool read_only() const { return host() && !attachment().host_writable(); }
   const DTypeInfo& dtype() const {
     const DTypeInfo* d = FindDType(info->dtype);
     if (d == nullptr) {
@@ -239,7 +250,7 @@ struct PyTensor {
   // framework: __dlpack__, __dlpack_device__ and the buffer protocol), read-only for the host
   // tier.
   nb::object Exporter(bool raw) const {
-    if (host()) return nb::cast(Array<nb::array_api, nb::ro>(raw));
+    if (read_only()) return nb::cast(Array<nb::array_api, nb::ro>(raw));
     return nb::cast(Array<nb::array_api>(raw));
   }
 };
@@ -357,7 +368,7 @@ PyAttachment* Attach(const AttachOptions& options) {
     result.emplace(Attachment::Attach(options, &diagnostics));
   }
   if (!result->ok()) RaiseAttachError(result->status(), diagnostics);
-  return new PyAttachment(std::move(*result).value());
+  return new PyAttachment(std::move(*result).value(), options.host_mapping);
 }
 
 // ---- bulk views (load_state_dict) -------------------------------------------------------------
@@ -555,9 +566,13 @@ nb::tuple ViewPlan(nb::handle self) {
     const size_t size = static_cast<size_t>(end - begin);
     void* data = reinterpret_cast<void*>(static_cast<uintptr_t>(begin));
     const nb::dlpack::dtype u8{static_cast<uint8_t>(kDlUInt), 8, 1};
-    if (host) {
+    if (host && !a.host_writable()) {
       exports.append(nb::cast(nb::ndarray<nb::array_api, nb::ro>(
           data, 1, &size, nb::borrow(self), nullptr, u8, nb::device::cpu::value, 0)));
+    } else if (host) {
+      exports.append(nb::cast(nb::ndarray<nb::array_api>(data, 1, &size, nb::borrow(self),
+                                                          nullptr, u8, nb::device::cpu::value,
+                                                          0)));
     } else {
       exports.append(
           nb::cast(nb::ndarray<nb::array_api>(data, 1, &size, nb::borrow(self), nullptr, u8,
@@ -798,7 +813,26 @@ NB_MODULE(_weightcache, m) {
           "The attach's deadline in seconds (default 60): waiting for a daemon that "
           "reports `loading`, and every exchange with a daemon; one that does not answer "
           "by then is treated as absent.")
-      .def_rw("fallback_threads", &AttachOptions::fallback_threads);
+      .def_rw("fallback_threads", &AttachOptions::fallback_threads)
+      .def_prop_rw(
+          "host_mapping",
+          [](const AttachOptions& o) {
+            return std::string(o.host_mapping == HostMapping::kCopyOnWrite ? "copy_on_write"
+                                                                            : "read_only");
+          },
+          [](AttachOptions& o, const std::string& s) {
+            if (s == "read_only") {
+              o.host_mapping = HostMapping::kReadOnly;
+            } else if (s == "copy_on_write") {
+              o.host_mapping = HostMapping::kCopyOnWrite;
+            } else {
+              throw nb::value_error(
+                  ("host_mapping must be \"read_only\" or \"copy_on_write\", not \"" + s + "\"")
+                      .c_str());
+            }
+          },
+          "The host tier's mapping: \"read_only\" (a write faults) or \"copy_on_write\" (a "
+          "write copies its page into this process only; the cache is never changed).");
 
   nb::class_<PyTensor>(m, "Tensor", nb::type_slots(tensor_slots),
                        "One tensor of an Attachment: metadata plus zero-copy DLPack export. "
@@ -871,9 +905,11 @@ NB_MODULE(_weightcache, m) {
                                     ", which NumPy does not represent; use raw() for its bytes")
                                        .c_str());
             }
-            return t.Array<nb::numpy, nb::ro>(false);
+            if (!t.read_only()) return nb::cast(t.Array<nb::numpy>(false));
+            return nb::cast(t.Array<nb::numpy, nb::ro>(false));
           },
-          "A read-only NumPy view (host tier, NumPy dtypes only).")
+          "A NumPy view (host tier, NumPy dtypes only): read-only, or writable where the "
+          "attach mapped the cache copy-on-write (host_mapping) or loaded it itself.")
       .def("__repr__", [](const PyTensor& t) {
         std::string shape;
         for (int64_t s : t.info->shape) shape += (shape.empty() ? "" : ", ") + std::to_string(s);

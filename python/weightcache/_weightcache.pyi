@@ -3,9 +3,6 @@ The C++ weightcache client, bound with nanobind (use the weightcache package).
 """
 
 from collections.abc import Callable
-from typing import Annotated
-
-from numpy.typing import NDArray
 
 
 class AttachOptions:
@@ -180,6 +177,15 @@ class AttachOptions:
     @fallback_threads.setter
     def fallback_threads(self, arg: int, /) -> None: ...
 
+    @property
+    def host_mapping(self) -> str:
+        """
+        The host tier's mapping: "read_only" (a write faults) or "copy_on_write" (a write copies its page into this process only; the cache is never changed).
+        """
+
+    @host_mapping.setter
+    def host_mapping(self, arg: str, /) -> None: ...
+
 class Tensor:
     """
     One tensor of an Attachment: metadata plus zero-copy DLPack export. Keeps its Attachment alive.
@@ -242,8 +248,10 @@ class Tensor:
         The tensor's bytes as a uint8[nbytes] array (DLPack and buffer protocol), zero-copy.
         """
 
-    def numpy(self) -> Annotated[NDArray, dict(writable=False)]:
-        """A read-only NumPy view (host tier, NumPy dtypes only)."""
+    def numpy(self) -> object:
+        """
+        A NumPy view (host tier, NumPy dtypes only): read-only, or writable where the attach mapped the cache copy-on-write (host_mapping) or loaded it itself.
+        """
 
     def __repr__(self) -> str: ...
 

@@ -144,7 +144,8 @@ void KeepManifest(protocol::Manifest manifest, std::vector<uint64_t> allocation_
 
 }  // namespace
 
-Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attachment::Impl& impl) {
+Status MapHostReply(protocol::AttachReply& reply, const std::string& who, HostMapping mapping,
+                    Attachment::Impl& impl) {
   const auto& sizes = reply.manifest.allocation_sizes();
   if (reply.fds.size() != sizes.size()) {
     return ProtocolError(who + ": " + std::to_string(sizes.size()) + " allocations but " +
@@ -166,7 +167,8 @@ Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attach
       return ProtocolError(what + " is " + std::to_string(*size) + " bytes, the manifest says " +
                            std::to_string(sizes[i]));
     }
-    auto region = os::MapReadOnly(fd, sizes[i]);
+    auto region = mapping == HostMapping::kCopyOnWrite ? os::MapCopyOnWrite(fd, sizes[i])
+                                                       : os::MapReadOnly(fd, sizes[i]);
     if (!region.ok()) return region.status().Context(what);
     base.push_back(reinterpret_cast<uint64_t>(region->data()));
     regions.push_back(std::move(region).value());
@@ -316,7 +318,7 @@ Result<Attachment> AttachAndDiagnose(const AttachOptions& options, const identit
       return tier;
     }
     if (tier == Tier::kHost) {
-      WEIGHTCACHE_RETURN_IF_ERROR(MapHostReply(session.reply, who, *impl));
+      WEIGHTCACHE_RETURN_IF_ERROR(MapHostReply(session.reply, who, options.host_mapping, *impl));
     } else {
       WEIGHTCACHE_RETURN_IF_ERROR(OpenGpuDevice(env, id, *impl));
       WEIGHTCACHE_RETURN_IF_ERROR(

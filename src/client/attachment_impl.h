@@ -80,10 +80,12 @@ Result<Attachment> Attach(const AttachOptions& options, const identity::Env& env
 // and reports a different one as the kMismatch of the field `tier`).
 //
 // Maps a host-tier AttachReply: every memfd checked sealed read-only and large enough, mapped
-// PROT_READ/MAP_SHARED, then closed; every tensor's dtype and size checked. Fills
-// impl.host_regions, impl.manifest and what its table is built from (Impl::Table), the total
-// bytes and the map/table timings (table_ms: the records' checks).
-Status MapHostReply(protocol::AttachReply& reply, const std::string& who, Attachment::Impl& impl);
+// PROT_READ/MAP_SHARED (or, with HostMapping::kCopyOnWrite, writable MAP_PRIVATE), then
+// closed; every tensor's dtype and size checked. Fills impl.host_regions, impl.manifest and
+// what its table is built from (Impl::Table), the total bytes and the map/table timings
+// (table_ms: the records' checks).
+Status MapHostReply(protocol::AttachReply& reply, const std::string& who, HostMapping mapping,
+                    Attachment::Impl& impl);
 
 // Imports a gpu-tier AttachReply into `device` (ImportedArena): reserves the VA range, then
 // maps while the manifest's records are checked — on a second thread when the manifest has

@@ -94,14 +94,14 @@ void MappingTraits::Close(NoContext /*unused*/, const Handle& h) noexcept {
 
 namespace {
 
-Result<void*> MapChecked(int fd, size_t size, int prot) {
+Result<void*> MapChecked(int fd, size_t size, int prot, int flags = MAP_SHARED) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(uint64_t file_size, FileSize(fd));
   if (size > file_size) {
     return InvalidArgument("cannot map " + std::to_string(size) + " bytes of " + FdName(fd) +
                            ", which holds only " + std::to_string(file_size));
   }
   if (size == 0) return static_cast<void*>(nullptr);
-  void* p = ::mmap(nullptr, size, prot, MAP_SHARED, fd, 0);
+  void* p = ::mmap(nullptr, size, prot, flags, fd, 0);
   if (p == MAP_FAILED) {
     return IoError("mmap " + std::to_string(size) + " bytes of " + FdName(fd), errno);
   }
@@ -117,6 +117,12 @@ Result<MappedRegion> MapReadOnly(int fd, size_t size) {
 
 Result<MappedRegion> MapReadWrite(int fd, size_t size) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(void* p, MapChecked(fd, size, PROT_READ | PROT_WRITE));
+  return MappedRegion(p, p == nullptr ? 0 : size);
+}
+
+Result<MappedRegion> MapCopyOnWrite(int fd, size_t size) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(void* p,
+                               MapChecked(fd, size, PROT_READ | PROT_WRITE, MAP_PRIVATE));
   return MappedRegion(p, p == nullptr ? 0 : size);
 }
 

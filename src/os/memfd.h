@@ -65,6 +65,7 @@ class MappedRegion {
  private:
   friend Result<MappedRegion> MapReadOnly(int fd, size_t size);
   friend Result<MappedRegion> MapReadWrite(int fd, size_t size);
+  friend Result<MappedRegion> MapCopyOnWrite(int fd, size_t size);
   MappedRegion(void* data, size_t size) : owned_(MappingTraits::Handle{data, size}) {}
 
   UniqueHandle<MappingTraits> owned_;
@@ -75,5 +76,10 @@ class MappedRegion {
 Result<MappedRegion> MapReadOnly(int fd, size_t size);
 // PROT_READ | PROT_WRITE, MAP_SHARED, from offset 0 (the loader filling a memfd).
 Result<MappedRegion> MapReadWrite(int fd, size_t size);
+// PROT_READ | PROT_WRITE, MAP_PRIVATE, from offset 0: reads share the file's pages; a write
+// gives this mapping a private copy of that page and never reaches the file or any other
+// mapping. Allowed on a memfd sealed with F_SEAL_WRITE (which refuses writable *shared*
+// mappings only), so a client can take a sealed cache copy-on-write.
+Result<MappedRegion> MapCopyOnWrite(int fd, size_t size);
 
 }  // namespace weightcache::os
