@@ -29,6 +29,7 @@
 #include "support/etcd_server.h"
 #include "support/hub_cache.h"
 #include "support/test_env.h"
+#include "unit/sharding/sharding_fixture.h"
 
 namespace weightcache::testing {
 namespace {
@@ -481,6 +482,73 @@ TEST_F(FleetFillTest, WithoutAnAnchorOnlyFleetTrustFills) {
   EXPECT_TRUE(Contains(log, "filled from 1 source(s) (node-a 127.0.0.1:")) << log;
   EXPECT_FALSE(Contains(log, "loading from disk")) << log;
   ExpectVerifiedOnB(plain);
+}
+
+// A TP rank of the built-in rules (a Llama-shaped checkpoint with its config.json, a hub cache
+// snapshot: it has an anchor) holds slices of tensors, which whole-file SHA-256s cannot prove:
+// under the default B attempts nothing, says why and which flag trusts the fleet, and loads
+// from disk; with --fill-trust fleet it fills from A's rank as before.
+TEST_F(FleetFillTest, ASlicedRankIsNotFilledUnderContentTrustOnlyUnderFleetTrust) {
+  const sharding::testing::DenseModel dense;
+  nlohmann::json spec = nlohmann::json::array();
+  for (const auto& t : dense.Tensors()) {
+    spec.push_back({{"name", t.name}, {"shape", t.shape}, {"dtype", t.dtype}});
+  }
+  std::ofstream(dir_.Join("dense.spec.json")) << spec.dump();
+  const CommandResult made =
+      RunCommand({PythonExe(), SourceDir() + "/tests/tools/make_checkpoint.py", "--out",
+                  dir_.Join("dense"), "--spec", dir_.Join("dense.spec.json")});
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  std::ofstream(dir_.Join("dense/config.json")) << dense.Config().dump();
+  const std::string model = LayOutAsHubCache(dir_.Join("dense"), dir_.Join("hub-dense"));
+  const std::vector<std::string> rank = {"--tp-size", "2", "--tp-rank", "1"};
+
+  std::vector<std::string> extra = Registry("node-a");
+  extra.insert(extra.end(), {"--fill-serve", "127.0.0.1:0", "--fill-allow", "127.0.0.1"});
+  extra.insert(extra.end(), rank.begin(), rank.end());
+  auto a = ServeProcess::Start(HostServeArgs(model, dir_.Join("run-node-a"), extra),
+                               dir_.Join("serve-node-a.log"));
+  ASSERT_NE(a, nullptr);
+  ASSERT_TRUE(WaitForState(*a, dir_.Join("run-node-a"), CacheState::kReady).ok()) << a->Log();
+  ASSERT_TRUE(WaitSourceEndpoint("node-a")) << last_ls_ << "\n" << a->Log();
+
+  const auto verify = [&] {
+    std::vector<std::string> argv = {
+        CliPath(), "attach",        "--model",          model,      "--model-id", "tiny", "--tier",
+        "host",    "--runtime-dir", dir_.Join("run-b"), "--verify", "--json"};
+    argv.insert(argv.end(), rank.begin(), rank.end());
+    const CommandResult r = RunCommand(argv);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["source"], "daemon") << r.out;
+    EXPECT_EQ(j["verify"]["ok"], true) << r.out;
+    EXPECT_EQ(j["verify"]["tensors"], j["tensors"]) << r.out;
+  };
+  {
+    auto b = StartFiller(model, rank);
+    ASSERT_NE(b, nullptr);
+    const std::string log = ReadyLogOfB(*b);
+    EXPECT_TRUE(Contains(log,
+                         "fill: unavailable: fill not attempted: this cache holds slices of "
+                         "tensors (a rank of sharding rules), which --fill-trust content "
+                         "cannot prove against the files' SHA-256s; --fill-trust fleet "
+                         "trusts the sources' checksums and the disk sample instead; "
+                         "loading from disk"))
+        << log;
+    EXPECT_FALSE(Contains(log, "fill: pulling")) << log;
+    EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+    verify();
+    b->Signal(SIGTERM);
+    EXPECT_EQ(b->WaitExit(30s), 0) << b->Log();
+  }
+  std::vector<std::string> fleet = rank;
+  fleet.insert(fleet.end(), {"--fill-trust", "fleet"});
+  auto b = StartFiller(model, fleet, "serve-b-fleet.log");
+  ASSERT_NE(b, nullptr);
+  const std::string log = ReadyLogOfB(*b);
+  EXPECT_TRUE(Contains(log, "filled from 1 source(s) (node-a 127.0.0.1:")) << log;
+  EXPECT_FALSE(Contains(log, "loading from disk")) << log;
+  verify();
 }
 
 // `launch` forwards the fleet flags to every daemon. A TP=4 job over two nodes (--nnodes 2,
