@@ -4,8 +4,10 @@
 # (the Llama-3-8B shape that bench/shard_bench writes, with random bytes: every tensor its own,
 # so that a copy that missed or misplaced one fails the checks) with `--fill-serve`; node B starts with
 # `--fill-from A`, pulls A's device memory over UCX's CUDA support into its own VMM arena,
-# checks it (every tensor's checksum by the GPU kernel, a sample of its own checkpoint) and is
-# ready without reading the checkpoint. Measured against the device-to-device copy of the same
+# checks it (every tensor's checksum by the GPU kernel, each file's SHA-256 against its content
+# anchor — the checkpoint is a plain directory, so both daemons get it pinned with
+# --fill-content-sha256 from sha256sum — and a sample of its own checkpoint) and is ready
+# without reading the checkpoint's tensor data. Measured against the device-to-device copy of the same
 # run (torch, 16 GiB) and against B loading the same checkpoint from the page cache.
 #
 #   1. the D2D limit: torch copies 16 GiB on the device, best of 3;
@@ -84,6 +86,15 @@ if ! "$build/bench/shard_bench" --write-only "$model" --content random "${write_
   exit 1
 fi
 bytes=$(du -sb "$model" | cut -f1)
+# The content anchor (docs/fleet.md "The content anchor"): a plain directory records none, and
+# --fill-trust content (the default) fills nothing without one.
+sums=$WORK/model.sha256
+t0=$(date +%s%3N)
+if ! sha256sum "$model"/*.safetensors >"$sums" 2>>"$log"; then
+  fail "sha256sum of the checkpoint failed"
+  exit 1
+fi
+say "fill: sha256sum of the checkpoint (the pinned anchor) in $(($(date +%s%3N) - t0)) ms"
 
 # 1. The device's own copy rate, the limit a fill on one GPU is measured against.
 [[ $tier == gpu ]] && d2d=$(python3 - <<'PY' 2>>"$log"
@@ -108,7 +119,7 @@ identity=(--model "$model" --tier "$tier" --device 0)
 echo "== serve A --fill-serve" >>"$log"
 t0=$(ms_now)
 a_json=$("$wc" serve "${identity[@]}" --runtime-dir "$run_a" --fill-serve 127.0.0.1:0 \
-  --fill-allow 127.0.0.1 --detach --json --log-file "$run_a/serve-a.log" 2>>"$log") ||
+  --fill-allow 127.0.0.1 --fill-content-sha256 "$sums" --detach --json --log-file "$run_a/serve-a.log" 2>>"$log") ||
   fail "serve A exited $?"
 echo "$a_json" >>"$log"
 a_socket=$(python3 -c 'import json, sys; print(json.loads(sys.argv[1])["daemons"][0]["socket"])' \
@@ -130,10 +141,10 @@ for v in $variants; do
   t0=$(ms_now)
   if [[ $v == default ]]; then
     env -u UCX_TLS "$wc" serve "${identity[@]}" --runtime-dir "$run_b" --fill-from "$endpoint" \
-      --detach --json --log-file "$blog" >>"$log" 2>&1
+      --fill-content-sha256 "$sums" --detach --json --log-file "$blog" >>"$log" 2>&1
   else
     UCX_TLS=$v "$wc" serve "${identity[@]}" --runtime-dir "$run_b" --fill-from "$endpoint" \
-      --detach --json --log-file "$blog" >>"$log" 2>&1
+      --fill-content-sha256 "$sums" --detach --json --log-file "$blog" >>"$log" 2>&1
   fi
   rc=$?
   ms=$(($(ms_now) - t0))

@@ -40,7 +40,10 @@ int RunLs(FleetLsArgs& args) {
     args.identity.tier = Tier::kHost;
     auto id = identity::ResolveIdentity(args.identity);
     if (!id.ok()) return Fail(kCmd, id.status());
-    fleet_key = id->config.FleetDigest();
+    // The same key serve registers: with the checkpoint's content anchor where it has one.
+    auto anchor = LookUpFleetAnchor(args.registry, args.identity.model_dir, id->config);
+    if (!anchor.ok()) return Fail(kCmd, anchor.status());
+    fleet_key = FleetKey(id->config, *anchor);
   }
   if (fleet_key && (fleet_key->size() != 64 ||
                     fleet_key->find_first_not_of("0123456789abcdef") != std::string::npos)) {

@@ -563,7 +563,7 @@ int Run(ServeArgs& args) {
   // The fleet registry (docs/fleet.md): the entry is put once the cache is ready, follows a
   // demotion and promotion, and is withdrawn at drain and stop. Its etcd calls run on the
   // registrar's own thread: the event loop only hands it the entry.
-  auto registration_or = ServeRegistration::Create(args.registry, *id);
+  auto registration_or = ServeRegistration::Create(args.registry, *id, args.identity.model_dir);
   if (!registration_or.ok()) return Fail(kCmd, registration_or.status());
   std::shared_ptr<ServeRegistration> registration = std::move(registration_or).value();
   // --seed-from (docs/seeding.md), then --fill-from (docs/fleet.md "Fill"): the load tries a

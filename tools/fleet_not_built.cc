@@ -24,6 +24,10 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
                   "serve the arena to other nodes (not in this build: docs/fleet.md)");
   sub->add_option("--fill-allow", flags->fill_allow,
                   "the peers of --fill-serve (not in this build: docs/fleet.md)");
+  sub->add_option("--fill-trust", flags->fill_trust,
+                  "what --fill-from's bytes are proven against (not in this build: docs/fleet.md)");
+  sub->add_option("--fill-content-sha256", flags->fill_content_sha256,
+                  "the checkpoint's pinned SHA-256s (not in this build: docs/fleet.md)");
 }
 
 namespace {
@@ -33,6 +37,10 @@ Status RefuseFleetFlags(const RegistryFlags& flags) {
   if (!flags.fill_from.empty()) return FleetNotBuilt("--fill-from " + flags.fill_from);
   if (!flags.fill_serve.empty()) return FleetNotBuilt("--fill-serve " + flags.fill_serve);
   if (!flags.fill_allow.empty()) return FleetNotBuilt("--fill-allow " + flags.fill_allow);
+  if (!flags.fill_trust.empty()) return FleetNotBuilt("--fill-trust " + flags.fill_trust);
+  if (!flags.fill_content_sha256.empty()) {
+    return FleetNotBuilt("--fill-content-sha256 " + flags.fill_content_sha256);
+  }
   return Status::Ok();
 }
 
@@ -44,7 +52,8 @@ Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, i
 }
 
 Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
-    const RegistryFlags& flags, const identity::ResolvedIdentity& /*id*/) {
+    const RegistryFlags& flags, const identity::ResolvedIdentity& /*id*/,
+    const std::string& /*model_dir*/) {
   WEIGHTCACHE_RETURN_IF_ERROR(RefuseFleetFlags(flags));
   return std::unique_ptr<ServeRegistration>();
 }

@@ -26,6 +26,8 @@ struct RegistryFlags {
   std::string fill_from;  // --fill-from, --fill-serve, --fill-allow: likewise
   std::string fill_serve;
   std::string fill_allow;
+  std::string fill_trust;  // --fill-trust, --fill-content-sha256: likewise
+  std::string fill_content_sha256;
 };
 
 enum class RegistryFlagScope { kServe, kLaunch, kList };
@@ -37,7 +39,8 @@ class ServeRegistration {
  public:
   // nullptr without --registry and --fill-*; FleetNotBuilt with any of them.
   static Result<std::unique_ptr<ServeRegistration>> Create(const RegistryFlags& flags,
-                                                           const identity::ResolvedIdentity& id);
+                                                           const identity::ResolvedIdentity& id,
+                                                           const std::string& model_dir);
   daemon::PeerFill Filler() const { return {}; }
   bool ServesFill() const { return false; }
   void Ready(const daemon::StoreSummary& /*summary*/, std::span<const int> /*fds*/,

@@ -67,6 +67,12 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
   sub->add_option("--registry-timeout", flags->timeout_s,
                   "seconds each etcd request may take per endpoint (default 3)")
       ->check(CLI::PositiveNumber);
+  sub->add_option("--fill-content-sha256", flags->fill_content_sha256,
+                  "FILE of sha256sum lines (\"<sha256>  <file name>\", one per shard): the "
+                  "checkpoint's content anchor, for a layout that records none itself (a Hugging "
+                  "Face hub cache snapshot and a `huggingface-cli download --local-dir` directory "
+                  "do). It goes into the fleet key, so sources and fillers of the same files "
+                  "must agree on it, and a fill proves its bytes against it (--fill-trust)");
   if (!serve) return;
   sub->add_option("--registry-ttl", flags->ttl_s,
                   "seconds of the registry lease (default 10), renewed every third of it: a "
@@ -82,8 +88,9 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
                   "\"registry\" (with --registry) or HOST:PORT[,HOST:PORT...] (other nodes' "
                   "--fill-serve): before reading the checkpoint, pull the arena from the ready "
                   "sources of the same fleet key and tier, verified (layout, every tensor's "
-                  "checksum, a sample of our own checkpoint) before ready; any failure reads the "
-                  "disk. The gpu tier pulls into device memory, which needs a UCX built with "
+                  "checksum, each file's SHA-256 against our own checkpoint's (--fill-trust), a "
+                  "sample of our own checkpoint) before ready; any failure reads the disk. The gpu "
+                  "tier pulls into device memory, which needs a UCX built with "
                   "CUDA (docs/fleet.md \"Fill\")" +
                       (scope == RegistryFlagScope::kLaunch
                            ? std::string(" (launch: each listed PORT becomes PORT + the rank)")
@@ -94,6 +101,17 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
                   "context while it does); the bound endpoint is logged, and goes into the "
                   "registry entry unless --advertise is given. Needs --fill-allow" +
                       per_rank);
+  sub->add_option("--fill-trust", flags->fill_trust,
+                  "content|fleet (default content): what --fill-from's bytes must match before "
+                  "ready. content: every shard file's SHA-256, recomputed from our own header and "
+                  "the filled bytes, equals our checkpoint's own record of it (its content "
+                  "anchor: hub cache blob names, --local-dir download metadata or "
+                  "--fill-content-sha256); without an anchor, or for a rank that holds slices of "
+                  "tensors, nothing is filled (logged) and the disk is read. fleet: the sources' "
+                  "checksums and a 4 MiB sample of our own checkpoint, so a source whose files "
+                  "differ from ours in few bytes can fill wrong weights: trust every node of the "
+                  "fleet to serve the same files (docs/fleet.md \"Fill\")")
+      ->check(CLI::IsMember({std::string(kFillTrustContent), std::string(kFillTrustFleet)}));
   sub->add_option("--fill-allow", flags->fill_allow,
                   "ADDR|CIDR[,...]: the peers that may fill from --fill-serve (\"0.0.0.0/0,::/0\" "
                   "for everyone); an allowed peer can read the daemon's memory (docs/fleet.md)");
@@ -155,6 +173,17 @@ Result<fleet::PeerAllowList> CheckFleetFlags(const RegistryFlags& flags) {
   }
   if (!flags.fill_from.empty() && flags.fill_from != "registry") {
     WEIGHTCACHE_RETURN_IF_ERROR(ListedSources(flags.fill_from).status());
+  }
+  if (flags.fill_trust != kFillTrustContent && flags.fill_from.empty()) {
+    return InvalidArgument(
+        "--fill-trust is how --fill-from checks what it pulls: give --fill-from "
+        "too");
+  }
+  if (!flags.fill_content_sha256.empty() && flags.url.empty() && flags.fill_from.empty() &&
+      flags.fill_serve.empty()) {
+    return InvalidArgument(
+        "--fill-content-sha256 anchors the fleet key and the fill: give --registry, "
+        "--fill-from or --fill-serve too");
   }
   if (!flags.fill_allow.empty() && flags.fill_serve.empty()) {
     return InvalidArgument("--fill-allow is the peer list of --fill-serve: give --fill-serve too");
@@ -224,6 +253,8 @@ Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, i
     add("--fill-from", ranked_list);
   }
   add("--fill-allow", flags.fill_allow);
+  if (flags.fill_trust != kFillTrustContent) add("--fill-trust", flags.fill_trust);
+  add("--fill-content-sha256", absolute(flags.fill_content_sha256));
   for (auto [flag, addr] :
        {std::pair{"--advertise", &flags.advertise}, std::pair{"--fill-serve", &flags.fill_serve}}) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(
@@ -234,13 +265,48 @@ Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, i
   return args;
 }
 
+Result<FleetAnchor> LookUpFleetAnchor(const RegistryFlags& flags, const std::string& model_dir,
+                                      const identity::CacheConfig& config) {
+  FleetAnchor out;
+  if (identity::IsPublishedSource(config.source)) {
+    if (!flags.fill_content_sha256.empty()) {
+      return InvalidArgument("--fill-content-sha256: a published cache reads no checkpoint");
+    }
+    out.why_none = "a published cache reads no checkpoint";
+    return out;
+  }
+  auto anchor = checkpoint::FindContentAnchor(model_dir, flags.fill_content_sha256);
+  if (anchor.ok()) {
+    out.anchor = std::make_shared<const checkpoint::ContentAnchor>(std::move(anchor).value());
+  } else if (anchor.status().code() == StatusCode::kNotFound) {
+    out.why_none = anchor.status().message();
+  } else {
+    return anchor.status();
+  }
+  return out;
+}
+
+std::string FleetKey(const identity::CacheConfig& config, const FleetAnchor& anchor) {
+  return config.FleetDigest(anchor.anchor ? anchor.anchor->Digest() : std::string());
+}
+
 Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
-    const RegistryFlags& flags, const identity::ResolvedIdentity& id) {
+    const RegistryFlags& flags, const identity::ResolvedIdentity& id,
+    const std::string& model_dir) {
   WEIGHTCACHE_ASSIGN_OR_RETURN(fleet::PeerAllowList allow, CheckFleetFlags(flags));
   const bool fill = !flags.fill_from.empty() || !flags.fill_serve.empty();
   if (flags.url.empty() && !fill) return std::unique_ptr<ServeRegistration>();
+  WEIGHTCACHE_ASSIGN_OR_RETURN(FleetAnchor anchor, LookUpFleetAnchor(flags, model_dir, id.config));
+  if (anchor.anchor) {
+    LOG_INFO << "fleet: content anchor " << anchor.anchor->Digest().substr(0, 16) << " ("
+             << anchor.anchor->shards.size() << " file(s), " << anchor.anchor->Describe()
+             << ") in the fleet key";
+  } else {
+    LOG_INFO << "fleet: no content anchor (" << anchor.why_none
+             << "): the fleet key holds the headers only";
+  }
   fleet::RegistryEntry entry;
-  entry.fleet_key = id.config.FleetDigest();
+  entry.fleet_key = FleetKey(id.config, anchor);
   entry.digest = id.config.Digest();
   if (flags.node_name.empty()) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(entry.node, os::HostName());
@@ -279,20 +345,23 @@ Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
     LOG_INFO << "registry: " << flags.url << ", key " << fleet::EntryKey(flags.prefix, entry)
              << " (registered once the cache is ready)";
   }
-  return std::unique_ptr<ServeRegistration>(new ServeRegistration(
-      std::move(registrar), std::move(entry), id.config.tier, id.device, flags, std::move(allow)));
+  return std::unique_ptr<ServeRegistration>(
+      new ServeRegistration(std::move(registrar), std::move(entry), id.config.tier, id.device,
+                            flags, std::move(allow), std::move(anchor)));
 }
 
 ServeRegistration::ServeRegistration(std::unique_ptr<fleet::Registrar> registrar,
                                      fleet::RegistryEntry entry, Tier configured,
                                      std::optional<identity::DeviceInfo> device,
-                                     RegistryFlags flags, fleet::PeerAllowList allow)
+                                     RegistryFlags flags, fleet::PeerAllowList allow,
+                                     FleetAnchor anchor)
     : registrar_(std::move(registrar)),
       flags_(std::move(flags)),
       allow_(std::move(allow)),
       entry_(std::move(entry)),
       configured_(configured),
-      device_(std::move(device)) {}
+      device_(std::move(device)),
+      anchor_(std::move(anchor)) {}
 
 ServeRegistration::~ServeRegistration() {
   if (registrar_) registrar_->Stop();
@@ -550,10 +619,35 @@ std::vector<fleet::RegistryEntry> ChooseFillSources(std::vector<fleet::RegistryE
 
 daemon::PeerFill ServeRegistration::Filler() const {
   if (flags_.fill_from.empty()) return {};
+  // --fill-trust content: the loader proves the bytes against this before ready; null under
+  // --fill-trust fleet.
+  std::shared_ptr<const checkpoint::ContentAnchor> prove;
+  if (flags_.fill_trust == kFillTrustContent) {
+    if (!anchor_.anchor) {
+      const std::string why =
+          "fill not attempted: --fill-trust content proves the filled bytes against our own "
+          "checkpoint's SHA-256s, and it records none (" +
+          anchor_.why_none +
+          "); give them: serve a Hugging Face hub cache snapshot (blobs named by their SHA-256), "
+          "a `huggingface-cli download --local-dir` directory (its .cache/huggingface/download "
+          "metadata), or --fill-content-sha256 FILE; or trust the fleet's checksums with "
+          "--fill-trust fleet";
+      return [why](const daemon::PeerFillRequest&) -> Result<daemon::FillOutcome> {
+        return Status(StatusCode::kUnavailable, why);
+      };
+    }
+    prove = anchor_.anchor;
+  }
   MutexLock lock(mu_);
   return [flags = flags_, fleet_key = entry_.fleet_key, node = entry_.node,
-          tier = std::string(TierName(configured_))](
-             const daemon::PeerFillRequest& request) -> Result<daemon::FillOutcome> {
+          tier = std::string(TierName(configured_)),
+          prove](const daemon::PeerFillRequest& request) -> Result<daemon::FillOutcome> {
+    if (prove && !request.holds_whole_files) {
+      return Status(StatusCode::kUnavailable,
+                    "fill not attempted: this cache holds slices of tensors (a rank of sharding "
+                    "rules), which --fill-trust content cannot prove against the files' SHA-256s; "
+                    "--fill-trust fleet trusts the sources' checksums and the disk sample instead");
+    }
     fleet::FetchOptions fetch;
     std::vector<std::string> nodes;  // what the log calls each source
     if (flags.fill_from != "registry") {
@@ -609,7 +703,8 @@ daemon::PeerFill ServeRegistration::Filler() const {
                   " in %.3f s, %.2f GB/s (setup %.3f s, then %.3f s of reads at %.2f GB/s)",
                   result.seconds, result.gb_per_s, result.setup_seconds, result.transfer_seconds,
                   result.transfer_gb_per_s);
-    return daemon::FillOutcome{"fleet", std::to_string(used) + " source(s) (" + each + ")" + rate};
+    return daemon::FillOutcome{"fleet", std::to_string(used) + " source(s) (" + each + ")" + rate,
+                               prove};
   };
 }
 

@@ -13,17 +13,26 @@
 #include <string_view>
 #include <vector>
 
+#include "checkpoint/content_anchor.h"
 #include "common/mutex.h"
 #include "daemon/daemon.h"
 #include "fleet/arena_transfer.h"
 #include "fleet/etcd_client.h"
 #include "fleet/registrar.h"
 #include "fleet/registry_entry.h"
+#include "identity/cache_config.h"
 #include "identity/resolve.h"
 #include "weightcache/status.h"
 #include "weightcache/tier.h"
 
 namespace weightcache::cli {
+
+// --fill-trust (docs/fleet.md "Fill"): "content" (the default) proves every filled file against
+// our own checkpoint's SHA-256s (its content anchor) before ready, and fills nothing without an
+// anchor or where the cache holds slices of tensors; "fleet" trusts the sources' checksums, with
+// the disk sample the only check of the content (the behaviour before the anchor).
+inline constexpr std::string_view kFillTrustContent = "content";
+inline constexpr std::string_view kFillTrustFleet = "fleet";
 
 struct RegistryFlags {
   std::string url;  // --registry etcd://HOST:PORT[,...] | etcds://...; "" = no registry
@@ -40,13 +49,19 @@ struct RegistryFlags {
   std::string fill_from;   // --fill-from registry|HOST:PORT[,...]: fill before the disk
   std::string fill_serve;  // --fill-serve HOST:PORT: serve our arena to fillers once ready
   std::string fill_allow;  // --fill-allow ADDR|CIDR[,...]: who may fill from us
+  // --fill-trust content|fleet: what a fill's bytes are proven against before ready (FillTrust).
+  std::string fill_trust = std::string(kFillTrustContent);
+  // --fill-content-sha256 FILE: the shards' SHA-256s pinned by the operator (sha256sum lines),
+  // the content anchor of a checkpoint laid out other than a hub cache or a --local-dir download.
+  std::string fill_content_sha256;
 };
 
 // kLaunch: serve's flags, which `launch` forwards to every daemon (RegistryServeArgs).
 enum class RegistryFlagScope { kServe, kLaunch, kList };
 // --registry --registry-ca --registry-cert --registry-key --registry-prefix
 // --registry-timeout, and for kServe and kLaunch --registry-ttl --advertise --node-name
-// --fill-from --fill-serve --fill-allow.
+// --fill-from --fill-serve --fill-allow --fill-trust, and for every scope
+// --fill-content-sha256 (it is part of the fleet key `fleet ls --model` computes).
 void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope scope);
 
 // The serve arguments of `flags` for the daemon of job rank `rank` of a launch:
@@ -56,6 +71,20 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
 // serve would refuse among the flags themselves (the rules of ServeRegistration::Create),
 // so that launch refuses it before any daemon starts.
 Result<std::vector<std::string>> RegistryServeArgs(const RegistryFlags& flags, int rank);
+
+// The content anchor the fleet key holds and a fill proves against
+// (checkpoint/content_anchor.h): --fill-content-sha256 when given, else what the checkpoint at
+// `model_dir` records; none for a published cache (no checkpoint is read). `why_none` says why
+// there is none. kInvalidArgument for a bad --fill-content-sha256 (or one given for a
+// published cache).
+struct FleetAnchor {
+  std::shared_ptr<const checkpoint::ContentAnchor> anchor;  // null: none
+  std::string why_none;
+};
+Result<FleetAnchor> LookUpFleetAnchor(const RegistryFlags& flags, const std::string& model_dir,
+                                      const identity::CacheConfig& config);
+// The fleet key of `config` with `anchor` (CacheConfig::FleetDigest of the anchor's digest).
+std::string FleetKey(const identity::CacheConfig& config, const FleetAnchor& anchor);
 
 // The etcd client the flags describe. kInvalidArgument for a bad URL or TLS combination.
 Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags);
@@ -92,13 +121,20 @@ class ServeRegistration {
   // (URL, TLS files, TTL, prefix, node name, --advertise, --fill-from neither "registry"
   // (which needs --registry) nor a HOST:PORT list, --fill-serve without --fill-allow or the
   // reverse, a bad allow-list).
+  // `model_dir`: the checkpoint the daemon serves, whose content anchor goes into the fleet key
+  // (LookUpFleetAnchor; the anchor's source is logged).
   static Result<std::unique_ptr<ServeRegistration>> Create(const RegistryFlags& flags,
-                                                           const identity::ResolvedIdentity& id);
+                                                           const identity::ResolvedIdentity& id,
+                                                           const std::string& model_dir);
   ~ServeRegistration();
 
   // --fill-from registry: looks up ready sources of our fleet key and tier (not this node);
   // --fill-from HOST:PORT,...: those; and pulls from them with fleet::FetchArena into host or
-  // device memory. Empty without --fill-from.
+  // device memory. Empty without --fill-from. Under --fill-trust content its outcome carries
+  // our content anchor (the loader proves the bytes against it before ready), and it fails at
+  // once, contacting nobody, with kUnavailable "not attempted" saying why and naming the ways
+  // out, when there is no anchor or the load holds slices of tensors
+  // (PeerFillRequest::holds_whole_files): the loader logs it and reads the disk.
   daemon::PeerFill Filler() const;
 
   // Whether Ready() starts a fill source (--fill-serve): the load then keeps the gpu tier's
@@ -128,7 +164,7 @@ class ServeRegistration {
  private:
   ServeRegistration(std::unique_ptr<fleet::Registrar> registrar, fleet::RegistryEntry entry,
                     Tier configured, std::optional<identity::DeviceInfo> device,
-                    RegistryFlags flags, fleet::PeerAllowList allow);
+                    RegistryFlags flags, fleet::PeerAllowList allow, FleetAnchor anchor);
   void PublishLocked() WEIGHTCACHE_REQUIRES(mu_);
   // Starts the fill source over `fds` when --fill-serve is given and none runs (a failure is
   // logged: the cache serves on without one).
@@ -150,6 +186,7 @@ class ServeRegistration {
   std::vector<uint8_t> manifest_ WEIGHTCACHE_GUARDED_BY(mu_);
   const Tier configured_;
   const std::optional<identity::DeviceInfo> device_;  // the gpu tier's device
+  const FleetAnchor anchor_;                          // in the fleet key; a fill proves it
 };
 
 }  // namespace weightcache::cli

@@ -367,6 +367,14 @@ Result<std::string> CheckpointFilesDigest(const std::string& path) {
   return FilesDigest(files);
 }
 
+Result<std::vector<std::pair<std::string, std::string>>> CheckpointShardFiles(
+    const std::string& path) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(FileList list, ListFiles(path));
+  std::sort(list.files.begin(), list.files.end(),
+            [](const auto& a, const auto& b) { return a.second < b.second; });
+  return std::move(list.files);
+}
+
 Status Checkpoint::CheckUnchanged() const {
   for (size_t s = 0; s < shards_.size(); ++s) {
     const ShardInfo& shard = shards_[s];

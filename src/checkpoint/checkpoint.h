@@ -29,6 +29,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "checkpoint/dtype.h"
@@ -136,6 +137,12 @@ class Checkpoint {
 // index or the directory listing) and an open + fstat of each shard, without reading any
 // header: for a caller that already knows the fingerprint.
 Result<std::string> CheckpointFilesDigest(const std::string& path);
+
+// The shard files of the checkpoint at `path` as (path, file name), in file name order, from
+// the index or the directory listing, without opening any of them (checkpoint/content_anchor.h
+// looks up what the checkpoint records of each).
+Result<std::vector<std::pair<std::string, std::string>>> CheckpointShardFiles(
+    const std::string& path);
 
 // One byte range of one shard, read into `dest` (length bytes, caller-owned).
 struct ReadRequest {

@@ -75,14 +75,16 @@ struct GpuFill {
 // The fill from other nodes (LoadOptions::peer_fill) into the arena's allocations, mapped in
 // the primary context current on this thread, then the checks of daemon/peer_fill.h: the
 // sources' manifests against our plan, every tensor's checksum over OUR device memory (the
-// kernel), a sample of chunks copied back against our checkpoint, the gaps zeroed. An error
+// kernel), under --fill-trust content each file's SHA-256 over the bytes copied back (on up to
+// `threads` threads, one file each) against our content anchor, a sample of chunks copied back
+// against our checkpoint, the gaps zeroed. An error
 // leaves the allocations with partial or wrong bytes: the caller uploads from disk over them.
 Result<GpuFill> FillGpuFromPeers(const cuda::DriverApi* api,
                                  const checkpoint::Checkpoint& checkpoint, const HeldTensors& held,
                                  const checkpoint::ArenaPlan& plan,
                                  std::span<const cuda::DeviceRange> allocations,
                                  const std::vector<uint64_t>& allocation_sizes,
-                                 const PeerFill& fill, const LoadControl& control) {
+                                 const PeerFill& fill, int threads, const LoadControl& control) {
   const size_t n = held.order.size();
   if (n == 0) return FillMismatch("nothing to fill: the plan holds no tensor");
   const FillPlan fill_plan{checkpoint, held.order, held.sizes, held.copy, plan, allocation_sizes};
@@ -112,6 +114,7 @@ Result<GpuFill> FillGpuFromPeers(const cuda::DriverApi* api,
   request.progress = ScaledFillProgress(
       control.progress, std::accumulate(held.sizes.begin(), held.sizes.end(), uint64_t{0}));
   request.cancel = control.cancel;
+  request.holds_whole_files = HoldsWholeFiles(fill_plan);
   GpuFill result;
   WEIGHTCACHE_ASSIGN_OR_RETURN(result.outcome, fill(request));
   if (acceptor.accepted.empty()) return InternalError("the fill accepted no source's manifest");
@@ -126,6 +129,26 @@ Result<GpuFill> FillGpuFromPeers(const cuda::DriverApi* api,
   }
   WEIGHTCACHE_ASSIGN_OR_RETURN(result.checksums, DeviceChecksums(api, ranges));
   WEIGHTCACHE_RETURN_IF_ERROR(CompareFillChecksums(fill_plan, result.checksums, theirs));
+  if (result.outcome.content_anchor) {
+    // Each proof thread copies its file's tensors back through its own host buffer, in the
+    // load's context (current on this thread).
+    CUcontext context = nullptr;
+    const CUresult got = api->cuCtxGetCurrent(&context);
+    if (got != CUDA_SUCCESS) return cuda::DriverError(api, got, "cuCtxGetCurrent (fill proof)");
+    WEIGHTCACHE_RETURN_IF_ERROR(ProveFillContent(
+        fill_plan, *result.outcome.content_anchor,
+        [&](uint32_t allocation, uint64_t offset, uint64_t length, uint8_t* out) {
+          const CUresult rc = api->cuMemcpyDtoH(out, allocations[allocation].ptr + offset, length);
+          return rc == CUDA_SUCCESS ? Status::Ok()
+                                    : cuda::DriverError(api, rc, "cuMemcpyDtoH (fill proof)");
+        },
+        threads,
+        [api, context]() -> Status {
+          const CUresult rc = api->cuCtxSetCurrent(context);
+          return rc == CUDA_SUCCESS ? Status::Ok()
+                                    : cuda::DriverError(api, rc, "cuCtxSetCurrent (fill proof)");
+        }));
+  }
   WEIGHTCACHE_RETURN_IF_ERROR(CheckFillSample(
       fill_plan, [&](uint32_t allocation, uint64_t offset, uint64_t length, uint8_t* out) {
         const CUresult rc = api->cuMemcpyDtoH(out, allocations[allocation].ptr + offset, length);
@@ -309,7 +332,7 @@ Result<WeightStore> LoadGpuStore(const checkpoint::Checkpoint& checkpoint,
       ranges.push_back({allocations[a].ptr, allocation_sizes[a]});
     }
     auto filled = FillGpuFromPeers(api, checkpoint, held, plan, ranges, allocation_sizes,
-                                   options.peer_fill, control);
+                                   options.peer_fill, options.threads, control);
     if (filled.ok()) {
       fill = std::move(filled->outcome);
       checksums = std::move(filled->checksums);

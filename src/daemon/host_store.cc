@@ -248,6 +248,7 @@ Result<FillOutcome> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
   request.progress = ScaledFillProgress(
       control.progress, std::accumulate(layout.sizes.begin(), layout.sizes.end(), uint64_t{0}));
   request.cancel = control.cancel;
+  request.holds_whole_files = HoldsWholeFiles(plan);
   WEIGHTCACHE_ASSIGN_OR_RETURN(FillOutcome outcome, fill(request));
   if (acceptor.accepted.empty()) return InternalError("the fill accepted no source's manifest");
   WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::Manifest theirs,
@@ -288,11 +289,15 @@ Result<FillOutcome> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
             .subspan(layout.chunk_begin[k], layout.chunk_begin[k + 1] - layout.chunk_begin[k]));
   }
   WEIGHTCACHE_RETURN_IF_ERROR(CompareFillChecksums(plan, checksums, theirs));
-  WEIGHTCACHE_RETURN_IF_ERROR(CheckFillSample(
-      plan, [&request](uint32_t allocation, uint64_t offset, uint64_t length, uint8_t* out) {
-        std::memcpy(out, request.allocations[allocation].data() + offset, length);
-        return Status::Ok();
-      }));
+  const ReadFilled read = [&request](uint32_t allocation, uint64_t offset, uint64_t length,
+                                     uint8_t* out) {
+    std::memcpy(out, request.allocations[allocation].data() + offset, length);
+    return Status::Ok();
+  };
+  if (outcome.content_anchor) {
+    WEIGHTCACHE_RETURN_IF_ERROR(ProveFillContent(plan, *outcome.content_anchor, read, threads));
+  }
+  WEIGHTCACHE_RETURN_IF_ERROR(CheckFillSample(plan, read));
   for (const FillGap& gap : FillGaps(plan)) {
     std::memset(request.allocations[gap.allocation].data() + gap.offset, 0, gap.length);
   }

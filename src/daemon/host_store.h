@@ -94,14 +94,17 @@ Status RunHostItems(const checkpoint::Checkpoint& checkpoint, const HostLayout& 
 // slice, allocation, offset and bytes) equals our plan's and it is byte-equal to the first
 // accepted one (daemon/peer_fill.h); then hashes every tensor in OUR memory into
 // `chunk_hashes` (on up to `threads` threads, clamped to 1..256 and the work items) and compares
-// each checksum with that manifest's, compares kFillSampleChunks random chunks with the
-// checkpoint's own bytes, and zeroes the bytes between tensors.
+// each checksum with that manifest's; when the fill's outcome carries a content anchor (serve
+// --fill-trust content) proves every shard file's SHA-256 over our header and the filled bytes
+// against it (ProveFillContent, one thread per file, at most `threads`); compares
+// kFillSampleChunks random chunks with the checkpoint's own bytes, and zeroes the bytes
+// between tensors.
 // `control`'s progress gets the fill's, in the tensors' bytes the load holds (a failed fill
 // is followed by the disk's pass from 0); its cancel flag is handed to the fill.
 // OK: the fill's outcome (its origin and description); the memfds hold verified bytes. An
-// error (kMismatch for a layout, checksum or sample difference, naming the tensor): the memfds
-// hold partial or wrong data and must be discarded. The mappings are gone on return (the memfds can
-// be sealed).
+// error (kMismatch for a layout, checksum, SHA-256 or sample difference, naming the tensor or
+// file): the memfds hold partial or wrong data and must be discarded. The mappings are gone on
+// return (the memfds can be sealed).
 Result<FillOutcome> FillHostFromPeers(const checkpoint::Checkpoint& checkpoint,
                                       const HostLayout& layout, const std::vector<UniqueFd>& memfds,
                                       const PeerFill& fill, int threads, const LoadControl& control,

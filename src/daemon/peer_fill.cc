@@ -1,12 +1,18 @@
 #include "daemon/peer_fill.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <thread>
 #include <utility>
 
+#include "common/hash.h"
 #include "sharding/gather.h"
 #include "weightcache/tier.h"
 
@@ -119,6 +125,139 @@ Status CheckFillSample(const FillPlan& plan, const ReadFilled& read) {
                           std::to_string(from) + " differ from the checkpoint's (" +
                           plan.checkpoint.path() + ")");
     }
+  }
+  return Status::Ok();
+}
+
+bool HoldsWholeFiles(const FillPlan& plan) {
+  if (plan.order.size() != plan.checkpoint.tensors().size()) return false;
+  for (size_t k = 0; k < plan.order.size(); ++k) {
+    const checkpoint::TensorInfo& t = plan.checkpoint.tensors()[plan.order[k]];
+    if (plan.sizes[k] != t.nbytes || plan.copy[k].source_offset != 0) return false;
+  }
+  return true;
+}
+
+namespace {
+
+// `length` bytes of our own shard file at `offset` (EINTR and short reads resumed).
+Status PreadOurs(const checkpoint::Checkpoint& checkpoint, uint32_t shard, uint64_t offset,
+                 uint64_t length, uint8_t* out) {
+  const std::string& path = checkpoint.shards()[shard].path;
+  while (length > 0) {
+    const ssize_t n = ::pread(checkpoint.shard_fd(shard), out, length, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return IoError("pread " + path + " at " + std::to_string(offset), errno);
+    if (n == 0)
+      return Status(StatusCode::kIo, path + " ends before byte " + std::to_string(offset));
+    out += n;
+    offset += static_cast<uint64_t>(n);
+    length -= static_cast<uint64_t>(n);
+  }
+  return Status::Ok();
+}
+
+// One shard file's SHA-256 over our header and the filled bytes (ProveFillContent).
+Result<std::string> FilledFileSha256(const FillPlan& plan, uint32_t shard,
+                                     const std::vector<size_t>& positions, const ReadFilled& read,
+                                     uint8_t* buffer) {
+  const checkpoint::ShardInfo& info = plan.checkpoint.shards()[shard];
+  Sha256 sha;
+  // Our own bytes, [from, to) of the file, through the buffer.
+  const auto ours = [&](uint64_t from, uint64_t to) -> Status {
+    for (uint64_t at = from; at < to; at += kFillProofChunkBytes) {
+      const uint64_t n = std::min(kFillProofChunkBytes, to - at);
+      WEIGHTCACHE_RETURN_IF_ERROR(PreadOurs(plan.checkpoint, shard, at, n, buffer));
+      sha.Update(buffer, n);
+    }
+    return Status::Ok();
+  };
+  WEIGHTCACHE_RETURN_IF_ERROR(ours(0, info.data_start));
+  uint64_t cursor = info.data_start;
+  for (const size_t k : positions) {
+    const checkpoint::TensorInfo& t = plan.checkpoint.tensors()[plan.order[k]];
+    if (t.offset < cursor) {
+      return FillMismatch("shard " + info.file_name + ": tensor " + t.name +
+                          " overlaps the one before it");
+    }
+    WEIGHTCACHE_RETURN_IF_ERROR(ours(cursor, t.offset));  // normally nothing
+    const auto& place = plan.arena.placements[k];
+    for (uint64_t from = 0; from < t.nbytes; from += kFillProofChunkBytes) {
+      const uint64_t n = std::min(kFillProofChunkBytes, t.nbytes - from);
+      WEIGHTCACHE_RETURN_IF_ERROR(read(place.allocation, place.offset + from, n, buffer));
+      sha.Update(buffer, n);
+    }
+    cursor = t.offset + t.nbytes;
+  }
+  WEIGHTCACHE_RETURN_IF_ERROR(ours(cursor, info.file_size));  // normally nothing
+  return sha.FinalHex();
+}
+
+}  // namespace
+
+Status ProveFillContent(const FillPlan& plan, const checkpoint::ContentAnchor& anchor,
+                        const ReadFilled& read, int threads,
+                        const std::function<Status()>& on_thread) {
+  if (!HoldsWholeFiles(plan)) {
+    return FillMismatch(
+        "the cache holds slices of tensors, which the files' SHA-256s cannot prove");
+  }
+  const auto& shards = plan.checkpoint.shards();
+  // Each shard's positions in the plan, in file offset order.
+  std::vector<std::vector<size_t>> positions(shards.size());
+  for (size_t k = 0; k < plan.order.size(); ++k) {
+    positions[plan.checkpoint.tensors()[plan.order[k]].shard].push_back(k);
+  }
+  for (auto& p : positions) {
+    std::sort(p.begin(), p.end(), [&](size_t a, size_t b) {
+      return plan.checkpoint.tensors()[plan.order[a]].offset <
+             plan.checkpoint.tensors()[plan.order[b]].offset;
+    });
+  }
+  std::vector<const checkpoint::ShardDigest*> expected(shards.size());
+  for (size_t s = 0; s < shards.size(); ++s) {
+    expected[s] = anchor.Find(shards[s].file_name);
+    if (expected[s] == nullptr) {
+      return FillMismatch("shard " + shards[s].file_name +
+                          ": the content anchor has no SHA-256 of it");
+    }
+  }
+  std::vector<Status> results(shards.size());
+  std::atomic<size_t> next{0};
+  const auto work = [&](bool own_thread) {
+    if (own_thread && on_thread) {
+      if (Status started = on_thread(); !started.ok()) {
+        for (size_t s = next.fetch_add(1); s < shards.size(); s = next.fetch_add(1)) {
+          results[s] = started;
+        }
+        return;
+      }
+    }
+    const auto buffer = std::make_unique<uint8_t[]>(kFillProofChunkBytes);
+    for (size_t s = next.fetch_add(1); s < shards.size(); s = next.fetch_add(1)) {
+      auto digest =
+          FilledFileSha256(plan, static_cast<uint32_t>(s), positions[s], read, buffer.get());
+      if (!digest.ok()) {
+        results[s] = digest.status();
+      } else if (*digest != expected[s]->sha256) {
+        results[s] =
+            FillMismatch("shard " + shards[s].file_name +
+                         ": the SHA-256 of the filled bytes under our header is " + *digest +
+                         ", our checkpoint's is " + expected[s]->sha256 + " (" +
+                         std::string(checkpoint::AnchorSourceName(expected[s]->source)) + ")");
+      }
+    }
+  };
+  const size_t count = std::min(shards.size(), static_cast<size_t>(std::clamp(threads, 1, 256)));
+  {
+    std::vector<std::thread> pool;
+    pool.reserve(count - 1);
+    for (size_t t = 1; t < count; ++t) pool.emplace_back(work, true);
+    work(false);
+    for (auto& t : pool) t.join();
+  }
+  for (const Status& result : results) {
+    if (!result.ok()) return result;
   }
   return Status::Ok();
 }

@@ -2,7 +2,9 @@
 // are the same on either tier: which source manifest is accepted, the checksum comparison, the
 // sample against our own checkpoint and the gaps between tensors. The tiers differ only in how
 // they read, hash and zero their memory: host_store.cc (FillHostFromPeers) through mappings of
-// the memfds, gpu_store.cc (FillGpuFromPeers) through the driver.
+// the memfds, gpu_store.cc (FillGpuFromPeers) through the driver. Under --fill-trust content
+// (FillOutcome::content_anchor) the filled bytes are also proven against our checkpoint's own
+// SHA-256s (ProveFillContent), the one check that does not rest on what the source says.
 //
 // Contract: plain functions over our plan (FillPlan, whose references must outlive the call);
 // every difference is kMismatch naming the tensor; nothing here writes memory.
@@ -17,6 +19,7 @@
 
 #include "checkpoint/arena_plan.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/content_anchor.h"
 #include "protocol/manifest.h"
 #include "sharding/planner.h"
 #include "weightcache/status.h"
@@ -67,6 +70,26 @@ using ReadFilled =
 // our memory by `read` and from our own checkpoint: the fleet key leaves out the files, and the
 // manifest with its checksums comes from the source itself.
 Status CheckFillSample(const FillPlan& plan, const ReadFilled& read);
+
+// Whether `plan` holds every tensor of the checkpoint whole (PeerFillRequest::holds_whole_files):
+// what a proof against whole-file SHA-256s needs.
+bool HoldsWholeFiles(const FillPlan& plan);
+
+// The bytes each proof thread hashes at a time (one buffer of this size per thread).
+inline constexpr uint64_t kFillProofChunkBytes = uint64_t{4} << 20;
+
+// The proof of a fill against our checkpoint's content anchor (FillOutcome::content_anchor):
+// for each shard file, the SHA-256 of our own header bytes (the 8-byte length and the JSON,
+// pread from our file), then the data section in file offset order — each tensor's bytes read
+// from our filled memory by `read`, any byte no tensor covers pread from our file — must equal
+// the anchor's digest of that file. Files in parallel, one thread each, at most `threads`
+// (clamped to 1..256); `on_thread` (may be empty) runs first on each thread that is not the
+// caller's (the gpu tier makes the load's context current there). kMismatch naming the file,
+// the digest of the filled bytes and the anchor's (and where the anchor came from); kMismatch
+// too when the plan does not hold every tensor whole or the anchor lacks a file.
+Status ProveFillContent(const FillPlan& plan, const checkpoint::ContentAnchor& anchor,
+                        const ReadFilled& read, int threads,
+                        const std::function<Status()>& on_thread = {});
 
 // The byte ranges of each allocation that no tensor occupies (the source's bytes there are to
 // be zeroed, as a disk load leaves them), in allocation order then offset order.

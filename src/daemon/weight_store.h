@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/content_anchor.h"
 #include "common/unique_fd.h"
 #include "cuda/driver_api.h"
 #include "cuda/vmm.h"
@@ -153,6 +154,10 @@ struct PeerFillRequest {
   // The load's cancel flag (LoadControl::cancel), or null: once true the fill should stop
   // and fail soon (the loader then stops too, "load cancelled").
   const std::atomic<bool>* cancel = nullptr;
+  // Whether the load holds every tensor of every shard file whole (no sharding rule slices or
+  // drops one): only then can the filled bytes be proven against whole-file SHA-256s
+  // (FillOutcome::content_anchor). A fill that must prove its bytes refuses at once when not.
+  bool holds_whole_files = true;
 };
 // OK: every byte of every allocation written; `origin` is the store's origin once the bytes
 // pass the checks (StoreSummary::origin: "fleet", "peer <device key>"), `description` says
@@ -161,6 +166,12 @@ struct PeerFillRequest {
 struct FillOutcome {
   std::string origin;
   std::string description;
+  // Set by a fill whose bytes must be proven against our own checkpoint's content anchor
+  // before ready (the fleet under `serve --fill-trust content`, docs/fleet.md "Fill"): after
+  // the checksums, the loader recomputes each shard file's SHA-256 from our own header and the
+  // filled bytes (ProveFillContent, daemon/peer_fill.h) and fails the fill on a difference.
+  // Null: the fill's other checks only.
+  std::shared_ptr<const checkpoint::ContentAnchor> content_anchor;
 };
 using PeerFill = std::function<Result<FillOutcome>(const PeerFillRequest& request)>;
 

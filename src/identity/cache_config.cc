@@ -114,9 +114,10 @@ const std::vector<std::string_view>& CacheConfig::NodeLocalFieldNames() {
   return kNames;
 }
 
-std::string CacheConfig::FleetDigest() const {
+std::string CacheConfig::FleetDigest(std::string_view content_anchor) const {
   nlohmann::json j = ToJson();
   for (std::string_view field : NodeLocalFieldNames()) j.erase(std::string(field));
+  if (!content_anchor.empty()) j["content_sha256"] = std::string(content_anchor);
   return Sha256Hex(JsonDump(j));
 }
 

@@ -72,11 +72,14 @@ struct CacheConfig {
   std::string ShortDigest() const;
   // The fleet key (docs/identity.md, "Fleet key"; docs/fleet.md): the SHA-256 hex of the
   // canonical form without the node-local fields `checkpoint_files` (the shards' stat identity,
-  // different on every node) and `tier` (a host cache can fill a gpu one). Two nodes serving the
-  // same model files with the same ranks, dtype, rules, source and layout have the same fleet
-  // key. It names what to look for in the registry; it proves nothing about content (a filler
-  // verifies the bytes it receives against checksums).
-  std::string FleetDigest() const;
+  // different on every node) and `tier` (a host cache can fill a gpu one), with
+  // "content_sha256": `content_anchor` added when it is non-empty (the content anchor's digest,
+  // checkpoint::ContentAnchor::Digest: the SHA-256 of every shard file as the checkpoint
+  // records it). Two nodes serving the same model files with the same ranks, dtype, rules,
+  // source and layout have the same fleet key; with an anchor, files with other bytes under
+  // equal headers have another. It names what to look for in the registry; it proves nothing
+  // about content (a filler proves the bytes it receives against its own anchor).
+  std::string FleetDigest(std::string_view content_anchor = {}) const;
   // The fields FleetDigest() leaves out, in canonical order.
   static const std::vector<std::string_view>& NodeLocalFieldNames();
 

@@ -3,6 +3,9 @@
 // serves its host-tier arena (--fill-serve, --fill-allow); node B fills from it with equal
 // bytes and never reads the tensor data from its disk; no source, a source killed mid-transfer
 // and a poisoned source all end with B loading from its disk, ready with correct bytes.
+// The checkpoint is laid out as a Hugging Face hub cache snapshot (support/hub_cache.h), so it
+// carries a content anchor and B proves what it pulls (--fill-trust content, the default); a
+// source that lies consistently about other bytes under our headers is caught by that proof.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -24,7 +27,9 @@
 #include "common/unique_fd.h"
 #include "integration/daemon_process.h"
 #include "support/etcd_server.h"
+#include "support/hub_cache.h"
 #include "support/test_env.h"
+#include "unit/sharding/sharding_fixture.h"
 
 namespace weightcache::testing {
 namespace {
@@ -43,7 +48,8 @@ class FleetFillTest : public ::testing::Test {
     if (etcd_ == nullptr) return;
     // The children inherit it: the transport runs over loopback TCP on any machine.
     ::setenv("UCX_TLS", "tcp", 1);
-    model_ = MakeCheckpoint(dir_.Join("model"), 8, 1, 5, 65536);
+    // A hub cache snapshot: every shard's SHA-256 is its blob's name (the content anchor).
+    model_ = LayOutAsHubCache(MakeCheckpoint(dir_.Join("model"), 8, 1, 5, 65536), dir_.Join("hub"));
   }
   void TearDown() override {
     ::unsetenv("WEIGHTCACHE_TEST_FILL_POISON");
@@ -71,11 +77,34 @@ class FleetFillTest : public ::testing::Test {
     return a;
   }
 
-  std::unique_ptr<ServeProcess> StartFiller() {
+  // Node B filling from the registry (serving `model`, default ours), `more` flags after.
+  std::unique_ptr<ServeProcess> StartFiller(std::string model = "",
+                                            const std::vector<std::string>& more = {},
+                                            const std::string& log = "serve-b.log") {
+    if (model.empty()) model = model_;
     std::vector<std::string> extra = Registry("node-b");
     extra.insert(extra.end(), {"--fill-from", "registry"});
-    return ServeProcess::Start(HostServeArgs(model_, dir_.Join("run-b"), extra),
-                               dir_.Join("serve-b.log"));
+    extra.insert(extra.end(), more.begin(), more.end());
+    return ServeProcess::Start(HostServeArgs(model, dir_.Join("run-b"), extra), dir_.Join(log));
+  }
+
+  // A copy of the checkpoint file `file` at `out` (a plain directory: no anchor) with every
+  // byte of its data section from `from` on (default all) XORed with 0x5a: the same header,
+  // other weights.
+  static void WriteOtherWeights(const std::string& file, const std::string& out,
+                                uint64_t from_end = 0) {
+    std::filesystem::create_directories(std::filesystem::path(out).parent_path());
+    std::ifstream in(file, std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ASSERT_GE(bytes.size(), 8u);
+    uint64_t header = 0;
+    std::memcpy(&header, bytes.data(), sizeof(header));  // little-endian, as on x86 and arm
+    const size_t first = from_end == 0 ? 8 + header : bytes.size() - from_end;
+    ASSERT_GE(first, 8 + header);
+    for (size_t i = first; i < bytes.size(); ++i) bytes[i] = static_cast<char>(bytes[i] ^ 0x5a);
+    std::ofstream f(out, std::ios::binary);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    ASSERT_TRUE(f.good()) << out;
   }
 
   // Polls `fleet ls` (every 100 ms, at most 30 s) until `node`'s entry is ready with an
@@ -101,17 +130,19 @@ class FleetFillTest : public ::testing::Test {
     return false;
   }
 
-  // `attach --verify --json` on node B's cache: every tensor's checksum against the files.
-  void ExpectVerifiedOnB() {
+  // `attach --verify --json` on node B's cache (of `model`, default ours): every tensor's
+  // checksum against the files.
+  void ExpectVerifiedOnB(std::string model = "", int tensors = 8) {
+    if (model.empty()) model = model_;
     const CommandResult r =
-        RunCommand({CliPath(), "attach", "--model", model_, "--model-id", "tiny", "--tier", "host",
+        RunCommand({CliPath(), "attach", "--model", model, "--model-id", "tiny", "--tier", "host",
                     "--runtime-dir", dir_.Join("run-b"), "--verify", "--json"});
     ASSERT_EQ(r.exit_code, 0) << r.err;
     const auto j = nlohmann::json::parse(r.out);
     EXPECT_EQ(j["source"], "daemon") << r.out;
-    EXPECT_EQ(j["tensors"], 8);
+    EXPECT_EQ(j["tensors"], tensors);
     EXPECT_EQ(j["verify"]["ok"], true) << r.out;
-    EXPECT_EQ(j["verify"]["tensors"], 8) << r.out;
+    EXPECT_EQ(j["verify"]["tensors"], tensors) << r.out;
   }
 
   // Node B started with `--fill-from endpoint` (no registry) fills from it alone, never from
@@ -310,34 +341,214 @@ TEST_F(FleetFillTest, ASourceKilledMidTransferLeavesBToItsDisk) {
   ExpectVerifiedOnB();
 }
 
-TEST_F(FleetFillTest, ASourceOfOtherWeightsWithEqualHeadersIsCaughtByTheDiskSample) {
-  // Another fine-tune: the same headers (so the same fleet key, which leaves out the files),
-  // other tensor bytes. Its manifest's checksums are its own bytes': only B's sample of its
-  // own checkpoint tells them apart.
-  const std::string other = dir_.Join("other");
-  std::filesystem::copy(model_, other, std::filesystem::copy_options::recursive);
-  for (const auto& file : std::filesystem::directory_iterator(other)) {
-    if (file.path().extension() != ".safetensors") continue;
-    std::fstream f(file.path(), std::ios::in | std::ios::out | std::ios::binary);
-    std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    ASSERT_GE(bytes.size(), 8u);
-    uint64_t header = 0;
-    std::memcpy(&header, bytes.data(), sizeof(header));  // little-endian, as on x86 and arm
-    for (size_t i = 8 + header; i < bytes.size(); ++i)
-      bytes[i] = static_cast<char>(bytes[i] ^ 0x5a);
-    f.seekp(0);
-    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    ASSERT_TRUE(f.good()) << file.path();
-  }
+TEST_F(FleetFillTest, UnderFleetTrustASourceOfOtherWeightsWithEqualHeadersIsCaughtByTheSample) {
+  // Another fine-tune: the same headers, other tensor bytes, both in plain directories (no
+  // content anchor: the same fleet key, which then holds the headers only). Its manifest's
+  // checksums are its own bytes'; under --fill-trust fleet only B's sample of its own
+  // checkpoint tells them apart (every byte differs: the sample cannot miss).
+  const std::string ours = dir_.Join("plain-ours/model.safetensors");
+  const std::string other = dir_.Join("plain-other/model.safetensors");
+  std::filesystem::create_directories(dir_.Join("plain-ours"));
+  std::filesystem::copy_file(model_ + "/model.safetensors", ours);
+  WriteOtherWeights(ours, other);
+  const std::string b_model = dir_.Join("plain-ours");
+  ASSERT_EQ(ConfigFor(dir_.Join("plain-other"), "tiny").FleetDigest(),
+            ConfigFor(b_model, "tiny").FleetDigest());
+  auto a = StartSource(dir_.Join("plain-other"));
+  ASSERT_NE(a, nullptr);
+  auto b = StartFiller(b_model, {"--fill-trust", "fleet"});
+  ASSERT_NE(b, nullptr);
+  const std::string log = ReadyLogOfB(*b);
+  EXPECT_TRUE(Contains(log, "fill: pulling into host memory from 1 source(s): node-a")) << log;
+  EXPECT_TRUE(Contains(log, "differ from the checkpoint's")) << log;
+  EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+  ExpectVerifiedOnB(b_model);
+}
+
+// The issue's repro (issue 39 §5): a source whose checkpoint differs from ours in one 4 KiB
+// run of one tensor, under the same header, and which claims our content anchor
+// (--fill-content-sha256 with our file's SHA-256: it lies, consistently, so it registers under
+// our fleet key and its manifest's checksums are its own bytes'). The run is the last 4 KiB of
+// a tensor of 260 KiB among 64 MiB: the 16 x 256 KiB sample sees that 4 KiB block with
+// probability 16 x 4 KiB / 64 MiB ~ 0.1%, so under the old checks B became ready with the
+// source's bytes; the SHA-256 of the filled file against B's own anchor (the hub cache's blob
+// name) fails every time, and B loads from its disk.
+TEST_F(FleetFillTest, ASourceThatLiesConsistentlyIsCaughtByTheSha256AndBLoadsFromDisk) {
+  const std::string spec = dir_.Join("spec.json");
+  std::ofstream(spec) << R"([{"name": "big.0", "shape": [16777216], "dtype": "u8"},
+    {"name": "big.1", "shape": [16777216], "dtype": "u8"},
+    {"name": "big.2", "shape": [16777216], "dtype": "u8"},
+    {"name": "big.3", "shape": [16777216], "dtype": "u8"},
+    {"name": "tail", "shape": [266240], "dtype": "u8"}])";
+  const CommandResult made =
+      RunCommand({PythonExe(), SourceDir() + "/tests/tools/make_checkpoint.py", "--out",
+                  dir_.Join("big"), "--spec", spec, "--seed", "7"});
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  // The last 4 KiB of the file are the last 4 KiB of "tail" (the writer orders by name).
+  WriteOtherWeights(dir_.Join("big/model.safetensors"), dir_.Join("liar/model.safetensors"), 4096);
+  const std::string ours_sha = FileSha256(dir_.Join("big/model.safetensors"));
+  const std::string theirs_sha = FileSha256(dir_.Join("liar/model.safetensors"));
+  ASSERT_NE(ours_sha, theirs_sha);
+  const std::string b_model = LayOutAsHubCache(dir_.Join("big"), dir_.Join("hub-big"));
+  std::ofstream(dir_.Join("lie.sha256")) << ours_sha << "  model.safetensors\n";
+
+  std::vector<std::string> extra = Registry("node-a");
+  extra.insert(extra.end(), {"--fill-serve", "127.0.0.1:0", "--fill-allow", "127.0.0.1",
+                             "--fill-content-sha256", dir_.Join("lie.sha256")});
+  auto a = ServeProcess::Start(HostServeArgs(dir_.Join("liar"), dir_.Join("run-node-a"), extra),
+                               dir_.Join("serve-node-a.log"));
+  ASSERT_NE(a, nullptr);
+  ASSERT_TRUE(WaitForState(*a, dir_.Join("run-node-a"), CacheState::kReady).ok()) << a->Log();
+  ASSERT_TRUE(WaitSourceEndpoint("node-a")) << last_ls_ << "\n" << a->Log();
+  EXPECT_TRUE(Contains(a->Log(), "(1 file(s), --fill-content-sha256) in the fleet key"))
+      << a->Log();
+
+  auto b = StartFiller(b_model);
+  ASSERT_NE(b, nullptr);
+  const std::string log = ReadyLogOfB(*b, 60s);
+  EXPECT_TRUE(Contains(log, "(1 file(s), hub cache blob name) in the fleet key")) << log;
+  // A was picked (the same fleet key) and its bytes passed its own checksums...
+  EXPECT_TRUE(Contains(log, "fill: pulling into host memory from 1 source(s): node-a")) << log;
+  EXPECT_FALSE(Contains(log, "differs from the source's manifest")) << log;
+  // ...and failed the proof against B's own anchor, which names the file and both digests.
+  EXPECT_TRUE(Contains(log,
+                       "shard model.safetensors: the SHA-256 of the filled bytes under our "
+                       "header is " +
+                           theirs_sha + ", our checkpoint's is " + ours_sha +
+                           " (hub cache blob name); loading from disk"))
+      << log;
+  EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+  EXPECT_FALSE(Contains(log, "filled from")) << log;
+  ExpectVerifiedOnB(b_model, 5);
+}
+
+// With the anchor in the fleet key, an honest node serving other files under our headers (its
+// own hub cache: its blob is named by its own SHA-256) registers under another key: B's lookup
+// finds no entry at all, and B loads from disk without contacting it.
+TEST_F(FleetFillTest, AnHonestSourceOfOtherFilesHasAnotherFleetKeyAndIsNeverPicked) {
+  WriteOtherWeights(model_ + "/model.safetensors", dir_.Join("other/model.safetensors"));
+  const std::string other = LayOutAsHubCache(dir_.Join("other"), dir_.Join("hub-other"));
+  // The headers are equal: without the anchor the keys would be too.
   ASSERT_EQ(ConfigFor(other, "tiny").FleetDigest(), ConfigFor(model_, "tiny").FleetDigest());
   auto a = StartSource(other);
   ASSERT_NE(a, nullptr);
   auto b = StartFiller();
   ASSERT_NE(b, nullptr);
   const std::string log = ReadyLogOfB(*b);
-  EXPECT_TRUE(Contains(log, "differ from the checkpoint's")) << log;
+  EXPECT_TRUE(Contains(log,
+                       "no ready host-tier source with an endpoint among the registry's 0 "
+                       "entries of fleet key"))
+      << log;
+  EXPECT_FALSE(Contains(log, "fill: pulling")) << log;
   EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
   ExpectVerifiedOnB();
+}
+
+// Without an anchor (plain directories) the default policy fills nothing: B says why and how to
+// give one, contacts no source and loads from disk. --fill-trust fleet, chosen explicitly,
+// fills from the same source as before the anchor existed.
+TEST_F(FleetFillTest, WithoutAnAnchorOnlyFleetTrustFills) {
+  std::filesystem::create_directories(dir_.Join("plain"));
+  std::filesystem::copy_file(model_ + "/model.safetensors", dir_.Join("plain/model.safetensors"));
+  const std::string plain = dir_.Join("plain");
+  auto a = StartSource(plain);
+  ASSERT_NE(a, nullptr);
+  EXPECT_TRUE(Contains(a->Log(),
+                       "fleet: no content anchor ('model.safetensors': no SHA-256 "
+                       "recorded"))
+      << a->Log();
+  {
+    auto b = StartFiller(plain);
+    ASSERT_NE(b, nullptr);
+    const std::string log = ReadyLogOfB(*b);
+    EXPECT_TRUE(Contains(log,
+                         "fill: unavailable: fill not attempted: --fill-trust content "
+                         "proves the filled bytes against our own checkpoint's SHA-256s, and "
+                         "it records none ('model.safetensors': no SHA-256 recorded"))
+        << log;
+    EXPECT_TRUE(Contains(log,
+                         "or --fill-content-sha256 FILE; or trust the fleet's checksums with "
+                         "--fill-trust fleet; loading from disk"))
+        << log;
+    EXPECT_FALSE(Contains(log, "fill: pulling")) << log;
+    EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+    ExpectVerifiedOnB(plain);
+    b->Signal(SIGTERM);
+    EXPECT_EQ(b->WaitExit(30s), 0) << b->Log();
+  }
+  auto b = StartFiller(plain, {"--fill-trust", "fleet"}, "serve-b-fleet.log");
+  ASSERT_NE(b, nullptr);
+  const std::string log = ReadyLogOfB(*b);
+  EXPECT_TRUE(Contains(log, "filled from 1 source(s) (node-a 127.0.0.1:")) << log;
+  EXPECT_FALSE(Contains(log, "loading from disk")) << log;
+  ExpectVerifiedOnB(plain);
+}
+
+// A TP rank of the built-in rules (a Llama-shaped checkpoint with its config.json, a hub cache
+// snapshot: it has an anchor) holds slices of tensors, which whole-file SHA-256s cannot prove:
+// under the default B attempts nothing, says why and which flag trusts the fleet, and loads
+// from disk; with --fill-trust fleet it fills from A's rank as before.
+TEST_F(FleetFillTest, ASlicedRankIsNotFilledUnderContentTrustOnlyUnderFleetTrust) {
+  const sharding::testing::DenseModel dense;
+  nlohmann::json spec = nlohmann::json::array();
+  for (const auto& t : dense.Tensors()) {
+    spec.push_back({{"name", t.name}, {"shape", t.shape}, {"dtype", t.dtype}});
+  }
+  std::ofstream(dir_.Join("dense.spec.json")) << spec.dump();
+  const CommandResult made =
+      RunCommand({PythonExe(), SourceDir() + "/tests/tools/make_checkpoint.py", "--out",
+                  dir_.Join("dense"), "--spec", dir_.Join("dense.spec.json")});
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  std::ofstream(dir_.Join("dense/config.json")) << dense.Config().dump();
+  const std::string model = LayOutAsHubCache(dir_.Join("dense"), dir_.Join("hub-dense"));
+  const std::vector<std::string> rank = {"--tp-size", "2", "--tp-rank", "1"};
+
+  std::vector<std::string> extra = Registry("node-a");
+  extra.insert(extra.end(), {"--fill-serve", "127.0.0.1:0", "--fill-allow", "127.0.0.1"});
+  extra.insert(extra.end(), rank.begin(), rank.end());
+  auto a = ServeProcess::Start(HostServeArgs(model, dir_.Join("run-node-a"), extra),
+                               dir_.Join("serve-node-a.log"));
+  ASSERT_NE(a, nullptr);
+  ASSERT_TRUE(WaitForState(*a, dir_.Join("run-node-a"), CacheState::kReady).ok()) << a->Log();
+  ASSERT_TRUE(WaitSourceEndpoint("node-a")) << last_ls_ << "\n" << a->Log();
+
+  const auto verify = [&] {
+    std::vector<std::string> argv = {
+        CliPath(), "attach",        "--model",          model,      "--model-id", "tiny", "--tier",
+        "host",    "--runtime-dir", dir_.Join("run-b"), "--verify", "--json"};
+    argv.insert(argv.end(), rank.begin(), rank.end());
+    const CommandResult r = RunCommand(argv);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["source"], "daemon") << r.out;
+    EXPECT_EQ(j["verify"]["ok"], true) << r.out;
+    EXPECT_EQ(j["verify"]["tensors"], j["tensors"]) << r.out;
+  };
+  {
+    auto b = StartFiller(model, rank);
+    ASSERT_NE(b, nullptr);
+    const std::string log = ReadyLogOfB(*b);
+    EXPECT_TRUE(Contains(log,
+                         "fill: unavailable: fill not attempted: this cache holds slices of "
+                         "tensors (a rank of sharding rules), which --fill-trust content "
+                         "cannot prove against the files' SHA-256s; --fill-trust fleet "
+                         "trusts the sources' checksums and the disk sample instead; "
+                         "loading from disk"))
+        << log;
+    EXPECT_FALSE(Contains(log, "fill: pulling")) << log;
+    EXPECT_TRUE(Contains(log, "loaded from disk")) << log;
+    verify();
+    b->Signal(SIGTERM);
+    EXPECT_EQ(b->WaitExit(30s), 0) << b->Log();
+  }
+  std::vector<std::string> fleet = rank;
+  fleet.insert(fleet.end(), {"--fill-trust", "fleet"});
+  auto b = StartFiller(model, fleet, "serve-b-fleet.log");
+  ASSERT_NE(b, nullptr);
+  const std::string log = ReadyLogOfB(*b);
+  EXPECT_TRUE(Contains(log, "filled from 1 source(s) (node-a 127.0.0.1:")) << log;
+  EXPECT_FALSE(Contains(log, "loading from disk")) << log;
+  verify();
 }
 
 // `launch` forwards the fleet flags to every daemon. A TP=4 job over two nodes (--nnodes 2,
@@ -565,6 +776,13 @@ TEST_F(FleetFillTest, BadFillFlagsAreUsageErrors) {
       {{"--registry", etcd_->url(), "--fill-serve", "0.0.0.0:7400", "--fill-allow", "127.0.0.1"},
        "listens on every address, and the registry entry needs one other nodes can reach: give "
        "--advertise HOST:PORT"},
+      {{"--fill-from", "10.0.0.1:7400", "--fill-trust", "checksums"}, "--fill-trust"},
+      {{"--registry", etcd_->url(), "--fill-trust", "fleet"},
+       "--fill-trust is how --fill-from checks what it pulls: give --fill-from too"},
+      {{"--fill-content-sha256", dir_.Join("none.sha256")},
+       "--fill-content-sha256 anchors the fleet key and the fill: give --registry"},
+      {{"--registry", etcd_->url(), "--fill-content-sha256", dir_.Join("none.sha256")},
+       "--fill-content-sha256 " + dir_.Join("none.sha256") + ": "},
   };
   for (const auto& c : cases) {
     const CommandResult r = serve(c.flags);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/content_anchor.h"
 #include "cuda/imported_arena.h"
 #include "daemon/weight_store.h"
 #include "identity/resolve.h"
@@ -26,6 +27,7 @@
 #include "protocol/manifest.h"
 #include "seed_fill.h"
 #include "sharding/planner.h"
+#include "support/hub_cache.h"
 #include "support/test_env.h"
 #include "unit/cuda/fake_driver.h"
 #include "unit/sharding/sharding_fixture.h"
@@ -152,8 +154,42 @@ class GpuFillTest : public sharding::testing::ShardingFixture {
           request.progress(done, total);
         }
       }
-      return FillOutcome{"test", "the test source"};
+      return FillOutcome{"test", "the test source", prove_};
     };
+  }
+
+  // The content anchor of `dir`'s shards, computed from their bytes (what a hub cache's blob
+  // names record).
+  static std::shared_ptr<const checkpoint::ContentAnchor> AnchorOf(const std::string& dir) {
+    auto anchor = std::make_shared<checkpoint::ContentAnchor>();
+    auto files = checkpoint::CheckpointShardFiles(dir);
+    EXPECT_TRUE(files.ok()) << files.status().ToString();
+    for (const auto& [path, name] : *files) {
+      anchor->shards.push_back(
+          {name, weightcache::testing::FileSha256(path), checkpoint::AnchorSource::kPinned});
+    }
+    return anchor;
+  }
+
+  // A copy of `dir` whose last shard's last byte (inside its last tensor) is flipped: the same
+  // headers, one byte of other weights.
+  std::string OneByteOtherThan(const std::string& dir, const std::string& name,
+                               std::string* changed_file) {
+    const std::string out = tmp_.Join(name);
+    std::filesystem::copy(dir, out, std::filesystem::copy_options::recursive);
+    auto files = checkpoint::CheckpointShardFiles(out);
+    EXPECT_TRUE(files.ok());
+    const std::string& last = files->back().first;
+    *changed_file = files->back().second;
+    std::fstream f(last, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-1, std::ios::end);
+    char byte = 0;
+    f.read(&byte, 1);
+    f.seekp(-1, std::ios::end);
+    byte = static_cast<char>(byte ^ 0x01);
+    f.write(&byte, 1);
+    EXPECT_TRUE(f.good());
+    return out;
   }
 
   // `bytes` with every byte outside a tensor of `store`'s manifest set to 0xee.
@@ -171,6 +207,8 @@ class GpuFillTest : public sharding::testing::ShardingFixture {
   }
   std::optional<FakeDriver> fake_;
   identity::Env env_ = identity::Env::Default();
+  // What CopyFrom's outcome asks the loader to prove (serve --fill-trust content); null: none.
+  std::shared_ptr<const checkpoint::ContentAnchor> prove_;
 };
 
 TEST_F(GpuFillTest, AFillFromAnEqualStoreIsVerifiedAndServedWithTheSameBytes) {
@@ -384,6 +422,85 @@ TEST_F(GpuFillTest, AFailedFillIsFollowedByTheDiskAndACancelEndsTheLoad) {
   ASSERT_FALSE(cancelled.ok());
   EXPECT_EQ(cancelled.status().code(), StatusCode::kUnavailable);
   EXPECT_THAT(cancelled.status().message(), HasSubstr("load cancelled (during the fill)"));
+}
+
+// serve --fill-trust content: the loader proves each shard file's SHA-256, over our own header
+// and the bytes copied back from the device (one thread per file, each in the load's context),
+// against our anchor. An honest source passes; the copy-back threads made the context current.
+TEST_F(GpuFillTest, AnHonestFillIsProvenAgainstTheContentAnchor) {
+  const std::string dir = MakeModel("proven");
+  const auto model = Open(dir);
+  ASSERT_EQ(model.ckpt.shards().size(), 2u);
+  const WeightStore source = Load(model.ckpt, Options(dir, nullptr));
+  prove_ = AnchorOf(dir);
+  const int set_current = fake_->CallCount("cuCtxSetCurrent");
+  LoadOptions options = Options(dir, nullptr);
+  options.peer_fill = CopyFrom(source);
+  const WeightStore filled = Load(model.ckpt, options);
+  EXPECT_EQ(filled.summary().filled_from, "filled from the test source");
+  EXPECT_EQ(ArenaBytes(filled), ArenaBytes(source));
+  EXPECT_GT(fake_->CallCount("cuCtxSetCurrent"), set_current) << "no proof thread ran";
+}
+
+// The class of bug on the gpu tier: a source that lies consistently (its manifest's
+// checksums are its own bytes') with one byte of other weights under equal headers. The
+// SHA-256 of the filled file differs from our anchor: the fill fails naming the file and both
+// digests, and the disk load replaces every byte.
+TEST_F(GpuFillTest, AFlippedByteOfAConsistentSourceFailsTheSha256AndTheDiskReplacesIt) {
+  const std::string dir = MakeModel("ours");
+  std::string file;
+  const std::string other = OneByteOtherThan(dir, "theirs", &file);
+  const auto ours = Open(dir);
+  const auto theirs = Open(other);
+  const WeightStore source = Load(theirs.ckpt, Options(other, nullptr));
+  const WeightStore reference = Load(ours.ckpt, Options(dir, nullptr));
+  ASSERT_NE(ArenaBytes(source), ArenaBytes(reference));
+  prove_ = AnchorOf(dir);
+  LoadOptions options = Options(dir, nullptr);
+  options.peer_fill = CopyFrom(source);
+  ::testing::internal::CaptureStderr();
+  const WeightStore store = Load(ours.ckpt, options);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(store.summary().filled_from, "");
+  EXPECT_EQ(store.summary().origin, "disk");
+  EXPECT_EQ(ArenaBytes(store), ArenaBytes(reference));
+  const std::string filled_sha = weightcache::testing::FileSha256(other + "/" + file);
+  EXPECT_THAT(log,
+              HasSubstr("shard " + file + ": the SHA-256 of the filled bytes under our header is " +
+                        filled_sha + ", our checkpoint's is " + prove_->Find(file)->sha256));
+  EXPECT_THAT(log, HasSubstr("; loading from disk"));
+}
+
+// A TP rank of the built-in rules holds slices: the loader says so in the request (a fill that
+// must prove its bytes refuses at once), and a proof asked of it fails rather than passing.
+TEST_F(GpuFillTest, ASlicedRankCannotBeProvenAgainstTheFilesSha256s) {
+  const std::string dir = MakeModel("sliced");
+  const auto model = Open(dir);
+  auto plan =
+      sharding::PlanShard(model.ckpt, model.rules, model.config, {.tp_size = 2, .tp_rank = 1});
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  std::vector<bool> whole;
+  const auto record = [&whole](const PeerFillRequest& request) -> Result<FillOutcome> {
+    whole.push_back(request.holds_whole_files);
+    return Status(StatusCode::kUnavailable, "recorded");
+  };
+  LoadOptions options = Options(dir, nullptr);
+  options.peer_fill = record;
+  Load(model.ckpt, options);
+  LoadOptions sliced = Options(dir, &*plan);
+  sliced.peer_fill = record;
+  Load(model.ckpt, sliced);
+  EXPECT_THAT(whole, ::testing::ElementsAre(true, false));
+
+  const WeightStore source = Load(model.ckpt, Options(dir, &*plan));
+  prove_ = AnchorOf(dir);
+  sliced.peer_fill = CopyFrom(source);
+  ::testing::internal::CaptureStderr();
+  const WeightStore store = Load(model.ckpt, sliced);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(store.summary().filled_from, "");
+  EXPECT_THAT(log, HasSubstr("the cache holds slices of tensors, which the files' SHA-256s cannot "
+                             "prove; loading from disk"));
 }
 
 }  // namespace

@@ -13,15 +13,18 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/content_anchor.h"
 #include "common/checksum.h"
 #include "os/memfd.h"
 #include "protocol/manifest.h"
+#include "support/hub_cache.h"
 #include "support/test_env.h"
 #include "unit/checkpoint/checkpoint_fixture.h"
 
@@ -235,33 +238,83 @@ class HostFillTest : public HostStoreTest {
     return bytes;
   }
   // Copies `source` into the request's allocations once accept() takes its manifest.
-  static PeerFill CopyFrom(const WeightStore& source, bool flip_first_byte = false) {
-    return [&source, flip_first_byte](const PeerFillRequest& request) -> Result<FillOutcome> {
-      const std::vector<uint8_t> manifest = ManifestBytes(source);
-      WEIGHTCACHE_RETURN_IF_ERROR(request.accept(manifest));
-      const std::vector<int> fds = source.fds();
-      if (fds.size() != request.allocations.size()) return InternalError("allocation count");
-      uint64_t total = 0;
-      for (const std::span<uint8_t> to : request.allocations) total += to.size();
-      uint64_t done = 0;
-      // In 4 KiB pieces, each reported, as the transport reports its stripes.
-      for (size_t a = 0; a < fds.size(); ++a) {
-        const std::span<uint8_t> to = request.allocations[a];
-        for (size_t at = 0; at < to.size(); at += 4096) {
-          const size_t n = std::min<size_t>(4096, to.size() - at);
-          if (::pread(fds[a], to.data() + at, n, static_cast<off_t>(at)) !=
-              static_cast<ssize_t>(n)) {
-            return InternalError("pread");
+  // With `prove`, the outcome asks the loader to prove the bytes against it (--fill-trust
+  // content).
+  static PeerFill CopyFrom(const WeightStore& source, bool flip_first_byte = false,
+                           std::shared_ptr<const checkpoint::ContentAnchor> prove = nullptr) {
+    return
+        [&source, flip_first_byte, prove](const PeerFillRequest& request) -> Result<FillOutcome> {
+          const std::vector<uint8_t> manifest = ManifestBytes(source);
+          WEIGHTCACHE_RETURN_IF_ERROR(request.accept(manifest));
+          const std::vector<int> fds = source.fds();
+          if (fds.size() != request.allocations.size()) return InternalError("allocation count");
+          uint64_t total = 0;
+          for (const std::span<uint8_t> to : request.allocations) total += to.size();
+          uint64_t done = 0;
+          // In 4 KiB pieces, each reported, as the transport reports its stripes.
+          for (size_t a = 0; a < fds.size(); ++a) {
+            const std::span<uint8_t> to = request.allocations[a];
+            for (size_t at = 0; at < to.size(); at += 4096) {
+              const size_t n = std::min<size_t>(4096, to.size() - at);
+              if (::pread(fds[a], to.data() + at, n, static_cast<off_t>(at)) !=
+                  static_cast<ssize_t>(n)) {
+                return InternalError("pread");
+              }
+              done += n;
+              request.progress(done, total);
+            }
           }
-          done += n;
-          request.progress(done, total);
-        }
-      }
-      if (flip_first_byte) request.allocations[0][0] ^= 0xff;
-      return FillOutcome{"test", "the test source"};
-    };
+          if (flip_first_byte) request.allocations[0][0] ^= 0xff;
+          return FillOutcome{"test", "the test source", prove};
+        };
+  }
+  // Each shard's SHA-256 from its bytes, with `wrong` (a file name) given another.
+  static std::shared_ptr<const checkpoint::ContentAnchor> AnchorOf(
+      const checkpoint::Checkpoint& ckpt, const std::string& wrong = "") {
+    auto anchor = std::make_shared<checkpoint::ContentAnchor>();
+    for (const checkpoint::ShardInfo& shard : ckpt.shards()) {
+      anchor->shards.push_back({shard.file_name,
+                                shard.file_name == wrong
+                                    ? std::string(64, '0')
+                                    : weightcache::testing::FileSha256(shard.path),
+                                checkpoint::AnchorSource::kHubBlob});
+    }
+    return anchor;
   }
 };
+
+// --fill-trust content on the host tier: every shard file's SHA-256, over our header and the
+// filled memfds' bytes (one thread per file), must equal the anchor's. An anchor that records
+// another digest for one file fails the fill naming it, and the disk load follows.
+TEST_F(HostFillTest, AFillIsProvenFileByFileAgainstTheContentAnchor) {
+  const checkpoint::Checkpoint ckpt =
+      Open(Make("proof", {"--tensors", "7", "--shards", "3", "--seed", "4"}));
+  ASSERT_EQ(ckpt.shards().size(), 3u);
+  const WeightStore source = LoadSource(ckpt);
+  LoadOptions options;
+  options.cache_name = "weightcache:filler";
+  options.threads = 3;
+  options.peer_fill = CopyFrom(source, false, AnchorOf(ckpt));
+  std::string memory;
+  Result<WeightStore> store = LoadHostStore(ckpt, options, LoadControl{}, &memory);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  EXPECT_EQ(store->summary().filled_from, "filled from the test source");
+
+  const std::string wrong = ckpt.shards()[1].file_name;
+  options.peer_fill = CopyFrom(source, false, AnchorOf(ckpt, wrong));
+  ::testing::internal::CaptureStderr();
+  store = LoadHostStore(ckpt, options, LoadControl{}, &memory);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  EXPECT_EQ(store->summary().filled_from, "");
+  EXPECT_EQ(store->summary().origin, "disk");
+  EXPECT_EQ(ManifestBytes(*store), ManifestBytes(source));
+  EXPECT_THAT(log, ::testing::HasSubstr("shard " + wrong +
+                                        ": the SHA-256 of the filled bytes under our header is " +
+                                        weightcache::testing::FileSha256(ckpt.shards()[1].path) +
+                                        ", our checkpoint's is " + std::string(64, '0') +
+                                        " (hub cache blob name); loading from disk"));
+}
 
 TEST_F(HostFillTest, AFillFromAnEqualStoreIsVerifiedAndServedWithItsManifest) {
   // Tensors larger than a work item among smaller ones: the checksums are hashed in ranges

@@ -8,10 +8,15 @@
 
 #include <CLI/CLI.hpp>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
 #include <vector>
+
+#include "identity/resolve.h"
+#include "support/hub_cache.h"
+#include "support/test_env.h"
 
 namespace weightcache::cli {
 namespace {
@@ -49,7 +54,11 @@ const std::vector<std::string> kLaunchFleetArgs = {"launch",
                                                    "--fill-serve",
                                                    "0.0.0.0:7400",
                                                    "--fill-allow",
-                                                   "10.0.0.0/8,::1"};
+                                                   "10.0.0.0/8,::1",
+                                                   "--fill-trust",
+                                                   "fleet",
+                                                   "--fill-content-sha256",
+                                                   "sums.txt"};
 
 TEST(RegistryFlagsTest, LaunchForwardsEveryFleetFlagAndServeParsesItBack) {
   CLI::App launch_app;
@@ -87,6 +96,8 @@ TEST(RegistryFlagsTest, LaunchForwardsEveryFleetFlagAndServeParsesItBack) {
   EXPECT_EQ(serve.node_name, "node-9");
   EXPECT_EQ(serve.fill_from, "registry");
   EXPECT_EQ(serve.fill_allow, "10.0.0.0/8,::1");
+  EXPECT_EQ(serve.fill_trust, "fleet");
+  EXPECT_EQ(serve.fill_content_sha256, cwd + "/sums.txt");
   // The listening ports are per daemon: PORT + its job rank.
   EXPECT_EQ(serve.advertise, "10.0.0.9:7503");
   EXPECT_EQ(serve.fill_serve, "0.0.0.0:7403");
@@ -232,6 +243,87 @@ TEST(RegistryFlagsTest, ManySourcesAreCutToTheMostAFillUsesAtRandom) {
   // (32/40)^50 ~ 1.4e-5, and the seed is fixed, so this never flakes.
   EXPECT_EQ(ever.size(), entries.size());
   EXPECT_GT(choices.size(), 1u);
+}
+
+// The fleet key holds the content anchor where there is one: equal configs with other files
+// under equal headers have other keys; without an anchor the key is the headers' alone, as
+// before (CacheConfig::FleetDigest()).
+TEST(FleetKeyTest, TheContentAnchorIsPartOfTheFleetKey) {
+  identity::CacheConfig config;
+  config.model_id = "m";
+  config.checkpoint_fingerprint = std::string(64, 'a');
+  config.checkpoint_files = std::string(64, 'b');
+  auto ours = std::make_shared<checkpoint::ContentAnchor>();
+  ours->shards.push_back({"model.safetensors", std::string(64, 'c'), {}});
+  auto theirs = std::make_shared<checkpoint::ContentAnchor>();
+  theirs->shards.push_back({"model.safetensors", std::string(64, 'd'), {}});
+  const FleetAnchor none;
+  EXPECT_EQ(FleetKey(config, none), config.FleetDigest());
+  EXPECT_NE(FleetKey(config, {ours, ""}), config.FleetDigest());
+  EXPECT_NE(FleetKey(config, {ours, ""}), FleetKey(config, {theirs, ""}));
+  EXPECT_EQ(FleetKey(config, {ours, ""}), config.FleetDigest(ours->Digest()));
+  // The node-local fields stay out of it, anchor or not.
+  identity::CacheConfig elsewhere = config;
+  elsewhere.checkpoint_files = std::string(64, 'e');
+  elsewhere.tier = Tier::kHost;
+  EXPECT_EQ(FleetKey(elsewhere, {ours, ""}), FleetKey(config, {ours, ""}));
+}
+
+// serve's fill under --fill-trust content (the default) refuses at once, contacting nobody (the
+// listed source is the discard port), without an anchor, and for a load that holds slices of
+// tensors; either way the loader logs the reason and reads the disk.
+class FillTrustTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto made = weightcache::testing::RunCommand(
+        {weightcache::testing::PythonExe(),
+         weightcache::testing::SourceDir() + "/tests/tools/make_checkpoint.py", "--out",
+         tmp_.Join("plain"), "--tensors", "3"});
+    if (made.exit_code == 77) GTEST_SKIP() << made.err;
+    ASSERT_EQ(made.exit_code, 0) << made.err;
+  }
+  Result<std::unique_ptr<ServeRegistration>> Create(const std::string& model,
+                                                    const std::string& trust) {
+    IdentityOptions options;
+    options.model_dir = model;
+    options.model_id = "tiny";
+    options.tier = Tier::kHost;
+    options.runtime_dir = tmp_.Join("run");
+    auto id = identity::ResolveIdentity(options);
+    EXPECT_TRUE(id.ok()) << id.status().ToString();
+    RegistryFlags flags;
+    flags.fill_from = "127.0.0.1:9";
+    flags.fill_trust = trust;
+    flags.node_name = "node-b";
+    return ServeRegistration::Create(flags, *id, model);
+  }
+  weightcache::testing::TempDir tmp_;
+};
+
+TEST_F(FillTrustTest, ContentTrustFillsNothingWithoutAnAnchorOrForASlicedRank) {
+  daemon::PeerFillRequest request;
+  auto plain = Create(tmp_.Join("plain"), "content");
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  Result<daemon::FillOutcome> refused = (*plain)->Filler()(request);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("fill not attempted: --fill-trust content proves the filled bytes against "
+                        "our own checkpoint's SHA-256s, and it records none ('model.safetensors'"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("--fill-content-sha256 FILE"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("--fill-trust fleet"));
+
+  const std::string hub =
+      weightcache::testing::LayOutAsHubCache(tmp_.Join("plain"), tmp_.Join("hub"));
+  auto anchored = Create(hub, "content");
+  ASSERT_TRUE(anchored.ok()) << anchored.status().ToString();
+  request.holds_whole_files = false;
+  refused = (*anchored)->Filler()(request);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("fill not attempted: this cache holds slices of tensors (a rank of "
+                        "sharding rules), which --fill-trust content cannot prove"));
 }
 
 }  // namespace
