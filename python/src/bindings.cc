@@ -122,8 +122,8 @@ class PyAttachment {
   PyAttachment(Attachment attachment, HostMapping host_mapping)
       : cuda_device_(attachment.cuda_device()),
         host_writable_(attachment.tier() == Tier::kHost &&
-                       (host_mapping == HostMapping::kCopyOnWrite ||
-                        attachment.source() == AttachSource::kFallback)),
+                       attachment.source() == AttachSource::kDaemon &&
+                       host_mapping == HostMapping::kCopyOnWrite),
         attachment_(std::move(attachment)) {}
   PyAttachment(const PyAttachment&) = delete;
   PyAttachment& operator=(const PyAttachment&) = delete;
@@ -139,8 +139,8 @@ class PyAttachment {
   const std::vector<TensorInfo>& infos() const { return attachment_->tensors(); }
   // The ordinal the attach resolved (Attachment::cuda_device), -1 on the host tier.
   int cuda_device() const { return cuda_device_; }
-  // Host memory this process may write: a copy-on-write mapping of the cache (a write stays
-  // in this process), or the fallback loader's own memory. Exported writable then.
+  // Host memory this process may write: a copy-on-write mapping of a daemon's cache (a write
+  // stays in this process). Exported writable then; every other host export is read-only.
   bool host_writable() const { return host_writable_; }
 
   // Binary search in the client's table (sorted by name).
@@ -909,7 +909,7 @@ NB_MODULE(_weightcache, m) {
             return nb::cast(t.Array<nb::numpy, nb::ro>(false));
           },
           "A NumPy view (host tier, NumPy dtypes only): read-only, or writable where the "
-          "attach mapped the cache copy-on-write (host_mapping) or loaded it itself.")
+          "attach mapped a daemon's cache copy-on-write (host_mapping).")
       .def("__repr__", [](const PyTensor& t) {
         std::string shape;
         for (int64_t s : t.info->shape) shape += (shape.empty() ? "" : ", ") + std::to_string(s);

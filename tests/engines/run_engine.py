@@ -25,9 +25,9 @@ def run_vllm(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
+    kwargs = {"model_loader_extra_config": json.loads(args.extra)} if args.extra else {}
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype,
-              max_model_len=128, enforce_eager=True, seed=0,
-              model_loader_extra_config=json.loads(args.extra) if args.extra else None)
+              max_model_len=128, enforce_eager=True, seed=0, **kwargs)
     ready = time.perf_counter() - START
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                 logprobs=1))
@@ -35,7 +35,8 @@ def run_vllm(args: argparse.Namespace) -> dict:
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                 for o in outs]
-    return {"tokens": tokens, "logprobs": logprobs, "ready_s": ready, "first_token_s": first}
+    return {"tokens": tokens, "logprobs": logprobs, "text": [o.outputs[0].text for o in outs],
+            "ready_s": ready, "first_token_s": first}
 
 
 def run_sglang(args: argparse.Namespace) -> dict:
@@ -58,7 +59,8 @@ def run_sglang(args: argparse.Namespace) -> dict:
         logprobs = [[lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in outs]
     finally:
         engine.shutdown()
-    return {"tokens": tokens, "logprobs": logprobs, "ready_s": ready, "first_token_s": first}
+    return {"tokens": tokens, "logprobs": logprobs, "text": [o["text"] for o in outs],
+            "ready_s": ready, "first_token_s": first}
 
 
 def main() -> int:

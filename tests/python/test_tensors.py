@@ -204,3 +204,31 @@ def test_torch_host_tier(attachment, checkpoint, runtime_dir):
         if t.dtype in ("BF16", "F16", "F32", "I64"):
             x = torch.from_dlpack(t)
             assert x.data_ptr() == t.data_ptr  # zero-copy
+
+
+def test_copy_on_write_host_mapping_writes_stay_in_this_process(checkpoint, runtime_dir,
+                                                                serve):
+    """host_mapping="copy_on_write" (an engine whose post-processing writes a tensor in place):
+    the write lands in this process's own copy of the page; the daemon's cache, and every
+    other client, still read the checkpoint's bytes."""
+    model_dir, manifest = checkpoint
+    serve(model_dir)
+    name = next(n for n, m in manifest.items() if m["dtype"] == "F32" and m["nbytes"] >= 8)
+    cow = weightcache.attach(model_dir, tier="host", runtime_dir=runtime_dir,
+                             host_mapping="copy_on_write")
+    assert cow.source == "daemon", cow.source_reason
+    a = cow[name].numpy()
+    original = a.copy()
+    assert a.flags.writeable
+    a[...] = 12345.0
+    assert (cow[name].numpy() == 12345.0).all()  # this process sees its write
+    plain = weightcache.attach(model_dir, tier="host", runtime_dir=runtime_dir)
+    assert not plain[name].numpy().flags.writeable
+    np.testing.assert_array_equal(plain[name].numpy(), original)  # the cache does not
+    again = weightcache.attach(model_dir, tier="host", runtime_dir=runtime_dir,
+                               host_mapping="copy_on_write")
+    np.testing.assert_array_equal(again[name].numpy(), original)
+    with pytest.raises(ValueError, match='host_mapping must be "read_only" or '
+                                         '"copy_on_write", not "private"'):
+        weightcache.attach(model_dir, tier="host", runtime_dir=runtime_dir,
+                           host_mapping="private")

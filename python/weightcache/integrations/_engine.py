@@ -43,6 +43,7 @@ __all__ = [
     "EngineIdentity",
     "UnusableCache",
     "Outcome",
+    "Miss",
     "checkpoint_identity",
     "module_tensors",
     "publish_module",
@@ -270,13 +271,28 @@ def publish_module(module: Any, identity: EngineIdentity, *, extra: Mapping[str,
         **identity.identity_keywords())
 
 
+@dataclasses.dataclass
+class Miss:
+    """Why attach_tensors found nothing to attach."""
+
+    kind: str  # "miss" (no daemon, a stale one), "timeout" (loading, awaiting or hung past
+    #            the wait), "mismatch" (on_mismatch="fallback")
+    reason: str
+
+    @property
+    def may_publish(self) -> bool:
+        # A daemon that holds the identity's lock but did not answer (hung, or another start
+        # publishing right now) is not published to: the publish would wait on it too.
+        return self.kind != "timeout"
+
+
 def attach_tensors(identity: EngineIdentity, *, wait_timeout: float,
-                   on_mismatch: str = "error") -> Tuple[Optional[Any], str]:
-    """(state dict, why): the attached tensors of this identity's daemon, or (None, the reason)
-    when no daemon serves it (none, stale, still awaiting its publisher after `wait_timeout`,
-    hung). A daemon of the same model holding other tensors raises MismatchError naming every
-    differing field (on_mismatch="fallback": (None, the mismatch)); a cache whose metadata was
-    not written by this module for this identity raises MismatchError too."""
+                   on_mismatch: str = "error") -> Tuple[Optional[Any], Optional[Miss]]:
+    """(state dict, None): the attached tensors of this identity's daemon; or (None, Miss) when
+    no daemon serves it (none, stale, still awaiting its publisher after `wait_timeout`, hung).
+    A daemon of the same model holding other tensors raises MismatchError naming every
+    differing field (on_mismatch="fallback": (None, Miss("mismatch", ...))); a cache whose
+    metadata was not written by this module for this identity raises MismatchError too."""
     import torch
 
     device = (torch.device("cuda", identity.device_index) if identity.tier == "gpu"
@@ -290,14 +306,21 @@ def attach_tensors(identity: EngineIdentity, *, wait_timeout: float,
             # never into the cache (docs/engines.md "Shared, copy-on-write").
             host_mapping="copy_on_write" if identity.tier == "host" else None,
             **identity.identity_keywords())
-    except (NoDaemonError, DaemonTimeoutError) as e:
-        return None, str(e)
+    except NoDaemonError as e:
+        return None, Miss("miss", str(e))
+    except DaemonTimeoutError as e:
+        return None, Miss("timeout", str(e))
     except MismatchError as e:
         if on_mismatch == "fallback":
-            return None, f"mismatch: {e}"
+            return None, Miss("mismatch", str(e))
         raise
-    _check_metadata(sd.attachment, identity)
-    return sd, ""
+    try:
+        _check_metadata(sd.attachment, identity)
+    except MismatchError as e:
+        if on_mismatch == "fallback":
+            return None, Miss("mismatch", str(e))
+        raise
+    return sd, None
 
 
 def _check_metadata(att: Any, identity: EngineIdentity) -> None:

@@ -125,7 +125,6 @@ def loader_class() -> type:
             sd, why = _engine.attach_tensors(identity,
                                              wait_timeout=self.settings["wait_timeout"],
                                              on_mismatch=self.settings["on_mismatch"])
-            path = "mismatch" if why.startswith("mismatch:") else "miss"
             if sd is not None:
                 try:
                     model = self._from_cache(sd, model_config, target_device)
@@ -138,14 +137,16 @@ def loader_class() -> type:
                 except _engine.UnusableCache as e:
                     if self.settings["on_unusable"] == "error":
                         raise
-                    path, why = "unusable", f"the cache does not fit this model: {e}"
+                    why = _engine.Miss("unusable", f"the cache does not fit this model: {e}")
                     del sd
-            publish = self.settings["publish"]
+            publish = self.settings["publish"] and why.may_publish
             self._publish_identity = identity if publish else None
-            self._published_note = "" if publish else "not published (publish: false)"
+            self._published_note = "" if publish else (
+                "not published (publish: false)" if not self.settings["publish"] else
+                "not published (its daemon did not answer)")
             model = super().load_model(model_config=model_config, device_config=device_config)
-            log.info("%s", _engine.Outcome(path, timer.seconds(),
-                                           f"{why}; loaded from disk; {self._published_note}")
+            log.info("%s", _engine.Outcome(why.kind, timer.seconds(),
+                                           f"{why.reason}; loaded from disk; {self._published_note}")
                      .line("sglang", identity))
             return model
 

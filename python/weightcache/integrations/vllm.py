@@ -87,7 +87,7 @@ def _make_loader_class() -> type:
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from weightcache.errors import MismatchError, WeightcacheError
+    from weightcache.errors import WeightcacheError
 
     from . import _engine
 
@@ -212,13 +212,9 @@ def _make_loader_class() -> type:
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             timer = _engine.Timer()
             identity = self._identity(vllm_config, model_config)
-            try:
-                sd, why = _engine.attach_tensors(identity,
-                                                 wait_timeout=self.settings["wait_timeout"],
-                                                 on_mismatch=self.settings["on_mismatch"])
-            except MismatchError:
-                raise  # strict: on_mismatch="error"
-            path = "miss" if not why.startswith("mismatch:") else "mismatch"
+            # on_mismatch="error" (strict): the MismatchError goes to the engine as it is.
+            sd, why = _engine.attach_tensors(identity, wait_timeout=self.settings["wait_timeout"],
+                                             on_mismatch=self.settings["on_mismatch"])
             if sd is not None:
                 try:
                     model = self._from_cache(sd, identity, model_config, vllm_config, prefix)
@@ -232,18 +228,20 @@ def _make_loader_class() -> type:
                 except _engine.UnusableCache as e:
                     if self.settings["on_unusable"] == "error":
                         raise
-                    path, why = "unusable", f"the cache does not fit this model: {e}"
+                    why = _engine.Miss("unusable", f"the cache does not fit this model: {e}")
                     del sd
-            publish = self.settings["publish"]
+            publish = self.settings["publish"] and why.may_publish
             self._publish_identity = identity if publish else None
-            self._published_note = "" if publish else "not published (publish: false)"
+            self._published_note = "" if publish else (
+                "not published (publish: false)" if not self.settings["publish"] else
+                "not published (its daemon did not answer)")
             model = super().load_model(vllm_config=vllm_config, model_config=model_config,
                                        prefix=prefix)
             if self._publish_identity is not None:  # "processed": after the post-processing
                 self._published_note = self._publish(model, identity)
                 self._publish_identity = None
-            log.info("%s", _engine.Outcome(path, timer.seconds(),
-                                 f"{why}; loaded from disk; {self._published_note}").line(
+            log.info("%s", _engine.Outcome(why.kind, timer.seconds(),
+                                 f"{why.reason}; loaded from disk; {self._published_note}").line(
                                      "vllm", identity))
             return model
 

@@ -47,6 +47,35 @@ TEST(MemfdTest, FillUnmapSealThenWritesFailWithEperm) {
   EXPECT_EQ(std::memcmp(ro->data(), "tensor bytes", 12), 0);
 }
 
+TEST(MemfdTest, CopyOnWriteMappingOfASealedMemfdKeepsItsWritesPrivate) {
+  auto fd = CreateMemfd("weights", 8192);
+  ASSERT_TRUE(fd.ok()) << fd.status().ToString();
+  {
+    auto rw = MapReadWrite(fd->get(), 8192);
+    ASSERT_TRUE(rw.ok()) << rw.status().ToString();
+    std::memcpy(rw->data(), "cache bytes", 11);
+  }
+  ASSERT_TRUE(SealReadOnly(fd->get()).ok());
+  // F_SEAL_WRITE refuses writable shared mappings, not private ones.
+  auto cow = MapCopyOnWrite(fd->get(), 8192);
+  ASSERT_TRUE(cow.ok()) << cow.status().ToString();
+  auto* bytes = static_cast<char*>(cow->data());
+  EXPECT_EQ(std::memcmp(bytes, "cache bytes", 11), 0);
+  std::memcpy(bytes, "engine", 6);  // would be SIGSEGV on a MapReadOnly region
+  EXPECT_EQ(std::memcmp(bytes, "engine", 6), 0);
+  // The file, and every other mapping of it, still hold the cache's bytes.
+  auto ro = MapReadOnly(fd->get(), 8192);
+  ASSERT_TRUE(ro.ok()) << ro.status().ToString();
+  EXPECT_EQ(std::memcmp(ro->data(), "cache bytes", 11), 0);
+  char first[11] = {};
+  ASSERT_EQ(::pread(fd->get(), first, sizeof(first), 0), 11);
+  EXPECT_EQ(std::memcmp(first, "cache bytes", 11), 0);
+  // The same size rule as the other mappings.
+  auto past = MapCopyOnWrite(fd->get(), 8193);
+  ASSERT_FALSE(past.ok());
+  EXPECT_EQ(past.status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(MemfdTest, UnsealedMemfdFailsTheCheckNamingMissingSeals) {
   auto fd = CreateMemfd("open", 16);
   ASSERT_TRUE(fd.ok());

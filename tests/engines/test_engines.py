@@ -1,0 +1,213 @@
+"""vLLM and SGLang, real engines on CPU, loading through `--load-format weightcache` (the
+plugins of weightcache.integrations): tokens equal to the engine's own disk load, a hit the
+second time by the daemon's own counters, and the failure semantics (a daemon killed between
+starts, a change of dtype, a hung daemon, strict mode). docs/engines.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import daemon_pids, kill9, outcome
+
+ENGINES = ["vllm", "sglang"]
+
+
+def same_generation(a, b) -> None:
+    assert a["tokens"] == b["tokens"]
+    assert a["logprobs"] == b["logprobs"]
+
+
+def only_cache(host):
+    caches = host.caches()
+    assert len(caches) == 1, caches
+    return caches[0]
+
+
+def hits_of(host, digest: str) -> int:
+    for device in host.status()["devices"]:
+        for cache in device["caches"]:
+            if cache["digest"].startswith(digest[:16]):
+                return int(cache["hits"])
+    raise AssertionError(f"no cache {digest} in weightcache status")
+
+
+@pytest.mark.parametrize("engine,model", [("vllm", "llama"), ("vllm", "qwen2"),
+                                          ("sglang", "llama")])
+def test_first_start_publishes_and_the_second_attaches_with_the_disk_loads_tokens(
+        host, models, engine, model):
+    disk, _ = host.start(engine, models[model], "safetensors")
+    assert host.caches() == []  # the engine's own load format touches no daemon
+
+    miss, log = host.start(engine, models[model], "weightcache")
+    (line,) = outcome(log, engine)
+    assert line.startswith("miss: no daemon at "), line
+    assert "; loaded from disk; published " in line and "published:" in line, line
+    same_generation(miss, disk)
+    cache = only_cache(host)
+    assert cache["state"] == "ready" and cache["tier"] == "host"
+    assert cache["config"]["source"].startswith(f"published:{engine}-"), cache
+    assert hits_of(host, cache["digest"]) == 0
+
+    hit, log = host.start(engine, models[model], "weightcache")
+    (line,) = outcome(log, engine)
+    assert line.startswith("hit: attached "), line
+    assert "loaded from disk" not in log.split("hit: attached ")[0][-2000:]
+    same_generation(hit, disk)
+    # The daemon's own counter, not the plugin's word.
+    assert hits_of(host, cache["digest"]) == 1
+    assert only_cache(host)["pid"] == cache["pid"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_daemon_killed_between_starts_means_a_disk_load_and_a_new_daemon(host, models,
+                                                                            engine):
+    first, _ = host.start(engine, models["llama"], "weightcache")
+    (old,) = daemon_pids(host)
+    kill9([old])
+    time.sleep(0.2)
+    again, log = host.start(engine, models["llama"], "weightcache")
+    (line,) = outcome(log, engine)
+    assert line.startswith("miss: "), line  # the stale socket is no daemon
+    assert "published " in line, line
+    same_generation(again, first)
+    (new,) = daemon_pids(host)
+    assert new != old
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_another_dtype_is_a_mismatch_naming_dtype_never_the_other_dtypes_tensors(
+        host, models, engine):
+    host.start(engine, models["llama"], "weightcache", dtype="bfloat16")
+    f32, log = host.start(engine, models["llama"], "weightcache", dtype="float32")
+    (line,) = outcome(log, engine)
+    assert line.startswith("mismatch: "), line
+    assert "dtype" in line and "bfloat16" in line and "float32" in line, line
+    assert "; loaded from disk; published " in line, line
+    # The float32 start published a cache of its own; the bfloat16 one is untouched.
+    dtypes = sorted(c["config"]["dtype"] for c in host.caches())
+    assert dtypes == ["bfloat16", "float32"], host.caches()
+    disk32, _ = host.start(engine, models["llama"], "safetensors", dtype="float32")
+    same_generation(f32, disk32)
+
+
+def test_strict_mismatch_stops_the_engine_with_the_fields(host, models):
+    host.start("vllm", models["llama"], "weightcache", dtype="bfloat16")
+    _, log = host.start("vllm", models["llama"], "weightcache", dtype="float32",
+                        extra={"on_mismatch": "error"}, expect_ok=False)
+    assert "MismatchError" in log, log[-3000:]
+    assert "dtype" in log
+    assert len(host.caches()) == 1  # nothing published
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_hung_daemon_costs_the_wait_then_a_disk_load(host, models, engine):
+    first, _ = host.start(engine, models["llama"], "weightcache")
+    (pid,) = daemon_pids(host)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        hung, log = host.start(engine, models["llama"], "weightcache",
+                               extra={"wait_timeout": 2})
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    (line,) = outcome(log, engine)
+    assert line.startswith("timeout: "), line
+    assert "loaded from disk; not published (its daemon did not answer)" in line, line
+    seconds = float(line.rsplit("(", 1)[1].rstrip(" s)"))
+    assert seconds < 60, line  # bounded by the wait, not by the hung daemon
+    same_generation(hung, first)
+
+
+def test_bad_settings_are_refused_by_name(host, models):
+    _, log = host.start("vllm", models["llama"], "weightcache",
+                        extra={"wait_timeout": "soon"}, expect_ok=False)
+    assert "wait_timeout='soon'" in log and "seconds" in log
+    _, log = host.start("vllm", models["llama"], "weightcache",
+                        extra={"no_such_setting": 1}, expect_ok=False)
+    assert "no_such_setting" in log  # vLLM's default loader refuses what neither knows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_and_complete(host, argv, url, body, ready_url, timeout=600):
+    proc = subprocess.Popen(argv, env=host.env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"the server exited {proc.returncode}:\n"
+                                     f"{proc.stdout.read()[-6000:]}")
+            try:
+                with urllib.request.urlopen(ready_url, timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server never became ready"
+            time.sleep(1)
+        request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            answer = json.loads(r.read())
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+    return answer, out
+
+
+def test_vllm_serve_load_format_weightcache(host, models):
+    """`vllm serve MODEL --load-format weightcache`, the command line a user types."""
+    first, _ = host.start("vllm", models["llama"], "weightcache")  # publishes
+    port = _free_port()
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    argv = [vllm, "serve", models["llama"], "--load-format", "weightcache", "--dtype",
+            "bfloat16", "--max-model-len", "128", "--enforce-eager", "--host", "127.0.0.1",
+            "--port", str(port)]
+    host.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    answer, log = _serve_and_complete(
+        host, argv, f"http://127.0.0.1:{port}/v1/completions",
+        {"model": models["llama"], "prompt": "the quick brown", "max_tokens": 12,
+         "temperature": 0}, f"http://127.0.0.1:{port}/health")
+    (line,) = outcome(log, "vllm")
+    assert line.startswith("hit: attached "), line
+    assert answer["choices"][0]["text"] == first["text"][0]
+
+
+def test_sglang_launch_server_load_format_weightcache(host, models):
+    """`python -m sglang.launch_server --load-format weightcache`."""
+    first, _ = host.start("sglang", models["llama"], "weightcache")  # publishes
+    port = _free_port()
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", models["llama"],
+            "--load-format", "weightcache", "--dtype", "bfloat16", "--device", "cpu",
+            "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+            "--disable-cuda-graph", "--mem-fraction-static", "0.3", "--context-length", "128",
+            "--host", "127.0.0.1", "--port", str(port)]
+    answer, log = _serve_and_complete(
+        host, argv, f"http://127.0.0.1:{port}/generate",
+        {"text": "the quick brown", "sampling_params": {"temperature": 0,
+                                                        "max_new_tokens": 12}},
+        f"http://127.0.0.1:{port}/health")
+    (line,) = outcome(log, "sglang")
+    assert line.startswith("hit: attached "), line
+    assert answer["text"] == first["text"][0]
