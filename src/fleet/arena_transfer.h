@@ -59,7 +59,12 @@ struct ArenaServerOptions {
   PeerAllowList allow;                 // who may connect (empty: nobody)
   std::vector<uint8_t> manifest;       // opaque to the transport, sent in the hello
   std::vector<ServedRegion> regions;   // at least one, none empty
-  size_t max_peers = 64;               // connections held at once; more are rejected
+  size_t max_peers = 64;               // connections held at once; more are refused ("full")
+  // Host memory (the TCP protocol): a peer with no request outstanding and nothing owed that
+  // sends nothing for this long is dropped and its slot freed; a peer owed bytes that takes
+  // none for `send_timeout` (a stalled or stopped reader) likewise.
+  std::chrono::milliseconds idle_timeout = std::chrono::seconds(10);
+  std::chrono::milliseconds send_timeout = std::chrono::seconds(30);
   // Test hook: sent instead of the real hello (a hostile source). Empty: the real hello.
   std::vector<uint8_t> hello_override_for_test;
   // Run first on the server's progress thread (e.g. to make a CUDA context current there for

@@ -15,6 +15,7 @@ namespace wire = protocol::wire;
 
 Hello Sample() {
   Hello hello;
+  hello.protocol = HelloProtocol::kUcx;
   hello.manifest = {'p', 'l', 'a', 'n'};
   hello.regions.push_back({0x7f0000001000, 3 << 20, {1, 2, 3}});
   hello.regions.push_back({0x7f0000900000, 4096, std::vector<uint8_t>(40, 9)});
@@ -61,9 +62,9 @@ TEST(HelloTest, HeadersAreCheckedBeforeAnythingIsAllocated) {
   bad[0] ^= 0xFF;
   EXPECT_THAT(DecodeHelloHeader(bad).status().message(), HasSubstr("bad magic"));
   bad = header;
-  bad[4] = 2;
+  bad[4] = 1;
   EXPECT_THAT(DecodeHelloHeader(bad).status().message(),
-              HasSubstr("version 2, this build speaks 1"));
+              HasSubstr("version 1, this build speaks 2"));
   bad = header;
   wire::SetU64(bad, 8, kMaxHelloBodyBytes + 1);
   EXPECT_EQ(DecodeHelloHeader(bad).status().code(), StatusCode::kProtocol);
@@ -106,7 +107,8 @@ TEST(HelloTest, EachFieldIsBounded) {
       {8, 0, 4, "0 regions"},
       {8, kMaxHelloRegions + 1, 4, "4097 regions"},
       {8, 3, 4, "truncated at a region"},
-      {12, 1, 4, "the reserved field is not 0"},
+      {12, 0, 4, "protocol 0 (1 tcp, 2 ucx)"},
+      {12, 7, 4, "protocol 7 (1 tcp, 2 ucx)"},
       {20, UINT64_MAX - 10, 8, "region 0: its address range wraps around"},
       {28, 0, 8, "region 0 of 0 bytes"},
       {28, kMaxRegionBytes + 1, 8, "region 0 of 1125899906842625 bytes"},
