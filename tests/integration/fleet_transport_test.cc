@@ -749,6 +749,17 @@ TEST_F(FleetTransportTest, ASilentSourceDoesNotDelayTheFetch) {
   EXPECT_TRUE(DestinationMatches(7));
 }
 
+// The UCX that stays for CUDA regions: its context never opens UCX's tcp transport, whose
+// interfaces listen on a port of their own per network device (before: 127.0.0.1 and every
+// other address of the host, outside any allow-list).
+TEST_F(FleetTransportTest, AUcxWorkerOpensNoListeningSocket) {
+  auto context = fleet::ucx::CreateContext();
+  ASSERT_TRUE(context.ok()) << context.status().ToString();
+  auto worker = fleet::ucx::CreateWorker(context->get(), fleet::ucx::Threading::kMulti);
+  ASSERT_TRUE(worker.ok()) << worker.status().ToString();
+  EXPECT_THAT(ListeningTcpSockets(getpid()), ::testing::IsEmpty());
+}
+
 // The operator's UCX_TLS may not bring back the transports that serve any address unchecked.
 TEST_F(FleetTransportTest, AUcxTlsWithTcpOrCmaIsRefused) {
   EXPECT_TRUE(fleet::ucx::CheckTransports("^tcp,cma").ok());
