@@ -28,7 +28,7 @@ Result<std::unique_ptr<ArenaServer>> ArenaServer::Start(ArenaServerOptions optio
       std::any_of(options.regions.begin(), options.regions.end(),
                   [](const ServedRegion& r) { return r.memory == RegionMemory::kCuda; });
   std::unique_ptr<Impl> impl;
-  if (cuda) {
+  if (cuda || options.ucx_for_host_for_test) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(impl, StartUcxServer(std::move(options)));
   } else {
     WEIGHTCACHE_ASSIGN_OR_RETURN(impl, StartTcpServer(std::move(options)));
@@ -63,7 +63,7 @@ Result<FetchResult> FetchArena(const FetchOptions& options) {
   const bool cuda =
       std::any_of(options.destination.begin(), options.destination.end(),
                   [](const DestinationRegion& r) { return r.memory == RegionMemory::kCuda; });
-  return cuda ? FetchOverUcx(options) : FetchOverTcp(options);
+  return cuda || options.ucx_for_host_for_test ? FetchOverUcx(options) : FetchOverTcp(options);
 }
 
 }  // namespace weightcache::fleet

@@ -79,6 +79,9 @@ struct ArenaServerOptions {
   std::chrono::milliseconds send_timeout = std::chrono::seconds(30);
   // Test hook: sent instead of the real hello (a hostile source). Empty: the real hello.
   std::vector<uint8_t> hello_override_for_test;
+  // Test hook: serve host regions over UCX, as CUDA ones are (CI's UCX moves no CUDA memory,
+  // so this is how its UCX path runs there). Never set outside the transport's tests.
+  bool ucx_for_host_for_test = false;
   // Run first on the server's progress thread (e.g. to make a CUDA context current there for
   // CUDA regions); an error stops nothing but is logged. Null: nothing.
   std::function<Status()> on_progress_thread;
@@ -143,6 +146,8 @@ struct FetchOptions {
   // Polled (every few ms) while connecting and transferring: once true the fetch ends with
   // kUnavailable "cancelled" (a daemon's stop during its fill). Null: never.
   const std::atomic<bool>* cancel = nullptr;
+  // Test hook: fetch host destinations over UCX (ArenaServerOptions::ucx_for_host_for_test).
+  bool ucx_for_host_for_test = false;
 };
 
 struct SourceReport {

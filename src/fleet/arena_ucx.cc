@@ -3,6 +3,7 @@
 #include <cstring>
 #include <deque>
 #include <list>
+#include <optional>
 #include <thread>
 
 #include "common/logging.h"
@@ -32,6 +33,9 @@ void WaitForEvents(ucp_worker_h worker, int efd, int timeout_ms) {
   (void)os::SysCalls::Default().Poll(&fd, 1, timeout_ms);
 }
 constexpr int kPollMs = 10;
+// Once the first source is ready, how long the reads wait for the others' hellos (so that
+// healthy sources are striped across from the start); a later one still joins.
+constexpr auto kGatherWindow = std::chrono::milliseconds(100);
 
 double Millis(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
@@ -388,6 +392,14 @@ class Fetch {
              << Millis(reading - registered) << " ms)";
     WEIGHTCACHE_RETURN_IF_ERROR(Transfer());
     const auto end = Clock::now();
+    for (Source& source : sources_) {
+      if (source.phase != Phase::kHeader && source.phase != Phase::kBody) continue;
+      // Still taking its hello when every byte was in: it was not waited for.
+      source.why = Status(StatusCode::kUnavailable,
+                          "source " + source.endpoint + ": no hello in the " +
+                              std::to_string(static_cast<int64_t>(Millis(end - start))) +
+                              " ms the fetch took (not used)");
+    }
 
     FetchResult result;
     result.seconds = std::chrono::duration<double>(end - start).count();
@@ -486,62 +498,75 @@ class Fetch {
     source.receive = ReceiveAll(source.ep, source.header);
   }
 
-  // Takes the hello of every source, concurrently, until each is ready or dropped.
+  // Takes the hellos, concurrently, until every source is ready or dropped, or one is ready
+  // and the others had kGatherWindow more: the reads start then, and a source that answers
+  // later joins them (Transfer goes on taking hellos), so that a silent source delays nothing.
   Status Handshake() {
-    const auto give_up = std::min(Clock::now() + options_.connect_timeout, deadline_);
+    give_up_ = std::min(Clock::now() + options_.connect_timeout, deadline_);
+    std::optional<Clock::time_point> first_ready;
     for (;;) {
       if (ucp_worker_progress(worker_.get()) == 0) WaitForEvents(worker_.get(), efd_, kPollMs);
       if (Cancelled()) return Failure(StatusCode::kUnavailable, "cancelled");
-      bool waiting = false;
-      for (Source& source : sources_) {
-        if (source.phase == Phase::kReady || source.phase == Phase::kDropped) continue;
-        if (source.ep_failed) {
-          Drop(source, EndpointError(source));
-          continue;
-        }
-        ucs_status_t status = UCS_OK;
-        if (!ReceiveDone(&source.receive, &status)) {
-          waiting = true;
-          continue;
-        }
-        if (status != UCS_OK) {
-          Drop(source,
-               ucx::UcxError("source " + source.endpoint + ": receiving the hello", status));
-          continue;
-        }
-        if (source.phase == Phase::kHeader) {
-          auto body = DecodeHelloHeader(source.header);
-          if (!body.ok()) {
-            Drop(source, body.status().Context("source " + source.endpoint));
-            continue;
-          }
-          source.body.resize(*body);
-          source.phase = Phase::kBody;
-          source.receive = ReceiveAll(source.ep, source.body);
-          waiting = true;
-          continue;
-        }
-        Status accepted = AcceptHello(source);
-        if (!accepted.ok()) {
-          Drop(source, std::move(accepted));
-          continue;
-        }
-        source.phase = Phase::kReady;
-        source.used = true;
-      }
+      const bool waiting = StepHellos();
       if (!waiting) break;
-      if (Clock::now() >= give_up) {
-        for (Source& source : sources_) {
-          if (source.phase == Phase::kHeader || source.phase == Phase::kBody) {
-            Drop(source, Status(StatusCode::kTimeout,
-                                "source " + source.endpoint + ": no hello within " +
-                                    std::to_string(options_.connect_timeout.count()) + " ms"));
-          }
-        }
-        break;
-      }
+      const bool ready = std::any_of(sources_.begin(), sources_.end(),
+                                     [](const Source& s) { return s.phase == Phase::kReady; });
+      if (ready && !first_ready) first_ready = Clock::now();
+      if (first_ready && Clock::now() - *first_ready >= kGatherWindow) break;
     }
     return Status::Ok();
+  }
+
+  // One pass over the sources still taking their hellos (after the worker progressed); drops
+  // those past connect_timeout. Whether any is still taking its hello.
+  bool StepHellos() {
+    bool waiting = false;
+    for (Source& source : sources_) {
+      if (source.phase != Phase::kHeader && source.phase != Phase::kBody) continue;
+      if (source.ep_failed) {
+        Drop(source, EndpointError(source));
+        continue;
+      }
+      ucs_status_t status = UCS_OK;
+      if (!ReceiveDone(&source.receive, &status)) {
+        waiting = true;
+        continue;
+      }
+      if (status != UCS_OK) {
+        Drop(source, ucx::UcxError("source " + source.endpoint + ": receiving the hello", status));
+        continue;
+      }
+      if (source.phase == Phase::kHeader) {
+        auto body = DecodeHelloHeader(source.header);
+        if (!body.ok()) {
+          Drop(source, body.status().Context("source " + source.endpoint));
+          continue;
+        }
+        source.body.resize(*body);
+        source.phase = Phase::kBody;
+        source.receive = ReceiveAll(source.ep, source.body);
+        waiting = true;
+        continue;
+      }
+      Status accepted = AcceptHello(source);
+      if (!accepted.ok()) {
+        Drop(source, std::move(accepted));
+        continue;
+      }
+      source.phase = Phase::kReady;
+      source.used = true;
+    }
+    if (waiting && Clock::now() >= give_up_) {
+      for (Source& source : sources_) {
+        if (source.phase == Phase::kHeader || source.phase == Phase::kBody) {
+          Drop(source, Status(StatusCode::kTimeout,
+                              "source " + source.endpoint + ": no hello within " +
+                                  std::to_string(options_.connect_timeout.count()) + " ms"));
+        }
+      }
+      waiting = false;
+    }
+    return waiting;
   }
 
   Status AcceptHello(Source& source) {
@@ -549,6 +574,12 @@ class Fetch {
     auto hello = DecodeHelloBody(source.body);
     source.body = {};
     if (!hello.ok()) return hello.status().Context(who);
+    if (hello->protocol != HelloProtocol::kUcx) {
+      return Status(StatusCode::kMismatch,
+                    who +
+                        " serves its regions over the tcp protocol (host memory: a host-tier "
+                        "source), this fill is into device memory");
+    }
     if (hello->regions.size() != options_.destination.size()) {
       return Status(StatusCode::kMismatch, who + " serves " +
                                                std::to_string(hello->regions.size()) +
@@ -633,6 +664,7 @@ class Fetch {
       ++turn;
       if (ucp_worker_progress(worker_.get()) == 0) WaitForEvents(worker_.get(), efd_, kPollMs);
       if (Cancelled()) return Failure(StatusCode::kUnavailable, "cancelled");
+      StepHellos();
       const auto now = Clock::now();
       for (size_t i = 0; i < sources_.size(); ++i) {
         Source& source = sources_[i];
@@ -664,7 +696,7 @@ class Fetch {
         }
       }
       const bool any = std::any_of(sources_.begin(), sources_.end(),
-                                   [](const Source& s) { return s.phase == Phase::kReady; });
+                                   [](const Source& s) { return s.phase != Phase::kDropped; });
       if (!any) return Failure(StatusCode::kUnavailable, "every source failed");
       if (now >= deadline_) {
         return Failure(StatusCode::kTimeout, "the fetch passed its deadline of " +
@@ -713,6 +745,7 @@ class Fetch {
 
   const FetchOptions& options_;
   Clock::time_point deadline_;
+  Clock::time_point give_up_;  // for the hellos
   std::vector<Stripe> stripes_;
   std::deque<size_t> queue_;
   std::vector<StripeRecord> records_;

@@ -4,6 +4,7 @@
 //
 //   arena_source_tool --regions B1,B2,... --seed S --allow LIST [--manifest TEXT]
 //                     [--hostile MODE] [--max-peers N] [--idle-timeout-ms MS] [--listen H:P]
+//                     [--ucx 1]
 //
 // Prints "endpoint HOST:PORT" on stdout once it listens, then serves until its stdin closes.
 // The regions are filled through a writable mapping, then served from a read-only one (as the
@@ -65,6 +66,7 @@ int main(int argc, char** argv) {
   std::string hostile;
   std::string listen = "127.0.0.1:0";
   size_t max_peers = 64;
+  bool ucx = false;  // the UCX path (CUDA regions') over these host regions
   int64_t idle_timeout_ms = 10000;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -90,6 +92,8 @@ int main(int argc, char** argv) {
       idle_timeout_ms = std::stoll(value);
     } else if (flag == "--listen") {
       listen = value;
+    } else if (flag == "--ucx") {
+      ucx = value == "1";
     } else {
       return Fail("unknown flag " + flag);
     }
@@ -103,6 +107,7 @@ int main(int argc, char** argv) {
   options.manifest.assign(manifest.begin(), manifest.end());
   options.listen = listen;
   options.max_peers = max_peers;
+  options.ucx_for_host_for_test = ucx;
   options.idle_timeout = std::chrono::milliseconds(idle_timeout_ms);
   if (!hostile.empty()) options.hello_override_for_test = HostileHello(hostile);
   std::vector<wc::os::MappedRegion> mappings;

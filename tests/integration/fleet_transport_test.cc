@@ -760,6 +760,55 @@ TEST_F(FleetTransportTest, AUcxWorkerOpensNoListeningSocket) {
   EXPECT_THAT(ListeningTcpSockets(getpid()), ::testing::IsEmpty());
 }
 
+// The UCX path (CUDA regions'), run over host regions (ucx_for_host_for_test: CI's UCX moves
+// no CUDA memory): a source listens on its one UCP listener port and nowhere else (its context
+// has no tcp transport), and it fills a destination with its bytes.
+TEST_F(FleetTransportTest, DISABLED_TheUcxPathListensOnlyOnItsListenerAndFills) {
+  const std::vector<uint64_t> sizes = {4 * kMiB};
+  const std::string a = StartSource(sizes, 7, "127.0.0.1", "manifest", "", {"--ucx", "1"});
+  ASSERT_FALSE(a.empty());
+  EXPECT_THAT(ListeningTcpSockets(sources_[0].pid()), ::testing::ElementsAre(a));
+  fleet::FetchOptions options = FetchInto(sizes, {a});
+  options.ucx_for_host_for_test = true;
+  options.stripe_bytes = kMiB;
+  std::vector<std::string> during_source;
+  std::vector<std::string> during_filler;
+  options.progress = [&](uint64_t, uint64_t) {
+    during_source = ListeningTcpSockets(sources_[0].pid());
+    during_filler = ListeningTcpSockets(getpid());
+  };
+  auto result = fleet::FetchArena(options);
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_TRUE(DestinationMatches(7));
+  EXPECT_THAT(during_source, ::testing::ElementsAre(a));
+  EXPECT_THAT(during_filler, ::testing::IsEmpty());
+}
+
+// Issue 39 item 3 on the UCX path: a silent source listed with a good one does not hold the
+// fetch until connect_timeout.
+TEST_F(FleetTransportTest, DISABLED_ASilentSourceDoesNotDelayAUcxFetch) {
+  auto silent = os::ListenTcp({"127.0.0.1", 0});
+  ASSERT_TRUE(silent.ok()) << silent.status().ToString();
+  const std::string quiet = "127.0.0.1:" + std::to_string(silent->port);
+  const std::vector<uint64_t> sizes = {4 * kMiB};
+  const std::string good = StartSource(sizes, 7, "127.0.0.1", "manifest", "", {"--ucx", "1"});
+  ASSERT_FALSE(good.empty());
+  fleet::FetchOptions options = FetchInto(sizes, {quiet, good});
+  options.ucx_for_host_for_test = true;
+  options.stripe_bytes = kMiB;
+  options.connect_timeout = std::chrono::seconds(60);
+  const auto start = std::chrono::steady_clock::now();
+  auto result = fleet::FetchArena(options);
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_LT(elapsed, std::chrono::seconds(30));
+  EXPECT_FALSE(result->sources[0].used);
+  EXPECT_EQ(result->sources[0].bytes, 0u);
+  EXPECT_THAT(result->sources[0].status.message(), HasSubstr("source " + quiet + ": no hello"));
+  EXPECT_EQ(result->sources[1].bytes, 4 * kMiB);
+  EXPECT_TRUE(DestinationMatches(7));
+}
+
 // The operator's UCX_TLS may not bring back the transports that serve any address unchecked.
 TEST_F(FleetTransportTest, AUcxTlsWithTcpOrCmaIsRefused) {
   EXPECT_TRUE(fleet::ucx::CheckTransports("^tcp,cma").ok());
