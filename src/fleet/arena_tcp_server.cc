@@ -48,8 +48,14 @@ struct Peer {
 
 class TcpServer : public ArenaServer::Impl {
  public:
-  explicit TcpServer(ArenaServerOptions options) : options_(std::move(options)) {
+  TcpServer(ArenaServerOptions options, std::vector<uint8_t> hello, AfterHello after,
+            std::unique_ptr<ServerThreadHook> hook)
+      : options_(std::move(options)),
+        hello_(std::move(hello)),
+        after_(after),
+        hook_(std::move(hook)) {
     for (const ServedRegion& region : options_.regions) sizes_.push_back(region.bytes);
+    if (!options_.hello_override_for_test.empty()) hello_ = options_.hello_override_for_test;
   }
   ~TcpServer() override { Stop(); }
 
@@ -65,16 +71,9 @@ class TcpServer : public ArenaServer::Impl {
     endpoint_ = FormatSockaddr(reinterpret_cast<const sockaddr*>(&bound));
     wake_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!wake_) return IoError("arena server: eventfd", errno);
-    Hello hello;
-    hello.protocol = HelloProtocol::kTcp;
-    hello.manifest = options_.manifest;
-    for (const ServedRegion& region : options_.regions) {
-      hello.regions.push_back({0, region.bytes, {}});
-    }
-    WEIGHTCACHE_ASSIGN_OR_RETURN(hello_, EncodeHello(hello));
-    if (!options_.hello_override_for_test.empty()) hello_ = options_.hello_override_for_test;
     thread_ = std::thread([this] { Run(); });
-    LOG_INFO << "fleet: transport listening on " << endpoint_ << " (tcp, "
+    LOG_INFO << "fleet: transport listening on " << endpoint_ << " ("
+             << (after_ == AfterHello::kServeReads ? "tcp" : "ucx") << ", "
              << options_.regions.size() << " regions, peers " << options_.allow.ToString() << ")";
     return Status::Ok();
   }
@@ -231,11 +230,23 @@ class TcpServer : public ArenaServer::Impl {
   }
 
   void Run() {
+    if (options_.on_progress_thread) {
+      if (Status ready = options_.on_progress_thread(); !ready.ok()) {
+        LOG_ERROR << "fleet: transport " << endpoint_
+                  << ": preparing the server thread: " << ready.ToString();
+      }
+    }
     std::vector<pollfd> fds;
     while (!stopping_) {
+      int timeout_ms = peers_.empty() ? -1 : 100;
+      if (hook_) {
+        hook_->Progress();
+        if (!hook_->Arm()) timeout_ms = 0;
+      }
       fds.clear();
       fds.push_back({wake_.get(), POLLIN, 0});
       fds.push_back({listener_.get(), POLLIN, 0});
+      fds.push_back({hook_ ? hook_->fd() : -1, POLLIN, 0});  // a negative fd is ignored
       for (const Peer& peer : peers_) {
         short events = 0;
         if (peer.queue.size() < kMaxQueuedRequests) events |= POLLIN;
@@ -243,15 +254,14 @@ class TcpServer : public ArenaServer::Impl {
         fds.push_back({peer.fd.get(), events, 0});
       }
       // Wakes at least every 100 ms to run the timeouts.
-      const int polled =
-          os::SysCalls::Default().Poll(fds.data(), fds.size(), peers_.empty() ? -1 : 100);
+      const int polled = os::SysCalls::Default().Poll(fds.data(), fds.size(), timeout_ms);
       if (stopping_) break;
       if (polled < 0 && errno != EINTR) {
         LOG_ERROR << "fleet: transport " << endpoint_ << ": poll: " << std::strerror(errno);
         break;
       }
       const auto now = Clock::now();
-      size_t k = 2;
+      size_t k = 3;
       for (auto it = peers_.begin(); it != peers_.end(); ++k) {
         Peer& peer = *it;
         const short revents = k < fds.size() ? fds[k].revents : 0;
@@ -263,6 +273,10 @@ class TcpServer : public ArenaServer::Impl {
         }
         if (Owes(peer) && !Send(peer, &why)) {
           Drop(it, why, false);
+          continue;
+        }
+        if (after_ == AfterHello::kClose && !Owes(peer)) {
+          Drop(it, "took the hello (it reads over UCX)", false);
           continue;
         }
         const auto quiet = now - peer.last_activity;
@@ -287,9 +301,11 @@ class TcpServer : public ArenaServer::Impl {
   }
 
   ArenaServerOptions options_;
+  std::vector<uint8_t> hello_;
+  AfterHello after_;
+  std::unique_ptr<ServerThreadHook> hook_;  // destroyed after the thread is joined
   std::vector<uint64_t> sizes_;
   std::string endpoint_;
-  std::vector<uint8_t> hello_;
   std::atomic<uint64_t> accepted_{0};
   std::atomic<uint64_t> refused_{0};
   std::atomic<bool> stopping_{false};
@@ -304,10 +320,22 @@ class TcpServer : public ArenaServer::Impl {
 
 }  // namespace tcp_server_detail
 
-Result<std::unique_ptr<ArenaServer::Impl>> StartTcpServer(ArenaServerOptions options) {
-  auto server = std::make_unique<tcp_server_detail::TcpServer>(std::move(options));
+Result<std::unique_ptr<ArenaServer::Impl>> StartHelloServer(
+    ArenaServerOptions options, std::vector<uint8_t> hello, AfterHello after,
+    std::unique_ptr<ServerThreadHook> hook) {
+  auto server = std::make_unique<tcp_server_detail::TcpServer>(std::move(options), std::move(hello),
+                                                               after, std::move(hook));
   WEIGHTCACHE_RETURN_IF_ERROR(server->Start().Context("arena server"));
   return std::unique_ptr<ArenaServer::Impl>(std::move(server));
+}
+
+Result<std::unique_ptr<ArenaServer::Impl>> StartTcpServer(ArenaServerOptions options) {
+  Hello hello;
+  hello.protocol = HelloProtocol::kTcp;
+  hello.manifest = options.manifest;
+  for (const ServedRegion& region : options.regions) hello.regions.push_back({0, region.bytes, {}});
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> encoded, EncodeHello(hello));
+  return StartHelloServer(std::move(options), std::move(encoded), AfterHello::kServeReads, nullptr);
 }
 
 }  // namespace weightcache::fleet

@@ -42,6 +42,17 @@ Result<std::vector<uint8_t>> EncodeHello(const Hello& hello) {
     wire::PutU32(out, static_cast<uint32_t>(region.rkey.size()));
     out.insert(out.end(), region.rkey.begin(), region.rkey.end());
   }
+  if (ucx) {
+    if (hello.worker_address.empty() || hello.worker_address.size() > kMaxWorkerAddressBytes) {
+      return InvalidArgument("hello: a worker address of " +
+                             std::to_string(hello.worker_address.size()) + " bytes (1.." +
+                             std::to_string(kMaxWorkerAddressBytes) + ")");
+    }
+    wire::PutU32(out, static_cast<uint32_t>(hello.worker_address.size()));
+    out.insert(out.end(), hello.worker_address.begin(), hello.worker_address.end());
+  } else if (!hello.worker_address.empty()) {
+    return InvalidArgument("hello: a worker address in a tcp-protocol hello");
+  }
   wire::SetU64(out, 8, out.size() - kHelloHeaderBytes);
   return out;
 }
@@ -151,9 +162,22 @@ Result<Hello> DecodeHelloBody(std::span<const uint8_t> body) {
     at += rkey_bytes;
     hello.regions.push_back(std::move(region));
   }
+  if (ucx) {
+    WEIGHTCACHE_RETURN_IF_ERROR(need(4, "the worker address"));
+    const uint32_t address_bytes = wire::GetU32(body.data() + at);
+    at += 4;
+    if (address_bytes == 0 || address_bytes > kMaxWorkerAddressBytes) {
+      return ProtocolError("hello: a worker address of " + std::to_string(address_bytes) +
+                           " bytes (1.." + std::to_string(kMaxWorkerAddressBytes) + ")");
+    }
+    WEIGHTCACHE_RETURN_IF_ERROR(need(address_bytes, "the worker address"));
+    hello.worker_address.assign(body.begin() + static_cast<ptrdiff_t>(at),
+                                body.begin() + static_cast<ptrdiff_t>(at + address_bytes));
+    at += address_bytes;
+  }
   if (at != body.size()) {
-    return ProtocolError("hello: " + std::to_string(body.size() - at) +
-                         " bytes past the last region");
+    return ProtocolError("hello: " + std::to_string(body.size() - at) + " bytes past the " +
+                         (ucx ? "worker address" : "last region"));
   }
   return hello;
 }

@@ -10,14 +10,18 @@
 //                      manifest bytes
 //                      region_count × { u64 remote_address · u64 bytes · u32 rkey_bytes ·
 //                                       rkey bytes }
+//                      protocol ucx only: u32 worker_address_bytes · worker address bytes
 //   protocol tcp: remote_address 0 and rkey_bytes 0 (the regions are read with read requests);
-//   protocol ucx: the registered address and the packed UCX rkey (1..kMaxRkeyBytes).
+//   protocol ucx: the registered address and the packed UCX rkey (1..kMaxRkeyBytes), and the
+//   source's UCP worker address (1..kMaxWorkerAddressBytes), which the peer connects its UCX
+//   endpoint to (no UCX listener: the hello's TCP connection is the only way in).
 //
 // In place of the hello, a source that turns an allowed peer away sends the refusal:
 //
 //   refusal (16 bytes) u32 magic 'WCAN' (0x4e414357) · u32 reason (1 full, 2 stopping) · u64 0
 //
-// (A peer off the allow-list gets no byte at all: its connection is closed at accept.)
+// (A peer off the allow-list gets no byte at all: its connection is closed at accept.) Both
+// protocols send the hello on a TCP connection to the source's one listening socket.
 //
 // Protocol tcp, after the hello: the peer sends read requests, the source answers each, in
 // order, with exactly `length` bytes of the region (nothing else: no header, no status):
@@ -53,8 +57,10 @@ inline constexpr size_t kHelloHeaderBytes = 16;
 inline constexpr uint64_t kMaxManifestBytes = uint64_t{64} << 20;
 inline constexpr uint32_t kMaxHelloRegions = 4096;
 inline constexpr uint32_t kMaxRkeyBytes = 4096;
-inline constexpr uint64_t kMaxHelloBodyBytes =
-    16 + kMaxManifestBytes + uint64_t{kMaxHelloRegions} * (20 + kMaxRkeyBytes);
+inline constexpr uint32_t kMaxWorkerAddressBytes = 64 << 10;
+inline constexpr uint64_t kMaxHelloBodyBytes = 16 + kMaxManifestBytes +
+                                               uint64_t{kMaxHelloRegions} * (20 + kMaxRkeyBytes) +
+                                               4 + kMaxWorkerAddressBytes;
 // A region (and an arena) is at most 2^50 bytes (1 PiB): far past any GPU or host, and small
 // enough that offsets + sizes can never overflow.
 inline constexpr uint64_t kMaxRegionBytes = uint64_t{1} << 50;
@@ -76,6 +82,7 @@ struct Hello {
   HelloProtocol protocol = HelloProtocol::kTcp;
   std::vector<uint8_t> manifest;
   std::vector<HelloRegion> regions;
+  std::vector<uint8_t> worker_address;  // protocol ucx: ucp_worker_get_address's; tcp: empty
 };
 
 // Header and body in one buffer. kInvalidArgument if `hello` breaks a bound above.

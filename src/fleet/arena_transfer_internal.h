@@ -46,6 +46,25 @@ class ArenaServer::Impl {
 
 // Every region host memory.
 Result<std::unique_ptr<ArenaServer::Impl>> StartTcpServer(ArenaServerOptions options);
+
+// What the TCP server's thread drives besides its sockets: the UCX server's worker. Called on
+// that thread only; destroyed after it is joined.
+class ServerThreadHook {
+ public:
+  virtual ~ServerThreadHook() = default;
+  virtual int fd() const = 0;  // polled for POLLIN (the worker's event fd)
+  virtual void Progress() = 0;
+  // Before the thread sleeps: false if events are pending already (it must not sleep).
+  virtual bool Arm() = 0;
+};
+enum class AfterHello { kServeReads, kClose };
+// The TCP listener, allow-list, peer slots and hello of both servers: kServeReads answers
+// read requests (the host memory protocol); kClose closes a peer once its hello is sent (the
+// UCX server: the peer reads over UCX). `hook` may be null.
+Result<std::unique_ptr<ArenaServer::Impl>> StartHelloServer(ArenaServerOptions options,
+                                                            std::vector<uint8_t> hello,
+                                                            AfterHello after,
+                                                            std::unique_ptr<ServerThreadHook> hook);
 // Any region CUDA memory.
 Result<std::unique_ptr<ArenaServer::Impl>> StartUcxServer(ArenaServerOptions options);
 // Every destination region host memory.

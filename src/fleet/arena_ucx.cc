@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <deque>
 #include <list>
@@ -8,10 +9,12 @@
 
 #include "common/logging.h"
 #include "common/mutex.h"
+#include "common/unique_fd.h"
 #include "fleet/arena_transfer_hello.h"
 #include "fleet/arena_transfer_internal.h"
 #include "fleet/ucx_support.h"
 #include "os/syscalls.h"
+#include "os/tcp_socket.h"
 
 namespace weightcache::fleet {
 namespace ucx_detail {
@@ -41,209 +44,59 @@ double Millis(Clock::duration d) { return std::chrono::duration<double, std::mil
 
 // ---- ArenaServer -------------------------------------------------------------------------------
 
-class UcxServer final : public ArenaServer::Impl {
+// The UCX side of a CUDA source: the context, the worker (progressed on the server thread, for
+// what UCX does there: wire-up from peers' endpoints) and the regions' registrations. The TCP
+// side (StartHelloServer) listens, checks the allow-list and sends the hello with the worker's
+// address; there is no UCX listener, so nothing of UCX listens on a port.
+class UcxWorkerHook final : public ServerThreadHook {
  public:
-  // One accepted peer. Lives in a std::list (the error handler's argument is its address).
-  struct Peer {
-    UcxServer* server = nullptr;
-    ucp_ep_h ep = nullptr;
-    std::string address;
-    ucs_status_ptr_t send = nullptr;  // the hello, until it completes
-    std::atomic<bool> failed{false};  // the endpoint's error handler ran
-    ucs_status_t error = UCS_OK;
-  };
-
-  ArenaServerOptions options;
-  std::string endpoint;
-  std::vector<uint8_t> hello;  // encoded once, sent to every peer
-  std::atomic<uint64_t> accepted{0};
-  std::atomic<uint64_t> refused{0};
-  std::atomic<bool> stopping{false};
-  Mutex stop_mu;
-  bool stopped WEIGHTCACHE_GUARDED_BY(stop_mu) = false;
-
-  // Declared in acquisition order: destroyed in reverse (listener and memory before the worker,
-  // the worker before the context).
-  ucx::UcpContext context;
-  ucx::UcpWorker worker;
-  std::vector<ucx::UcpMem> memory;
-  ucx::UcpListener listener;
-  std::list<Peer> peers;  // touched by the progress thread only (and by Stop after the join)
-  std::thread progress;
-
-  static void OnConnRequest(ucp_conn_request_h request, void* arg) {
-    static_cast<UcxServer*>(arg)->ConnRequest(request);
-  }
-  static void OnPeerError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
-    auto* peer = static_cast<Peer*>(arg);
-    peer->error = status;
-    peer->failed = true;
-  }
-
-  void ConnRequest(ucp_conn_request_h request) {
-    ucp_conn_request_attr_t attr{};
-    attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
-    const ucs_status_t queried = ucp_conn_request_query(request, &attr);
-    const sockaddr* client =
-        queried == UCS_OK ? reinterpret_cast<const sockaddr*>(&attr.client_address) : nullptr;
-    const std::string address = client != nullptr ? FormatSockaddr(client) : "<unknown address>";
-    if (stopping || client == nullptr || !options.allow.Allows(client) ||
-        peers.size() >= options.max_peers) {
-      ++refused;
-      if (stopping) {
-        LOG_INFO << "fleet: transport " << endpoint << " refused " << address << " (stopping)";
-      } else if (peers.size() >= options.max_peers) {
-        LOG_WARN << "fleet: transport " << endpoint << " refused " << address << ": "
-                 << peers.size() << " peers connected already (the limit)";
-      } else {
-        LOG_WARN << "fleet: transport " << endpoint << " refused a connection from " << address
-                 << ": not on the peer allow-list (" << options.allow.ToString() << ")";
-      }
-      ucp_listener_reject(listener.get(), request);
-      return;
-    }
-    Peer& peer = peers.emplace_back();
-    peer.server = this;
-    peer.address = address;
-    ucp_ep_params_t params{};
-    params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    params.conn_request = request;
-    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    params.err_handler.cb = &OnPeerError;
-    params.err_handler.arg = &peer;
-    const ucs_status_t status = ucp_ep_create(worker.get(), &params, &peer.ep);
-    if (status != UCS_OK) {
-      LOG_WARN << "fleet: transport " << endpoint << ": accepting " << address << ": "
-               << ucs_status_string(status);
-      peers.pop_back();
-      return;
-    }
-    ++accepted;
-    LOG_INFO << "fleet: transport " << endpoint << " serves " << address;
-    const std::vector<uint8_t>& frame =
-        options.hello_override_for_test.empty() ? hello : options.hello_override_for_test;
-    ucp_request_param_t send{};
-    peer.send = ucp_stream_send_nbx(peer.ep, frame.data(), frame.size(), &send);
-    if (UCS_PTR_IS_ERR(peer.send)) {
-      peer.error = UCS_PTR_STATUS(peer.send);
-      peer.send = nullptr;
-      peer.failed = true;
+  int fd() const override { return efd_; }
+  void Progress() override {
+    while (ucp_worker_progress(worker_.get()) != 0) {
     }
   }
+  bool Arm() override { return ucp_worker_arm(worker_.get()) == UCS_OK; }
 
-  // Frees completed hello sends; closes the endpoints of peers that failed.
-  void Reap() {
-    for (auto it = peers.begin(); it != peers.end();) {
-      Peer& peer = *it;
-      if (peer.send != nullptr && ucp_request_check_status(peer.send) != UCS_INPROGRESS) {
-        ucp_request_free(peer.send);
-        peer.send = nullptr;
-      }
-      if (peer.failed) {
-        LOG_INFO << "fleet: transport " << endpoint << ": peer " << peer.address
-                 << " gone: " << ucs_status_string(peer.error);
-        if (peer.send != nullptr) {
-          ucp_request_cancel(worker.get(), peer.send);
-          ucp_request_free(peer.send);  // released when it completes
-          peer.send = nullptr;
-        }
-        ucx::CloseEndpoints(worker.get(), {peer.ep}, kCloseTimeout);
-        it = peers.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-
-  void Run() {
-    if (options.on_progress_thread) {
-      if (Status ready = options.on_progress_thread(); !ready.ok()) {
-        LOG_ERROR << "fleet: transport " << endpoint
-                  << ": preparing the progress thread: " << ready.ToString();
-      }
-    }
-    while (!stopping) {
-      // A busy peer (reads served in software over TCP) keeps progress non-zero for as long as
-      // it reads: `stopping` is checked inside too, so Stop never waits for a transfer.
-      while (!stopping && ucp_worker_progress(worker.get()) != 0) {
-      }
-      Reap();
-      if (stopping) break;
-      const ucs_status_t armed = ucp_worker_arm(worker.get());
-      if (armed == UCS_ERR_BUSY) continue;
-      if (armed != UCS_OK) {
-        LOG_ERROR << "fleet: transport " << endpoint
-                  << ": ucp_worker_arm: " << ucs_status_string(armed);
-        break;
-      }
-      ucp_worker_wait(worker.get());
-    }
-  }
-
-  const std::string& endpoint_name() const override { return endpoint; }
-  uint64_t peers_accepted() const override { return accepted; }
-  uint64_t peers_refused() const override { return refused; }
-  ~UcxServer() override { Stop(); }
-
-  void Stop() override {
-    {
-      MutexLock lock(stop_mu);
-      if (stopped) return;
-      stopped = true;
-    }
-    stopping = true;
-    if (progress.joinable()) {
-      ucp_worker_signal(worker.get());
-      progress.join();
-    }
-    std::vector<ucp_ep_h> endpoints;
-    for (Peer& peer : peers) {
-      if (peer.send != nullptr) {
-        ucp_request_cancel(worker.get(), peer.send);
-        ucp_request_free(peer.send);
-        peer.send = nullptr;
-      }
-      endpoints.push_back(peer.ep);
-    }
-    if (worker) ucx::CloseEndpoints(worker.get(), endpoints, kCloseTimeout);
-    peers.clear();
-    listener.Reset();
-    memory.clear();
-  }
+  // Declared in acquisition order: destroyed in reverse (the memory before the worker, the
+  // worker before the context).
+  ucx::UcpContext context_;
+  ucx::UcpWorker worker_;
+  std::vector<ucx::UcpMem> memory_;
+  int efd_ = -1;  // the worker's event fd (owned by the worker)
 };
 
 }  // namespace ucx_detail
 
 Result<std::unique_ptr<ArenaServer::Impl>> StartUcxServer(ArenaServerOptions options) {
-  using ucx_detail::UcxServer;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(ucx::SocketAddress bind, ucx::ResolveEndpoint(options.listen));
-  auto impl = std::make_unique<UcxServer>();
-  UcxServer& s = *impl;
-  s.options = std::move(options);
-  WEIGHTCACHE_ASSIGN_OR_RETURN(s.context, ucx::CreateContext());
-  WEIGHTCACHE_ASSIGN_OR_RETURN(s.worker,
-                               ucx::CreateWorker(s.context.get(), ucx::Threading::kMulti));
-  if (std::any_of(s.options.regions.begin(), s.options.regions.end(),
-                  [](const ServedRegion& r) { return r.memory == RegionMemory::kCuda; })) {
+  WEIGHTCACHE_RETURN_IF_ERROR(ucx::ResolveEndpoint(options.listen).status());
+  auto hook = std::make_unique<ucx_detail::UcxWorkerHook>();
+  WEIGHTCACHE_ASSIGN_OR_RETURN(hook->context_, ucx::CreateContext());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(hook->worker_,
+                               ucx::CreateWorker(hook->context_.get(), ucx::Threading::kSingle));
+  const bool cuda =
+      std::any_of(options.regions.begin(), options.regions.end(),
+                  [](const ServedRegion& r) { return r.memory == RegionMemory::kCuda; });
+  if (cuda) {
     WEIGHTCACHE_RETURN_IF_ERROR(
-        ucx::CheckMemoryType(s.context.get(), UCS_MEMORY_TYPE_CUDA).Context("arena server"));
+        ucx::CheckMemoryType(hook->context_.get(), UCS_MEMORY_TYPE_CUDA).Context("arena server"));
   }
+  ucs_status_t status = ucp_worker_get_efd(hook->worker_.get(), &hook->efd_);
+  if (status != UCS_OK) return ucx::UcxError("arena server: ucp_worker_get_efd", status);
 
   Hello hello;
   hello.protocol = HelloProtocol::kUcx;
-  hello.manifest = s.options.manifest;
-  for (const ServedRegion& region : s.options.regions) {
+  hello.manifest = options.manifest;
+  for (const ServedRegion& region : options.regions) {
     // Registered for remote reads only.
-    WEIGHTCACHE_ASSIGN_OR_RETURN(ucx::UcpMem memory,
-                                 ucx::MapMemory(s.context.get(), const_cast<void*>(region.data),
-                                                region.bytes, region.memory == RegionMemory::kCuda,
-                                                ucx::Access::kRemoteReadOnly, "arena server"));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(
+        ucx::UcpMem memory, ucx::MapMemory(hook->context_.get(), const_cast<void*>(region.data),
+                                           region.bytes, region.memory == RegionMemory::kCuda,
+                                           ucx::Access::kRemoteReadOnly, "arena server"));
     ucp_mem_h memh = memory.get();
-    s.memory.push_back(std::move(memory));
+    hook->memory_.push_back(std::move(memory));
     void* packed = nullptr;
     size_t packed_bytes = 0;
-    ucs_status_t status = ucp_rkey_pack(s.context.get(), memh, &packed, &packed_bytes);
+    status = ucp_rkey_pack(hook->context_.get(), memh, &packed, &packed_bytes);
     if (status != UCS_OK) return ucx::UcxError("arena server: ucp_rkey_pack", status);
     HelloRegion& out = hello.regions.emplace_back();
     out.remote_address = reinterpret_cast<uintptr_t>(region.data);
@@ -252,29 +105,16 @@ Result<std::unique_ptr<ArenaServer::Impl>> StartUcxServer(ArenaServerOptions opt
                     static_cast<const uint8_t*>(packed) + packed_bytes);
     ucp_rkey_buffer_release(packed);
   }
-  WEIGHTCACHE_ASSIGN_OR_RETURN(s.hello, EncodeHello(hello));
-
-  ucp_listener_params_t params{};
-  params.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-  params.sockaddr.addr = bind.get();
-  params.sockaddr.addrlen = bind.length;
-  params.conn_handler.cb = &UcxServer::OnConnRequest;
-  params.conn_handler.arg = &s;
-  ucp_listener_h listener = nullptr;
-  ucs_status_t status = ucp_listener_create(s.worker.get(), &params, &listener);
-  if (status != UCS_OK) {
-    return ucx::UcxError("arena server: listening on " + s.options.listen, status);
-  }
-  s.listener.Reset(listener);
-  ucp_listener_attr_t attr{};
-  attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-  status = ucp_listener_query(listener, &attr);
-  if (status != UCS_OK) return ucx::UcxError("arena server: ucp_listener_query", status);
-  s.endpoint = FormatSockaddr(reinterpret_cast<const sockaddr*>(&attr.sockaddr));
-  s.progress = std::thread([&s] { s.Run(); });
-  LOG_INFO << "fleet: transport listening on " << s.endpoint << " (" << s.options.regions.size()
-           << " regions, peers " << s.options.allow.ToString() << ")";
-  return std::unique_ptr<ArenaServer::Impl>(std::move(impl));
+  ucp_address_t* address = nullptr;
+  size_t address_bytes = 0;
+  status = ucp_worker_get_address(hook->worker_.get(), &address, &address_bytes);
+  if (status != UCS_OK) return ucx::UcxError("arena server: ucp_worker_get_address", status);
+  hello.worker_address.assign(reinterpret_cast<const uint8_t*>(address),
+                              reinterpret_cast<const uint8_t*>(address) + address_bytes);
+  ucp_worker_release_address(hook->worker_.get(), address);
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> encoded, EncodeHello(hello));
+  return StartHelloServer(std::move(options), std::move(encoded), AfterHello::kClose,
+                          std::move(hook));
 }
 
 namespace ucx_detail {
@@ -301,10 +141,13 @@ struct Source {
   ucp_ep_h ep = nullptr;
   bool ep_failed = false;
   ucs_status_t ep_error = UCS_OK;
-  Status why;  // set when dropped
+  Status why;   // set when dropped
+  UniqueFd fd;  // the hello's TCP connection, until the hello is in
+  bool connected = false;
+  Clock::time_point connect_started;
   std::vector<uint8_t> header = std::vector<uint8_t>(kHelloHeaderBytes);
   std::vector<uint8_t> body;
-  ucs_status_ptr_t receive = nullptr;
+  size_t have = 0;  // bytes of the header, then of the body
   std::vector<ucx::UcpRkey> rkeys;
   std::vector<uint64_t> remote_addresses;
   std::deque<InFlight> in_flight;
@@ -318,34 +161,7 @@ void OnSourceError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
   source->ep_error = status;
 }
 
-// The hello a stream receive completed with (or the error). `request` is a recv_nbx result.
-// Returns true once the receive is done, with `*status` its outcome.
-bool ReceiveDone(ucs_status_ptr_t* request, ucs_status_t* status) {
-  if (*request == nullptr) {
-    *status = UCS_OK;
-    return true;
-  }
-  if (UCS_PTR_IS_ERR(*request)) {
-    *status = UCS_PTR_STATUS(*request);
-    *request = nullptr;
-    return true;
-  }
-  size_t length = 0;
-  const ucs_status_t state = ucp_stream_recv_request_test(*request, &length);
-  if (state == UCS_INPROGRESS) return false;
-  ucp_request_free(*request);
-  *request = nullptr;
-  *status = state;
-  return true;
-}
-
-ucs_status_ptr_t ReceiveAll(ucp_ep_h ep, std::vector<uint8_t>& buffer) {
-  ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = UCP_STREAM_RECV_FLAG_WAITALL;
-  size_t length = 0;
-  return ucp_stream_recv_nbx(ep, buffer.data(), buffer.size(), &length, &param);
-}
+bool Transient(int error) { return error == EAGAIN || error == EWOULDBLOCK || error == EINTR; }
 
 class Fetch {
  public:
@@ -456,11 +272,7 @@ class Fetch {
       }
     }
     source.in_flight.clear();
-    if (source.receive != nullptr) {
-      ucp_request_cancel(worker_.get(), source.receive);
-      ucp_request_free(source.receive);
-      source.receive = nullptr;
-    }
+    source.fd.Reset();
     source.rkeys.clear();
   }
 
@@ -472,30 +284,72 @@ class Fetch {
     return ucx::UcxError("source " + source.endpoint + ": connection failed", source.ep_error);
   }
 
+  // Starts the hello's TCP connection; the UCX endpoint comes from the hello.
   void Connect(size_t i) {
     Source& source = sources_[i];
     source.endpoint = options_.sources[i];
-    auto address = ucx::ResolveEndpoint(source.endpoint);
+    source.connect_started = Clock::now();
+    auto address = os::ResolveTcp(source.endpoint);
     if (!address.ok()) {
       Drop(source, address.status());
       return;
     }
-    ucp_ep_params_t params{};
-    params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-    params.sockaddr.addr = address->get();
-    params.sockaddr.addrlen = address->length;
-    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    params.err_handler.cb = &OnSourceError;
-    params.err_handler.arg = &source;
-    const ucs_status_t status = ucp_ep_create(worker_.get(), &params, &source.ep);
-    if (status != UCS_OK) {
-      source.ep = nullptr;
-      Drop(source, ucx::UcxError("source " + source.endpoint + ": connecting", status));
+    auto fd = os::ConnectTcp(*address);
+    if (!fd.ok()) {
+      Drop(source, fd.status().Context("source " + source.endpoint + ": connecting"));
       return;
     }
-    source.receive = ReceiveAll(source.ep, source.header);
+    source.fd = std::move(fd).value();
+  }
+
+  // Reads what has come of `source`'s hello (non-blocking). Whether it is whole.
+  bool ReceiveHello(Source& source) {
+    const std::string who = "source " + source.endpoint;
+    if (!source.connected) {
+      pollfd writable{source.fd.get(), POLLOUT, 0};
+      if (os::SysCalls::Default().Poll(&writable, 1, 0) <= 0) return false;
+      int error = 0;
+      socklen_t length = sizeof(error);
+      if (::getsockopt(source.fd.get(), SOL_SOCKET, SO_ERROR, &error, &length) != 0) {
+        error = errno;
+      }
+      if (error != 0) {
+        Drop(source,
+             Status(StatusCode::kUnavailable, who + ": connecting: " + std::strerror(error)));
+        return false;
+      }
+      source.connected = true;
+    }
+    for (;;) {
+      std::vector<uint8_t>& into = source.phase == Phase::kHeader ? source.header : source.body;
+      const ssize_t n =
+          RecvSome(source.fd.get(), into.data() + source.have, into.size() - source.have);
+      if (n < 0 && Transient(errno)) return false;
+      if (n <= 0) {
+        const int error = n < 0 ? errno : 0;
+        if (source.phase == Phase::kHeader && source.have == 0 && (n == 0 || error == ECONNRESET)) {
+          Drop(source, PermissionDenied(who + " rejected the connection (closed it before its "
+                                              "hello: is this node on its peer allow-list?)"));
+        } else {
+          Drop(source, Status(StatusCode::kUnavailable,
+                              who + ": the connection " +
+                                  (n == 0 ? std::string("closed") : std::strerror(error)) +
+                                  " inside its hello"));
+        }
+        return false;
+      }
+      source.have += static_cast<size_t>(n);
+      if (source.have < into.size()) continue;
+      source.have = 0;
+      if (source.phase == Phase::kBody) return true;
+      auto body = DecodeHelloHeader(source.header);
+      if (!body.ok()) {
+        Drop(source, body.status().Context(who));
+        return false;
+      }
+      source.body.resize(*body);
+      source.phase = Phase::kBody;
+    }
   }
 
   // Takes the hellos, concurrently, until every source is ready or dropped, or one is ready
@@ -523,29 +377,8 @@ class Fetch {
     bool waiting = false;
     for (Source& source : sources_) {
       if (source.phase != Phase::kHeader && source.phase != Phase::kBody) continue;
-      if (source.ep_failed) {
-        Drop(source, EndpointError(source));
-        continue;
-      }
-      ucs_status_t status = UCS_OK;
-      if (!ReceiveDone(&source.receive, &status)) {
-        waiting = true;
-        continue;
-      }
-      if (status != UCS_OK) {
-        Drop(source, ucx::UcxError("source " + source.endpoint + ": receiving the hello", status));
-        continue;
-      }
-      if (source.phase == Phase::kHeader) {
-        auto body = DecodeHelloHeader(source.header);
-        if (!body.ok()) {
-          Drop(source, body.status().Context("source " + source.endpoint));
-          continue;
-        }
-        source.body.resize(*body);
-        source.phase = Phase::kBody;
-        source.receive = ReceiveAll(source.ep, source.body);
-        waiting = true;
+      if (!ReceiveHello(source)) {
+        if (source.phase != Phase::kDropped) waiting = true;
         continue;
       }
       Status accepted = AcceptHello(source);
@@ -553,6 +386,7 @@ class Fetch {
         Drop(source, std::move(accepted));
         continue;
       }
+      source.fd.Reset();  // its work is done: the reads go over UCX
       source.phase = Phase::kReady;
       source.used = true;
     }
@@ -597,6 +431,29 @@ class Fetch {
     if (options_.accept) {
       Status accepted = options_.accept(source.endpoint, hello->manifest);
       if (!accepted.ok()) return accepted.Context(who + " not accepted");
+    }
+    // ucp_ep_create parses the worker address as far as it says, like an rkey: padded.
+    std::vector<uint8_t> address(hello->worker_address.size() + kRkeyPadding, 0);
+    std::memcpy(address.data(), hello->worker_address.data(), hello->worker_address.size());
+    // Peer error handling where the transports to this source support it (verbs); where
+    // they do not (shared memory and cuda_ipc on one host: UCX then finds no lane in that
+    // mode), without: a source that dies is then dropped by the stripe timeout.
+    ucs_status_t created = UCS_ERR_UNREACHABLE;
+    for (const ucp_err_handling_mode_t mode :
+         {UCP_ERR_HANDLING_MODE_PEER, UCP_ERR_HANDLING_MODE_NONE}) {
+      ucp_ep_params_t params{};
+      params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                          UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+      params.err_mode = mode;
+      params.err_handler.cb = &OnSourceError;
+      params.err_handler.arg = &source;
+      created = ucp_ep_create(worker_.get(), &params, &source.ep);
+      if (created != UCS_ERR_UNREACHABLE) break;
+    }
+    if (created != UCS_OK) {
+      source.ep = nullptr;
+      return ucx::UcxError(who + ": connecting to its UCP worker", created);
     }
     for (const HelloRegion& region : hello->regions) {
       std::vector<uint8_t> padded(region.rkey.size() + kRkeyPadding, 0);

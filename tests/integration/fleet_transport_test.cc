@@ -763,7 +763,7 @@ TEST_F(FleetTransportTest, AUcxWorkerOpensNoListeningSocket) {
 // The UCX path (CUDA regions'), run over host regions (ucx_for_host_for_test: CI's UCX moves
 // no CUDA memory): a source listens on its one UCP listener port and nowhere else (its context
 // has no tcp transport), and it fills a destination with its bytes.
-TEST_F(FleetTransportTest, DISABLED_TheUcxPathListensOnlyOnItsListenerAndFills) {
+TEST_F(FleetTransportTest, TheUcxPathListensOnlyOnItsListenerAndFills) {
   const std::vector<uint64_t> sizes = {4 * kMiB};
   const std::string a = StartSource(sizes, 7, "127.0.0.1", "manifest", "", {"--ucx", "1"});
   ASSERT_FALSE(a.empty());
@@ -786,7 +786,7 @@ TEST_F(FleetTransportTest, DISABLED_TheUcxPathListensOnlyOnItsListenerAndFills) 
 
 // Issue 39 item 3 on the UCX path: a silent source listed with a good one does not hold the
 // fetch until connect_timeout.
-TEST_F(FleetTransportTest, DISABLED_ASilentSourceDoesNotDelayAUcxFetch) {
+TEST_F(FleetTransportTest, ASilentSourceDoesNotDelayAUcxFetch) {
   auto silent = os::ListenTcp({"127.0.0.1", 0});
   ASSERT_TRUE(silent.ok()) << silent.status().ToString();
   const std::string quiet = "127.0.0.1:" + std::to_string(silent->port);

@@ -19,6 +19,7 @@ Hello Sample() {
   hello.manifest = {'p', 'l', 'a', 'n'};
   hello.regions.push_back({0x7f0000001000, 3 << 20, {1, 2, 3}});
   hello.regions.push_back({0x7f0000900000, 4096, std::vector<uint8_t>(40, 9)});
+  hello.worker_address = {5, 6, 7, 8, 9};
   return hello;
 }
 
@@ -40,6 +41,7 @@ TEST(HelloTest, RoundTrips) {
   EXPECT_EQ(hello->regions[0].bytes, 3u << 20);
   EXPECT_EQ(hello->regions[0].rkey, (std::vector<uint8_t>{1, 2, 3}));
   EXPECT_EQ(hello->regions[1].rkey.size(), 40u);
+  EXPECT_EQ(hello->worker_address, (std::vector<uint8_t>{5, 6, 7, 8, 9}));
 }
 
 TEST(HelloTest, TheEncoderRefusesWhatTheDecoderWould) {
@@ -49,6 +51,9 @@ TEST(HelloTest, TheEncoderRefusesWhatTheDecoderWould) {
   hello = Sample();
   hello.regions[1].bytes = 0;
   EXPECT_THAT(EncodeHello(hello).status().message(), HasSubstr("a region of 0 bytes"));
+  hello = Sample();
+  hello.worker_address.clear();
+  EXPECT_THAT(EncodeHello(hello).status().message(), HasSubstr("a worker address of 0 bytes"));
   hello = Sample();
   hello.regions.resize(kMaxHelloRegions + 1, hello.regions[0]);
   EXPECT_THAT(EncodeHello(hello).status().message(), HasSubstr("4097 regions"));
@@ -87,7 +92,7 @@ TEST(HelloTest, EveryTruncationIsAProtocolError) {
   std::vector<uint8_t> longer(body.begin(), body.end());
   longer.push_back(0);
   EXPECT_THAT(DecodeHelloBody(longer).status().message(),
-              HasSubstr("1 bytes past the last region"));
+              HasSubstr("1 bytes past the worker address"));
 }
 
 // Body offsets of the Sample's fields: counts at 0, the manifest at 16, region 0 at 20.
@@ -115,6 +120,9 @@ TEST(HelloTest, EachFieldIsBounded) {
       {36, 0, 4, "region 0: an rkey of 0 bytes"},
       {36, kMaxRkeyBytes + 1, 4, "region 0: an rkey of 4097 bytes"},
       {36, 4000, 4, "truncated at an rkey"},
+      {103, 0, 4, "a worker address of 0 bytes"},
+      {103, kMaxWorkerAddressBytes + 1, 4, "a worker address of 65537 bytes"},
+      {103, 1000, 4, "truncated at the worker address"},
   };
   for (const Case& c : cases) {
     std::vector<uint8_t> bad = body;
