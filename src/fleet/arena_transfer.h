@@ -7,10 +7,12 @@
 //
 // Contract:
 //  * ArenaServer::Start listens on `listen` (host:port; port 0 picks a free one, endpoint()
-//    says which), and on nothing else. A connection from an address not on `allow` is closed
-//    at accept before any byte is read or sent (UCX: ucp_listener_reject), and logged with
-//    the address. An accepted peer receives the hello (arena_transfer_hello.h): the caller's
-//    manifest blob and the regions' sizes (with UCX: their addresses and packed rkeys).
+//    says which), with one TCP socket, and on nothing else (with UCX too: there is no UCX
+//    listener). A connection from an address not on `allow` is closed at accept before any
+//    byte is read or sent, and logged with the address. An accepted peer receives the hello
+//    (arena_transfer_hello.h): the caller's manifest blob and the regions' sizes (with UCX:
+//    their addresses, packed rkeys and the source's UCP worker address, after which the
+//    connection is closed and the peer reads over UCX).
 //  * Over TCP a peer can only read, only within the served regions: a request out of bounds,
 //    an unknown opcode or a malformed frame drops that peer (logged with its address); a peer
 //    idle for `idle_timeout` or stalled for `send_timeout` is dropped and its slot freed; past
