@@ -57,7 +57,7 @@ class TcpServer : public ArenaServer::Impl {
     for (const ServedRegion& region : options_.regions) sizes_.push_back(region.bytes);
     if (!options_.hello_override_for_test.empty()) hello_ = options_.hello_override_for_test;
   }
-  ~TcpServer() override { Stop(); }
+  ~TcpServer() override { StopNow(); }
 
   Status Start() {
     WEIGHTCACHE_ASSIGN_OR_RETURN(os::HostPort where, os::SplitHostPort(options_.listen));
@@ -82,7 +82,11 @@ class TcpServer : public ArenaServer::Impl {
   uint64_t peers_accepted() const override { return accepted_; }
   uint64_t peers_refused() const override { return refused_; }
 
-  void Stop() override {
+  void Stop() override { StopNow(); }
+
+ private:
+  // Stop's work; non-virtual, so that the destructor can call it.
+  void StopNow() {
     {
       MutexLock lock(stop_mu_);
       if (stopped_) return;
@@ -99,7 +103,6 @@ class TcpServer : public ArenaServer::Impl {
     listener_.Reset();
   }
 
- private:
   void Drop(std::list<Peer>::iterator& it, const std::string& why, bool misbehaved) {
     if (misbehaved) {
       LOG_WARN << "fleet: transport " << endpoint_ << " dropped peer " << it->address << ": "

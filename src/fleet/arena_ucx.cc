@@ -50,19 +50,19 @@ double Millis(Clock::duration d) { return std::chrono::duration<double, std::mil
 // address; there is no UCX listener, so nothing of UCX listens on a port.
 class UcxWorkerHook final : public ServerThreadHook {
  public:
-  int fd() const override { return efd_; }
+  int fd() const override { return efd; }
   void Progress() override {
-    while (ucp_worker_progress(worker_.get()) != 0) {
+    while (ucp_worker_progress(worker.get()) != 0) {
     }
   }
-  bool Arm() override { return ucp_worker_arm(worker_.get()) == UCS_OK; }
+  bool Arm() override { return ucp_worker_arm(worker.get()) == UCS_OK; }
 
   // Declared in acquisition order: destroyed in reverse (the memory before the worker, the
   // worker before the context).
-  ucx::UcpContext context_;
-  ucx::UcpWorker worker_;
-  std::vector<ucx::UcpMem> memory_;
-  int efd_ = -1;  // the worker's event fd (owned by the worker)
+  ucx::UcpContext context;
+  ucx::UcpWorker worker;
+  std::vector<ucx::UcpMem> memory;
+  int efd = -1;  // the worker's event fd (owned by the worker)
 };
 
 }  // namespace ucx_detail
@@ -70,17 +70,17 @@ class UcxWorkerHook final : public ServerThreadHook {
 Result<std::unique_ptr<ArenaServer::Impl>> StartUcxServer(ArenaServerOptions options) {
   WEIGHTCACHE_RETURN_IF_ERROR(ucx::ResolveEndpoint(options.listen).status());
   auto hook = std::make_unique<ucx_detail::UcxWorkerHook>();
-  WEIGHTCACHE_ASSIGN_OR_RETURN(hook->context_, ucx::CreateContext());
-  WEIGHTCACHE_ASSIGN_OR_RETURN(hook->worker_,
-                               ucx::CreateWorker(hook->context_.get(), ucx::Threading::kSingle));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(hook->context, ucx::CreateContext());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(hook->worker,
+                               ucx::CreateWorker(hook->context.get(), ucx::Threading::kSingle));
   const bool cuda =
       std::any_of(options.regions.begin(), options.regions.end(),
                   [](const ServedRegion& r) { return r.memory == RegionMemory::kCuda; });
   if (cuda) {
     WEIGHTCACHE_RETURN_IF_ERROR(
-        ucx::CheckMemoryType(hook->context_.get(), UCS_MEMORY_TYPE_CUDA).Context("arena server"));
+        ucx::CheckMemoryType(hook->context.get(), UCS_MEMORY_TYPE_CUDA).Context("arena server"));
   }
-  ucs_status_t status = ucp_worker_get_efd(hook->worker_.get(), &hook->efd_);
+  ucs_status_t status = ucp_worker_get_efd(hook->worker.get(), &hook->efd);
   if (status != UCS_OK) return ucx::UcxError("arena server: ucp_worker_get_efd", status);
 
   Hello hello;
@@ -88,15 +88,15 @@ Result<std::unique_ptr<ArenaServer::Impl>> StartUcxServer(ArenaServerOptions opt
   hello.manifest = options.manifest;
   for (const ServedRegion& region : options.regions) {
     // Registered for remote reads only.
-    WEIGHTCACHE_ASSIGN_OR_RETURN(
-        ucx::UcpMem memory, ucx::MapMemory(hook->context_.get(), const_cast<void*>(region.data),
-                                           region.bytes, region.memory == RegionMemory::kCuda,
-                                           ucx::Access::kRemoteReadOnly, "arena server"));
+    WEIGHTCACHE_ASSIGN_OR_RETURN(ucx::UcpMem memory,
+                                 ucx::MapMemory(hook->context.get(), const_cast<void*>(region.data),
+                                                region.bytes, region.memory == RegionMemory::kCuda,
+                                                ucx::Access::kRemoteReadOnly, "arena server"));
     ucp_mem_h memh = memory.get();
-    hook->memory_.push_back(std::move(memory));
+    hook->memory.push_back(std::move(memory));
     void* packed = nullptr;
     size_t packed_bytes = 0;
-    status = ucp_rkey_pack(hook->context_.get(), memh, &packed, &packed_bytes);
+    status = ucp_rkey_pack(hook->context.get(), memh, &packed, &packed_bytes);
     if (status != UCS_OK) return ucx::UcxError("arena server: ucp_rkey_pack", status);
     HelloRegion& out = hello.regions.emplace_back();
     out.remote_address = reinterpret_cast<uintptr_t>(region.data);
@@ -107,11 +107,11 @@ Result<std::unique_ptr<ArenaServer::Impl>> StartUcxServer(ArenaServerOptions opt
   }
   ucp_address_t* address = nullptr;
   size_t address_bytes = 0;
-  status = ucp_worker_get_address(hook->worker_.get(), &address, &address_bytes);
+  status = ucp_worker_get_address(hook->worker.get(), &address, &address_bytes);
   if (status != UCS_OK) return ucx::UcxError("arena server: ucp_worker_get_address", status);
   hello.worker_address.assign(reinterpret_cast<const uint8_t*>(address),
                               reinterpret_cast<const uint8_t*>(address) + address_bytes);
-  ucp_worker_release_address(hook->worker_.get(), address);
+  ucp_worker_release_address(hook->worker.get(), address);
   WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<uint8_t> encoded, EncodeHello(hello));
   return StartHelloServer(std::move(options), std::move(encoded), AfterHello::kClose,
                           std::move(hook));
