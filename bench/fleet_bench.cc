@@ -1,12 +1,11 @@
-// Fleet transport: GB/s of a host-tier arena pull over UCX (loopback) against memcpy GB/s of
-// the same bytes measured in the same run (docs/fleet.md "Measured").
+// Fleet transport: GB/s of a host-tier arena pull over the native TCP protocol (loopback)
+// against memcpy GB/s of the same bytes measured in the same run (docs/fleet.md "Measured").
 //
 //   fleet_bench [--gib G] [--sources N] [--stripe-mib M] [--in-flight K] [--reps R]
 //
-// The sources are ArenaServers in this process (each with its own UCP worker and progress
-// thread), serving memfd mappings; the destination is a memfd mapping, as a filling daemon's.
-// UCX_TLS is the caller's (unset: UCX picks; `UCX_TLS=tcp` for the TCP path a cross-node
-// fill takes). Prints one JSON line per measurement.
+// The sources are ArenaServers in this process (each with its own server thread), serving
+// memfd mappings; the destination is a memfd mapping, as a filling daemon's. Host memory never
+// goes through UCX (docs/fleet.md "Transport"). Prints one JSON line per measurement.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -98,7 +97,6 @@ int main(int argc, char** argv) {
   options.destination = {{destination.data(), bytes}};
   options.stripe_bytes = stripe_mib << 20;
   options.max_in_flight_per_source = in_flight;
-  const char* tls = std::getenv("UCX_TLS");
   for (int r = 0; r < reps; ++r) {
     std::memset(destination.data(), 0, bytes);
     auto result = wc::fleet::FetchArena(options);
@@ -108,11 +106,11 @@ int main(int argc, char** argv) {
     }
     const bool equal = std::memcmp(destination.data(), source.data(), bytes) == 0;
     std::printf(
-        "{\"what\":\"fleet_fetch\",\"ucx_tls\":\"%s\",\"sources\":%d,\"stripe_mib\":%llu,"
+        "{\"what\":\"fleet_fetch\",\"transport\":\"tcp\",\"sources\":%d,\"stripe_mib\":%llu,"
         "\"in_flight\":%zu,\"bytes\":%llu,\"seconds\":%.3f,\"gb_per_s\":%.2f,"
         "\"vs_memcpy\":%.3f,\"equal\":%s}\n",
-        tls != nullptr ? tls : "(default)", sources, static_cast<unsigned long long>(stripe_mib),
-        in_flight, static_cast<unsigned long long>(bytes), result->seconds, result->gb_per_s,
+        sources, static_cast<unsigned long long>(stripe_mib), in_flight,
+        static_cast<unsigned long long>(bytes), result->seconds, result->gb_per_s,
         result->gb_per_s / best_memcpy, equal ? "true" : "false");
   }
   return 0;

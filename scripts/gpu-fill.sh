@@ -13,7 +13,8 @@
 #   1. the D2D limit: torch copies 16 GiB on the device, best of 3;
 #   2. A loads and serves (`--fill-serve 127.0.0.1:0 --fill-allow 127.0.0.1`);
 #   3. B fills from A, once per UCX transport set in UCX_VARIANTS (default: UCX's own choice,
-#      then without cuda_ipc, then sm+cuda_copy, then tcp+cuda_copy), each followed by
+#      which the fill narrows to "^tcp,cma"; then without cuda_ipc; then tcp+cuda_copy, which
+#      the fill refuses since issue 39, so B loads from disk), each followed by
 #      `attach --verify` on B and B's stop;
 #   3b. B seeded from A's socket instead (`--seed-from`, issue 18's one-GPU form: a D2D copy
 #      through the device's own copy engines, checked like a fill), verified;
@@ -35,7 +36,8 @@
 # leaves UCX_TLS unset), UCX_PERFTEST (its path; default under WEIGHTCACHE_UCX_PREFIX, which
 # gpu-suite.sh sets),
 # DRY_RUN=host (no GPU: the same steps on the host tier over a fake GPU (a device inventory)
-# and a small checkpoint, over UCX's host transports ("default tcp"), without the D2D limit: a
+# and a small checkpoint, over the host tier's TCP protocol (no UCX: "default tcp" only shows
+# that UCX_TLS does not matter to it), without the D2D limit: a
 # rehearsal of this script's own logic on a CPU machine, e.g. BUILD_DIR=build).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -43,7 +45,7 @@ cd "$(dirname "$0")/.." || exit 1
 . scripts/gpu-script-common.sh
 gpu_script_init fill fill.log
 
-default_variants="default ^cuda_ipc sm,cuda_copy tcp,cuda_copy"
+default_variants="default ^cuda_ipc,tcp,cma tcp,cuda_copy"
 if dry_run_tier 1; then
   default_variants="default tcp"
   say "fill: DRY_RUN=host: the host tier over a fake GPU, a small checkpoint, no D2D limit"

@@ -97,9 +97,11 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
                            : std::string()));
   sub->add_option("--fill-serve", flags->fill_serve,
                   "HOST:PORT (port 0: a free one): once ready, serve the arena to other nodes' "
-                  "--fill-from over UCX (the gpu tier serves device memory, holding a CUDA "
-                  "context while it does); the bound endpoint is logged, and goes into the "
-                  "registry entry unless --advertise is given. Needs --fill-allow" +
+                  "--fill-from, listening on HOST:PORT only (the host tier over weightcache's "
+                  "read-only TCP protocol; the gpu tier over UCX without its tcp and cma "
+                  "transports, holding a CUDA context while it does); the bound endpoint is "
+                  "logged, and goes into the registry entry unless --advertise is given. Needs "
+                  "--fill-allow" +
                       per_rank);
   sub->add_option("--fill-trust", flags->fill_trust,
                   "content|fleet (default content): what --fill-from's bytes must match before "
@@ -112,9 +114,11 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
                   "differ from ours in few bytes can fill wrong weights: trust every node of the "
                   "fleet to serve the same files (docs/fleet.md \"Fill\")")
       ->check(CLI::IsMember({std::string(kFillTrustContent), std::string(kFillTrustFleet)}));
-  sub->add_option("--fill-allow", flags->fill_allow,
-                  "ADDR|CIDR[,...]: the peers that may fill from --fill-serve (\"0.0.0.0/0,::/0\" "
-                  "for everyone); an allowed peer can read the daemon's memory (docs/fleet.md)");
+  sub->add_option(
+      "--fill-allow", flags->fill_allow,
+      "ADDR|CIDR[,...]: the peers that may fill from --fill-serve (\"0.0.0.0/0,::/0\" "
+      "for everyone), checked before a byte is sent; an allowed peer can read the arena "
+      "it serves (docs/fleet.md \"Security\")");
 }
 
 Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags) {

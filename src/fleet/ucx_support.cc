@@ -1,14 +1,14 @@
 #include "fleet/ucx_support.h"
 
-#include <netdb.h>
 #include <uct/api/uct.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
+#include <vector>
 
 #include "common/logging.h"
-#include "os/tcp_socket.h"
 
 namespace weightcache::fleet::ucx {
 
@@ -62,10 +62,58 @@ bool HasUctComponent(std::string_view name) {
 
 }  // namespace
 
+Status CheckTransports(std::string_view tls) {
+  std::vector<std::string> entries;
+  const bool negated = !tls.empty() && tls.front() == '^';
+  if (negated) tls.remove_prefix(1);
+  for (size_t at = 0; at <= tls.size();) {
+    size_t comma = tls.find(',', at);
+    if (comma == std::string_view::npos) comma = tls.size();
+    std::string entry(tls.substr(at, comma - at));
+    while (!entry.empty() && entry.back() == ' ') entry.pop_back();
+    while (!entry.empty() && entry.front() == ' ') entry.erase(0, 1);
+    if (!entry.empty()) entries.push_back(std::move(entry));
+    at = comma + 1;
+  }
+  auto names = [&](std::string_view name) {
+    return std::find(entries.begin(), entries.end(), name) != entries.end();
+  };
+  const std::string why =
+      ": UCX's tcp and cma transports serve remote reads and writes of any address without "
+      "checking rkeys (and tcp listens on every network device); the fill source and filler "
+      "refuse to run with them";
+  if (negated) {
+    for (const char* forbidden : kForbiddenTransports) {
+      if (!names(forbidden)) {
+        return PermissionDenied("UCX_TLS=^" + std::string(tls) + " does not exclude " + forbidden +
+                                why);
+      }
+    }
+    return Status::Ok();
+  }
+  if (entries.empty()) return PermissionDenied("UCX_TLS is empty (it means all)" + why);
+  for (const char* forbidden : {"tcp", "cma", "all", "sm", "shm"}) {
+    if (names(forbidden)) {
+      return PermissionDenied("UCX_TLS=" + std::string(tls) + " names " + forbidden + why);
+    }
+  }
+  return Status::Ok();
+}
+
 Result<UcpContext> CreateContext() {
   ucp_config_t* config = nullptr;
   ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
   if (status != UCS_OK) return UcxError("ucp_config_read", status);
+  // ucp_config_read took UCX_TLS from the environment, so the check is of the same value.
+  if (const char* tls = std::getenv("UCX_TLS"); tls != nullptr) {
+    if (Status allowed = CheckTransports(tls); !allowed.ok()) {
+      ucp_config_release(config);
+      return allowed;
+    }
+  } else if (status = ucp_config_modify(config, "TLS", kDefaultTransports); status != UCS_OK) {
+    ucp_config_release(config);
+    return UcxError(std::string("ucp_config_modify(TLS, ") + kDefaultTransports + ")", status);
+  }
   // UCX turns cuda_ipc's get off where the GPU has no NVLink ("auto"), because a PCIe peer read
   // can be slower than a write. A fill only reads (ucp_get from the source's arena), so without
   // it a same-host pull falls back to UCX's software emulation over tcp or shared memory:
@@ -104,11 +152,15 @@ Status CheckMemoryType(ucp_context_h context, ucs_memory_type_t type) {
 }
 
 Result<UcpMem> MapMemory(ucp_context_h context, void* address, size_t bytes, bool cuda,
-                         const std::string& what) {
+                         Access access, const std::string& what) {
   ucp_mem_map_params_t params{};
-  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_PROT;
   params.address = address;
   params.length = bytes;
+  params.prot = access == Access::kRemoteReadOnly
+                    ? UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_REMOTE_READ
+                    : UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_LOCAL_WRITE;
   if (cuda) {
     params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
     params.memory_type = UCS_MEMORY_TYPE_CUDA;
@@ -128,26 +180,6 @@ Result<UcpWorker> CreateWorker(ucp_context_h context, Threading threading) {
   const ucs_status_t status = ucp_worker_create(context, &params, &worker);
   if (status != UCS_OK) return UcxError("ucp_worker_create", status);
   return UcpWorker(worker);
-}
-
-Result<SocketAddress> ResolveEndpoint(const std::string& endpoint) {
-  auto split = os::SplitHostPort(endpoint);
-  if (!split.ok()) return split.status().Context("transport endpoint '" + endpoint + "'");
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  const std::string port = std::to_string(split->port);
-  const int rc = getaddrinfo(split->host.c_str(), port.c_str(), &hints, &found);
-  if (rc != 0 || found == nullptr) {
-    return InvalidArgument("transport endpoint '" + endpoint + "': " + gai_strerror(rc));
-  }
-  SocketAddress address;
-  std::memcpy(&address.storage, found->ai_addr, found->ai_addrlen);
-  address.length = found->ai_addrlen;
-  freeaddrinfo(found);
-  return address;
 }
 
 ucs_status_t WaitRequest(ucp_worker_h worker, ucs_status_ptr_t request,

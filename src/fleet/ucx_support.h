@@ -16,9 +16,11 @@
 
 #include <chrono>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/unique_handle.h"
+#include "os/tcp_socket.h"
 #include "weightcache/status.h"
 
 namespace weightcache::fleet::ucx {
@@ -65,27 +67,38 @@ Status UcxError(const std::string& what, ucs_status_t status);
 
 // A context with the features the transport uses (RMA, stream, wakeup), configured from the
 // UCX_* environment, with cuda_ipc's get on unless UCX_CUDA_IPC_ENABLE_GET_ZCOPY says otherwise
-// (UCX leaves it off without NVLink, and a fill reads).
+// (UCX leaves it off without NVLink, and a fill reads), and without the transports that serve
+// remote reads and writes in software, checking no rkey or bound (docs/fleet.md "Security"):
+// tcp (which also opens a listening port per network device) and cma. UCX_TLS unset: the
+// context uses "^tcp,cma". UCX_TLS set: kPermissionDenied unless CheckTransports accepts it.
 Result<UcpContext> CreateContext();
+
+// The transports UCX must never use here.
+inline constexpr const char* kForbiddenTransports[] = {"tcp", "cma"};
+// The TLS value CreateContext uses when the operator set none.
+inline constexpr const char* kDefaultTransports = "^tcp,cma";
+// Whether an operator's UCX_TLS keeps tcp and cma out: a "^" list must name both; a list of
+// transports must name neither, nor an alias that takes them in ("all", "sm", "shm").
+// kPermissionDenied naming the offending entry.
+Status CheckTransports(std::string_view tls);
 // Ok when `context` can register and move memory of `type` (ucp_context_query's memory types);
 // kUnavailable naming the type and this UCX's version otherwise (Debian's UCX has no CUDA).
 Status CheckMemoryType(ucp_context_h context, ucs_memory_type_t type);
 // Registers `bytes` at `address` with `context` (ucp_mem_map), as CUDA device memory when
-// `cuda` (UCS_MEMORY_TYPE_CUDA; the caller checked CheckMemoryType first). `what` names the
-// region in the error.
+// `cuda` (UCS_MEMORY_TYPE_CUDA; the caller checked CheckMemoryType first). kRemoteReadOnly: a
+// served region, registered for local and remote reads only (no remote write). `what` names
+// the region in the error.
+enum class Access { kRemoteReadOnly, kLocalWrite };
 Result<UcpMem> MapMemory(ucp_context_h context, void* address, size_t bytes, bool cuda,
-                         const std::string& what);
+                         Access access, const std::string& what);
 enum class Threading { kSingle, kMulti };
 Result<UcpWorker> CreateWorker(ucp_context_h context, Threading threading);
 
-// Resolves "host:port" ([v6]:port) into a socket address (numeric or by getaddrinfo, first
-// result). kInvalidArgument when unparsable or unresolvable.
-struct SocketAddress {
-  sockaddr_storage storage{};
-  socklen_t length = 0;
-  const sockaddr* get() const { return reinterpret_cast<const sockaddr*>(&storage); }
-};
-Result<SocketAddress> ResolveEndpoint(const std::string& endpoint);
+// Resolves "host:port" ([v6]:port) into a socket address: os::ResolveTcp.
+using SocketAddress = os::SocketAddress;
+inline Result<SocketAddress> ResolveEndpoint(const std::string& endpoint) {
+  return os::ResolveTcp(endpoint);
+}
 
 // Waits for a request returned by a UCP non-blocking call: progresses `worker` until it
 // completes or `timeout` passes. Frees the request. UCS_OK / the request's error /

@@ -3,9 +3,11 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 
 #include <cerrno>
+#include <cstring>
 #include <memory>
 
 namespace weightcache::os {
@@ -76,6 +78,37 @@ Result<TcpListener> ListenTcp(const HostPort& where, int backlog) {
     return out;
   }
   return IoError("listen on " + what, last_errno);
+}
+
+Result<SocketAddress> ResolveTcp(const std::string& endpoint) {
+  auto split = SplitHostPort(endpoint);
+  if (!split.ok()) return split.status().Context("transport endpoint '" + endpoint + "'");
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string port = std::to_string(split->port);
+  const int rc = ::getaddrinfo(split->host.c_str(), port.c_str(), &hints, &found);
+  if (rc != 0 || found == nullptr) {
+    return InvalidArgument("transport endpoint '" + endpoint + "': " + ::gai_strerror(rc));
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(found, &::freeaddrinfo);
+  SocketAddress address;
+  std::memcpy(&address.storage, found->ai_addr, found->ai_addrlen);
+  address.length = found->ai_addrlen;
+  return address;
+}
+
+Result<UniqueFd> ConnectTcp(const SocketAddress& to) {
+  UniqueFd fd(::socket(to.storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd) return IoError("socket", errno);
+  int one = 1;
+  (void)::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (::connect(fd.get(), to.get(), to.length) != 0 && errno != EINPROGRESS) {
+    return IoError("connect", errno);
+  }
+  return fd;
 }
 
 }  // namespace weightcache::os

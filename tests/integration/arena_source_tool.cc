@@ -3,14 +3,18 @@
 // its own process so that a test can kill it with SIGKILL mid-transfer.
 //
 //   arena_source_tool --regions B1,B2,... --seed S --allow LIST [--manifest TEXT]
-//                     [--hostile MODE]
+//                     [--hostile MODE] [--max-peers N] [--idle-timeout-ms MS] [--listen H:P]
+//                     [--ucx 1]
 //
 // Prints "endpoint HOST:PORT" on stdout once it listens, then serves until its stdin closes.
+// The regions are filled through a writable mapping, then served from a read-only one (as the
+// daemon's sealed memfds are).
 // --hostile sends a malformed hello instead of the real one: bad-magic, bad-version,
 // huge-body, zero-regions, many-regions, huge-rkey, truncated (announces more than it sends),
 // trailing (bytes past the last region).
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -39,11 +43,10 @@ std::vector<uint8_t> HostileHello(const std::string& mode) {
   std::vector<uint8_t> body;
   wire::PutU64(body, 0);  // manifest bytes
   wire::PutU32(body, mode == "zero-regions" ? 0 : mode == "many-regions" ? 0xFFFFFFFF : 1);
-  wire::PutU32(body, 0);
-  wire::PutU64(body, 0x1000);  // remote address
-  wire::PutU64(body, 4096);    // bytes
-  wire::PutU32(body, mode == "huge-rkey" ? 0x7FFFFFFF : 4);
-  wire::PutU32(body, 0);  // an rkey's 4 bytes
+  wire::PutU32(body, static_cast<uint32_t>(wc::fleet::HelloProtocol::kTcp));
+  wire::PutU64(body, 0);     // remote address (none in the tcp protocol)
+  wire::PutU64(body, 4096);  // bytes
+  wire::PutU32(body, mode == "huge-rkey" ? 0x7FFFFFFF : 0);
   if (mode == "trailing") wire::PutU64(body, 7);
   uint64_t announced = body.size();
   if (mode == "huge-body") announced = uint64_t{1} << 40;
@@ -61,6 +64,10 @@ int main(int argc, char** argv) {
   std::string allow;
   std::string manifest;
   std::string hostile;
+  std::string listen = "127.0.0.1:0";
+  size_t max_peers = 64;
+  bool ucx = false;  // the UCX path (CUDA regions') over these host regions
+  int64_t idle_timeout_ms = 10000;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const std::string value = argv[i + 1];
@@ -79,6 +86,14 @@ int main(int argc, char** argv) {
       manifest = value;
     } else if (flag == "--hostile") {
       hostile = value;
+    } else if (flag == "--max-peers") {
+      max_peers = std::stoull(value);
+    } else if (flag == "--idle-timeout-ms") {
+      idle_timeout_ms = std::stoll(value);
+    } else if (flag == "--listen") {
+      listen = value;
+    } else if (flag == "--ucx") {
+      ucx = value == "1";
     } else {
       return Fail("unknown flag " + flag);
     }
@@ -90,15 +105,23 @@ int main(int argc, char** argv) {
   if (!allow_list.ok()) return Fail(allow_list.status().ToString());
   options.allow = *allow_list;
   options.manifest.assign(manifest.begin(), manifest.end());
+  options.listen = listen;
+  options.max_peers = max_peers;
+  options.ucx_for_host_for_test = ucx;
+  options.idle_timeout = std::chrono::milliseconds(idle_timeout_ms);
   if (!hostile.empty()) options.hello_override_for_test = HostileHello(hostile);
   std::vector<wc::os::MappedRegion> mappings;
   uint64_t offset = 0;
   for (uint64_t bytes : sizes) {
     auto fd = wc::os::CreateMemfd("arena-source", bytes);
     if (!fd.ok()) return Fail(fd.status().ToString());
-    auto mapping = wc::os::MapReadWrite(fd->get(), bytes);
+    {
+      auto writable = wc::os::MapReadWrite(fd->get(), bytes);
+      if (!writable.ok()) return Fail(writable.status().ToString());
+      wc::testing::FillPattern(seed, offset, static_cast<uint8_t*>(writable->data()), bytes);
+    }
+    auto mapping = wc::os::MapReadOnly(fd->get(), bytes);
     if (!mapping.ok()) return Fail(mapping.status().ToString());
-    wc::testing::FillPattern(seed, offset, static_cast<uint8_t*>(mapping->data()), bytes);
     offset += bytes;
     options.regions.push_back({mapping->data(), bytes});
     mappings.push_back(std::move(*mapping));

@@ -1,4 +1,4 @@
-// `serve --fill-from registry` against a real etcd and real UCX over loopback TCP
+// `serve --fill-from registry` against a real etcd and the fleet transport over loopback TCP
 // (docs/fleet.md "Fill"): two "nodes" are two daemons with their own runtime dirs. Node A
 // serves its host-tier arena (--fill-serve, --fill-allow); node B fills from it with equal
 // bytes and never reads the tensor data from its disk; no source, a source killed mid-transfer
@@ -46,8 +46,6 @@ class FleetFillTest : public ::testing::Test {
   void SetUp() override {
     etcd_ = StartEtcdOrSkip();
     if (etcd_ == nullptr) return;
-    // The children inherit it: the transport runs over loopback TCP on any machine.
-    ::setenv("UCX_TLS", "tcp", 1);
     // A hub cache snapshot: every shard's SHA-256 is its blob's name (the content anchor).
     model_ = LayOutAsHubCache(MakeCheckpoint(dir_.Join("model"), 8, 1, 5, 65536), dir_.Join("hub"));
   }
