@@ -286,6 +286,39 @@ class Miss:
         return self.kind != "timeout"
 
 
+def publish_decision(settings: Mapping[str, Any], miss: Miss) -> Tuple[bool, str]:
+    """(publish after this miss?, the log's note when not)."""
+    if not settings["publish"]:
+        return False, "not published (publish: false)"
+    if not miss.may_publish:
+        return False, "not published (its daemon did not answer)"
+    return True, ""
+
+
+def hit_detail(sd: Any) -> str:
+    """The hit's part of the plugin's log line."""
+    att = sd.attachment
+    return (f"attached {len(sd)} tensors ({att.total_bytes} bytes) from {att.socket_path} in "
+            f"{att.attach_ms:.1f} ms")
+
+
+def publish_noted(module: Any, identity: EngineIdentity, log: Any, *, capture: str,
+                  serve_args: Sequence[str] = ()) -> str:
+    """publish_module, for a plugin after its disk load: the log's note of what happened. A
+    refusal is logged as a warning and the engine serves on from its own copy."""
+    from weightcache.errors import WeightcacheError
+
+    timer = Timer()
+    try:
+        count = publish_module(module, identity, extra={"capture": capture},
+                               serve_args=serve_args)
+    except (WeightcacheError, ValueError, TypeError, OSError, UnusableCache) as e:
+        log.warning("weightcache: publishing %s failed (%s); the engine serves on from its own "
+                    "copy", identity.source, e)
+        return f"not published: {e}"
+    return f"published {count} tensors to {identity.source} in {timer.seconds():.3f} s"
+
+
 def attach_tensors(identity: EngineIdentity, *, wait_timeout: float,
                    on_mismatch: str = "error") -> Tuple[Optional[Any], Optional[Miss]]:
     """(state dict, None): the attached tensors of this identity's daemon; or (None, Miss) when

@@ -67,8 +67,6 @@ def loader_class() -> type:
     from sglang.srt.model_loader import loader as sgl_loader
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    from weightcache.errors import WeightcacheError
-
     from . import _engine
 
     log = logging.getLogger("sglang.weightcache")  # under SGLang's logger, like its own lines
@@ -128,26 +126,21 @@ def loader_class() -> type:
             if sd is not None:
                 try:
                     model = self._from_cache(sd, model_config, target_device)
-                    log.info("%s", _engine.Outcome(
-                        "hit", timer.seconds(),
-                        f"attached {len(sd)} tensors ({sd.attachment.total_bytes} bytes) from "
-                        f"{sd.attachment.socket_path} in {sd.attachment.attach_ms:.1f} ms")
-                        .line("sglang", identity))
+                    log.info("%s", _engine.Outcome("hit", timer.seconds(),
+                                                   _engine.hit_detail(sd)).line("sglang",
+                                                                                identity))
                     return model
                 except _engine.UnusableCache as e:
                     if self.settings["on_unusable"] == "error":
                         raise
                     why = _engine.Miss("unusable", f"the cache does not fit this model: {e}")
                     del sd
-            publish = self.settings["publish"] and why.may_publish
+            publish, self._published_note = _engine.publish_decision(self.settings, why)
             self._publish_identity = identity if publish else None
-            self._published_note = "" if publish else (
-                "not published (publish: false)" if not self.settings["publish"] else
-                "not published (its daemon did not answer)")
             model = super().load_model(model_config=model_config, device_config=device_config)
-            log.info("%s", _engine.Outcome(why.kind, timer.seconds(),
-                                           f"{why.reason}; loaded from disk; {self._published_note}")
-                     .line("sglang", identity))
+            detail = f"{why.reason}; loaded from disk; {self._published_note}"
+            log.info("%s", _engine.Outcome(why.kind, timer.seconds(), detail).line("sglang",
+                                                                                  identity))
             return model
 
         # DefaultModelLoader.load_model calls self.load_weights_and_postprocess: the tensors
@@ -161,16 +154,8 @@ def loader_class() -> type:
             sgl_loader.DefaultModelLoader.postprocess_weights(model, target_device)
 
         def _publish(self, model: Any, identity: "_engine.EngineIdentity") -> str:
-            timer = _engine.Timer()
-            try:
-                count = _engine.publish_module(model, identity, extra={"capture": "loaded"},
-                                               serve_args=self.settings["serve_args"])
-            except (WeightcacheError, ValueError, TypeError, OSError,
-                    _engine.UnusableCache) as e:
-                log.warning("weightcache: publishing %s failed (%s); the engine serves on from "
-                            "its own copy", identity.source, e)
-                return f"not published: {e}"
-            return f"published {count} tensors to {identity.source} in {timer.seconds():.3f} s"
+            return _engine.publish_noted(model, identity, log, capture="loaded",
+                                         serve_args=self.settings["serve_args"])
 
         def _from_cache(self, sd: Any, model_config: Any, target_device: Any) -> Any:
             if _engine.metadata_extra(sd).get("capture") != "loaded":

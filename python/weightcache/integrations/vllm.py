@@ -24,25 +24,11 @@ In each worker (one TP/PP rank), the loader:
   published into a daemon started detached for them, so that the next start is a hit.
 
 One log line per rank says which path was taken and how long it took. Settings
-(``--model-loader-extra-config`` JSON, each optional):
-
-=================  =========================================================================
-``on_mismatch``    ``"fallback"`` (default: log the differing fields, load from disk) or
-                   ``"error"`` (strict: raise the MismatchError)
-``on_unusable``    ``"fallback"`` (default) or ``"error"``: a cache whose tensors do not fit
-                   the model this start built
-``wait_timeout``   seconds to wait for a daemon that is loading or awaiting its publisher
-                   (default 30); a daemon that does not answer in time means a disk load
-``publish``        publish after a miss (default true)
-``capture``        ``"auto"`` (default), ``"loaded"`` or ``"processed"`` (docs/engines.md)
-``runtime_dir``    / ``namespace``: where the daemons live (default: weightcache's own,
-                   ``WEIGHTCACHE_RUNTIME_DIR`` applies)
-``serve_args``     extra ``weightcache serve`` flags for the daemon a miss starts (a list)
-``load_format``    the format of the disk load (default ``"auto"``)
-=================  =========================================================================
-
-Any other key is passed to vLLM's default loader (``enable_multithread_load``, ...), which
-refuses what it does not know.
+(``--model-loader-extra-config`` JSON, each optional: on_mismatch, on_unusable, wait_timeout,
+publish, capture, runtime_dir, namespace, serve_args, load_format) are
+weightcache.integrations._engine.SETTINGS, explained in docs/engines.md "Settings"; any other
+key is passed to vLLM's default loader (``enable_multithread_load``, ...), which refuses what
+it does not know.
 """
 
 from __future__ import annotations
@@ -219,22 +205,15 @@ def _make_loader_class() -> type:
                 try:
                     model = self._from_cache(sd, identity, model_config, vllm_config, prefix)
                     log.info("%s", _engine.Outcome("hit", timer.seconds(),
-                                         f"attached {len(sd)} tensors "
-                                         f"({sd.attachment.total_bytes} bytes) from "
-                                         f"{sd.attachment.socket_path} in "
-                                         f"{sd.attachment.attach_ms:.1f} ms").line("vllm",
-                                                                                  identity))
+                                                   _engine.hit_detail(sd)).line("vllm", identity))
                     return model
                 except _engine.UnusableCache as e:
                     if self.settings["on_unusable"] == "error":
                         raise
                     why = _engine.Miss("unusable", f"the cache does not fit this model: {e}")
                     del sd
-            publish = self.settings["publish"] and why.may_publish
+            publish, self._published_note = _engine.publish_decision(self.settings, why)
             self._publish_identity = identity if publish else None
-            self._published_note = "" if publish else (
-                "not published (publish: false)" if not self.settings["publish"] else
-                "not published (its daemon did not answer)")
             model = super().load_model(vllm_config=vllm_config, model_config=model_config,
                                        prefix=prefix)
             if self._publish_identity is not None:  # "processed": after the post-processing
@@ -255,17 +234,8 @@ def _make_loader_class() -> type:
                 self._publish_identity = None
 
         def _publish(self, model: Any, identity: "_engine.EngineIdentity") -> str:
-            timer = _engine.Timer()
-            try:
-                count = _engine.publish_module(model, identity,
-                                               extra={"capture": self._capture(model)},
-                                               serve_args=self.settings["serve_args"])
-            except (WeightcacheError, ValueError, TypeError, OSError,
-                    _engine.UnusableCache) as e:
-                log.warning("weightcache: publishing %s failed (%s); the engine serves on from "
-                            "its own copy", identity.source, e)
-                return f"not published: {e}"
-            return f"published {count} tensors to {identity.source} in {timer.seconds():.3f} s"
+            return _engine.publish_noted(model, identity, log, capture=self._capture(model),
+                                         serve_args=self.settings["serve_args"])
 
         def _from_cache(self, sd: Any, identity: "_engine.EngineIdentity", model_config: Any,
                         vllm_config: Any, prefix: str) -> Any:
