@@ -1,5 +1,8 @@
 // `weightcache serve`: run one daemon in the foreground (SPEC §5, docs/daemon.md).
 //
+// Over 800 lines: it still composes what belongs in a library serve (admission, registration,
+// seeding, the upgrade successor); moving that to src/serve/ is issue 41's work.
+//
 // The identity flags are the attach's own (AddIdentityFlags + identity::ResolveIdentity), so
 // a daemon and an engine given the same flags compute the same CacheConfig, device key and
 // socket path by construction. This file owns the process-level concerns the library must

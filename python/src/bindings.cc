@@ -1,5 +1,9 @@
 // weightcache._weightcache — the nanobind layer over the C++ client (include/weightcache/client.h).
 //
+// Over 800 lines: the options, Tensor and Attachment bindings and the bulk view/DLPack builders
+// live together here for now; splitting them by what they do is issue 41's work (with
+// publish_bindings.cc already apart).
+//
 // Contract:
 //  * Attachment wraps one weightcache::Attachment. Tensor objects and every DLPack capsule,
 //    NumPy array or nb_ndarray they export hold a Python reference to their Attachment, so the

@@ -444,8 +444,8 @@ def apply_tensors(module: Any, sd: Any, *, allow_new: bool = False) -> int:
             obj = torch.nn.Parameter(t, requires_grad=False) if kind == "param" else t
             made[key] = obj
         put(name, obj, kind)
+    device = next(iter(sd.values())).device if len(sd) else torch.device("cpu")
     for name, (kind, shape, dtype) in empties.items():
-        device = next(iter(sd.values())).device if len(sd) else torch.device("cpu")
         t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         put(name, torch.nn.Parameter(t, requires_grad=False) if kind == "param" else t, kind)
     return len(sd) + len(empties)

@@ -37,13 +37,16 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Tuple
 
 __all__ = ["register", "LOAD_FORMAT"]
 
 LOAD_FORMAT = "weightcache"
 
 _loader_class: Optional[type] = None
+# id(model_config) → (identity, attached state dict) of a get_external_weight_memory call, taken
+# by the load_model that follows in the same worker.
+_probed: Dict[int, Tuple[Any, Any]] = {}
 
 
 def register() -> None:
@@ -193,14 +196,24 @@ def _make_loader_class() -> type:
                 log.warning("weightcache: cannot ask the daemon for its size (%s); counting "
                             "no external weights", e)
                 return 0
-            return 0 if sd is None else int(sd.attachment.total_bytes)
+            if sd is None:
+                return 0
+            # vLLM asks this on a loader of its own before it loads: the identity (a CLI call)
+            # and the attachment are kept for this process's load_model, not made twice.
+            _probed[id(model_config)] = (identity, sd)
+            return int(sd.attachment.total_bytes)
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             timer = _engine.Timer()
-            identity = self._identity(vllm_config, model_config)
-            # on_mismatch="error" (strict): the MismatchError goes to the engine as it is.
-            sd, why = _engine.attach_tensors(identity, wait_timeout=self.settings["wait_timeout"],
-                                             on_mismatch=self.settings["on_mismatch"])
+            probed = _probed.pop(id(model_config), None)
+            if probed is not None:  # get_external_weight_memory attached it already
+                (identity, sd), why = probed, None
+            else:
+                identity = self._identity(vllm_config, model_config)
+                # on_mismatch="error" (strict): the MismatchError goes to the engine as it is.
+                sd, why = _engine.attach_tensors(identity,
+                                                 wait_timeout=self.settings["wait_timeout"],
+                                                 on_mismatch=self.settings["on_mismatch"])
             if sd is not None:
                 try:
                     model = self._from_cache(sd, identity, model_config, vllm_config, prefix)
