@@ -21,9 +21,18 @@ from conftest import daemon_pids, kill9, outcome
 ENGINES = ["vllm", "sglang"]
 
 
-def same_generation(a, b) -> None:
+def same_generation(a, b, *, exact: bool = True) -> None:
+    """The same tokens, and the same logprobs: bit for bit, or (exact=False) to 1e-4.
+
+    exact=False is for float32 on SGLang's CPU backend only: two of its disk loads of one
+    checkpoint gave logprobs 2e-6 apart in CI (its float32 GEMMs are not bit-reproducible
+    from one process to the next), while the tokens matched."""
     assert a["tokens"] == b["tokens"]
-    assert a["logprobs"] == b["logprobs"]
+    if exact:
+        assert a["logprobs"] == b["logprobs"]
+        return
+    for row_a, row_b in zip(a["logprobs"], b["logprobs"], strict=True):
+        assert row_a == pytest.approx(row_b, rel=0, abs=1e-4)
 
 
 def only_cache(host):
@@ -96,7 +105,7 @@ def test_another_dtype_is_a_mismatch_naming_dtype_never_the_other_dtypes_tensors
     dtypes = sorted(c["config"]["dtype"] for c in host.caches())
     assert dtypes == ["bfloat16", "float32"], host.caches()
     disk32, _ = host.start(engine, models["llama"], "safetensors", dtype="float32")
-    same_generation(f32, disk32)
+    same_generation(f32, disk32, exact=engine != "sglang")
 
 
 def test_strict_mismatch_stops_the_engine_with_the_fields(host, models):
