@@ -23,6 +23,9 @@
 #    then an upgrade handoff with engine A attached: $OUT/python-keeper-8b.json;
 # 3e. bench/py_restart_bench.py on the same checkpoint (issue 14 part 5): fresh processes to a
 #    dict of torch tensors, weightcache vs load_file: $OUT/py-restart.jsonl;
+# 3g. the engine plugins' core on the gpu tier (issue 40): $OUT/python-engine.jsonl;
+# 3h. bench/pagecache_bench.py (issue 39): serve vs InstantTensor, page cache warm, 16 GB, and
+#    restart after kill -9: $OUT/pagecache.jsonl;
 # 4. the same model sharded (issue 12): for TP = 2 and 4, that many `serve --tp-size N
 #    --tp-rank r` daemons on device 0; each rank attached holds only its slices, its disk
 #    fallback gives the same bytes, and the state dict reassembled from the slices equals the
@@ -36,7 +39,8 @@
 #        tests/python), SKIP_MODEL=1 (no step 3 and after), SKIP_SHARD=1 (no step 4),
 #        SKIP_PUBLISH_BIG=1 (no 16 GB publish in step 4b), SKIP_KEEPER_BIG=1 (no step 3d),
 #        SKIP_PY_BENCH=1 (no step 5), PY_BENCH_ONLY=1 (steps 1 and 5 only), ENGINE_ONLY=1
-#        (steps 1 and 3g only).
+#        (steps 1, 3g and 3h only), SKIP_PAGECACHE=1 (no step 3h), IT_WHEEL (step 3h's
+#        InstantTensor wheel).
 # Exit status: non-zero if the build, a test or the model check fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -191,9 +195,40 @@ engine_check() {
 }
 engine_check
 
-# ENGINE_ONLY=1: the build, the pip-installed CLI's verify and step 3g alone.
+# 3h. page cache to GPU beside InstantTensor (issue 39 sections 1 and 2; docs/benchmarks.md
+#     "Page cache to GPU"): bench/pagecache_bench.py on a Llama-3-8B-shaped checkpoint (16 GB,
+#     4 files), InstantTensor installed from its carried wheel (IT_WHEEL, default
+#     .deps/it/instanttensor-*-cp312-*.whl) into a private target dir. A measurement: only a
+#     failed step fails it. SKIP_PAGECACHE=1 skips it. $OUT/pagecache.jsonl.
+pagecache_bench() {
+  [[ -z ${SKIP_PAGECACHE:-} ]] || return 0
+  local wheel dir uuid
+  wheel=${IT_WHEEL:-$(ls "$root"/.deps/it/instanttensor-*-cp312-*.whl 2>/dev/null | head -n1)}
+  if [[ -z $wheel ]]; then
+    say "pagecache bench: skipped (no InstantTensor wheel; see scripts/gpu-python.sh IT_WHEEL)"
+    return 0
+  fi
+  dir=$(mktemp -d /tmp/wcp.XXXXXX)
+  uuid=$("$WEIGHTCACHE_CLI" devices --json |
+    "$py" -c 'import json,sys; print(json.load(sys.stdin)["devices"][0]["uuid"])')
+  if "$py" -m pip install --no-deps --no-index --target "$dir/it" "$wheel" >"$OUT/pagecache.log" 2>&1 &&
+    "$py" tests/python/gpu_model_check.py make --shape llama3-8b --out "$dir/llama3-8b" \
+      >>"$OUT/pagecache.log" 2>&1 &&
+    PYTHONPATH=$dir/it${PYTHONPATH:+:$PYTHONPATH} "$py" bench/pagecache_bench.py \
+      --model "$dir/llama3-8b" --cli "$WEIGHTCACHE_CLI" --device "$uuid" --cuda-index 0 \
+      >"$OUT/pagecache.jsonl" 2>>"$OUT/pagecache.log"; then
+    say "pagecache bench: $(grep '^result:' "$OUT/pagecache.jsonl")"
+  else
+    say "pagecache bench: FAILED $(tail -n 5 "$OUT/pagecache.log" | paste -sd' ' | cut -c1-800)"
+    ok=0
+  fi
+  rm -rf "$dir"
+}
+
+# ENGINE_ONLY=1: the build, the pip-installed CLI's verify, step 3g and step 3h alone.
 if [[ -n ${ENGINE_ONLY:-} ]]; then
-  say "== python on gpu: engine core only (ENGINE_ONLY) in $(($(date +%s) - start)) s"
+  pagecache_bench
+  say "== python on gpu: engine core and pagecache only (ENGINE_ONLY) in $(($(date +%s) - start)) s"
   ((ok)) && exit 0
   exit 1
 fi
@@ -453,6 +488,7 @@ PY
   fi
 fi
 
+[[ -n ${uuid:-} ]] && pagecache_bench
 py_bench "${uuid:-}"
 
 elapsed=$(($(date +%s) - start))
