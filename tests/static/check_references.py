@@ -24,10 +24,12 @@ import subprocess
 import sys
 
 FORBIDDEN = [
-    (re.compile(r"SPEC" r"\s*§"), "a numbered section of the old spec: cite docs/design.md \"Section\""),
-    (re.compile(r"\.\./" r"shared\b"), "a path outside the repository (../shared)"),
-    (re.compile(r"\bshared/" r"(SPEC|STYLE|DEVICE)\.md"), "a document outside the repository"),
-    (re.compile(r"\b(SPEC|STYLE)" r"\.md\b"), "the old spec or style file: docs/design.md or docs/contributing.md"),
+    (re.compile(r"SPEC\s*§"),
+     'a numbered section of the old spec: cite a section of docs/design.md by its name'),
+    (re.compile(r"\.\./shared\b"), "a path outside the repository (../shared)"),
+    (re.compile(r"\bshared/(SPEC|STYLE|DEVICE)\.md"), "a document outside the repository"),
+    (re.compile(r"\b(SPEC|STYLE)\.md\b"),
+     "the old spec or style file: docs/design.md or docs/contributing.md"),
 ]
 
 DESIGN = "docs/design.md"
