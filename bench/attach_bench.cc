@@ -3,7 +3,8 @@
 // imports. One JSON line per measurement on stdout.
 //
 //   kind=context     cuInit and primary-context retain in a fresh process (the floor of any
-//                    client start, excluded from the attach target of SPEC §8)
+//                    client start, excluded from the attach target: docs/design.md
+//                    "Performance targets")
 //   kind=vmm         ImportedArena::Import (reserve + import + map + access) plus computing every
 //                    tensor's pointer, for 10 / 1,000 / 10,000 tensors packed by PlanArena into a
 //                    few allocations: should be flat in the tensor count

@@ -1,7 +1,8 @@
-// gpu_attach_bench — the gpu tier end to end, with real processes, against the SPEC §8 targets:
-// attach ≤ 2 ms flat in tensor count (client side, CUDA context excluded), daemon overhead
-// < 1 % GPU memory beyond the weights and < 100 MB host RSS, and the cold-load GB/s the daemon
-// reports. For each tensor count (default 10, 1,000 and 10,000, each a 16 GiB checkpoint):
+// gpu_attach_bench — the gpu tier end to end, with real processes, against the docs/design.md
+// "Performance targets": attach ≤ 2 ms flat in tensor count (client side, CUDA context excluded),
+// daemon overhead < 1 % GPU memory beyond the weights and < 100 MB host RSS, and the cold-load GB/s
+// the daemon reports. For each tensor count (default 10, 1,000 and 10,000, each a 16 GiB
+// checkpoint):
 //
 //   1. write the checkpoint with the safetensors library (one shard, bf16, zero-filled so the
 //      write is quick; on /dev/shm when it has room, else under the work dir), timed;

@@ -14,11 +14,11 @@
 //                   allocation, what any loader that allocates its destination pays;
 //       memfd       into a fresh memfd mapping: the same with shmem pages, the floor for the
 //                   host tier, which must hand out memfd (shmem) memory.
-//   * the daemon's host memory serving the load checkpoint (SPEC §8: < 100 MB RSS), as
-//     bench/proc_memory.h breaks it down: its own "load memory:" log line (after the load,
-//     before ready), at ready, and after 20 attaches and detaches; plus the growth of the
-//     system's Shmem (/proc/meminfo) across the load, which is where the memfd pages count —
-//     the daemon never maps them, so they are in none of its RSS figures.
+//   * the daemon's host memory serving the load checkpoint (< 100 MB RSS: docs/design.md
+//     "Performance targets"), as bench/proc_memory.h breaks it down: its own "load memory:" log
+//     line (after the load, before ready), at ready, and after 20 attaches and detaches; plus
+//     the growth of the system's Shmem (/proc/meminfo) across the load, which is where the
+//     memfd pages count — the daemon never maps them, so they are in none of its RSS figures.
 // Checkpoints are written by tests/tools/make_checkpoint.py (the real safetensors writer).
 // Output: one JSON object per line on stdout.
 //

@@ -1,5 +1,6 @@
-// load_bench — the cold-load path, measured against its own limits in one run (SPEC §8:
-// cold load disk → gpu ≥ 90 % of min(file read GB/s, pinned H2D GB/s) measured alike).
+// load_bench — the cold-load path, measured against its own limits in one run (docs/design.md
+// "Performance targets": cold load disk → gpu ≥ 90 % of min(file read GB/s, pinned H2D GB/s)
+// measured alike).
 //
 //   load_bench [DATA_DIR] [--gib N] [--files F] [--threads T] [--buffer-mib M] [--buffers K]
 //              [--direct | --mapped | --auto] [--streams S] [--chunk-mib M] [--depth D]

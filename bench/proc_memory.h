@@ -1,6 +1,6 @@
-// proc_memory.h — what a process's host memory is made of, for the benches' JSON (SPEC §8:
-// a serving daemon under 100 MB of host RSS). Header-only; shared by gpu_attach_bench and
-// host_attach_bench.
+// proc_memory.h — what a process's host memory is made of, for the benches' JSON (docs/design.md
+// "Performance targets": a serving daemon under 100 MB of host RSS). Header-only; shared by
+// gpu_attach_bench and host_attach_bench.
 //
 //   ProcMemory(pid)      /proc/<pid>/status (VmRSS, VmHWM, RssAnon, RssFile, RssShmem, VmSwap,
 //                        Threads), /proc/<pid>/smaps_rollup (Rss, Pss and its anon/file/shmem

@@ -1,4 +1,4 @@
-// Shared pieces of the CLI: exit codes (SPEC §5) and printing errors.
+// Shared pieces of the CLI: exit codes (docs/design.md "Exit codes") and printing errors.
 #pragma once
 
 #include <CLI/CLI.hpp>

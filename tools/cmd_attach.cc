@@ -1,7 +1,7 @@
 // `weightcache attach`: connect exactly as an engine's client would (the same library call,
 // weightcache::Attachment::Attach) and print what it got: source, socket, device, tensors,
 // bytes, attach time, and with --verify every tensor's checksum recomputed over the mapped
-// memory against the daemon's record. Exit codes (SPEC §5): 3 no daemon with
+// memory against the daemon's record. Exit codes (docs/design.md "Exit codes"): 3 no daemon with
 // --on-missing error, 4 config mismatch (the fields on stderr), 6 still loading or not
 // answering at the --wait deadline with --on-missing error, a failed daemon's own code with
 // --on-missing error (5 invalid checkpoint, 8 memory budget, …), 1 a verification failure

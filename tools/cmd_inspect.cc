@@ -1,6 +1,6 @@
 // `weightcache inspect CHECKPOINT [--json]`: validate a safetensors checkpoint (file or
 // directory) and print its shards, tensors, metadata and fingerprint. An invalid checkpoint
-// exits 5 with the validation error (SPEC §5).
+// exits 5 with the validation error (docs/design.md "Exit codes").
 #include <cstdio>
 #include <iostream>
 #include <memory>

@@ -1,10 +1,11 @@
-// `weightcache ls`: every cache on this host (SPEC §5): identity, tier, device, state, bytes
-// (a sharded cache's: the bytes of its rank's slices, marked "sliced" after its ranks and
-// "sharded": true in --json), clients, pid. Walks <runtime>/<namespace>/<device key>/*.sock; a
-// socket whose lock is not held is stale and listed as such (never queried); a live one is asked
-// Hello (for its full CacheConfig: revision and ranks), Status and Metrics (hits, misses, last
-// attach in --json). A daemon that does not answer is listed with the error instead of failing
-// the whole listing. The scan is ListCaches (cache_listing.h), shared with `status`.
+// `weightcache ls`: every cache on this host (docs/design.md "Command line"): identity, tier,
+// device, state, bytes (a sharded cache's: the bytes of its rank's slices, marked "sliced" after
+// its ranks and "sharded": true in --json), clients, pid. Walks
+// <runtime>/<namespace>/<device key>/*.sock; a socket whose lock is not held is stale and listed
+// as such (never queried); a live one is asked Hello (for its full CacheConfig: revision and
+// ranks), Status and Metrics (hits, misses, last attach in --json). A daemon that does not answer
+// is listed with the error instead of failing the whole listing. The scan is ListCaches
+// (cache_listing.h), shared with `status`.
 //
 // Keepers (docs/keeper.md): a live cache's row carries its keeper ("keeper": pid, state, bytes;
 // "adopted": true when the daemon re-adopted the kept memory instead of loading). A live keeper

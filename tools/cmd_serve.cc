@@ -1,4 +1,5 @@
-// `weightcache serve`: run one daemon in the foreground (SPEC §5, docs/daemon.md).
+// `weightcache serve`: run one daemon in the foreground (docs/design.md "Command line",
+// docs/daemon.md).
 //
 // Over 800 lines: it still composes what belongs in a library serve (admission, registration,
 // seeding, the upgrade successor); moving that to src/serve/ is issue 41's work.
@@ -520,7 +521,8 @@ void LeaveBudget(daemon::BudgetLedger* ledger, const std::string& socket) {
 int Run(ServeArgs& args) {
   constexpr std::string_view kCmd = "serve";
   if (args.identity.tier == Tier::kGpu && args.identity.device.empty()) {
-    // A daemon never picks a GPU by default: an implicit GPU 0 is the bug SPEC §1 forbids.
+    // A daemon never picks a GPU by default: an implicit GPU 0 is the very bug this project
+    // exists to prevent (docs/design.md "What it is").
     return Fail(kCmd, InvalidArgument("--tier gpu needs --device N|UUID"));
   }
   if (Status seed = CheckSeedFrom(args.seed_from); !seed.ok()) return Fail(kCmd, seed);

@@ -1,4 +1,5 @@
-// `weightcache stop`: ask daemons to stop, and wait until they have (SPEC §5).
+// `weightcache stop`: ask daemons to stop, and wait until they have
+// (docs/design.md "Command line").
 //
 // Which daemons: the identity flags of `serve` (the same socket `serve` computed), or
 // --socket PATH alone (a literal socket), or --all (every live cache of the namespace, or of

@@ -1,9 +1,10 @@
-// The identity flags of the CLI (SPEC §2, §5), in one place: every command that names a cache
-// (serve, attach, verify, paths, stop) or a job of caches (launch) registers them here, bound
-// to the fields of weightcache::IdentityOptions (AttachOptions::identity), and resolves them with
-// identity::ResolveIdentity, the one resolution the client library's attach uses too. A daemon and
-// an engine given the same flags therefore compute the same CacheConfig, device key and socket path
-// by construction, and a flag added here reaches every command at once.
+// The identity flags of the CLI (docs/design.md "Identity", "Command line"), in one place: every
+// command that names a cache (serve, attach, verify, paths, stop) or a job of caches (launch)
+// registers them here, bound to the fields of weightcache::IdentityOptions
+// (AttachOptions::identity), and resolves them with identity::ResolveIdentity, the one resolution
+// the client library's attach uses too. A daemon and an engine given the same flags therefore
+// compute the same CacheConfig, device key and socket path by construction, and a flag added here
+// reaches every command at once.
 //
 // One table (identity_flags.cc, kIdentityFlags) lists every flag: its names, help, the
 // IdentityOptions field it binds, its check and whether it is per daemon. AddIdentityFlags
@@ -30,7 +31,7 @@ namespace weightcache::cli {
 // kJob: a job's identity (launch): every flag but the per-daemon ones, which the launcher
 // sets for each daemon from its placement (--tp-rank, --pp-rank, --ep-rank, --device) or
 // leaves to the layout (--socket: the launcher finds each daemon's socket there); the sizes
-// are also spelled --tp and --pp (SPEC §5).
+// are also spelled --tp and --pp (docs/design.md "Launcher").
 enum class IdentityScope { kOneCache, kJob };
 
 // Registers on `sub`, bound to `options`:

@@ -1,5 +1,5 @@
 // weightcache — keep LLM weights resident in GPU memory. Thin main(): parse, dispatch, map
-// the resulting Status to the exit codes of SPEC §5. All logic lives in src/.
+// the resulting Status to the exit codes of docs/design.md "Exit codes". All logic lives in src/.
 #include <CLI/CLI.hpp>
 
 #include "cli_common.h"

@@ -5,7 +5,8 @@
 //  * Attachment::Attach finds the daemon serving exactly this identity on the physical GPU the
 //    caller names (a local index into the VISIBLE devices, or a UUID; never a distributed rank,
 //    never an implicit physical GPU 0), checks its CacheConfig and maps its memory zero-copy.
-//    The discovery rules are SPEC §4; docs/client.md walks through them row by row.
+//    The discovery rules are docs/design.md "Failure semantics"; docs/client.md walks through them
+//    row by row.
 //  * Outcomes: source() == kDaemon (mapped from a daemon), kFallback (loaded from disk into
 //    memory this process owns — no daemon, stale socket, daemon still loading past the wait
 //    timeout, a daemon that did not answer by the deadline, failed daemon, or a mismatch
@@ -171,7 +172,8 @@ struct ConfigFieldDiff {
   bool operator==(const ConfigFieldDiff&) const = default;
 };
 
-// A daemon on this device that holds a different config of this model (SPEC §4).
+// A daemon on this device that holds a different config of this model
+// (docs/design.md "Explicit mismatch").
 struct MismatchDetails {
   // Every differing field, in the CacheConfig's canonical (sorted) field order (empty only if
   // a daemon of another build refused our config without naming a field).

@@ -1,8 +1,8 @@
-// weightcache/identity_options.h — what names one cache: the CacheConfig fields (SPEC §2), the
-// device and where to look for the daemon. Embedded as AttachOptions::identity (client.h); the
-// CLI binds its identity flags (serve, stop, paths, attach, verify, launch) to the same struct,
-// so a daemon and an engine given the same values compute the same CacheConfig, device key and
-// socket path by construction.
+// weightcache/identity_options.h — what names one cache: the CacheConfig fields (docs/design.md
+// "CacheConfig"), the device and where to look for the daemon. Embedded as AttachOptions::identity
+// (client.h); the CLI binds its identity flags (serve, stop, paths, attach, verify, launch) to the
+// same struct, so a daemon and an engine given the same values compute the same CacheConfig, device
+// key and socket path by construction.
 //
 // A plain value type: no I/O, no resources, safe to copy between threads.
 #pragma once
@@ -16,7 +16,7 @@
 namespace weightcache {
 
 struct IdentityOptions {
-  // ---- the CacheConfig (SPEC §2); every field must equal the daemon's ----
+  // ---- the CacheConfig (docs/design.md "CacheConfig"); every field must equal the daemon's ----
   std::string model_dir;  // checkpoint dir or .safetensors file: fingerprint + fallback source
   std::string model_id;   // default: the model dir's basename
   std::string revision;

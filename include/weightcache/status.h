@@ -23,7 +23,8 @@
 
 namespace weightcache {
 
-// The kinds of failure. The CLI maps these onto the exit codes of SPEC §5 (kStatusCodeTable).
+// The kinds of failure. The CLI maps these onto the exit codes of docs/design.md "Exit codes"
+// (kStatusCodeTable).
 //
 // The integer values are part of the wire format: a daemon's Error frame carries the code
 // as a u32 (docs/protocol.md §3), and a client of another build decodes it back into this
@@ -53,8 +54,8 @@ static_assert(static_cast<int>(StatusCode::kInvalidArgument) == 1 &&
                   static_cast<int>(StatusCode::kInternal) == 14,
               "StatusCode values are on the wire (Error frames): never renumber them");
 
-// The exit codes of the `weightcache` CLI (SPEC §5). Which code a StatusCode exits with is
-// decided once, in kStatusCodeTable below.
+// The exit codes of the `weightcache` CLI (docs/design.md "Exit codes"). Which code a StatusCode
+// exits with is decided once, in kStatusCodeTable below.
 enum ExitCode : int {
   kExitOk = 0,
   kExitError = 1,  // any other error
@@ -75,7 +76,7 @@ struct StatusCodeInfo {
   StatusCode code;
   std::string_view name;          // "invalid checkpoint"
   std::string_view key;           // "invalid_checkpoint"
-  ExitCode exit_code;             // SPEC §5
+  ExitCode exit_code;             // docs/design.md "Exit codes"
   std::string_view python_class;  // "InvalidCheckpointError"
 };
 
@@ -123,7 +124,7 @@ constexpr const StatusCodeInfo& InfoFor(StatusCode code) {
 }
 
 WEIGHTCACHE_EXPORT std::string_view StatusCodeName(StatusCode code);
-// The CLI's exit code for `code` (SPEC §5).
+// The CLI's exit code for `code` (docs/design.md "Exit codes").
 constexpr ExitCode ExitCodeFor(StatusCode code) { return InfoFor(code).exit_code; }
 
 class [[nodiscard]] WEIGHTCACHE_EXPORT Status {

@@ -1,4 +1,6 @@
-"""The exceptions of weightcache: the C++ client's Status codes (SPEC §4, §5) at the Python edge.
+"""The exceptions of weightcache: the C++ client's Status codes at the Python edge.
+
+The contract: docs/design.md "Failure semantics", "Exit codes".
 
 Every exception derives from WeightcacheError and carries what the operator needs to act on
 it without parsing text:
@@ -12,7 +14,8 @@ it without parsing text:
 Everything is handed over by the client as data (weightcache::AttachDiagnostics); nothing
 here reads it back out of the message.
 
-``exit_code`` is the CLI's exit code for the same failure (SPEC §5), for every code.
+``exit_code`` is the CLI's exit code for the same failure (docs/design.md "Exit codes"), for
+every code.
 
 Which class, ``code`` and ``exit_code`` a status code gets is decided by one table in the C++
 library (``weightcache::kStatusCodeTable``, weightcache/status.h), which the extension hands

@@ -3,7 +3,7 @@
 // no driver, no I/O, thread-safe.
 //
 // Tensors are packed in the given order into a FEW large allocations so that attaching costs
-// O(allocations), not O(tensors) (SPEC §3): each allocation is filled up to
+// O(allocations), not O(tensors) (docs/design.md "Tiers"): each allocation is filled up to
 // `max_allocation_bytes`; a tensor larger than that gets an allocation of its own. Every
 // tensor starts on a kTensorAlignment boundary (what CUDA kernels and cuBLAS expect of
 // cudaMalloc'ed memory), and every allocation size is a multiple of the VMM granularity,

@@ -150,7 +150,8 @@ Probe Hung(Probe probe, const std::string& who, const Deadlines& deadlines, cons
 }
 
 // lstat → lock → connect → peer credentials → Hello, each step by `deadlines`. Errors are the
-// SPEC §4 "error" rows; no answer by the deadline is a kHung probe, not an error.
+// error rows of docs/design.md "Discovery outcomes"; no answer by the deadline is a kHung probe,
+// not an error.
 Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
                           const identity::CacheConfig& config, const DiscoveryPolicy& policy,
                           const std::vector<uid_t>& trusted, const Deadlines& deadlines,
@@ -290,9 +291,10 @@ struct SiblingScan {
   std::string unanswered;  // "; "-prefixed notes for the missing reason, "" when none
 };
 
-// Looks for another live cache of the same model under our device key (SPEC §4: keep the
-// explicit mismatch although different configs have different paths). Bounded by the same
-// deadlines as the rest of the discovery: a hung sibling costs what is left of them, no more.
+// Looks for another live cache of the same model under our device key, to keep the explicit
+// mismatch although different configs have different paths (docs/design.md "Explicit mismatch").
+// Bounded by the same deadlines as the rest of the discovery: a hung sibling costs what is left
+// of them, no more.
 SiblingScan FindClosestSibling(const ResolvedIdentity& id, const DiscoveryPolicy& policy,
                                const Deadlines& deadlines, os::SysCalls& sys) {
   SiblingScan scan;
@@ -434,7 +436,8 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
                    StatusCode::kTimeout);
   };
   std::optional<protocol::Frame> attach_frame;
-  // A published cache awaiting its publisher is waited for like a loading one (SPEC §4).
+  // A published cache awaiting its publisher is waited for like a loading one (docs/design.md
+  // "Discovery outcomes").
   const bool not_yet = probe.hello.state == protocol::CacheState::kLoading ||
                        probe.hello.state == protocol::CacheState::kAwaiting;
   if (not_yet) {

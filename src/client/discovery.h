@@ -1,7 +1,9 @@
-// Discovery (SPEC §4): from a resolved identity (identity/resolve.h: CacheConfig, device key,
-// socket path) to a live, matching, ready daemon — or to a reason why there is none.
+// Discovery (docs/design.md "Failure semantics"): from a resolved identity (identity/resolve.h:
+// CacheConfig, device key, socket path) to a live, matching, ready daemon — or to a reason why
+// there is none.
 //
-// The SPEC §4 table, as implemented here (docs/client.md has the long form):
+// The table of docs/design.md "Discovery outcomes", as implemented here (docs/client.md has the
+// long form):
 //   socket absent, or stale (its .lock not held)  → missing (then the sibling scan below)
 //   lstat: not a socket / owned by an untrusted uid → error (kIo / kPermissionDenied)
 //   peer credentials of an untrusted uid          → error (kPermissionDenied)

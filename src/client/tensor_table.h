@@ -4,8 +4,8 @@
 //    records), so a table of N tensors costs three allocations, not 4·N;
 //  * adopting views (an attach): FromViews takes Tensor records whose names, shapes and
 //    strides point into storage the table's owner keeps alive — the mapped attach manifest —
-//    so nothing per tensor is copied but the record itself (SPEC §8: attach flat in tensor
-//    count).
+//    so nothing per tensor is copied but the record itself (docs/design.md "Performance targets":
+//    attach flat in tensor count).
 //
 // Contract:
 //  * Copying: Reserve(count, name_bytes, dims) — the exact totals: tensor count, the sum of

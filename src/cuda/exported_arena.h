@@ -13,9 +13,9 @@
 //    (the driver refcounts it), so a daemon exiting never invalidates attached engines.
 //  * ReleaseToFds() ends the arena but for its fds: once the weights are in place, the fds
 //    alone keep the memory alive and importable — a VMM fd held by a process with NO CUDA
-//    context stays importable by new processes, data intact (shared/DEVICE.md) — so a daemon
-//    can serve from fds without a CUDA context of its own (no ~0.5 GiB of device memory and no
-//    driver host memory for it).
+//    context stays importable by new processes, data intact (docs/design.md "VMM memory lifetime")
+//    — so a daemon can serve from fds without a CUDA context of its own (no ~0.5 GiB of device
+//    memory and no driver host memory for it).
 //  * Retaining the primary context makes it current on the thread that calls Create.
 //  * Not thread-safe to mutate; const accessors may be called from any thread. The DriverApi
 //    must outlive the arena.

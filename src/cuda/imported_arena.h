@@ -23,7 +23,8 @@
 //    something to rely on (cuMemSetAccess with PROT_READ on device memory is rejected by the
 //    drivers we target), and engines legitimately write in place (e.g. load_state_dict with
 //    assign=True then a fused post-processing step). Writes are visible to every process that
-//    mapped the same allocation: the daemon and other clients (shared/DEVICE.md).
+//    mapped the same allocation: the daemon and other clients
+//    (docs/design.md "VMM memory lifetime").
 //  * The arena keeps working if the daemon exits: the driver refcounts the memory.
 //  * Destruction unmaps, frees the VA and releases the primary context reference.
 //  * Not thread-safe to mutate; const accessors may be called from any thread. The DriverApi

@@ -156,7 +156,7 @@ class VmmHandle {
 
   // cuMemExportToShareableHandle as a POSIX fd, returned CLOEXEC. The fd is an independent
   // reference to the memory: it keeps the allocation alive after the handle is released and
-  // after this process exits (shared/DEVICE.md).
+  // after this process exits (docs/design.md "VMM memory lifetime").
   Result<UniqueFd> ExportPosixFd() const;
 
   CUmemGenericAllocationHandle get() const { return owned_.get().handle; }

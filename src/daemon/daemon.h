@@ -1,4 +1,5 @@
-// Daemon — one cache identity served over one Unix socket (SPEC §2, §3, §7; docs/daemon.md).
+// Daemon — one cache identity served over one Unix socket (docs/design.md "Identity", "Tiers",
+// "Security"; docs/daemon.md).
 //
 // Lifecycle:
 //   Create   ensure the runtime dirs (0700, owner-checked) → take the identity lock (a second

@@ -1,10 +1,10 @@
 // load_memory.h — the daemon's own host memory around a load: what /proc/self/status says it
 // holds, and the step that gives back what only the load needed.
 //
-// Why: SPEC §8 wants a serving daemon under 100 MB of host RSS, and a load needs far more for
-// a moment (the gpu tier's pinned staging ring, reader threads, per-tensor vectors). The
-// daemon's loader thread calls ReleaseLoadMemory() once everything the load allocated is
-// destroyed — the checkpoint included — and logs ReadProcessMemory() at the loader's steps and
+// Why: docs/design.md "Performance targets" wants a serving daemon under 100 MB of host RSS, and a
+// load needs far more for a moment (the gpu tier's pinned staging ring, reader threads, per-tensor
+// vectors). The daemon's loader thread calls ReleaseLoadMemory() once everything the load allocated
+// is destroyed — the checkpoint included — and logs ReadProcessMemory() at the loader's steps and
 // after, so a daemon log says what the load left behind.
 //
 // Contract: header-only, no state. ReadProcessMemory() reads /proc/self/status (all zeros

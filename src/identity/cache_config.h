@@ -1,5 +1,5 @@
 // CacheConfig — every field that decides whether cached bytes are right for a consumer
-// (SPEC §2), its canonical serialization and the config digest.
+// (docs/design.md "CacheConfig"), its canonical serialization and the config digest.
 //
 // Canonical form (docs/identity.md): the JSON object of ToJson() — every field, keys sorted
 // bytewise, no whitespace, integers in decimal, strings JSON-escaped with non-ASCII as \uXXXX

@@ -1,8 +1,8 @@
 // Device inventory: which GPUs this process can see, and the physical UUID of each.
 //
-// The device key of every cache is the physical GPU UUID (SPEC §2). A local index ("--device
-// 3") is only ever an index into the devices this process can see, and is resolved to a UUID
-// here, before any path is formed.
+// The device key of every cache is the physical GPU UUID (docs/design.md "Discovery by GPU UUID").
+// A local index ("--device 3") is only ever an index into the devices this process can see, and is
+// resolved to a UUID here, before any path is formed.
 //
 // Sources, in this precedence (the first that applies wins):
 //  1. an inventory file: InventoryOptions::inventory_file (--device-inventory), else the

@@ -1,4 +1,5 @@
-// Path rules (SPEC §2): the runtime dir, the per-cache socket and lock, explicit sockets.
+// Path rules (docs/design.md "Paths"): the runtime dir, the per-cache socket and lock, explicit
+// sockets.
 //
 //   <runtime>/<namespace>/<device key>/<digest[:16]>.sock   (+ <digest[:16]>.lock)
 //

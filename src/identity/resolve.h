@@ -1,7 +1,8 @@
-// Identity resolution (SPEC §2): from IdentityOptions (flags, AttachOptions::identity) to the
-// CacheConfig, the device {uuid, CUDA ordinal} and the paths of one cache. The daemon's `serve`,
-// `stop`, `paths` and every client attach resolve through ResolveIdentity, so a daemon and an
-// engine given the same options compute the same config, device key and socket by construction.
+// Identity resolution (docs/design.md "Identity"): from IdentityOptions (flags,
+// AttachOptions::identity) to the CacheConfig, the device {uuid, CUDA ordinal} and the paths of one
+// cache. The daemon's `serve`, `stop`, `paths` and every client attach resolve through
+// ResolveIdentity, so a daemon and an engine given the same options compute the same config, device
+// key and socket by construction.
 //
 // Also the one home of the trusted-uid rule: the uids a daemon may run as for a client to use
 // it (our euid, then IdentityOptions::trusted_uids, else WEIGHTCACHE_TRUSTED_UIDS).

@@ -38,7 +38,7 @@
 
 namespace weightcache::launcher {
 
-// What a daemon's socket reports (SPEC §2 "Ownership and readiness").
+// What a daemon's socket reports (docs/design.md "Lock and readiness").
 struct ProbeReport {
   enum class State { kLoading, kReady, kFailed, kDraining };
   State state = State::kLoading;

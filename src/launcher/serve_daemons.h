@@ -4,9 +4,9 @@
 //
 // Contract:
 //  * BuildDaemonSpecs is pure. Each daemon runs `<exe> serve` with every identity flag of the
-//    job (SPEC §5: launch applies the identity flags of serve to every daemon), its own ranks
-//    and `--device <UUID>` (never a local index: the UUID is the identity, and the daemon
-//    re-resolves it against the same visible devices), plus the job's load flags. The
+//    job (docs/design.md "Launcher": launch applies the identity flags of serve to every daemon),
+//    its own ranks and `--device <UUID>` (never a local index: the UUID is the identity, and the
+//    daemon re-resolves it against the same visible devices), plus the job's load flags. The
 //    identity flags are written by ServeFlags::identity_args, never listed here.
 //  * Log files: <log_dir>/<job>-tp<r>-pp<r>-<uuid tag>.log; the uuid tag keeps two jobs with
 //    the same name and ranks on different GPUs apart.
@@ -31,7 +31,7 @@
 
 namespace weightcache::launcher {
 
-// The `serve` flags a launch applies to every daemon (SPEC §5).
+// The `serve` flags a launch applies to every daemon (docs/design.md "Launcher").
 struct ServeFlags {
   // The job's identity, as `weightcache launch` parsed it with the identity flags of `serve`
   // (tools/identity_flags.h, job scope), with model_dir, quantization_config and
@@ -111,8 +111,9 @@ std::optional<PublishedPaths> LocatePublishedSocket(const std::string& runtime_d
 // The lock file of a socket: identity's rule, the one place path rules live.
 using identity::LockPathFor;
 
-// Removes every socket under <namespace_dir>/*/ whose lock is not held (stale, SPEC §2); a
-// socket with a held lock, and every lock file, stays. Returns the removed paths.
+// Removes every socket under <namespace_dir>/*/ whose lock is not held (stale:
+// docs/design.md "Lock and readiness"); a socket with a held lock, and every lock file, stays.
+// Returns the removed paths.
 Result<std::vector<std::string>> SweepStaleSockets(const std::string& runtime_dir,
                                                    const std::string& namespace_name);
 

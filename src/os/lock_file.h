@@ -1,4 +1,4 @@
-// LockFile — the identity lock of a daemon (SPEC §2: ownership).
+// LockFile — the identity lock of a daemon (docs/design.md "Lock and readiness").
 //
 // Contract:
 //  * The lock is an open-file-description (OFD) write lock on the whole file (fcntl

@@ -2,8 +2,9 @@
 //
 // Contract:
 //  * Every socket is created SOCK_CLOEXEC and returned in a UniqueFd that the caller owns.
-//  * ListenUnix publishes atomically (SPEC §2): it binds under a temporary name in the same
-//    directory, chmods that node to `mode`, listens, and only then renames it onto `path`.
+//  * ListenUnix publishes atomically (docs/design.md "Lock and readiness"): it binds under a
+//    temporary name in the same directory, chmods that node to `mode`, listens, and only then
+//    renames it onto `path`.
 //    A client therefore never sees the final name with a wider mode or without a listener.
 //    rename(2) replaces a stale socket left by a dead daemon; the caller must hold the
 //    identity lock (LockFile) first, so the replaced socket cannot belong to a live daemon.

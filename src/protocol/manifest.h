@@ -1,12 +1,12 @@
 // The attach manifest: a compact binary table of allocations and tensors (docs/protocol.md §4).
 //
 // Why binary, and why out of the socket: attaching must cost O(allocations), flat in tensor
-// count (SPEC §8). The daemon writes the manifest ONCE, at ready, into a sealed read-only memfd
-// that rides in the AttachReply as one more fd; a client maps it instead of copying it through
-// the socket per attach. Since protocol version 3 the client's tensor table points INTO the
-// mapped manifest: names are stored NUL-terminated and shapes and strides as little-endian
-// int64 arrays, so building the table copies no name and no dimension — per tensor, a client
-// validates one 64-byte record and writes one table entry.
+// count (docs/design.md "Performance targets"). The daemon writes the manifest ONCE, at ready, into
+// a sealed read-only memfd that rides in the AttachReply as one more fd; a client maps it instead
+// of copying it through the socket per attach. Since protocol version 3 the client's tensor table
+// points INTO the mapped manifest: names are stored NUL-terminated and shapes and strides as
+// little-endian int64 arrays, so building the table copies no name and no dimension — per tensor, a
+// client validates one 64-byte record and writes one table entry.
 //
 //   header (32 bytes): magic "WCMF" | u8 tier | 3 reserved (0) | u32 allocation_count |
 //                      u32 tensor_count | u32 dim_count | u32 string_table_size |

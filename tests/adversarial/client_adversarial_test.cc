@@ -233,7 +233,7 @@ TEST_F(ClientAdversarialTest, ASiblingClaimingAMatchIsStillReportedAsTheMismatch
 
 // ---- 9: status codes as data ----------------------------------------------------------------
 
-// SPEC §5, written out here rather than read from the table it checks.
+// docs/design.md "Exit codes", written out here rather than read from the table it checks.
 TEST(StatusCodeTableTest, EveryCodeHasItsSpecExitCodeNameAndPythonClass) {
   struct Row {
     StatusCode code;

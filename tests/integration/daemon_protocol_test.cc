@@ -1,5 +1,6 @@
-// The daemon's robustness against hostile or broken peers (SPEC §7): every bad connection gets
-// an Error frame (where possible) and is closed, alone; everyone else keeps being served.
+// The daemon's robustness against hostile or broken peers (docs/design.md "Untrusted input"): every
+// bad connection gets an Error frame (where possible) and is closed, alone; everyone else keeps
+// being served.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <linux/capability.h>

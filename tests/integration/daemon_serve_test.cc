@@ -237,7 +237,7 @@ TEST_F(ServeTest, PlanOverTheMemoryBudgetReportsFailedWithTheReasonThenExitsNonZ
   conn = Status(StatusCode::kUnavailable, "closed");
 
   serve->Signal(SIGTERM);
-  EXPECT_EQ(serve->WaitExit(10s), 8) << serve->Log();  // kOutOfMemory (SPEC §5)
+  EXPECT_EQ(serve->WaitExit(10s), 8) << serve->Log();  // kOutOfMemory (docs/design.md "Exit codes")
   EXPECT_NE(serve->Log().find("out of memory"), std::string::npos) << serve->Log();
 }
 
@@ -245,7 +245,7 @@ TEST_F(ServeTest, PlanOverTheMemoryBudgetReportsFailedWithTheReasonThenExitsNonZ
 // that load is gone (it would otherwise outlive the daemon by the moment it takes to notice).
 TEST_F(ServeTest, FailedDaemonExitsByItselfAfterTheLingerLeavingNoKeeper) {
   auto serve = Start({"--memory-budget", "1", "--failed-linger", "0"});
-  EXPECT_EQ(serve->WaitExit(20s), 8) << serve->Log();  // kOutOfMemory (SPEC §5)
+  EXPECT_EQ(serve->WaitExit(20s), 8) << serve->Log();  // kOutOfMemory (docs/design.md "Exit codes")
   EXPECT_TRUE(FindSockets(runtime_).empty());
   // The keeper started with the load was given up and waited for before the daemon exited:
   // no lock is held and no keeper socket is left, at once.

@@ -221,9 +221,9 @@ TEST_F(LaunchTest, TwoJobsOnDisjointGpuSetsCoexistAndClientsNeverCross) {
   }
 }
 
-// SPEC §5: launch takes every identity flag of serve and applies it to every daemon. A client
-// given the same flags attaches to its rank's daemon; one that leaves a flag out is told that
-// exactly that field differs.
+// docs/design.md "Launcher": launch takes every identity flag of serve and applies it to every
+// daemon. A client given the same flags attaches to its rank's daemon; one that leaves a flag out
+// is told that exactly that field differs.
 TEST_F(LaunchTest, EveryIdentityFlagOfServeReachesEveryDaemon) {
   WriteFile(dir_.Join("quant.json"), R"({"bits": 8, "group_size": 128})");
   const std::vector<std::string> identity = {"--model-id",

@@ -46,7 +46,7 @@ def make_checkpoint(out: Path, *, tensors: int = 30, dtypes: str = "all", shards
 
 def _private_dir(prefix: str):
     # Short and private: socket paths must stay under sun_path's 107 bytes, and the runtime
-    # dir must be 0700 and ours (SPEC §2) — pytest's tmp_path can be long.
+    # dir must be 0700 and ours (docs/design.md "Paths") — pytest's tmp_path can be long.
     d = tempfile.mkdtemp(prefix=prefix)
     os.chmod(d, 0o700)
     yield d

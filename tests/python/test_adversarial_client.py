@@ -22,8 +22,8 @@ import weightcache
 from weightcache import _weightcache
 from weightcache.errors import from_status
 
-# SPEC §5, written out here rather than read from the table under test: key → (exit code,
-# exception class name).
+# docs/design.md "Exit codes", written out here rather than read from the table under test:
+# key → (exit code, exception class name).
 SPEC = {
     "ok": (0, ""),
     "invalid_argument": (2, "InvalidArgumentError"),

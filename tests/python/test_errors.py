@@ -1,6 +1,7 @@
-"""SPEC §4 at the Python edge: each failure is its own exception carrying the socket path,
-the device UUID and (mismatch) every differing field with both values — handed over by the
-client as data (AttachDiagnostics), never read back out of the message."""
+"""docs/design.md "Failure semantics" at the Python edge: each failure is its own exception
+carrying the socket path, the device UUID and (mismatch) every differing field with both
+values — handed over by the client as data (AttachDiagnostics), never read back out of the
+message."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 // Discovery against a scripted in-process daemon speaking the real protocol over a real
-// socket with the real identity lock: the SPEC §4 rows a well-behaved daemon rarely shows on
-// demand — `loading` past the wait timeout, `failed`, a peer that speaks garbage, and a
-// ready daemon whose attach manifest is hostile.
+// socket with the real identity lock: the docs/design.md "Discovery outcomes" rows a well-behaved
+// daemon rarely shows on demand — `loading` past the wait timeout, `failed`, a peer that speaks
+// garbage, and a ready daemon whose attach manifest is hostile.
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <unistd.h>
