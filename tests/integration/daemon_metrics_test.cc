@@ -179,8 +179,8 @@ TEST_F(MetricsTest, CountsAKnownSequenceOfAttachesAndSurvivesHostileScrapers) {
            std::string("weightcache_clients 2"),
            std::string(R"(weightcache_daemon_state{state="ready"} 1)"),
            std::string(R"(weightcache_daemon_state{state="loading"} 0)"),
-           "weightcache_load_bytes_done " + total,
-           "weightcache_load_bytes_total " + total,
+           "weightcache_load_done_bytes " + total,
+           "weightcache_load_size_bytes " + total,
            std::string("weightcache_evictions_total 0"),
        }) {
     EXPECT_TRUE(HasLine(body, line)) << line << "\n" << body;
@@ -420,6 +420,36 @@ TEST_F(MetricsTest, ARealPrometheusScrapesTheEndpoint) {
   EXPECT_TRUE(std::regex_search(last, std::regex(R"("result":"error"\},"value":\[[0-9.]+,"0"\])")))
       << last;
   EXPECT_NE(last.find(R"("job":"weightcache")"), std::string::npos) << last;
+  serve->Signal(SIGTERM);
+  EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+}
+
+// issue 39 §12: `promtool check metrics` (Debian's prometheus package) finds nothing to
+// complain about in a real daemon's exposition.
+TEST_F(MetricsTest, PromtoolChecksTheExpositionClean) {
+  const std::string promtool = "/usr/bin/promtool";
+  if (!std::filesystem::exists(promtool)) {
+    ASSERT_FALSE(ToolsRequired()) << promtool << " (Debian prometheus) is not installed";
+    GTEST_SKIP() << promtool << " (Debian prometheus) is not installed";
+  }
+  auto serve = ServeProcess::Start(
+      HostServeArgs(model_, runtime_, {"--metrics-addr", "127.0.0.1:0"}), dir_.Join("serve.log"));
+  ASSERT_NE(serve, nullptr);
+  auto socket = WaitForState(*serve, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString();
+  const uint16_t port = MetricsPort(*serve);
+  ASSERT_NE(port, 0);
+  bool matched = false;
+  auto attached = HelloAndAttach(*socket, ConfigFor(model_, "tiny"), &matched);
+  ASSERT_TRUE(attached.ok() && matched);
+  const std::string body = Body(Exchange(port, "GET /metrics HTTP/1.1\r\n\r\n"));
+  ASSERT_NE(body.find("weightcache_attaches_total"), std::string::npos) << body;
+  const std::string file = dir_.Join("exposition.txt");
+  WriteFile(file, body);
+  const CommandResult checked =
+      RunCommand({"/bin/sh", "-c", promtool + " check metrics < '" + file + "'"});
+  EXPECT_EQ(checked.exit_code, 0) << checked.out << checked.err << "\n" << body;
+  EXPECT_EQ(checked.out + checked.err, "") << body;
   serve->Signal(SIGTERM);
   EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
 }
