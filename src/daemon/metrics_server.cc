@@ -2,6 +2,7 @@
 
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -58,18 +59,40 @@ struct MetricsServer::Conn {
 Result<std::unique_ptr<MetricsServer>> MetricsServer::Create(MetricsServerOptions options,
                                                              Render render) {
   UniqueFd listener;
-  std::string unix_path;
+  std::optional<PathNode> node;
   std::string endpoint;
   uint16_t port = 0;
   if (!options.address.empty() && options.address.front() == '/') {
-    auto unix_listener = os::ListenUnix(options.address, 0600);
+    const std::string& path = options.address;
+    auto probe = os::ProbeUnixListener(path, std::chrono::milliseconds(1'000));
+    if (!probe.ok()) {
+      Status status = probe.status();
+      return status.Context("--metrics-addr");
+    }
+    if (probe->state == os::UnixListenerProbe::State::kLive) {
+      Status busy(StatusCode::kIo,
+                  "--metrics-addr " + path + ": " +
+                      (probe->pid > 0 ? "pid " + std::to_string(probe->pid) : "a process") +
+                      " listens there; the address is busy (give each daemon its own "
+                      "--metrics-addr)");
+      busy.WithErrno(EADDRINUSE);
+      return busy;
+    }
+    if (probe->state == os::UnixListenerProbe::State::kStale) {
+      LOG_INFO << "metrics: replacing stale socket " << path << " (nobody listens there)";
+    }
+    auto unix_listener = os::ListenUnix(path, 0600);
     if (!unix_listener.ok()) {
       Status status = unix_listener.status();
       return status.Context("--metrics-addr");
     }
     listener = std::move(unix_listener).value();
-    unix_path = options.address;
-    endpoint = "unix:" + unix_path;
+    // The node just renamed there: the one we remove at exit, and only while it is still it.
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+      node = PathNode{path, st.st_dev, st.st_ino};
+    }
+    endpoint = "unix:" + path;
   } else {
     auto where = os::SplitHostPort(options.address);
     if (!where.ok()) {
@@ -90,19 +113,19 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Create(MetricsServerOption
   UniqueFd wakeup(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wakeup) return IoError("eventfd for the metrics server", errno);
   auto server = std::unique_ptr<MetricsServer>(new MetricsServer(
-      std::move(options), std::move(render), std::move(listener), std::move(wakeup), unix_path));
+      std::move(options), std::move(render), std::move(listener), std::move(wakeup), node));
   server->endpoint_ = std::move(endpoint);
   server->port_ = port;
   return server;
 }
 
 MetricsServer::MetricsServer(MetricsServerOptions options, Render render, UniqueFd listener,
-                             UniqueFd wakeup, std::string unix_path)
+                             UniqueFd wakeup, std::optional<PathNode> node)
     : options_(std::move(options)),
       render_(std::move(render)),
       listener_(std::move(listener)),
       wakeup_(std::move(wakeup)),
-      unix_path_(std::move(unix_path)) {}
+      node_(std::move(node)) {}
 
 MetricsServer::~MetricsServer() {
   if (thread_.joinable()) {
@@ -112,7 +135,12 @@ MetricsServer::~MetricsServer() {
     (void)::write(wakeup_.get(), &one, sizeof(one));
     thread_.join();
   }
-  if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
+  // Only while it is still the node we bound: a socket moved over it is someone else's.
+  struct stat st {};
+  if (node_ && ::lstat(node_->path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode) &&
+      st.st_dev == node_->dev && st.st_ino == node_->ino) {
+    ::unlink(node_->path.c_str());
+  }
 }
 
 void MetricsServer::Start() {

@@ -5,6 +5,12 @@
 //  * Address: "HOST:PORT" (TCP; port 0 picks a free one, see port()) or an absolute path (a
 //    Unix socket, published 0600 like the daemon's). Create binds and listens, so a bad or
 //    busy address fails `serve` before anything is loaded.
+//  * A Unix path is busy when someone listens there (os::ProbeUnixListener: a connect that is
+//    accepted, e.g. another daemon's metrics or cache socket): Create fails with kIo naming
+//    the listener's pid, and the path is never touched. Only a stale socket (its connect
+//    refused: nobody listens) is replaced. No lock guards an arbitrary path, so the connect is
+//    the liveness test. At destruction the path is removed only while it is still the node we
+//    bound (same device and inode): a socket someone else moved there stays.
 //  * Start runs the thread; the destructor stops and joins it (an eventfd wakes its poll),
 //    closing every connection. The `render` callback runs on that thread and must be
 //    thread-safe (DaemonMetrics::Render is).
@@ -19,11 +25,14 @@
 //  * Socket traffic goes through os::SysCalls (accept4, poll, recvmsg, sendmsg).
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -57,8 +66,14 @@ class MetricsServer {
 
  private:
   struct Conn;
+  // The filesystem node of a Unix listener's path (removed at exit only while it is still it).
+  struct PathNode {
+    std::string path;
+    dev_t dev = 0;
+    ino_t ino = 0;
+  };
   MetricsServer(MetricsServerOptions options, Render render, UniqueFd listener, UniqueFd wakeup,
-                std::string unix_path);
+                std::optional<PathNode> node);
   void Main();
   // A complete (or refused) request head: the response to send.
   std::string Respond(const std::string& head);
@@ -67,7 +82,7 @@ class MetricsServer {
   Render render_;
   UniqueFd listener_;
   UniqueFd wakeup_;
-  std::string unix_path_;  // unlinked at destruction
+  std::optional<PathNode> node_;  // a Unix listener's
   std::string endpoint_;
   uint16_t port_ = 0;
   std::thread thread_;

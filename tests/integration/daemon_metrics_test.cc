@@ -7,18 +7,23 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 #include <thread>
+#include <vector>
 
 #include "checkpoint/checkpoint.h"
 #include "common/unique_fd.h"
 #include "integration/daemon_process.h"
+#include "os/unix_socket.h"
 #include "protocol/connection.h"
 #include "support/test_env.h"
 
@@ -82,6 +87,40 @@ uint16_t MetricsPort(ServeProcess& serve) {
   }
   ADD_FAILURE() << "no metrics line in the log:\n" << serve.Log();
   return 0;
+}
+
+// Sends `request` on the Unix socket `path` and returns everything the server sends until it
+// closes; "" when nobody accepts the connection.
+std::string ExchangeUnix(const std::string& path, const std::string& request) {
+  auto fd = ConnectRaw(path);
+  if (!fd.ok()) return "";
+  UniqueFd conn(*fd);
+  SendAll(conn.get(), request);
+  bool eof = false;
+  std::string reply = ReadUntilEof(conn.get(), 30s, &eof);
+  EXPECT_TRUE(eof) << "the server did not close: " << reply;
+  return reply;
+}
+
+// A socket node at `path` that nobody listens on: what a daemon killed with -9 leaves.
+void MakeStaleSocket(const std::string& path) {
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0)
+      << std::strerror(errno);
+}
+
+struct NodeId {
+  dev_t dev = 0;
+  ino_t ino = 0;
+  bool operator==(const NodeId&) const = default;
+};
+std::optional<NodeId> NodeOf(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return std::nullopt;
+  return NodeId{st.st_dev, st.st_ino};
 }
 
 class MetricsTest : public ::testing::Test {
@@ -422,6 +461,70 @@ TEST_F(MetricsTest, ARealPrometheusScrapesTheEndpoint) {
   EXPECT_NE(last.find(R"("job":"weightcache")"), std::string::npos) << last;
   serve->Signal(SIGTERM);
   EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+}
+
+// issue 39 §5.4: an address someone listens on is busy. `serve` fails (exit 1, naming the
+// path) and leaves the path alone: another daemon's metrics socket and a cache socket both
+// keep serving their own clients.
+TEST_F(MetricsTest, ALiveUnixSocketIsBusyAndIsNeverTakenOver) {
+  const std::string path = dir_.Join("metrics.sock");
+  auto first = ServeProcess::Start(HostServeArgs(model_, runtime_, {"--metrics-addr", path}),
+                                   dir_.Join("first.log"));
+  ASSERT_NE(first, nullptr);
+  auto socket = WaitForState(*first, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << "\n" << first->Log();
+  const auto node = NodeOf(path);
+  ASSERT_TRUE(node.has_value());
+
+  // Another cache (another checkpoint: another identity), pointed at the first one's metrics
+  // socket, then at its cache socket.
+  const std::string model_b = MakeCheckpoint(dir_.Join("model-b"), 6, 1, 9, 4096);
+  const std::string runtime_b = dir_.Join("run-b");
+  for (const std::string& busy : {path, *socket}) {
+    auto second = ServeProcess::Start(HostServeArgs(model_b, runtime_b, {"--metrics-addr", busy}),
+                                      dir_.Join("second.log"));
+    ASSERT_NE(second, nullptr);
+    EXPECT_EQ(second->WaitExit(30s), 1) << second->Log();
+    EXPECT_NE(second->Log().find("--metrics-addr " + busy + ": pid " +
+                                 std::to_string(first->pid()) + " listens there"),
+              std::string::npos)
+        << second->Log();
+  }
+  DropAllKeepers(runtime_b, 5s);
+  EXPECT_EQ(NodeOf(path), node);
+  const std::string response = ExchangeUnix(path, "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(response.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << response;
+  auto status = QueryStatus(*socket);
+  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  EXPECT_EQ(status->state, CacheState::kReady);
+  first->Signal(SIGTERM);
+  EXPECT_EQ(first->WaitExit(30s), 0) << first->Log();
+  EXPECT_FALSE(NodeOf(path).has_value());  // its own socket: removed at exit
+}
+
+// A stale socket (nobody listens: a daemon killed with -9) is replaced; at exit the daemon
+// removes the path only while it is still the socket it bound.
+TEST_F(MetricsTest, AStaleUnixSocketIsReplacedAndOnlyOurOwnIsRemovedAtExit) {
+  const std::string path = dir_.Join("metrics.sock");
+  MakeStaleSocket(path);
+  auto serve = ServeProcess::Start(HostServeArgs(model_, runtime_, {"--metrics-addr", path}),
+                                   dir_.Join("serve.log"));
+  ASSERT_NE(serve, nullptr);
+  ASSERT_TRUE(WaitForState(*serve, runtime_, CacheState::kReady).ok()) << serve->Log();
+  EXPECT_NE(serve->Log().find("replacing stale socket " + path + " (nobody listens there)"),
+            std::string::npos)
+      << serve->Log();
+  const std::string response = ExchangeUnix(path, "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(response.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << response;
+
+  // Someone else's socket moved over the path meanwhile: not ours to remove.
+  auto other = os::ListenUnix(dir_.Join("other.sock"));
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  ASSERT_EQ(::rename(dir_.Join("other.sock").c_str(), path.c_str()), 0) << std::strerror(errno);
+  const auto theirs = NodeOf(path);
+  serve->Signal(SIGTERM);
+  EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+  EXPECT_EQ(NodeOf(path), theirs);
 }
 
 // issue 39 §12: `promtool check metrics` (Debian's prometheus package) finds nothing to
