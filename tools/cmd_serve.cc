@@ -85,7 +85,7 @@ struct ServeArgs {
   int handover_fd = -1;  // an upgrade's successor: the channel from the old daemon
   double upgrade_timeout_s = 60;
   std::string metrics_addr;  // --metrics-addr: HOST:PORT or a Unix socket path (docs/metrics.md)
-  double metrics_timeout_s = 5;
+  double metrics_timeout_s = 2;
   RegistryFlags registry;  // --registry and its flags (docs/fleet.md)
   std::string seed_from;   // --seed-from auto|SOCKET (docs/seeding.md)
 };
@@ -870,7 +870,9 @@ void RegisterServeCommand(CLI::App& root) {
                   "printed at start) or on an absolute Unix socket path (docs/metrics.md)");
   sub->add_option("--metrics-timeout", args->metrics_timeout_s,
                   "seconds a scraper has to send its request, and then to take the response, "
-                  "before its connection is closed (default 5)")
+                  "before its connection is closed (default 2; when all 16 connections are "
+                  "taken, one that has sent no complete request within 250 ms is closed for a "
+                  "waiting scraper: docs/metrics.md)")
       ->check(CLI::PositiveNumber);
   sub->add_option("--seed-from", args->seed_from,
                   "auto, or the socket of a cache of this exact identity: before reading the "

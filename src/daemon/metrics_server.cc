@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <list>
 #include <utility>
@@ -49,11 +50,12 @@ std::string HttpResponse(std::string_view status, std::string_view content_type,
 struct MetricsServer::Conn {
   enum class Phase { kReading, kWriting, kLingering };
   UniqueFd fd;
+  Clock::time_point accepted;
+  Clock::time_point deadline;
   Phase phase = Phase::kReading;
   std::string in;
   std::string out;
   size_t sent = 0;
-  Clock::time_point deadline;
 };
 
 Result<std::unique_ptr<MetricsServer>> MetricsServer::Create(MetricsServerOptions options,
@@ -81,7 +83,7 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Create(MetricsServerOption
     if (probe->state == os::UnixListenerProbe::State::kStale) {
       LOG_INFO << "metrics: replacing stale socket " << path << " (nobody listens there)";
     }
-    auto unix_listener = os::ListenUnix(path, 0600);
+    auto unix_listener = os::ListenUnix(path, 0600, os::Blocking::kNonBlocking, options.backlog);
     if (!unix_listener.ok()) {
       Status status = unix_listener.status();
       return status.Context("--metrics-addr");
@@ -99,7 +101,7 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Create(MetricsServerOption
       Status status = where.status();
       return status.Context("--metrics-addr (HOST:PORT or an absolute Unix socket path)");
     }
-    auto tcp = os::ListenTcp(*where);
+    auto tcp = os::ListenTcp(*where, options.backlog);
     if (!tcp.ok()) {
       Status status = tcp.status();
       return status.Context("--metrics-addr");
@@ -173,23 +175,69 @@ std::string MetricsServer::Respond(const std::string& head) {
   return HttpResponse("200 OK", kExpositionType, render_(), {}, method == "HEAD");
 }
 
+namespace {
+
+// Closes a connection to make room. Its unread bytes are read first (best effort), so that the
+// close is a FIN, not a reset that could destroy what it was already sent.
+void CloseForRoom(int fd, std::string_view last_words, os::SysCalls& sys) {
+  std::array<char, 4096> sink{};
+  for (int i = 0; i < 16; ++i) {
+    iovec iov{sink.data(), sink.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    if (sys.RecvMsg(fd, &msg, MSG_DONTWAIT) <= 0) break;
+  }
+  if (!last_words.empty()) {
+    iovec iov{const_cast<char*>(last_words.data()), last_words.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    (void)sys.SendMsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+  }
+}
+
+}  // namespace
+
 void MetricsServer::Main() {
   os::SysCalls& sys = *options_.sys;
   std::list<Conn> conns;
   std::vector<char> buffer(4096);
+  const std::string evicted_response =
+      Plain("408 Request Timeout", "no complete request in time while others waited\n");
+  // A connection that may be closed to make room now (the contract in the header): one that
+  // lingers after its response, else the oldest that has not sent its head within the grace.
+  auto evictable = [&](Clock::time_point now) {
+    auto oldest_reading = conns.end();
+    for (auto it = conns.begin(); it != conns.end(); ++it) {
+      if (it->phase == Conn::Phase::kLingering) return it;
+      if (it->phase == Conn::Phase::kReading && now - it->accepted >= options_.eviction_grace &&
+          (oldest_reading == conns.end() || it->accepted < oldest_reading->accepted)) {
+        oldest_reading = it;
+      }
+    }
+    return oldest_reading;
+  };
   // A failed accept (no fds) pauses the listener briefly instead of spinning on it.
   Clock::time_point accept_paused_until{};  // in the past: accepting
   while (true) {
     auto now = Clock::now();
     const bool paused = now < accept_paused_until;
+    // Full, and nothing to close yet: newcomers wait in the backlog until a slot frees or the
+    // youngest reading connection's grace ends.
+    const bool full = conns.size() >= options_.max_connections && evictable(now) == conns.end();
+    const bool accepting = !paused && !full;
     std::vector<pollfd> fds;
     fds.push_back({wakeup_.get(), POLLIN, 0});
-    fds.push_back({listener_.get(), static_cast<short>(paused ? 0 : POLLIN), 0});
+    fds.push_back({listener_.get(), static_cast<short>(accepting ? POLLIN : 0), 0});
     auto next = paused ? accept_paused_until : now + std::chrono::seconds(60);
     for (auto& c : conns) {
       short events = c.phase == Conn::Phase::kWriting ? POLLOUT : POLLIN;
       fds.push_back({c.fd.get(), events, 0});
       next = std::min(next, c.deadline);
+      if (full && c.phase == Conn::Phase::kReading) {
+        next = std::min(next, c.accepted + options_.eviction_grace);
+      }
     }
     auto wait = std::chrono::ceil<std::chrono::milliseconds>(next - now).count();
     int rc = sys.Poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(wait, 0)));
@@ -263,6 +311,13 @@ void MetricsServer::Main() {
 
     if (rc > 0 && (fds[1].revents & POLLIN) != 0) {
       while (true) {
+        if (conns.size() >= options_.max_connections) {
+          auto victim = evictable(now);
+          if (victim == conns.end()) break;  // the rest waits in the backlog
+          const bool answered = victim->phase == Conn::Phase::kLingering;
+          CloseForRoom(victim->fd.get(), answered ? std::string_view() : evicted_response, sys);
+          conns.erase(victim);
+        }
         auto accepted = os::AcceptConnection(listener_.get(), os::Blocking::kNonBlocking, sys);
         if (!accepted.ok()) {
           LOG_DEBUG << "metrics server: " << accepted.status().ToString();
@@ -270,13 +325,10 @@ void MetricsServer::Main() {
           break;
         }
         if (!accepted->has_value()) break;
-        if (conns.size() >= options_.max_connections) continue;  // closed at once
-        conns.push_back(Conn{std::move(**accepted),
-                             Conn::Phase::kReading,
-                             {},
-                             {},
-                             0,
-                             now + options_.request_timeout});
+        Conn& conn = conns.emplace_back();
+        conn.fd = std::move(**accepted);
+        conn.accepted = now;
+        conn.deadline = now + options_.request_timeout;
       }
     }
   }

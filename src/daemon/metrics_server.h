@@ -19,10 +19,19 @@
 //    fit in `max_request_bytes` (else 431); a request line that is not `METHOD TARGET
 //    HTTP/1.x` gets 400; a method other than GET or HEAD gets 405 (with `Allow: GET, HEAD`);
 //    a target other than /metrics gets 404. A response not taken by the peer within
-//    `request_timeout` is dropped. At most `max_connections` are open; more are accepted and
-//    closed at once. Nothing here ever blocks: a slow or hostile scraper costs this thread a
-//    slot until its timeout and never touches the daemon's socket loop.
+//    `request_timeout` is dropped.
+//  * At most `max_connections` are open. When all are taken and another connection waits in
+//    the listen backlog, room is made: first by closing a connection that already has its
+//    response (lingering), else the oldest one that has not sent a complete request head
+//    within `eviction_grace` of its accept (an idle connection or a slowloris; it is sent a
+//    best-effort 408). A connection younger than that, or one being answered, is never
+//    closed for room; while only such connections hold the slots, newcomers wait in the
+//    backlog (`backlog` deep) for at most the grace. So a scrape waits behind a slowloris for
+//    at most `eviction_grace`, never for its timeout, and is never refused. Nothing here
+//    ever blocks, and the daemon's socket loop is never touched.
 //  * Socket traffic goes through os::SysCalls (accept4, poll, recvmsg, sendmsg).
+//  * Thread-safety: Create, Start and the destructor on one thread (serve's main); endpoint()
+//    and port() are immutable once Start ran.
 #pragma once
 
 #include <sys/types.h>
@@ -44,9 +53,14 @@ namespace weightcache::daemon {
 
 struct MetricsServerOptions {
   std::string address;  // "HOST:PORT" or an absolute Unix socket path
-  std::chrono::milliseconds request_timeout{5'000};
+  std::chrono::milliseconds request_timeout{2'000};
+  // How long a connection may go without a complete request head before it can be closed to
+  // make room for a waiting one (the contract above). A scraper sends its request with the
+  // handshake's last packet, so this only has to cover scheduling.
+  std::chrono::milliseconds eviction_grace{250};
   size_t max_request_bytes = 8192;
   size_t max_connections = 16;
+  int backlog = 1024;  // the listen backlog: where scrapers wait while every slot is taken
   os::SysCalls* sys = &os::SysCalls::Default();
 };
 

@@ -527,6 +527,56 @@ TEST_F(MetricsTest, AStaleUnixSocketIsReplacedAndOnlyOurOwnIsRemovedAtExit) {
   EXPECT_EQ(NodeOf(path), theirs);
 }
 
+// issue 39 §5.6: idle connections and slowlorises never lock a scrape out. With a long
+// --metrics-timeout (so that no timeout helps), 40 idle connections and 16 that sent half a
+// request, a scrape still gets its 200.
+TEST_F(MetricsTest, IdleConnectionsAndSlowlorisesNeverLockAScrapeOut) {
+  auto serve = ServeProcess::Start(
+      HostServeArgs(model_, runtime_,
+                    {"--metrics-addr", "127.0.0.1:0", "--metrics-timeout", "600"}),
+      dir_.Join("serve.log"));
+  ASSERT_NE(serve, nullptr);
+  ASSERT_TRUE(WaitForState(*serve, runtime_, CacheState::kReady).ok()) << serve->Log();
+  const uint16_t port = MetricsPort(*serve);
+  ASSERT_NE(port, 0);
+  std::vector<UniqueFd> idle;
+  for (int i = 0; i < 40; ++i) idle.push_back(ConnectTcp(port));
+  for (int i = 0; i < 16; ++i) {
+    idle.push_back(ConnectTcp(port));
+    SendAll(idle.back().get(), "GET /metrics HTTP/1.1\r\nHost:");
+  }
+  const std::string response = Exchange(port, "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(response.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << response;
+  EXPECT_TRUE(HasLine(Body(response), R"(weightcache_daemon_state{state="ready"} 1)"));
+  serve->Signal(SIGTERM);
+  EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+}
+
+// 400 scrapes open at once (each sends its request as it connects, as Prometheus does, and
+// reads its answer only after all are sent): every one gets its 200.
+TEST_F(MetricsTest, FourHundredConcurrentScrapesAreAllAnswered) {
+  auto serve = ServeProcess::Start(
+      HostServeArgs(model_, runtime_, {"--metrics-addr", "127.0.0.1:0"}), dir_.Join("serve.log"));
+  ASSERT_NE(serve, nullptr);
+  ASSERT_TRUE(WaitForState(*serve, runtime_, CacheState::kReady).ok()) << serve->Log();
+  const uint16_t port = MetricsPort(*serve);
+  ASSERT_NE(port, 0);
+  std::vector<UniqueFd> scrapes;
+  for (int i = 0; i < 400; ++i) {
+    scrapes.push_back(ConnectTcp(port));
+    SendAll(scrapes.back().get(), "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+  }
+  int answered = 0;
+  for (auto& fd : scrapes) {
+    bool eof = false;
+    std::string response = ReadUntilEof(fd.get(), 30s, &eof);
+    answered += response.rfind("HTTP/1.1 200 OK\r\n", 0) == 0 && eof ? 1 : 0;
+  }
+  EXPECT_EQ(answered, 400);
+  serve->Signal(SIGTERM);
+  EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+}
+
 // issue 39 §12: `promtool check metrics` (Debian's prometheus package) finds nothing to
 // complain about in a real daemon's exposition.
 TEST_F(MetricsTest, PromtoolChecksTheExpositionClean) {
