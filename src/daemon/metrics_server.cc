@@ -1,5 +1,7 @@
 #include "daemon/metrics_server.h"
 
+#include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -58,38 +60,96 @@ struct MetricsServer::Conn {
   size_t sent = 0;
 };
 
+namespace {
+
+// The listener an upgrade's predecessor passed us (`serve --metrics-fd`): a listening stream
+// socket of the address's family (and port, unless it is 0). CLOEXEC and non-blocking again:
+// inheriting cleared the first, and nothing guarantees the second.
+Status CheckInheritedListener(int fd, bool unix_path, uint16_t want_port, uint16_t* port) {
+  auto fail = [fd](const std::string& why) {
+    return InvalidArgument("--metrics-fd " + std::to_string(fd) + ": " + why);
+  };
+  int flags = ::fcntl(fd, F_GETFD);
+  if (flags < 0) return fail("not an open fd");
+  if (::fcntl(fd, F_SETFD, flags | FD_CLOEXEC) != 0) return IoError("fcntl(F_SETFD)", errno);
+  int status_flags = ::fcntl(fd, F_GETFL);
+  if (status_flags < 0 || ::fcntl(fd, F_SETFL, status_flags | O_NONBLOCK) != 0) {
+    return IoError("fcntl(F_SETFL, O_NONBLOCK)", errno);
+  }
+  int type = 0;
+  int listening = 0;
+  socklen_t len = sizeof(type);
+  if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0) return fail("not a socket");
+  len = sizeof(listening);
+  if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || type != SOCK_STREAM ||
+      listening == 0) {
+    return fail("not a listening stream socket");
+  }
+  sockaddr_storage addr{};
+  len = sizeof(addr);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    return IoError("getsockname on --metrics-fd", errno);
+  }
+  if (unix_path) {
+    if (addr.ss_family != AF_UNIX) return fail("not a Unix socket, but --metrics-addr is a path");
+    return Status::Ok();
+  }
+  if (addr.ss_family == AF_INET) {
+    *port = ntohs(reinterpret_cast<const sockaddr_in*>(&addr)->sin_port);
+  } else if (addr.ss_family == AF_INET6) {
+    *port = ntohs(reinterpret_cast<const sockaddr_in6*>(&addr)->sin6_port);
+  } else {
+    return fail("not a TCP socket, but --metrics-addr is HOST:PORT");
+  }
+  if (want_port != 0 && *port != want_port) {
+    return fail("listens on port " + std::to_string(*port) + ", not on --metrics-addr's " +
+                std::to_string(want_port));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<MetricsServer>> MetricsServer::Create(MetricsServerOptions options,
                                                              Render render) {
+  UniqueFd inherited(options.inherited_fd);  // ours from here, whatever happens
   UniqueFd listener;
   std::optional<PathNode> node;
   std::string endpoint;
   uint16_t port = 0;
-  if (!options.address.empty() && options.address.front() == '/') {
+  const bool unix_path = !options.address.empty() && options.address.front() == '/';
+  if (unix_path) {
     const std::string& path = options.address;
-    auto probe = os::ProbeUnixListener(path, std::chrono::milliseconds(1'000));
-    if (!probe.ok()) {
-      Status status = probe.status();
-      return status.Context("--metrics-addr");
+    if (inherited) {
+      WEIGHTCACHE_RETURN_IF_ERROR(CheckInheritedListener(inherited.get(), true, 0, &port));
+      listener = std::move(inherited);
+    } else {
+      auto probe = os::ProbeUnixListener(path, std::chrono::milliseconds(1'000));
+      if (!probe.ok()) {
+        Status status = probe.status();
+        return status.Context("--metrics-addr");
+      }
+      if (probe->state == os::UnixListenerProbe::State::kLive) {
+        Status busy(StatusCode::kIo,
+                    "--metrics-addr " + path + ": " +
+                        (probe->pid > 0 ? "pid " + std::to_string(probe->pid) : "a process") +
+                        " listens there; the address is busy (give each daemon its own "
+                        "--metrics-addr)");
+        busy.WithErrno(EADDRINUSE);
+        return busy;
+      }
+      if (probe->state == os::UnixListenerProbe::State::kStale) {
+        LOG_INFO << "metrics: replacing stale socket " << path << " (nobody listens there)";
+      }
+      auto unix_listener = os::ListenUnix(path, 0600, os::Blocking::kNonBlocking, options.backlog);
+      if (!unix_listener.ok()) {
+        Status status = unix_listener.status();
+        return status.Context("--metrics-addr");
+      }
+      listener = std::move(unix_listener).value();
     }
-    if (probe->state == os::UnixListenerProbe::State::kLive) {
-      Status busy(StatusCode::kIo,
-                  "--metrics-addr " + path + ": " +
-                      (probe->pid > 0 ? "pid " + std::to_string(probe->pid) : "a process") +
-                      " listens there; the address is busy (give each daemon its own "
-                      "--metrics-addr)");
-      busy.WithErrno(EADDRINUSE);
-      return busy;
-    }
-    if (probe->state == os::UnixListenerProbe::State::kStale) {
-      LOG_INFO << "metrics: replacing stale socket " << path << " (nobody listens there)";
-    }
-    auto unix_listener = os::ListenUnix(path, 0600, os::Blocking::kNonBlocking, options.backlog);
-    if (!unix_listener.ok()) {
-      Status status = unix_listener.status();
-      return status.Context("--metrics-addr");
-    }
-    listener = std::move(unix_listener).value();
-    // The node just renamed there: the one we remove at exit, and only while it is still it.
+    // The node at the path now: ours (just renamed there), or, inherited, the predecessor's,
+    // which it gives up at its HandOff.
     struct stat st {};
     if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
       node = PathNode{path, st.st_dev, st.st_ino};
@@ -101,13 +161,19 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Create(MetricsServerOption
       Status status = where.status();
       return status.Context("--metrics-addr (HOST:PORT or an absolute Unix socket path)");
     }
-    auto tcp = os::ListenTcp(*where, options.backlog);
-    if (!tcp.ok()) {
-      Status status = tcp.status();
-      return status.Context("--metrics-addr");
+    if (inherited) {
+      WEIGHTCACHE_RETURN_IF_ERROR(
+          CheckInheritedListener(inherited.get(), false, where->port, &port));
+      listener = std::move(inherited);
+    } else {
+      auto tcp = os::ListenTcp(*where, options.backlog);
+      if (!tcp.ok()) {
+        Status status = tcp.status();
+        return status.Context("--metrics-addr");
+      }
+      listener = std::move(tcp->fd);
+      port = tcp->port;
     }
-    listener = std::move(tcp->fd);
-    port = tcp->port;
     std::string host =
         where->host.find(':') != std::string::npos ? "[" + where->host + "]" : where->host;
     endpoint = "http://" + host + ":" + std::to_string(port) + "/metrics";
@@ -126,11 +192,13 @@ MetricsServer::MetricsServer(MetricsServerOptions options, Render render, Unique
     : options_(std::move(options)),
       render_(std::move(render)),
       listener_(std::move(listener)),
+      listener_fd_(listener_.get()),
       wakeup_(std::move(wakeup)),
       node_(std::move(node)) {}
 
 MetricsServer::~MetricsServer() {
   if (thread_.joinable()) {
+    stopping_.store(true);
     uint64_t one = 1;
     // The eventfd is non-blocking and far from its limit: this write cannot fail in a way
     // that matters (the thread also polls it with a timeout).
@@ -147,6 +215,14 @@ MetricsServer::~MetricsServer() {
 
 void MetricsServer::Start() {
   thread_ = std::thread([this] { Main(); });
+}
+
+void MetricsServer::HandOff() {
+  node_.reset();  // the successor's path now
+  handed_off_.store(true);
+  uint64_t one = 1;
+  (void)::write(wakeup_.get(), &one, sizeof(one));  // as in the destructor
+  if (!thread_.joinable()) listener_.Reset();
 }
 
 std::string MetricsServer::Respond(const std::string& head) {
@@ -226,10 +302,11 @@ void MetricsServer::Main() {
     // Full, and nothing to close yet: newcomers wait in the backlog until a slot frees or the
     // youngest reading connection's grace ends.
     const bool full = conns.size() >= options_.max_connections && evictable(now) == conns.end();
-    const bool accepting = !paused && !full;
+    const bool accepting = listener_ && !paused && !full;
     std::vector<pollfd> fds;
     fds.push_back({wakeup_.get(), POLLIN, 0});
-    fds.push_back({listener_.get(), static_cast<short>(accepting ? POLLIN : 0), 0});
+    fds.push_back(
+        {listener_ ? listener_.get() : -1, static_cast<short>(accepting ? POLLIN : 0), 0});
     auto next = paused ? accept_paused_until : now + std::chrono::seconds(60);
     for (auto& c : conns) {
       short events = c.phase == Conn::Phase::kWriting ? POLLOUT : POLLIN;
@@ -245,7 +322,14 @@ void MetricsServer::Main() {
       LOG_WARN << "metrics server: poll failed: " << IoError("poll", errno).ToString();
       return;
     }
-    if (rc > 0 && (fds[0].revents & POLLIN) != 0) return;  // stopping
+    if (rc > 0 && (fds[0].revents & POLLIN) != 0) {
+      uint64_t value = 0;
+      (void)::read(wakeup_.get(), &value, sizeof(value));
+      if (stopping_.load()) return;
+      // Handed off: the successor accepts on the same listener; ours closes, and the
+      // connections accepted so far are answered.
+      if (handed_off_.load()) listener_.Reset();
+    }
     now = Clock::now();
 
     // Per connection, by its poll slot (connections accepted below are not in this round).
@@ -309,7 +393,7 @@ void MetricsServer::Main() {
       it = drop ? conns.erase(it) : std::next(it);
     }
 
-    if (rc > 0 && (fds[1].revents & POLLIN) != 0) {
+    if (rc > 0 && listener_ && (fds[1].revents & POLLIN) != 0) {
       while (true) {
         if (conns.size() >= options_.max_connections) {
           auto victim = evictable(now);

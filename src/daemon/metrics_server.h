@@ -11,6 +11,10 @@
 //    refused: nobody listens) is replaced. No lock guards an arbitrary path, so the connect is
 //    the liveness test. At destruction the path is removed only while it is still the node we
 //    bound (same device and inode): a socket someone else moved there stays.
+//  * Upgrade (docs/upgrade.md): listener_fd() is inherited by the successor, which passes it
+//    as `inherited_fd` and serves the same listener (the same port, the same path node) instead
+//    of binding; HandOff() then stops our accepting (what is accepted is still answered) and
+//    gives up the path, which is the successor's to remove.
 //  * Start runs the thread; the destructor stops and joins it (an eventfd wakes its poll),
 //    closing every connection. The `render` callback runs on that thread and must be
 //    thread-safe (DaemonMetrics::Render is).
@@ -30,12 +34,13 @@
 //    at most `eviction_grace`, never for its timeout, and is never refused. Nothing here
 //    ever blocks, and the daemon's socket loop is never touched.
 //  * Socket traffic goes through os::SysCalls (accept4, poll, recvmsg, sendmsg).
-//  * Thread-safety: Create, Start and the destructor on one thread (serve's main); endpoint()
-//    and port() are immutable once Start ran.
+//  * Thread-safety: Create, Start, HandOff and the destructor on one thread (serve's main);
+//    endpoint(), port() and listener_fd() are immutable once Start ran.
 #pragma once
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -61,6 +66,10 @@ struct MetricsServerOptions {
   size_t max_request_bytes = 8192;
   size_t max_connections = 16;
   int backlog = 1024;  // the listen backlog: where scrapers wait while every slot is taken
+  // An upgrade's successor: the predecessor's listening socket (`serve --metrics-fd`), served
+  // instead of binding `address` (which it must be a listener of: family, and the port unless
+  // it is 0). Create owns it from the call on, also when it fails.
+  int inherited_fd = -1;
   os::SysCalls* sys = &os::SysCalls::Default();
 };
 
@@ -74,6 +83,11 @@ class MetricsServer {
   MetricsServer& operator=(const MetricsServer&) = delete;
 
   void Start();
+  // The upgrade's successor serves our listener now (it inherited listener_fd()): stop
+  // accepting, answer what was accepted, and leave the path (the successor's) in place.
+  void HandOff();
+  // The listening socket, for the successor to inherit (valid until HandOff or destruction).
+  int listener_fd() const { return listener_fd_; }
   // Where it listens, for the log line: "http://127.0.0.1:9400/metrics" or "unix:/path".
   const std::string& endpoint() const { return endpoint_; }
   uint16_t port() const { return port_; }  // TCP only (0 for a Unix socket)
@@ -94,9 +108,12 @@ class MetricsServer {
 
   MetricsServerOptions options_;
   Render render_;
-  UniqueFd listener_;
+  UniqueFd listener_;  // the thread's once started (closed there at HandOff)
+  int listener_fd_ = -1;
   UniqueFd wakeup_;
-  std::optional<PathNode> node_;  // a Unix listener's
+  std::optional<PathNode> node_;  // a Unix listener's, until HandOff
+  std::atomic<bool> stopping_{false};
+  std::atomic<bool> handed_off_{false};
   std::string endpoint_;
   uint16_t port_ = 0;
   std::thread thread_;

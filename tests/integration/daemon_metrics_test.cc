@@ -1,11 +1,14 @@
 // `serve --metrics-addr` (docs/metrics.md) as a real process: a known sequence of attaches
 // (served, mismatched, out of sequence) read back from GET /metrics with exact values; hostile
 // scrapers (oversize, slowloris, bad method, bad target, garbage) get their status while the
-// daemon keeps serving attaches; and a real Prometheus server scrapes the endpoint.
+// daemon keeps serving attaches; a busy Unix path is refused and a stale one replaced; the
+// endpoint survives an upgrade; idle connections never lock a scrape out; promtool finds the
+// exposition clean; and a real Prometheus server scrapes the endpoint.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -102,6 +105,19 @@ std::string ExchangeUnix(const std::string& path, const std::string& request) {
   return reply;
 }
 
+// A TCP connection to 127.0.0.1:port, or an invalid fd when nobody listens.
+UniqueFd TryConnectTcp(uint16_t port) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return UniqueFd();
+  }
+  return fd;
+}
+
 // A socket node at `path` that nobody listens on: what a daemon killed with -9 leaves.
 void MakeStaleSocket(const std::string& path) {
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -123,6 +139,14 @@ std::optional<NodeId> NodeOf(const std::string& path) {
   return NodeId{st.st_dev, st.st_ino};
 }
 
+bool Alive(pid_t pid) { return ::kill(pid, 0) == 0; }
+
+// Waits (bounded) for a process that is not our child (an upgrade's successor) to be gone.
+bool WaitGone(pid_t pid) {
+  for (int i = 0; i < 3000 && Alive(pid); ++i) std::this_thread::sleep_for(10ms);
+  return !Alive(pid);
+}
+
 class MetricsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -130,7 +154,27 @@ class MetricsTest : public ::testing::Test {
     runtime_ = dir_.Join("run");
   }
   // A daemon killed by a failed assertion leaves its keeper holding the cache: drop it.
-  void TearDown() override { DropAllKeepers(runtime_, 5s); }
+  // Upgrade successors are not our children: kill whatever still runs.
+  void TearDown() override {
+    for (pid_t pid : successors_) {
+      if (Alive(pid)) ::kill(pid, SIGKILL);
+    }
+    DropAllKeepers(runtime_, 5s);
+  }
+
+  // `weightcache upgrade --socket S --json`: the successor's pid (0 on failure).
+  pid_t Upgrade(const std::string& socket, CommandResult* result) {
+    *result = RunCommand({CliPath(), "upgrade", "--socket", socket, "--json"});
+    if (result->exit_code != 0) return 0;
+    auto j = nlohmann::json::parse(result->out, nullptr, false);
+    if (j.is_discarded() || !j.contains("successor_pid")) {
+      ADD_FAILURE() << "upgrade --json printed: " << result->out;
+      return 0;
+    }
+    const pid_t pid = j["successor_pid"].get<pid_t>();
+    successors_.push_back(pid);
+    return pid;
+  }
 
   // A connection that said Hello with `config` and, if it matched, attached.
   Result<protocol::Connection> HelloAndAttach(const std::string& socket,
@@ -153,6 +197,7 @@ class MetricsTest : public ::testing::Test {
   TempDir dir_;
   std::string model_;
   std::string runtime_;
+  std::vector<pid_t> successors_;
 };
 
 TEST_F(MetricsTest, CountsAKnownSequenceOfAttachesAndSurvivesHostileScrapers) {
@@ -525,6 +570,85 @@ TEST_F(MetricsTest, AStaleUnixSocketIsReplacedAndOnlyOurOwnIsRemovedAtExit) {
   serve->Signal(SIGTERM);
   EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
   EXPECT_EQ(NodeOf(path), theirs);
+}
+
+// issue 39 §5.5: the endpoint is handed over with the cache. After `upgrade` (twice) the same
+// path, and the same TCP port (also one that port 0 picked), serve the successor's metrics,
+// and no old daemon removed anything.
+TEST_F(MetricsTest, TheEndpointIsHandedOverWithTheCache) {
+  const std::string path = dir_.Join("metrics.sock");
+  for (const std::string& address : {path, std::string("127.0.0.1:0")}) {
+    SCOPED_TRACE(address);
+    auto serve = ServeProcess::Start(HostServeArgs(model_, runtime_, {"--metrics-addr", address}),
+                                     dir_.Join("serve-" + std::to_string(successors_.size())));
+    ASSERT_NE(serve, nullptr);
+    auto socket = WaitForState(*serve, runtime_, CacheState::kReady);
+    ASSERT_TRUE(socket.ok()) << socket.status().ToString() << "\n" << serve->Log();
+    const bool unix_path = address == path;
+    const uint16_t port = unix_path ? 0 : MetricsPort(*serve);
+    auto scrape = [&] {
+      const std::string request = "GET /metrics HTTP/1.1\r\n\r\n";
+      if (unix_path) return ExchangeUnix(path, request);
+      UniqueFd fd = TryConnectTcp(port);
+      if (!fd) return std::string();
+      SendAll(fd.get(), request);
+      bool eof = false;
+      return ReadUntilEof(fd.get(), 30s, &eof);
+    };
+    CommandResult up;
+    const pid_t successor = Upgrade(*socket, &up);
+    ASSERT_GT(successor, 0) << up.err << "\n" << serve->Log();
+    EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+    // Only the successor is left to answer.
+    const std::string response = scrape();
+    EXPECT_EQ(response.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << response << "\n" << serve->Log();
+    EXPECT_TRUE(HasLine(Body(response), R"(weightcache_daemon_state{state="ready"} 1)"))
+        << response;
+    EXPECT_EQ(serve->Log().find("metrics not served"), std::string::npos) << serve->Log();
+    const std::string endpoint =
+        unix_path ? "unix:" + path : "http://127.0.0.1:" + std::to_string(port) + "/metrics";
+    EXPECT_NE(serve->Log().find("metrics at " + endpoint + " (handed over by pid " +
+                                std::to_string(serve->pid()) + ")"),
+              std::string::npos)
+        << serve->Log();
+    // The successor hands it on in turn (its own --metrics-fd is not passed twice).
+    const pid_t third = Upgrade(*socket, &up);
+    ASSERT_GT(third, 0) << up.err << "\n" << serve->Log();
+    EXPECT_TRUE(WaitGone(successor));
+    const std::string again = scrape();
+    EXPECT_EQ(again.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << again << "\n" << serve->Log();
+    EXPECT_NE(serve->Log().find("metrics at " + endpoint + " (handed over by pid " +
+                                std::to_string(successor) + ")"),
+              std::string::npos)
+        << serve->Log();
+    // The last successor is the path's owner now: it removes it when it stops.
+    ASSERT_EQ(::kill(third, SIGTERM), 0);
+    EXPECT_TRUE(WaitGone(third));
+    if (unix_path) {
+      EXPECT_FALSE(NodeOf(path).has_value());
+    }
+  }
+}
+
+// A failed upgrade leaves the old daemon serving metrics where it did.
+TEST_F(MetricsTest, AFailedUpgradeLeavesTheOldDaemonServingMetrics) {
+  const std::string path = dir_.Join("metrics.sock");
+  auto serve = ServeProcess::Start(HostServeArgs(model_, runtime_, {"--metrics-addr", path}),
+                                   dir_.Join("serve.log"));
+  ASSERT_NE(serve, nullptr);
+  auto socket = WaitForState(*serve, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString();
+  const std::string quitter = dir_.Join("quitter.sh");
+  WriteFile(quitter, "#!/bin/sh\nexit 1\n");
+  ASSERT_EQ(::chmod(quitter.c_str(), 0755), 0);
+  const CommandResult up =
+      RunCommand({CliPath(), "upgrade", "--socket", *socket, "--binary", quitter});
+  EXPECT_EQ(up.exit_code, 1) << up.err;
+  const std::string response = ExchangeUnix(path, "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(response.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << response;
+  serve->Signal(SIGTERM);
+  EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+  EXPECT_FALSE(NodeOf(path).has_value());
 }
 
 // issue 39 §5.6: idle connections and slowlorises never lock a scrape out. With a long
