@@ -27,6 +27,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
@@ -110,17 +111,18 @@ Result<std::unique_ptr<daemon::Successor>> StartSuccessor(const std::string& bin
   launcher::SpawnOptions spawn;
   spawn.argv.push_back(binary);
   const std::vector<std::string>& ours = ProgramArgs();
+  // Our own internal flags, with their values, are not passed on: the successor gets its own.
+  auto internal = [](std::string_view flag) {
+    return flag == "--handover-fd" || flag == "--metrics-fd";
+  };
   for (size_t i = 1; i < ours.size(); ++i) {
-    bool internal = false;
-    for (const std::string flag : {"--handover-fd", "--metrics-fd"}) {
-      if (ours[i] == flag) {
-        ++i;
-        internal = true;
-      } else if (ours[i].rfind(flag + "=", 0) == 0) {
-        internal = true;
-      }
+    const std::string_view arg = ours[i];
+    if (internal(arg)) {
+      ++i;  // and its value
+      continue;
     }
-    if (!internal) spawn.argv.push_back(ours[i]);
+    if (internal(arg.substr(0, arg.find('=')))) continue;  // --flag=value
+    spawn.argv.push_back(ours[i]);
   }
   spawn.argv.push_back("--handover-fd");
   spawn.argv.push_back(std::to_string(daemon::kHandoverChannelFd));
@@ -284,7 +286,7 @@ int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id, int sign
 
 // An upgrade's successor: receive and validate the handover, publish the socket over the old
 // daemon's, confirm. Any failure goes back to the old daemon (which serves on) and is ours.
-// `predecessor`: the old daemon's pid, once taken over.
+// `predecessor_pid`: the old daemon's pid, once taken over.
 Result<std::unique_ptr<daemon::Daemon>> TakeOver(const ServeArgs& args,
                                                  const identity::ResolvedIdentity& id,
                                                  const daemon::DaemonOptions& options,
