@@ -275,6 +275,67 @@ void CloseForRoom(int fd, std::string_view last_words, os::SysCalls& sys) {
 
 }  // namespace
 
+// One connection's step of the state machine (reading → writing → lingering), after its poll
+// said `revents` (0: only its deadline may have passed). False: close it.
+bool MetricsServer::Advance(Conn& c, short revents, Clock::time_point now,
+                            std::vector<char>& buffer) {
+  os::SysCalls& sys = *options_.sys;
+  bool drop = false;
+  if (revents != 0 && c.phase != Conn::Phase::kWriting) {
+    iovec iov{buffer.data(), buffer.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    ssize_t n = sys.RecvMsg(c.fd.get(), &msg, MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+      drop = true;  // the peer closed (or reset) its side
+    } else if (n > 0 && c.phase == Conn::Phase::kReading) {
+      c.in.append(buffer.data(), static_cast<size_t>(n));
+      auto end = c.in.find("\r\n\r\n");
+      if (end != std::string::npos && end + 4 <= options_.max_request_bytes) {
+        c.out = Respond(c.in.substr(0, end + 2));
+      } else if (c.in.size() >= options_.max_request_bytes) {
+        c.out = Plain("431 Request Header Fields Too Large",
+                      "the request is larger than " + std::to_string(options_.max_request_bytes) +
+                          " bytes\n");
+      }
+      if (!c.out.empty()) {
+        c.phase = Conn::Phase::kWriting;
+        c.in.clear();
+        c.deadline = now + options_.request_timeout;
+      }
+    }
+  } else if (revents != 0) {  // writing
+    iovec iov{c.out.data() + c.sent, c.out.size() - c.sent};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    ssize_t n = sys.SendMsg(c.fd.get(), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n < 0 && errno != EAGAIN && errno != EINTR) {
+      drop = true;
+    } else if (n > 0) {
+      c.sent += static_cast<size_t>(n);
+    }
+    if (!drop && c.sent == c.out.size()) {
+      // Shut our side and read what the peer still sends until it closes, so that its
+      // unread request bytes do not turn our close into a reset that loses the response.
+      (void)::shutdown(c.fd.get(), SHUT_WR);
+      c.phase = Conn::Phase::kLingering;
+      c.deadline = now + options_.request_timeout;
+    }
+  }
+  if (!drop && now >= c.deadline) {
+    if (c.phase == Conn::Phase::kReading) {
+      c.out = Plain("408 Request Timeout", "the request did not arrive in time\n");
+      c.phase = Conn::Phase::kWriting;
+      c.deadline = now + options_.request_timeout;
+    } else {
+      drop = true;  // a response the peer does not take, or a peer that never closes
+    }
+  }
+  return !drop;
+}
+
 void MetricsServer::Main() {
   os::SysCalls& sys = *options_.sys;
   std::list<Conn> conns;
@@ -335,61 +396,8 @@ void MetricsServer::Main() {
     // Per connection, by its poll slot (connections accepted below are not in this round).
     size_t slot = 2;
     for (auto it = conns.begin(); it != conns.end(); ++slot) {
-      Conn& c = *it;
-      short revents = rc > 0 ? fds[slot].revents : 0;
-      bool drop = false;
-      if (revents != 0 && c.phase != Conn::Phase::kWriting) {
-        iovec iov{buffer.data(), buffer.size()};
-        msghdr msg{};
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        ssize_t n = sys.RecvMsg(c.fd.get(), &msg, MSG_DONTWAIT);
-        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-          drop = true;  // the peer closed (or reset) its side
-        } else if (n > 0 && c.phase == Conn::Phase::kReading) {
-          c.in.append(buffer.data(), static_cast<size_t>(n));
-          auto end = c.in.find("\r\n\r\n");
-          if (end != std::string::npos && end + 4 <= options_.max_request_bytes) {
-            c.out = Respond(c.in.substr(0, end + 2));
-          } else if (c.in.size() >= options_.max_request_bytes) {
-            c.out = Plain("431 Request Header Fields Too Large",
-                          "the request is larger than " +
-                              std::to_string(options_.max_request_bytes) + " bytes\n");
-          }
-          if (!c.out.empty()) {
-            c.phase = Conn::Phase::kWriting;
-            c.in.clear();
-            c.deadline = now + options_.request_timeout;
-          }
-        }
-      } else if (revents != 0) {  // writing
-        iovec iov{c.out.data() + c.sent, c.out.size() - c.sent};
-        msghdr msg{};
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        ssize_t n = sys.SendMsg(c.fd.get(), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (n < 0 && errno != EAGAIN && errno != EINTR) {
-          drop = true;
-        } else if (n > 0) {
-          c.sent += static_cast<size_t>(n);
-        }
-        if (!drop && c.sent == c.out.size()) {
-          // Shut our side and read what the peer still sends until it closes, so that its
-          // unread request bytes do not turn our close into a reset that loses the response.
-          (void)::shutdown(c.fd.get(), SHUT_WR);
-          c.phase = Conn::Phase::kLingering;
-          c.deadline = now + options_.request_timeout;
-        }
-      }
-      if (!drop && now >= c.deadline) {
-        if (c.phase == Conn::Phase::kReading) {
-          c.out = Plain("408 Request Timeout", "the request did not arrive in time\n");
-          c.phase = Conn::Phase::kWriting;
-          c.deadline = now + options_.request_timeout;
-        } else {
-          drop = true;  // a response the peer does not take, or a peer that never closes
-        }
-      }
+      const short revents = rc > 0 ? fds[slot].revents : 0;
+      const bool drop = !Advance(*it, revents, now, buffer);
       it = drop ? conns.erase(it) : std::next(it);
     }
 

@@ -49,6 +49,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common/unique_fd.h"
 #include "os/syscalls.h"
@@ -103,6 +104,8 @@ class MetricsServer {
   MetricsServer(MetricsServerOptions options, Render render, UniqueFd listener, UniqueFd wakeup,
                 std::optional<PathNode> node);
   void Main();
+  bool Advance(Conn& c, short revents, std::chrono::steady_clock::time_point now,
+               std::vector<char>& buffer);
   // A complete (or refused) request head: the response to send.
   std::string Respond(const std::string& head);
 
