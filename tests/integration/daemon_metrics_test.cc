@@ -547,6 +547,26 @@ TEST_F(MetricsTest, ALiveUnixSocketIsBusyAndIsNeverTakenOver) {
   EXPECT_FALSE(NodeOf(path).has_value());  // its own socket: removed at exit
 }
 
+// A TCP port someone listens on is busy as well: exit 1, "Address already in use".
+TEST_F(MetricsTest, ABusyTcpPortFailsServe) {
+  UniqueFd taken(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(taken.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(taken.get(), 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(taken.get(), reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string address = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+  const CommandResult busy =
+      RunCommand({CliPath(), "serve", "--model", model_, "--tier", "host", "--model-id", "tiny",
+                  "--runtime-dir", runtime_, "--metrics-addr", address});
+  EXPECT_EQ(busy.exit_code, 1) << busy.err;
+  EXPECT_NE(busy.err.find("--metrics-addr"), std::string::npos) << busy.err;
+  EXPECT_NE(busy.err.find("Address already in use"), std::string::npos) << busy.err;
+  EXPECT_TRUE(FindSockets(runtime_).empty());  // refused before the cache was published
+}
+
 // A stale socket (nobody listens: a daemon killed with -9) is replaced; at exit the daemon
 // removes the path only while it is still the socket it bound.
 TEST_F(MetricsTest, AStaleUnixSocketIsReplacedAndOnlyOurOwnIsRemovedAtExit) {
