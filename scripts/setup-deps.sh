@@ -6,7 +6,7 @@ debs=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
       nlohmann-json3-dev libcli11-dev libxxhash-dev nettle-dev libgtest-dev libgmock-dev
       python3 python3-pip python3-venv pkg-config libsystemd-dev
       make         # the SDK check's pkg-config consumer (tests/sdk/c/Makefile)
-      prometheus   # the metrics test's real Prometheus server (docs/metrics.md)
+      prometheus   # the metrics tests: a real Prometheus, promtool check metrics (docs/metrics.md)
       # The fleet registry (docs/fleet.md): libcurl for etcd's JSON gateway; the tests start a
       # real etcd (etcd-server) and read it back with etcdctl (etcd-client); openssl makes the
       # test CA and certificates of the etcds:// test.

@@ -28,6 +28,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
@@ -86,13 +87,15 @@ struct ServeArgs {
   int handover_fd = -1;  // an upgrade's successor: the channel from the old daemon
   double upgrade_timeout_s = 60;
   std::string metrics_addr;  // --metrics-addr: HOST:PORT or a Unix socket path (docs/metrics.md)
-  double metrics_timeout_s = 5;
+  double metrics_timeout_s = 2;
+  int metrics_fd = -1;     // an upgrade's successor: the old daemon's metrics listener
   RegistryFlags registry;  // --registry and its flags (docs/fleet.md)
   std::string seed_from;   // --seed-from auto|SOCKET (docs/seeding.md)
 };
 
 // The successor of an Upgrade (docs/upgrade.md): started with our own command line, minus any
-// --handover-fd of our own, plus the channel; in our session, with our standard streams, so
+// --handover-fd and --metrics-fd of our own, plus the channel and, when we serve metrics, our
+// metrics listener (docs/metrics.md "Upgrade"); in our session, with our standard streams, so
 // that its log lines go where ours went.
 class SpawnedSuccessor : public daemon::Successor {
  public:
@@ -104,20 +107,31 @@ class SpawnedSuccessor : public daemon::Successor {
   launcher::ChildProcess child_;
 };
 
-Result<std::unique_ptr<daemon::Successor>> StartSuccessor(const std::string& binary, int channel) {
+Result<std::unique_ptr<daemon::Successor>> StartSuccessor(const std::string& binary, int channel,
+                                                          int metrics_listener) {
   launcher::SpawnOptions spawn;
   spawn.argv.push_back(binary);
   const std::vector<std::string>& ours = ProgramArgs();
+  // Our own internal flags, with their values, are not passed on: the successor gets its own.
+  auto internal = [](std::string_view flag) {
+    return flag == "--handover-fd" || flag == "--metrics-fd";
+  };
   for (size_t i = 1; i < ours.size(); ++i) {
-    if (ours[i] == "--handover-fd") {
-      ++i;
+    const std::string_view arg = ours[i];
+    if (internal(arg)) {
+      ++i;  // and its value
       continue;
     }
-    if (ours[i].rfind("--handover-fd=", 0) == 0) continue;
+    if (internal(arg.substr(0, arg.find('=')))) continue;  // --flag=value
     spawn.argv.push_back(ours[i]);
   }
   spawn.argv.push_back("--handover-fd");
   spawn.argv.push_back(std::to_string(daemon::kHandoverChannelFd));
+  if (metrics_listener >= 0) {
+    spawn.argv.push_back("--metrics-fd");
+    spawn.argv.push_back(std::to_string(daemon::kMetricsListenerFd));
+    spawn.pass_fds.emplace_back(metrics_listener, daemon::kMetricsListenerFd);
+  }
   spawn.in = launcher::Stdio::kInherit;
   spawn.out = launcher::Stdio::kInherit;
   spawn.err = launcher::Stdio::kInherit;
@@ -273,9 +287,11 @@ int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id, int sign
 
 // An upgrade's successor: receive and validate the handover, publish the socket over the old
 // daemon's, confirm. Any failure goes back to the old daemon (which serves on) and is ours.
+// `predecessor_pid`: the old daemon's pid, once taken over.
 Result<std::unique_ptr<daemon::Daemon>> TakeOver(const ServeArgs& args,
                                                  const identity::ResolvedIdentity& id,
-                                                 const daemon::DaemonOptions& options) {
+                                                 const daemon::DaemonOptions& options,
+                                                 int64_t* predecessor_pid) {
   const UniqueFd channel(args.handover_fd);
   std::optional<daemon::GpuAdoptContext> gpu;
   if (options.config.tier == Tier::kGpu && options.device.has_value()) {
@@ -305,6 +321,7 @@ Result<std::unique_ptr<daemon::Daemon>> TakeOver(const ServeArgs& args,
              << ") did not take the confirmation: " << confirmed.ToString();
   }
   LOG_INFO << "took over from pid " << predecessor << " (upgrade)";
+  *predecessor_pid = predecessor;
   return daemon;
 }
 
@@ -628,7 +645,6 @@ int Run(ServeArgs& args) {
     }
     return Detach(args, *id, signals->get());
   }
-  options.start_successor = StartSuccessor;
   options.upgrade_timeout = Millis(args.upgrade_timeout_s);
   if (auto self = os::SelfExecutable(); self.ok()) options.self_binary = *self;
 
@@ -643,26 +659,41 @@ int Run(ServeArgs& args) {
 
   options.metrics = std::make_shared<daemon::DaemonMetrics>(daemon::MetricsIdentity{
       id->device_key, id->config.model_id, std::string(TierName(id->config.tier))});
+  if (args.metrics_fd >= 0 && (args.handover_fd < 0 || args.metrics_addr.empty())) {
+    return Fail(kCmd, InvalidArgument("--metrics-fd is an upgrade's: it needs --handover-fd and "
+                                      "--metrics-addr"));
+  }
   std::unique_ptr<daemon::MetricsServer> metrics_server;
   if (!args.metrics_addr.empty()) {
     daemon::MetricsServerOptions metrics_options;
     metrics_options.address = args.metrics_addr;
     metrics_options.request_timeout = Millis(args.metrics_timeout_s);
+    // An upgrade's successor serves the listener its predecessor handed over (--metrics-fd)
+    // instead of binding the address, which the predecessor holds until it exits.
+    metrics_options.inherited_fd = args.metrics_fd;
     auto server = daemon::MetricsServer::Create(
         metrics_options, [metrics = options.metrics] { return metrics->Render(); });
     if (server.ok()) {
       metrics_server = std::move(server).value();
-    } else if (args.handover_fd >= 0) {
-      // An upgrade's successor: the old daemon still listens there until it exits.
-      LOG_WARN << "metrics not served: " << server.status().ToString();
+    } else if (args.handover_fd >= 0 && args.metrics_fd < 0) {
+      // The successor of an older build, which hands over no metrics listener: the address
+      // is still its predecessor's.
+      LOG_WARN << "metrics not served: " << server.status().ToString()
+               << " (the predecessor handed over no metrics listener)";
     } else {
       return Fail(kCmd, server.status());
     }
   }
+  // A successor inherits our metrics listener (docs/metrics.md "Upgrade").
+  options.start_successor = [listener = metrics_server ? metrics_server->listener_fd() : -1](
+                                const std::string& binary, int channel) {
+    return StartSuccessor(binary, channel, listener);
+  };
 
+  int64_t predecessor = 0;
   Result<std::unique_ptr<daemon::Daemon>> daemon = [&] {
     if (args.handover_fd < 0) return daemon::Daemon::Create(options);
-    return TakeOver(args, *id, options);
+    return TakeOver(args, *id, options, &predecessor);
   }();
   if (!daemon.ok()) return Fail(kCmd, daemon.status());
   // Admission once we hold the identity lock (and the device dir exists), before loading.
@@ -690,7 +721,9 @@ int Run(ServeArgs& args) {
 
   if (metrics_server) {
     metrics_server->Start();
-    LOG_INFO << "metrics at " << metrics_server->endpoint();
+    LOG_INFO << "metrics at " << metrics_server->endpoint()
+             << (args.metrics_fd >= 0 ? " (handed over by pid " + std::to_string(predecessor) + ")"
+                                      : std::string());
   }
 
   ProgressPrinter progress;
@@ -740,6 +773,10 @@ int Run(ServeArgs& args) {
   // The successor of an upgrade runs with our flags: our fill source lets go of its port first.
   events.on_handing_over = [&] {
     if (registration) registration->HandingOver();
+  };
+  // The successor serves our metrics listener now: stop accepting on it, leave its path.
+  events.on_handed_over = [&] {
+    if (metrics_server) metrics_server->HandOff();
   };
   events.on_handover_failed = [&] {
     if (registration) {
@@ -869,11 +906,18 @@ void RegisterServeCommand(CLI::App& root) {
       ->check(CLI::Range(3, 1 << 20));
   sub->add_option("--metrics-addr", args->metrics_addr,
                   "serve Prometheus metrics (GET /metrics) on HOST:PORT (port 0: a free one, "
-                  "printed at start) or on an absolute Unix socket path (docs/metrics.md)");
+                  "printed at start) or on an absolute Unix socket path (docs/metrics.md); a "
+                  "path someone listens on is busy (exit 1), a stale socket there is replaced");
   sub->add_option("--metrics-timeout", args->metrics_timeout_s,
                   "seconds a scraper has to send its request, and then to take the response, "
-                  "before its connection is closed (default 5)")
+                  "before its connection is closed (default 2; when all 16 connections are "
+                  "taken, one that has sent no complete request within 250 ms is closed for a "
+                  "waiting scraper: docs/metrics.md)")
       ->check(CLI::PositiveNumber);
+  sub->add_option("--metrics-fd", args->metrics_fd,
+                  "internal: set by `weightcache upgrade` on the successor it starts (the old "
+                  "daemon's metrics listener, served instead of binding --metrics-addr)")
+      ->check(CLI::Range(3, 1 << 20));
   sub->add_option("--seed-from", args->seed_from,
                   "auto, or the socket of a cache of this exact identity: before reading the "
                   "checkpoint, copy the weights from a peer cache (auto: the same identity on "

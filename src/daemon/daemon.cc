@@ -1746,6 +1746,7 @@ void Daemon::FinishUpgrade(const Status& result) {
   const auto took =
       std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - upgrade.started);
   upgrade.successor->Release();
+  if (events_.on_handed_over) events_.on_handed_over();
   LOG_INFO << "handed over to successor pid " << pid << " in " << took.count() / 1000.0
            << " ms; serving what waits in the backlog, then exiting";
   if (requester != nullptr) {

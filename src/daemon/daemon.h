@@ -198,6 +198,9 @@ struct DaemonEvents {
   // port); on_handover_failed when it did not take over and this daemon serves on. Event loop.
   std::function<void()> on_handing_over;
   std::function<void()> on_handover_failed;
+  // The successor took over (HandoverDone): what it inherited (serve's metrics listener) is
+  // its now. Event loop.
+  std::function<void()> on_handed_over;
 };
 
 class Daemon {

@@ -225,10 +225,12 @@ std::string DaemonMetrics::Render() const {
            s == state ? 1 : 0);
   }
 
-  Family(out, "weightcache_load_bytes_done", "gauge", "Bytes loaded so far by the current load.");
-  Sample(out, "weightcache_load_bytes_done", "", as_double(load_done_));
-  Family(out, "weightcache_load_bytes_total", "gauge", "Bytes the current load reads in all.");
-  Sample(out, "weightcache_load_bytes_total", "", as_double(load_total_));
+  // A gauge takes no _total suffix (that is a counter's), and the unit goes last: done / size
+  // is the fraction loaded (promtool check metrics, issue 39 §12).
+  Family(out, "weightcache_load_done_bytes", "gauge", "Bytes loaded so far by the current load.");
+  Sample(out, "weightcache_load_done_bytes", "", as_double(load_done_));
+  Family(out, "weightcache_load_size_bytes", "gauge", "Bytes the current load reads in all.");
+  Sample(out, "weightcache_load_size_bytes", "", as_double(load_total_));
   Family(out, "weightcache_load_duration_seconds", "gauge",
          "Seconds the last completed load took.");
   Sample(out, "weightcache_load_duration_seconds", "",

@@ -56,6 +56,10 @@ using StartSuccessor =
 
 // The fd number the successor finds its end of the channel at (`serve --handover-fd`).
 inline constexpr int kHandoverChannelFd = 3;
+// The fd number the successor finds the old daemon's metrics listener at (`serve
+// --metrics-fd`, docs/metrics.md): not part of the Handover frame, since the listener is the
+// CLI's, not the cache's; it is inherited at the successor's start instead.
+inline constexpr int kMetricsListenerFd = 4;
 
 // Old side: the Handover frame for `store` and the lock, sent on `channel` by `deadline`.
 Status SendHandover(int channel, const identity::CacheConfig& config, const WeightStore& store,

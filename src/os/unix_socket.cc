@@ -104,6 +104,28 @@ Result<UniqueFd> ConnectUnix(const std::string& path, std::chrono::milliseconds 
   }
 }
 
+Result<UnixListenerProbe> ProbeUnixListener(const std::string& path,
+                                            std::chrono::milliseconds timeout) {
+  using State = UnixListenerProbe::State;
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return UnixListenerProbe{State::kAbsent, 0};
+    return IoError("lstat " + path, errno);
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return InvalidArgument("refusing to replace " + path + ": it exists and is not a socket");
+  }
+  auto conn = ConnectUnix(path, timeout);
+  if (conn.ok()) {
+    auto cred = PeerCredentials(conn->get());
+    return UnixListenerProbe{State::kLive, cred.ok() ? cred->pid : 0};
+  }
+  if (conn.status().code() == StatusCode::kTimeout) return UnixListenerProbe{State::kLive, 0};
+  if (conn.status().code() == StatusCode::kNotFound) return UnixListenerProbe{State::kAbsent, 0};
+  if (conn.status().sys_errno() == ECONNREFUSED) return UnixListenerProbe{State::kStale, 0};
+  return conn.status();
+}
+
 Result<std::optional<UniqueFd>> AcceptConnection(int listen_fd, Blocking blocking, SysCalls& sys) {
   int flags = SOCK_CLOEXEC | (blocking == Blocking::kNonBlocking ? SOCK_NONBLOCK : 0);
   while (true) {

@@ -45,6 +45,20 @@ Result<UniqueFd> ListenUnix(const std::string& path, mode_t mode = 0600,
 // stayed full.
 Result<UniqueFd> ConnectUnix(const std::string& path, std::chrono::milliseconds timeout);
 
+// Who listens at a Unix socket path (the rule for an address that no lock guards, such as
+// `serve --metrics-addr PATH`): nothing there (kAbsent), a socket node whose connect is
+// refused (kStale: its listener is gone, e.g. killed with -9), or a live listener (kLive, with
+// the pid that created it from SO_PEERCRED; a backlog that stays full for `timeout` counts as
+// live, pid 0). A node that is not a socket is kInvalidArgument, as ListenUnix refuses it. The
+// probe connection is closed at once: a daemon's socket sees a client that left.
+struct UnixListenerProbe {
+  enum class State { kAbsent, kStale, kLive };
+  State state = State::kAbsent;
+  pid_t pid = 0;  // kLive only, 0 when not known
+};
+Result<UnixListenerProbe> ProbeUnixListener(const std::string& path,
+                                            std::chrono::milliseconds timeout);
+
 // Accepts one pending connection. std::nullopt means none is pending (EAGAIN on a
 // non-blocking listener) — distinct from an error. EINTR and ECONNABORTED are retried.
 Result<std::optional<UniqueFd>> AcceptConnection(int listen_fd,

@@ -1,24 +1,32 @@
 // `serve --metrics-addr` (docs/metrics.md) as a real process: a known sequence of attaches
 // (served, mismatched, out of sequence) read back from GET /metrics with exact values; hostile
 // scrapers (oversize, slowloris, bad method, bad target, garbage) get their status while the
-// daemon keeps serving attaches; and a real Prometheus server scrapes the endpoint.
+// daemon keeps serving attaches; a busy Unix path is refused and a stale one replaced; the
+// endpoint survives an upgrade; idle connections never lock a scrape out; promtool finds the
+// exposition clean; and a real Prometheus server scrapes the endpoint.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 #include <thread>
+#include <vector>
 
 #include "checkpoint/checkpoint.h"
 #include "common/unique_fd.h"
 #include "integration/daemon_process.h"
+#include "os/unix_socket.h"
 #include "protocol/connection.h"
 #include "support/test_env.h"
 
@@ -84,6 +92,61 @@ uint16_t MetricsPort(ServeProcess& serve) {
   return 0;
 }
 
+// Sends `request` on the Unix socket `path` and returns everything the server sends until it
+// closes; "" when nobody accepts the connection.
+std::string ExchangeUnix(const std::string& path, const std::string& request) {
+  auto fd = ConnectRaw(path);
+  if (!fd.ok()) return "";
+  UniqueFd conn(*fd);
+  SendAll(conn.get(), request);
+  bool eof = false;
+  std::string reply = ReadUntilEof(conn.get(), 30s, &eof);
+  EXPECT_TRUE(eof) << "the server did not close: " << reply;
+  return reply;
+}
+
+// A TCP connection to 127.0.0.1:port, or an invalid fd when nobody listens.
+UniqueFd TryConnectTcp(uint16_t port) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return UniqueFd();
+  }
+  return fd;
+}
+
+// A socket node at `path` that nobody listens on: what a daemon killed with -9 leaves.
+void MakeStaleSocket(const std::string& path) {
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0)
+      << std::strerror(errno);
+}
+
+struct NodeId {
+  dev_t dev = 0;
+  ino_t ino = 0;
+  bool operator==(const NodeId&) const = default;
+};
+std::optional<NodeId> NodeOf(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return std::nullopt;
+  return NodeId{st.st_dev, st.st_ino};
+}
+
+bool Alive(pid_t pid) { return ::kill(pid, 0) == 0; }
+
+// Waits (bounded) for a process that is not our child (an upgrade's successor) to be gone.
+bool WaitGone(pid_t pid) {
+  for (int i = 0; i < 3000 && Alive(pid); ++i) std::this_thread::sleep_for(10ms);
+  return !Alive(pid);
+}
+
 class MetricsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -91,7 +154,27 @@ class MetricsTest : public ::testing::Test {
     runtime_ = dir_.Join("run");
   }
   // A daemon killed by a failed assertion leaves its keeper holding the cache: drop it.
-  void TearDown() override { DropAllKeepers(runtime_, 5s); }
+  // Upgrade successors are not our children: kill whatever still runs.
+  void TearDown() override {
+    for (pid_t pid : successors_) {
+      if (Alive(pid)) ::kill(pid, SIGKILL);
+    }
+    DropAllKeepers(runtime_, 5s);
+  }
+
+  // `weightcache upgrade --socket S --json`: the successor's pid (0 on failure).
+  pid_t Upgrade(const std::string& socket, CommandResult* result) {
+    *result = RunCommand({CliPath(), "upgrade", "--socket", socket, "--json"});
+    if (result->exit_code != 0) return 0;
+    auto j = nlohmann::json::parse(result->out, nullptr, false);
+    if (j.is_discarded() || !j.contains("successor_pid")) {
+      ADD_FAILURE() << "upgrade --json printed: " << result->out;
+      return 0;
+    }
+    const pid_t pid = j["successor_pid"].get<pid_t>();
+    successors_.push_back(pid);
+    return pid;
+  }
 
   // A connection that said Hello with `config` and, if it matched, attached.
   Result<protocol::Connection> HelloAndAttach(const std::string& socket,
@@ -114,6 +197,7 @@ class MetricsTest : public ::testing::Test {
   TempDir dir_;
   std::string model_;
   std::string runtime_;
+  std::vector<pid_t> successors_;
 };
 
 TEST_F(MetricsTest, CountsAKnownSequenceOfAttachesAndSurvivesHostileScrapers) {
@@ -179,8 +263,8 @@ TEST_F(MetricsTest, CountsAKnownSequenceOfAttachesAndSurvivesHostileScrapers) {
            std::string("weightcache_clients 2"),
            std::string(R"(weightcache_daemon_state{state="ready"} 1)"),
            std::string(R"(weightcache_daemon_state{state="loading"} 0)"),
-           "weightcache_load_bytes_done " + total,
-           "weightcache_load_bytes_total " + total,
+           "weightcache_load_done_bytes " + total,
+           "weightcache_load_size_bytes " + total,
            std::string("weightcache_evictions_total 0"),
        }) {
     EXPECT_TRUE(HasLine(body, line)) << line << "\n" << body;
@@ -420,6 +504,249 @@ TEST_F(MetricsTest, ARealPrometheusScrapesTheEndpoint) {
   EXPECT_TRUE(std::regex_search(last, std::regex(R"("result":"error"\},"value":\[[0-9.]+,"0"\])")))
       << last;
   EXPECT_NE(last.find(R"("job":"weightcache")"), std::string::npos) << last;
+  serve->Signal(SIGTERM);
+  EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+}
+
+// issue 39 §5.4: an address someone listens on is busy. `serve` fails (exit 1, naming the
+// path) and leaves the path alone: another daemon's metrics socket and a cache socket both
+// keep serving their own clients.
+TEST_F(MetricsTest, ALiveUnixSocketIsBusyAndIsNeverTakenOver) {
+  const std::string path = dir_.Join("metrics.sock");
+  auto first = ServeProcess::Start(HostServeArgs(model_, runtime_, {"--metrics-addr", path}),
+                                   dir_.Join("first.log"));
+  ASSERT_NE(first, nullptr);
+  auto socket = WaitForState(*first, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString() << "\n" << first->Log();
+  const auto node = NodeOf(path);
+  ASSERT_TRUE(node.has_value());
+
+  // Another cache (another checkpoint: another identity), pointed at the first one's metrics
+  // socket, then at its cache socket.
+  const std::string model_b = MakeCheckpoint(dir_.Join("model-b"), 6, 1, 9, 4096);
+  const std::string runtime_b = dir_.Join("run-b");
+  for (const std::string& busy : {path, *socket}) {
+    auto second = ServeProcess::Start(HostServeArgs(model_b, runtime_b, {"--metrics-addr", busy}),
+                                      dir_.Join("second.log"));
+    ASSERT_NE(second, nullptr);
+    EXPECT_EQ(second->WaitExit(30s), 1) << second->Log();
+    EXPECT_NE(second->Log().find("--metrics-addr " + busy + ": pid " +
+                                 std::to_string(first->pid()) + " listens there"),
+              std::string::npos)
+        << second->Log();
+  }
+  DropAllKeepers(runtime_b, 5s);
+  EXPECT_EQ(NodeOf(path), node);
+  const std::string response = ExchangeUnix(path, "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(response.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << response;
+  auto status = QueryStatus(*socket);
+  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  EXPECT_EQ(status->state, CacheState::kReady);
+  first->Signal(SIGTERM);
+  EXPECT_EQ(first->WaitExit(30s), 0) << first->Log();
+  EXPECT_FALSE(NodeOf(path).has_value());  // its own socket: removed at exit
+}
+
+// A TCP port someone listens on is busy as well: exit 1, "Address already in use".
+TEST_F(MetricsTest, ABusyTcpPortFailsServe) {
+  UniqueFd taken(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(taken.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(taken.get(), 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(taken.get(), reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string address = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+  const CommandResult busy =
+      RunCommand({CliPath(), "serve", "--model", model_, "--tier", "host", "--model-id", "tiny",
+                  "--runtime-dir", runtime_, "--metrics-addr", address});
+  EXPECT_EQ(busy.exit_code, 1) << busy.err;
+  EXPECT_NE(busy.err.find("--metrics-addr"), std::string::npos) << busy.err;
+  EXPECT_NE(busy.err.find("Address already in use"), std::string::npos) << busy.err;
+  EXPECT_TRUE(FindSockets(runtime_).empty());  // refused before the cache was published
+}
+
+// A stale socket (nobody listens: a daemon killed with -9) is replaced; at exit the daemon
+// removes the path only while it is still the socket it bound.
+TEST_F(MetricsTest, AStaleUnixSocketIsReplacedAndOnlyOurOwnIsRemovedAtExit) {
+  const std::string path = dir_.Join("metrics.sock");
+  MakeStaleSocket(path);
+  auto serve = ServeProcess::Start(HostServeArgs(model_, runtime_, {"--metrics-addr", path}),
+                                   dir_.Join("serve.log"));
+  ASSERT_NE(serve, nullptr);
+  ASSERT_TRUE(WaitForState(*serve, runtime_, CacheState::kReady).ok()) << serve->Log();
+  EXPECT_NE(serve->Log().find("replacing stale socket " + path + " (nobody listens there)"),
+            std::string::npos)
+      << serve->Log();
+  const std::string response = ExchangeUnix(path, "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(response.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << response;
+
+  // Someone else's socket moved over the path meanwhile: not ours to remove.
+  auto other = os::ListenUnix(dir_.Join("other.sock"));
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  ASSERT_EQ(::rename(dir_.Join("other.sock").c_str(), path.c_str()), 0) << std::strerror(errno);
+  const auto theirs = NodeOf(path);
+  serve->Signal(SIGTERM);
+  EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+  EXPECT_EQ(NodeOf(path), theirs);
+}
+
+// issue 39 §5.5: the endpoint is handed over with the cache. After `upgrade` (twice) the same
+// path, and the same TCP port (also one that port 0 picked), serve the successor's metrics,
+// and no old daemon removed anything.
+TEST_F(MetricsTest, TheEndpointIsHandedOverWithTheCache) {
+  const std::string path = dir_.Join("metrics.sock");
+  for (const std::string& address : {path, std::string("127.0.0.1:0")}) {
+    SCOPED_TRACE(address);
+    auto serve = ServeProcess::Start(HostServeArgs(model_, runtime_, {"--metrics-addr", address}),
+                                     dir_.Join("serve-" + std::to_string(successors_.size())));
+    ASSERT_NE(serve, nullptr);
+    auto socket = WaitForState(*serve, runtime_, CacheState::kReady);
+    ASSERT_TRUE(socket.ok()) << socket.status().ToString() << "\n" << serve->Log();
+    const bool unix_path = address == path;
+    const uint16_t port = unix_path ? 0 : MetricsPort(*serve);
+    auto scrape = [&] {
+      const std::string request = "GET /metrics HTTP/1.1\r\n\r\n";
+      if (unix_path) return ExchangeUnix(path, request);
+      UniqueFd fd = TryConnectTcp(port);
+      if (!fd) return std::string();
+      SendAll(fd.get(), request);
+      bool eof = false;
+      return ReadUntilEof(fd.get(), 30s, &eof);
+    };
+    CommandResult up;
+    const pid_t successor = Upgrade(*socket, &up);
+    ASSERT_GT(successor, 0) << up.err << "\n" << serve->Log();
+    EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+    // Only the successor is left to answer.
+    const std::string response = scrape();
+    EXPECT_EQ(response.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << response << "\n" << serve->Log();
+    EXPECT_TRUE(HasLine(Body(response), R"(weightcache_daemon_state{state="ready"} 1)"))
+        << response;
+    EXPECT_EQ(serve->Log().find("metrics not served"), std::string::npos) << serve->Log();
+    const std::string endpoint =
+        unix_path ? "unix:" + path : "http://127.0.0.1:" + std::to_string(port) + "/metrics";
+    EXPECT_NE(serve->Log().find("metrics at " + endpoint + " (handed over by pid " +
+                                std::to_string(serve->pid()) + ")"),
+              std::string::npos)
+        << serve->Log();
+    // The successor hands it on in turn (its own --metrics-fd is not passed twice).
+    const pid_t third = Upgrade(*socket, &up);
+    ASSERT_GT(third, 0) << up.err << "\n" << serve->Log();
+    EXPECT_TRUE(WaitGone(successor));
+    const std::string again = scrape();
+    EXPECT_EQ(again.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << again << "\n" << serve->Log();
+    EXPECT_NE(serve->Log().find("metrics at " + endpoint + " (handed over by pid " +
+                                std::to_string(successor) + ")"),
+              std::string::npos)
+        << serve->Log();
+    // The last successor is the path's owner now: it removes it when it stops.
+    ASSERT_EQ(::kill(third, SIGTERM), 0);
+    EXPECT_TRUE(WaitGone(third));
+    if (unix_path) {
+      EXPECT_FALSE(NodeOf(path).has_value());
+    }
+  }
+}
+
+// A failed upgrade leaves the old daemon serving metrics where it did.
+TEST_F(MetricsTest, AFailedUpgradeLeavesTheOldDaemonServingMetrics) {
+  const std::string path = dir_.Join("metrics.sock");
+  auto serve = ServeProcess::Start(HostServeArgs(model_, runtime_, {"--metrics-addr", path}),
+                                   dir_.Join("serve.log"));
+  ASSERT_NE(serve, nullptr);
+  auto socket = WaitForState(*serve, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString();
+  const std::string quitter = dir_.Join("quitter.sh");
+  WriteFile(quitter, "#!/bin/sh\nexit 1\n");
+  ASSERT_EQ(::chmod(quitter.c_str(), 0755), 0);
+  const CommandResult up =
+      RunCommand({CliPath(), "upgrade", "--socket", *socket, "--binary", quitter});
+  EXPECT_EQ(up.exit_code, 1) << up.err;
+  const std::string response = ExchangeUnix(path, "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(response.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << response;
+  serve->Signal(SIGTERM);
+  EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+  EXPECT_FALSE(NodeOf(path).has_value());
+}
+
+// issue 39 §5.6: idle connections and slowlorises never lock a scrape out. With a long
+// --metrics-timeout (so that no timeout helps), 40 idle connections and 16 that sent half a
+// request, a scrape still gets its 200.
+TEST_F(MetricsTest, IdleConnectionsAndSlowlorisesNeverLockAScrapeOut) {
+  auto serve = ServeProcess::Start(
+      HostServeArgs(model_, runtime_,
+                    {"--metrics-addr", "127.0.0.1:0", "--metrics-timeout", "600"}),
+      dir_.Join("serve.log"));
+  ASSERT_NE(serve, nullptr);
+  ASSERT_TRUE(WaitForState(*serve, runtime_, CacheState::kReady).ok()) << serve->Log();
+  const uint16_t port = MetricsPort(*serve);
+  ASSERT_NE(port, 0);
+  std::vector<UniqueFd> idle;
+  for (int i = 0; i < 40; ++i) idle.push_back(ConnectTcp(port));
+  for (int i = 0; i < 16; ++i) {
+    idle.push_back(ConnectTcp(port));
+    SendAll(idle.back().get(), "GET /metrics HTTP/1.1\r\nHost:");
+  }
+  const std::string response = Exchange(port, "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(response.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << response;
+  EXPECT_TRUE(HasLine(Body(response), R"(weightcache_daemon_state{state="ready"} 1)"));
+  serve->Signal(SIGTERM);
+  EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+}
+
+// 400 scrapes open at once (each sends its request as it connects, as Prometheus does, and
+// reads its answer only after all are sent): every one gets its 200.
+TEST_F(MetricsTest, FourHundredConcurrentScrapesAreAllAnswered) {
+  auto serve = ServeProcess::Start(
+      HostServeArgs(model_, runtime_, {"--metrics-addr", "127.0.0.1:0"}), dir_.Join("serve.log"));
+  ASSERT_NE(serve, nullptr);
+  ASSERT_TRUE(WaitForState(*serve, runtime_, CacheState::kReady).ok()) << serve->Log();
+  const uint16_t port = MetricsPort(*serve);
+  ASSERT_NE(port, 0);
+  std::vector<UniqueFd> scrapes;
+  for (int i = 0; i < 400; ++i) {
+    scrapes.push_back(ConnectTcp(port));
+    SendAll(scrapes.back().get(), "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+  }
+  int answered = 0;
+  for (auto& fd : scrapes) {
+    bool eof = false;
+    std::string response = ReadUntilEof(fd.get(), 30s, &eof);
+    answered += response.rfind("HTTP/1.1 200 OK\r\n", 0) == 0 && eof ? 1 : 0;
+  }
+  EXPECT_EQ(answered, 400);
+  serve->Signal(SIGTERM);
+  EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
+}
+
+// issue 39 §12: `promtool check metrics` (Debian's prometheus package) finds nothing to
+// complain about in a real daemon's exposition.
+TEST_F(MetricsTest, PromtoolChecksTheExpositionClean) {
+  const std::string promtool = "/usr/bin/promtool";
+  if (!std::filesystem::exists(promtool)) {
+    ASSERT_FALSE(ToolsRequired()) << promtool << " (Debian prometheus) is not installed";
+    GTEST_SKIP() << promtool << " (Debian prometheus) is not installed";
+  }
+  auto serve = ServeProcess::Start(
+      HostServeArgs(model_, runtime_, {"--metrics-addr", "127.0.0.1:0"}), dir_.Join("serve.log"));
+  ASSERT_NE(serve, nullptr);
+  auto socket = WaitForState(*serve, runtime_, CacheState::kReady);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString();
+  const uint16_t port = MetricsPort(*serve);
+  ASSERT_NE(port, 0);
+  bool matched = false;
+  auto attached = HelloAndAttach(*socket, ConfigFor(model_, "tiny"), &matched);
+  ASSERT_TRUE(attached.ok() && matched);
+  const std::string body = Body(Exchange(port, "GET /metrics HTTP/1.1\r\n\r\n"));
+  ASSERT_NE(body.find("weightcache_attaches_total"), std::string::npos) << body;
+  const std::string file = dir_.Join("exposition.txt");
+  WriteFile(file, body);
+  const CommandResult checked =
+      RunCommand({"/bin/sh", "-c", promtool + " check metrics < '" + file + "'"});
+  EXPECT_EQ(checked.exit_code, 0) << checked.out << checked.err << "\n" << body;
+  EXPECT_EQ(checked.out + checked.err, "") << body;
   serve->Signal(SIGTERM);
   EXPECT_EQ(serve->WaitExit(30s), 0) << serve->Log();
 }

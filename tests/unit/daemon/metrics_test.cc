@@ -133,8 +133,8 @@ TEST(DaemonMetrics, StateIsOneHotAndLoadGaugesFollowTheLoad) {
   std::string loading = m.Render();
   EXPECT_TRUE(HasLine(loading, R"(weightcache_daemon_state{state="loading"} 1)")) << loading;
   EXPECT_TRUE(HasLine(loading, R"(weightcache_daemon_state{state="ready"} 0)")) << loading;
-  EXPECT_TRUE(HasLine(loading, "weightcache_load_bytes_done 250")) << loading;
-  EXPECT_TRUE(HasLine(loading, "weightcache_load_bytes_total 1000")) << loading;
+  EXPECT_TRUE(HasLine(loading, "weightcache_load_done_bytes 250")) << loading;
+  EXPECT_TRUE(HasLine(loading, "weightcache_load_size_bytes 1000")) << loading;
 
   m.RecordLoadDone(1000, 0.5);
   m.SetState(protocol::CacheState::kReady);
@@ -146,7 +146,7 @@ TEST(DaemonMetrics, StateIsOneHotAndLoadGaugesFollowTheLoad) {
            R"(weightcache_daemon_state{state="ready"} 1)",
            R"(weightcache_daemon_state{state="failed"} 0)",
            R"(weightcache_daemon_state{state="draining"} 0)",
-           "weightcache_load_bytes_done 1000",
+           "weightcache_load_done_bytes 1000",
            "weightcache_load_duration_seconds 0.5",
            "weightcache_load_bytes_per_second 2000",
            "weightcache_clients 3",

@@ -89,6 +89,34 @@ TEST(UnixSocketTest, RefusesToReplaceANonSocket) {
   EXPECT_EQ(weightcache::testing::ReadFile(path), "keep me");
 }
 
+// The liveness test of an address no lock guards (`serve --metrics-addr PATH`): each state.
+TEST(UnixSocketTest, ProbeTellsAbsentStaleLiveAndNotASocketApart) {
+  using State = UnixListenerProbe::State;
+  TempDir dir;
+  const std::string path = dir.Join("m.sock");
+  auto absent = ProbeUnixListener(path, milliseconds(100));
+  ASSERT_TRUE(absent.ok()) << absent.status().ToString();
+  EXPECT_EQ(absent->state, State::kAbsent);
+  {
+    auto listener = ListenUnix(path);
+    ASSERT_TRUE(listener.ok()) << listener.status().ToString();
+    auto live = ProbeUnixListener(path, milliseconds(1000));
+    ASSERT_TRUE(live.ok()) << live.status().ToString();
+    EXPECT_EQ(live->state, State::kLive);
+    EXPECT_EQ(live->pid, ::getpid());
+  }  // closed: the node stays behind, stale
+  auto stale = ProbeUnixListener(path, milliseconds(100));
+  ASSERT_TRUE(stale.ok()) << stale.status().ToString();
+  EXPECT_EQ(stale->state, State::kStale);
+
+  const std::string file = dir.Join("precious.txt");
+  weightcache::testing::WriteFile(file, "keep me");
+  auto not_socket = ProbeUnixListener(file, milliseconds(100));
+  ASSERT_FALSE(not_socket.ok());
+  EXPECT_EQ(not_socket.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(not_socket.status().message().find("is not a socket"), std::string::npos);
+}
+
 TEST(UnixSocketTest, TooLongPathIsRejectedNamingPathAndLimit) {
   std::string path = "/tmp/" + std::string(120, 'p') + ".sock";
   auto r = ListenUnix(path);
