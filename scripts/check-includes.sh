@@ -11,6 +11,9 @@
 # keeper (the process that holds a cache's fds past its daemon, docs/keeper.md) has no CUDA
 # and no checkpoint code: it may include only common, os and protocol, whatever its rank.
 #
+# tools (the CLI) may include everything below it but cuda: it reaches the driver only through
+# the library's functions (src/cuda/ is the one CUDA seam; docs/design.md "Target layout").
+#
 # daemon and client are siblings (neither includes the other), and so are tools and python.
 # The Python extension is a client like any engine: it includes the public API only
 # ("weightcache/...", include/; CMake gives it no other include dir, weightcache::client).
@@ -25,6 +28,8 @@ declare -A rank=([common]=0 [os]=1 [cuda]=2 [checkpoint]=3 [sharding]=4 [identit
                  [tools]=11 [python]=11)
 # Modules restricted to a list of modules below them (beyond the rank order).
 declare -A only=([keeper]="common os protocol")
+# Modules barred from a module below them (beyond the rank order).
+declare -A never=([tools]="cuda")
 
 area_of() {  # the module a source file belongs to
   case $1 in
@@ -56,6 +61,10 @@ while IFS=: read -r file line text; do
     echo "check-includes: $file:$line: $from may include only ${only[$from]}: $text" >&2
     bad=1; continue
   fi
+  if [[ -n ${never[$from]+x} && " ${never[$from]} " == *" $to "* ]]; then
+    echo "check-includes: $file:$line: $from may not include $to: $text" >&2
+    bad=1; continue
+  fi
   if (( rank[$to] >= rank[$from] )); then
     echo "check-includes: $file:$line: $from → $to is an upward (or sibling) edge: $text" >&2
     bad=1
@@ -65,9 +74,9 @@ done < <(grep -rnE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"[A-Za-z0-9_]+/
            src tools python/src)
 
 if (( bad )); then
-  echo "check-includes: the include graph has upward edges (order: common → os → cuda →" \
-       "checkpoint → sharding → identity → protocol → keeper → fleet → daemon|client → launcher →" \
-       "tools|python; keeper: common, os, protocol only)" >&2
+  echo "check-includes: the include graph has upward or barred edges (order: common → os →" \
+       "cuda → checkpoint → sharding → identity → protocol → keeper → fleet → daemon|client →" \
+       "launcher → tools|python; keeper: common, os, protocol only; tools: not cuda)" >&2
   exit 1
 fi
 echo "check-includes: ok"

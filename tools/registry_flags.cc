@@ -1,6 +1,5 @@
 #include "registry_flags.h"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,9 +15,7 @@
 
 #include "common/hash.h"
 #include "common/logging.h"
-#include "cuda/driver_api.h"
-#include "cuda/imported_arena.h"
-#include "cuda/vmm.h"
+#include "daemon/served_device_memory.h"
 #include "identity/device_inventory.h"
 #include "launcher/serve_daemons.h"
 #include "os/file_mapping.h"
@@ -33,10 +30,10 @@ namespace weightcache::cli {
 // Declared in the order they are acquired; destroyed in reverse: the server (which stops
 // reading) first, then the memory it served, then the context that memory is mapped in.
 struct ServeRegistration::FillSource {
-  std::optional<cuda::PrimaryContext> context;  // gpu tier: current on the server's thread
-  std::optional<cuda::ImportedArena> device;    // gpu tier: the allocations, mapped
-  std::vector<os::MappedRegion> mappings;       // host tier: the sealed memfds, read-only
-  std::vector<uint8_t> poisoned;                // WEIGHTCACHE_TEST_FILL_POISON's copy
+  // gpu tier: the allocations, mapped in the primary context current on the server's thread
+  std::optional<daemon::ServedDeviceMemory> device;
+  std::vector<os::MappedRegion> mappings;  // host tier: the sealed memfds, read-only
+  std::vector<uint8_t> poisoned;           // WEIGHTCACHE_TEST_FILL_POISON's copy
   std::unique_ptr<fleet::ArenaServer> server;
 };
 
@@ -425,48 +422,20 @@ void ApplyFillTestHooks(fleet::FetchOptions* fetch) {
 }
 
 // The gpu tier's memory to serve, mapped into the device's primary context, which the server's
-// progress thread makes current (UCX's CUDA transports copy from there): the store's creating
-// handles when it kept them, else its VMM allocations imported (duplicates of `fds`). Only the
-// first is exportable: with the second, UCX's cuda_ipc cannot hand the memory to a peer on this
-// host, which then reads it through host memory (docs/fleet.md "Two daemons on one GPU").
+// progress thread makes current (UCX's CUDA transports copy from there): what
+// daemon::ServedDeviceMemory maps (the store's creating handles, else an import of its fds).
 Status MapDeviceMemory(const identity::DeviceInfo& info, std::span<const int> fds,
                        std::span<const CUmemGenericAllocationHandle> creating_handles,
                        const std::vector<uint64_t>& sizes, ServeRegistration::FillSource* source,
                        fleet::ArenaServerOptions* options) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(const cuda::DriverApi* api, cuda::LoadDriver());
-  WEIGHTCACHE_ASSIGN_OR_RETURN(CUdevice device, identity::CudaDevice(api, info));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(cuda::PrimaryContext context,
-                               cuda::PrimaryContext::Retain(api, device));
-  std::optional<cuda::ImportedArena> mapped;
-  if (creating_handles.size() == fds.size()) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(
-        mapped, cuda::ImportedArena::MapCreated(api, device, creating_handles, sizes));
-  } else {
-    LOG_INFO << "fill source: serving an import of the cache's allocations (adopted from a "
-                "keeper or an upgrade, or promoted back: this process holds no creating handle): "
-                "UCX cannot export it, and a peer on this host reads it through host memory";
-    std::vector<UniqueFd> owned;
-    for (const int fd : fds) {
-      UniqueFd dup(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
-      if (!dup.valid()) return IoError("duplicating an allocation's fd", errno);
-      owned.push_back(std::move(dup));
-    }
-    WEIGHTCACHE_ASSIGN_OR_RETURN(mapped,
-                                 cuda::ImportedArena::Import(api, device, std::move(owned), sizes));
+  WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::ServedDeviceMemory memory,
+                               daemon::ServedDeviceMemory::Map(info, fds, creating_handles, sizes));
+  for (const std::span<const uint8_t> region : memory.regions()) {
+    options->regions.push_back({region.data(), region.size(), fleet::RegionMemory::kCuda});
   }
-  cuda::ImportedArena& arena = *mapped;
-  for (const cuda::ImportedAllocation& a : arena.allocations()) {
-    options->regions.push_back(
-        {reinterpret_cast<const void*>(a.ptr), a.size, fleet::RegionMemory::kCuda});
-  }
-  // By value: `source` is moved once the server runs (the handle stays retained by it).
-  options->on_progress_thread = [api, current = context.get()]() -> Status {
-    const CUresult rc = api->cuCtxSetCurrent(current);
-    return rc == CUDA_SUCCESS ? Status::Ok()
-                              : cuda::DriverError(api, rc, "cuCtxSetCurrent (fill source)");
-  };
-  source->context.emplace(std::move(context));
-  source->device.emplace(std::move(arena));
+  // By value: `source` is moved once the server runs (the context stays retained by it).
+  options->on_progress_thread = memory.OnThread();
+  source->device.emplace(std::move(memory));
   return Status::Ok();
 }
 

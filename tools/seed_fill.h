@@ -5,15 +5,11 @@
 // over our own memory, a sample of our own checkpoint, the gaps zeroed) and reads the disk when
 // anything fails.
 //
-// How the bytes move:
-//  * gpu tier: the peer's allocations (the fds of its attach) are imported and mapped in our
-//    device's primary context — peer access when the peer is another GPU, asked of the driver
-//    (cuDeviceCanAccessPeer) before the peer is attached: a pair that cannot reach each other
-//    skips that peer by name (then the next peer, then the disk) — and copied device to
-//    device (cuMemcpyDtoDAsync: NVLink or PCIe peer-to-peer, or one device's own copy engines
-//    when an explicit SOCKET names a cache of the same GPU);
-//  * host tier: the peer's sealed memfds are mapped read-only and pwritten into ours by threads
-//    (PeerFillRequest::fds: shmem allocates inside the write, no page fault per page).
+// How the bytes move, tier by tier, is client/peer_copy.h (PeerCopier): the driver is called
+// there, in the library, never here. What is left here joins the daemon's fill
+// (daemon::PeerFill) to the client's discovery, siblings that include neither the other: it
+// stays above both until the composition root takes it (docs/design.md "Target layout",
+// src/serve/).
 //
 // Contract: "auto" tries every peer cache in device-key order until one seeds us; SOCKET tries
 // that one (a cache of our exact config, e.g. in another runtime dir). A peer that is missing,
