@@ -18,6 +18,7 @@
 
 #include "cli_common.h"
 #include "common/unique_fd.h"
+#include "daemon/stale_files.h"
 #include "fleet_flags.h"
 #include "identity/device_inventory.h"
 #include "identity/paths.h"
@@ -161,8 +162,15 @@ int RunLaunch(const LaunchArgs& args) {
   }
   files.job = SafeName(args.job.empty() ? fs::path(id.model_dir).filename().string() : args.job);
 
-  auto swept = launcher::SweepStaleSockets(runtime->path, id.namespace_name);
+  // The stale files of the namespace's dead caches (daemon/stale_files.h), one line each.
+  auto swept = daemon::SweepStaleFiles(runtime->path, id.namespace_name);
   if (!swept.ok()) return Fail(kCmd, swept.status());
+  for (const daemon::CleanedCache& c : swept->cleaned) {
+    std::fprintf(stderr, "weightcache launch: %s\n", daemon::DescribeCleaned(c).c_str());
+  }
+  for (const std::string& w : swept->warnings) {
+    std::fprintf(stderr, "weightcache launch: warning: %s\n", w.c_str());
+  }
 
   launcher::LaunchOptions options;
   options.mode = args.supervise ? launcher::SupervisionMode::kSupervise
@@ -206,7 +214,8 @@ int RunLaunch(const LaunchArgs& args) {
 
   const int code = report.status.ok() ? kExitOk : ExitCodeFor(report.status);
   if (args.json) {
-    std::cout << launcher::LaunchSummaryJson(report, code) << std::endl;
+    std::cout << launcher::LaunchSummaryJson(report, code, daemon::CleanedToJson(swept->cleaned))
+              << std::endl;
   } else if (report.status.ok()) {
     PrintHuman(report);
   }

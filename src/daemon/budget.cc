@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -272,7 +273,8 @@ Result<Ledger> BudgetLedger::ReadOnly() const {
   return ledger;
 }
 
-Result<Ledger> BudgetLedger::UpdateLocked(const std::function<Status(Ledger&)>& update) {
+Result<Ledger> BudgetLedger::UpdateLocked(const std::function<Status(Ledger&)>& update,
+                                          std::vector<LedgerEntry>* dropped) {
   Ledger ledger;
   std::string before;
   auto text = os::ReadSmallFile(path_, kMaxLedgerBytes);
@@ -284,7 +286,11 @@ Result<Ledger> BudgetLedger::UpdateLocked(const std::function<Status(Ledger&)>& 
   } else if (text.status().code() != StatusCode::kNotFound) {
     return Status(text.status()).Context("reading the budget ledger");
   }
-  std::erase_if(ledger.entries, [](const LedgerEntry& e) { return !OwnerAlive(e); });
+  std::erase_if(ledger.entries, [dropped](const LedgerEntry& e) {
+    if (OwnerAlive(e)) return false;
+    if (dropped != nullptr) dropped->push_back(e);
+    return true;
+  });
   WEIGHTCACHE_RETURN_IF_ERROR(update(ledger));
   const std::string after = SerializeLedger(ledger);
   if (after == before) return ledger;
@@ -295,6 +301,17 @@ Result<Ledger> BudgetLedger::UpdateLocked(const std::function<Status(Ledger&)>& 
 
 Result<Ledger> BudgetLedger::Read() {
   return Update([](Ledger&) { return Status::Ok(); });
+}
+
+Result<std::vector<LedgerEntry>> BudgetLedger::ReclaimDead() {
+  std::vector<LedgerEntry> dropped;
+  std::error_code ec;
+  if (!std::filesystem::exists(path_, ec)) return dropped;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(const os::ExclusiveFileLock lock,
+                               os::ExclusiveFileLock::Acquire(lock_path_));
+  WEIGHTCACHE_RETURN_IF_ERROR(
+      UpdateLocked([](Ledger&) { return Status::Ok(); }, &dropped).status());
+  return dropped;
 }
 
 Status BudgetLedger::Put(const LedgerEntry& entry) {
