@@ -30,12 +30,15 @@ constexpr int kLedgerVersion = 1;
 
 using Json = nlohmann::json;
 
+// kIo, not kInvalidArgument: a damaged file of the device's state is a runtime condition (exit
+// 1), never a usage error (exit 2) the command line could fix.
 Status Corrupt(const std::string& path, const std::string& why) {
-  return InvalidArgument("budget ledger " + path + " is corrupt (" + why +
-                         "); no cache can be admitted on this device until it is fixed: "
-                         "restore it, or stop the device's caches (`weightcache stop --all`), "
-                         "remove it and start them again (a running cache is counted only by "
-                         "the entry its admission wrote)");
+  return Status(StatusCode::kIo,
+                "budget ledger " + path + " is corrupt (" + why +
+                    "); no cache can be admitted on this device until it is fixed: "
+                    "restore it, or stop the device's caches (`weightcache stop --all`), "
+                    "remove it and start them again (a running cache is counted only by "
+                    "the entry its admission wrote)");
 }
 
 // The unsigned integer at `key` of `object`, at most `max`.

@@ -1,0 +1,87 @@
+// The CLI's refusals through the real binary (issue 39 §10): each exits with the code of
+// the one table (weightcache::kStatusCodeTable; 2 only for usage) and says what happened.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <string>
+#include <vector>
+
+#include "identity/paths.h"
+#include "integration/daemon_process.h"
+#include "support/test_env.h"
+
+namespace weightcache::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using protocol::CacheState;
+
+class CliMessagesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = MakeCheckpoint(dir_.Join("model"), 4, 1, 3, 4096);
+    runtime_ = dir_.Join("run");
+  }
+  CommandResult Cli(std::vector<std::string> args) {
+    args.insert(args.begin(), CliPath());
+    return RunCommand(args);
+  }
+  TempDir dir_;
+  std::string model_, runtime_;
+};
+
+// §10: a file where the socket goes is a runtime condition (exit 1), named with what it is.
+TEST_F(CliMessagesTest, AFileAtTheSocketPathExits1NamingIt) {
+  const std::string path = dir_.Join("taken.sock");
+  WriteFile(path, "precious");
+  const CommandResult serve = Cli(
+      {"serve", "--model", model_, "--tier", "host", "--runtime-dir", runtime_, "--socket", path});
+  EXPECT_EQ(serve.exit_code, 1) << serve.err;
+  EXPECT_NE(serve.err.find(path + " exists and is not a socket (a regular file); refusing to "
+                                  "replace it: remove it, or choose another socket path"),
+            std::string::npos)
+      << serve.err;
+  EXPECT_EQ(ReadFile(path), "precious");
+  // A client refuses it with the same code.
+  const CommandResult attach = Cli({"attach", "--model", model_, "--tier", "host", "--socket", path,
+                                    "--on-missing", "error", "--wait", "1"});
+  EXPECT_EQ(attach.exit_code, 1) << attach.err;
+  EXPECT_NE(attach.err.find(path + " exists but is not a socket"), std::string::npos) << attach.err;
+}
+
+// §10: a corrupt budget ledger is the device's state gone bad, not a usage error: exit 1.
+TEST_F(CliMessagesTest, ACorruptBudgetLedgerExits1NamingTheFile) {
+  const std::string device_dir = runtime_ + "/default/host";
+  for (const std::string& d : {runtime_, runtime_ + "/default", device_dir}) {
+    ASSERT_EQ(::mkdir(d.c_str(), 0700), 0) << d;
+  }
+  const std::string ledger = identity::BudgetLedgerPath(device_dir);
+  WriteFile(ledger, "{\"version\": 1, \"entries\": [");
+  const CommandResult serve = Cli({"serve", "--model", model_, "--tier", "host", "--runtime-dir",
+                                   runtime_, "--host-budget", "1G"});
+  EXPECT_EQ(serve.exit_code, 1) << serve.err;
+  EXPECT_NE(serve.err.find("budget ledger " + ledger + " is corrupt (not valid JSON)"),
+            std::string::npos)
+      << serve.err;
+  EXPECT_EQ(ReadFile(ledger), "{\"version\": 1, \"entries\": [");
+}
+
+// §10: a rules file named on the command line that does not exist is a usage error (exit 2),
+// as shard-plan's help says.
+TEST_F(CliMessagesTest, AMissingShardRulesFileExits2AsTheHelpSays) {
+  const CommandResult plan =
+      Cli({"shard-plan", "--model", model_, "--shard-rules", "/nonexistent.json"});
+  EXPECT_EQ(plan.exit_code, 2) << plan.err;
+  EXPECT_NE(plan.err.find("--shard-rules /nonexistent.json: not a built-in rule set ("),
+            std::string::npos)
+      << plan.err;
+  EXPECT_NE(plan.err.find(") and not a readable rules file: "), std::string::npos) << plan.err;
+  const CommandResult help = Cli({"shard-plan", "--help"});
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.out.find("Exit 2: a missing, unreadable or bad rules file, or bad ranks"),
+            std::string::npos)
+      << help.out;
+}
+
+}  // namespace
+}  // namespace weightcache::testing
