@@ -242,18 +242,16 @@ void RegisterLaunchCommand(CLI::App& root) {
       "(exit 6 on --ready-timeout), and with --supervise keep them alive.");
   auto& s = args->serve;
   AddIdentityFlags(sub, &s.identity, IdentityScope::kJob);
-  sub->add_option("--nnodes", args->nnodes, "Nodes of the job")->check(CLI::PositiveNumber);
-  sub->add_option("--node-rank", args->node_rank, "This node's rank")
-      ->check(CLI::NonNegativeNumber);
-  sub->add_option("--base-gpu-id", args->base_gpu_id, "First local GPU id")
-      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--nnodes", args->nnodes, "Nodes of the job")->check(AtLeast(1));
+  sub->add_option("--node-rank", args->node_rank, "This node's rank")->check(AtLeast(0));
+  sub->add_option("--base-gpu-id", args->base_gpu_id, "First local GPU id")->check(AtLeast(0));
   sub->add_option("--gpu-id-step", args->gpu_id_step, "Local GPU id step between ranks")
-      ->check(CLI::PositiveNumber);
+      ->check(AtLeast(1));
   sub->add_option("--ready-timeout", args->ready_timeout_s,
                   "Seconds until every daemon must be ready (exit 6)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   sub->add_option("--stop-grace", args->stop_grace_s, "Seconds between SIGTERM and SIGKILL")
-      ->check(CLI::NonNegativeNumber);
+      ->check(AtLeast(0));
   sub->add_flag("--supervise", args->supervise,
                 "Keep running after ready; restart daemons that die (exponential backoff)");
   sub->add_flag("--json", args->json, "Print a JSON summary on stdout");
@@ -261,7 +259,7 @@ void RegisterLaunchCommand(CLI::App& root) {
   sub->add_option("--job", args->job, "Log file prefix (default: the model directory's name)");
   sub->add_option("--memory-budget", s.memory_budget, "Per-daemon memory budget");
   sub->add_option("--threads", s.threads, "Reader threads of each daemon's load (serve's default)")
-      ->check(CLI::Range(1, 256));
+      ->check(InRange(1, 256));
   sub->add_option("--gpu-budget", s.gpu_budget,
                   "serve's --gpu-budget for every daemon: the device's budget, bytes or N% "
                   "(docs/budget.md)");

@@ -233,7 +233,7 @@ void RegisterStopCommand(CLI::App& root) {
                 "print one JSON object: the sockets stopped and, with --all, the stale files "
                 "removed (`cleaned`)");
   sub->add_option("--timeout", args->timeout_s, "seconds to wait for the daemons to exit")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   SetAction(sub, [args] { return Run(*args); });
 }
 

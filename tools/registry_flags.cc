@@ -19,6 +19,7 @@
 #include "cuda/driver_api.h"
 #include "cuda/imported_arena.h"
 #include "cuda/vmm.h"
+#include "flag_checks.h"
 #include "identity/device_inventory.h"
 #include "launcher/serve_daemons.h"
 #include "os/file_mapping.h"
@@ -66,7 +67,7 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
                   "<prefix>/v1/caches/<fleet key>/<node>/<digest16>");
   sub->add_option("--registry-timeout", flags->timeout_s,
                   "seconds each etcd request may take per endpoint (default 3)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   sub->add_option("--fill-content-sha256", flags->fill_content_sha256,
                   "FILE of sha256sum lines (\"<sha256>  <file name>\", one per shard): the "
                   "checkpoint's content anchor, for a layout that records none itself (a Hugging "
@@ -77,7 +78,7 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
   sub->add_option("--registry-ttl", flags->ttl_s,
                   "seconds of the registry lease (default 10), renewed every third of it: a "
                   "killed daemon's entry is gone at most this long after its death")
-      ->check(CLI::Range(1, 3600));
+      ->check(InRange(1, 3600));
   sub->add_option("--advertise", flags->advertise,
                   "HOST:PORT of the transport other nodes fill from, recorded in the entry "
                   "(default: \"\", no transport serves this cache yet)" +

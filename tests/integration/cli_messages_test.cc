@@ -1,4 +1,4 @@
-// The CLI's refusals through the real binary (issue 39 §10): each exits with the code of
+// The CLI's refusals through the real binary (issue 39 §10, §11): each exits with the code of
 // the one table (weightcache::kStatusCodeTable; 2 only for usage) and says what happened.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -81,6 +81,38 @@ TEST_F(CliMessagesTest, AMissingShardRulesFileExits2AsTheHelpSays) {
   EXPECT_NE(help.out.find("Exit 2: a missing, unreadable or bad rules file, or bad ranks"),
             std::string::npos)
       << help.out;
+}
+
+// §11: every numeric flag refuses with the flag, the value and a readable bound (never DBL_MAX's
+// 309 digits), and NaN and infinities are refused wherever a number is parsed.
+TEST_F(CliMessagesTest, NumericFlagsRefuseWithAReadableBoundAndNeverTakeNaN) {
+  const struct {
+    std::vector<std::string> args;
+    std::string message;
+  } cases[] = {
+      {{"serve", "--tp-size", "0"}, "--tp-size: 0 is not \u2265 1"},
+      {{"attach", "--tp-rank", "-1"}, "--tp-rank: -1 is not \u2265 0"},
+      {{"attach", "--wait", "-1"}, "--wait: -1 is not \u2265 0"},
+      {{"attach", "--wait", "nan"}, "--wait: nan is not a finite number"},
+      {{"verify", "--wait", "inf"}, "--wait: inf is not a finite number"},
+      {{"attach", "--wait", "soon"}, "--wait: soon is not a number"},
+      {{"stop", "--timeout", "0"}, "--timeout: 0 is not > 0"},
+      {{"ls", "--timeout", "inf"}, "--timeout: inf is not a finite number"},
+      {{"serve", "--failed-linger", "NaN"}, "--failed-linger: NaN is not a finite number"},
+      {{"serve", "--handshake-timeout", "0"}, "--handshake-timeout: 0 is not > 0"},
+      {{"serve", "--threads", "300"}, "--threads: 300 is not in 1 \u2026 256"},
+      {{"serve", "--max-connections", "0"}, "--max-connections: 0 is not in 1 \u2026 1048576"},
+      {{"launch", "--nnodes", "0"}, "--nnodes: 0 is not \u2265 1"},
+      {{"launch", "--ready-timeout", "nan"}, "--ready-timeout: nan is not a finite number"},
+      {{"upgrade", "--timeout", "-5"}, "--timeout: -5 is not > 0"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.args[0] + " " + c.args[1] + " " + c.args[2]);
+    const CommandResult r = Cli(c.args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("1797693"), std::string::npos) << r.err;  // DBL_MAX's digits
+  }
 }
 
 }  // namespace
