@@ -115,5 +115,27 @@ TEST_F(CliMessagesTest, NumericFlagsRefuseWithAReadableBoundAndNeverTakeNaN) {
   }
 }
 
+// §11: an attach that gives up on a daemon awaiting its publisher says so: that daemon answered
+// every poll, whatever instant the wait ended at (a poll in flight at the deadline included).
+TEST_F(CliMessagesTest, AnAttachTimingOutOnAnAwaitingDaemonSaysItIsStillAwaiting) {
+  const std::vector<std::string> identity = {"--source",      "published:eng", "--tier",
+                                             "host",          "--model-id",    "pub",
+                                             "--runtime-dir", runtime_};
+  auto serve = ServeProcess::Start(identity, dir_.Join("serve.log"));
+  ASSERT_NE(serve, nullptr);
+  auto socket = WaitForState(*serve, runtime_, CacheState::kAwaiting);
+  ASSERT_TRUE(socket.ok()) << socket.status().ToString();
+  for (const std::string wait : {"0", "0.5", "1", "1.1", "1.2", "1.3", "1.5"}) {
+    SCOPED_TRACE("--wait " + wait);
+    std::vector<std::string> args = {"attach", "--on-missing", "error", "--wait", wait};
+    args.insert(args.end(), identity.begin(), identity.end());
+    const CommandResult r = Cli(args);
+    EXPECT_EQ(r.exit_code, 6) << r.err;
+    EXPECT_NE(r.err.find("still awaiting its publisher after "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("; it answered every poll"), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("did not answer"), std::string::npos) << r.err;
+  }
+}
+
 }  // namespace
 }  // namespace weightcache::testing
