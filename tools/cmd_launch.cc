@@ -239,7 +239,8 @@ void RegisterLaunchCommand(CLI::App& root) {
   CLI::App* sub = root.add_subcommand(
       "launch",
       "Start the daemons of a TP x PP job on this node's GPUs, wait until all are ready "
-      "(exit 6 on --ready-timeout), and with --supervise keep them alive.");
+      "(exit 6 on --ready-timeout), and with --supervise keep them alive. First removes the "
+      "stale files of the namespace's dead caches (those whose lock is free), one line each.");
   auto& s = args->serve;
   AddIdentityFlags(sub, &s.identity, IdentityScope::kJob);
   sub->add_option("--nnodes", args->nnodes, "Nodes of the job")->check(AtLeast(1));
