@@ -149,6 +149,8 @@ Result<RemovedUnderLock> RemoveIfUnlocked(const std::string& lock_path,
     struct stat st {};
     const bool existed = ::lstat(lock_path.c_str(), &st) == 0;  // else we create it here
     UniqueFd fd = OpenLockFile(lock_path);
+    // No such directory (a cache that never started): nothing of it can be there.
+    if (!fd && errno == ENOENT) return result;
     if (!fd) return IoError("open lock file " + lock_path, errno);
     WEIGHTCACHE_ASSIGN_OR_RETURN(bool taken, TrySetLock(fd.get(), lock_path));
     if (!taken) {

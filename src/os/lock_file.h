@@ -85,7 +85,8 @@ struct RemovedUnderLock {
 // it is absent, so that nobody can take it meanwhile), and only while holding it unlinks each
 // of `guarded` (ENOENT is not an error), then `lock_path` itself, then releases the lock. A
 // lock held by anyone else (a live daemon, or a daemon starting right now) removes nothing:
-// `held`. No pid is recorded: the file is emptied, so a daemon that waits for this lock
+// `held`. A lock whose directory does not exist guards nothing: nothing is removed or created.
+// No pid is recorded: the file is emptied, so a daemon that waits for this lock
 // meanwhile waits for an owner's pid (kOwnerPidWait) and then retries on a new file.
 Result<RemovedUnderLock> RemoveIfUnlocked(const std::string& lock_path,
                                           const std::vector<std::string>& guarded);

@@ -178,6 +178,12 @@ TEST(LockFileTest, RemoveIfUnlockedRemovesTheGuardedFilesAndTheLockOnlyWhileItHo
   EXPECT_FALSE(again->held);
   EXPECT_TRUE(again->removed.empty());
   EXPECT_FALSE(Exists(lock_path));
+  // A directory that does not exist yet (a daemon about to create it) holds nothing to remove.
+  auto nowhere = RemoveIfUnlocked(dir.Join("absent/a.lock"), {dir.Join("absent/a.sock")});
+  ASSERT_TRUE(nowhere.ok()) << nowhere.status().ToString();
+  EXPECT_FALSE(nowhere->held);
+  EXPECT_TRUE(nowhere->removed.empty());
+  EXPECT_FALSE(Exists(dir.Join("absent")));
 }
 
 // The race a removal must not lose: an acquirer opened the lock file, the remover (holding the
