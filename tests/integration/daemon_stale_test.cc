@@ -150,14 +150,23 @@ TEST_F(StaleFilesTest, KilledMidLoadWithALedgerEntryAndAWaitingKeeper) {
   ASSERT_TRUE(loading.ok()) << loading.status().ToString();
   EXPECT_EQ(loading->state, CacheState::kLoading);
   EXPECT_NE(LedgerText().find(socket), std::string::npos) << "admitted: " << LedgerText();
+  // The keeper starts with the load (its exec may still be under way): kill once it holds its
+  // lock, so that it is gone, not still starting, when `stop --all` runs. (A keeper that takes
+  // its lock after a sweep leaves its lock file to the next one.)
+  const std::string keeper_lock = LockPathFor(KeeperSocketFor(socket));
+  const auto started_by = std::chrono::steady_clock::now() + 10s;
+  while (!os::IsLockHeld(keeper_lock) && std::chrono::steady_clock::now() < started_by) {
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_TRUE(os::IsLockHeld(keeper_lock)) << serve->Log();
   Kill(*serve);
   writer.Reset();
   // The keeper leaves with its depositor (docs/keeper.md); its lock file stays behind.
   const auto until = std::chrono::steady_clock::now() + 10s;
-  while (os::IsLockHeld(LockPathFor(KeeperSocketFor(socket))) &&
-         std::chrono::steady_clock::now() < until) {
+  while (os::IsLockHeld(keeper_lock) && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(10ms);
   }
+  ASSERT_FALSE(os::IsLockHeld(keeper_lock)) << "the keeper outlived its depositor";
   EXPECT_TRUE(Exists(socket));
   EXPECT_NE(LedgerText().find(socket), std::string::npos) << LedgerText();
   StopAllLeavesNothingOf(socket);
