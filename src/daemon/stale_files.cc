@@ -65,11 +65,11 @@ std::string JoinAnd(const std::vector<std::string>& items) {
 Result<StaleSweep> SweepStaleFiles(const std::string& runtime_dir,
                                    const std::optional<std::string>& namespace_name) {
   StaleSweep sweep;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<identity::SocketEntry> dirs,
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<identity::DeviceDirEntry> dirs,
                                identity::ListAllDeviceDirs(runtime_dir));
-  for (const identity::SocketEntry& dir : dirs) {
+  for (const identity::DeviceDirEntry& dir : dirs) {
     if (namespace_name && dir.namespace_name != *namespace_name) continue;
-    const std::string& device_dir = dir.socket;
+    const std::string& device_dir = dir.path;
     std::map<std::string, CleanedCache> by_socket;
     WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> caches,
                                  identity::ListCacheIdentities(device_dir));

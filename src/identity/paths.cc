@@ -347,10 +347,15 @@ std::string CacheSocketForKeeper(const std::string& keeper_socket) {
   return keeper_socket.substr(0, keeper_socket.size() - kSuffix.size()) + ".sock";
 }
 
-Result<std::vector<SocketEntry>> ListAllDeviceDirs(const std::string& runtime_dir) {
-  return WalkDeviceDirs(runtime_dir, [](const std::string& device_dir) {
-    return Result<std::vector<std::string>>(std::vector<std::string>{device_dir});
-  });
+Result<std::vector<DeviceDirEntry>> ListAllDeviceDirs(const std::string& runtime_dir) {
+  std::vector<DeviceDirEntry> out;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> namespaces, ListNamespaces(runtime_dir));
+  for (const std::string& ns : namespaces) {
+    const std::string ns_dir = runtime_dir + "/" + ns;
+    WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> keys, ListDeviceKeys(ns_dir));
+    for (const std::string& key : keys) out.push_back({ns, key, ns_dir + "/" + key});
+  }
+  return out;
 }
 
 Result<std::vector<std::string>> ListCacheIdentities(const std::string& device_dir) {

@@ -168,8 +168,13 @@ std::string CacheSocketForKeeper(const std::string& keeper_socket);
 Result<std::vector<SocketEntry>> ListAllKeeperSockets(const std::string& runtime_dir);
 
 // Every device dir of a runtime dir (<runtime>/<namespace>/<device key>), ordered by namespace
-// and key; `socket` holds the device dir's path.
-Result<std::vector<SocketEntry>> ListAllDeviceDirs(const std::string& runtime_dir);
+// and key.
+struct DeviceDirEntry {
+  std::string namespace_name;
+  std::string device_key;
+  std::string path;
+};
+Result<std::vector<DeviceDirEntry>> ListAllDeviceDirs(const std::string& runtime_dir);
 // Every cache of one device dir that has any file of its own there — its socket, its lock, its
 // keeper's socket or its keeper's lock, named by the rules above — as the path of the cache's
 // socket (which may itself be gone), sorted. A dead daemon can leave any subset of the four;
