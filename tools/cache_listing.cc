@@ -7,6 +7,7 @@
 #include "common/logging.h"
 #include "daemon/budget.h"
 #include "daemon/byte_size.h"
+#include "flag_checks.h"
 #include "identity/cache_config.h"
 #include "identity/env.h"
 #include "identity/paths.h"
@@ -180,7 +181,7 @@ void AddListingFlags(CLI::App* command, ListingArgs* args) {
   command->add_flag("--all-namespaces", args->all_namespaces, "every namespace")->excludes(ns);
   command->add_option("--runtime-dir", args->runtime_dir, "runtime dir");
   command->add_option("--timeout", args->timeout_s, "seconds to wait for each daemon's answer")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
 }
 
 DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir) {

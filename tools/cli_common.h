@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/unique_fd.h"
+#include "flag_checks.h"
 #include "weightcache/status.h"
 
 namespace weightcache::cli {

@@ -146,14 +146,14 @@ void RegisterAttachCommand(CLI::App& root) {
   sub->add_option("--wait", args->wait_seconds,
                   "the attach's deadline in seconds: waiting for a loading daemon and every "
                   "exchange with a daemon (one that does not answer by then is absent)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(AtLeast(0));
   sub->add_flag("--verify", args->verify,
                 "recompute every tensor's checksum over the mapped memory and compare");
   sub->add_flag("--json", args->json, "print one JSON object");
   sub->add_flag("--hold", args->hold,
                 "stay attached until stdin closes; each stdin line re-verifies");
   sub->add_option("--threads", args->threads, "threads for verify and fallback reads")
-      ->check(CLI::Range(1, 256));
+      ->check(InRange(1, 256));
   sub->add_option("--trust-uid", args->options.identity.trusted_uids,
                   "also use a daemon run by this uid, e.g. a service user's (repeatable; "
                   "default: WEIGHTCACHE_TRUSTED_UIDS, else our uid only)");

@@ -3,13 +3,12 @@
 // flags of serve) only the entries of that identity's fleet key; --fleet-key HEX does the same
 // from the key itself. Entries are read from etcd as untrusted values: a malformed one is
 // skipped with a warning (fleet::LookupEntries).
-#include <iomanip>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 #include <string>
+#include <vector>
 
 #include "cli_common.h"
 #include "common/terminal_text.h"
@@ -72,22 +71,23 @@ int RunLs(FleetLsArgs& args) {
               << (fleet_key ? " for fleet key " + fleet_key->substr(0, 16) : "") << std::endl;
     return kExitOk;
   }
-  std::ostringstream table;
-  table << std::left << std::setw(18) << "FLEET KEY" << std::setw(20) << "NODE" << std::setw(10)
-        << "STATE" << std::setw(6) << "TIER" << std::setw(12) << "BYTES" << std::setw(16) << "RANKS"
-        << std::setw(22) << "ENDPOINT" << std::setw(8) << "PID"
-        << "MODEL\n";
+  // Columns sized to their content (FormatTable): a long node name or rank set never runs into
+  // the next column.
+  std::vector<std::vector<std::string>> table = {
+      {"FLEET KEY", "NODE", "STATE", "TIER", "BYTES", "RANKS", "ENDPOINT", "PID", "MODEL"}};
   for (const fleet::RegistryEntry& e : *entries) {
     const std::string ranks = "tp" + std::to_string(e.tp_rank) + "/" + std::to_string(e.tp_size) +
                               " pp" + std::to_string(e.pp_rank) + "/" + std::to_string(e.pp_size) +
                               " ep" + std::to_string(e.ep_rank) + "/" + std::to_string(e.ep_size);
-    table << std::setw(18) << e.fleet_key.substr(0, 16) << std::setw(20) << e.node << std::setw(10)
-          << fleet::EntryStateName(e.state) << std::setw(6) << e.tier << std::setw(12)
-          << daemon::FormatBytes(e.bytes) << std::setw(16) << ranks << std::setw(22)
-          << (e.endpoint.empty() ? "-" : e.endpoint) << std::setw(8) << e.pid
-          << EscapeForTerminal(e.model_id + (e.revision.empty() ? "" : "@" + e.revision)) << "\n";
+    // Every cell comes from the registry, untrusted: escaped (common/terminal_text.h).
+    table.push_back({EscapeForTerminal(e.fleet_key.substr(0, 16)), EscapeForTerminal(e.node),
+                     std::string(fleet::EntryStateName(e.state)), EscapeForTerminal(e.tier),
+                     daemon::FormatBytes(e.bytes), ranks,
+                     e.endpoint.empty() ? "-" : EscapeForTerminal(e.endpoint),
+                     std::to_string(e.pid),
+                     EscapeForTerminal(e.model_id + (e.revision.empty() ? "" : "@" + e.revision))});
   }
-  std::cout << table.str() << std::flush;
+  std::cout << FormatTable(table) << std::flush;
   return kExitOk;
 }
 

@@ -97,12 +97,12 @@ void RegisterKeeperCommand(CLI::App& root) {
                   "SO_PEERCRED decides)");
   sub->add_option("--deposit-timeout", args->deposit_timeout_s,
                   "seconds to wait for the deposit before exiting (default 60)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   sub->add_option("--depositor-fd", args->depositor_fd,
                   "an inherited pipe whose write end only the depositor holds: the keeper waits "
                   "for the deposit while it is open (no --deposit-timeout) and exits if it "
                   "closes first (the depositor died or gave up)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(AtLeast(0));
   sub->add_option("--ready-fd", args->ready_fd,
                   "an inherited fd on which to report the start (\"0 <pid>\" or the error), then "
                   "close");

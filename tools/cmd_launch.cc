@@ -18,6 +18,7 @@
 
 #include "cli_common.h"
 #include "common/unique_fd.h"
+#include "daemon/stale_files.h"
 #include "fleet_flags.h"
 #include "identity/device_inventory.h"
 #include "identity/paths.h"
@@ -161,8 +162,15 @@ int RunLaunch(const LaunchArgs& args) {
   }
   files.job = SafeName(args.job.empty() ? fs::path(id.model_dir).filename().string() : args.job);
 
-  auto swept = launcher::SweepStaleSockets(runtime->path, id.namespace_name);
+  // The stale files of the namespace's dead caches (daemon/stale_files.h), one line each.
+  auto swept = daemon::SweepStaleFiles(runtime->path, id.namespace_name);
   if (!swept.ok()) return Fail(kCmd, swept.status());
+  for (const daemon::CleanedCache& c : swept->cleaned) {
+    std::fprintf(stderr, "weightcache launch: %s\n", daemon::DescribeCleaned(c).c_str());
+  }
+  for (const std::string& w : swept->warnings) {
+    std::fprintf(stderr, "weightcache launch: warning: %s\n", w.c_str());
+  }
 
   launcher::LaunchOptions options;
   options.mode = args.supervise ? launcher::SupervisionMode::kSupervise
@@ -206,7 +214,8 @@ int RunLaunch(const LaunchArgs& args) {
 
   const int code = report.status.ok() ? kExitOk : ExitCodeFor(report.status);
   if (args.json) {
-    std::cout << launcher::LaunchSummaryJson(report, code) << std::endl;
+    std::cout << launcher::LaunchSummaryJson(report, code, daemon::CleanedToJson(swept->cleaned))
+              << std::endl;
   } else if (report.status.ok()) {
     PrintHuman(report);
   }
@@ -230,21 +239,20 @@ void RegisterLaunchCommand(CLI::App& root) {
   CLI::App* sub = root.add_subcommand(
       "launch",
       "Start the daemons of a TP x PP job on this node's GPUs, wait until all are ready "
-      "(exit 6 on --ready-timeout), and with --supervise keep them alive.");
+      "(exit 6 on --ready-timeout), and with --supervise keep them alive. First removes the "
+      "stale files of the namespace's dead caches (those whose lock is free), one line each.");
   auto& s = args->serve;
   AddIdentityFlags(sub, &s.identity, IdentityScope::kJob);
-  sub->add_option("--nnodes", args->nnodes, "Nodes of the job")->check(CLI::PositiveNumber);
-  sub->add_option("--node-rank", args->node_rank, "This node's rank")
-      ->check(CLI::NonNegativeNumber);
-  sub->add_option("--base-gpu-id", args->base_gpu_id, "First local GPU id")
-      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--nnodes", args->nnodes, "Nodes of the job")->check(AtLeast(1));
+  sub->add_option("--node-rank", args->node_rank, "This node's rank")->check(AtLeast(0));
+  sub->add_option("--base-gpu-id", args->base_gpu_id, "First local GPU id")->check(AtLeast(0));
   sub->add_option("--gpu-id-step", args->gpu_id_step, "Local GPU id step between ranks")
-      ->check(CLI::PositiveNumber);
+      ->check(AtLeast(1));
   sub->add_option("--ready-timeout", args->ready_timeout_s,
                   "Seconds until every daemon must be ready (exit 6)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   sub->add_option("--stop-grace", args->stop_grace_s, "Seconds between SIGTERM and SIGKILL")
-      ->check(CLI::NonNegativeNumber);
+      ->check(AtLeast(0));
   sub->add_flag("--supervise", args->supervise,
                 "Keep running after ready; restart daemons that die (exponential backoff)");
   sub->add_flag("--json", args->json, "Print a JSON summary on stdout");
@@ -252,7 +260,7 @@ void RegisterLaunchCommand(CLI::App& root) {
   sub->add_option("--job", args->job, "Log file prefix (default: the model directory's name)");
   sub->add_option("--memory-budget", s.memory_budget, "Per-daemon memory budget");
   sub->add_option("--threads", s.threads, "Reader threads of each daemon's load (serve's default)")
-      ->check(CLI::Range(1, 256));
+      ->check(InRange(1, 256));
   sub->add_option("--gpu-budget", s.gpu_budget,
                   "serve's --gpu-budget for every daemon: the device's budget, bytes or N% "
                   "(docs/budget.md)");

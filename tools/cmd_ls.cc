@@ -12,7 +12,6 @@
 // whose daemon is gone is an **orphan**: listed with state "orphan" and the bytes it holds
 // (its cache socket's row, stale or absent, is replaced by it); `stop` frees it.
 #include <filesystem>
-#include <iomanip>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -20,6 +19,7 @@
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cache_listing.h"
 #include "cli_common.h"
@@ -61,12 +61,12 @@ int Run(const LsArgs& args) {
               << (args.all_namespaces ? "" : " (namespace " + ns + ")") << std::endl;
     return kExitOk;
   }
-  std::ostringstream out;
-  out << std::left << std::setw(10) << "NAMESPACE" << std::setw(42) << "DEVICE" << std::setw(24)
-      << "MODEL" << std::setw(35) << "RANKS" << std::setw(6) << "TIER" << std::setw(12) << "STATE"
-      << std::setw(12) << "BYTES" << std::setw(8) << "CLIENTS" << std::setw(8) << "PID"
-      << std::setw(10) << "ORIGIN"
-      << "DIGEST\n";
+  // Columns sized to their content (FormatTable): a long model id or device key never runs into
+  // the next column. A row's notes follow it on lines of their own.
+  std::vector<std::vector<std::string>> table = {{"NAMESPACE", "DEVICE", "MODEL", "RANKS", "TIER",
+                                                  "STATE", "BYTES", "CLIENTS", "PID", "ORIGIN",
+                                                  "DIGEST"}};
+  std::vector<std::string> notes;
   for (const auto& r : rows) {
     auto str = [&](const char* key) {
       auto it = r.find(key);
@@ -93,19 +93,26 @@ int Run(const LsArgs& args) {
     // the peer's device on a line of its own.
     const std::string origin = str("origin");
     const std::string origin_kind = origin.substr(0, origin.find(' '));
-    out << std::left << std::setw(10) << str("namespace") << std::setw(42) << str("device")
-        << std::setw(24) << model << std::setw(35) << Ranks(config) << std::setw(6) << str("tier")
-        << std::setw(12) << state << std::setw(12) << bytes << std::setw(8) << str("clients")
-        << std::setw(8) << str("pid") << std::setw(10) << origin_kind << digest << "\n";
+    table.push_back({str("namespace"), str("device"), model, Ranks(config), str("tier"), state,
+                     bytes, str("clients"), str("pid"), origin_kind, digest});
+    std::string note;
     if (origin_kind == "peer")
-      out << "    seeded from the peer cache of " << origin.substr(5) << "\n";
-    if (r.contains("failure_reason")) out << "    failed: " << str("failure_reason") << "\n";
-    if (r.contains("error")) out << "    error: " << str("error") << "\n";
+      note += "    seeded from the peer cache of " + origin.substr(5) + "\n";
+    if (r.contains("failure_reason")) note += "    failed: " + str("failure_reason") + "\n";
+    if (r.contains("error")) note += "    error: " + str("error") + "\n";
     if (state == "orphan") {
-      out << "    orphan: keeper pid " << str("pid")
-          << " holds the memory of a daemon that is gone; `weightcache stop --socket "
-          << str("socket") << "` frees it\n";
+      note += "    orphan: keeper pid " + str("pid") +
+              " holds the memory of a daemon that is gone; `weightcache stop --socket " +
+              str("socket") + "` frees it\n";
     }
+    notes.push_back(std::move(note));
+  }
+  std::ostringstream out;
+  std::istringstream lines(FormatTable(table));
+  std::string line;
+  for (size_t i = 0; std::getline(lines, line); ++i) {
+    out << line << "\n";
+    if (i > 0) out << notes[i - 1];
   }
   // Each device's memory budget, as `status` prints it (a device with neither a ledger nor a
   // budget.conf has none and no line).

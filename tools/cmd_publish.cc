@@ -72,7 +72,7 @@ void RegisterPublishCommand(CLI::App& root) {
   sub->add_option("--timeout", args->timeout_s,
                   "seconds for the daemon's answers, the commit's checksum pass included "
                   "(default 60)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   SetAction(sub, [args] { return Run(*args); });
 }
 

@@ -847,28 +847,28 @@ void RegisterServeCommand(CLI::App& root) {
              "--wait[=SECONDS]: when the budget has no room and no idle cache can be evicted, "
              "wait for room (planning again every 250 ms) instead of exiting 8 at once; a bare "
              "--wait has no limit, --wait=SECONDS gives up after SECONDS with the same exit 8")
-          ->check(CLI::NonNegativeNumber);
+          ->check(AtLeast(0));
   sub->add_option("--threads", args->threads, "reader threads of the load (default 16)")
-      ->check(CLI::Range(1, 256));
+      ->check(InRange(1, 256));
   sub->add_option("--failed-linger", args->failed_linger_s,
                   "seconds a failed daemon keeps answering `failed` before exiting (default 30)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(AtLeast(0));
   sub->add_option("--handshake-timeout", args->handshake_timeout_s,
                   "seconds a connection that has not attached may go without a request before "
                   "it is closed (default 10)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   sub->add_option("--stall-timeout", args->stall_timeout_s,
                   "seconds a connection may leave our replies unread before it is closed "
                   "(default 30)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   sub->add_option("--publish-timeout", args->publish_timeout_s,
                   "seconds a publisher (--source published:<tag>) may take from its plan to "
                   "its commit before its arena is freed (default 600)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   sub->add_option("--max-connections", args->max_connections,
                   "connections served at once; the next get an Error and are closed (default "
                   "4096)")
-      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
+      ->check(InRange(1, 1 << 20));
   sub->add_flag("--replace", args->replace,
                 "with --source published:<tag>: a publish into the ready cache replaces it "
                 "(attached clients keep the old weights; new attaches get the new ones)");
@@ -892,18 +892,18 @@ void RegisterServeCommand(CLI::App& root) {
   sub->add_option("--ready-timeout", args->ready_timeout_s,
                   "with --detach: seconds the daemon may take to serve before it is stopped "
                   "(exit 6; default 600)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   sub->add_option("--log-file", args->log_file,
                   "with --detach: the daemon's log (default "
                   "<runtime>/<namespace>/logs/serve-<digest>.log)");
   sub->add_option("--upgrade-timeout", args->upgrade_timeout_s,
                   "seconds an upgrade's successor has to validate the handover and take over "
                   "before it is killed and this daemon serves on (default 60; docs/upgrade.md)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   sub->add_option("--handover-fd", args->handover_fd,
                   "internal: set by `weightcache upgrade` on the successor it starts (the "
                   "channel the old daemon hands the cache over on)")
-      ->check(CLI::Range(3, 1 << 20));
+      ->check(InRange(3, 1 << 20));
   sub->add_option("--metrics-addr", args->metrics_addr,
                   "serve Prometheus metrics (GET /metrics) on HOST:PORT (port 0: a free one, "
                   "printed at start) or on an absolute Unix socket path (docs/metrics.md); a "
@@ -913,11 +913,11 @@ void RegisterServeCommand(CLI::App& root) {
                   "before its connection is closed (default 2; when all 16 connections are "
                   "taken, one that has sent no complete request within 250 ms is closed for a "
                   "waiting scraper: docs/metrics.md)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   sub->add_option("--metrics-fd", args->metrics_fd,
                   "internal: set by `weightcache upgrade` on the successor it starts (the old "
                   "daemon's metrics listener, served instead of binding --metrics-addr)")
-      ->check(CLI::Range(3, 1 << 20));
+      ->check(InRange(3, 1 << 20));
   sub->add_option("--seed-from", args->seed_from,
                   "auto, or the socket of a cache of this exact identity: before reading the "
                   "checkpoint, copy the weights from a peer cache (auto: the same identity on "

@@ -1,8 +1,9 @@
 // `weightcache shard-plan --model DIR [--shard-rules NAME|FILE] [--tp-size N --tp-rank R
 // --pp-size N --pp-rank R --ep-size N --ep-rank R] [--json]`: which slice of each tensor one
 // rank of a TP x PP x EP job holds (docs/sharding.md). `--list-rules` lists the built-in
-// rule sets, `--print-rules NAME` prints one. Exit 2 for a bad rules document or rank set,
-// 5 for a checkpoint the rules cannot shard.
+// rule sets, `--print-rules NAME` prints one. Exit 2 for a missing, unreadable or bad rules
+// file, an unknown rule set or a bad rank set (the exit code comes from the status code,
+// weightcache::kStatusCodeTable: kInvalidArgument), 5 for a checkpoint the rules cannot shard.
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -153,7 +154,8 @@ void RegisterShardPlanCommand(CLI::App& root) {
       "Show which slice of each checkpoint tensor one rank of a TP x PP x EP job holds.\n"
       "Rules (docs/sharding.md): an ordered list, first match wins, chosen from config.json's\n"
       "model_type or --shard-rules. Modes: split, replicate, vocab, kv_heads, expert, skip.\n"
-      "Exit 2: bad rules file or ranks; 5: a checkpoint the rules cannot shard.");
+      "Exit 2: a missing, unreadable or bad rules file, or bad ranks; 5: a checkpoint the rules\n"
+      "cannot shard.");
   sub->add_option("--model", args->model,
                   "checkpoint directory (with config.json) or .safetensors file");
   sub->add_option("--shard-rules", args->rules,

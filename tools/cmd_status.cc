@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <iomanip>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -116,10 +115,10 @@ int RunStatus(const StatusArgs& args) {
     out << "device " << EscapeForTerminal(d["device"].get<std::string>()) << " (namespace "
         << EscapeForTerminal(d["namespace"].get<std::string>()) << "): " << budget_lines[i++]
         << "\n";
-    out << "  " << std::left << std::setw(24) << "MODEL" << std::setw(14) << "STATE"
-        << std::setw(12) << "BYTES" << std::setw(8) << "CLIENTS" << std::setw(13) << "LAST ATTACH"
-        << std::setw(8) << "HITS" << std::setw(8) << "MISSES" << std::setw(8) << "PID"
-        << "DIGEST\n";
+    // Columns sized to their content (FormatTable); a row's error follows it on its own line.
+    std::vector<std::vector<std::string>> table = {
+        {"MODEL", "STATE", "BYTES", "CLIENTS", "LAST ATTACH", "HITS", "MISSES", "PID", "DIGEST"}};
+    std::vector<std::string> notes;
     for (const auto& r : d["caches"]) {
       auto str = [&](const char* key) {
         auto it = r.find(key);
@@ -129,13 +128,17 @@ int RunStatus(const StatusArgs& args) {
       };
       std::string digest = str("digest");
       if (digest.size() > 16) digest.resize(16);
-      out << "  " << std::left << std::setw(24) << str("model_id") << std::setw(14)
-          << str("cache_state") << std::setw(12)
-          << (r.contains("bytes") ? daemon::FormatBytes(r["bytes"].get<uint64_t>()) : "-")
-          << std::setw(8) << str("clients") << std::setw(13) << Ago(r, now_ms) << std::setw(8)
-          << str("hits") << std::setw(8) << str("misses") << std::setw(8) << str("pid") << digest
-          << "\n";
-      if (r.contains("error")) out << "    error: " << str("error") << "\n";
+      table.push_back({str("model_id"), str("cache_state"),
+                       r.contains("bytes") ? daemon::FormatBytes(r["bytes"].get<uint64_t>()) : "-",
+                       str("clients"), Ago(r, now_ms), str("hits"), str("misses"), str("pid"),
+                       digest});
+      notes.push_back(r.contains("error") ? "    error: " + str("error") + "\n" : "");
+    }
+    std::istringstream lines(FormatTable(table));
+    std::string line;
+    for (size_t row = 0; std::getline(lines, line); ++row) {
+      out << "  " << line << "\n";
+      if (row > 0) out << notes[row - 1];
     }
     out << "  LRU (least recently attached first):";
     if (d["lru"].empty()) out << " -";

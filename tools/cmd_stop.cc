@@ -11,15 +11,22 @@
 // A stopped daemon drops its keeper itself (docs/keeper.md). A cache whose daemon is gone but
 // whose keeper lives (an orphan: the daemon was killed) is stopped by dropping the keeper: its
 // memory is freed, and `stop` waits until the keeper has exited. --all includes orphans.
+//
+// --all then removes the stale files of every cache of the namespace (or of all) whose locks are
+// free (daemon/stale_files.h: socket, lock, keeper socket and lock, ledger entries of dead
+// owners), one line per cache; `--json` prints them in `cleaned`.
 #include <sys/stat.h>
 
 #include <iostream>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "cli_common.h"
+#include "daemon/stale_files.h"
 #include "identity/paths.h"
 #include "identity/resolve.h"
 #include "identity_flags.h"
@@ -36,6 +43,7 @@ struct StopArgs {
   IdentityOptions identity;
   bool all = false;
   bool all_namespaces = false;
+  bool json = false;
   double timeout_s = 30;
 };
 
@@ -94,25 +102,52 @@ Status SendStop(const Target& t, std::chrono::milliseconds timeout) {
   return Status::Ok();
 }
 
+// --all's last step: the stale files of every cache whose locks are free, one line each.
+Status SweepAfterStop(const StopArgs& args, const std::string& runtime_dir, const std::string& ns,
+                      nlohmann::json& out) {
+  auto sweep = daemon::SweepStaleFiles(
+      runtime_dir, args.all_namespaces ? std::nullopt : std::optional<std::string>(ns));
+  if (!sweep.ok()) return sweep.status();
+  for (const daemon::CleanedCache& c : sweep->cleaned) {
+    std::cerr << "weightcache stop: " << daemon::DescribeCleaned(c) << std::endl;
+  }
+  for (const std::string& w : sweep->warnings) {
+    std::cerr << "weightcache stop: warning: " << w << std::endl;
+  }
+  out["cleaned"] = daemon::CleanedToJson(sweep->cleaned);
+  out["warnings"] = sweep->warnings;
+  return Status::Ok();
+}
+
 int Run(StopArgs& args) {
   constexpr std::string_view kCmd = "stop";
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1000));
+  nlohmann::json out = {{"stopped", nlohmann::json::array()}};
+  const auto finish = [&](int code) {
+    if (args.json) {
+      out["exit_code"] = code;
+      std::cout << out.dump() << std::endl;
+    }
+    return code;
+  };
   std::vector<Target> targets;
+  std::string runtime_dir;
+  const std::string ns = args.identity.namespace_name.empty()
+                             ? std::string(identity::kDefaultNamespace)
+                             : args.identity.namespace_name;
   if (args.all) {
     auto runtime = identity::ResolveRuntimeDir(args.identity.runtime_dir, identity::ProcessEnv());
-    if (!runtime.ok()) return Fail(kCmd, runtime.status());
+    if (!runtime.ok()) return finish(Fail(kCmd, runtime.status()));
+    runtime_dir = runtime->path;
     auto entries = identity::ListAllCacheSockets(runtime->path);
-    if (!entries.ok()) return Fail(kCmd, entries.status());
-    const std::string ns = args.identity.namespace_name.empty()
-                               ? std::string(identity::kDefaultNamespace)
-                               : args.identity.namespace_name;
+    if (!entries.ok()) return finish(Fail(kCmd, entries.status()));
     for (const auto& e : *entries) {
       if (!args.all_namespaces && e.namespace_name != ns) continue;
       const std::string lock = LockPathFor(e.socket);
       if (os::IsLockHeld(lock)) targets.push_back({e.socket, lock});
     }
     auto keepers = identity::ListAllKeeperSockets(runtime->path);
-    if (!keepers.ok()) return Fail(kCmd, keepers.status());
+    if (!keepers.ok()) return finish(Fail(kCmd, keepers.status()));
     for (const auto& k : *keepers) {
       if (!args.all_namespaces && k.namespace_name != ns) continue;
       const std::string socket = identity::CacheSocketForKeeper(k.socket);
@@ -120,23 +155,26 @@ int Run(StopArgs& args) {
     }
     if (targets.empty()) {
       std::cerr << "weightcache stop: no live daemon under " << runtime->path << std::endl;
-      return kExitOk;
+      if (Status s = SweepAfterStop(args, runtime_dir, ns, out); !s.ok()) {
+        return finish(Fail(kCmd, s));
+      }
+      return finish(kExitOk);
     }
   } else if (args.identity.model_dir.empty()) {
     const std::string& socket = args.identity.socket;
     if (socket.empty()) {
-      return Fail(kCmd, InvalidArgument("give the identity flags (--model …), --socket PATH "
-                                        "or --all"));
+      return finish(Fail(kCmd, InvalidArgument("give the identity flags (--model …), --socket PATH "
+                                               "or --all")));
     }
     if (socket.find('{') != std::string::npos) {
-      return Fail(kCmd, InvalidArgument("--socket " + socket +
-                                        " is a template; without --model it cannot be "
-                                        "expanded (give the identity flags too)"));
+      return finish(Fail(kCmd, InvalidArgument("--socket " + socket +
+                                               " is a template; without --model it cannot be "
+                                               "expanded (give the identity flags too)")));
     }
     targets.push_back({socket, LockPathFor(socket)});
   } else {
     auto id = identity::ResolveIdentity(args.identity);
-    if (!id.ok()) return Fail(kCmd, id.status());
+    if (!id.ok()) return finish(Fail(kCmd, id.status()));
     targets.push_back({id->paths.socket, id->paths.lock});
   }
   for (Target& t : targets) t.orphan = t.orphan || IsOrphan(t.socket);
@@ -160,16 +198,22 @@ int Run(StopArgs& args) {
     while ((!t.orphan && PathExists(t.socket)) || os::IsLockHeld(t.lock) ||
            os::IsLockHeld(keeper_lock)) {
       if (Clock::now() >= deadline) {
-        return Fail(kCmd,
-                    Status(StatusCode::kTimeout, "daemon at " + t.socket + " still running after " +
-                                                     std::to_string(args.timeout_s) + " s"));
+        return finish(Fail(
+            kCmd, Status(StatusCode::kTimeout, "daemon at " + t.socket + " still running after " +
+                                                   std::to_string(args.timeout_s) + " s")));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     std::cerr << "weightcache stop: " << t.socket << ": stopped" << std::endl;
+    out["stopped"].push_back(t.socket);
   }
-  if (!first_error.ok()) return ExitCodeFor(first_error);
-  return kExitOk;
+  if (args.all) {
+    if (Status s = SweepAfterStop(args, runtime_dir, ns, out); !s.ok()) {
+      return finish(Fail(kCmd, s));
+    }
+  }
+  if (!first_error.ok()) return finish(ExitCodeFor(first_error));
+  return finish(kExitOk);
 }
 
 }  // namespace
@@ -177,14 +221,20 @@ int Run(StopArgs& args) {
 void RegisterStopCommand(CLI::App& root) {
   auto args = std::make_shared<StopArgs>();
   CLI::App* sub = root.add_subcommand(
-      "stop", "Stop daemons: by identity flags, by --socket PATH, or --all; waits for exit");
+      "stop",
+      "Stop daemons: by identity flags, by --socket PATH, or --all; waits for exit. --all then "
+      "removes the stale files (socket, lock, keeper's, ledger entries) of every cache whose "
+      "lock is free");
   AddIdentityFlags(sub, &args->identity, IdentityScope::kOneCache);
   // The identity is one way to name a daemon among three: --model is optional here.
   sub->get_option("--model")->required(false);
   sub->add_flag("--all", args->all, "every live daemon of the namespace");
   sub->add_flag("--all-namespaces", args->all_namespaces, "with --all: of every namespace");
+  sub->add_flag("--json", args->json,
+                "print one JSON object: the sockets stopped and, with --all, the stale files "
+                "removed (`cleaned`)");
   sub->add_option("--timeout", args->timeout_s, "seconds to wait for the daemons to exit")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   SetAction(sub, [args] { return Run(*args); });
 }
 

@@ -89,7 +89,7 @@ void RegisterUpgradeCommand(CLI::App& root) {
   sub->add_option("--timeout", args->timeout_s,
                   "seconds to wait for the handover (default 90; the daemon's own "
                   "--upgrade-timeout bounds the successor's validation)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   sub->add_flag("--json", args->json, "print {socket, successor_pid, handover_us} on stdout");
   SetAction(sub, [args] { return Run(*args); });
 }

@@ -72,9 +72,9 @@ void RegisterVerifyCommand(CLI::App& root) {
       root.add_subcommand("verify", "Compare a daemon's memory with the checkpoint files on disk");
   AddIdentityFlags(sub, &args->options.identity, IdentityScope::kOneCache);
   sub->add_option("--wait", args->wait_seconds, "seconds to wait for a loading daemon")
-      ->check(CLI::NonNegativeNumber);
+      ->check(AtLeast(0));
   sub->add_flag("--json", args->json, "print one JSON object");
-  sub->add_option("--threads", args->threads, "reader threads")->check(CLI::Range(1, 256));
+  sub->add_option("--threads", args->threads, "reader threads")->check(InRange(1, 256));
   SetAction(sub, [args] { return Run(*args); });
 }
 

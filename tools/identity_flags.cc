@@ -3,6 +3,8 @@
 #include <string>
 #include <variant>
 
+#include "flag_checks.h"
+
 namespace weightcache::cli {
 namespace {
 
@@ -100,10 +102,10 @@ CLI::Option* Register(CLI::App* sub, const IdentityFlag& f, const std::string& n
       opt->required();
       break;
     case Check::kPositive:
-      opt->check(CLI::PositiveNumber);
+      opt->check(AtLeast(1));
       break;
     case Check::kNonNegative:
-      opt->check(CLI::NonNegativeNumber);
+      opt->check(AtLeast(0));
       break;
   }
   return opt;

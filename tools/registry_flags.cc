@@ -16,6 +16,7 @@
 #include "common/hash.h"
 #include "common/logging.h"
 #include "daemon/served_device_memory.h"
+#include "flag_checks.h"
 #include "identity/device_inventory.h"
 #include "launcher/serve_daemons.h"
 #include "os/file_mapping.h"
@@ -63,7 +64,7 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
                   "<prefix>/v1/caches/<fleet key>/<node>/<digest16>");
   sub->add_option("--registry-timeout", flags->timeout_s,
                   "seconds each etcd request may take per endpoint (default 3)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   sub->add_option("--fill-content-sha256", flags->fill_content_sha256,
                   "FILE of sha256sum lines (\"<sha256>  <file name>\", one per shard): the "
                   "checkpoint's content anchor, for a layout that records none itself (a Hugging "
@@ -74,7 +75,7 @@ void AddRegistryFlags(CLI::App* sub, RegistryFlags* flags, RegistryFlagScope sco
   sub->add_option("--registry-ttl", flags->ttl_s,
                   "seconds of the registry lease (default 10), renewed every third of it: a "
                   "killed daemon's entry is gone at most this long after its death")
-      ->check(CLI::Range(1, 3600));
+      ->check(InRange(1, 3600));
   sub->add_option("--advertise", flags->advertise,
                   "HOST:PORT of the transport other nodes fill from, recorded in the entry "
                   "(default: \"\", no transport serves this cache yet)" +

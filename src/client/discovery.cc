@@ -458,22 +458,35 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
                                  protocol::EncodeStatusRequest());
     uint64_t done = probe.hello.bytes_done, total = probe.hello.bytes_total;
     protocol::CacheState state = probe.hello.state;
-    for (;;) {
-      if (Clock::now() >= deadlines.wait) {
-        const std::string after = " after " + std::to_string(policy.wait_timeout.count()) + " ms";
-        if (state == protocol::CacheState::kAwaiting) {
-          return Missing(who + " still awaiting its publisher" + after, StatusCode::kTimeout);
-        }
-        return Missing(who + " still loading" + after + " (" + std::to_string(done) + " of " +
-                           std::to_string(total) + " bytes)",
+    Clock::time_point last_answer = Clock::now();
+    // The wait ended with the daemon answering: say in which state, never "did not answer".
+    const auto still = [&] {
+      const std::string after = " after " + std::to_string(policy.wait_timeout.count()) + " ms";
+      const std::string answered = "; it answered every poll";
+      if (state == protocol::CacheState::kAwaiting) {
+        return Missing(who + " still awaiting its publisher" + after + answered,
                        StatusCode::kTimeout);
       }
-      std::this_thread::sleep_for(
-          std::min<Clock::duration>(kLoadingPollInterval, deadlines.wait - Clock::now()));
+      return Missing(who + " still loading" + after + " (" + std::to_string(done) + " of " +
+                         std::to_string(total) + " bytes)" + answered,
+                     StatusCode::kTimeout);
+    };
+    for (;;) {
+      std::this_thread::sleep_for(std::min<Clock::duration>(
+          kLoadingPollInterval, std::max<Clock::duration>(deadlines.wait - Clock::now(), {})));
+      if (Clock::now() >= deadlines.wait) return still();
       auto frame =
           Exchange(probe.connection.get(), status_request, protocol::MessageType::kStatusReply,
                    deadlines.Answer(), socket, &deadline_passed, sys);
-      if (!frame.ok()) return deadline_passed ? silent(frame.status()) : frame.status();
+      if (!frame.ok()) {
+        // A poll sent just before the end of the wait meets the answer deadline (the same
+        // instant, unless min_answer_wait lies later) before its reply: the daemon answered
+        // the poll before, so it is still what it said then. Silent for longer is "did not
+        // answer".
+        if (deadline_passed && Clock::now() - last_answer < policy.min_answer_wait) return still();
+        return deadline_passed ? silent(frame.status()) : frame.status();
+      }
+      last_answer = Clock::now();
       WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::StatusReply status,
                                    protocol::DecodeStatusReply(frame->payload));
       done = status.bytes_done;

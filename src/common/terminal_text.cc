@@ -1,5 +1,6 @@
 #include "common/terminal_text.h"
 
+#include <algorithm>
 #include <cstdint>
 
 namespace weightcache {
@@ -68,6 +69,33 @@ std::string QuoteBounded(std::string_view text) {
   out.append(text.substr(0, kQuotedPrefix));
   if (text.size() > kQuotedPrefix) out += "...";
   return out + "'";
+}
+
+namespace {
+// Code points of UTF-8 text (continuation bytes do not count).
+size_t DisplayWidth(std::string_view text) {
+  size_t n = 0;
+  for (unsigned char c : text) n += (c & 0xC0) != 0x80;
+  return n;
+}
+}  // namespace
+
+std::string FormatTable(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> widths;
+  for (const auto& row : rows) {
+    if (row.size() > widths.size()) widths.resize(row.size(), 0);
+    for (size_t i = 0; i < row.size(); ++i) widths[i] = std::max(widths[i], DisplayWidth(row[i]));
+  }
+  std::string out;
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t i = 0; i < row.size(); ++i) {
+      line += row[i];
+      if (i + 1 < row.size()) line += std::string(widths[i] - DisplayWidth(row[i]) + 2, ' ');
+    }
+    out += line + "\n";
+  }
+  return out;
 }
 
 }  // namespace weightcache

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace weightcache {
 
@@ -24,5 +25,12 @@ std::string EscapeForTerminal(std::string_view text);
 // applied where a message meets a terminal).
 inline constexpr size_t kQuotedPrefix = 128;
 std::string QuoteBounded(std::string_view text);
+
+// The one rule for a CLI table (`fleet ls`): the first row is the header; every column is as
+// wide as its widest cell (in code points), columns are two spaces apart, the last one is not
+// padded, every row ends in '\n'. A cell never runs into the next column whatever its length.
+// Cells are printed as given: escape untrusted ones first (EscapeForTerminal). Rows shorter
+// than the header leave their last columns empty.
+std::string FormatTable(const std::vector<std::vector<std::string>>& rows);
 
 }  // namespace weightcache

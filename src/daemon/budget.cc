@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -29,12 +30,15 @@ constexpr int kLedgerVersion = 1;
 
 using Json = nlohmann::json;
 
+// kIo, not kInvalidArgument: a damaged file of the device's state is a runtime condition (exit
+// 1), never a usage error (exit 2) the command line could fix.
 Status Corrupt(const std::string& path, const std::string& why) {
-  return InvalidArgument("budget ledger " + path + " is corrupt (" + why +
-                         "); no cache can be admitted on this device until it is fixed: "
-                         "restore it, or stop the device's caches (`weightcache stop --all`), "
-                         "remove it and start them again (a running cache is counted only by "
-                         "the entry its admission wrote)");
+  return Status(StatusCode::kIo,
+                "budget ledger " + path + " is corrupt (" + why +
+                    "); no cache can be admitted on this device until it is fixed: "
+                    "restore it, or stop the device's caches (`weightcache stop --all`), "
+                    "remove it and start them again (a running cache is counted only by "
+                    "the entry its admission wrote)");
 }
 
 // The unsigned integer at `key` of `object`, at most `max`.
@@ -272,7 +276,8 @@ Result<Ledger> BudgetLedger::ReadOnly() const {
   return ledger;
 }
 
-Result<Ledger> BudgetLedger::UpdateLocked(const std::function<Status(Ledger&)>& update) {
+Result<Ledger> BudgetLedger::UpdateLocked(const std::function<Status(Ledger&)>& update,
+                                          std::vector<LedgerEntry>* dropped) {
   Ledger ledger;
   std::string before;
   auto text = os::ReadSmallFile(path_, kMaxLedgerBytes);
@@ -284,7 +289,11 @@ Result<Ledger> BudgetLedger::UpdateLocked(const std::function<Status(Ledger&)>& 
   } else if (text.status().code() != StatusCode::kNotFound) {
     return Status(text.status()).Context("reading the budget ledger");
   }
-  std::erase_if(ledger.entries, [](const LedgerEntry& e) { return !OwnerAlive(e); });
+  std::erase_if(ledger.entries, [dropped](const LedgerEntry& e) {
+    if (OwnerAlive(e)) return false;
+    if (dropped != nullptr) dropped->push_back(e);
+    return true;
+  });
   WEIGHTCACHE_RETURN_IF_ERROR(update(ledger));
   const std::string after = SerializeLedger(ledger);
   if (after == before) return ledger;
@@ -295,6 +304,17 @@ Result<Ledger> BudgetLedger::UpdateLocked(const std::function<Status(Ledger&)>& 
 
 Result<Ledger> BudgetLedger::Read() {
   return Update([](Ledger&) { return Status::Ok(); });
+}
+
+Result<std::vector<LedgerEntry>> BudgetLedger::ReclaimDead() {
+  std::vector<LedgerEntry> dropped;
+  std::error_code ec;
+  if (!std::filesystem::exists(path_, ec)) return dropped;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(const os::ExclusiveFileLock lock,
+                               os::ExclusiveFileLock::Acquire(lock_path_));
+  WEIGHTCACHE_RETURN_IF_ERROR(
+      UpdateLocked([](Ledger&) { return Status::Ok(); }, &dropped).status());
+  return dropped;
 }
 
 Status BudgetLedger::Put(const LedgerEntry& entry) {

@@ -122,6 +122,9 @@ class BudgetLedger {
                              std::chrono::steady_clock::time_point lock_deadline);
   // Update with no change (it still reclaims the dead).
   Result<Ledger> Read();
+  // Read, returning the entries it dropped because their owner is gone (the stale-file sweep
+  // reports them, daemon/stale_files.h). A missing ledger drops nothing and is not created.
+  Result<std::vector<LedgerEntry>> ReclaimDead();
   // The ledger as the next Update would see it (dead owners dropped), read without the lock
   // and without writing anything: not even the lock file is created. The atomic replacement
   // makes the read whole; it may be one update behind a writer that holds the lock now.
@@ -135,7 +138,8 @@ class BudgetLedger {
   const std::string& lock_path() const { return lock_path_; }
 
  private:
-  Result<Ledger> UpdateLocked(const std::function<Status(Ledger&)>& update);
+  Result<Ledger> UpdateLocked(const std::function<Status(Ledger&)>& update,
+                              std::vector<LedgerEntry>* dropped = nullptr);
 
   std::string path_;
   std::string lock_path_;

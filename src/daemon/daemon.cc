@@ -172,10 +172,8 @@ Result<std::unique_ptr<Daemon>> Daemon::Publish(DaemonOptions options, os::LockF
   const identity::CachePaths& paths = options.paths;
   const bool shared = !options.allow_uids.empty() || !options.allow_gids.empty();
   struct stat st {};
-  if (::lstat(paths.socket.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) {
-      return InvalidArgument(paths.socket + " exists and is not a socket; refusing to replace it");
-    }
+  // Anything but a socket at the path is refused by ListenUnix (kIo, naming the path).
+  if (::lstat(paths.socket.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
     // Lock held by us: a crashed daemon's leftover, or in an upgrade the live socket of the
     // daemon that handed us its lock. ListenUnix renames over it atomically, so clients never
     // see the path missing.

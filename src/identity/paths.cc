@@ -347,6 +347,53 @@ std::string CacheSocketForKeeper(const std::string& keeper_socket) {
   return keeper_socket.substr(0, keeper_socket.size() - kSuffix.size()) + ".sock";
 }
 
+Result<std::vector<DeviceDirEntry>> ListAllDeviceDirs(const std::string& runtime_dir) {
+  std::vector<DeviceDirEntry> out;
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> namespaces, ListNamespaces(runtime_dir));
+  for (const std::string& ns : namespaces) {
+    const std::string ns_dir = runtime_dir + "/" + ns;
+    WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> keys, ListDeviceKeys(ns_dir));
+    for (const std::string& key : keys) out.push_back({ns, key, ns_dir + "/" + key});
+  }
+  return out;
+}
+
+Result<std::vector<std::string>> ListCacheIdentities(const std::string& device_dir) {
+  constexpr std::string_view kSock = ".sock";
+  constexpr std::string_view kLock = ".lock";
+  constexpr std::string_view kKeeperLock = ".keeper.lock";
+  std::vector<std::string> sockets;
+  // Sockets: a cache's own, or its keeper's (whose cache socket follows by the keeper rule).
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> socket_names,
+                               ListDir(device_dir, S_IFSOCK, [&](const std::string& name) {
+                                 return name.size() > kSock.size() && name.ends_with(kSock);
+                               }));
+  for (const std::string& name : socket_names) {
+    sockets.push_back(CacheSocketForKeeper(device_dir + "/" + name));
+  }
+  // Lock files: the cache's (LockPathFor(socket)) or its keeper's
+  // (LockPathFor(KeeperSocketFor(socket))). A name is taken for a cache's only when the rules
+  // give it back from the socket found, so this inverse never disagrees with them.
+  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> lock_names,
+                               ListDir(device_dir, S_IFREG, [&](const std::string& name) {
+                                 return name.size() > kLock.size() && name.ends_with(kLock);
+                               }));
+  for (const std::string& name : lock_names) {
+    const std::string path = device_dir + "/" + name;
+    if (path == BudgetLedgerLockPath(device_dir)) continue;  // the device's, no cache's
+    const bool keeper = name.ends_with(kKeeperLock) && name.size() > kKeeperLock.size();
+    const std::string stem =
+        path.substr(0, path.size() - (keeper ? kKeeperLock.size() : kLock.size()));
+    const std::string socket = stem + std::string(kSock);
+    const std::string expected =
+        keeper ? LockPathFor(KeeperSocketFor(socket)) : LockPathFor(socket);
+    if (expected == path) sockets.push_back(socket);
+  }
+  std::sort(sockets.begin(), sockets.end());
+  sockets.erase(std::unique(sockets.begin(), sockets.end()), sockets.end());
+  return sockets;
+}
+
 Result<std::vector<SocketEntry>> ListAllKeeperSockets(const std::string& runtime_dir) {
   return WalkDeviceDirs(
       runtime_dir, [](const std::string& device_dir) -> Result<std::vector<std::string>> {

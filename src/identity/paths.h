@@ -168,4 +168,18 @@ std::string CacheSocketForKeeper(const std::string& keeper_socket);
 // finds orphans (a live keeper whose daemon is gone) with it.
 Result<std::vector<SocketEntry>> ListAllKeeperSockets(const std::string& runtime_dir);
 
+// Every device dir of a runtime dir (<runtime>/<namespace>/<device key>), ordered by namespace
+// and key.
+struct DeviceDirEntry {
+  std::string namespace_name;
+  std::string device_key;
+  std::string path;
+};
+Result<std::vector<DeviceDirEntry>> ListAllDeviceDirs(const std::string& runtime_dir);
+// Every cache of one device dir that has any file of its own there — its socket, its lock, its
+// keeper's socket or its keeper's lock, named by the rules above — as the path of the cache's
+// socket (which may itself be gone), sorted. A dead daemon can leave any subset of the four;
+// the stale-file sweep (daemon/stale_files.h) walks these.
+Result<std::vector<std::string>> ListCacheIdentities(const std::string& device_dir);
+
 }  // namespace weightcache::identity

@@ -67,11 +67,8 @@ Result<std::unique_ptr<Keeper>> Keeper::Create(KeeperOptions options) {
     Status status = lock.status();
     return status.Context("keeper " + options.socket);
   }
-  struct stat st {};
-  if (::lstat(options.socket.c_str(), &st) == 0 && !S_ISSOCK(st.st_mode)) {
-    return InvalidArgument(options.socket + " exists and is not a socket; refusing to replace it");
-  }
-  // We hold the lock, so a socket already there is a dead keeper's: ListenUnix renames over it.
+  // We hold the lock, so a socket already there is a dead keeper's: ListenUnix renames over it
+  // (and refuses anything that is not a socket, kIo naming the path).
   const mode_t mode = options.allow_uids.empty() ? 0600 : 0666;
   auto listener = os::ListenUnix(options.socket, mode, os::Blocking::kNonBlocking);
   if (!listener.ok()) {

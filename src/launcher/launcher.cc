@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "common/logging.h"
+#include "os/lock_file.h"
 
 namespace weightcache::launcher {
 namespace {
@@ -131,8 +132,11 @@ Status Launcher::RemoveStaleFiles(const Daemon& d) {
                       d.lock_path +
                       " is held by a running daemon (stop it first, or use another --namespace)");
   }
-  if (::unlink(d.socket_path.c_str()) != 0 && errno != ENOENT) {
-    return IoError(d.spec.name + ": removing stale socket " + d.socket_path, errno);
+  // Removed only while we hold its lock (a daemon starting meanwhile keeps its files).
+  auto removed = os::RemoveIfUnlocked(d.lock_path, {d.socket_path});
+  if (!removed.ok()) {
+    Status s = removed.status();
+    return s.Context(d.spec.name + ": removing stale socket " + d.socket_path);
   }
   return Status::Ok();
 }

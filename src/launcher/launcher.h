@@ -16,9 +16,10 @@
 //    takes the lock); both are seams so the lifecycle is testable with plain processes standing in
 //    for daemons.
 //  * A stale socket (one whose lock is not held) is removed before a daemon starts, when its
-//    path is known then, and after it stops; a socket with a held lock is never touched.
-//    Lock files are never unlinked (os/lock_file.h: that would race a new acquirer); only
-//    their lock state matters.
+//    path is known then, and after it stops, with its lock file, both only while we hold that
+//    lock (os::RemoveIfUnlocked); a socket with a held lock is never touched. The whole
+//    namespace's stale files are swept before the launch by its caller (`launch`,
+//    daemon/stale_files.h).
 //  * Not thread-safe: Run() drives everything on the calling thread.
 #pragma once
 

@@ -154,22 +154,8 @@ std::optional<PublishedPaths> LocatePublishedSocket(const std::string& runtime_d
   return std::nullopt;
 }
 
-Result<std::vector<std::string>> SweepStaleSockets(const std::string& runtime_dir,
-                                                   const std::string& namespace_name) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::vector<std::string> sockets,
-                               NamespaceSockets(runtime_dir, namespace_name));
-  std::vector<std::string> removed;
-  for (const std::string& socket : sockets) {
-    if (os::IsLockHeld(LockPathFor(socket))) continue;
-    if (::unlink(socket.c_str()) != 0 && errno != ENOENT) {
-      return IoError("removing stale socket " + socket, errno);
-    }
-    removed.push_back(socket);
-  }
-  return removed;
-}
-
-std::string LaunchSummaryJson(const LaunchReport& report, int exit_code) {
+std::string LaunchSummaryJson(const LaunchReport& report, int exit_code,
+                              const nlohmann::json& cleaned) {
   nlohmann::json j;
   j["status"] = report.status.ok() ? "ok" : std::string(StatusCodeName(report.status.code()));
   j["message"] = report.status.message();
@@ -201,6 +187,7 @@ std::string LaunchSummaryJson(const LaunchReport& report, int exit_code) {
     daemons.push_back(std::move(e));
   }
   j["daemons"] = std::move(daemons);
+  j["cleaned"] = cleaned;
   return j.dump(2);
 }
 

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -111,14 +112,11 @@ std::optional<PublishedPaths> LocatePublishedSocket(const std::string& runtime_d
 // The lock file of a socket: identity's rule, the one place path rules live.
 using identity::LockPathFor;
 
-// Removes every socket under <namespace_dir>/*/ whose lock is not held (stale:
-// docs/design.md "Lock and readiness"); a socket with a held lock, and every lock file, stays.
-// Returns the removed paths.
-Result<std::vector<std::string>> SweepStaleSockets(const std::string& runtime_dir,
-                                                   const std::string& namespace_name);
-
-// The --json summary: {"status": "ok"|<code name>, "message", "exit_code", "daemons": [{...}]}
-// with each daemon's ranks, device, socket, pid, state, bytes, seconds, log, restarts, exit.
-std::string LaunchSummaryJson(const LaunchReport& report, int exit_code);
+// The --json summary: {"status": "ok"|<code name>, "message", "exit_code", "daemons": [{...}],
+// "cleaned": [...]} with each daemon's ranks, device, socket, pid, state, bytes, seconds, log,
+// restarts, exit; `cleaned` is the stale files removed before the start (daemon/stale_files.h's
+// CleanedToJson; `launch` sweeps its namespace, `serve --detach` nothing).
+std::string LaunchSummaryJson(const LaunchReport& report, int exit_code,
+                              const nlohmann::json& cleaned = nlohmann::json::array());
 
 }  // namespace weightcache::launcher

@@ -51,15 +51,51 @@ Status RecordOwner(int fd, const std::string& path) {
   return Status::Ok();
 }
 
+// Whether `path` still names the inode open at `fd`: false once the holder of the lock
+// unlinked it (RemoveIfUnlocked) or replaced it, after we had opened it.
+Result<bool> StillNamed(int fd, const std::string& path) {
+  struct stat open_file {};
+  struct stat named {};
+  if (::fstat(fd, &open_file) != 0) return IoError("fstat lock file " + path, errno);
+  if (::lstat(path.c_str(), &named) != 0) {
+    if (errno == ENOENT) return false;
+    return IoError("lstat lock file " + path, errno);
+  }
+  return open_file.st_dev == named.st_dev && open_file.st_ino == named.st_ino;
+}
+
+UniqueFd OpenLockFile(const std::string& path) {
+  return UniqueFd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
+}
+
+// How often an acquirer reopens a lock file that was unlinked under it before it gives up: each
+// round means another process took and removed the lock meanwhile, which a stale-file sweep
+// does once per identity.
+constexpr int kReopenLimit = 100;
+
 }  // namespace
 
 Result<LockFile> LockFile::TryAcquire(const std::string& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
+  UniqueFd fd = OpenLockFile(path);
   if (!fd) return IoError("open lock file " + path, errno);
   const auto give_up_at = Clock::now() + kOwnerPidWait;
+  int reopened = 0;
   while (true) {
     WEIGHTCACHE_ASSIGN_OR_RETURN(bool taken, TrySetLock(fd.get(), path));
-    if (taken) break;
+    if (taken) {
+      WEIGHTCACHE_ASSIGN_OR_RETURN(bool named, StillNamed(fd.get(), path));
+      if (named) break;
+      // Locked an inode its former holder had unlinked (RemoveIfUnlocked): not the lock of
+      // `path` any more. Open the file that `path` names now (creating it) and try again.
+      if (++reopened > kReopenLimit) {
+        return IoError("lock file " + path + " was removed under us " +
+                           std::to_string(kReopenLimit) + " times in a row",
+                       ESTALE);
+      }
+      fd = OpenLockFile(path);
+      if (!fd) return IoError("open lock file " + path, errno);
+      continue;
+    }
     // Held by another open file description. Its owner records its pid right after taking
     // the lock; until then the file is empty or names a former owner that is gone.
     std::optional<pid_t> owner = ReadLockOwner(path);
@@ -104,6 +140,47 @@ bool IsLockHeld(const std::string& path) {
     if (errno != EINTR) return false;
   }
   return lock.l_type != F_UNLCK;
+}
+
+Result<RemovedUnderLock> RemoveIfUnlocked(const std::string& lock_path,
+                                          const std::vector<std::string>& guarded) {
+  RemovedUnderLock result;
+  for (int attempt = 0;; ++attempt) {
+    struct stat st {};
+    const bool existed = ::lstat(lock_path.c_str(), &st) == 0;  // else we create it here
+    UniqueFd fd = OpenLockFile(lock_path);
+    // No such directory (a cache that never started): nothing of it can be there.
+    if (!fd && errno == ENOENT) return result;
+    if (!fd) return IoError("open lock file " + lock_path, errno);
+    WEIGHTCACHE_ASSIGN_OR_RETURN(bool taken, TrySetLock(fd.get(), lock_path));
+    if (!taken) {
+      result.held = true;
+      return result;
+    }
+    WEIGHTCACHE_ASSIGN_OR_RETURN(bool named, StillNamed(fd.get(), lock_path));
+    if (!named) {
+      // Another remover unlinked it between our open and our lock: look again.
+      if (attempt >= kReopenLimit) {
+        return IoError("lock file " + lock_path + " keeps being removed", ESTALE);
+      }
+      continue;
+    }
+    // Ours now. A daemon that opened this file meanwhile waits for a recorded pid: leave none.
+    if (::ftruncate(fd.get(), 0) != 0) return IoError("truncate lock file " + lock_path, errno);
+    for (const std::string& path : guarded) {
+      if (::unlink(path.c_str()) == 0) {
+        result.removed.push_back(path);
+      } else if (errno != ENOENT) {
+        return IoError("removing " + path + " (its lock " + lock_path + " is ours)", errno);
+      }
+    }
+    // The lock file last, still holding it (TryAcquire's StillNamed makes that safe).
+    if (::unlink(lock_path.c_str()) != 0 && errno != ENOENT) {
+      return IoError("removing lock file " + lock_path, errno);
+    }
+    if (existed) result.removed.push_back(lock_path);
+    return result;  // closing fd releases the lock on the unlinked inode
+  }
 }
 
 std::optional<pid_t> ReadLockOwner(const std::string& path) {

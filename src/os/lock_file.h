@@ -19,8 +19,12 @@
 //    pid in time does the message say "another process".
 //  * The lock lives exactly as long as the LockFile (the kernel drops it when the last fd of
 //    the open file description closes, also when the process dies: there is no stale lock).
-//  * The file itself is never unlinked: unlinking a lock file races with a new acquirer that
-//    opened the old inode. Only the lock state matters, never the file's existence.
+//  * A lock file is unlinked only by the holder of its lock (RemoveIfUnlocked: the stale files
+//    of a dead daemon, and then its lock file). An acquirer may have opened the inode just
+//    before the unlink and take the lock on it once it is released: TryAcquire therefore checks,
+//    after taking the lock, that `path` still names the inode it locked (same device and
+//    inode), and otherwise opens `path` again and retries. So two processes never hold "the"
+//    lock of one path through two inodes.
 //  * IsLockHeld reports "held" for a lock held through any other open file description,
 //    this process's own LockFiles included (OFD locks conflict between descriptions).
 //  * Move-only. Thread-safe: no shared state.
@@ -31,6 +35,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/unique_fd.h"
 #include "weightcache/status.h"
@@ -68,5 +73,22 @@ bool IsLockHeld(const std::string& path);
 
 // The pid recorded in a lock file, if it parses as one.
 std::optional<pid_t> ReadLockOwner(const std::string& path);
+
+// What RemoveIfUnlocked did.
+struct RemovedUnderLock {
+  bool held = false;  // another open file description holds the lock: nothing removed
+  std::vector<std::string> removed;  // those of `guarded` that existed, then `lock_path` if it did
+};
+
+// The only way a lock file and the files it guards (a dead daemon's socket, a dead keeper's
+// socket) are removed: takes the lock at `lock_path` without waiting (creating the file when
+// it is absent, so that nobody can take it meanwhile), and only while holding it unlinks each
+// of `guarded` (ENOENT is not an error), then `lock_path` itself, then releases the lock. A
+// lock held by anyone else (a live daemon, or a daemon starting right now) removes nothing:
+// `held`. A lock whose directory does not exist guards nothing: nothing is removed or created.
+// No pid is recorded: the file is emptied, so a daemon that waits for this lock
+// meanwhile waits for an owner's pid (kOwnerPidWait) and then retries on a new file.
+Result<RemovedUnderLock> RemoveIfUnlocked(const std::string& lock_path,
+                                          const std::vector<std::string>& guarded);
 
 }  // namespace weightcache::os

@@ -9,7 +9,10 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <string>
 #include <thread>
+
+#include "os/regular_file.h"
 
 namespace weightcache::os {
 namespace {
@@ -52,7 +55,11 @@ Result<UniqueFd> ListenUnix(const std::string& path, mode_t mode, Blocking block
 
   struct stat st {};
   if (::lstat(path.c_str(), &st) == 0 && !S_ISSOCK(st.st_mode)) {
-    return InvalidArgument("refusing to replace " + path + ": it exists and is not a socket");
+    // A runtime condition (exit 1), not a usage error: the flags were fine, the path is taken.
+    return Status(StatusCode::kIo, path + " exists and is not a socket (a " +
+                                       std::string(FileTypeName(st.st_mode)) +
+                                       "); refusing to replace it: remove it, or choose another "
+                                       "socket path");
   }
 
   std::string temp = TemporaryName(path);

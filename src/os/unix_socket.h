@@ -8,7 +8,8 @@
 //    A client therefore never sees the final name with a wider mode or without a listener.
 //    rename(2) replaces a stale socket left by a dead daemon; the caller must hold the
 //    identity lock (LockFile) first, so the replaced socket cannot belong to a live daemon.
-//    ListenUnix refuses to replace anything that is not a socket. The socket file outlives
+//    ListenUnix refuses to replace anything that is not a socket (kIo, a runtime condition,
+//    naming the path and what is there). The socket file outlives
 //    the fd: the caller unlinks `path` on clean shutdown (a crash leaves it stale, which the
 //    lock makes detectable).
 //  * Paths longer than kMaxUnixPathLength are rejected before any syscall, naming the path

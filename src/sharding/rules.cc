@@ -351,9 +351,18 @@ Result<RuleSet> ParseRuleSet(std::string_view json_text, RuleSource source,
 }
 
 Result<RuleSet> LoadRuleSetFile(const std::string& path) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(
-      std::string text, os::ReadSmallFile(path, kMaxRulesFileBytes, StatusCode::kInvalidArgument));
-  return ParseRuleSet(text, RuleSource::kFile, path);
+  Result<std::string> text =
+      os::ReadSmallFile(path, kMaxRulesFileBytes, StatusCode::kInvalidArgument);
+  if (!text.ok() && text.status().code() != StatusCode::kInvalidArgument) {
+    std::string known;
+    for (std::string_view n : BuiltinRuleSetNames()) {
+      known += (known.empty() ? "" : ", ") + std::string(n);
+    }
+    return InvalidArgument("--shard-rules " + path + ": not a built-in rule set (" + known +
+                           ") and not a readable rules file: " + text.status().message());
+  }
+  if (!text.ok()) return text.status();
+  return ParseRuleSet(*text, RuleSource::kFile, path);
 }
 
 std::vector<std::string_view> BuiltinRuleSetNames() {

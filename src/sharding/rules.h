@@ -80,7 +80,9 @@ inline constexpr uint64_t kMaxRulesFileBytes = 1 << 20;
 Result<RuleSet> ParseRuleSet(std::string_view json_text, RuleSource source,
                              const std::string& origin);
 
-// Reads and parses a rules file (bounded by kMaxRulesFileBytes).
+// Reads and parses a rules file (bounded by kMaxRulesFileBytes). The file is one the user
+// named (--shard-rules): a missing or unreadable one is kInvalidArgument like a malformed one
+// (a usage error, exit 2), naming the path and the built-in sets it is not either.
 Result<RuleSet> LoadRuleSetFile(const std::string& path);
 
 // The names of the built-in sets, in listing order.
@@ -92,7 +94,8 @@ Result<RuleSet> BuiltinRuleSet(std::string_view name);
 
 // The rule set for a checkpoint: `spec` (a built-in name, else a rules file path) when not
 // empty, otherwise the built-in set for config.json's model_type. kInvalidArgument when
-// `spec` is empty and model_type is empty or has no built-in set ("give --shard-rules").
+// `spec` is empty and model_type is empty or has no built-in set ("give --shard-rules"), and
+// for a `spec` that is neither a built-in name nor a readable rules file.
 Result<RuleSet> SelectRuleSet(const std::string& spec, const std::string& model_type);
 
 }  // namespace weightcache::sharding

@@ -91,6 +91,55 @@ TEST_F(CliTest, LsJsonListsLiveAndStaleCachesWithStateAndPid) {
   EXPECT_NE(human.out.find(std::to_string(live->pid())), std::string::npos) << human.out;
 }
 
+// Issue 39 §11: `ls` and `status` size their columns to their content; a model id longer than the
+// old fixed width (24) ran into RANKS.
+TEST_F(CliTest, LsSizesEveryColumnToItsContent) {
+  const std::string model_id = "meta-llama/Meta-Llama-3-70B-Instruct";
+  auto serve = ServeProcess::Start(
+      {"--model", model_, "--model-id", model_id, "--tier", "host", "--runtime-dir", runtime_},
+      dir_.Join("serve-long.log"));
+  ASSERT_NE(serve, nullptr);
+  WaitReady(*serve, "default");
+  const CommandResult ls = Cli({"ls", "--runtime-dir", runtime_});
+  ASSERT_EQ(ls.exit_code, 0) << ls.err;
+  const size_t eol = ls.out.find('\n');
+  ASSERT_NE(eol, std::string::npos) << ls.out;
+  const std::string header = ls.out.substr(0, eol);
+  const std::string row = ls.out.substr(eol + 1, ls.out.find('\n', eol + 1) - eol - 1);
+  const auto cell = [&](const std::string& column) {
+    const size_t at = header.find(column);
+    EXPECT_NE(at, std::string::npos) << header;
+    if (at == std::string::npos || at == 0 || at > row.size()) return std::string();
+    EXPECT_EQ(row[at - 1], ' ') << "the cell before " << column << " runs into it:\n" << ls.out;
+    return row.substr(at, row.find("  ", at) - at);
+  };
+  EXPECT_EQ(cell("MODEL"), model_id);
+  EXPECT_EQ(cell("RANKS"), "tp0/1 pp0/1 ep0/1 dp1");
+  EXPECT_EQ(cell("TIER"), "host");
+  EXPECT_EQ(cell("STATE"), "ready");
+  EXPECT_EQ(cell("PID"), std::to_string(serve->pid()));
+
+  // `status`, the same: its table under the device's line, indented by two.
+  const CommandResult st = Cli({"status", "--runtime-dir", runtime_});
+  ASSERT_EQ(st.exit_code, 0) << st.err;
+  const size_t head = st.out.find("  MODEL");
+  ASSERT_NE(head, std::string::npos) << st.out;
+  const size_t head_end = st.out.find('\n', head);
+  const std::string st_header = st.out.substr(head, head_end - head);
+  const std::string st_row =
+      st.out.substr(head_end + 1, st.out.find('\n', head_end + 1) - head_end - 1);
+  const auto st_cell = [&](const std::string& column) {
+    const size_t at = st_header.find(column);
+    EXPECT_NE(at, std::string::npos) << st_header;
+    if (at == std::string::npos || at == 0 || at > st_row.size()) return std::string();
+    EXPECT_EQ(st_row[at - 1], ' ') << "the cell before " << column << " runs into it:\n" << st.out;
+    return st_row.substr(at, st_row.find("  ", at) - at);
+  };
+  EXPECT_EQ(st_cell("MODEL"), model_id);
+  EXPECT_EQ(st_cell("STATE"), "host");
+  EXPECT_EQ(st_cell("PID"), std::to_string(serve->pid()));
+}
+
 TEST_F(CliTest, StopByIdentityStopsTheDaemonAndWaitsForItsExit) {
   auto serve = Serve("default");
   const std::string socket = WaitReady(*serve, "default");

@@ -27,12 +27,12 @@ class FleetRegistryTest : public ::testing::Test {
     runtime_ = dir_.Join("run");
   }
 
-  std::unique_ptr<ServeProcess> Serve() {
+  std::unique_ptr<ServeProcess> Serve(const std::string& node = "node-a") {
     auto p = ServeProcess::Start(
         HostServeArgs(
             model_, runtime_,
-            {"--no-keeper", "--registry", etcd_->url(), "--registry-ttl", "2", "--node-name",
-             "node-a", "--advertise", "127.0.0.1:7000", "--registry-timeout", "1"}),
+            {"--no-keeper", "--registry", etcd_->url(), "--registry-ttl", "2", "--node-name", node,
+             "--advertise", "127.0.0.1:7000", "--registry-timeout", "1"}),
         dir_.Join("serve.log"));
     EXPECT_NE(p, nullptr);
     return p;
@@ -101,6 +101,35 @@ TEST_F(FleetRegistryTest, AReadyCacheIsListedWithItsFieldsAndStopWithdrawsIt) {
   ASSERT_EQ(stop.exit_code, 0) << stop.err;
   ASSERT_EQ(serve->WaitExit(30s), 0) << serve->Log();
   EXPECT_TRUE(Entries().empty()) << "the entry outlived `stop`";  // at once: no poll
+}
+
+// Issue 39 §11: the table's columns are as wide as their content. RANKS ("tp0/1 pp0/1 ep0/1",
+// 17 characters) and a long node name used to run into the next column.
+TEST_F(FleetRegistryTest, TheTableSizesEveryColumnToItsContent) {
+  const std::string node = "a-node-name-longer-than-twenty-characters";
+  auto serve = Serve(node);
+  ASSERT_TRUE(WaitForState(*serve, runtime_, CacheState::kReady).ok()) << serve->Log();
+  ASSERT_TRUE(WaitEntries(OneReady)) << serve->Log();
+  const CommandResult table = Cli({"fleet", "ls", "--registry", etcd_->url()});
+  ASSERT_EQ(table.exit_code, 0) << table.err;
+  const size_t eol = table.out.find('\n');
+  ASSERT_NE(eol, std::string::npos) << table.out;
+  const std::string header = table.out.substr(0, eol);
+  const std::string row = table.out.substr(eol + 1, table.out.find('\n', eol + 1) - eol - 1);
+  const auto cell = [&](const std::string& column) {
+    const size_t at = header.find(column);
+    EXPECT_NE(at, std::string::npos) << header;
+    if (at == std::string::npos || at > row.size()) return std::string();
+    EXPECT_EQ(row[at - 1], ' ') << "the cell before " << column << " runs into it:\n" << table.out;
+    return row.substr(at, row.find("  ", at) - at);
+  };
+  EXPECT_EQ(cell("NODE"), node);
+  EXPECT_EQ(cell("STATE"), "ready");
+  EXPECT_EQ(cell("TIER"), "host");
+  EXPECT_EQ(cell("RANKS"), "tp0/1 pp0/1 ep0/1");
+  EXPECT_EQ(cell("ENDPOINT"), "127.0.0.1:7000");
+  EXPECT_EQ(cell("PID"), std::to_string(serve->pid()));
+  EXPECT_EQ(cell("MODEL"), "tiny");
 }
 
 TEST_F(FleetRegistryTest, AKilledDaemonsEntryExpiresWithItsLease) {

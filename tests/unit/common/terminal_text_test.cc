@@ -25,5 +25,20 @@ TEST(EscapeForTerminalTest, C1ControlsAndMalformedUtf8AreEscapedBytewise) {
   EXPECT_EQ(EscapeForTerminal("\xed\xa0\x80"), "\\xed\\xa0\\x80");  // a surrogate
 }
 
+// `fleet ls` (issue 39 §11): a 17-character RANKS cell under a 5-character header must not run
+// into the next column; every column is as wide as its widest cell, two spaces apart.
+TEST(FormatTableTest, ColumnsAreSizedToTheirWidestCell) {
+  EXPECT_EQ(FormatTable({{"RANKS", "ENDPOINT", "PID"},
+                         {"tp0/1 pp0/1 ep0/1", "127.0.0.1:7000", "42"},
+                         {"tp1/2", "-", "7"}}),
+            "RANKS              ENDPOINT        PID\n"
+            "tp0/1 pp0/1 ep0/1  127.0.0.1:7000  42\n"
+            "tp1/2              -               7\n");
+  // Widths count code points, not bytes: a UTF-8 name aligns like an ASCII one.
+  EXPECT_EQ(FormatTable({{"MODEL", "X"}, {"\xe6\xa8\xa1\xe5\x9e\x8b", "1"}}),
+            "MODEL  X\n"
+            "\xe6\xa8\xa1\xe5\x9e\x8b     1\n");
+}
+
 }  // namespace
 }  // namespace weightcache

@@ -241,13 +241,14 @@ TEST(BudgetLedger, ACorruptLedgerIsAnErrorNamingTheFileAndIsLeftAsItWas) {
     WriteFile(ledger.path(), c.text);
     auto read = ledger.Read();
     ASSERT_FALSE(read.ok());
-    EXPECT_EQ(read.status().code(), StatusCode::kInvalidArgument);
+    // kIo: damaged state on disk is a runtime condition (exit 1), not usage (issue 39 §10).
+    EXPECT_EQ(read.status().code(), StatusCode::kIo);
     const std::string message = read.status().message();
     EXPECT_NE(message.find("budget ledger " + ledger.path() + " is corrupt"), std::string::npos)
         << message;
     EXPECT_NE(message.find(c.why), std::string::npos) << message;
     EXPECT_NE(message.find("remove it"), std::string::npos) << message;
-    EXPECT_EQ(ledger.Put(Entry(dir.Join("b.sock"), 1, 1)).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(ledger.Put(Entry(dir.Join("b.sock"), 1, 1)).code(), StatusCode::kIo);
     EXPECT_EQ(ReadFile(ledger.path()), c.text);  // never silently reset
   }
 }

@@ -435,5 +435,42 @@ TEST(ListSocketsTest, ListAllWalksNamespacesAndDeviceKeys) {
   EXPECT_THAT(*ListDeviceKeys(tmp.Join("default")), ElementsAre(TestUuid(1), "host"));
 }
 
+// The stale-file sweep's walk (daemon/stale_files.h): every cache with any file of its own in the
+// dir — socket, lock, keeper socket or keeper lock — as its cache socket, found by the path rules.
+TEST(ListSocketsTest, ListCacheIdentitiesFindsACacheByAnyOfItsFiles) {
+  TempDir tmp;
+  CachePaths p = PathsUnder(tmp.path());
+  ASSERT_TRUE(EnsureCacheDirs(p).ok());
+  const std::string d = p.device_dir + "/";
+  BindSocket(d + "aaaaaaaaaaaaaaaa.sock");
+  WriteFile(d + "aaaaaaaaaaaaaaaa.lock", "");
+  BindSocket(d + "bbbbbbbbbbbbbbbb.keeper.sock");          // a keeper's socket only
+  WriteFile(d + "cccccccccccccccc.keeper.lock", "");       // a keeper's lock only
+  WriteFile(d + "dddddddddddddddd.lock", "");              // a cleanly stopped daemon's
+  WriteFile(d + "eeeeeeeeeeeeeeee.sock", "not a socket");  // not a socket, no lock: none
+  WriteFile(BudgetLedgerPath(p.device_dir), "{}");         // the device's, no cache's
+  WriteFile(BudgetLedgerLockPath(p.device_dir), "");
+  WriteFile(BudgetConfigPath(p.device_dir), "");
+  Result<std::vector<std::string>> caches = ListCacheIdentities(p.device_dir);
+  ASSERT_TRUE(caches.ok()) << caches.status().ToString();
+  EXPECT_THAT(*caches, ElementsAre(d + "aaaaaaaaaaaaaaaa.sock", d + "bbbbbbbbbbbbbbbb.sock",
+                                   d + "cccccccccccccccc.sock", d + "dddddddddddddddd.sock"));
+  for (const std::string& socket : *caches) {
+    // Each found file is one the rules give back from the socket.
+    const bool ours = std::filesystem::exists(LockPathFor(socket)) ||
+                      std::filesystem::exists(socket) ||
+                      std::filesystem::exists(KeeperSocketFor(socket)) ||
+                      std::filesystem::exists(LockPathFor(KeeperSocketFor(socket)));
+    EXPECT_TRUE(ours) << socket;
+  }
+  Result<std::vector<DeviceDirEntry>> dirs = ListAllDeviceDirs(tmp.path());
+  ASSERT_TRUE(dirs.ok()) << dirs.status().ToString();
+  ASSERT_EQ(dirs->size(), 1u);
+  EXPECT_EQ((*dirs)[0].namespace_name, p.namespace_name);
+  EXPECT_EQ((*dirs)[0].device_key, p.device_key);
+  EXPECT_EQ((*dirs)[0].path, p.device_dir);
+  EXPECT_TRUE(ListCacheIdentities(tmp.Join("nope"))->empty());
+}
+
 }  // namespace
 }  // namespace weightcache::identity

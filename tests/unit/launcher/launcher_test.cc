@@ -222,9 +222,9 @@ TEST_F(LauncherTest, AStaleSocketIsRemovedBeforeStartWhenItsLockIsFree) {
   WriteFile(dir_.Join("tp0-pp0.sock"), "ready 1 1");
   WriteFile(dir_.Join("tp0-pp0.lock"), "");
   // The daemon refuses to start over a leftover socket: it only gets going if it was removed.
-  // The lock file stays: lock files are never unlinked, only their flock matters.
+  // Its lock file goes too, removed while the launcher held that lock (os::RemoveIfUnlocked).
   Launcher l = Make(
-      {Daemon(0, std::string("[ -e $SOCK ] && exit 9; [ -e $LOCK ] || exit 8; ") + kReadySoon)},
+      {Daemon(0, std::string("[ -e $SOCK ] && exit 9; [ -e $LOCK ] && exit 8; ") + kReadySoon)},
       FastOptions());
   LaunchReport r = l.Run(-1);
   ASSERT_TRUE(r.status.ok()) << r.status.ToString();

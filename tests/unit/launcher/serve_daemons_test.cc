@@ -1,4 +1,5 @@
-// The real-daemon side of the launcher: lock-based socket discovery and the stale sweep, on
+// The real-daemon side of the launcher: lock-based socket discovery (the stale sweep is
+// daemon/stale_files.h's, tests/unit/daemon/stale_files_test.cc), on
 // real files, real sockets and real flocks. The daemons' command lines: launch_flags_test.cc.
 #include "launcher/serve_daemons.h"
 
@@ -20,11 +21,6 @@ using weightcache::testing::TempDir;
 using weightcache::testing::WriteFile;
 
 constexpr const char* kGpu0 = "GPU-1a2b3c4d-0000-4000-8000-000000000000";
-
-bool Exists(const std::string& path) {
-  struct stat st {};
-  return ::lstat(path.c_str(), &st) == 0;
-}
 
 TEST(LockPathForTest, SwapsTheSocketSuffix) {
   EXPECT_EQ(LockPathFor("/r/ns/GPU-x/0123456789abcdef.sock"), "/r/ns/GPU-x/0123456789abcdef.lock");
@@ -57,22 +53,6 @@ class NamespaceDirTest : public ::testing::Test {
   std::string dev_dir_;
   std::vector<UniqueFd> listeners_;
 };
-
-TEST_F(NamespaceDirTest, SweepRemovesOnlySocketsWhoseLockIsFree) {
-  std::optional<os::LockFile> held;
-  const std::string live = Publish("aaaaaaaaaaaaaaaa", &held);
-  const std::string stale = Publish("bbbbbbbbbbbbbbbb", nullptr);
-  auto removed = SweepStaleSockets(dir_.path(), "ns");
-  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
-  EXPECT_EQ(*removed, (std::vector<std::string>{stale}));
-  EXPECT_TRUE(Exists(live));
-  EXPECT_FALSE(Exists(stale));
-  EXPECT_TRUE(Exists(LockPathFor(stale))) << "lock files are never unlinked";
-  // Other namespaces are not ours to sweep.
-  auto other = SweepStaleSockets(dir_.path(), "other-ns");
-  ASSERT_TRUE(other.ok());
-  EXPECT_TRUE(other->empty());
-}
 
 TEST_F(NamespaceDirTest, LocateFindsTheSocketWhoseHeldLockNamesThePid) {
   std::optional<os::LockFile> held;

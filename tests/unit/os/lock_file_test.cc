@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <string>
+#include <thread>
 
 #include "support/test_env.h"
 
@@ -138,6 +139,82 @@ TEST(LockFileTest, LockDiesWithTheProcess) {
   ::close(ready[0]);
   ::close(ready[1]);
   EXPECT_FALSE(IsLockHeld(path));
+}
+
+bool Exists(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// The one way a lock file goes (a dead daemon's stale files, issue 39 §3): only while its lock
+// is ours; a held lock removes nothing.
+TEST(LockFileTest, RemoveIfUnlockedRemovesTheGuardedFilesAndTheLockOnlyWhileItHoldsIt) {
+  TempDir dir;
+  const std::string lock_path = dir.Join("a.lock");
+  const std::string socket = dir.Join("a.sock");
+  const std::string absent = dir.Join("a.keeper.sock");
+  {
+    auto held = LockFile::TryAcquire(lock_path);
+    ASSERT_TRUE(held.ok()) << held.status().ToString();
+    weightcache::testing::WriteFile(socket, "x");
+    auto refused = RemoveIfUnlocked(lock_path, {socket, absent});
+    ASSERT_TRUE(refused.ok()) << refused.status().ToString();
+    EXPECT_TRUE(refused->held);
+    EXPECT_TRUE(refused->removed.empty());
+    EXPECT_TRUE(Exists(socket));
+    EXPECT_TRUE(Exists(lock_path));
+    EXPECT_TRUE(IsLockHeld(lock_path));
+    EXPECT_EQ(ReadLockOwner(lock_path), ::getpid());  // untouched
+  }
+  auto removed = RemoveIfUnlocked(lock_path, {socket, absent});
+  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
+  EXPECT_FALSE(removed->held);
+  EXPECT_EQ(removed->removed, (std::vector<std::string>{socket, lock_path}));
+  EXPECT_FALSE(Exists(socket));
+  EXPECT_FALSE(Exists(lock_path));
+  // Nothing there: nothing removed, and no lock file left behind by the attempt.
+  auto again = RemoveIfUnlocked(lock_path, {socket});
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_FALSE(again->held);
+  EXPECT_TRUE(again->removed.empty());
+  EXPECT_FALSE(Exists(lock_path));
+  // A directory that does not exist yet (a daemon about to create it) holds nothing to remove.
+  auto nowhere = RemoveIfUnlocked(dir.Join("absent/a.lock"), {dir.Join("absent/a.sock")});
+  ASSERT_TRUE(nowhere.ok()) << nowhere.status().ToString();
+  EXPECT_FALSE(nowhere->held);
+  EXPECT_TRUE(nowhere->removed.empty());
+  EXPECT_FALSE(Exists(dir.Join("absent")));
+}
+
+// The race a removal must not lose: an acquirer opened the lock file, the remover (holding the
+// lock, no pid recorded) unlinked it and let go, and the acquirer then takes the lock on the
+// unlinked inode. It must notice and lock the file that the path names now; otherwise a second
+// acquirer would create a new file and two daemons would hold "the" lock of one identity.
+TEST(LockFileTest, AnAcquirerWhoseLockFileIsRemovedUnderItLocksTheFileThePathNamesNow) {
+  TempDir dir;
+  const std::string path = dir.Join("r.lock");
+  UniqueFd remover(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  ASSERT_TRUE(remover);
+  struct flock fl {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  ASSERT_EQ(::fcntl(remover.get(), F_OFD_SETLK, &fl), 0) << errno;
+  std::optional<Result<LockFile>> acquired;
+  std::thread acquirer([&] { acquired.emplace(LockFile::TryAcquire(path)); });
+  // The acquirer has opened the file and waits for an owner's pid (there is none).
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  remover.Reset();
+  acquirer.join();
+  ASSERT_TRUE(acquired.has_value());
+  ASSERT_TRUE(acquired->ok()) << acquired->status().ToString();
+  struct stat named {};
+  struct stat locked {};
+  ASSERT_EQ(::lstat(path.c_str(), &named), 0) << "the lock was taken on an unlinked file";
+  ASSERT_EQ(::fstat((*acquired)->fd(), &locked), 0);
+  EXPECT_EQ(named.st_ino, locked.st_ino);
+  EXPECT_TRUE(IsLockHeld(path));
+  EXPECT_EQ(ReadLockOwner(path), ::getpid());
 }
 
 }  // namespace

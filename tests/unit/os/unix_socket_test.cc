@@ -84,8 +84,12 @@ TEST(UnixSocketTest, RefusesToReplaceANonSocket) {
   weightcache::testing::WriteFile(path, "keep me");
   auto r = ListenUnix(path);
   ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(r.status().message().find("is not a socket"), std::string::npos);
+  // A runtime condition (exit 1, issue 39 §10), not a usage error (exit 2).
+  EXPECT_EQ(r.status().code(), StatusCode::kIo);
+  EXPECT_EQ(r.status().message(),
+            path +
+                " exists and is not a socket (a regular file); refusing to replace it: remove "
+                "it, or choose another socket path");
   EXPECT_EQ(weightcache::testing::ReadFile(path), "keep me");
 }
 
