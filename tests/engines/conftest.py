@@ -52,13 +52,15 @@ class Host:
 
     def start(self, engine: str, model: str, load_format: str, *, dtype: str = "bfloat16",
               extra: Optional[Dict[str, Any]] = None, expect_ok: bool = True,
-              timeout: float = ENGINE_TIMEOUT_S) -> Tuple[Optional[Dict[str, Any]], str]:
-        """(the RESULT of one engine start or None, its whole output)."""
+              timeout: float = ENGINE_TIMEOUT_S, env: Optional[Dict[str, str]] = None
+              ) -> Tuple[Optional[Dict[str, Any]], str]:
+        """(the RESULT of one engine start or None, its whole output); env: added to the
+        engine's environment."""
         argv = [sys.executable, str(HERE / "run_engine.py"), "--engine", engine, "--model",
                 model, "--load-format", load_format, "--dtype", dtype]
         if extra:
             argv += ["--extra", json.dumps(extra)]
-        done = subprocess.run(argv, env=self.env, stdin=subprocess.DEVNULL,
+        done = subprocess.run(argv, env=dict(self.env, **(env or {})), stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, timeout=timeout, check=False)
         log = done.stdout + done.stderr
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]

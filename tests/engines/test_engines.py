@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from conftest import daemon_pids, kill9, outcome
+from conftest import cli, daemon_pids, kill9, outcome
 
 ENGINES = ["vllm", "sglang"]
 
@@ -106,6 +106,39 @@ def test_another_dtype_is_a_mismatch_naming_dtype_never_the_other_dtypes_tensors
     assert dtypes == ["bfloat16", "float32"], host.caches()
     disk32, _ = host.start(engine, models["llama"], "safetensors", dtype="float32")
     same_generation(f32, disk32, exact=engine != "sglang")
+
+
+def test_a_start_killed_before_its_publish_leaves_a_daemon_the_next_start_publishes_to(
+        host, models, tmp_path):
+    # The fault: the engine's `weightcache serve --detach` (the real CLI) returns with its
+    # daemon awaiting the publish, and the engine process that ran it is killed right there.
+    then_kill = tmp_path / "weightcache-then-kill-9"
+    then_kill.write_text(f"""#!/bin/sh
+"{cli()}" "$@"
+rc=$?
+if [ "$1" = serve ]; then kill -9 $PPID; fi
+exit $rc
+""")
+    then_kill.chmod(0o755)
+    killed, log = host.start("vllm", models["llama"], "weightcache", expect_ok=False,
+                             env={"WEIGHTCACHE_CLI": str(then_kill)})
+    assert killed is None, log[-3000:]
+    (cache,) = host.caches()
+    assert cache["state"] == "awaiting", cache
+
+    # The next start waits for the publish, loads from disk and is the next publisher.
+    again, log = host.start("vllm", models["llama"], "weightcache", extra={"wait_timeout": 2})
+    (line,) = outcome(log, "vllm")
+    assert line.startswith("awaiting: ") and "still awaiting its publisher after 2000 ms" in line, \
+        line
+    assert "; loaded from disk; published " in line, line
+    (cache,) = host.caches()
+    assert cache["state"] == "ready", cache
+
+    hit, log = host.start("vllm", models["llama"], "weightcache")
+    (line,) = outcome(log, "vllm")
+    assert line.startswith("hit: "), line
+    same_generation(hit, again)
 
 
 def test_strict_mismatch_stops_the_engine_with_the_fields(host, models):

@@ -210,7 +210,7 @@ class EngineIdentity:
 class Outcome:
     """What a plugin's load did, for its one log line."""
 
-    path: str  # "hit" | "miss" | "mismatch" | "unusable"
+    path: str  # "hit" | "miss" | "awaiting" | "timeout" | "mismatch" | "unusable"
     seconds: float
     detail: str = ""
 
@@ -271,18 +271,23 @@ def publish_module(module: Any, identity: EngineIdentity, *, extra: Mapping[str,
         **identity.identity_keywords())
 
 
+# The client's reason for a wait that ended on a daemon awaiting its publisher (docs/client.md).
+AWAITING = "still awaiting its publisher"
+
+
 @dataclasses.dataclass
 class Miss:
     """Why attach_tensors found nothing to attach."""
 
-    kind: str  # "miss" (no daemon, a stale one), "timeout" (loading, awaiting or hung past
-    #            the wait), "mismatch" (on_mismatch="fallback")
+    kind: str  # "miss" (no daemon, a stale one), "awaiting" (awaiting its publisher past the
+    #            wait), "timeout" (loading or hung past the wait), "mismatch"
+    #            (on_mismatch="fallback")
     reason: str
 
     @property
     def may_publish(self) -> bool:
-        # A daemon that holds the identity's lock but did not answer (hung, or another start
-        # publishing right now) is not published to: the publish would wait on it too.
+        # A daemon that is loading, or holds the identity's lock but did not answer (hung), is
+        # not published to: the publish would wait on it too.
         return self.kind != "timeout"
 
 
@@ -342,7 +347,10 @@ def attach_tensors(identity: EngineIdentity, *, wait_timeout: float,
     except NoDaemonError as e:
         return None, Miss("miss", str(e))
     except DaemonTimeoutError as e:
-        return None, Miss("timeout", str(e))
+        # Awaiting its publisher all the wait long: the start that spawned it died before
+        # its publish was committed (the daemon takes the next publisher), or is still
+        # publishing (the daemon refuses a second publisher: this engine serves on).
+        return None, Miss("awaiting" if AWAITING in str(e) else "timeout", str(e))
     except MismatchError as e:
         if on_mismatch == "fallback":
             return None, Miss("mismatch", str(e))
