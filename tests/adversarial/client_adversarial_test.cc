@@ -34,6 +34,7 @@
 
 #include "client/attachment_impl.h"
 #include "client/discovery.h"
+#include "common/test_hooks.h"
 #include "integration/daemon_process.h"
 #include "os/memfd.h"
 #include "protocol/manifest.h"
@@ -476,6 +477,10 @@ class KilledDuringAttachTest : public ClientAdversarialTest {
   std::optional<TestChild> Start(protocol::CacheState state, bool hold_loading) {
     std::vector<std::string> env;
     if (hold_loading) {
+      if (!TestHooksBuilt()) {
+        ADD_FAILURE() << "needs the test hooks (WEIGHTCACHE_TEST_HOOKS=ON)";
+        return std::nullopt;
+      }
       const std::string fifo = dir_.Join("loaded" + std::to_string(serves_) + ".fifo");
       EXPECT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << fifo;
       env.push_back("WEIGHTCACHE_TEST_LOADED_FIFO=" + fifo);
@@ -552,12 +557,14 @@ TEST_F(KilledDuringAttachTest, KilledWithTheHelloUnread) {
 }
 
 TEST_F(KilledDuringAttachTest, KilledBeforeALoadingDaemonsStatusPollIsSent) {
+  if (!TestHooksBuilt()) GTEST_SKIP() << "needs the test hooks (WEIGHTCACHE_TEST_HOOKS=ON)";
   auto daemon = Start(protocol::CacheState::kLoading, /*hold_loading=*/true);
   ASSERT_TRUE(daemon.has_value());
   ExpectFallbackWhenKilled(*daemon, /*nth_send=*/2, /*stop_first=*/false);
 }
 
 TEST_F(KilledDuringAttachTest, KilledWithALoadingDaemonsStatusPollUnread) {
+  if (!TestHooksBuilt()) GTEST_SKIP() << "needs the test hooks (WEIGHTCACHE_TEST_HOOKS=ON)";
   auto daemon = Start(protocol::CacheState::kLoading, /*hold_loading=*/true);
   ASSERT_TRUE(daemon.has_value());
   ExpectFallbackWhenKilled(*daemon, /*nth_send=*/2, /*stop_first=*/true);
