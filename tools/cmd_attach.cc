@@ -137,7 +137,8 @@ void RegisterAttachCommand(CLI::App& root) {
   AddIdentityFlags(sub, &args->options.identity, IdentityScope::kOneCache);
   sub->add_option(
          "--on-missing", args->on_missing,
-         "no daemon for this identity: load from disk (fallback, logged) or exit 3 (error)")
+         "no daemon for this identity (none, a stale socket, or one that went away during the "
+         "attach): load from disk (fallback, logged) or exit 3 (error)")
       ->check(CLI::IsMember({"fallback", "error"}));
   sub->add_option("--on-mismatch", args->on_mismatch,
                   "a daemon holds a different config: exit 4 naming each field (error) or load "

@@ -159,8 +159,9 @@ void RegisterShardPlanCommand(CLI::App& root) {
   sub->add_option("--model", args->model,
                   "checkpoint directory (with config.json) or .safetensors file");
   sub->add_option("--shard-rules", args->rules,
-                  "a built-in rule set name (see --list-rules) or a rules JSON file; default: "
-                  "config.json's model_type");
+                  "a built-in rule set name (see --list-rules; `replicate`: every tensor "
+                  "whole on every rank) or a rules JSON file; default: config.json's "
+                  "model_type");
   sub->add_option("--tp-size", args->ranks.tp_size, "tensor-parallel size")->default_val(1);
   sub->add_option("--tp-rank", args->ranks.tp_rank, "tensor-parallel rank")->default_val(0);
   sub->add_option("--pp-size", args->ranks.pp_size, "pipeline-parallel size")->default_val(1);

@@ -52,7 +52,8 @@ const IdentityFlag kIdentityFlags[] = {
      "this process's expert-parallel rank"},
     {"--shard-rules", nullptr, false, &IdentityOptions::shard_rules, Check::kNone,
      "sharding rules: a built-in set's name or a rules file (default: config.json's "
-     "model_type; see shard-plan --list-rules)"},
+     "model_type; `replicate` holds every tensor whole on every rank; see shard-plan "
+     "--list-rules)"},
     {"--layout-tag", nullptr, false, &IdentityOptions::layout_tag, Check::kNone,
      "arena layout tag"},
     {"--source", nullptr, false, &IdentityOptions::source, Check::kNone,

@@ -15,6 +15,7 @@
 
 #include "common/hash.h"
 #include "common/logging.h"
+#include "common/test_hooks.h"
 #include "daemon/served_device_memory.h"
 #include "flag_checks.h"
 #include "identity/device_inventory.h"
@@ -398,22 +399,20 @@ Result<std::vector<uint8_t>> ReadManifest(const daemon::ManifestFile& manifest) 
 //  * WEIGHTCACHE_TEST_FILL_PAUSE_FIFO=PATH on a filler: after its first stripe, it opens that
 //    FIFO and reads it to its end (the stripe is reported as the load's progress first), so a
 //    test can see the progress and kill the source mid-transfer, then let go.
-bool PoisonFillForTest() {
-  const char* poison = std::getenv("WEIGHTCACHE_TEST_FILL_POISON");
-  return poison != nullptr && std::string_view(poison) == "1";
-}
+// All three are compiled out of release builds (common/test_hooks.h).
+bool PoisonFillForTest() { return TestHookValue(TestHook::kFillPoison) == "1"; }
 
 void ApplyFillTestHooks(fleet::FetchOptions* fetch) {
-  if (const char* stripe = std::getenv("WEIGHTCACHE_TEST_FILL_STRIPE_BYTES"); stripe != nullptr) {
-    const uint64_t bytes = std::strtoull(stripe, nullptr, 10);
+  if (const std::optional<std::string> stripe = TestHookValue(TestHook::kFillStripeBytes)) {
+    const uint64_t bytes = std::strtoull(stripe->c_str(), nullptr, 10);
     if (bytes > 0) {
       fetch->stripe_bytes = bytes;
       fetch->max_in_flight_per_source = 1;
     }
   }
-  const char* fifo = std::getenv("WEIGHTCACHE_TEST_FILL_PAUSE_FIFO");
-  if (fifo == nullptr || *fifo == '\0') return;
-  fetch->progress = [path = std::string(fifo), paused = false, report = std::move(fetch->progress)](
+  std::optional<std::string> fifo = TestHookValue(TestHook::kFillPauseFifo);
+  if (!fifo) return;
+  fetch->progress = [path = std::move(*fifo), paused = false, report = std::move(fetch->progress)](
                         uint64_t done, uint64_t total) mutable {
     if (report) report(done, total);
     if (paused) return;
@@ -473,8 +472,8 @@ Result<ServeRegistration::FillSource> StartFillSource(
       source.poisoned.assign(first, first + options.regions[0].bytes);
       source.poisoned[0] ^= 0xff;
       options.regions[0].data = source.poisoned.data();
-      LOG_WARN << "fill source: WEIGHTCACHE_TEST_FILL_POISON: serving allocation 0 with its "
-                  "first byte flipped";
+      LOG_WARN << "fill source: " << TestHookName(TestHook::kFillPoison)
+               << ": serving allocation 0 with its first byte flipped";
     }
   }
   WEIGHTCACHE_ASSIGN_OR_RETURN(source.server, fleet::ArenaServer::Start(std::move(options)));

@@ -11,6 +11,7 @@
 #include "client/peer_caches.h"
 #include "client/peer_copy.h"
 #include "common/logging.h"
+#include "common/test_hooks.h"
 #include "identity/paths.h"
 #include "os/read_file.h"
 #include "weightcache/tier.h"
@@ -31,10 +32,11 @@ uint64_t TotalBytes(const daemon::PeerFillRequest& request) {
 // Test seam (tests/integration/seed_test.cc): with WEIGHTCACHE_TEST_SEED_PAUSE_FIFO naming a
 // FIFO, the seed, once it holds the peer's fds and before it copies, opens that FIFO and reads
 // it to its end. A test kills the peer there: the fds keep its memory, so the copy goes on.
+// Compiled out of release builds (common/test_hooks.h).
 void PauseBeforeCopyForTest() {
-  const char* fifo = std::getenv("WEIGHTCACHE_TEST_SEED_PAUSE_FIFO");
-  if (fifo == nullptr || *fifo == '\0') return;
-  os::WaitForFifoEof(fifo);
+  const std::optional<std::string> fifo = TestHookValue(TestHook::kSeedPauseFifo);
+  if (!fifo) return;
+  os::WaitForFifoEof(fifo->c_str());
 }
 
 // One peer: its attach, its manifest offered to accept(), its bytes copied. The description

@@ -9,15 +9,16 @@
 //    row by row.
 //  * Outcomes: source() == kDaemon (mapped from a daemon), kFallback (loaded from disk into
 //    memory this process owns — no daemon, stale socket, daemon still loading past the wait
-//    timeout, a daemon that did not answer by the deadline, failed daemon, or a mismatch
-//    ignored with OnMismatch::kFallback). Errors: kMismatch (each differing field named with
-//    both values, by the client's own comparison of the daemon's config — never on the
-//    daemon's word), kNoDaemon (OnMissing::kError), kTimeout (OnMissing::kError and the
-//    daemon was still loading or did not answer by the deadline), a failed daemon's own
-//    failure code (OnMissing::kError), kUnavailable (gpu tier without the NVIDIA driver),
-//    kPermissionDenied /
-//    kProtocol / kIo (a socket that is not ours, not a socket, or speaks garbage: never a
-//    silent fallback), kInvalidArgument (options), kInvalidCheckpoint (the model dir).
+//    timeout, a daemon that did not answer by the deadline, one that went away (killed,
+//    crashed) at any point of the attach, failed daemon, or a mismatch ignored with
+//    OnMismatch::kFallback). Errors: kMismatch (each differing field named with both values,
+//    by the client's own comparison of the daemon's config — never on the daemon's word),
+//    kNoDaemon (OnMissing::kError: also a daemon gone during the attach), kTimeout
+//    (OnMissing::kError and the daemon was still loading or did not answer by the deadline), a
+//    failed daemon's own failure code (OnMissing::kError), kUnavailable (gpu tier without the
+//    NVIDIA driver), kPermissionDenied / kProtocol / kIo (a socket that is not ours, not a socket,
+//    or speaks garbage: never a silent fallback), kInvalidArgument (options), kInvalidCheckpoint
+//    (the model dir).
 //  * Diagnostics as data: Attach(options, &diagnostics) also fills an AttachDiagnostics — the
 //    outcome's code, the socket and device key discovery resolved, and for a mismatch every
 //    differing field with both values, the socket of the daemon that holds the other config

@@ -64,14 +64,31 @@ struct Deadlines {
   std::chrono::milliseconds wait_timeout;
 };
 
-// The next reply, of `expected` type (an Error frame becomes its Status). *deadline_passed is
-// set when no reply arrived by `deadline` (our timeout, as opposed to an Error the daemon sent).
+// How an exchange with a daemon failed to produce a frame, if it did: the one rule of missing
+// vs error for the transport (docs/design.md "Discovery outcomes"; docs/client.md "Discovery,
+// row by row", item 7). A daemon
+// that did not answer by the deadline is hung, one that went away at any point of the exchange
+// (it closed the connection before or inside a frame, EPIPE on our send, ECONNRESET: killed,
+// crashed, restarted) is gone; both are a missing daemon, never an error. Anything else (a
+// malformed frame, unexpected fds, a failed syscall of ours) stays the error it is, and so does
+// an Error the daemon sent, which never reaches this rule.
+enum class Lost { kNo, kSilent, kGone };
+
+Lost Classify(const Status& transport) {
+  if (transport.code() == StatusCode::kTimeout) return Lost::kSilent;
+  // os/fd_passing.h: a peer that went away, however it left, is kUnavailable.
+  if (transport.code() == StatusCode::kUnavailable) return Lost::kGone;
+  return Lost::kNo;
+}
+
+// The next reply, of `expected` type (an Error frame becomes its Status). *lost says whether
+// and how the transport failed (Classify), as opposed to an Error the daemon sent.
 Result<protocol::Frame> ReadReply(int fd, protocol::MessageType expected, os::Deadline deadline,
-                                  const std::string& socket, bool* deadline_passed,
-                                  os::SysCalls& sys) {
+                                  const std::string& socket, Lost* lost, os::SysCalls& sys) {
+  *lost = Lost::kNo;
   auto frame = protocol::ReadFrame(fd, protocol::Expect::kReply, deadline, sys);
   if (!frame.ok()) {
-    *deadline_passed = frame.status().code() == StatusCode::kTimeout;
+    *lost = Classify(frame.status());
     return frame.status().Context("reading the reply of daemon at " + socket);
   }
   if (frame->type == protocol::MessageType::kError) return ErrorFromDaemon(*frame, socket);
@@ -86,14 +103,13 @@ Result<protocol::Frame> ReadReply(int fd, protocol::MessageType expected, os::De
 // One request, one reply of `expected` type.
 Result<protocol::Frame> Exchange(int fd, const std::vector<uint8_t>& request,
                                  protocol::MessageType expected, os::Deadline deadline,
-                                 const std::string& socket, bool* deadline_passed,
-                                 os::SysCalls& sys) {
+                                 const std::string& socket, Lost* lost, os::SysCalls& sys) {
   Status sent = protocol::WriteFrame(fd, request, {}, deadline, sys);
   if (!sent.ok()) {
-    *deadline_passed = sent.code() == StatusCode::kTimeout;
+    *lost = Classify(sent);
     return sent.Context("sending to daemon at " + socket);
   }
-  return ReadReply(fd, expected, deadline, socket, deadline_passed, sys);
+  return ReadReply(fd, expected, deadline, socket, lost, sys);
 }
 
 // Whether the probe sends Attach right behind Hello, in the same sendmsg (docs/protocol.md
@@ -104,12 +120,13 @@ Result<protocol::Frame> Exchange(int fd, const std::vector<uint8_t>& request,
 enum class Pipeline { kHelloOnly, kHelloThenAttach };
 
 // kHung: a live daemon (its lock held) that did not answer by the deadline: stopped,
-// deadlocked, or its listen backlog full.
-enum class SocketState { kAbsent, kStale, kHung, kLive };
+// deadlocked, or its listen backlog full. kGone: a daemon that went away before its HelloReply
+// was read (Lost::kGone).
+enum class SocketState { kAbsent, kStale, kHung, kGone, kLive };
 
 struct Probe {
   SocketState state = SocketState::kAbsent;
-  std::string why;  // for absent / stale / hung
+  std::string why;  // for absent / stale / hung / gone
   UniqueFd connection;
   int64_t pid = 0;
   protocol::HelloReply hello;
@@ -147,6 +164,12 @@ Probe Hung(Probe probe, const std::string& who, const Deadlines& deadlines, cons
   probe.state = SocketState::kHung;
   probe.why = who + " did not answer " + deadlines.Describe() + ": " + status.message();
   return probe;
+}
+
+// "<who> went away during the attach (<step>): <what the transport said>", the reason of every
+// Lost::kGone (the Hello's probe and the rest of Discover).
+std::string GoneReason(const std::string& who, std::string_view step, const Status& status) {
+  return who + " went away during the attach (" + std::string(step) + "): " + status.message();
 }
 
 // lstat → lock → connect → peer credentials → Hello, each step by `deadlines`. Errors are the
@@ -212,10 +235,16 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
     request.insert(request.end(), attach.begin(), attach.end());
   }
   const std::string who = "daemon at " + socket + " (pid " + std::to_string(cred.pid) + ")";
+  const auto gone = [&](const Status& status) {
+    probe.state = SocketState::kGone;
+    probe.why = GoneReason(who, "Hello", status);
+    return std::move(probe);
+  };
   // Both frames in one sendmsg (neither carries fds).
   Status sent = os::SendMessage(conn->get(), request, {}, deadlines.Answer(), sys);
   if (!sent.ok()) {
-    if (sent.code() == StatusCode::kTimeout) return Hung(std::move(probe), who, deadlines, sent);
+    const Lost lost = Classify(sent);
+    if (lost == Lost::kSilent) return Hung(std::move(probe), who, deadlines, sent);
     // A daemon that refuses a connection (too many connections, a uid it does not allow)
     // sends an Error and closes at once, perhaps before our send: report its Error, not EPIPE.
     auto refusal =
@@ -223,13 +252,15 @@ Result<Probe> ProbeSocket(const std::string& socket, const std::string& lock,
     if (refusal.ok() && refusal->type == protocol::MessageType::kError) {
       return ErrorFromDaemon(*refusal, socket);
     }
+    if (lost == Lost::kGone) return gone(sent);
     return sent.Context("sending to daemon at " + socket);
   }
-  bool deadline_passed = false;
+  Lost lost = Lost::kNo;
   auto frame = ReadReply(conn->get(), protocol::MessageType::kHelloReply, deadlines.Answer(),
-                         socket, &deadline_passed, sys);
+                         socket, &lost, sys);
   if (!frame.ok()) {
-    if (deadline_passed) return Hung(std::move(probe), who, deadlines, frame.status());
+    if (lost == Lost::kSilent) return Hung(std::move(probe), who, deadlines, frame.status());
+    if (lost == Lost::kGone) return gone(frame.status());
     return frame.status();
   }
   probe.attach_pending = pipeline == Pipeline::kHelloThenAttach;
@@ -406,6 +437,7 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
   }
   WEIGHTCACHE_ASSIGN_OR_RETURN(Probe probe, std::move(probed));
   if (probe.state == SocketState::kHung) return Missing(probe.why, StatusCode::kTimeout);
+  if (probe.state == SocketState::kGone) return Missing(probe.why);
   if (probe.state != SocketState::kLive) {
     if (!id.paths.explicit_socket) {
       SiblingScan scan = FindClosestSibling(id, policy, deadlines, sys);
@@ -429,11 +461,20 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
 
   // Ready now, or loading: the pipelined Attach's reply is next on the connection (failed,
   // draining and mismatch returned above, dropping the connection and that reply with it).
-  // Every read below ends at the deadline; a daemon silent until then is absent (kTimeout).
-  bool deadline_passed = false;
-  const auto silent = [&](const Status& status) {
-    return Missing(who + " did not answer " + deadlines.Describe() + ": " + status.message(),
-                   StatusCode::kTimeout);
+  // Every read below ends at the deadline; a daemon silent until then is absent (kTimeout),
+  // and one that goes away on the way is absent too (kNoDaemon): Classify's rule.
+  Lost lost = Lost::kNo;
+  const auto missing_or_error = [&](const Status& status, std::string_view step) {
+    switch (lost) {
+      case Lost::kSilent:
+        return Missing(who + " did not answer " + deadlines.Describe() + ": " + status.message(),
+                       StatusCode::kTimeout);
+      case Lost::kGone:
+        return Missing(GoneReason(who, step, status));
+      case Lost::kNo:
+        break;
+    }
+    return Result<Discovery>(status);
   };
   std::optional<protocol::Frame> attach_frame;
   // A published cache awaiting its publisher is waited for like a loading one (docs/design.md
@@ -444,13 +485,11 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
     // The daemon answered the Attach after the Hello: usually "cache is loading"
     // (kUnavailable, connection usable), but the load may have finished in between.
     auto pending = ReadReply(probe.connection.get(), protocol::MessageType::kAttachReply,
-                             deadlines.Answer(), socket, &deadline_passed, sys);
+                             deadlines.Answer(), socket, &lost, sys);
     if (pending.ok()) {
       attach_frame = std::move(pending).value();
-    } else if (deadline_passed) {
-      return silent(pending.status());
-    } else if (pending.status().code() != StatusCode::kUnavailable) {
-      return pending.status();
+    } else if (lost != Lost::kNo || pending.status().code() != StatusCode::kUnavailable) {
+      return missing_or_error(pending.status(), "Attach");
     }
   }
   if (!attach_frame && not_yet) {
@@ -477,14 +516,16 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
       if (Clock::now() >= deadlines.wait) return still();
       auto frame =
           Exchange(probe.connection.get(), status_request, protocol::MessageType::kStatusReply,
-                   deadlines.Answer(), socket, &deadline_passed, sys);
+                   deadlines.Answer(), socket, &lost, sys);
       if (!frame.ok()) {
         // A poll sent just before the end of the wait meets the answer deadline (the same
         // instant, unless min_answer_wait lies later) before its reply: the daemon answered
         // the poll before, so it is still what it said then. Silent for longer is "did not
-        // answer".
-        if (deadline_passed && Clock::now() - last_answer < policy.min_answer_wait) return still();
-        return deadline_passed ? silent(frame.status()) : frame.status();
+        // answer"; gone is gone.
+        if (lost == Lost::kSilent && Clock::now() - last_answer < policy.min_answer_wait) {
+          return still();
+        }
+        return missing_or_error(frame.status(), "Status");
       }
       last_answer = Clock::now();
       WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::StatusReply status,
@@ -502,8 +543,8 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
                                  protocol::EncodeAttachRequest());
     auto frame =
         Exchange(probe.connection.get(), attach_request, protocol::MessageType::kAttachReply,
-                 deadlines.Answer(), socket, &deadline_passed, sys);
-    if (!frame.ok()) return deadline_passed ? silent(frame.status()) : frame.status();
+                 deadlines.Answer(), socket, &lost, sys);
+    if (!frame.ok()) return missing_or_error(frame.status(), "Attach");
     attach_frame = std::move(frame).value();
   }
   std::string note;
@@ -512,8 +553,8 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
     // within the same deadline.
     const auto asked = Clock::now();
     auto frame = ReadReply(probe.connection.get(), protocol::MessageType::kAttachReply,
-                           deadlines.Answer(), socket, &deadline_passed, sys);
-    if (!frame.ok()) return deadline_passed ? silent(frame.status()) : frame.status();
+                           deadlines.Answer(), socket, &lost, sys);
+    if (!frame.ok()) return missing_or_error(frame.status(), "Attach");
     attach_frame = std::move(frame).value();
     if (probe.hello.state == protocol::CacheState::kDemoted) {
       note =

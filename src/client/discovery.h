@@ -9,6 +9,8 @@
 //   peer credentials of an untrusted uid          → error (kPermissionDenied)
 //   (trusted: ResolvedIdentity::trusted_uids, the rule of identity::TrustedUids)
 //   no answer by the deadline (a hung daemon)     → missing (kTimeout), the reason naming it
+//   the daemon goes away at any step (EOF before  → missing (kNoDaemon), "went away during the
+//   or inside a frame, EPIPE, ECONNRESET)           attach (<step>)": killed, never an error
 //   Hello → failed / draining                     → missing, with the daemon's reason (and
 //                                                   failed: its failure_code)
 //   Hello → config differs (our own comparison of → kMismatch naming every field, both values

@@ -22,6 +22,7 @@
 #include "checkpoint/checkpoint.h"
 #include "common/logging.h"
 #include "common/mutex.h"
+#include "common/test_hooks.h"
 #include "cuda/tier_copy.h"
 #include "daemon/byte_size.h"
 #include "daemon/load_memory.h"
@@ -97,11 +98,12 @@ int UnreadBytes(int fd) {
 // Test seam (tests/adversarial/checkpoint_adversarial_test.cc): with WEIGHTCACHE_TEST_LOADED_FIFO
 // naming a FIFO, the loader, once every byte is read and before it re-checks the files, opens
 // that FIFO and reads it to its end. A test holds the loader there, rewrites a shard, then
-// closes its end: the race of a file rewritten during a load, made deterministic.
+// closes its end: the race of a file rewritten during a load, made deterministic. Compiled out
+// of release builds (common/test_hooks.h).
 void PauseAfterLoadForTest() {
-  const char* fifo = std::getenv("WEIGHTCACHE_TEST_LOADED_FIFO");
-  if (fifo == nullptr || *fifo == '\0') return;
-  os::WaitForFifoEof(fifo);
+  const std::optional<std::string> fifo = TestHookValue(TestHook::kLoadedFifo);
+  if (!fifo) return;
+  os::WaitForFifoEof(fifo->c_str());
 }
 
 Status EpollCtl(int epoll, int op, int fd, uint32_t events) {

@@ -174,12 +174,13 @@ Result<std::vector<UniqueFd>> RecvMessage(int fd, std::span<uint8_t> buffer, siz
       continue;
     }
     if (chunk.eof) {
-      if (got == 0) {
-        return Status(StatusCode::kUnavailable, "peer closed the connection on " + SocketName(fd));
-      }
-      return ProtocolError("peer closed the connection on " + SocketName(fd) + " after " +
-                           std::to_string(got) + " of " + std::to_string(buffer.size()) +
-                           " bytes (truncated message)");
+      // Part-way or not, the peer went away: what it sent is cut short, not malformed.
+      std::string where = got == 0
+                              ? ""
+                              : " after " + std::to_string(got) + " of " +
+                                    std::to_string(buffer.size()) + " bytes (truncated message)";
+      return Status(StatusCode::kUnavailable,
+                    "peer closed the connection on " + SocketName(fd) + where);
     }
     got += chunk.bytes;
   }

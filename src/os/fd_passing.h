@@ -11,8 +11,10 @@
 //    (the sender attached more fds than the receiver allowed) is a kProtocol error; fds
 //    beyond `max_fds`, including any fd when none was expected, are closed and reported as
 //    kProtocol. Nothing leaks.
-//  * A peer that went away is kUnavailable (errno kept): EOF before a message, EPIPE on send,
-//    ECONNRESET (it closed with our data unread). Other failures are kIo with errno.
+//  * A peer that went away is kUnavailable (errno kept): EOF before or inside a message (a
+//    truncated message is a peer that left, not a malformed one), EPIPE on send, ECONNRESET
+//    (it closed with our data unread). Other failures are kIo with errno. The client's
+//    discovery treats every kUnavailable of these as a daemon that is gone (a fallback).
 //  * EINTR is retried everywhere. The single-shot functions (SendSome, RecvSome) report
 //    EAGAIN as `would_block` — distinct from an error — for the daemon's epoll loop. The
 //    whole-message functions (SendMessage, RecvMessage) poll until their Deadline (kTimeout).
@@ -61,8 +63,8 @@ Status SendMessage(int fd, std::span<const uint8_t> bytes, std::span<const int> 
                    Deadline deadline = Deadline::Never(), SysCalls& sys = SysCalls::Default());
 
 // Fills all of `buffer`, accepting at most `max_fds` fds in total over the reads. A peer that
-// closes before the first byte is kUnavailable ("peer closed the connection"); one that
-// closes part-way is kProtocol (truncated message). Returns the fds received, in order.
+// closes before the buffer is full is kUnavailable ("peer closed the connection", and "after
+// N of M bytes (truncated message)" part-way). Returns the fds received, in order.
 Result<std::vector<UniqueFd>> RecvMessage(int fd, std::span<uint8_t> buffer, size_t max_fds,
                                           Deadline deadline = Deadline::Never(),
                                           SysCalls& sys = SysCalls::Default());

@@ -297,10 +297,12 @@ Result<std::optional<Frame>> FrameReader::ReadAvailable(int fd) {
     for (UniqueFd& f : chunk.fds) frame_.fds.push_back(std::move(f));
     if (chunk.would_block) return std::optional<Frame>();
     if (chunk.eof) {
+      // Between frames or inside one, the peer went away (os/fd_passing.h's rule).
       if (!header_ && header_got_ == 0) {
         return Status(StatusCode::kUnavailable, "peer closed the connection");
       }
-      return ProtocolError("peer closed the connection in the middle of a frame");
+      return Status(StatusCode::kUnavailable,
+                    "peer closed the connection in the middle of a frame");
     }
     if (!header_) {
       header_got_ += chunk.bytes;

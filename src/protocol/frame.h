@@ -144,14 +144,16 @@ struct Frame {
 Status WriteFrame(int fd, std::span<const uint8_t> frame_bytes, std::span<const int> fds,
                   os::Deadline deadline, os::SysCalls& sys = os::SysCalls::Default());
 // Reads one frame: header first (bounds checked), then exactly payload_length bytes. The frame
-// must carry exactly fd_count fds. A peer that closed before a frame began is kUnavailable.
+// must carry exactly fd_count fds. A peer that closed before the frame was complete (before it
+// began, or inside it) is kUnavailable: it went away (os::RecvMessage).
 Result<Frame> ReadFrame(int fd, Expect expect, os::Deadline deadline,
                         os::SysCalls& sys = os::SysCalls::Default());
 
 // Incremental frame reading for a non-blocking (epoll) server: call ReadAvailable when the fd
 // is readable. It returns a complete Frame, std::nullopt when more bytes are needed (the
-// socket would block), kUnavailable when the peer closed between frames, kProtocol for a bad
-// or truncated frame. After an error the reader must not be used again.
+// socket would block), kUnavailable when the peer closed (between frames, or inside one: a
+// peer that left, as for ReadFrame), kProtocol for a bad frame. After an error the reader must
+// not be used again.
 class FrameReader {
  public:
   explicit FrameReader(Expect expect, os::SysCalls& sys = os::SysCalls::Default())

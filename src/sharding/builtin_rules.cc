@@ -79,6 +79,11 @@ constexpr const char* kDeepseekV3 = R"json(
     {"match": "model\\.layers\\.(\\d+)\\.mlp\\.(shared_experts\\.)?down_proj\\.weight", "mode": "split", "dim": 1, "stage": "layer"},
     {"match": "model\\.layers\\.(\\d+)\\.mlp\\.(shared_experts\\.)?down_proj\\.weight_scale_inv", "mode": "split", "dim": 1, "block": 128, "stage": "layer", "optional": true},)json";
 
+// Every tensor whole on every rank and stage: for an engine that shards by itself (or not at
+// all) a checkpoint whose model_type has no set here, one cache per rank.
+constexpr const char* kReplicateAll = R"json(
+    {"match": ".*", "mode": "replicate", "stage": "all"})json";
+
 std::string Document(std::string_view name, std::initializer_list<const char*> fragments) {
   std::string text = "{\n  \"format\": 1,\n  \"name\": \"" + std::string(name) +
                      "\",\n  \"pp_partition\": \"vllm\",\n  \"rules\": [";
@@ -99,6 +104,8 @@ std::vector<BuiltinRuleSetEntry> Build() {
   sets.push_back({"qwen3_moe", Document("qwen3_moe", {kEmbed, kAttention, kQkNorm, kLayerNorms,
                                                       kQwen3Moe, kOptionalDenseMlp, kTail})});
   sets.push_back({"deepseek_v3", Document("deepseek_v3", {kDeepseekV3, kTail})});
+  sets.push_back({"replicate", Document("replicate", {kReplicateAll}), BuiltinKind::kGeneric,
+                  "every tensor whole on every rank"});
   return sets;
 }
 

@@ -9,9 +9,16 @@
 
 namespace weightcache::sharding {
 
+// What picks a set: a model's set is also the default for the config.json model_type of its
+// name; a generic one (`replicate`) is given by name only (--shard-rules NAME), and the errors
+// that ask for --shard-rules offer it with its summary.
+enum class BuiltinKind { kModel, kGeneric };
+
 struct BuiltinRuleSetEntry {
-  std::string_view name;  // the config.json model_type it serves
+  std::string_view name;  // kModel: the config.json model_type it serves
   std::string text;       // the rules document, format 1
+  BuiltinKind kind = BuiltinKind::kModel;
+  std::string_view summary = {};  // kGeneric: what it holds, for the errors and the docs
 };
 
 // Every built-in set, in listing order. Built once, on first use; thread-safe.

@@ -386,6 +386,23 @@ Result<RuleSet> BuiltinRuleSet(std::string_view name) {
   return ParseRuleSet(text, RuleSource::kBuiltin, "built-in set " + std::string(name));
 }
 
+namespace {
+
+// "give --shard-rules NAME|FILE (--shard-rules replicate: every tensor whole on every rank)":
+// the generic built-in sets offered where no model's set applies.
+std::string GiveShardRules() {
+  std::string text = "give --shard-rules NAME|FILE";
+  std::string offers;
+  for (const BuiltinRuleSetEntry& e : BuiltinRuleSets()) {
+    if (e.kind != BuiltinKind::kGeneric) continue;
+    offers += (offers.empty() ? "" : "; ") + std::string("--shard-rules ") + std::string(e.name) +
+              ": " + std::string(e.summary);
+  }
+  return offers.empty() ? text : text + " (" + offers + ")";
+}
+
+}  // namespace
+
 Result<RuleSet> SelectRuleSet(const std::string& spec, const std::string& model_type) {
   if (!spec.empty()) {
     for (std::string_view n : BuiltinRuleSetNames()) {
@@ -395,18 +412,17 @@ Result<RuleSet> SelectRuleSet(const std::string& spec, const std::string& model_
   }
   if (model_type.empty()) {
     return InvalidArgument(
-        "config.json has no model_type, so no built-in shard rule set applies: give "
-        "--shard-rules NAME|FILE");
-  }
-  for (std::string_view n : BuiltinRuleSetNames()) {
-    if (n == model_type) return BuiltinRuleSet(model_type);
+        "config.json has no model_type, so no built-in shard rule set applies: " +
+        GiveShardRules());
   }
   std::string known;
-  for (std::string_view n : BuiltinRuleSetNames()) {
-    known += (known.empty() ? "" : ", ") + std::string(n);
+  for (const BuiltinRuleSetEntry& e : BuiltinRuleSets()) {
+    if (e.kind != BuiltinKind::kModel) continue;
+    if (e.name == model_type) return BuiltinRuleSet(model_type);
+    known += (known.empty() ? "" : ", ") + std::string(e.name);
   }
   return InvalidArgument("no built-in shard rule set for model_type \"" + model_type +
-                         "\" (built-in: " + known + "): give --shard-rules NAME|FILE");
+                         "\" (built-in: " + known + "): " + GiveShardRules());
 }
 
 }  // namespace weightcache::sharding

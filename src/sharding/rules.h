@@ -93,9 +93,11 @@ Result<std::string_view> BuiltinRuleSetText(std::string_view name);
 Result<RuleSet> BuiltinRuleSet(std::string_view name);
 
 // The rule set for a checkpoint: `spec` (a built-in name, else a rules file path) when not
-// empty, otherwise the built-in set for config.json's model_type. kInvalidArgument when
-// `spec` is empty and model_type is empty or has no built-in set ("give --shard-rules"), and
-// for a `spec` that is neither a built-in name nor a readable rules file.
+// empty, otherwise the built-in model set for config.json's model_type (a generic set such as
+// `replicate` is never picked by model_type). kInvalidArgument when `spec` is empty and
+// model_type is empty or has no built-in set ("give --shard-rules NAME|FILE", offering the
+// generic sets: "--shard-rules replicate: every tensor whole on every rank"), and for a `spec`
+// that is neither a built-in name nor a readable rules file.
 Result<RuleSet> SelectRuleSet(const std::string& spec, const std::string& model_type);
 
 }  // namespace weightcache::sharding

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/test_hooks.h"
 #include "common/unique_fd.h"
 #include "integration/daemon_process.h"
 #include "protocol/messages.h"
@@ -301,6 +302,7 @@ TEST_F(ContentIdentityTest, AFileRewrittenAfterReadyIsAMismatchOrAFallbackNeverT
 }
 
 TEST_F(ContentIdentityTest, AFileRewrittenWhileTheDaemonLoadsItFailsTheLoadNamingTheShard) {
+  if (!TestHooksBuilt()) GTEST_SKIP() << "needs the test hooks (WEIGHTCACHE_TEST_HOOKS=ON)";
   // The daemon's test seam holds its loader on this FIFO after the last byte is read and
   // before the files are re-checked (daemon.cc, PauseAfterLoadForTest).
   const std::string fifo = dir_.Join("loaded.fifo");

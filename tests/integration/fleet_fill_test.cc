@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/test_hooks.h"
 #include "common/unique_fd.h"
 #include "integration/daemon_process.h"
 #include "support/etcd_server.h"
@@ -260,6 +261,7 @@ TEST_F(FleetFillTest, AnUpgradedSourceServesFillsAtItsFixedPort) {
 }
 
 TEST_F(FleetFillTest, TwoSourcesAreStripedAcross) {
+  if (!TestHooksBuilt()) GTEST_SKIP() << "needs the test hooks (WEIGHTCACHE_TEST_HOOKS=ON)";
   auto a = StartSource();
   ASSERT_NE(a, nullptr);
   auto c = StartSource("", "node-c");
@@ -286,6 +288,7 @@ TEST_F(FleetFillTest, NoSourceInTheRegistryLoadsFromDisk) {
 }
 
 TEST_F(FleetFillTest, APoisonedSourceIsCaughtByTheChecksumsAndBLoadsFromDisk) {
+  if (!TestHooksBuilt()) GTEST_SKIP() << "needs the test hooks (WEIGHTCACHE_TEST_HOOKS=ON)";
   ::setenv("WEIGHTCACHE_TEST_FILL_POISON", "1", 1);
   auto a = StartSource();
   ::unsetenv("WEIGHTCACHE_TEST_FILL_POISON");
@@ -300,6 +303,7 @@ TEST_F(FleetFillTest, APoisonedSourceIsCaughtByTheChecksumsAndBLoadsFromDisk) {
 }
 
 TEST_F(FleetFillTest, ASourceKilledMidTransferLeavesBToItsDisk) {
+  if (!TestHooksBuilt()) GTEST_SKIP() << "needs the test hooks (WEIGHTCACHE_TEST_HOOKS=ON)";
   auto a = StartSource();
   ASSERT_NE(a, nullptr);
   // B pulls 4 KiB stripes one at a time and, after its first, waits on the FIFO: A is killed

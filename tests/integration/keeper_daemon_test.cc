@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "common/test_hooks.h"
 #include "identity/paths.h"
 #include "integration/daemon_process.h"
 #include "keeper/keeper_client.h"
@@ -255,6 +256,7 @@ TEST_F(KeeperDaemonTest, KilledMidAttachIsReadoptedAndTheAttachedClientKeepsEqua
 }
 
 TEST_F(KeeperDaemonTest, KilledWhileLoadingLeavesNothingToAdoptAndTheRestartLoads) {
+  if (!TestHooksBuilt()) GTEST_SKIP() << "needs the test hooks (WEIGHTCACHE_TEST_HOOKS=ON)";
   // The daemon's test seam holds its loader on this FIFO after the last byte is read, before
   // the load returns (daemon.cc, PauseAfterLoadForTest): the kill lands mid-load for sure.
   const std::string fifo = dir_.Join("loaded.fifo");

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/test_hooks.h"
 #include "common/unique_fd.h"
 #include "integration/daemon_process.h"
 #include "support/test_env.h"
@@ -184,6 +185,7 @@ TEST_F(SeedTest, AHungPeerIsSkippedAndTheDiskLoadFollows) {
 // the seed there): the fds keep the peer's memory, so the copy goes on from them, is checked
 // like any fill, and our cache is served with the peer's bytes, not the disk's.
 TEST_F(SeedTest, APeerKilledBeforeTheCopyLeavesItsMemoryToTheSeed) {
+  if (!TestHooksBuilt()) GTEST_SKIP() << "needs the test hooks (WEIGHTCACHE_TEST_HOOKS=ON)";
   const std::string run = dir_.Join("run");
   const Served a = Serve(run, 0);
   ASSERT_EQ(a.exit_code, 0) << a.err << a.log;

@@ -125,7 +125,48 @@ TEST_F(ShardPlanCliTest, PrintedRulesSavedToAFileHaveTheSameDigestAsPythonComput
 
   const CommandResult list = Cli({"--list-rules"});
   ASSERT_EQ(list.exit_code, 0) << list.err;
-  EXPECT_EQ(list.out, "llama\nmistral\nqwen2\nqwen3\nmixtral\nqwen3_moe\ndeepseek_v3\n");
+  EXPECT_EQ(list.out, "llama\nmistral\nqwen2\nqwen3\nmixtral\nqwen3_moe\ndeepseek_v3\nreplicate\n");
+}
+
+// Issue 39 §4: the built-in set `replicate` holds every tensor whole on every rank, for a
+// checkpoint whose model_type has no rules (an engine that shards by itself).
+TEST_F(ShardPlanCliTest, ReplicateHoldsEveryTensorWholeOnEveryRank) {
+  DenseModel m;
+  nlohmann::json gpt = m.Config();
+  gpt["model_type"] = "gpt2";
+  const std::string dir = Make("gpt", m.Tensors(), gpt, 2);
+  Result<checkpoint::Checkpoint> c = checkpoint::Checkpoint::Open(dir);
+  ASSERT_TRUE(c.ok());
+  for (const std::vector<std::string>& rank :
+       {std::vector<std::string>{"--tp-size", "2", "--tp-rank", "1"},
+        std::vector<std::string>{"--tp-size", "4", "--tp-rank", "3", "--pp-size", "2", "--pp-rank",
+                                 "1", "--ep-size", "2", "--ep-rank", "1"}}) {
+    std::vector<std::string> args = {"--model", dir, "--shard-rules", "replicate", "--json"};
+    args.insert(args.end(), rank.begin(), rank.end());
+    const CommandResult r = Cli(args);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["model_type"], "gpt2");
+    EXPECT_EQ(j["rules"]["name"], "replicate");
+    EXPECT_EQ(j["rules"]["source"], "builtin");
+    ASSERT_EQ(j["tensors"].size(), m.Tensors().size());
+    for (const nlohmann::json& t : j["tensors"]) {
+      EXPECT_EQ(t["mode"], "replicate") << t.dump();
+      EXPECT_TRUE(t["slice"].is_null()) << t.dump();
+      EXPECT_EQ(t["shape"], t["full_shape"]) << t.dump();
+    }
+    EXPECT_EQ(j["bytes"].get<uint64_t>(), c->total_bytes());
+    EXPECT_EQ(j["full_bytes"].get<uint64_t>(), c->total_bytes());
+  }
+  const CommandResult printed = Cli({"--print-rules", "replicate"});
+  ASSERT_EQ(printed.exit_code, 0) << printed.err;
+  EXPECT_THAT(printed.out, HasSubstr("\"mode\": \"replicate\""));
+  // A set for no model_type: a config.json that says "replicate" does not select it.
+  nlohmann::json named = m.Config();
+  named["model_type"] = "replicate";
+  const CommandResult r = Cli({"--model", Make("named", m.Tensors(), named)});
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_THAT(r.err, HasSubstr("no built-in shard rule set for model_type \"replicate\""));
 }
 
 TEST_F(ShardPlanCliTest, ExitCodes) {
@@ -149,7 +190,8 @@ TEST_F(ShardPlanCliTest, ExitCodes) {
   const std::string gdir = Make("gpt", m.Tensors(), gpt);
   r = Cli({"--model", gdir});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.err, AllOf(HasSubstr("\"gpt2\""), HasSubstr("--shard-rules")));
+  EXPECT_THAT(r.err, AllOf(HasSubstr("\"gpt2\""), HasSubstr("give --shard-rules NAME|FILE"),
+                           HasSubstr("--shard-rules replicate")));
   // 2: inconsistent ranks, and a rank past its size.
   r = Cli({"--model", dir, "--tp-size", "2", "--tp-rank", "1", "--ep-size", "2"});
   EXPECT_EQ(r.exit_code, 2);

@@ -1,7 +1,8 @@
 // A sharded host-tier daemon (issue 12 §2-3) through the real binary and the C++ client: rank
 // 1 of `serve --tp-size 2` holds only its slices (a dim-0 slice, a dim-1 slice gathered from
 // strided rows, a replicated tensor), each naming its slice; the fallback loads the same; a
-// split the rules cannot make is refused with exit 5 naming the tensor and the rule.
+// split the rules cannot make is refused with exit 5 naming the tensor and the rule; the
+// built-in set `replicate` serves a model_type without rules, every tensor whole.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -147,6 +148,56 @@ TEST_F(ShardServeTest, AnUndividableSplitExits5NamingTheTensorAndTheRule) {
   ASSERT_NE(serve, nullptr);
   EXPECT_EQ(serve->WaitExit(std::chrono::seconds(30)), 5) << serve->Log();
   EXPECT_THAT(serve->Log(), HasSubstr("tensor b (rule 1 (b))"));
+}
+
+// Issue 39 §4: a TP rank of an architecture without built-in rules. With no --shard-rules the
+// serve exits 2 and names `replicate`; with `--shard-rules replicate` each rank holds every
+// tensor whole, from the daemon and from the fallback alike.
+TEST_F(ShardServeTest, ReplicateServesEveryTensorWholeForAModelTypeWithoutRules) {
+  const std::string model = Make("gpt", {{"a", {4, 6}, "f32"}, {"b", {4, 5}, "f32"}},
+                                 nlohmann::json{{"model_type", "gpt2"}});
+  auto ckpt = checkpoint::Checkpoint::Open(model);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  std::vector<std::string> args = {"--model", model,       "--tier", "host",      "--runtime-dir",
+                                   runtime_,  "--tp-size", "2",      "--tp-rank", "0"};
+  auto refused = ServeProcess::Start(args, tmp_.Join("refused.log"));
+  ASSERT_NE(refused, nullptr);
+  EXPECT_EQ(refused->WaitExit(std::chrono::seconds(30)), 2) << refused->Log();
+  EXPECT_THAT(refused->Log(), HasSubstr("no built-in shard rule set for model_type \"gpt2\""));
+  EXPECT_THAT(refused->Log(), HasSubstr("give --shard-rules NAME|FILE (--shard-rules replicate"));
+
+  const auto expect_whole = [&](const Attachment& att) {
+    ASSERT_EQ(att.tensors().size(), 2u);
+    EXPECT_EQ(att.total_bytes(), ckpt->total_bytes());
+    for (const char* name : {"a", "b"}) {
+      const Tensor* t = att.Find(name);
+      ASSERT_NE(t, nullptr) << name;
+      EXPECT_EQ(t->slice, std::nullopt) << name;
+      const checkpoint::TensorInfo* info = ckpt->Find(name);
+      ASSERT_NE(info, nullptr) << name;
+      std::vector<float> full(info->nbytes / sizeof(float));
+      ASSERT_TRUE(checkpoint::ReadTensor(*ckpt, *info, full.data()).ok());
+      EXPECT_EQ(Floats(*t), full) << name;
+    }
+  };
+  AttachOptions o = Options(model);
+  o.identity.shard_rules = "replicate";
+  // Rank 1, no daemon: the fallback loads the whole checkpoint by the same rule set.
+  auto fallback = Attachment::Attach(o);
+  ASSERT_TRUE(fallback.ok()) << fallback.status().ToString();
+  EXPECT_EQ(fallback->source(), AttachSource::kFallback);
+  expect_whole(*fallback);
+
+  // Rank 0 served with --shard-rules replicate: its daemon holds every tensor whole.
+  args.insert(args.end(), {"--shard-rules", "replicate"});
+  auto serve = ServeProcess::Start(args, tmp_.Join("replicate.log"));
+  ASSERT_NE(serve, nullptr);
+  ASSERT_TRUE(WaitForState(*serve, runtime_, protocol::CacheState::kReady).ok()) << serve->Log();
+  o.identity.tp_rank = 0;
+  auto att = Attachment::Attach(o);
+  ASSERT_TRUE(att.ok()) << att.status().ToString();
+  EXPECT_EQ(att->source(), AttachSource::kDaemon) << att->source_reason();
+  expect_whole(*att);
 }
 
 // The gpu tier loads a rank's slices too (tests/gpu/shard_gpu_test.cc on a GPU): a sharded

@@ -244,6 +244,89 @@ TEST_F(ClientDiscoveryTest, OtherOutcomesCarryTheirCodeAndWhereButNoMismatch) {
   EXPECT_FALSE(why.mismatch.has_value());
 }
 
+// Issue 39 §5.7: a daemon that goes away at any point of an attach (before its HelloReply, in
+// the middle of a frame, between the HelloReply and the AttachReply, after the AttachReply's
+// header and fds, during a loading daemon's Status polls) is a missing daemon: on_missing=
+// fallback loads from disk and says which daemon went away, on_missing=error is kNoDaemon.
+// Each case is a scripted daemon that closes the connection at that point ({} closes).
+TEST_F(ClientDiscoveryTest, ADaemonThatGoesAwayAtAnyPointOfTheAttachIsMissing) {
+  const std::vector<uint8_t> ready = Hello(protocol::CacheState::kReady);
+  const std::vector<uint8_t> cut_hello(ready.begin(), ready.begin() + ready.size() / 2);
+  const std::vector<uint8_t> cut_header(ready.begin(), ready.begin() + 10);
+  auto memory = os::CreateMemfd("gone-memory", 4096);
+  ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+  const std::vector<uint8_t> attach_header = [] {
+    std::vector<uint8_t> reply = protocol::EncodeAttachReply(4096, 1).value();
+    reply.resize(protocol::kFrameHeaderSize);  // the fds ride on it; its payload never comes
+    return reply;
+  }();
+  struct Case {
+    std::string where;
+    Script script;
+    FdScript fds;
+    CloseAfter close_after = {};
+  };
+  using protocol::MessageType;
+  const std::vector<uint8_t> none;
+  const std::vector<Case> cases = {
+      {"before its HelloReply", [&](const protocol::Frame&) { return none; }, {}},
+      {"inside the HelloReply's header",
+       [&](const protocol::Frame& f) { return f.type == MessageType::kHello ? cut_header : none; },
+       {}},
+      {"inside the HelloReply's payload",
+       [&](const protocol::Frame& f) { return f.type == MessageType::kHello ? cut_hello : none; },
+       {}},
+      {"between the HelloReply and the AttachReply",
+       [&](const protocol::Frame& f) { return f.type == MessageType::kHello ? ready : none; },
+       {}},
+      {"after the AttachReply's header and fds",
+       [&](const protocol::Frame& f) {
+         return f.type == MessageType::kHello ? ready : attach_header;
+       },
+       [&](const protocol::Frame& f) {
+         if (f.type != MessageType::kAttach) return std::vector<int>{};
+         return std::vector<int>{memory->get(), memory->get()};
+       },
+       [](const protocol::Frame& f) { return f.type == MessageType::kAttach; }},
+      {"during a loading daemon's Status poll",
+       [&](const protocol::Frame& f) {
+         if (f.type == MessageType::kHello) return Hello(protocol::CacheState::kLoading);
+         if (f.type == MessageType::kAttach) {
+           return protocol::EncodeError(Status(StatusCode::kUnavailable, "cache is loading"))
+               .value();
+         }
+         return none;  // the first Status
+       },
+       {}},
+  };
+  options_.wait_timeout = 30s;  // a hang would show as a timeout, not as the outcome asserted
+  for (const Case& c : cases) {
+    SCOPED_TRACE("the daemon goes away " + c.where);
+    ScriptedDaemon daemon(id_.paths, c.script, c.fds, c.close_after);
+    options_.on_missing = OnMissing::kFallback;
+    auto a = Attachment::Attach(options_);
+    EXPECT_TRUE(a.ok()) << a.status().ToString();
+    if (a.ok()) {
+      EXPECT_EQ(a->source(), AttachSource::kFallback);
+      EXPECT_NE(
+          a->source_reason().find("daemon at " + id_.paths.socket + " (pid " +
+                                  std::to_string(::getpid()) + ") went away during the attach"),
+          std::string::npos)
+          << a->source_reason();
+      EXPECT_EQ(CompareWithReference(*a, ref_), "");
+    }
+
+    options_.on_missing = OnMissing::kError;
+    AttachDiagnostics why;
+    auto b = Attachment::Attach(options_, &why);
+    EXPECT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), StatusCode::kNoDaemon) << b.status().ToString();
+    EXPECT_EQ(why.code, StatusCode::kNoDaemon);
+    EXPECT_NE(b.status().message().find("went away during the attach"), std::string::npos)
+        << b.status().ToString();
+  }
+}
+
 // A ready, matching daemon whose manifest passes the header checks (which run when the reply
 // arrives) but not a record check (which runs while the table is built, deferred so that it
 // overlaps the gpu tier's VMM import): the attach fails with kProtocol naming the daemon and

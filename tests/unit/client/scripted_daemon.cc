@@ -12,8 +12,9 @@ namespace weightcache::testing {
 
 using namespace std::chrono_literals;
 
-ScriptedDaemon::ScriptedDaemon(const identity::CachePaths& paths, Script script, FdScript fds)
-    : script_(std::move(script)), fds_(std::move(fds)) {
+ScriptedDaemon::ScriptedDaemon(const identity::CachePaths& paths, Script script, FdScript fds,
+                               CloseAfter close_after)
+    : script_(std::move(script)), fds_(std::move(fds)), close_after_(std::move(close_after)) {
   auto lock = os::LockFile::TryAcquire(paths.lock);
   EXPECT_TRUE(lock.ok()) << lock.status().ToString();
   if (lock.ok()) lock_.emplace(std::move(lock).value());
@@ -43,6 +44,7 @@ void ScriptedDaemon::Loop() {
       if (out.empty()) break;
       std::vector<int> fds = fds_ ? fds_(*frame) : std::vector<int>{};
       if (!os::SendMessage(fd.get(), out, fds, os::Deadline::After(5s)).ok()) break;
+      if (close_after_ && close_after_(*frame)) break;
     }
   }
 }

@@ -25,10 +25,14 @@ namespace weightcache::testing {
 // and the fds `FdScript` returns with them (borrowed: SCM_RIGHTS duplicates them).
 using Script = std::function<std::vector<uint8_t>(const protocol::Frame&)>;
 using FdScript = std::function<std::vector<int>(const protocol::Frame&)>;
+// Whether to close the connection right after answering this request (a daemon that dies
+// having sent part of a frame).
+using CloseAfter = std::function<bool(const protocol::Frame&)>;
 
 class ScriptedDaemon {
  public:
-  ScriptedDaemon(const identity::CachePaths& paths, Script script, FdScript fds = {});
+  ScriptedDaemon(const identity::CachePaths& paths, Script script, FdScript fds = {},
+                 CloseAfter close_after = {});
   ~ScriptedDaemon();
   ScriptedDaemon(const ScriptedDaemon&) = delete;
   ScriptedDaemon& operator=(const ScriptedDaemon&) = delete;
@@ -38,6 +42,7 @@ class ScriptedDaemon {
 
   Script script_;
   FdScript fds_;
+  CloseAfter close_after_;
   std::optional<os::LockFile> lock_;
   UniqueFd listener_;
   std::atomic<bool> stop_{false};

@@ -126,7 +126,7 @@ TEST(RulesTest, DigestIsPythonsCanonicalJson) {
 
 TEST(RulesTest, BuiltinSetsParseAndKeepTheirDigestWhenSavedToAFile) {
   EXPECT_THAT(BuiltinRuleSetNames(), ElementsAre("llama", "mistral", "qwen2", "qwen3", "mixtral",
-                                                 "qwen3_moe", "deepseek_v3"));
+                                                 "qwen3_moe", "deepseek_v3", "replicate"));
   TempDir dir;
   for (std::string_view name : BuiltinRuleSetNames()) {
     Result<RuleSet> builtin = BuiltinRuleSet(name);
@@ -172,6 +172,28 @@ TEST(RulesTest, SelectRuleSetByModelTypeNameOrFile) {
   EXPECT_THAT(
       SelectRuleSet(dir.Join("big.json"), "llama"),
       StatusIs(StatusCode::kInvalidArgument, HasSubstr("-byte limit for this kind of file")));
+}
+
+// Issue 39 §4: `replicate`, every tensor whole on every rank, for a checkpoint whose
+// model_type has no built-in set; it is given by name only (it serves no model_type), and the
+// errors that ask for --shard-rules name it.
+TEST(RulesTest, ReplicateIsABuiltinSetByNameThatTheErrorsOffer) {
+  Result<RuleSet> replicate = SelectRuleSet("replicate", "gpt2");
+  ASSERT_TRUE(replicate.ok()) << replicate.status().ToString();
+  EXPECT_EQ(replicate->name, "replicate");
+  EXPECT_EQ(replicate->source, RuleSource::kBuiltin);
+  ASSERT_EQ(replicate->rules.size(), 1u);
+  EXPECT_EQ(replicate->rules[0].mode, Mode::kReplicate);
+  EXPECT_EQ(replicate->rules[0].stage, Stage::kAll);
+  EXPECT_EQ(SelectRuleSet("replicate", "")->name, "replicate");
+  const auto offers_replicate = HasSubstr(
+      "give --shard-rules NAME|FILE (--shard-rules replicate: every tensor whole on every rank)");
+  EXPECT_THAT(SelectRuleSet("", "gpt2"), StatusIs(StatusCode::kInvalidArgument, offers_replicate));
+  EXPECT_THAT(SelectRuleSet("", ""), StatusIs(StatusCode::kInvalidArgument, offers_replicate));
+  EXPECT_THAT(SelectRuleSet("", "replicate"),
+              StatusIs(StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("no built-in shard rule set for model_type \"replicate\""),
+                             offers_replicate)));
 }
 
 TEST(RulesTest, LiteralPrefilterAgreesWithTheRegex) {
