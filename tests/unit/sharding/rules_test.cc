@@ -161,8 +161,10 @@ TEST(RulesTest, SelectRuleSetByModelTypeNameOrFile) {
                        AllOf(HasSubstr("model_type \"gpt2\""), HasSubstr("--shard-rules"))));
   EXPECT_THAT(SelectRuleSet("", ""),
               StatusIs(StatusCode::kInvalidArgument, HasSubstr("no model_type")));
+  // A rules file given on the command line is usage: missing is kInvalidArgument (exit 2).
   EXPECT_THAT(SelectRuleSet(dir.Join("missing.json"), "llama"),
-              StatusIs(StatusCode::kNotFound, HasSubstr("missing.json")));
+              StatusIs(StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("missing.json"), HasSubstr("not a readable rules file"))));
   // A FIFO is refused at once, never read (it would block).
   const std::string fifo = dir.Join("fifo.json");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
