@@ -5,7 +5,7 @@ serves), on a cache whose keeper holds the memory, beside the restarted daemon's
 ("… s since serve started"). What lies between the two is process start-up and the launcher's
 readiness probing, which docs/benchmarks.md "Restart as the supervisor sees it" breaks down.
 
-Any tier: `--tier host` needs no GPU (numpy checkpoint written by the safetensors library);
+Any tier: `--tier host` needs no GPU (the checkpoint is written by tests/tools/make_checkpoint.py);
 `--tier gpu --device UUID` on the device machine.
 
   detach_restart_bench.py --cli PATH [--tier host|gpu] [--device UUID] [--reps 5]
@@ -32,24 +32,19 @@ from pathlib import Path
 SINCE_START = re.compile(r"ready: adopted .* \(([0-9.e-]+) s since serve started\)")
 
 
-def make_checkpoint(path: Path, tensors: int, tensor_bytes: int) -> None:
-    import numpy as np
-    from safetensors.numpy import save_file
+MAKE_CHECKPOINT = Path(__file__).resolve().parent.parent / "tests" / "tools" / "make_checkpoint.py"
 
-    path.mkdir(parents=True)
-    files = 4
-    weight_map = {}
-    rng = np.random.default_rng(7)
-    for f in range(files):
-        shard = {}
-        for i in range(f, tensors, files):
-            name = f"model.layers.{i}.weight"
-            shard[name] = rng.integers(0, 255, tensor_bytes, dtype=np.uint8).view(np.float16)
-            weight_map[name] = f"model-{f:05d}-of-{files:05d}.safetensors"
-        save_file(shard, str(path / f"model-{f:05d}-of-{files:05d}.safetensors"))
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+
+def make_checkpoint(work: Path, tensors: int, tensor_bytes: int) -> Path:
+    """tests/tools/make_checkpoint.py: `tensors` f16 tensors of `tensor_bytes` each, 4 shards."""
+    out = work / "model"
+    spec = work / "model.spec.json"
+    spec.write_text(json.dumps([{"name": f"model.layers.{i}.weight",
+                                 "shape": [tensor_bytes // 2], "dtype": "f16"}
+                                for i in range(tensors)]))
+    subprocess.run([sys.executable, str(MAKE_CHECKPOINT), "--out", str(out), "--spec", str(spec),
+                    "--shards", "4", "--seed", "7"], check=True, stdout=subprocess.DEVNULL)
+    return out
 
 
 def main() -> int:
@@ -66,8 +61,8 @@ def main() -> int:
         ap.error("--tier gpu needs --device UUID")
 
     with tempfile.TemporaryDirectory(prefix="wc-restart-", dir=args.work) as work:
-        model, runtime = Path(work) / "model", Path(work) / "run"
-        make_checkpoint(model, args.tensors, args.tensor_bytes)
+        model = make_checkpoint(Path(work), args.tensors, args.tensor_bytes)
+        runtime = Path(work) / "run"
         time.sleep(1.1)  # past the racy window: the files' identity is cached from here on
         runtime.mkdir(mode=0o700)
         serve = [args.cli, "serve", "--model", str(model), "--tier", args.tier,
