@@ -368,6 +368,7 @@ Result<std::vector<std::string>> ListCacheIdentities(const std::string& device_d
                                ListDir(device_dir, S_IFSOCK, [&](const std::string& name) {
                                  return name.size() > kSock.size() && name.ends_with(kSock);
                                }));
+  sockets.reserve(socket_names.size());
   for (const std::string& name : socket_names) {
     sockets.push_back(CacheSocketForKeeper(device_dir + "/" + name));
   }
