@@ -651,8 +651,8 @@ int Run(ServeArgs& args) {
     LOG_DEBUG << "RLIMIT_NOFILE soft limit raised to the hard limit, " << fd_limit->soft;
   }
 
-  options.metrics = std::make_shared<daemon::DaemonMetrics>(daemon::MetricsIdentity{
-      id->device_key, id->config.model_id, std::string(TierName(id->config.tier))});
+  options.metrics = std::make_shared<daemon::DaemonMetrics>(
+      daemon::MetricsIdentity{id->device_key, id->config.model_id, id->config.tier});
   if (args.metrics_fd >= 0 && (args.handover_fd < 0 || args.metrics_addr.empty())) {
     return Fail(kCmd, InvalidArgument("--metrics-fd is an upgrade's: it needs --handover-fd and "
                                       "--metrics-addr"));
