@@ -82,7 +82,7 @@ int RunLs(FleetLsArgs& args) {
                               " pp" + std::to_string(e.pp_rank) + "/" + std::to_string(e.pp_size) +
                               " ep" + std::to_string(e.ep_rank) + "/" + std::to_string(e.ep_size);
     table << std::setw(18) << e.fleet_key.substr(0, 16) << std::setw(20) << e.node << std::setw(10)
-          << fleet::EntryStateName(e.state) << std::setw(6) << e.tier << std::setw(12)
+          << fleet::EntryStateName(e.state) << std::setw(6) << TierName(e.tier) << std::setw(12)
           << daemon::FormatBytes(e.bytes) << std::setw(16) << ranks << std::setw(22)
           << (e.endpoint.empty() ? "-" : e.endpoint) << std::setw(8) << e.pid
           << EscapeForTerminal(e.model_id + (e.revision.empty() ? "" : "@" + e.revision)) << "\n";
