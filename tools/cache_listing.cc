@@ -187,7 +187,7 @@ void AddListingFlags(CLI::App* command, ListingArgs* args) {
 DeviceBudgetView ReadDeviceBudget(const std::filesystem::path& device_dir) {
   const std::string dir = device_dir.string();
   const bool host = device_dir.filename() == identity::kHostDeviceKey;
-  const daemon::BudgetTier tier = host ? daemon::BudgetTier::kHost : daemon::BudgetTier::kGpu;
+  const Tier tier = host ? Tier::kHost : Tier::kGpu;
   const bool has_ledger = std::filesystem::exists(identity::BudgetLedgerPath(dir));
   auto config = daemon::ReadBudgetConfig(identity::BudgetConfigPath(dir));
   if (!config.ok()) {

@@ -81,7 +81,7 @@ int RunLs(FleetLsArgs& args) {
                               " ep" + std::to_string(e.ep_rank) + "/" + std::to_string(e.ep_size);
     // Every cell comes from the registry, untrusted: escaped (common/terminal_text.h).
     table.push_back({EscapeForTerminal(e.fleet_key.substr(0, 16)), EscapeForTerminal(e.node),
-                     std::string(fleet::EntryStateName(e.state)), EscapeForTerminal(e.tier),
+                     std::string(fleet::EntryStateName(e.state)), std::string(TierName(e.tier)),
                      daemon::FormatBytes(e.bytes), ranks,
                      e.endpoint.empty() ? "-" : EscapeForTerminal(e.endpoint),
                      std::to_string(e.pid),

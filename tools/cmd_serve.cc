@@ -387,7 +387,7 @@ Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
     demotion.host_room = [device_dir, socket, budget = *host_budget](uint64_t bytes) -> Status {
       daemon::BudgetLedger ledger(device_dir);
       WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::Ledger now, ledger.ReadOnly());
-      const uint64_t held = now.BytesOn(daemon::BudgetTier::kHost, socket);
+      const uint64_t held = now.BytesOn(Tier::kHost, socket);
       if (held + bytes > budget) {
         return Status(StatusCode::kOutOfMemory,
                       "the host budget is " + daemon::FormatBytes(budget) + ", " +
@@ -403,10 +403,7 @@ Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
                          .UpdateUntil(
                              [&](daemon::Ledger& now) {
                                daemon::LedgerEntry* mine = now.Find(socket);
-                               if (mine != nullptr && mine->pid == self) {
-                                 mine->tier = tier == Tier::kGpu ? daemon::BudgetTier::kGpu
-                                                                 : daemon::BudgetTier::kHost;
-                               }
+                               if (mine != nullptr && mine->pid == self) mine->tier = tier;
                                return Status::Ok();
                              },
                              std::chrono::steady_clock::now() + kLedgerLockWait)
@@ -425,9 +422,8 @@ Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
           ledger.UpdateUntil([](daemon::Ledger&) { return Status::Ok(); }, deadline));
       const daemon::LedgerEntry* mine = now.Find(socket);
       if (mine == nullptr) return Status::Ok();  // not in the ledger (removed by hand)
-      WEIGHTCACHE_ASSIGN_OR_RETURN(
-          daemon::LedgerEntry self,
-          daemon::SelfEntry(socket, mine->bytes, daemon::BudgetTier::kGpu, pinned));
+      WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::LedgerEntry self,
+                                   daemon::SelfEntry(socket, mine->bytes, Tier::kGpu, pinned));
       self.last_used_ms = daemon::NowUnixMs();
       self.budget = budget;
       return daemon::AdmitEvicting(ledger, self, budget, EvictVictim, deadline);
@@ -500,16 +496,14 @@ Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(const ServeArgs& 
   }
   WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint ckpt,
                                checkpoint::Checkpoint::Open(args.identity.model_dir));
-  const daemon::BudgetTier tier =
-      id.config.tier == Tier::kGpu ? daemon::BudgetTier::kGpu : daemon::BudgetTier::kHost;
   WEIGHTCACHE_ASSIGN_OR_RETURN(
       daemon::LedgerEntry self,
-      daemon::SelfEntry(id.paths.socket, ckpt.total_bytes(), tier, args.pin));
+      daemon::SelfEntry(id.paths.socket, ckpt.total_bytes(), id.config.tier, args.pin));
   self.last_used_ms = daemon::NowUnixMs();
   self.budget = *budget;  // what `status` shows when budget.conf gives none
   auto ledger = std::make_unique<daemon::BudgetLedger>(id.paths.device_dir);
   WEIGHTCACHE_RETURN_IF_ERROR(AdmitOrWait(args, *ledger, self, *budget, EvictVictim, signal_fd));
-  LOG_INFO << "admitted under the " << daemon::BudgetTierName(tier) << " budget of "
+  LOG_INFO << "admitted under the " << TierName(id.config.tier) << " budget of "
            << daemon::FormatBytes(*budget) << ": " << daemon::FormatBytes(self.bytes);
   return ledger;
 }
@@ -657,8 +651,8 @@ int Run(ServeArgs& args) {
     LOG_DEBUG << "RLIMIT_NOFILE soft limit raised to the hard limit, " << fd_limit->soft;
   }
 
-  options.metrics = std::make_shared<daemon::DaemonMetrics>(daemon::MetricsIdentity{
-      id->device_key, id->config.model_id, std::string(TierName(id->config.tier))});
+  options.metrics = std::make_shared<daemon::DaemonMetrics>(
+      daemon::MetricsIdentity{id->device_key, id->config.model_id, id->config.tier});
   if (args.metrics_fd >= 0 && (args.handover_fd < 0 || args.metrics_addr.empty())) {
     return Fail(kCmd, InvalidArgument("--metrics-fd is an upgrade's: it needs --handover-fd and "
                                       "--metrics-addr"));

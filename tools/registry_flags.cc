@@ -321,7 +321,7 @@ Result<std::unique_ptr<ServeRegistration>> ServeRegistration::Create(
                                                         : "--node-name");
   }
   entry.endpoint = flags.advertise;
-  entry.tier = std::string(TierName(id.config.tier));
+  entry.tier = id.config.tier;
   entry.device = id.device_key;
   entry.pid = ::getpid();
   entry.model_id = id.config.model_id;
@@ -523,7 +523,7 @@ void ServeRegistration::Ready(const daemon::StoreSummary& summary, std::span<con
   entry_.tensors = summary.tensor_count;
   entry_.manifest_digest = manifest_digest;
   entry_.state = fleet::EntryState::kReady;
-  entry_.tier = std::string(TierName(configured_));
+  entry_.tier = configured_;
   PublishLocked();
 }
 
@@ -531,7 +531,7 @@ void ServeRegistration::Moved(Tier tier, std::span<const int> fds) {
   if (tier != configured_) StopFillSource();  // its mapping of the GPU memory goes first
   MutexLock lock(mu_);
   if (!ready_) return;
-  entry_.tier = std::string(TierName(tier));
+  entry_.tier = tier;
   entry_.state = tier == configured_ ? fleet::EntryState::kReady : fleet::EntryState::kDemoted;
   // A promotion's new allocations were released to their fds (cuda::CopyMemfdsToDevice): the
   // source serves an import of them.
@@ -557,7 +557,7 @@ void ServeRegistration::HandoverFailed(
     std::span<const int> fds, std::span<const CUmemGenericAllocationHandle> creating_handles) {
   MutexLock lock(mu_);
   // Served again only where it served before: a ready cache in its own tier.
-  if (!ready_ || manifest_.empty() || entry_.tier != TierName(configured_)) return;
+  if (!ready_ || manifest_.empty() || entry_.tier != configured_) return;
   StartFillSourceLocked(fds, creating_handles);
   PublishLocked();  // the endpoint, when the entry names the bound one
 }
@@ -573,7 +573,7 @@ void ServeRegistration::StopFillSource() {
 }
 
 std::vector<fleet::RegistryEntry> ChooseFillSources(std::vector<fleet::RegistryEntry> entries,
-                                                    std::string_view tier, std::string_view node,
+                                                    Tier tier, std::string_view node,
                                                     std::mt19937_64& rng) {
   // Ourselves excluded: an entry of this node is never a source of its own fill. A source of
   // another tier has another layout (allocation granularity): not one.
@@ -612,8 +612,7 @@ daemon::PeerFill ServeRegistration::Filler() const {
     prove = anchor_.anchor;
   }
   MutexLock lock(mu_);
-  return [flags = flags_, fleet_key = entry_.fleet_key, node = entry_.node,
-          tier = std::string(TierName(configured_)),
+  return [flags = flags_, fleet_key = entry_.fleet_key, node = entry_.node, tier = configured_,
           prove](const daemon::PeerFillRequest& request) -> Result<daemon::FillOutcome> {
     if (prove && !request.holds_whole_files) {
       return Status(StatusCode::kUnavailable,
@@ -636,7 +635,8 @@ daemon::PeerFill ServeRegistration::Filler() const {
           ChooseFillSources(std::move(entries), tier, node, rng);
       if (ready.empty()) {
         return Status(StatusCode::kNotFound,
-                      "no ready " + tier + "-tier source with an endpoint among the registry's " +
+                      "no ready " + std::string(TierName(tier)) +
+                          "-tier source with an endpoint among the registry's " +
                           std::to_string(listed) + " entries of fleet key " +
                           fleet_key.substr(0, 16));
       }

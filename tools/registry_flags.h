@@ -95,7 +95,7 @@ Result<fleet::EtcdClient> RegistryClient(const RegistryFlags& flags);
 // nodes spread over the sources and no writer of the registry makes a filler connect to all of
 // its entries. Empty when none is.
 std::vector<fleet::RegistryEntry> ChooseFillSources(std::vector<fleet::RegistryEntry> entries,
-                                                    std::string_view tier, std::string_view node,
+                                                    Tier tier, std::string_view node,
                                                     std::mt19937_64& rng);
 
 // Serve's registration of its cache (docs/fleet.md): Ready() registers it (and a promotion

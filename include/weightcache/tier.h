@@ -1,8 +1,11 @@
 // weightcache/tier.h — where a cache's weights live. The one representation of a tier in
-// C++: the client options, the CacheConfig, the daemon, the weight stores and the manifest all
-// hold this enum. Its text spelling ("gpu", "host") is the CacheConfig's canonical JSON, the
-// Status reply's field, the CLI's --tier and the Python strings; its one wire byte is mapped in
-// the manifest codec (src/protocol/manifest.cc), and the C ABI's wc_tier in c_api.cc.
+// C++: the client options, the CacheConfig, the daemon, the weight stores, the manifest, the
+// budget ledger's entries, the metrics' identity and the fleet registry's entry all hold this
+// enum. Its text spelling ("gpu", "host"; TierName and ParseTier, nowhere else) is the
+// CacheConfig's canonical JSON, the Status reply's field, the CLI's --tier, the budget ledger
+// file, the registry entry's JSON, the metrics' tier label and the Python strings; its one wire
+// byte is mapped in the manifest codec (src/protocol/manifest.cc), and the C ABI's wc_tier in
+// c_api.cc.
 #pragma once
 
 #include <cstdint>

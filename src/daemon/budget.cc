@@ -82,15 +82,10 @@ Result<LedgerEntry> ParseEntry(const Json& e, const std::string& path, size_t in
                     path, index));
   entry.last_used_ms = static_cast<int64_t>(last_used);
   const auto tier = e.find("tier");
-  const std::string tier_name =
-      tier != e.end() && tier->is_string() ? tier->get<std::string>() : "";
-  if (tier_name == BudgetTierName(BudgetTier::kGpu)) {
-    entry.tier = BudgetTier::kGpu;
-  } else if (tier_name == BudgetTierName(BudgetTier::kHost)) {
-    entry.tier = BudgetTier::kHost;
-  } else {
-    return Corrupt(path, where + ": 'tier' must be \"gpu\" or \"host\"");
-  }
+  const std::optional<Tier> parsed_tier =
+      tier != e.end() && tier->is_string() ? ParseTier(tier->get<std::string>()) : std::nullopt;
+  if (!parsed_tier) return Corrupt(path, where + ": 'tier' must be \"gpu\" or \"host\"");
+  entry.tier = *parsed_tier;
   const auto pinned = e.find("pinned");
   if (pinned == e.end() || !pinned->is_boolean()) {
     return Corrupt(path, where + ": 'pinned' must be true or false");
@@ -118,11 +113,7 @@ std::string Describe(const LedgerEntry& e) {
 
 }  // namespace
 
-std::string_view BudgetTierName(BudgetTier tier) {
-  return tier == BudgetTier::kGpu ? "gpu" : "host";
-}
-
-uint64_t Ledger::BytesOn(BudgetTier tier, std::string_view except_socket) const {
+uint64_t Ledger::BytesOn(Tier tier, std::string_view except_socket) const {
   uint64_t total = 0;
   for (const LedgerEntry& e : entries) {
     if (e.tier == tier && e.socket != except_socket) total += e.bytes;
@@ -192,7 +183,7 @@ std::string SerializeLedger(const Ledger& ledger) {
          {"pid", static_cast<uint64_t>(e.pid)},
          {"pid_start_time", e.pid_start_time},
          {"bytes", e.bytes},
-         {"tier", std::string(BudgetTierName(e.tier))},
+         {"tier", std::string(TierName(e.tier))},
          {"pinned", e.pinned},
          {"clients", e.clients},
          {"last_used_ms", static_cast<uint64_t>(std::max<int64_t>(0, e.last_used_ms))},
@@ -226,7 +217,7 @@ Result<Ledger> ParseLedger(std::string_view text, const std::string& path) {
   return ledger;
 }
 
-Result<LedgerEntry> SelfEntry(std::string socket, uint64_t bytes, BudgetTier tier, bool pinned) {
+Result<LedgerEntry> SelfEntry(std::string socket, uint64_t bytes, Tier tier, bool pinned) {
   LedgerEntry entry;
   entry.socket = std::move(socket);
   entry.pid = ::getpid();
@@ -408,7 +399,7 @@ void LedgerClientsWriter::Loop() {
   }
 }
 
-AdmissionPlan PlanAdmission(const Ledger& ledger, BudgetTier tier, uint64_t budget, uint64_t need,
+AdmissionPlan PlanAdmission(const Ledger& ledger, Tier tier, uint64_t budget, uint64_t need,
                             std::string_view self_socket) {
   AdmissionPlan plan;
   plan.held = ledger.BytesOn(tier, self_socket);
@@ -437,7 +428,7 @@ AdmissionPlan PlanAdmission(const Ledger& ledger, BudgetTier tier, uint64_t budg
     if (e.tier != tier || e.socket == self_socket) continue;
     holders += (holders.empty() ? "" : "; ") + Describe(e);
   }
-  plan.refusal = "the " + std::string(BudgetTierName(tier)) + " budget is " + FormatBytes(budget) +
+  plan.refusal = "the " + std::string(TierName(tier)) + " budget is " + FormatBytes(budget) +
                  "; this cache needs " + FormatBytes(need) + ", " + FormatBytes(plan.held) +
                  " is held and nothing more can be freed (only caches " +
                  "with no clients and not pinned are evicted)" +
@@ -509,7 +500,7 @@ bool OwnerGoneWithin(const LedgerEntry& victim, std::chrono::milliseconds grace)
 
 Status AdmitEvicting(BudgetLedger& ledger, const LedgerEntry& self, uint64_t budget,
                      const EvictFn& evict, std::chrono::steady_clock::time_point deadline) {
-  const std::string tier(BudgetTierName(self.tier));
+  const std::string tier(TierName(self.tier));
   // Each round evicts at least one cache or ends; the bound only stops a livelock with caches
   // that keep coming back.
   constexpr int kMaxRounds = 16;

@@ -42,20 +42,18 @@
 
 #include "common/mutex.h"
 #include "weightcache/status.h"
+#include "weightcache/tier.h"
 
 namespace weightcache::daemon {
-
-// Where an entry's bytes live: GPU memory, or host memory (a host-tier cache, or a GPU cache
-// demoted to a sealed memfd). Budgets are per tier.
-enum class BudgetTier { kGpu, kHost };
-std::string_view BudgetTierName(BudgetTier tier);  // "gpu" / "host"
 
 struct LedgerEntry {
   std::string socket;           // the cache's socket: its identity on this device
   pid_t pid = 0;                // the daemon holding the memory
   uint64_t pid_start_time = 0;  // /proc/<pid>/stat field 22, clock ticks since boot
   uint64_t bytes = 0;
-  BudgetTier tier = BudgetTier::kGpu;
+  // Where the bytes live now: GPU memory, or host memory (a host-tier cache, or a gpu-tier
+  // cache demoted to sealed memfds). Budgets are per tier; the ledger spells it TierName().
+  Tier tier = Tier::kGpu;
   bool pinned = false;       // `serve --pin`: never evicted or demoted
   uint32_t clients = 0;      // attached clients; only 0 is evictable
   int64_t last_used_ms = 0;  // unix ms of the last attach or last client detach (LRU key)
@@ -69,7 +67,7 @@ struct LedgerEntry {
 struct Ledger {
   std::vector<LedgerEntry> entries;
   // Bytes held on `tier` by every entry but `except_socket` ("" = none).
-  uint64_t BytesOn(BudgetTier tier, std::string_view except_socket = {}) const;
+  uint64_t BytesOn(Tier tier, std::string_view except_socket = {}) const;
   LedgerEntry* Find(std::string_view socket);
 };
 
@@ -97,7 +95,7 @@ std::string SerializeLedger(const Ledger& ledger);
 Result<Ledger> ParseLedger(std::string_view text, const std::string& path);
 
 // The entry of this process for `socket` (pid and start time of the caller).
-Result<LedgerEntry> SelfEntry(std::string socket, uint64_t bytes, BudgetTier tier, bool pinned);
+Result<LedgerEntry> SelfEntry(std::string socket, uint64_t bytes, Tier tier, bool pinned);
 
 // Milliseconds since the Unix epoch (the clock of last_used_ms).
 int64_t NowUnixMs();
@@ -197,7 +195,7 @@ struct AdmissionPlan {
 // the evictable entries (zero clients, not pinned) of that tier in LRU order (oldest
 // last_used_ms first), taken until the need fits; none are proposed when even evicting all
 // of them would not make room.
-AdmissionPlan PlanAdmission(const Ledger& ledger, BudgetTier tier, uint64_t budget, uint64_t need,
+AdmissionPlan PlanAdmission(const Ledger& ledger, Tier tier, uint64_t budget, uint64_t need,
                             std::string_view self_socket);
 
 // The device's budget file, identity::BudgetConfigPath (docs/budget.md): lines

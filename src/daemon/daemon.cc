@@ -213,8 +213,7 @@ Daemon::Daemon(DaemonOptions options, os::LockFile lock, PublishedSocket socket,
       wakeup_(std::move(wakeup)) {
   if (!options_.metrics) {
     options_.metrics = std::make_shared<DaemonMetrics>(
-        MetricsIdentity{options_.device_key, options_.config.model_id,
-                        std::string(TierName(options_.config.tier))});
+        MetricsIdentity{options_.device_key, options_.config.model_id, options_.config.tier});
   }
 }
 

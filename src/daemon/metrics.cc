@@ -173,15 +173,15 @@ std::string DaemonMetrics::Render() const {
          "Bytes of weights the cache holds, by device, model and tier.");
   const uint64_t held = cache_bytes_.load(kRelaxed);
   const auto bytes = static_cast<double>(held & ~kDemotedBit);
-  const bool on_host = (held & kDemotedBit) != 0 || identity_.tier != "gpu";
-  auto cache_bytes = [&](std::string_view tier, double value) {
+  const bool on_host = (held & kDemotedBit) != 0 || identity_.tier != Tier::kGpu;
+  auto cache_bytes = [&](Tier tier, double value) {
     Sample(out, "weightcache_cache_bytes",
            "{" + Label("device", identity_.device) + "," + Label("model", identity_.model) + "," +
-               Label("tier", tier) + "}",
+               Label("tier", TierName(tier)) + "}",
            value);
   };
-  if (identity_.tier == "gpu") cache_bytes("gpu", on_host ? 0 : bytes);
-  cache_bytes("host", on_host ? bytes : 0);
+  if (identity_.tier == Tier::kGpu) cache_bytes(Tier::kGpu, on_host ? 0 : bytes);
+  cache_bytes(Tier::kHost, on_host ? bytes : 0);
 
   Family(out, "weightcache_attaches_total", "counter",
          "Attach attempts seen by the daemon, by result (fallback and timeout are counted by "

@@ -26,6 +26,7 @@
 #include <string_view>
 
 #include "protocol/messages.h"
+#include "weightcache/tier.h"
 
 namespace weightcache::daemon {
 
@@ -55,9 +56,9 @@ std::string EscapeHelp(std::string_view text);
 std::string FormatSampleValue(double value);
 
 struct MetricsIdentity {
-  std::string device;  // the device UUID, or "host"
-  std::string model;   // the config's model id
-  std::string tier;    // "gpu" or "host"
+  std::string device;      // the device UUID, or "host"
+  std::string model;       // the config's model id
+  Tier tier = Tier::kGpu;  // the configured tier; its label value is TierName()
 };
 
 class DaemonMetrics {

@@ -115,7 +115,7 @@ nlohmann::json CleanedToJson(const std::vector<CleanedCache>& cleaned) {
   for (const CleanedCache& c : cleaned) {
     nlohmann::json entries = nlohmann::json::array();
     for (const LedgerEntry& e : c.ledger_entries) {
-      entries.push_back({{"pid", e.pid}, {"bytes", e.bytes}, {"tier", BudgetTierName(e.tier)}});
+      entries.push_back({{"pid", e.pid}, {"bytes", e.bytes}, {"tier", TierName(e.tier)}});
     }
     out.push_back({{"socket", c.socket}, {"removed", c.removed}, {"ledger_entries", entries}});
   }

@@ -37,6 +37,12 @@ Status FieldError(std::string_view field, const std::string& what) {
   return InvalidArgument("registry entry field " + std::string(field) + " " + what);
 }
 
+// The rule of the tier field, for Validate and FromJson alike.
+Status TierError() {
+  return FieldError("tier", "must be \"" + std::string(TierName(Tier::kGpu)) + "\" or \"" +
+                                std::string(TierName(Tier::kHost)) + "\"");
+}
+
 // The table of fields, in the order ToJson writes them (JSON objects are sorted anyway).
 enum class Kind { kString, kU32, kU64, kI64, kState };
 struct Field {
@@ -137,7 +143,7 @@ Status RegistryEntry::Validate() const {
     return FieldError("endpoint",
                       "is a wildcard address (0.0.0.0 or ::), which no other node can connect to");
   }
-  if (tier != "gpu" && tier != "host") return FieldError("tier", "must be \"gpu\" or \"host\"");
+  if (!ParseTier(TierName(tier))) return TierError();  // a value cast from outside the enum
   const bool gpu_uuid =
       (device.rfind("GPU-", 0) == 0 || device.rfind("MIG-", 0) == 0) && device.size() <= 128 &&
       std::all_of(device.begin(), device.end(), [](char c) { return IsNodeChar(c) || c == '/'; });
@@ -172,7 +178,7 @@ Status RegistryEntry::Validate() const {
 json RegistryEntry::ToJson() const {
   return json{{"format", format},     {"fleet_key", fleet_key},
               {"digest", digest},     {"node", node},
-              {"endpoint", endpoint}, {"tier", tier},
+              {"endpoint", endpoint}, {"tier", std::string(TierName(tier))},
               {"device", device},     {"bytes", bytes},
               {"tensors", tensors},   {"state", std::string(EntryStateName(state))},
               {"pid", pid},           {"model_id", model_id},
@@ -234,7 +240,9 @@ Result<RegistryEntry> RegistryEntry::FromJson(const json& j) {
   e.digest = j["digest"].get<std::string>();
   e.node = j["node"].get<std::string>();
   e.endpoint = j["endpoint"].get<std::string>();
-  e.tier = j["tier"].get<std::string>();
+  const std::optional<Tier> parsed_tier = ParseTier(j["tier"].get<std::string>());
+  if (!parsed_tier) return ProtocolError(TierError().message());
+  e.tier = *parsed_tier;
   e.device = j["device"].get<std::string>();
   e.bytes = j["bytes"].get<uint64_t>();
   e.tensors = j["tensors"].get<uint64_t>();

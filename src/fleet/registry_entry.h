@@ -25,6 +25,7 @@
 
 #include "fleet/etcd_client.h"
 #include "weightcache/status.h"
+#include "weightcache/tier.h"
 
 namespace weightcache::fleet {
 
@@ -39,12 +40,12 @@ std::optional<EntryState> ParseEntryState(std::string_view name);
 
 struct RegistryEntry {
   uint32_t format = kRegistryEntryFormat;
-  std::string fleet_key;  // 64 lowercase hex: CacheConfig::FleetDigest()
-  std::string digest;     // 64 lowercase hex: CacheConfig::Digest() on the node
-  std::string node;       // the node's name (hostname or --node-name): [A-Za-z0-9._-], 1-253
-  std::string endpoint;   // the transport's "host:port", "" until a transport serves it
-  std::string tier;       // "gpu" or "host": where the bytes are now
-  std::string device;     // GPU UUID (GPU-…, MIG-…) or "host"
+  std::string fleet_key;   // 64 lowercase hex: CacheConfig::FleetDigest()
+  std::string digest;      // 64 lowercase hex: CacheConfig::Digest() on the node
+  std::string node;        // the node's name (hostname or --node-name): [A-Za-z0-9._-], 1-253
+  std::string endpoint;    // the transport's "host:port", "" until a transport serves it
+  Tier tier = Tier::kGpu;  // where the bytes are now; "tier" in the JSON is its TierName()
+  std::string device;      // GPU UUID (GPU-…, MIG-…) or "host"
   uint64_t bytes = 0;
   uint64_t tensors = 0;
   EntryState state = EntryState::kReady;

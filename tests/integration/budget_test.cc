@@ -126,7 +126,7 @@ TEST_F(BudgetTest, AdmittedCacheIsInTheLedgerAndLeavesItAtStop) {
   EXPECT_EQ(ledger.entries[0].socket, *socket);
   EXPECT_EQ(ledger.entries[0].pid, a->pid());
   EXPECT_EQ(ledger.entries[0].bytes, bytes_[0]);
-  EXPECT_EQ(ledger.entries[0].tier, daemon::BudgetTier::kHost);
+  EXPECT_EQ(ledger.entries[0].tier, Tier::kHost);
   EXPECT_FALSE(ledger.entries[0].pinned);
   EXPECT_EQ(ledger.entries[0].clients, 0u);
   a->Signal(SIGTERM);
@@ -207,7 +207,7 @@ TEST_F(BudgetTest, DemoteHostOnAHostTierCacheIsPlainlyEvicted) {
   daemon::Ledger ledger = ReadLedger(DeviceDir(*sc));
   EXPECT_EQ(ledger.Find(*sa), nullptr);
   ASSERT_NE(ledger.Find(*sc), nullptr);
-  EXPECT_EQ(ledger.Find(*sc)->tier, daemon::BudgetTier::kHost);
+  EXPECT_EQ(ledger.Find(*sc)->tier, Tier::kHost);
 }
 
 // Any other tier after --demote is a usage error (exit 2) naming the flag.
@@ -499,7 +499,7 @@ TEST_F(BudgetTest, StatusLeavesTheLedgerUntouchedAndSkipsDeadEntries) {
   ghost.pid = dead;
   ghost.pid_start_time = 1;
   ghost.bytes = 12345;
-  ghost.tier = daemon::BudgetTier::kHost;
+  ghost.tier = Tier::kHost;
   ASSERT_TRUE(daemon::BudgetLedger(dir).Put(ghost).ok());
   const std::string path = identity::BudgetLedgerPath(dir);
   const std::string before = ReadFile(path);

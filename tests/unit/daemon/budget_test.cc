@@ -48,7 +48,7 @@ int RunInChild(Body body) {
 }
 
 LedgerEntry Entry(std::string socket, uint64_t bytes, int64_t last_used_ms,
-                  BudgetTier tier = BudgetTier::kHost) {
+                  Tier tier = Tier::kHost) {
   auto entry = SelfEntry(std::move(socket), bytes, tier, /*pinned=*/false);
   EXPECT_TRUE(entry.ok()) << entry.status().ToString();
   entry->last_used_ms = last_used_ms;
@@ -83,7 +83,7 @@ TEST(BudgetLedger, AMissingLedgerIsEmptyAndPutRoundTrips) {
   a.pinned = true;
   a.clients = 2;
   ASSERT_TRUE(ledger.Put(a).ok());
-  LedgerEntry b = Entry(dir.Join("b.sock"), 200, 6, BudgetTier::kGpu);
+  LedgerEntry b = Entry(dir.Join("b.sock"), 200, 6, Tier::kGpu);
   ASSERT_TRUE(ledger.Put(b).ok());
   b.bytes = 300;  // Put replaces the entry of the same socket
   ASSERT_TRUE(ledger.Put(b).ok());
@@ -93,9 +93,9 @@ TEST(BudgetLedger, AMissingLedgerIsEmptyAndPutRoundTrips) {
   ASSERT_EQ(read->entries.size(), 2u);
   EXPECT_EQ(read->entries[0], a);
   EXPECT_EQ(read->entries[1], b);
-  EXPECT_EQ(read->BytesOn(BudgetTier::kHost), 100u);
-  EXPECT_EQ(read->BytesOn(BudgetTier::kGpu), 300u);
-  EXPECT_EQ(read->BytesOn(BudgetTier::kGpu, b.socket), 0u);
+  EXPECT_EQ(read->BytesOn(Tier::kHost), 100u);
+  EXPECT_EQ(read->BytesOn(Tier::kGpu), 300u);
+  EXPECT_EQ(read->BytesOn(Tier::kGpu, b.socket), 0u);
 
   ASSERT_TRUE(ledger.Remove(a.socket).ok());
   read = ledger.Read();
@@ -411,25 +411,25 @@ TEST(PlanAdmission, EvictsTheLeastRecentlyUsedIdleCacheFirst) {
   LedgerEntry new_idle = Entry("/d/new.sock", 40, 200);
   Ledger ledger{{new_idle, old_idle}};
   // Budget 100, 80 held, need 40: one victim, the older one.
-  AdmissionPlan plan = PlanAdmission(ledger, BudgetTier::kHost, 100, 40, "/d/third.sock");
+  AdmissionPlan plan = PlanAdmission(ledger, Tier::kHost, 100, 40, "/d/third.sock");
   EXPECT_TRUE(plan.fits);
   EXPECT_EQ(plan.held, 80u);
   ASSERT_EQ(plan.victims.size(), 1u);
   EXPECT_EQ(plan.victims[0].socket, old_idle.socket);
   // Need 20: fits without anyone leaving.
-  plan = PlanAdmission(ledger, BudgetTier::kHost, 100, 20, "/d/third.sock");
+  plan = PlanAdmission(ledger, Tier::kHost, 100, 20, "/d/third.sock");
   EXPECT_TRUE(plan.fits);
   EXPECT_TRUE(plan.victims.empty());
   // Need 100: both go, oldest first.
-  plan = PlanAdmission(ledger, BudgetTier::kHost, 100, 100, "/d/third.sock");
+  plan = PlanAdmission(ledger, Tier::kHost, 100, 100, "/d/third.sock");
   ASSERT_TRUE(plan.fits);
   ASSERT_EQ(plan.victims.size(), 2u);
   EXPECT_EQ(plan.victims[0].socket, old_idle.socket);
   EXPECT_EQ(plan.victims[1].socket, new_idle.socket);
   // The cache's own entry and the other tier do not count.
   ledger.entries.push_back(Entry("/d/third.sock", 90, 1));
-  ledger.entries.push_back(Entry("/d/gpu.sock", 90, 1, BudgetTier::kGpu));
-  plan = PlanAdmission(ledger, BudgetTier::kHost, 100, 20, "/d/third.sock");
+  ledger.entries.push_back(Entry("/d/gpu.sock", 90, 1, Tier::kGpu));
+  plan = PlanAdmission(ledger, Tier::kHost, 100, 20, "/d/third.sock");
   EXPECT_TRUE(plan.fits);
   EXPECT_TRUE(plan.victims.empty());
 }
@@ -442,7 +442,7 @@ TEST(PlanAdmission, NeverTouchesAPinnedOrAttachedCacheAndNamesThemWhenExhausted)
   LedgerEntry idle = Entry("/d/idle.sock", 10, 3);
   const Ledger ledger{{pinned, attached, idle}};
   // Evicting the idle one frees 10, not enough for 40 under 100 with 90 held.
-  AdmissionPlan plan = PlanAdmission(ledger, BudgetTier::kHost, 100, 40, "/d/new.sock");
+  AdmissionPlan plan = PlanAdmission(ledger, Tier::kHost, 100, 40, "/d/new.sock");
   EXPECT_FALSE(plan.fits);
   EXPECT_TRUE(plan.victims.empty());  // nobody is evicted for nothing
   EXPECT_EQ(plan.held, 90u);
@@ -456,7 +456,7 @@ TEST(PlanAdmission, NeverTouchesAPinnedOrAttachedCacheAndNamesThemWhenExhausted)
   EXPECT_NE(m.find("/d/attached.sock 40 B (pid " + self + ", 1 client)"), std::string::npos) << m;
   EXPECT_NE(m.find("/d/idle.sock 10 B (pid " + self + ", 0 clients)"), std::string::npos) << m;
   // A need over the whole budget never fits, even on an empty device.
-  plan = PlanAdmission(Ledger{}, BudgetTier::kHost, 100, 101, "/d/new.sock");
+  plan = PlanAdmission(Ledger{}, Tier::kHost, 100, 101, "/d/new.sock");
   EXPECT_FALSE(plan.fits);
   EXPECT_NE(plan.refusal.find("this cache needs 101 B, 0 B is held"), std::string::npos)
       << plan.refusal;
@@ -588,12 +588,12 @@ TEST(AdmitEvicting, AVictimThatKeepsItsMemoryPastTheDeadlineIsATimeout) {
 TEST(AdmitEvicting, AVictimDemotedToTheHostTierCountsAsFreed) {
   TempDir dir;
   BudgetLedger ledger(dir.path());
-  ASSERT_TRUE(ledger.Put(Entry("/d/old.sock", 60, 100, BudgetTier::kGpu)).ok());
-  const LedgerEntry self = Entry("/d/new.sock", 60, 300, BudgetTier::kGpu);
+  ASSERT_TRUE(ledger.Put(Entry("/d/old.sock", 60, 100, Tier::kGpu)).ok());
+  const LedgerEntry self = Entry("/d/new.sock", 60, 300, Tier::kGpu);
   auto demote = [&](const LedgerEntry& v) -> Result<EvictAnswer> {
     WEIGHTCACHE_RETURN_IF_ERROR(ledger
                                     .Update([&](Ledger& now) {
-                                      now.Find(v.socket)->tier = BudgetTier::kHost;
+                                      now.Find(v.socket)->tier = Tier::kHost;
                                       return Status::Ok();
                                     })
                                     .status());
@@ -606,11 +606,11 @@ TEST(AdmitEvicting, AVictimDemotedToTheHostTierCountsAsFreed) {
   ASSERT_TRUE(now.ok());
   ASSERT_EQ(now->entries.size(), 2u);
   ASSERT_NE(now->Find("/d/old.sock"), nullptr);
-  EXPECT_EQ(now->Find("/d/old.sock")->tier, BudgetTier::kHost);
+  EXPECT_EQ(now->Find("/d/old.sock")->tier, Tier::kHost);
   EXPECT_EQ(now->Find("/d/old.sock")->bytes, 60u);
-  EXPECT_EQ(now->Find("/d/new.sock")->tier, BudgetTier::kGpu);
-  EXPECT_EQ(now->BytesOn(BudgetTier::kGpu), 60u);
-  EXPECT_EQ(now->BytesOn(BudgetTier::kHost), 60u);
+  EXPECT_EQ(now->Find("/d/new.sock")->tier, Tier::kGpu);
+  EXPECT_EQ(now->BytesOn(Tier::kGpu), 60u);
+  EXPECT_EQ(now->BytesOn(Tier::kHost), 60u);
 }
 
 TEST(ParseByteSizeOrPercent, TakesBytesOrAWholePercentOfTheTotal) {

@@ -37,7 +37,7 @@ TEST(MetricsFormat, FormatsSampleValues) {
 }
 
 TEST(DaemonMetrics, RendersTheIdentityLabelsEscaped) {
-  DaemonMetrics m({"GPU-1234", "org/\"odd\"\nmodel", "gpu"});
+  DaemonMetrics m({"GPU-1234", "org/\"odd\"\nmodel", Tier::kGpu});
   m.SetCacheBytes(4096);
   std::string text = m.Render();
   EXPECT_TRUE(HasLine(text,
@@ -56,7 +56,7 @@ TEST(DaemonMetrics, RendersTheIdentityLabelsEscaped) {
 }
 
 TEST(DaemonMetrics, ADemotedGpuCacheCountsItsBytesOnTheHostTier) {
-  DaemonMetrics m({"GPU-1234", "m", "gpu"});
+  DaemonMetrics m({"GPU-1234", "m", Tier::kGpu});
   m.SetCacheBytes(4096, /*demoted_to_host=*/true);
   std::string text = m.Render();
   EXPECT_TRUE(HasLine(text, R"(weightcache_cache_bytes{device="GPU-1234",model="m",tier="gpu"} 0)"))
@@ -65,7 +65,7 @@ TEST(DaemonMetrics, ADemotedGpuCacheCountsItsBytesOnTheHostTier) {
       HasLine(text, R"(weightcache_cache_bytes{device="GPU-1234",model="m",tier="host"} 4096)"))
       << text;
   // A host-tier cache has the host series only.
-  DaemonMetrics host({"host", "m", "host"});
+  DaemonMetrics host({"host", "m", Tier::kHost});
   host.SetCacheBytes(10);
   text = host.Render();
   EXPECT_TRUE(HasLine(text, R"(weightcache_cache_bytes{device="host",model="m",tier="host"} 10)"))
@@ -74,7 +74,7 @@ TEST(DaemonMetrics, ADemotedGpuCacheCountsItsBytesOnTheHostTier) {
 }
 
 TEST(DaemonMetrics, CountsAttachesByResultWithHitsAndMisses) {
-  DaemonMetrics m({"host", "m", "host"});
+  DaemonMetrics m({"host", "m", Tier::kHost});
   m.RecordAttach(AttachResult::kDaemon, 0.0002);
   m.RecordAttach(AttachResult::kDaemon, 0.003);
   m.RecordAttach(AttachResult::kMismatch);
@@ -94,7 +94,7 @@ TEST(DaemonMetrics, CountsAttachesByResultWithHitsAndMisses) {
 }
 
 TEST(DaemonMetrics, HistogramBucketsAreCumulativeWithInfSumAndCount) {
-  DaemonMetrics m({"host", "m", "host"});
+  DaemonMetrics m({"host", "m", Tier::kHost});
   m.RecordAttach(AttachResult::kDaemon, 0.0001);  // on a bound: counted in that bucket (le)
   m.RecordAttach(AttachResult::kDaemon, 0.0003);
   m.RecordAttach(AttachResult::kDaemon, 0.02);
@@ -128,7 +128,7 @@ TEST(DaemonMetrics, HistogramBucketsAreCumulativeWithInfSumAndCount) {
 }
 
 TEST(DaemonMetrics, StateIsOneHotAndLoadGaugesFollowTheLoad) {
-  DaemonMetrics m({"host", "m", "host"});
+  DaemonMetrics m({"host", "m", Tier::kHost});
   m.SetLoadProgress(250, 1000);
   std::string loading = m.Render();
   EXPECT_TRUE(HasLine(loading, R"(weightcache_daemon_state{state="loading"} 1)")) << loading;
@@ -159,7 +159,7 @@ TEST(DaemonMetrics, StateIsOneHotAndLoadGaugesFollowTheLoad) {
 }
 
 TEST(DaemonMetrics, EveryFamilyHasHelpAndTypeAndEveryLineEndsInNewline) {
-  DaemonMetrics m({"host", "m", "host"});
+  DaemonMetrics m({"host", "m", Tier::kHost});
   std::string text = m.Render();
   ASSERT_FALSE(text.empty());
   EXPECT_EQ(text.back(), '\n');

@@ -126,7 +126,7 @@ TEST_F(StaleFilesTest, DropsTheLedgerEntriesOfDeadOwnersAndKeepsTheLiving) {
   const std::string dead = device + "/1111111111111111.sock";
   const std::string live = device + "/2222222222222222.sock";
   BudgetLedger ledger(device);
-  auto mine = SelfEntry(live, 100, BudgetTier::kHost, false);
+  auto mine = SelfEntry(live, 100, Tier::kHost, false);
   ASSERT_TRUE(mine.ok()) << mine.status().ToString();
   LedgerEntry gone = *mine;
   gone.socket = dead;

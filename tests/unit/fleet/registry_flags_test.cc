@@ -184,7 +184,7 @@ TEST(RegistryFlagsTest, ListedSourcesAreForwardedPerRankWithoutARegistry) {
 }
 
 fleet::RegistryEntry Entry(const std::string& node, const std::string& endpoint,
-                           const std::string& tier = "gpu",
+                           Tier tier = Tier::kGpu,
                            fleet::EntryState state = fleet::EntryState::kReady) {
   fleet::RegistryEntry e;
   e.node = node;
@@ -207,17 +207,18 @@ TEST(RegistryFlagsTest, FillSourcesAreTheOtherNodesReadyEntriesOfTheTier) {
   std::mt19937_64 rng(1);
   const std::vector<fleet::RegistryEntry> entries = {
       Entry("a", "10.0.0.1:7400"),
-      Entry("self", "10.0.0.9:7400"),       // this node
-      Entry("b", "10.0.0.2:7400", "host"),  // another tier
-      Entry("c", ""),                       // no transport yet
-      Entry("d", "10.0.0.4:7400", "gpu", fleet::EntryState::kLoading),
-      Entry("e", "10.0.0.5:7400", "gpu", fleet::EntryState::kDemoted),
+      Entry("self", "10.0.0.9:7400"),            // this node
+      Entry("b", "10.0.0.2:7400", Tier::kHost),  // another tier
+      Entry("c", ""),                            // no transport yet
+      Entry("d", "10.0.0.4:7400", Tier::kGpu, fleet::EntryState::kLoading),
+      Entry("e", "10.0.0.5:7400", Tier::kGpu, fleet::EntryState::kDemoted),
       Entry("f", "10.0.0.6:7400"),
   };
-  EXPECT_THAT(Nodes(ChooseFillSources(entries, "gpu", "self", rng)),
+  EXPECT_THAT(Nodes(ChooseFillSources(entries, Tier::kGpu, "self", rng)),
               ::testing::ElementsAre("a", "f"));
-  EXPECT_THAT(Nodes(ChooseFillSources(entries, "host", "self", rng)), ::testing::ElementsAre("b"));
-  EXPECT_TRUE(ChooseFillSources({Entry("self", "10.0.0.9:7400")}, "gpu", "self", rng).empty());
+  EXPECT_THAT(Nodes(ChooseFillSources(entries, Tier::kHost, "self", rng)),
+              ::testing::ElementsAre("b"));
+  EXPECT_TRUE(ChooseFillSources({Entry("self", "10.0.0.9:7400")}, Tier::kGpu, "self", rng).empty());
 }
 
 // More ready sources than a fill uses: kMaxFetchSources distinct ones, a different choice from
@@ -232,7 +233,8 @@ TEST(RegistryFlagsTest, ManySourcesAreCutToTheMostAFillUsesAtRandom) {
   std::set<std::string> ever;
   std::set<std::vector<std::string>> choices;
   for (int draw = 0; draw < 50; ++draw) {
-    const std::vector<std::string> chosen = Nodes(ChooseFillSources(entries, "gpu", "self", rng));
+    const std::vector<std::string> chosen =
+        Nodes(ChooseFillSources(entries, Tier::kGpu, "self", rng));
     ASSERT_EQ(chosen.size(), fleet::kMaxFetchSources);
     const std::set<std::string> distinct(chosen.begin(), chosen.end());
     EXPECT_EQ(distinct.size(), chosen.size()) << "a source chosen twice";

@@ -24,7 +24,7 @@ RegistryEntry SampleEntry() {
   e.digest = std::string(16, '1') + std::string(48, 'd');
   e.node = "node-a.example";
   e.endpoint = "10.0.0.1:7000";
-  e.tier = "host";
+  e.tier = Tier::kHost;
   e.device = "GPU-6c3e1f4a-0b1d-4c2e-9f3a-1234567890ab";
   e.bytes = 1 << 30;
   e.tensors = 291;
@@ -222,7 +222,7 @@ TEST_F(RegistryEtcdTest, RegistrarPublishesUpdatesAndWithdraws) {
   EXPECT_EQ(etcd_->Client().Get(EntryKey("/weightcache", e))->lease, lease);
 
   e.state = EntryState::kDemoted;
-  e.tier = "host";
+  e.tier = Tier::kHost;
   ASSERT_TRUE(registrar->Publish(e).ok());
   ASSERT_TRUE(PollUntil([&] { return Stored(e) == e; }));
   EXPECT_EQ(registrar->lease(), lease);  // the same lease
