@@ -3,7 +3,11 @@
 # tools/ and python/src must point down (or within its own area) in this order:
 #
 #   common → os → cuda → checkpoint → sharding → identity → protocol → keeper → fleet
-#          → daemon | client → launcher → tools | python
+#          → daemon | client → launcher → serve → tools | python
+#
+# serve (the composition root of `weightcache serve`, docs/design.md "Target layout") puts the
+# daemon, the client's discovery and the launcher's child processes together for one serving
+# process; the CLI parses flags into it.
 #
 # fleet (the cross-node registry and transport, docs/fleet.md) sits under the daemon, which
 # registers its caches and fills from other nodes through it.
@@ -25,7 +29,7 @@ cd "$(dirname "$0")/.."
 
 declare -A rank=([common]=0 [os]=1 [cuda]=2 [checkpoint]=3 [sharding]=4 [identity]=5
                  [protocol]=6 [keeper]=7 [fleet]=8 [daemon]=9 [client]=9 [launcher]=10
-                 [tools]=11 [python]=11)
+                 [serve]=11 [tools]=12 [python]=12)
 # Modules restricted to a list of modules below them (beyond the rank order).
 declare -A only=([keeper]="common os protocol")
 # Modules barred from a module below them (beyond the rank order).
@@ -76,7 +80,7 @@ done < <(grep -rnE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"[A-Za-z0-9_]+/
 if (( bad )); then
   echo "check-includes: the include graph has upward or barred edges (order: common → os →" \
        "cuda → checkpoint → sharding → identity → protocol → keeper → fleet → daemon|client →" \
-       "launcher → tools|python; keeper: common, os, protocol only; tools: not cuda)" >&2
+       "launcher → serve → tools|python; keeper: common, os, protocol only; tools: not cuda)" >&2
   exit 1
 fi
 echo "check-includes: ok"

@@ -1,8 +1,9 @@
 // `weightcache serve`: run one daemon in the foreground (docs/design.md "Command line",
 // docs/daemon.md).
 //
-// Over 800 lines: it still composes what belongs in a library serve (admission, registration,
-// seeding, the upgrade successor); moving that to src/serve/ is issue 41's work.
+// The library's composition root, src/serve/, holds admission under the budget, the demotion
+// hooks, seeding and the upgrade's two ends; what is composed here still (registration, the
+// metrics server, systemd readiness, detach) moves there next (docs/design.md "Target layout").
 //
 // The identity flags are the attach's own (AddIdentityFlags + identity::ResolveIdentity), so
 // a daemon and an engine given the same flags compute the same CacheConfig, device key and
@@ -15,7 +16,6 @@
 // Exit codes: 0 clean stop (--detach: the daemon serves); 2 usage; 5 invalid checkpoint; 7 already
 // served (the message names the owner's pid); 8 no room under the device's budget (docs/budget.md);
 // otherwise the failed load's code (1 for I/O, budget, CUDA).
-#include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -47,29 +47,21 @@
 #include "launcher/serve_daemons.h"
 #include "os/lock_file.h"
 #include "os/read_file.h"
-#include "os/syscalls.h"
-#include "protocol/connection.h"
-#include "seed_fill.h"
+#include "protocol/handoff.h"
+#include "serve/admission.h"
+#include "serve/seed_fill.h"
+#include "serve/successor.h"
 #include "sharding/planner.h"
 
 namespace weightcache::cli {
 namespace {
-
-// How long admission waits for the caches it evicted to give their memory back.
-constexpr std::chrono::seconds kEvictionTimeout{30};
 
 struct ServeArgs {
   IdentityOptions identity;
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;
   std::string memory_budget;
-  std::string gpu_budget;  // the device's budget (docs/budget.md); "" = budget.conf, if any
-  std::string host_budget;
-  bool pin = false;    // never evicted to make room for another cache
-  std::string demote;  // "host" / "host-pinned": demoted to host RAM when evicted (docs/budget.md)
-  // --wait[=SECONDS]: when nothing can be freed, wait for room (docs/budget.md). < 0: fail at
-  // once (no --wait); 0: no limit (a bare --wait); otherwise the seconds to wait at most.
-  double wait_s = -1;
+  serve::BudgetOptions budget;  // --gpu-budget, --host-budget, --pin, --demote, --wait
   int threads = 16;
   double failed_linger_s = 30;
   double handshake_timeout_s = 10;
@@ -92,54 +84,6 @@ struct ServeArgs {
   RegistryFlags registry;  // --registry and its flags (docs/fleet.md)
   std::string seed_from;   // --seed-from auto|SOCKET (docs/seeding.md)
 };
-
-// The successor of an Upgrade (docs/upgrade.md): started with our own command line, minus any
-// --handover-fd and --metrics-fd of our own, plus the channel and, when we serve metrics, our
-// metrics listener (docs/metrics.md "Upgrade"); in our session, with our standard streams, so
-// that its log lines go where ours went.
-class SpawnedSuccessor : public daemon::Successor {
- public:
-  explicit SpawnedSuccessor(launcher::ChildProcess child) : child_(std::move(child)) {}
-  pid_t pid() const override { return child_.pid(); }
-  void Release() override { child_.Detach(); }
-
- private:
-  launcher::ChildProcess child_;
-};
-
-Result<std::unique_ptr<daemon::Successor>> StartSuccessor(const std::string& binary, int channel,
-                                                          int metrics_listener) {
-  launcher::SpawnOptions spawn;
-  spawn.argv.push_back(binary);
-  const std::vector<std::string>& ours = ProgramArgs();
-  // Our own internal flags, with their values, are not passed on: the successor gets its own.
-  auto internal = [](std::string_view flag) {
-    return flag == "--handover-fd" || flag == "--metrics-fd";
-  };
-  for (size_t i = 1; i < ours.size(); ++i) {
-    const std::string_view arg = ours[i];
-    if (internal(arg)) {
-      ++i;  // and its value
-      continue;
-    }
-    if (internal(arg.substr(0, arg.find('=')))) continue;  // --flag=value
-    spawn.argv.push_back(ours[i]);
-  }
-  spawn.argv.push_back("--handover-fd");
-  spawn.argv.push_back(std::to_string(daemon::kHandoverChannelFd));
-  if (metrics_listener >= 0) {
-    spawn.argv.push_back("--metrics-fd");
-    spawn.argv.push_back(std::to_string(daemon::kMetricsListenerFd));
-    spawn.pass_fds.emplace_back(metrics_listener, daemon::kMetricsListenerFd);
-  }
-  spawn.in = launcher::Stdio::kInherit;
-  spawn.out = launcher::Stdio::kInherit;
-  spawn.err = launcher::Stdio::kInherit;
-  spawn.session = launcher::Session::kInherit;
-  spawn.pass_fds.emplace_back(channel, daemon::kHandoverChannelFd);
-  WEIGHTCACHE_ASSIGN_OR_RETURN(launcher::ChildProcess child, launcher::ChildProcess::Spawn(spawn));
-  return std::unique_ptr<daemon::Successor>(new SpawnedSuccessor(std::move(child)));
-}
 
 std::chrono::milliseconds Millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
@@ -285,250 +229,6 @@ int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id, int sign
   return code;
 }
 
-// An upgrade's successor: receive and validate the handover, publish the socket over the old
-// daemon's, confirm. Any failure goes back to the old daemon (which serves on) and is ours.
-// `predecessor_pid`: the old daemon's pid, once taken over.
-Result<std::unique_ptr<daemon::Daemon>> TakeOver(const ServeArgs& args,
-                                                 const identity::ResolvedIdentity& id,
-                                                 const daemon::DaemonOptions& options,
-                                                 int64_t* predecessor_pid) {
-  const UniqueFd channel(args.handover_fd);
-  std::optional<daemon::GpuAdoptContext> gpu;
-  if (options.config.tier == Tier::kGpu && options.device.has_value()) {
-    auto driver = options.env.load_driver();
-    if (driver.ok()) gpu = daemon::GpuAdoptContext{*driver, *options.device};
-  }
-  const std::string model_path =
-      identity::IsPublishedSource(options.config.source) ? "" : options.model_path;
-  auto taken =
-      daemon::ReceiveHandover(channel.get(), id.paths, options.config, model_path, options.keeper,
-                              gpu ? &*gpu : nullptr, std::chrono::seconds(30));
-  if (!taken.ok()) {
-    daemon::RefuseHandover(channel.get(), taken.status());
-    Status status = taken.status();
-    return status.Context("taking over the cache");
-  }
-  const int64_t predecessor = taken->predecessor_pid;
-  auto daemon = daemon::Daemon::CreateFromHandover(options, std::move(taken).value());
-  if (!daemon.ok()) {
-    daemon::RefuseHandover(channel.get(), daemon.status());
-    return daemon;
-  }
-  Status confirmed = daemon::ConfirmHandover(channel.get());
-  if (!confirmed.ok()) {
-    // It died after handing over (kill -9 mid-handoff): we hold the lock and serve anyway.
-    LOG_WARN << "the old daemon (pid " << predecessor
-             << ") did not take the confirmation: " << confirmed.ToString();
-  }
-  LOG_INFO << "took over from pid " << predecessor << " (upgrade)";
-  *predecessor_pid = predecessor;
-  return daemon;
-}
-
-// The budget of this cache's tier on its device: the flag, else the device's budget.conf, else
-// none (std::nullopt). kInvalidArgument for a value that does not parse.
-// `tier`: another tier's budget (a demotion's host budget); default the cache's own.
-Result<std::optional<uint64_t>> TierBudget(const ServeArgs& args,
-                                           const identity::ResolvedIdentity& id,
-                                           std::optional<Tier> tier = std::nullopt) {
-  const bool gpu = tier.value_or(id.config.tier) == Tier::kGpu;
-  std::string text = gpu ? args.gpu_budget : args.host_budget;
-  std::string from = gpu ? "--gpu-budget" : "--host-budget";
-  if (text.empty()) {
-    const std::string conf = identity::BudgetConfigPath(id.paths.device_dir);
-    WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::BudgetConfig config, daemon::ReadBudgetConfig(conf));
-    text = gpu ? config.gpu_budget : config.host_budget;
-    from = conf + (gpu ? " gpu_budget" : " host_budget");
-  }
-  if (text.empty()) return std::optional<uint64_t>();
-  auto bytes = gpu ? daemon::ParseByteSizeOrPercent(text, id.device ? id.device->memory_bytes : 0)
-                   : daemon::ParseByteSize(text);
-  if (!bytes.ok()) return Status(bytes.status()).Context(from);
-  return std::optional<uint64_t>(*bytes);
-}
-
-// How long a serving daemon waits for the ledger's lock (its client-count writer, a
-// demotion's move of its entry, and the removal at stop) before it gives up and logs it: a peer
-// hung inside its critical section must not hang us (docs/budget.md).
-constexpr std::chrono::seconds kLedgerLockWait{5};
-
-// An idle cache of the LRU order gives its memory back when asked (an Evict over its socket):
-// it stops, or is demoted to host RAM (--demote host); it refuses when it has clients or is
-// pinned.
-Result<daemon::EvictAnswer> EvictVictim(const daemon::LedgerEntry& victim) {
-  const auto timeout = std::chrono::seconds(5);
-  WEIGHTCACHE_ASSIGN_OR_RETURN(auto conn, protocol::Connection::Connect(victim.socket, timeout));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(protocol::EvictReply reply,
-                               conn.Evict(os::Deadline::After(timeout)));
-  return daemon::EvictAnswer{.accepted = reply.evicted, .reason = reply.reason};
-}
-
-// `serve --demote host` (docs/budget.md, "Demotion and promotion"): the daemon's hooks into the
-// device's ledger. Each opens the ledger by path (BudgetLedger holds only paths), so they need
-// nothing from serve's own admission.
-Result<daemon::DemotionOptions> DemotionHooks(const ServeArgs& args,
-                                              const identity::ResolvedIdentity& id) {
-  daemon::DemotionOptions demotion;
-  if (args.demote.empty()) return demotion;
-  if (args.demote != "host" && args.demote != "host-pinned") {
-    return InvalidArgument("--demote " + args.demote +
-                           ": the only tier to demote to is host (`host` or `host-pinned`)");
-  }
-  demotion.enabled = true;
-  demotion.pin_host_copy = args.demote == "host-pinned";
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<uint64_t> host_budget,
-                               TierBudget(args, id, Tier::kHost));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<uint64_t> gpu_budget,
-                               TierBudget(args, id, Tier::kGpu));
-  const std::string device_dir = id.paths.device_dir;
-  const std::string socket = id.paths.socket;
-  const bool pinned = args.pin;
-  if (host_budget.has_value()) {
-    demotion.host_room = [device_dir, socket, budget = *host_budget](uint64_t bytes) -> Status {
-      daemon::BudgetLedger ledger(device_dir);
-      WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::Ledger now, ledger.ReadOnly());
-      const uint64_t held = now.BytesOn(Tier::kHost, socket);
-      if (held + bytes > budget) {
-        return Status(StatusCode::kOutOfMemory,
-                      "the host budget is " + daemon::FormatBytes(budget) + ", " +
-                          daemon::FormatBytes(held) + " is held and the demotion needs " +
-                          daemon::FormatBytes(bytes));
-      }
-      return Status::Ok();
-    };
-  }
-  demotion.moved = [device_dir, socket](Tier tier, std::span<const int> /*fds*/) {
-    const pid_t self = ::getpid();
-    Status updated = daemon::BudgetLedger(device_dir)
-                         .UpdateUntil(
-                             [&](daemon::Ledger& now) {
-                               daemon::LedgerEntry* mine = now.Find(socket);
-                               if (mine != nullptr && mine->pid == self) mine->tier = tier;
-                               return Status::Ok();
-                             },
-                             std::chrono::steady_clock::now() + kLedgerLockWait)
-                         .status();
-    if (!updated.ok()) {
-      LOG_WARN << "moving the budget ledger entry: " << updated.ToString();
-    }
-  };
-  if (gpu_budget.has_value()) {
-    demotion.readmit = [device_dir, socket, pinned, budget = *gpu_budget]() -> Status {
-      daemon::BudgetLedger ledger(device_dir);
-      // Bounded like the admission below: this runs on the mover thread, which a stop joins.
-      const auto deadline = std::chrono::steady_clock::now() + kEvictionTimeout;
-      WEIGHTCACHE_ASSIGN_OR_RETURN(
-          daemon::Ledger now,
-          ledger.UpdateUntil([](daemon::Ledger&) { return Status::Ok(); }, deadline));
-      const daemon::LedgerEntry* mine = now.Find(socket);
-      if (mine == nullptr) return Status::Ok();  // not in the ledger (removed by hand)
-      WEIGHTCACHE_ASSIGN_OR_RETURN(daemon::LedgerEntry self,
-                                   daemon::SelfEntry(socket, mine->bytes, Tier::kGpu, pinned));
-      self.last_used_ms = daemon::NowUnixMs();
-      self.budget = budget;
-      return daemon::AdmitEvicting(ledger, self, budget, EvictVictim, deadline);
-    };
-  }
-  return demotion;
-}
-
-// How often a waiting admission (--wait) plans again, and how often it says it still waits.
-constexpr std::chrono::milliseconds kWaitPoll{250};
-constexpr std::chrono::seconds kWaitProgressEvery{10};
-
-// One admission (daemon::AdmitEvicting); with --wait, an admission that finds nothing to free
-// (kOutOfMemory) is planned again every kWaitPoll (the ledger re-read, idle caches asked
-// again) until it gets in, the wait runs out (the last refusal, exit 8), or a stop signal
-// arrives (the same, saying so). A progress line says what it waits for.
-Status AdmitOrWait(const ServeArgs& args, daemon::BudgetLedger& ledger,
-                   const daemon::LedgerEntry& self, uint64_t budget, const daemon::EvictFn& evict,
-                   int signal_fd) {
-  const auto start = std::chrono::steady_clock::now();
-  const bool forever = args.wait_s == 0;
-  const auto until = start + Millis(std::max(args.wait_s, 0.0));
-  auto last_progress = start - kWaitProgressEvery;
-  for (;;) {
-    Status admitted = daemon::AdmitEvicting(ledger, self, budget, evict,
-                                            std::chrono::steady_clock::now() + kEvictionTimeout);
-    if (admitted.ok() || admitted.code() != StatusCode::kOutOfMemory || args.wait_s < 0) {
-      return admitted;
-    }
-    const auto now = std::chrono::steady_clock::now();
-    if (!forever && now >= until) {
-      return Status(StatusCode::kOutOfMemory,
-                    admitted.message() + " (waited " +
-                        std::to_string(static_cast<int64_t>(args.wait_s)) + " s, --wait)");
-    }
-    if (now - last_progress >= kWaitProgressEvery) {
-      last_progress = now;
-      const auto waited = std::chrono::duration_cast<std::chrono::seconds>(now - start).count();
-      std::string left = "no limit";
-      if (!forever) {
-        left =
-            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(until - now).count()) +
-            " s left";
-      }
-      LOG_INFO << "waiting for room (--wait, " << waited << " s so far, " << left
-               << "): " << admitted.message();
-    }
-    pollfd stop{};
-    stop.fd = signal_fd;
-    stop.events = POLLIN;
-    const int ready = os::SysCalls::Default().Poll(&stop, 1, static_cast<int>(kWaitPoll.count()));
-    if (ready > 0) {
-      return Status(StatusCode::kOutOfMemory,
-                    "stopped while waiting for room (--wait): " + admitted.message());
-    }
-  }
-}
-
-// Admission under the device's budget (docs/budget.md): registers this cache in the device's
-// ledger, or fails kOutOfMemory naming the budget, the need and the holders. Returns the
-// ledger to unregister from at stop (nullptr: no budget applies).
-Result<std::unique_ptr<daemon::BudgetLedger>> AdmitUnderBudget(const ServeArgs& args,
-                                                               const identity::ResolvedIdentity& id,
-                                                               int signal_fd) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::optional<uint64_t> budget, TierBudget(args, id));
-  if (!budget.has_value()) return std::unique_ptr<daemon::BudgetLedger>();
-  if (identity::IsPublishedSource(id.config.source)) {
-    return InvalidArgument(
-        "a budget needs --model (a published cache's size is not known up front)");
-  }
-  WEIGHTCACHE_ASSIGN_OR_RETURN(checkpoint::Checkpoint ckpt,
-                               checkpoint::Checkpoint::Open(args.identity.model_dir));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(
-      daemon::LedgerEntry self,
-      daemon::SelfEntry(id.paths.socket, ckpt.total_bytes(), id.config.tier, args.pin));
-  self.last_used_ms = daemon::NowUnixMs();
-  self.budget = *budget;  // what `status` shows when budget.conf gives none
-  auto ledger = std::make_unique<daemon::BudgetLedger>(id.paths.device_dir);
-  WEIGHTCACHE_RETURN_IF_ERROR(AdmitOrWait(args, *ledger, self, *budget, EvictVictim, signal_fd));
-  LOG_INFO << "admitted under the " << TierName(id.config.tier) << " budget of "
-           << daemon::FormatBytes(*budget) << ": " << daemon::FormatBytes(self.bytes);
-  return ledger;
-}
-
-// Our own entry leaves the ledger at stop (an upgrade's successor registered its own pid). A
-// lock held past kLedgerLockWait leaves it behind: the next reader reclaims it once we exit.
-void LeaveBudget(daemon::BudgetLedger* ledger, const std::string& socket) {
-  if (ledger == nullptr) return;
-  const pid_t self = ::getpid();
-  Status removed = ledger
-                       ->UpdateUntil(
-                           [&](daemon::Ledger& now) {
-                             std::erase_if(now.entries, [&](const daemon::LedgerEntry& e) {
-                               return e.socket == socket && e.pid == self;
-                             });
-                             return Status::Ok();
-                           },
-                           std::chrono::steady_clock::now() + kLedgerLockWait)
-                       .status();
-  if (!removed.ok()) {
-    LOG_WARN << "leaving the budget ledger (the next reader reclaims our entry once we exit): "
-             << removed.ToString();
-  }
-}
-
 int Run(ServeArgs& args) {
   constexpr std::string_view kCmd = "serve";
   if (args.identity.tier == Tier::kGpu && args.identity.device.empty()) {
@@ -536,7 +236,7 @@ int Run(ServeArgs& args) {
     // exists to prevent (docs/design.md "What it is").
     return Fail(kCmd, InvalidArgument("--tier gpu needs --device N|UUID"));
   }
-  if (Status seed = CheckSeedFrom(args.seed_from); !seed.ok()) return Fail(kCmd, seed);
+  if (Status seed = serve::CheckSeedFrom(args.seed_from); !seed.ok()) return Fail(kCmd, seed);
   daemon::DaemonOptions options;
   if (!args.memory_budget.empty()) {
     auto budget = daemon::ParseByteSize(args.memory_budget);
@@ -572,8 +272,8 @@ int Run(ServeArgs& args) {
   options.allow_uids.assign(args.allow_uids.begin(), args.allow_uids.end());
   options.allow_gids.assign(args.allow_gids.begin(), args.allow_gids.end());
   options.failed_linger = Millis(args.failed_linger_s);
-  options.pinned = args.pin;
-  auto demotion = DemotionHooks(args, *id);
+  options.pinned = args.budget.pin;
+  auto demotion = serve::DemotionHooks(args.budget, *id);
   if (!demotion.ok()) return Fail(kCmd, demotion.status());
   options.demotion = std::move(demotion).value();
   // The fleet registry (docs/fleet.md): the entry is put once the cache is ready, follows a
@@ -586,8 +286,8 @@ int Run(ServeArgs& args) {
   // peer cache of this node, then other nodes, then reads the disk; on either tier. A peer
   // still loading is not waited for: only ready ones seed.
   options.load.peer_fill =
-      FirstFillOf(SeedFiller(*id, args.seed_from, std::chrono::milliseconds(0)),
-                  registration ? registration->Filler() : daemon::PeerFill());
+      serve::FirstFillOf(serve::SeedFiller(*id, args.seed_from, std::chrono::milliseconds(0)),
+                         registration ? registration->Filler() : daemon::PeerFill());
   options.load.keep_creating_handles = registration && registration->ServesFill();
   if (registration && options.demotion.moved) {
     // Weak: the daemon's copies of the options must not keep the registration (and its
@@ -681,17 +381,18 @@ int Run(ServeArgs& args) {
   // A successor inherits our metrics listener (docs/metrics.md "Upgrade").
   options.start_successor = [listener = metrics_server ? metrics_server->listener_fd() : -1](
                                 const std::string& binary, int channel) {
-    return StartSuccessor(binary, channel, listener);
+    return serve::StartSuccessor(ProgramArgs(), binary, channel, listener);
   };
 
   int64_t predecessor = 0;
   Result<std::unique_ptr<daemon::Daemon>> daemon = [&] {
     if (args.handover_fd < 0) return daemon::Daemon::Create(options);
-    return TakeOver(args, *id, options, &predecessor);
+    return serve::TakeOver(args.handover_fd, *id, options, &predecessor);
   }();
   if (!daemon.ok()) return Fail(kCmd, daemon.status());
   // Admission once we hold the identity lock (and the device dir exists), before loading.
-  auto budget_ledger = AdmitUnderBudget(args, *id, signals->get());
+  auto budget_ledger =
+      serve::AdmitUnderBudget(args.budget, *id, args.identity.model_dir, signals->get());
   if (!budget_ledger.ok()) {
     daemon->reset();
     return Fail(kCmd, budget_ledger.status());
@@ -788,7 +489,7 @@ int Run(ServeArgs& args) {
   // the event loop (a ledger lock held by a hung peer must not stall attaches).
   std::optional<daemon::LedgerClientsWriter> clients_writer;
   if (*budget_ledger) {
-    clients_writer.emplace(**budget_ledger, options.paths.socket, kLedgerLockWait);
+    clients_writer.emplace(**budget_ledger, options.paths.socket, serve::kLedgerLockWait);
     events.on_clients = [&clients_writer](uint32_t clients) { clients_writer->Set(clients); };
   }
 
@@ -799,7 +500,7 @@ int Run(ServeArgs& args) {
   registration.reset();
   daemon->reset();  // withdraw the socket, then release the lock, before we report
   clients_writer.reset();
-  LeaveBudget(budget_ledger->get(), options.paths.socket);
+  serve::LeaveBudget(budget_ledger->get(), options.paths.socket);
   if (!result.ok()) return Fail(kCmd, result);
   LOG_INFO << "stopped";
   return kExitOk;
@@ -822,14 +523,14 @@ void RegisterServeCommand(CLI::App& root) {
                   "also accept clients whose primary gid is this (repeatable)");
   sub->add_option("--memory-budget", args->memory_budget,
                   "refuse to load a plan larger than this (e.g. 20G, 512M, bytes)");
-  sub->add_option("--gpu-budget", args->gpu_budget,
+  sub->add_option("--gpu-budget", args->budget.gpu_budget,
                   "the device's budget for gpu-tier caches, bytes or N% of the device's memory "
                   "(default: gpu_budget in the device's budget.conf; docs/budget.md)");
-  sub->add_option("--host-budget", args->host_budget,
+  sub->add_option("--host-budget", args->budget.host_budget,
                   "the budget for host-tier caches of this runtime dir, bytes (default: "
                   "host_budget in budget.conf)");
-  sub->add_flag("--pin", args->pin, "never evict this cache to make room for another");
-  sub->add_option("--demote", args->demote,
+  sub->add_flag("--pin", args->budget.pin, "never evict this cache to make room for another");
+  sub->add_option("--demote", args->budget.demote,
                   "`host`: when evicted, an idle gpu-tier cache moves its memory to host RAM "
                   "(within the host budget) and stays up; the next attach promotes it back. "
                   "`host-pinned`: the same, and the host copy is pinned behind the demotion so "
@@ -837,7 +538,7 @@ void RegisterServeCommand(CLI::App& root) {
                   "memory) held while demoted (docs/budget.md)");
   CLI::Option* wait =
       sub->add_flag(
-             "--wait{0}", args->wait_s,
+             "--wait{0}", args->budget.wait_s,
              "--wait[=SECONDS]: when the budget has no room and no idle cache can be evicted, "
              "wait for room (planning again every 250 ms) instead of exiting 8 at once; a bare "
              "--wait has no limit, --wait=SECONDS gives up after SECONDS with the same exit 8")
@@ -922,7 +623,7 @@ void RegisterServeCommand(CLI::App& root) {
                   "(docs/seeding.md)");
   AddRegistryFlags(sub, &args->registry, RegistryFlagScope::kServe);
   SetAction(sub, [args, wait] {
-    if (wait->count() == 0) args->wait_s = -1;  // no --wait: fail at once
+    if (wait->count() == 0) args->budget.wait_s = -1;  // no --wait: fail at once
     return Run(*args);
   });
 }

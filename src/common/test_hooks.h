@@ -20,7 +20,7 @@ namespace weightcache {
 
 enum class TestHook {
   // A FIFO the daemon's loader opens and reads to EOF once every byte is read, before it
-  // re-checks the files (src/daemon/daemon.cc).
+  // re-checks the files (src/daemon/daemon_loader.cc).
   kLoadedFifo,
   // A FIFO `serve --seed-from` opens and reads to EOF once it holds the peer's fds, before it
   // copies (tools/seed_fill.cc).

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/logging.h"
+#include "common/strict_json.h"
 #include "daemon/byte_size.h"
 #include "identity/paths.h"
 #include "os/ledger_file.h"
@@ -193,8 +194,8 @@ std::string SerializeLedger(const Ledger& ledger) {
 }
 
 Result<Ledger> ParseLedger(std::string_view text, const std::string& path) {
-  const Json doc = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) return Corrupt(path, "not valid JSON");
+  Json doc;
+  if (std::string error = ParseStrictJson(text, doc); !error.empty()) return Corrupt(path, error);
   if (!doc.is_object()) return Corrupt(path, "not a JSON object");
   const auto version = doc.find("version");
   if (version == doc.end() || !version->is_number_unsigned() ||

@@ -387,6 +387,11 @@ class Daemon {
   void CloseConnection(int fd);
   // Whether `conn` may be read: nothing queued, and not held by replies its peer has not read.
   bool Readable(Connection& conn);
+  // What a connection waits for, read off the daemon's own record of it.
+  bool IsPublisher(const Connection& conn) const;      // its arena is out
+  bool IsCommitting(const Connection& conn) const;     // its PublishCommit is being verified
+  bool IsUpgrading(const Connection& conn) const;      // its Upgrade awaits the successor
+  bool AwaitsPromotion(const Connection& conn) const;  // its Attach waits for the promotion
   // The periodic check of idle and backed-up connections (handshake/stall timeouts, held
   // connections whose peer caught up). Returns whether another sweep is needed.
   bool Sweep(Clock::time_point now);

@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "sharding/strict_json.h"
+#include "common/strict_json.h"
 
 namespace weightcache::fleet {
 namespace {
@@ -111,8 +111,8 @@ Result<std::string> Base64Field(const json& object, const char* name) {
 Result<json> ParseResponse(std::string_view body, bool stream) {
   if (stream) body = body.substr(0, body.find('\n'));
   json parsed;
-  const std::string error = sharding::ParseStrictJson(body, parsed);
-  if (!error.empty()) return ProtocolError("response is " + error);
+  const std::string error = ParseStrictJson(body, parsed);
+  if (!error.empty()) return ProtocolError("response: " + error);
   if (!parsed.is_object()) return ProtocolError("response is not a JSON object");
   if (!stream) return parsed;
   if (auto err = parsed.find("error"); err != parsed.end()) {
@@ -135,7 +135,7 @@ Status EtcdError(long http_status, std::string_view body) {
   json parsed;
   std::string message;
   int64_t code = -1;
-  if (sharding::ParseStrictJson(body, parsed).empty() && parsed.is_object()) {
+  if (ParseStrictJson(body, parsed).empty() && parsed.is_object()) {
     if (parsed.contains("message") && parsed["message"].is_string()) {
       message = parsed["message"].get<std::string>();
     } else if (parsed.contains("error") && parsed["error"].is_string()) {

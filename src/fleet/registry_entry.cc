@@ -6,9 +6,9 @@
 #include <set>
 
 #include "common/logging.h"
+#include "common/strict_json.h"
 #include "common/terminal_text.h"
 #include "os/tcp_socket.h"
-#include "sharding/strict_json.h"
 
 namespace weightcache::fleet {
 namespace {
@@ -270,8 +270,8 @@ Result<RegistryEntry> RegistryEntry::FromJsonText(std::string_view text) {
                          " bytes");
   }
   json parsed;
-  const std::string error = sharding::ParseStrictJson(text, parsed);
-  if (!error.empty()) return ProtocolError("registry entry is " + error);
+  const std::string error = ParseStrictJson(text, parsed);
+  if (!error.empty()) return ProtocolError("registry entry: " + error);
   return FromJson(parsed);
 }
 

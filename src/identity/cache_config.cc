@@ -8,6 +8,7 @@
 #include <set>
 
 #include "common/hash.h"
+#include "common/strict_json.h"
 
 namespace weightcache::identity {
 namespace {
@@ -295,25 +296,11 @@ std::string FormatDiffMultiLine(const std::vector<FieldDiff>& diffs) {
 }
 
 Result<std::string> QuantizationConfigDigest(std::string_view json_text) {
-  // nlohmann keeps the last of duplicate keys silently; two texts that differ only in which
-  // duplicate comes last would then digest alike, so duplicates are an error.
-  std::vector<std::set<std::string>> open_objects;
-  std::string duplicate;
-  auto check_keys = [&](int /*depth*/, nlohmann::json::parse_event_t event,
-                        nlohmann::json& parsed) {
-    using Event = nlohmann::json::parse_event_t;
-    if (event == Event::object_start) open_objects.emplace_back();
-    if (event == Event::object_end && !open_objects.empty()) open_objects.pop_back();
-    if (event == Event::key && !open_objects.empty() && parsed.is_string() &&
-        !open_objects.back().insert(parsed.get<std::string>()).second && duplicate.empty()) {
-      duplicate = parsed.get<std::string>();
-    }
-    return true;
-  };
-  nlohmann::json doc = nlohmann::json::parse(json_text, check_keys, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) return InvalidArgument("quantization config: not valid JSON");
-  if (!duplicate.empty()) {
-    return InvalidArgument("quantization config: duplicate key \"" + duplicate + "\"");
+  // Two texts that differ only in which of a duplicate key comes last would digest alike:
+  // the strict reader refuses duplicates.
+  nlohmann::json doc;
+  if (std::string error = ParseStrictJson(json_text, doc); !error.empty()) {
+    return InvalidArgument("quantization config: " + error);
   }
   if (!doc.is_object()) return InvalidArgument("quantization config: expected a JSON object");
   return Sha256Hex(JsonDump(doc));

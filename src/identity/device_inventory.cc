@@ -7,6 +7,7 @@
 #include <set>
 #include <utility>
 
+#include "common/strict_json.h"
 #include "common/strings.h"
 #include "identity/cuda_visible_devices.h"
 #include "os/read_file.h"
@@ -194,8 +195,10 @@ bool IsValidDeviceUuid(std::string_view uuid) {
 
 Result<std::vector<DeviceInfo>> ParseInventoryJson(std::string_view text, std::string_view origin) {
   const std::string where = "device inventory " + std::string(origin);
-  nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) return InvalidArgument(where + ": not valid JSON");
+  nlohmann::json doc;
+  if (std::string error = ParseStrictJson(text, doc); !error.empty()) {
+    return InvalidArgument(where + ": " + error);
+  }
   if (!doc.is_array()) {
     return InvalidArgument(where + ": expected a JSON list of {index, uuid, name, memory_bytes}");
   }

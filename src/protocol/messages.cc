@@ -1,12 +1,17 @@
 #include "protocol/messages.h"
 
+#include <concepts>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "checkpoint/dtype.h"
 #include "checkpoint/limits.h"
+#include "common/strict_json.h"
 #include "protocol/wire.h"
 
 namespace weightcache::protocol {
@@ -14,100 +19,269 @@ namespace {
 
 using nlohmann::json;
 
-// Parses a control payload into a JSON object without exceptions, bounding nesting depth.
-// nlohmann's parser is iterative, but destroying or printing a value recurses, so depth is
-// capped before anything else touches the tree.
+// Parses a control payload with the one strict reader (common/strict_json.h): nesting capped
+// at kMaxJsonDepth before anything else touches the tree, duplicate keys refused.
 Result<json> ParseObject(std::string_view message, std::span<const uint8_t> payload) {
-  bool too_deep = false;
-  json::parser_callback_t limit_depth = [&too_deep](int depth, json::parse_event_t event, json&) {
-    if (depth > kMaxJsonDepth) {
-      too_deep = true;
-      return false;  // discard: keeps the tree shallow while the parse finishes
-    }
-    return true;
-  };
-  json value = json::parse(payload.begin(), payload.end(), limit_depth,
-                           /*allow_exceptions=*/false);
-  if (too_deep) {
-    return ProtocolError(std::string(message) + ": JSON nested deeper than " +
-                         std::to_string(kMaxJsonDepth) + " levels");
-  }
-  if (value.is_discarded()) return ProtocolError(std::string(message) + ": payload is not JSON");
+  json value;
+  const std::string error = ParseStrictJson(
+      std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()), value,
+      {.max_depth = kMaxJsonDepth});
+  if (error == kNotValidJson) return ProtocolError(std::string(message) + ": payload is not JSON");
+  if (!error.empty()) return ProtocolError(std::string(message) + ": " + error);
   if (!value.is_object()) {
     return ProtocolError(std::string(message) + ": payload is not a JSON object");
   }
   return value;
 }
 
-// Strict field access: every field read is recorded, Finish() rejects the rest.
-class Fields {
- public:
-  Fields(std::string_view message, const json& object) : message_(message), object_(object) {}
+// ---- the field lists --------------------------------------------------------------------------
+//
+// Each message's fields are listed once, in a Fields overload below, and both directions read
+// that list: Encoder writes each field into a JSON object; Decoder reads each back strictly (it
+// must be present, with its type) and Finish refuses any other. The two cannot drift apart.
+// `M` is the message, const when encoding.
 
-  Result<std::string> String(const char* key) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* v, Get(key));
-    if (!v->is_string()) return TypeError(key, "a string");
-    return v->get<std::string>();
+template <class M, class Message>
+concept Is = std::same_as<std::remove_const_t<M>, Message>;
+
+void Fields(auto& v, Is<Hello> auto& m) {
+  v("protocol_version", m.protocol_version);
+  v("config", m.config);
+  v("client_pid", m.client_pid);
+  v("client_name", m.client_name);
+}
+
+void Fields(auto& v, Is<ConfigDifference> auto& m) {
+  v("field", m.field);
+  v("daemon", m.daemon);
+  v("client", m.client);
+}
+
+// The load state that HelloReply and StatusReply both carry.
+void LoadStateFields(auto& v, auto& m) {
+  v("state", m.state);
+  v("bytes_done", m.bytes_done);
+  v("bytes_total", m.bytes_total);
+  v("failure_reason", m.failure_reason);
+  v.FailureCode("failure_code", m.failure_code, m.state);
+}
+
+void Fields(auto& v, Is<HelloReply> auto& m) {
+  LoadStateFields(v, m);
+  v("match", m.match);
+  v("config", m.daemon_config);
+  v("differences", m.differences);
+}
+
+void Fields(auto& v, Is<StatusReply> auto& m) {
+  LoadStateFields(v, m);
+  v("tier", m.tier);
+  v("device_uuid", m.device_uuid);
+  v("model_id", m.model_id);
+  v("tensor_count", m.tensor_count);
+  v("bytes", m.bytes);
+  v("clients", m.clients);
+  v("pid", m.pid);
+  v("config_digest", m.config_digest);
+  v("origin", m.origin);
+}
+
+void Fields(auto& v, Is<PlannedTensor> auto& m) {
+  v("name", m.name);
+  v("dtype", m.dtype);
+  v.Shape("shape", m.shape);
+  v("nbytes", m.nbytes);
+  v("alias_of", m.alias_of);
+}
+
+void Fields(auto& v, Is<PublishBegin> auto& m) {
+  v("tensors", m.tensors);
+  v("metadata", m.metadata);
+}
+
+void Fields(auto& v, Is<PublishCommit> auto& m) { v("checksums", m.checksums); }
+
+void Fields(auto& v, Is<PublishCommitted> auto& m) {
+  v("tensor_count", m.tensor_count);
+  v("bytes", m.bytes);
+}
+
+void Fields(auto& v, Is<MetricsReply> auto& m) {
+  v("hits", m.hits);
+  v("misses", m.misses);
+  v("attaches_daemon", m.attaches_daemon);
+  v("attaches_mismatch", m.attaches_mismatch);
+  v("attaches_unavailable", m.attaches_unavailable);
+  v("attaches_error", m.attaches_error);
+  v("last_attach_unix_ms", m.last_attach_unix_ms);
+  v("clients", m.clients);
+}
+
+void Fields(auto& v, Is<EvictReply> auto& m) {
+  v("evicted", m.evicted);
+  v("clients", m.clients);
+  v("reason", m.reason);
+}
+
+void Fields(auto& v, Is<StopReply> auto& m) { v("clients", m.clients); }
+
+void Fields(auto& v, Is<UpgradeRequest> auto& m) { v("binary", m.binary); }
+
+void Fields(auto& v, Is<UpgradeReply> auto& m) {
+  v("successor_pid", m.successor_pid);
+  v("handover_us", m.handover_us);
+}
+
+template <class T>
+struct IsRecordList : std::false_type {};
+template <class R>
+struct IsRecordList<std::vector<R>> : std::is_class<R> {};
+
+class Encoder {
+ public:
+  template <class T>
+  void operator()(const char* key, const T& value) {
+    object_[key] = ToJson(value);
   }
-  Result<uint64_t> U64(const char* key) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* v, Get(key));
-    if (!v->is_number_unsigned()) return TypeError(key, "a non-negative integer");
-    return v->get<uint64_t>();
+  void FailureCode(const char* key, StatusCode code, CacheState /*state*/) {
+    object_[key] = static_cast<uint32_t>(code);
   }
-  Result<uint32_t> U32(const char* key) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(uint64_t v, U64(key));
-    if (v > std::numeric_limits<uint32_t>::max()) return TypeError(key, "a 32-bit integer");
-    return static_cast<uint32_t>(v);
+  void Shape(const char* key, const std::vector<uint64_t>& shape) { object_[key] = shape; }
+  json Take() && { return std::move(object_); }
+
+ private:
+  template <class T>
+  static json ToJson(const T& value) {
+    if constexpr (std::is_same_v<T, CacheState>) {
+      return CacheStateName(value);
+    } else if constexpr (std::is_same_v<T, Tier>) {
+      return TierName(value);
+    } else if constexpr (IsRecordList<T>::value) {
+      json items = json::array();
+      for (const auto& item : value) {
+        Encoder e;
+        Fields(e, item);
+        items.push_back(std::move(e).Take());
+      }
+      return items;
+    } else {
+      return value;
+    }
   }
-  Result<int64_t> I64(const char* key) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* v, Get(key));
+
+  json object_ = json::object();
+};
+
+// Reads the fields in their listed order; the first error is kept, and every later field is
+// skipped, so a message reports what is wrong with it first.
+class Decoder {
+ public:
+  Decoder(std::string message, const json& object)
+      : message_(std::move(message)), object_(object) {}
+
+  void operator()(const char* key, std::string& out) {
+    if (const json* v = Get(key, v_is_string, "a string")) out = v->get<std::string>();
+  }
+  void operator()(const char* key, uint64_t& out) {
+    if (const json* v = Get(key, v_is_unsigned, "a non-negative integer")) out = v->get<uint64_t>();
+  }
+  void operator()(const char* key, uint32_t& out) {
+    uint64_t wide = 0;
+    (*this)(key, wide);
+    if (!error_.ok()) return;
+    if (wide > std::numeric_limits<uint32_t>::max()) {
+      Fail(TypeError(key, "a 32-bit integer"));
+      return;
+    }
+    out = static_cast<uint32_t>(wide);
+  }
+  void operator()(const char* key, int64_t& out) {
+    const json* v = Get(key, v_is_integer, "an integer");
+    if (v == nullptr) return;
     if (v->is_number_unsigned()) {
       if (v->get<uint64_t>() > uint64_t{std::numeric_limits<int64_t>::max()}) {
-        return TypeError(key, "a 64-bit integer");
+        Fail(TypeError(key, "a 64-bit integer"));
+        return;
       }
-      return static_cast<int64_t>(v->get<uint64_t>());
+      out = static_cast<int64_t>(v->get<uint64_t>());
+      return;
     }
-    if (!v->is_number_integer()) return TypeError(key, "an integer");
-    return v->get<int64_t>();
+    out = v->get<int64_t>();
   }
-  Result<bool> Bool(const char* key) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* v, Get(key));
-    if (!v->is_boolean()) return TypeError(key, "a boolean");
-    return v->get<bool>();
+  void operator()(const char* key, bool& out) {
+    if (const json* v = Get(key, v_is_boolean, "a boolean")) out = v->get<bool>();
   }
-  Result<json> Object(const char* key) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* v, Get(key));
-    if (!v->is_object()) return TypeError(key, "an object");
-    return *v;
+  void operator()(const char* key, json& out) {
+    if (const json* v = Get(key, v_is_object, "an object")) out = *v;
   }
-  Result<const json*> Array(const char* key) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* v, Get(key));
-    if (!v->is_array()) return TypeError(key, "an array");
-    return v;
+  void operator()(const char* key, CacheState& out) {
+    std::string name;
+    (*this)(key, name);
+    if (!error_.ok()) return;
+    Result<CacheState> state = ParseCacheState(name);
+    if (!state.ok()) {
+      Fail(TypeError(key, "one of loading, ready, failed, draining, awaiting, demoted"));
+      return;
+    }
+    out = *state;
   }
-  Result<CacheState> State(const char* key) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(std::string s, String(key));
-    Result<CacheState> state = ParseCacheState(s);
-    if (!state.ok())
-      return TypeError(key, "one of loading, ready, failed, draining, awaiting, demoted");
-    return state;
+  void operator()(const char* key, Tier& out) {
+    std::string name;
+    (*this)(key, name);
+    if (!error_.ok()) return;
+    const std::optional<Tier> tier = ParseTier(name);
+    if (!tier) {
+      Fail(TypeError(key, "gpu or host"));
+      return;
+    }
+    out = *tier;
   }
-
+  void operator()(const char* key, std::vector<uint64_t>& out) { Integers(key, out, SIZE_MAX); }
+  template <class R>
+  void operator()(const char* key, std::vector<R>& out) {
+    const json* items = Get(key, v_is_array, "an array");
+    if (items == nullptr) return;
+    out.reserve(items->size());
+    for (size_t i = 0; i < items->size(); ++i) {
+      const json& item = (*items)[i];
+      const std::string what = message_ + ": " + key + "[" + std::to_string(i) + "]";
+      if (!item.is_object()) {
+        Fail(ProtocolError(what + " must be an object"));
+        return;
+      }
+      Decoder d(what, item);
+      R record;
+      Fields(d, record);
+      if (Status done = d.Finish(); !done.ok()) {
+        Fail(std::move(done));
+        return;
+      }
+      out.push_back(std::move(record));
+    }
+  }
   // `failure_code`: an error code when `state` is failed, else 0.
-  Result<StatusCode> FailureCode(const char* key, CacheState state) {
-    WEIGHTCACHE_ASSIGN_OR_RETURN(uint32_t v, U32(key));
-    if (state == CacheState::kFailed) {
-      if (!IsErrorCodeValue(v)) {
-        return ProtocolError(message_ + ": field '" + key + "' must be an error code (1 … " +
-                             std::to_string(kStatusCodeCount - 1) + ") when the state is failed");
-      }
-    } else if (v != 0) {
-      return ProtocolError(message_ + ": field '" + key + "' must be 0 unless the state is failed");
+  void FailureCode(const char* key, StatusCode& out, CacheState state) {
+    uint32_t v = 0;
+    (*this)(key, v);
+    if (!error_.ok()) return;
+    if (state == CacheState::kFailed && !IsErrorCodeValue(v)) {
+      Fail(ProtocolError(message_ + ": field '" + key + "' must be an error code (1 … " +
+                         std::to_string(kStatusCodeCount - 1) + ") when the state is failed"));
+      return;
     }
-    return static_cast<StatusCode>(v);
+    if (state != CacheState::kFailed && v != 0) {
+      Fail(ProtocolError(message_ + ": field '" + key + "' must be 0 unless the state is failed"));
+      return;
+    }
+    out = static_cast<StatusCode>(v);
+  }
+  void Shape(const char* key, std::vector<uint64_t>& out) {
+    Integers(key, out, checkpoint::kMaxTensorRank);
   }
 
+  // The first error, else any field the list did not read.
   Status Finish() const {
+    if (!error_.ok()) return error_;
     for (const auto& item : object_.items()) {
       if (!seen_.contains(item.key())) {
         return ProtocolError(message_ + ": unknown field '" + item.key().substr(0, 64) + "'");
@@ -117,11 +291,48 @@ class Fields {
   }
 
  private:
-  Result<const json*> Get(const char* key) {
+  using Check = bool (*)(const json&);
+  static bool v_is_string(const json& v) { return v.is_string(); }
+  static bool v_is_unsigned(const json& v) { return v.is_number_unsigned(); }
+  static bool v_is_integer(const json& v) { return v.is_number_integer(); }
+  static bool v_is_boolean(const json& v) { return v.is_boolean(); }
+  static bool v_is_object(const json& v) { return v.is_object(); }
+  static bool v_is_array(const json& v) { return v.is_array(); }
+
+  // The field, when no error came before and it is there with the type `check` asks for.
+  const json* Get(const char* key, Check check, const char* expected) {
+    if (!error_.ok()) return nullptr;
     seen_.insert(key);
     auto it = object_.find(key);
-    if (it == object_.end()) return ProtocolError(message_ + ": field '" + key + "' missing");
+    if (it == object_.end()) {
+      Fail(ProtocolError(message_ + ": field '" + key + "' missing"));
+      return nullptr;
+    }
+    if (!check(*it)) {
+      Fail(TypeError(key, expected));
+      return nullptr;
+    }
     return &*it;
+  }
+  void Integers(const char* key, std::vector<uint64_t>& out, size_t most) {
+    const json* items = Get(key, v_is_array, "an array");
+    if (items == nullptr) return;
+    if (items->size() > most) {
+      Fail(ProtocolError(message_ + ": field '" + key + "' has " + std::to_string(items->size()) +
+                         " dimensions; at most " + std::to_string(most)));
+      return;
+    }
+    out.reserve(items->size());
+    for (const json& item : *items) {
+      if (!item.is_number_unsigned()) {
+        Fail(ProtocolError(message_ + ": field '" + key + "' must hold non-negative integers"));
+        return;
+      }
+      out.push_back(item.get<uint64_t>());
+    }
+  }
+  void Fail(Status status) {
+    if (error_.ok()) error_ = std::move(status);
   }
   Status TypeError(const char* key, const char* expected) const {
     return ProtocolError(message_ + ": field '" + key + "' must be " + expected);
@@ -130,6 +341,7 @@ class Fields {
   std::string message_;
   const json& object_;
   std::set<std::string, std::less<>> seen_;
+  Status error_;
 };
 
 // Serialises without throwing: invalid UTF-8 in a string (a path, a reason) is replaced.
@@ -137,6 +349,23 @@ Result<std::vector<uint8_t>> EncodeJson(MessageType type, const json& value) {
   std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
   return EncodeFrame(
       type, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+}
+
+template <class M>
+Result<std::vector<uint8_t>> Encode(MessageType type, const M& msg) {
+  Encoder e;
+  Fields(e, msg);
+  return EncodeJson(type, std::move(e).Take());
+}
+
+template <class M>
+Result<M> Decode(std::string_view message, std::span<const uint8_t> payload) {
+  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject(message, payload));
+  Decoder d(std::string(message), obj);
+  M msg;
+  Fields(d, msg);
+  WEIGHTCACHE_RETURN_IF_ERROR(d.Finish());
+  return msg;
 }
 
 }  // namespace
@@ -173,21 +402,11 @@ Result<CacheState> ParseCacheState(std::string_view name) {
 
 Result<std::vector<uint8_t>> EncodeHello(const Hello& msg) {
   if (!msg.config.is_object()) return InvalidArgument("Hello: config must be a JSON object");
-  return EncodeJson(MessageType::kHello, json{{"protocol_version", msg.protocol_version},
-                                              {"config", msg.config},
-                                              {"client_pid", msg.client_pid},
-                                              {"client_name", msg.client_name}});
+  return Encode(MessageType::kHello, msg);
 }
 
 Result<Hello> DecodeHello(std::span<const uint8_t> payload) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("Hello", payload));
-  Fields f("Hello", obj);
-  Hello msg;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.protocol_version, f.U32("protocol_version"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.config, f.Object("config"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.client_pid, f.I64("client_pid"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.client_name, f.String("client_name"));
-  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(Hello msg, Decode<Hello>("Hello", payload));
   if (msg.protocol_version != kProtocolVersion) {
     return ProtocolError("Hello: client speaks protocol version " +
                          std::to_string(msg.protocol_version) + ", this build speaks " +
@@ -216,46 +435,11 @@ Result<std::vector<uint8_t>> EncodeHelloReply(const HelloReply& msg) {
     return InvalidArgument("HelloReply: daemon config must be a JSON object");
   }
   WEIGHTCACHE_RETURN_IF_ERROR(CheckFailureCode("HelloReply", msg.state, msg.failure_code));
-  json diffs = json::array();
-  for (const ConfigDifference& d : msg.differences) {
-    diffs.push_back({{"field", d.field}, {"daemon", d.daemon}, {"client", d.client}});
-  }
-  return EncodeJson(MessageType::kHelloReply,
-                    json{{"state", CacheStateName(msg.state)},
-                         {"bytes_done", msg.bytes_done},
-                         {"bytes_total", msg.bytes_total},
-                         {"failure_reason", msg.failure_reason},
-                         {"failure_code", static_cast<uint32_t>(msg.failure_code)},
-                         {"match", msg.match},
-                         {"config", msg.daemon_config},
-                         {"differences", std::move(diffs)}});
+  return Encode(MessageType::kHelloReply, msg);
 }
 
 Result<HelloReply> DecodeHelloReply(std::span<const uint8_t> payload) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("HelloReply", payload));
-  Fields f("HelloReply", obj);
-  HelloReply msg;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.state, f.State("state"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes_done, f.U64("bytes_done"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes_total, f.U64("bytes_total"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.failure_reason, f.String("failure_reason"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.failure_code, f.FailureCode("failure_code", msg.state));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.match, f.Bool("match"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.daemon_config, f.Object("config"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(const json* diffs, f.Array("differences"));
-  for (size_t i = 0; i < diffs->size(); ++i) {
-    const json& item = (*diffs)[i];
-    std::string what = "HelloReply: differences[" + std::to_string(i) + "]";
-    if (!item.is_object()) return ProtocolError(what + " must be an object");
-    Fields df(what, item);
-    ConfigDifference d;
-    WEIGHTCACHE_ASSIGN_OR_RETURN(d.field, df.String("field"));
-    WEIGHTCACHE_ASSIGN_OR_RETURN(d.daemon, df.String("daemon"));
-    WEIGHTCACHE_ASSIGN_OR_RETURN(d.client, df.String("client"));
-    WEIGHTCACHE_RETURN_IF_ERROR(df.Finish());
-    msg.differences.push_back(std::move(d));
-  }
-  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(HelloReply msg, Decode<HelloReply>("HelloReply", payload));
   if (msg.match && !msg.differences.empty()) {
     return ProtocolError("HelloReply: match is true but differences are listed");
   }
@@ -280,46 +464,11 @@ Status DecodeEmptyRequest(MessageType type, std::span<const uint8_t> payload) {
 
 Result<std::vector<uint8_t>> EncodeStatusReply(const StatusReply& msg) {
   WEIGHTCACHE_RETURN_IF_ERROR(CheckFailureCode("StatusReply", msg.state, msg.failure_code));
-  return EncodeJson(MessageType::kStatusReply,
-                    json{{"state", CacheStateName(msg.state)},
-                         {"bytes_done", msg.bytes_done},
-                         {"bytes_total", msg.bytes_total},
-                         {"failure_reason", msg.failure_reason},
-                         {"failure_code", static_cast<uint32_t>(msg.failure_code)},
-                         {"tier", TierName(msg.tier)},
-                         {"device_uuid", msg.device_uuid},
-                         {"model_id", msg.model_id},
-                         {"tensor_count", msg.tensor_count},
-                         {"bytes", msg.bytes},
-                         {"clients", msg.clients},
-                         {"pid", msg.pid},
-                         {"config_digest", msg.config_digest},
-                         {"origin", msg.origin}});
+  return Encode(MessageType::kStatusReply, msg);
 }
 
 Result<StatusReply> DecodeStatusReply(std::span<const uint8_t> payload) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("StatusReply", payload));
-  Fields f("StatusReply", obj);
-  StatusReply msg;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.state, f.State("state"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes_done, f.U64("bytes_done"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes_total, f.U64("bytes_total"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.failure_reason, f.String("failure_reason"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.failure_code, f.FailureCode("failure_code", msg.state));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(std::string tier, f.String("tier"));
-  const std::optional<Tier> parsed_tier = ParseTier(tier);
-  if (!parsed_tier) return ProtocolError("StatusReply: field 'tier' must be gpu or host");
-  msg.tier = *parsed_tier;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.device_uuid, f.String("device_uuid"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.model_id, f.String("model_id"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.tensor_count, f.U64("tensor_count"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes, f.U64("bytes"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.clients, f.U32("clients"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.pid, f.I64("pid"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.config_digest, f.String("config_digest"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.origin, f.String("origin"));
-  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
-  return msg;
+  return Decode<StatusReply>("StatusReply", payload);
 }
 
 // ---- AttachReply ------------------------------------------------------------------------------
@@ -476,51 +625,11 @@ Status ValidatePublishPlan(const PublishBegin& plan) {
 }
 
 Result<std::vector<uint8_t>> EncodePublishBegin(const PublishBegin& msg) {
-  json tensors = json::array();
-  for (const PlannedTensor& t : msg.tensors) {
-    tensors.push_back({{"name", t.name},
-                       {"dtype", t.dtype},
-                       {"shape", t.shape},
-                       {"nbytes", t.nbytes},
-                       {"alias_of", t.alias_of}});
-  }
-  return EncodeJson(MessageType::kPublishBegin,
-                    json{{"tensors", std::move(tensors)}, {"metadata", msg.metadata}});
+  return Encode(MessageType::kPublishBegin, msg);
 }
 
 Result<PublishBegin> DecodePublishBegin(std::span<const uint8_t> payload) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("PublishBegin", payload));
-  Fields f("PublishBegin", obj);
-  PublishBegin msg;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(const json* tensors, f.Array("tensors"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.metadata, f.String("metadata"));
-  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
-  msg.tensors.reserve(tensors->size());
-  for (size_t i = 0; i < tensors->size(); ++i) {
-    const json& item = (*tensors)[i];
-    const std::string what = "PublishBegin: tensors[" + std::to_string(i) + "]";
-    if (!item.is_object()) return ProtocolError(what + " must be an object");
-    Fields tf(what, item);
-    PlannedTensor t;
-    WEIGHTCACHE_ASSIGN_OR_RETURN(t.name, tf.String("name"));
-    WEIGHTCACHE_ASSIGN_OR_RETURN(t.dtype, tf.String("dtype"));
-    WEIGHTCACHE_ASSIGN_OR_RETURN(const json* shape, tf.Array("shape"));
-    WEIGHTCACHE_ASSIGN_OR_RETURN(t.nbytes, tf.U64("nbytes"));
-    WEIGHTCACHE_ASSIGN_OR_RETURN(t.alias_of, tf.String("alias_of"));
-    WEIGHTCACHE_RETURN_IF_ERROR(tf.Finish());
-    if (shape->size() > checkpoint::kMaxTensorRank) {
-      return ProtocolError(what + ": field 'shape' has " + std::to_string(shape->size()) +
-                           " dimensions; at most " + std::to_string(checkpoint::kMaxTensorRank));
-    }
-    for (const json& d : *shape) {
-      if (!d.is_number_unsigned()) {
-        return ProtocolError(what + ": field 'shape' must hold non-negative integers");
-      }
-      t.shape.push_back(d.get<uint64_t>());
-    }
-    msg.tensors.push_back(std::move(t));
-  }
-  return msg;
+  return Decode<PublishBegin>("PublishBegin", payload);
 }
 
 Result<std::vector<uint8_t>> EncodePublishArena(uint64_t manifest_size, uint32_t allocation_count) {
@@ -532,38 +641,19 @@ Result<AttachReply> DecodePublishArena(Frame frame) {
 }
 
 Result<std::vector<uint8_t>> EncodePublishCommit(const PublishCommit& msg) {
-  return EncodeJson(MessageType::kPublishCommit, json{{"checksums", msg.checksums}});
+  return Encode(MessageType::kPublishCommit, msg);
 }
 
 Result<PublishCommit> DecodePublishCommit(std::span<const uint8_t> payload) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("PublishCommit", payload));
-  Fields f("PublishCommit", obj);
-  PublishCommit msg;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(const json* checksums, f.Array("checksums"));
-  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
-  msg.checksums.reserve(checksums->size());
-  for (const json& c : *checksums) {
-    if (!c.is_number_unsigned()) {
-      return ProtocolError("PublishCommit: field 'checksums' must hold non-negative integers");
-    }
-    msg.checksums.push_back(c.get<uint64_t>());
-  }
-  return msg;
+  return Decode<PublishCommit>("PublishCommit", payload);
 }
 
 Result<std::vector<uint8_t>> EncodePublishCommitted(const PublishCommitted& msg) {
-  return EncodeJson(MessageType::kPublishCommitted,
-                    json{{"tensor_count", msg.tensor_count}, {"bytes", msg.bytes}});
+  return Encode(MessageType::kPublishCommitted, msg);
 }
 
 Result<PublishCommitted> DecodePublishCommitted(std::span<const uint8_t> payload) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("PublishCommitted", payload));
-  Fields f("PublishCommitted", obj);
-  PublishCommitted msg;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.tensor_count, f.U64("tensor_count"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.bytes, f.U64("bytes"));
-  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
-  return msg;
+  return Decode<PublishCommitted>("PublishCommitted", payload);
 }
 
 // ---- Metrics ----------------------------------------------------------------------------------
@@ -573,31 +663,11 @@ Result<std::vector<uint8_t>> EncodeMetricsRequest() {
 }
 
 Result<std::vector<uint8_t>> EncodeMetricsReply(const MetricsReply& msg) {
-  return EncodeJson(MessageType::kMetricsReply,
-                    json{{"hits", msg.hits},
-                         {"misses", msg.misses},
-                         {"attaches_daemon", msg.attaches_daemon},
-                         {"attaches_mismatch", msg.attaches_mismatch},
-                         {"attaches_unavailable", msg.attaches_unavailable},
-                         {"attaches_error", msg.attaches_error},
-                         {"last_attach_unix_ms", msg.last_attach_unix_ms},
-                         {"clients", msg.clients}});
+  return Encode(MessageType::kMetricsReply, msg);
 }
 
 Result<MetricsReply> DecodeMetricsReply(std::span<const uint8_t> payload) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("MetricsReply", payload));
-  Fields f("MetricsReply", obj);
-  MetricsReply msg;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.hits, f.U64("hits"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.misses, f.U64("misses"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.attaches_daemon, f.U64("attaches_daemon"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.attaches_mismatch, f.U64("attaches_mismatch"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.attaches_unavailable, f.U64("attaches_unavailable"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.attaches_error, f.U64("attaches_error"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.last_attach_unix_ms, f.U64("last_attach_unix_ms"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.clients, f.U32("clients"));
-  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
-  return msg;
+  return Decode<MetricsReply>("MetricsReply", payload);
 }
 
 // ---- Evict ------------------------------------------------------------------------------------
@@ -605,49 +675,31 @@ Result<MetricsReply> DecodeMetricsReply(std::span<const uint8_t> payload) {
 Result<std::vector<uint8_t>> EncodeEvictRequest() { return EncodeFrame(MessageType::kEvict, {}); }
 
 Result<std::vector<uint8_t>> EncodeEvictReply(const EvictReply& msg) {
-  return EncodeJson(
-      MessageType::kEvictReply,
-      json{{"evicted", msg.evicted}, {"clients", msg.clients}, {"reason", msg.reason}});
+  return Encode(MessageType::kEvictReply, msg);
 }
 
 Result<EvictReply> DecodeEvictReply(std::span<const uint8_t> payload) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("EvictReply", payload));
-  Fields f("EvictReply", obj);
-  EvictReply msg;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.evicted, f.Bool("evicted"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.clients, f.U32("clients"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.reason, f.String("reason"));
-  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
-  return msg;
+  return Decode<EvictReply>("EvictReply", payload);
 }
 
 // ---- StopReply --------------------------------------------------------------------------------
 
 Result<std::vector<uint8_t>> EncodeStopReply(const StopReply& msg) {
-  return EncodeJson(MessageType::kStopReply, json{{"clients", msg.clients}});
+  return Encode(MessageType::kStopReply, msg);
 }
 
 Result<StopReply> DecodeStopReply(std::span<const uint8_t> payload) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("StopReply", payload));
-  Fields f("StopReply", obj);
-  StopReply msg;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.clients, f.U32("clients"));
-  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
-  return msg;
+  return Decode<StopReply>("StopReply", payload);
 }
 
 // ---- Upgrade ----------------------------------------------------------------------------------
 
 Result<std::vector<uint8_t>> EncodeUpgradeRequest(const UpgradeRequest& msg) {
-  return EncodeJson(MessageType::kUpgrade, json{{"binary", msg.binary}});
+  return Encode(MessageType::kUpgrade, msg);
 }
 
 Result<UpgradeRequest> DecodeUpgradeRequest(std::span<const uint8_t> payload) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("Upgrade", payload));
-  Fields f("Upgrade", obj);
-  UpgradeRequest msg;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.binary, f.String("binary"));
-  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(UpgradeRequest msg, Decode<UpgradeRequest>("Upgrade", payload));
   if (msg.binary.size() > 4096 || msg.binary.find('\0') != std::string::npos) {
     return ProtocolError("Upgrade: field 'binary' is not a path");
   }
@@ -655,17 +707,11 @@ Result<UpgradeRequest> DecodeUpgradeRequest(std::span<const uint8_t> payload) {
 }
 
 Result<std::vector<uint8_t>> EncodeUpgradeReply(const UpgradeReply& msg) {
-  return EncodeJson(MessageType::kUpgradeReply,
-                    json{{"successor_pid", msg.successor_pid}, {"handover_us", msg.handover_us}});
+  return Encode(MessageType::kUpgradeReply, msg);
 }
 
 Result<UpgradeReply> DecodeUpgradeReply(std::span<const uint8_t> payload) {
-  WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("UpgradeReply", payload));
-  Fields f("UpgradeReply", obj);
-  UpgradeReply msg;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.successor_pid, f.I64("successor_pid"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.handover_us, f.U64("handover_us"));
-  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  WEIGHTCACHE_ASSIGN_OR_RETURN(UpgradeReply msg, Decode<UpgradeReply>("UpgradeReply", payload));
   if (msg.successor_pid <= 0) return ProtocolError("UpgradeReply: successor_pid must be positive");
   return msg;
 }
@@ -680,12 +726,14 @@ Result<std::vector<uint8_t>> EncodeError(const Status& status) {
 }
 
 Result<ErrorReply> DecodeError(std::span<const uint8_t> payload) {
+  // Not a Fields list: the code goes out from a Status, and comes back checked as one.
   WEIGHTCACHE_ASSIGN_OR_RETURN(json obj, ParseObject("Error", payload));
-  Fields f("Error", obj);
+  Decoder d("Error", obj);
+  uint32_t code = 0;
   ErrorReply msg;
-  WEIGHTCACHE_ASSIGN_OR_RETURN(uint32_t code, f.U32("code"));
-  WEIGHTCACHE_ASSIGN_OR_RETURN(msg.message, f.String("message"));
-  WEIGHTCACHE_RETURN_IF_ERROR(f.Finish());
+  d("code", code);
+  d("message", msg.message);
+  WEIGHTCACHE_RETURN_IF_ERROR(d.Finish());
   if (!IsErrorCodeValue(code)) {
     return ProtocolError("Error: field 'code' " + std::to_string(code) + " is not an error code");
   }

@@ -6,8 +6,8 @@
 #include <cerrno>
 #include <nlohmann/json.hpp>
 
+#include "common/strict_json.h"
 #include "os/read_file.h"
-#include "sharding/strict_json.h"
 
 namespace weightcache::sharding {
 namespace {

@@ -6,10 +6,10 @@
 #include <utility>
 
 #include "common/hash.h"
+#include "common/strict_json.h"
 #include "os/read_file.h"
 #include "sharding/builtin_rules.h"
 #include "sharding/model_config.h"
-#include "sharding/strict_json.h"
 
 namespace weightcache::sharding {
 namespace {

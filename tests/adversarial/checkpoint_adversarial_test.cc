@@ -304,7 +304,7 @@ TEST_F(ContentIdentityTest, AFileRewrittenAfterReadyIsAMismatchOrAFallbackNeverT
 TEST_F(ContentIdentityTest, AFileRewrittenWhileTheDaemonLoadsItFailsTheLoadNamingTheShard) {
   if (!TestHooksBuilt()) GTEST_SKIP() << "needs the test hooks (WEIGHTCACHE_TEST_HOOKS=ON)";
   // The daemon's test seam holds its loader on this FIFO after the last byte is read and
-  // before the files are re-checked (daemon.cc, PauseAfterLoadForTest).
+  // before the files are re-checked (daemon_loader.cc, PauseAfterLoadForTest).
   const std::string fifo = dir_.Join("loaded.fifo");
   MakeFifo(fifo);
   auto serve = SpawnServe(

@@ -258,7 +258,7 @@ TEST_F(KeeperDaemonTest, KilledMidAttachIsReadoptedAndTheAttachedClientKeepsEqua
 TEST_F(KeeperDaemonTest, KilledWhileLoadingLeavesNothingToAdoptAndTheRestartLoads) {
   if (!TestHooksBuilt()) GTEST_SKIP() << "needs the test hooks (WEIGHTCACHE_TEST_HOOKS=ON)";
   // The daemon's test seam holds its loader on this FIFO after the last byte is read, before
-  // the load returns (daemon.cc, PauseAfterLoadForTest): the kill lands mid-load for sure.
+  // the load returns (daemon_loader.cc, PauseAfterLoadForTest): the kill lands mid-load for sure.
   const std::string fifo = dir_.Join("loaded.fifo");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   auto first = SpawnServe(Args(), {"WEIGHTCACHE_TEST_LOADED_FIFO=" + fifo}, dir_.Join("first.log"));

@@ -25,7 +25,7 @@
 #include "identity/resolve.h"
 #include "os/memfd.h"
 #include "protocol/manifest.h"
-#include "seed_fill.h"
+#include "serve/seed_fill.h"
 #include "sharding/planner.h"
 #include "support/hub_cache.h"
 #include "support/test_env.h"
@@ -354,7 +354,7 @@ TEST_F(GpuFillTest, ASecondFillIsNotHeldToTheManifestOfAFirstThatFailed) {
     return Status(StatusCode::kUnavailable, "the peer went away mid-copy");
   };
   LoadOptions options = Options(dir, nullptr);
-  options.peer_fill = cli::FirstFillOf(std::move(first), CopyFrom(source));
+  options.peer_fill = serve::FirstFillOf(std::move(first), CopyFrom(source));
   const WeightStore filled = Load(ours.ckpt, options);
   EXPECT_TRUE(first_accepted);
   EXPECT_EQ(filled.summary().filled_from, "filled from the test source");

@@ -1,4 +1,4 @@
-// `serve --seed-from` on the gpu tier (tools/seed_fill.h, docs/seeding.md) over the fake CUDA
+// `serve --seed-from` on the gpu tier (serve/seed_fill.h, docs/seeding.md) over the fake CUDA
 // driver with backed VMM memory: a daemon runs in process on fake GPU 0 (its real socket, its
 // exported fds), and the load of the same identity on fake GPU 1 seeds from it through the real
 // SeedFiller — discovery of the peer, peer access checked, the peer's fds imported and mapped
@@ -23,7 +23,7 @@
 #include "identity/device_inventory.h"
 #include "identity/resolve.h"
 #include "protocol/manifest.h"
-#include "seed_fill.h"
+#include "serve/seed_fill.h"
 #include "support/test_env.h"
 #include "unit/client/client_fixtures.h"
 #include "unit/cuda/fake_driver.h"
@@ -82,7 +82,7 @@ class GpuSeedTest : public ::testing::Test {
     options.device = *id->device;
     options.driver = fake_->api();
     options.cache_name = "weightcache:test";
-    daemon::PeerFill seed = cli::SeedFiller(*id, seed_from, 5s, env_);
+    daemon::PeerFill seed = serve::SeedFiller(*id, seed_from, 5s, env_);
     if (seed) {
       options.peer_fill = [seed, seed_error](const daemon::PeerFillRequest& request) {
         auto seeded = seed(request);

@@ -357,6 +357,63 @@ TEST(MessageDecodeTest, DeepNestingIsRejected) {
   ExpectProtocolError(DecodeHello(Bytes(deep)).status(), "Hello: JSON nested deeper than 16");
 }
 
+// Two values for one key are ambiguous (nlohmann would keep the last): refused, at any depth,
+// by the one strict reader every decoder goes through.
+TEST(MessageDecodeTest, DuplicateKeysAreRejected) {
+  ExpectProtocolError(DecodeStopReply(Bytes(R"({"clients":1,"clients":2})")).status(),
+                      "StopReply: duplicate key \"clients\"");
+  ExpectProtocolError(
+      DecodeHello(Bytes(R"({"protocol_version":8,"config":{"tp":1,"tp":2},"client_pid":7,)"
+                        R"("client_name":"x"})"))
+          .status(),
+      "Hello: duplicate key \"tp\"");
+}
+
+// Every field of a message goes out and comes back through its one field list.
+TEST(MessageDecodeTest, EveryReplyRoundTripsThroughItsFieldList) {
+  StatusReply status;
+  status.state = CacheState::kFailed;
+  status.failure_code = StatusCode::kIo;
+  status.failure_reason = "disk";
+  status.tier = Tier::kGpu;
+  status.device_uuid = "GPU-1";
+  status.model_id = "m";
+  status.tensor_count = 3;
+  status.bytes = 1ull << 40;
+  status.clients = 2;
+  status.pid = 77;
+  status.config_digest = std::string(64, 'f');
+  status.origin = "disk";
+  const auto payload = [](Result<std::vector<uint8_t>> frame) {
+    EXPECT_TRUE(frame.ok()) << frame.status().ToString();
+    return std::vector<uint8_t>(frame->begin() + kFrameHeaderSize, frame->end());
+  };
+  auto s = DecodeStatusReply(payload(EncodeStatusReply(status)));
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->state, CacheState::kFailed);
+  EXPECT_EQ(s->failure_code, StatusCode::kIo);
+  EXPECT_EQ(s->tier, Tier::kGpu);
+  EXPECT_EQ(s->bytes, 1ull << 40);
+  EXPECT_EQ(s->pid, 77);
+  EXPECT_EQ(s->origin, "disk");
+  MetricsReply metrics{1, 2, 3, 4, 5, 6, 7, 8};
+  auto m = DecodeMetricsReply(payload(EncodeMetricsReply(metrics)));
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->attaches_error, 6u);
+  EXPECT_EQ(m->last_attach_unix_ms, 7u);
+  EXPECT_EQ(m->clients, 8u);
+  auto e = DecodeEvictReply(payload(EncodeEvictReply({true, 4, "demoted to host"})));
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  EXPECT_TRUE(e->evicted);
+  EXPECT_EQ(e->clients, 4u);
+  EXPECT_EQ(e->reason, "demoted to host");
+  ExpectProtocolError(
+      DecodeStatusReply(Bytes(R"({"state":"ready","bytes_done":0,"bytes_total":0,)"
+                              R"("failure_reason":"","failure_code":0,"tier":"tpu"})"))
+          .status(),
+      "StatusReply: field 'tier' must be gpu or host");
+}
+
 TEST(MessageDecodeTest, InvalidUtf8IsReplacedWhenEncoding) {
   Hello hello;
   hello.client_name = "bad\xff name";

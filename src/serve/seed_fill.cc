@@ -1,4 +1,4 @@
-#include "seed_fill.h"
+#include "serve/seed_fill.h"
 
 #include <atomic>
 #include <chrono>
@@ -16,7 +16,7 @@
 #include "os/read_file.h"
 #include "weightcache/tier.h"
 
-namespace weightcache::cli {
+namespace weightcache::serve {
 namespace {
 
 bool Cancelled(const daemon::PeerFillRequest& request) {
@@ -130,4 +130,4 @@ daemon::PeerFill FirstFillOf(daemon::PeerFill first, daemon::PeerFill second) {
   };
 }
 
-}  // namespace weightcache::cli
+}  // namespace weightcache::serve

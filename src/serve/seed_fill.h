@@ -6,10 +6,9 @@
 // anything fails.
 //
 // How the bytes move, tier by tier, is client/peer_copy.h (PeerCopier): the driver is called
-// there, in the library, never here. What is left here joins the daemon's fill
-// (daemon::PeerFill) to the client's discovery, siblings that include neither the other: it
-// stays above both until the composition root takes it (docs/design.md "Target layout",
-// src/serve/).
+// there, never here. What is left here joins the daemon's fill (daemon::PeerFill) to the
+// client's discovery, siblings that include neither the other: the composition root above both
+// (docs/design.md "Target layout") does that.
 //
 // Contract: "auto" tries every peer cache in device-key order until one seeds us; SOCKET tries
 // that one (a cache of our exact config, e.g. in another runtime dir). A peer that is missing,
@@ -26,7 +25,7 @@
 #include "identity/resolve.h"
 #include "weightcache/status.h"
 
-namespace weightcache::cli {
+namespace weightcache::serve {
 
 // kInvalidArgument unless `seed_from` is "", "auto" or an absolute socket path.
 Status CheckSeedFrom(const std::string& seed_from);
@@ -43,4 +42,4 @@ daemon::PeerFill SeedFiller(const identity::ResolvedIdentity& identity, std::str
 // may be empty; both empty gives an empty fill.
 daemon::PeerFill FirstFillOf(daemon::PeerFill first, daemon::PeerFill second);
 
-}  // namespace weightcache::cli
+}  // namespace weightcache::serve
