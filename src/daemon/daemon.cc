@@ -36,7 +36,6 @@
 namespace weightcache::daemon {
 
 using protocol::CacheState;
-using protocol::MessageType;
 
 Status EpollCtl(int epoll, int op, int fd, uint32_t events) {
   epoll_event ev{};

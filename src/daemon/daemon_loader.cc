@@ -17,7 +17,6 @@
 namespace weightcache::daemon {
 
 using protocol::CacheState;
-using protocol::MessageType;
 
 namespace {
 

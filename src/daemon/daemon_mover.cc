@@ -13,7 +13,6 @@
 namespace weightcache::daemon {
 
 using protocol::CacheState;
-using protocol::MessageType;
 
 // ---- demotion and promotion (docs/budget.md)
 // -----------------------------------------------------

@@ -10,7 +10,6 @@
 namespace weightcache::daemon {
 
 using protocol::CacheState;
-using protocol::MessageType;
 
 // ---- publishing (docs/publish.md) -------------------------------------------------------------
 
