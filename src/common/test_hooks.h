@@ -23,7 +23,7 @@ enum class TestHook {
   // re-checks the files (src/daemon/daemon_loader.cc).
   kLoadedFifo,
   // A FIFO `serve --seed-from` opens and reads to EOF once it holds the peer's fds, before it
-  // copies (tools/seed_fill.cc).
+  // copies (src/serve/seed_fill.cc).
   kSeedPauseFifo,
   // "1" on a fill source: allocation 0 is served with its first byte flipped, from a copy
   // (tools/registry_flags.cc).

@@ -180,10 +180,11 @@ class Decoder {
       : message_(std::move(message)), object_(object) {}
 
   void operator()(const char* key, std::string& out) {
-    if (const json* v = Get(key, v_is_string, "a string")) out = v->get<std::string>();
+    if (const json* v = Get(key, &json::is_string, "a string")) out = v->get<std::string>();
   }
   void operator()(const char* key, uint64_t& out) {
-    if (const json* v = Get(key, v_is_unsigned, "a non-negative integer")) out = v->get<uint64_t>();
+    if (const json* v = Get(key, &json::is_number_unsigned, "a non-negative integer"))
+      out = v->get<uint64_t>();
   }
   void operator()(const char* key, uint32_t& out) {
     uint64_t wide = 0;
@@ -196,7 +197,7 @@ class Decoder {
     out = static_cast<uint32_t>(wide);
   }
   void operator()(const char* key, int64_t& out) {
-    const json* v = Get(key, v_is_integer, "an integer");
+    const json* v = Get(key, &json::is_number_integer, "an integer");
     if (v == nullptr) return;
     if (v->is_number_unsigned()) {
       if (v->get<uint64_t>() > uint64_t{std::numeric_limits<int64_t>::max()}) {
@@ -209,10 +210,10 @@ class Decoder {
     out = v->get<int64_t>();
   }
   void operator()(const char* key, bool& out) {
-    if (const json* v = Get(key, v_is_boolean, "a boolean")) out = v->get<bool>();
+    if (const json* v = Get(key, &json::is_boolean, "a boolean")) out = v->get<bool>();
   }
   void operator()(const char* key, json& out) {
-    if (const json* v = Get(key, v_is_object, "an object")) out = *v;
+    if (const json* v = Get(key, &json::is_object, "an object")) out = *v;
   }
   void operator()(const char* key, CacheState& out) {
     std::string name;
@@ -236,10 +237,12 @@ class Decoder {
     }
     out = *tier;
   }
-  void operator()(const char* key, std::vector<uint64_t>& out) { Integers(key, out, SIZE_MAX); }
+  void operator()(const char* key, std::vector<uint64_t>& out) {
+    if (const json* items = Get(key, &json::is_array, "an array")) Integers(key, *items, out);
+  }
   template <class R>
   void operator()(const char* key, std::vector<R>& out) {
-    const json* items = Get(key, v_is_array, "an array");
+    const json* items = Get(key, &json::is_array, "an array");
     if (items == nullptr) return;
     out.reserve(items->size());
     for (size_t i = 0; i < items->size(); ++i) {
@@ -275,8 +278,16 @@ class Decoder {
     }
     out = static_cast<StatusCode>(v);
   }
+  // A tensor's shape: at most checkpoint::kMaxTensorRank dimensions.
   void Shape(const char* key, std::vector<uint64_t>& out) {
-    Integers(key, out, checkpoint::kMaxTensorRank);
+    const json* dims = Get(key, &json::is_array, "an array");
+    if (dims == nullptr) return;
+    if (dims->size() > checkpoint::kMaxTensorRank) {
+      Fail(ProtocolError(message_ + ": field '" + key + "' has " + std::to_string(dims->size()) +
+                         " dimensions; at most " + std::to_string(checkpoint::kMaxTensorRank)));
+      return;
+    }
+    Integers(key, *dims, out);
   }
 
   // The first error, else any field the list did not read.
@@ -291,13 +302,7 @@ class Decoder {
   }
 
  private:
-  using Check = bool (*)(const json&);
-  static bool v_is_string(const json& v) { return v.is_string(); }
-  static bool v_is_unsigned(const json& v) { return v.is_number_unsigned(); }
-  static bool v_is_integer(const json& v) { return v.is_number_integer(); }
-  static bool v_is_boolean(const json& v) { return v.is_boolean(); }
-  static bool v_is_object(const json& v) { return v.is_object(); }
-  static bool v_is_array(const json& v) { return v.is_array(); }
+  using Check = bool (json::*)() const noexcept;  // json::is_string and its kin
 
   // The field, when no error came before and it is there with the type `check` asks for.
   const json* Get(const char* key, Check check, const char* expected) {
@@ -308,22 +313,16 @@ class Decoder {
       Fail(ProtocolError(message_ + ": field '" + key + "' missing"));
       return nullptr;
     }
-    if (!check(*it)) {
+    if (!((*it).*check)()) {
       Fail(TypeError(key, expected));
       return nullptr;
     }
     return &*it;
   }
-  void Integers(const char* key, std::vector<uint64_t>& out, size_t most) {
-    const json* items = Get(key, v_is_array, "an array");
-    if (items == nullptr) return;
-    if (items->size() > most) {
-      Fail(ProtocolError(message_ + ": field '" + key + "' has " + std::to_string(items->size()) +
-                         " dimensions; at most " + std::to_string(most)));
-      return;
-    }
-    out.reserve(items->size());
-    for (const json& item : *items) {
+  // The items of the array field `key`, each a non-negative integer.
+  void Integers(const char* key, const json& items, std::vector<uint64_t>& out) {
+    out.reserve(items.size());
+    for (const json& item : items) {
       if (!item.is_number_unsigned()) {
         Fail(ProtocolError(message_ + ": field '" + key + "' must hold non-negative integers"));
         return;

@@ -19,10 +19,6 @@ namespace {
 // How long admission waits for the caches it evicted to give their memory back.
 constexpr std::chrono::seconds kEvictionTimeout{30};
 
-std::chrono::milliseconds Millis(double seconds) {
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
-
 // An idle cache of the LRU order gives its memory back when asked (an Evict over its socket):
 // it stops, or is demoted to host RAM (--demote host); it refuses when it has clients or is
 // pinned.
@@ -47,7 +43,8 @@ Status AdmitOrWait(const BudgetOptions& options, daemon::BudgetLedger& ledger,
                    int signal_fd) {
   const auto start = std::chrono::steady_clock::now();
   const bool forever = options.wait_s == 0;
-  const auto until = start + Millis(std::max(options.wait_s, 0.0));
+  const auto until = start + std::chrono::duration_cast<std::chrono::milliseconds>(
+                                 std::chrono::duration<double>(std::max(options.wait_s, 0.0)));
   auto last_progress = start - kWaitProgressEvery;
   for (;;) {
     Status admitted = daemon::AdmitEvicting(ledger, self, budget, evict,
