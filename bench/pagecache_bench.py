@@ -139,6 +139,7 @@ class Serve:
         (daemon,) = json.loads(out.stdout)["daemons"]
         log = Path(daemon["log"]).read_text(errors="replace")
         ready = READY_LINE.findall(log)
+        print(f"==== {' '.join(argv)}\n{log}", file=sys.stderr, flush=True)  # the phases
         return {"spawn_to_serving_s": spawn_to_serving, "pid": daemon["pid"],
                 "ready_line": ready[-1] if ready else None,
                 "log_tail": log.strip().splitlines()[-6:]}
