@@ -46,6 +46,7 @@ READ_THREADS = 8
 INSTANTTENSOR_CHILD = """
 import json, sys, time, torch
 index = int(sys.argv[1]); files = sys.argv[2:]
+t_context = time.monotonic()
 torch.cuda.init(); torch.empty(1, device=f"cuda:{index}"); torch.cuda.synchronize()
 from instanttensor import BackendPolicy, safe_open
 t0 = time.monotonic()
@@ -56,7 +57,8 @@ with safe_open(files, framework="pt", device=index, backend=BackendPolicy.BUFFER
         nbytes += tensor.numel() * tensor.element_size()
 torch.cuda.synchronize()
 seconds = time.monotonic() - t0
-print(json.dumps({"tensors": len(kept), "bytes": nbytes, "seconds": seconds}))
+print(json.dumps({"tensors": len(kept), "bytes": nbytes, "seconds": seconds,
+                  "context_seconds": t0 - t_context}))
 """
 
 READY_LINE = re.compile(r"ready: (\d+) tensors, .* in ([0-9.e-]+) s, ([0-9.]+) GB/s")
@@ -115,8 +117,11 @@ def pinned_h2d_rate(index: int) -> float:
 
 
 def instanttensor(files: list[str], index: int) -> dict:
+    # INSTANTTENSOR_DEBUG: its backend and its phases, into this bench's log.
     out = subprocess.run([sys.executable, "-c", INSTANTTENSOR_CHILD, str(index), *files],
-                         capture_output=True, text=True, check=False)
+                         capture_output=True, text=True, check=False,
+                         env={**os.environ, "INSTANTTENSOR_DEBUG": "1"})
+    print(f"==== InstantTensor\n{out.stderr[-4000:]}", file=sys.stderr, flush=True)
     if out.returncode != 0:
         sys.exit(f"pagecache_bench: the InstantTensor child failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -168,6 +173,9 @@ def main() -> int:
     ap.add_argument("--device", required=True, help="the GPU's UUID, for serve --device")
     ap.add_argument("--cuda-index", type=int, default=0, help="the same GPU, for torch")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", default="16",
+                    help="serve --threads values to measure, comma-separated; the first is the "
+                         "one the ratio and the restarts use (default 16, serve's own)")
     args = ap.parse_args()
 
     files = shard_files(args.model)
@@ -186,16 +194,21 @@ def main() -> int:
     wc_runs, restarts = [], {}
     with tempfile.TemporaryDirectory(prefix="wc-pagecache-") as runtime:
         serve = Serve(args.cli, args.model, args.device, runtime)
-        for rep in range(args.reps):
-            run = serve.start()
-            serve.stop()
-            if run["ready_line"] is None:
-                sys.exit(f"pagecache_bench: no ready line in the daemon's log: {run['log_tail']}")
-            tensors, ready_s, _ = run["ready_line"]
-            run.update(tensors=int(tensors), ready_line_s=float(ready_s))
-            wc_runs.append(run)
-            emit({"bench": "pagecache", "loader": "weightcache-serve", "rep": rep,
-                  **{k: v for k, v in run.items() if k not in ("pid", "log_tail")}})
+        threads = [int(t) for t in args.threads.split(",")]
+        for count in threads:
+            for rep in range(args.reps):
+                run = serve.start("--threads", str(count))
+                serve.stop()
+                if run["ready_line"] is None:
+                    sys.exit(f"pagecache_bench: no ready line in the daemon's log: "
+                             f"{run['log_tail']}")
+                tensors, ready_s, _ = run["ready_line"]
+                run.update(tensors=int(tensors), ready_line_s=float(ready_s), threads=count,
+                           gbps=total / run["spawn_to_serving_s"] / 1e9)
+                if count == threads[0]:
+                    wc_runs.append(run)
+                emit({"bench": "pagecache", "loader": "weightcache-serve", "rep": rep,
+                      **{k: v for k, v in run.items() if k not in ("pid", "log_tail")}})
         for verify in ("sample", "behind"):
             first = serve.start()
             serve.kill9(first["pid"])

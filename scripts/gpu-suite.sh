@@ -27,7 +27,9 @@
 #        names scripts/gpu-budget.sh, three 16 GB caches under a 40 GB budget; "load_matrix",
 #        run only when named, load_bench from /dev/shm at 16 and 64 GiB in 1 and 4 files, in
 #        the daemon's shape and its variants: ~5 minutes and 64 GiB of /dev/shm; "load_uring",
-#        run only when named, the same with the readers' runs through io_uring; "demote_settle",
+#        run only when named, the same with the readers' runs through io_uring; "pagecache",
+#        scripts/gpu-pagecache.sh (serve beside InstantTensor, 16 GB, page cache warm, and the
+#        pipeline's shape over the same files; ~3 minutes; needs .deps/it); "demote_settle",
 #        run only when named, demote_bench's host-pinned path with and without a pause between
 #        repetitions; "demote_staging", run only when named, the staged demotion with 1 to
 #        16 MiB staging buffers; "gpu_fill", scripts/gpu-fill.sh (two daemons, one fills its
@@ -375,6 +377,13 @@ if [[ $suite == full && -z ${SKIP_BENCH:-} ]]; then
   # "skipped"). BENCHES names it "gpu_seed".
   if [[ -z ${BENCHES:-} || " $BENCHES " == *" gpu_seed "* ]]; then
     run_script gpu_seed 300 seed.log scripts/gpu-seed.sh
+  fi
+  # Issue 39 sections 1 and 2: page cache to GPU beside InstantTensor on the same checkpoint,
+  # the restart after kill -9, and the pipeline's shape over the same files
+  # (scripts/gpu-pagecache.sh; its lines in summary.txt start with "pagecache:"). BENCHES
+  # names it "pagecache"; it needs the InstantTensor wheel staged in .deps/it.
+  if [[ -z ${BENCHES:-} || " $BENCHES " == *" pagecache "* ]]; then
+    run_script pagecache 420 pagecache.log scripts/gpu-pagecache.sh
   fi
   # Issue 16 at full size: three 16 GB caches under a 40 GB gpu budget, demotion, promotion
   # and a verified attach, with real daemons and the CLI (scripts/gpu-budget.sh; its lines in
