@@ -44,6 +44,7 @@
 #include "identity_flags.h"
 #include "launcher/child_process.h"
 #include "launcher/launcher.h"
+#include "launcher/ready_notice.h"
 #include "launcher/serve_daemons.h"
 #include "os/lock_file.h"
 #include "os/read_file.h"
@@ -245,7 +246,14 @@ int Run(ServeArgs& args) {
   }
   // Before anything can start a thread: resolving a gpu identity loads the CUDA driver, whose
   // cuInit starts threads of its own, and a thread that does not block the stop signals would
-  // take SIGTERM's default action (death) instead of the signalfd getting it.
+  // take SIGTERM's default action (death) instead of the signalfd getting it. The launcher's
+  // ready notice is taken before then too (it edits the environment).
+  std::optional<launcher::ReadyNotice> ready_notice;
+  if (auto taken = launcher::ReadyNotice::Take(); !taken.ok()) {
+    LOG_WARN << taken.status().message() << "; the launcher finds our readiness by its probes";
+  } else {
+    ready_notice = std::move(taken).value();
+  }
   auto signals = TakeShutdownSignals(UpgradeSignal::kYes);
   if (!signals.ok()) return Fail(kCmd, signals.status());
 
@@ -444,6 +452,7 @@ int Run(ServeArgs& args) {
     if (registration) {
       registration->Ready(s, (*daemon)->StoreFds(), (*daemon)->StoreCreatingHandles());
     }
+    if (ready_notice) ready_notice->Send(launcher::ReadyNotice::What::kReady);
     // MAINPID: an upgrade's successor (NotifyAccess=all in the unit) becomes the main process.
     notify("READY=1\nMAINPID=" + std::to_string(::getpid()) +
            "\nSTATUS=ready: " + std::to_string(s.tensor_count) + " tensors, " +
@@ -463,6 +472,7 @@ int Run(ServeArgs& args) {
   };
   events.on_failed = [&](const Status& why) {
     progress.EndLine();
+    if (ready_notice) ready_notice->Send(launcher::ReadyNotice::What::kFailed);
     notify("STATUS=failed: " + why.ToString());
   };
   // The successor of an upgrade runs with our flags: our fill source lets go of its port first.

@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "common/logging.h"
+#include "launcher/ready_notice.h"
 #include "os/lock_file.h"
 
 namespace weightcache::launcher {
@@ -25,6 +26,8 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 constexpr uint64_t kSignalTag = UINT64_MAX;
+// Or'ed into a daemon's index: the event is its ready notice, not its pidfd.
+constexpr uint64_t kNoticeTag = uint64_t{1} << 62;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -154,17 +157,34 @@ Status Launcher::SpawnDaemon(size_t index) {
   // the whole unit), so they get an empty NOTIFY_SOCKET, which `serve` reads as "no manager".
   SpawnOptions spawn = d.spec.spawn;
   spawn.env_overrides.emplace_back("NOTIFY_SOCKET=");
+  // Its ready notice channel: a fresh one per spawn, so a restarted daemon's predecessor can
+  // never speak for it (closing the old end also takes it out of the epoll set).
+  d.notice.Reset();
+  auto channel = MakeReadyNoticeChannel();
+  if (!channel.ok()) {
+    Status s = channel.status();
+    return s.Context("starting daemon " + d.spec.name);
+  }
+  spawn.pass_fds.emplace_back(channel->daemon_end.get(), kReadyNoticeFd);
+  spawn.env_overrides.push_back(std::string(kReadyNoticeEnv) + "=" +
+                                std::to_string(kReadyNoticeFd));
   auto child = ChildProcess::Spawn(spawn);
   if (!child.ok()) {
     Status s = child.status();
     return s.Context("starting daemon " + d.spec.name);
   }
+  channel->daemon_end.Reset();  // the child's copy is the only one left
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.u64 = index;
   if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, child->pidfd(), &ev) != 0) {
     return IoError("epoll_ctl for daemon " + d.spec.name, errno);
   }
+  ev.data.u64 = kNoticeTag | index;
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, channel->launcher_end.get(), &ev) != 0) {
+    return IoError("epoll_ctl for the ready notice of daemon " + d.spec.name, errno);
+  }
+  d.notice = std::move(channel->launcher_end);
   d.child.emplace(std::move(child).value());
   if (d.spec.socket_path.empty()) {
     // A new process: find where it publishes (normally the same path as before).
@@ -375,6 +395,13 @@ Result<int> Launcher::ReadSignal(int signal_fd) {
   return static_cast<int>(info.ssi_signo);
 }
 
+bool Launcher::TakeNotice(uint64_t tag) {
+  if (tag == kSignalTag || (tag & kNoticeTag) == 0) return false;
+  Daemon& d = daemons_[tag & ~kNoticeTag];
+  if (d.notice && !DrainReadyNotices(d.notice.get())) d.notice.Reset();
+  return true;
+}
+
 LaunchReport Launcher::Run(int signal_fd) {
   if (signal_fd >= 0) {
     epoll_event ev{};
@@ -404,7 +431,7 @@ LaunchReport Launcher::Run(int signal_fd) {
   // keeper's memory is ready some 15 ms after its spawn, and a fixed 100 ms step added most
   // of a step to what `serve --detach` and its supervisor saw; a long load settles at
   // poll_interval.
-  std::chrono::milliseconds probe_gap{1};
+  std::chrono::milliseconds probe_gap = std::max(options_.first_probe_gap, milliseconds(1));
   epoll_event events[16];
   while (true) {
     // Readiness counts only if the probe that saw it began before the deadline: a daemon that
@@ -455,6 +482,7 @@ LaunchReport Launcher::Run(int signal_fd) {
       return Finish(std::move(s), -1);
     }
     for (int k = 0; k < n; ++k) {
+      if (TakeNotice(events[k].data.u64)) continue;  // the next round probes at once
       if (events[k].data.u64 == kSignalTag) {
         auto sig = ReadSignal(signal_fd);
         stop_signal_ = sig.ok() ? *sig : SIGTERM;
@@ -503,6 +531,7 @@ LaunchReport Launcher::Run(int signal_fd) {
     }
     now = Clock::now();
     for (int k = 0; k < n; ++k) {
+      if (TakeNotice(events[k].data.u64)) continue;  // ProbeAll below looks
       if (events[k].data.u64 == kSignalTag) {
         auto sig = ReadSignal(signal_fd);
         stop_signal_ = sig.ok() ? *sig : SIGTERM;

@@ -11,6 +11,8 @@
 //    failure path, leaves no child running; only the exit-when-ready success detaches them.
 //  * Liveness is each child's pidfd in one epoll set; signals arrive through a signalfd the
 //    caller (main) owns and passes to Run(). The library installs no signal handlers.
+//  * Each child gets a ready notice channel (launcher/ready_notice.h) in the same epoll set: a
+//    notice only makes the launcher probe now; the probe's answer decides.
 //  * The daemon's state comes through StateProbe (the protocol's Status request on its
 //    socket) and lock ownership through LockProbe (IsLockHeld, an F_OFD_GETLK probe that never
 //    takes the lock); both are seams so the lifecycle is testable with plain processes standing in
@@ -108,6 +110,10 @@ struct LaunchOptions {
   // Between SIGTERM and SIGKILL when stopping.
   std::chrono::milliseconds stop_grace{std::chrono::seconds(10)};
   std::chrono::milliseconds poll_interval{std::chrono::milliseconds(100)};
+  // The start-up's first gap between probes, doubled up to poll_interval: a restart that
+  // adopts its keeper's memory answers within milliseconds. Between probes, a daemon's ready
+  // notice (launcher/ready_notice.h) makes the launcher probe at once.
+  std::chrono::milliseconds first_probe_gap{std::chrono::milliseconds(1)};
   // Restart delay in supervise mode: initial, doubled per consecutive failure, capped; the
   // count resets once a restarted daemon has stayed ready for `stable_after`.
   std::chrono::milliseconds restart_backoff_initial{std::chrono::seconds(1)};
@@ -155,6 +161,7 @@ class Launcher {
     std::string socket_path;  // spec's, or discovered
     std::string lock_path;
     std::optional<ChildProcess> child;
+    UniqueFd notice;  // our end of its ready notice channel, in the epoll set; may be empty
     DaemonState state = DaemonState::kStarting;
     ProbeReport last;
     std::string reason;
@@ -181,6 +188,9 @@ class Launcher {
   std::vector<DaemonSnapshot> Snapshots() const;
   LaunchReport Finish(Status status, int failed_index);
   Result<int> ReadSignal(int signal_fd);
+  // Handles one epoll event that is a ready notice: true if it was one (drained, or dropped
+  // from the epoll set once its daemon hung up).
+  bool TakeNotice(uint64_t tag);
 
   std::vector<Daemon> daemons_;
   LaunchOptions options_;

@@ -10,6 +10,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <set>
@@ -155,6 +156,48 @@ TEST_F(LauncherTest, DaemonDyingBeforeReadyFailsTheLaunchFastAndStopsTheOthers) 
   ExpectAllGone(r);
   // Stopped daemons' stale files are cleaned (their locks are free).
   EXPECT_FALSE(std::ifstream(dir_.Join("tp0-pp0.sock")).good());
+}
+
+// The ready notice (launcher/ready_notice.h) without a wall-clock assertion: the probes are
+// 60 s apart from the first, and the launch must be ready within 30 s, so only the notice the
+// "daemon" sends once its state reads ready can end this launch in time (without it: kTimeout).
+TEST_F(LauncherTest, AReadyNoticeMakesTheLauncherProbeAtOnce) {
+  const std::string notices =
+      "printf 'loading 1 10' > $SOCK.t && mv $SOCK.t $SOCK; sleep 0.2; "
+      "printf 'ready 10 10' > $SOCK.t && mv $SOCK.t $SOCK; "
+      "printf r >&$WEIGHTCACHE_READY_NOTICE_FD; exec sleep 30";
+  LaunchOptions o = FastOptions();
+  o.ready_timeout = 30s;
+  o.first_probe_gap = 60s;
+  o.poll_interval = 60s;
+  Launcher l = Make({Daemon(0, notices)}, o);
+  LaunchReport r = l.Run(-1);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(r.daemons[0].state, DaemonState::kReady);
+  EXPECT_EQ(r.daemons[0].bytes_done, 10u);
+  ::kill(r.daemons[0].pid, SIGKILL);
+  ::waitpid(r.daemons[0].pid, nullptr, 0);
+}
+
+// A notice is a hint, never a state: one sent while the daemon still reads `loading` (and a
+// flood of them) leaves it loading until its socket says ready.
+TEST_F(LauncherTest, ANoticeBeforeReadyIsOnlyAHint) {
+  const std::string early =
+      "printf 'loading 1 10' > $SOCK.t && mv $SOCK.t $SOCK; "
+      "i=0; while [ $i -lt 200 ]; do printf f >&$WEIGHTCACHE_READY_NOTICE_FD; i=$((i+1)); done; "
+      "sleep 0.3; printf 'ready 10 10' > $SOCK.t && mv $SOCK.t $SOCK; exec sleep 30";
+  std::vector<DaemonState> seen;
+  LaunchOptions o = FastOptions();
+  o.on_progress = [&seen](const std::vector<DaemonSnapshot>& d) { seen.push_back(d[0].state); };
+  Launcher l = Make({Daemon(0, early)}, o);
+  LaunchReport r = l.Run(-1);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(r.daemons[0].state, DaemonState::kReady);
+  EXPECT_GT(r.daemons[0].seconds, 0.25);  // not before its socket said so
+  ASSERT_FALSE(seen.empty());
+  EXPECT_NE(std::find(seen.begin(), seen.end(), DaemonState::kLoading), seen.end());
+  ::kill(r.daemons[0].pid, SIGKILL);
+  ::waitpid(r.daemons[0].pid, nullptr, 0);
 }
 
 TEST_F(LauncherTest, ExitSevenIsReportedAsAlreadyServed) {
