@@ -107,9 +107,11 @@ if [[ ${PAGECACHE_SWEEP:-1} != 0 ]]; then
   variants=(
     "--threads 16 --buffers 32 --device-checksum"  # the daemon's: 32 x 32 MiB
     "--threads 16 --buffers 64 --buffer-mib 8 --device-checksum"
-    "--threads 16 --buffers 128 --buffer-mib 4 --device-checksum"
+    # Small enough that what a reader just wrote may still be in the last-level cache when
+    # the copy engine reads it (the staged demotion's limit was its buffers' size).
+    "--threads 16 --buffers 64 --buffer-mib 2 --device-checksum"
+    "--threads 16 --buffers 128 --buffer-mib 1 --device-checksum"
     "--threads 32 --buffers 64 --buffer-mib 8 --device-checksum"
-    "--threads 8 --buffers 32 --buffer-mib 8 --device-checksum"
     "--threads 16 --buffers 32 --device-checksum --io-uring"
     "--mapped --threads 16"
   )
