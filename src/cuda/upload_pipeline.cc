@@ -236,18 +236,27 @@ class ChunkLayout {
 
 // Step 3b: the staging ring, made while the upload runs. Populating and pinning 16 x 32 MiB
 // took 150-330 ms on an H200 (more with four daemons loading at once), all of it before the
-// first read when the ring was made up front; now up to 8 maker threads make the slots in slot
-// order while the readers already fill the ones made first. A ring made by an earlier Run() is
-// adopted whole. Any slot that cannot be made fails the ring: every later Wait() returns that
-// error (so the readers stop), the makers start no further slot, and Finish() returns it.
+// first read when the ring was made up front; now up to 8 maker threads make it in slot order
+// while the readers already fill the slots made first. Each pin (one PinnedHostBuffer) holds
+// `group` consecutive slots: pinning has a fixed cost per call that the driver serializes, so
+// 64 pins of 2 MiB cost more than 8 of 16 MiB. A ring made by an earlier Run() is adopted
+// whole. Any pin that cannot be made fails the ring: every later Wait() returns that error
+// (so the readers stop), the makers start no further pin, and Finish() returns it.
 class StagingRing {
  public:
-  StagingRing(const DriverApi* api, CUcontext context, size_t slots, size_t bytes,
+  StagingRing(const DriverApi* api, CUcontext context, size_t slots, size_t bytes, size_t group,
               std::vector<PinnedHostBuffer> made)
-      : api_(api), context_(context), bytes_(bytes), slots_(slots) {
-    if (made.size() != slots) return;
+      : api_(api),
+        context_(context),
+        bytes_(bytes),
+        slots_(slots),
+        group_(std::max<size_t>(group, 1)),
+        pins_((slots + group_ - 1) / group_) {
+    if (made.size() != pins_) return;
     MutexLock lock(mu_);
-    for (PinnedHostBuffer& b : made) data_.push_back(b.data());
+    for (size_t s = 0; s < slots_; ++s) {
+      data_.push_back(made[s / group_].data() + (s % group_) * bytes_);
+    }
     ready_ = slots;
     made_ = std::move(made);
   }
@@ -264,12 +273,12 @@ class StagingRing {
     {
       MutexLock lock(mu_);
       if (ready_ == slots_) return;
-      made_slots_.clear();
-      made_slots_.resize(slots_);
+      made_pins_.clear();
+      made_pins_.resize(pins_);
       data_.assign(slots_, nullptr);
       started_at_ = std::chrono::steady_clock::now();
     }
-    const size_t workers = std::min<size_t>(slots_, 8);
+    const size_t workers = std::min<size_t>(pins_, 8);
     for (size_t t = 0; t < workers; ++t) {
       makers_.emplace_back([this, t, workers] { Make(t, workers); });
     }
@@ -285,9 +294,9 @@ class StagingRing {
     return data_[slot];
   }
 
-  // Stops the making (a slot being made is finished), joins the makers, and returns the ring
-  // when every slot was made (the pipeline keeps it for its next Run), else the error. Only
-  // once no copy reads the ring any more (after UploadRun::Drain).
+  // Stops the making (a pin being made is finished), joins the makers, and returns the ring's
+  // pins when every one was made (the pipeline keeps them for its next Run), else the error.
+  // Only once no copy reads the ring any more (after UploadRun::Drain).
   Result<std::vector<PinnedHostBuffer>> Finish() {
     {
       MutexLock lock(mu_);
@@ -299,11 +308,11 @@ class StagingRing {
     if (!error_.ok()) return error_;
     if (!made_.empty()) return std::move(made_);
     std::vector<PinnedHostBuffer> out;
-    for (auto& slot : made_slots_) {
-      if (!slot) return InternalError("staging ring finished before every slot was made");
-      out.push_back(std::move(*slot));
+    for (auto& pin : made_pins_) {
+      if (!pin) return InternalError("staging ring finished before every slot was made");
+      out.push_back(std::move(*pin));
     }
-    made_slots_.clear();
+    made_pins_.clear();
     return out;
   }
 
@@ -314,7 +323,7 @@ class StagingRing {
   }
 
  private:
-  // Maker `t` of `workers`: slots t, t + workers, ...
+  // Maker `t` of `workers`: pins t, t + workers, ...
   void Make(size_t t, size_t workers) {
     // cuMemHostRegister needs a current context on the calling thread.
     const CUresult rc = api_->cuCtxSetCurrent(context_);
@@ -327,20 +336,23 @@ class StagingRing {
     }
     cv_.NotifyAll();
     if (rc != CUDA_SUCCESS) return;
-    for (size_t i = t; i < slots_; i += workers) {
+    for (size_t p = t; p < pins_; p += workers) {
       {
         MutexLock lock(mu_);
         if (stop_ || !error_.ok()) return;
       }
-      Result<PinnedHostBuffer> made = PinnedHostBuffer::Create(api_, bytes_);
+      const size_t first = p * group_;
+      const size_t count = std::min(slots_ - first, group_);
+      Result<PinnedHostBuffer> made = PinnedHostBuffer::Create(api_, count * bytes_);
       {
         MutexLock lock(mu_);
         if (!made.ok()) {
           FailLocked(made.status());
         } else {
-          data_[i] = made->data();
-          made_slots_[i].emplace(std::move(made).value());
-          if (++ready_ == slots_) {
+          for (size_t k = 0; k < count; ++k) data_[first + k] = made->data() + k * bytes_;
+          made_pins_[p].emplace(std::move(made).value());
+          ready_ += count;
+          if (ready_ == slots_) {
             seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_at_)
                            .count();
           }
@@ -358,11 +370,13 @@ class StagingRing {
   CUcontext context_;  // set once, at construction
   const size_t bytes_;
   const size_t slots_;
+  const size_t group_;  // slots per pin
+  const size_t pins_;
   std::vector<std::thread> makers_;     // the StartMaking thread's only
   std::vector<PinnedHostBuffer> made_;  // an adopted ring
   mutable Mutex mu_;
   CondVar cv_;
-  std::vector<std::optional<PinnedHostBuffer>> made_slots_ WEIGHTCACHE_GUARDED_BY(mu_);
+  std::vector<std::optional<PinnedHostBuffer>> made_pins_ WEIGHTCACHE_GUARDED_BY(mu_);
   std::vector<std::byte*> data_ WEIGHTCACHE_GUARDED_BY(mu_);  // null until made
   size_t ready_ WEIGHTCACHE_GUARDED_BY(mu_) = 0;
   size_t contexts_set_ WEIGHTCACHE_GUARDED_BY(mu_) = 0;
@@ -767,7 +781,10 @@ Result<UploadReport> UploadPipeline::RunStaged(std::span<const UploadSource> sou
   // so a successful run has made them all; none without batches); an earlier run's ring is
   // reused when it has enough.
   const size_t wanted = std::min(batches.size(), static_cast<size_t>(options_.staging_buffers));
-  const size_t n = buffers_.size() >= wanted ? buffers_.size() : wanted;
+  const size_t n = ring_slots_ >= wanted ? ring_slots_ : wanted;
+  // Slots per pin: staging_pin_bytes' worth (at least one slot; 0 means one slot per pin).
+  const size_t group = std::max<uint64_t>(
+      options_.staging_pin_bytes / options_.staging_buffer_bytes, uint64_t{1});
   for (size_t i = events_.size(); i < n; ++i) {
     auto e = CudaEvent::Create(api_);
     if (!e.ok()) {
@@ -776,8 +793,9 @@ Result<UploadReport> UploadPipeline::RunStaged(std::span<const UploadSource> sou
     }
     events_.push_back(std::move(e).value());
   }
-  StagingRing ring(api_, context_, n, options_.staging_buffer_bytes, std::move(buffers_));
+  StagingRing ring(api_, context_, n, options_.staging_buffer_bytes, group, std::move(buffers_));
   buffers_.clear();
+  ring_slots_ = 0;
   ring.StartMaking();
 
   UploadRun run({api_, context_, &ring, streams_, std::span(events_).first(n)}, sources, items,
@@ -791,6 +809,7 @@ Result<UploadReport> UploadPipeline::RunStaged(std::span<const UploadSource> sou
   const Status ring_status = made.status();
   if (made.ok()) {
     buffers_ = std::move(made).value();
+    ring_slots_ = n;
   } else {
     events_.clear();
   }

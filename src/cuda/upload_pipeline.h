@@ -101,6 +101,10 @@ struct UploadOptions {
   // (O_DIRECT), at least two chunks.
   uint64_t staging_buffer_bytes = uint64_t{32} << 20;
   int staging_buffers = 16;  // more than the readers: a filled buffer waits for its hash too
+  // Bytes of consecutive buffers pinned by one registration (rounded down to whole buffers;
+  // 0 or less than one buffer: one registration per buffer). Pinning costs the driver a fixed
+  // time per call, so a ring of many small buffers is pinned in fewer, larger pieces.
+  uint64_t staging_pin_bytes = 0;
   int reader_threads = 8;
   // Threads hashing filled staging buffers (ChecksumMode::kCompute) while the readers move on;
   // XXH64 runs at ~10 GB/s a core, so a few keep up with page-cache-speed reads.
@@ -173,7 +177,8 @@ class UploadPipeline {
   // Acquisition order; destroyed in reverse, after Run() has drained every stream. The staging
   // ring and its events are made by the first Run() that reads through them (a pipeline that
   // only takes the mapped path never pins them), and kept only when that Run made it whole.
-  std::vector<PinnedHostBuffer> buffers_;
+  std::vector<PinnedHostBuffer> buffers_;  // the ring's pins (staging_pin_bytes each)
+  size_t ring_slots_ = 0;                  // the slots they hold
   std::vector<CudaStream> streams_;
   std::vector<CudaEvent> events_;  // one per staging buffer
 };

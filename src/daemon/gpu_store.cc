@@ -186,10 +186,18 @@ Result<DiskUpload> UploadFromDisk(const cuda::DriverApi* api,
   const uint64_t held_bytes = std::accumulate(sizes.begin(), sizes.end(), uint64_t{0});
   cuda::UploadOptions upload_options;
   upload_options.reader_threads = std::clamp(options.threads, 1, 64);
-  // Two staging buffers per reader (one being read into, one whose copy is in flight) and 4
-  // copy streams: 16 readers, 32 x 32 MiB and 4 streams moved a warm 16 GiB at 42.8 GB/s on an
-  // H200, against 30.7 GB/s with 8, 16 and 2 (load_bench, docs/benchmarks.md).
-  upload_options.staging_buffers = std::clamp(2 * upload_options.reader_threads, 4, 128);
+  // Small staging buffers, four per reader, and 4 copy streams. A load makes its ring afresh
+  // (the daemon loads once), and pinning is what a big ring costs: 32 x 32 MiB took 170-820 ms
+  // of a 16 GB load on an H100, 64 x 2 MiB 56 ms, all of it behind the first reads. And a
+  // 2 MiB buffer is still in the last-level cache when the copy engine reads what a reader
+  // just wrote: load_bench over a page-cache-warm 16 GB, 16 readers, first run (the ring made
+  // in it) / later runs: 32 x 32 MiB 22.3 / 40.1 GB/s, 64 x 8 MiB 27.9 / 41.8, 64 x 2 MiB
+  // 39.8 / 46.2, 128 x 1 MiB 37.6 / 42.7 (pinned H2D 55.5; docs/benchmarks.md "Page cache to
+  // GPU").
+  upload_options.staging_buffer_bytes = uint64_t{2} << 20;
+  upload_options.staging_buffers = std::clamp(4 * upload_options.reader_threads, 8, 256);
+  // Pinned 16 MiB at a time (8 slots): the driver serializes each registration's fixed cost.
+  upload_options.staging_pin_bytes = uint64_t{16} << 20;
   upload_options.copy_streams = 4;
   // The checksums by the GPU kernel once the bytes are on the device (a few ms for 16 GB),
   // which leaves the host's memory bandwidth to the reads and copies; by hasher threads over

@@ -604,6 +604,45 @@ TEST_F(UploadPipelineTest, TheFirstCopiesRunWhileTheRestOfTheStagingRingIsBeingM
   ExpectAllReleased();
 }
 
+// staging_pin_bytes: consecutive slots share one registration (5 slots, 2 per pin: pins of
+// 2, 2 and 1 slot), the bytes arrive intact, a reused pipeline adopts the pins whole, and a
+// pin that cannot be made releases the others.
+TEST_F(UploadPipelineTest, SlotsPinnedInGroupsLoadIntactAndFailClean) {
+  const size_t a = AddFile("a.bin", 24 * kChunk, 23);
+  AddItem(a, 0, 24 * kChunk);  // 12 fills of a 5-slot ring
+  UploadOptions o = SmallRing();
+  o.staging_buffers = 5;
+  o.staging_pin_bytes = 2 * o.staging_buffer_bytes + 1;  // rounded down: 2 slots a pin
+  {
+    auto p = UploadPipeline::Create(fake_.api(), o);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    auto r = p->Run(sources_, items_);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ExpectDeviceMatchesFiles();
+    EXPECT_EQ(r->staging_fills, 12u);
+    EXPECT_EQ(fake_.CallCount("cuMemHostRegister"), 3);
+    EXPECT_EQ(fake_.live_host_registrations(), 3);
+    r = p->Run(sources_, items_);  // the ring is adopted: nothing pinned again
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ExpectDeviceMatchesFiles();
+    EXPECT_EQ(fake_.CallCount("cuMemHostRegister"), 3);
+  }
+  EXPECT_EQ(fake_.live_host_registrations(), 0);
+  {
+    auto p = UploadPipeline::Create(fake_.api(), o);
+    ASSERT_TRUE(p.ok());
+    fake_.FailCall("cuMemHostRegister", fake_.CallCount("cuMemHostRegister") + 2,
+                   CUDA_ERROR_OUT_OF_MEMORY);
+    auto r = p->Run(sources_, items_);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("cuMemHostRegister of a 1048576-byte pinned staging buffer"),
+              std::string::npos)
+        << r.status().message();
+    EXPECT_EQ(fake_.live_host_registrations(), 0);
+  }
+  ExpectAllReleased();
+}
+
 TEST_F(UploadPipelineTest, NothingToDoReportsZero) {
   std::vector<std::pair<uint64_t, uint64_t>> progress;
   UploadControl control;
