@@ -783,8 +783,8 @@ Result<UploadReport> UploadPipeline::RunStaged(std::span<const UploadSource> sou
   const size_t wanted = std::min(batches.size(), static_cast<size_t>(options_.staging_buffers));
   const size_t n = ring_slots_ >= wanted ? ring_slots_ : wanted;
   // Slots per pin: staging_pin_bytes' worth (at least one slot; 0 means one slot per pin).
-  const size_t group = std::max<uint64_t>(
-      options_.staging_pin_bytes / options_.staging_buffer_bytes, uint64_t{1});
+  const size_t group =
+      std::max<uint64_t>(options_.staging_pin_bytes / options_.staging_buffer_bytes, uint64_t{1});
   for (size_t i = events_.size(); i < n; ++i) {
     auto e = CudaEvent::Create(api_);
     if (!e.ok()) {

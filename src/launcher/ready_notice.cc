@@ -47,7 +47,7 @@ Result<std::optional<ReadyNotice>> ReadyNotice::Take() {
   if (ec != std::errc() || end != text.data() + text.size() || fd < 0) {
     return InvalidArgument(what + ": not a file descriptor number");
   }
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0) return IoError(what + ": fstat", errno);
   int type = 0;
   socklen_t len = sizeof(type);

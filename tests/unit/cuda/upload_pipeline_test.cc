@@ -635,8 +635,9 @@ TEST_F(UploadPipelineTest, SlotsPinnedInGroupsLoadIntactAndFailClean) {
                    CUDA_ERROR_OUT_OF_MEMORY);
     auto r = p->Run(sources_, items_);
     ASSERT_FALSE(r.ok());
-    EXPECT_NE(r.status().message().find("cuMemHostRegister of a 1048576-byte pinned staging buffer"),
-              std::string::npos)
+    EXPECT_NE(
+        r.status().message().find("cuMemHostRegister of a 1048576-byte pinned staging buffer"),
+        std::string::npos)
         << r.status().message();
     EXPECT_EQ(fake_.live_host_registrations(), 0);
   }

@@ -58,7 +58,7 @@ TEST(ReadyNoticeTest, SendingToAGoneLauncherNeitherBlocksNorKills) {
   auto taken = ReadyNotice::Take();
   ASSERT_TRUE(taken.ok() && taken->has_value()) << taken.status().ToString();
   (void)channel->daemon_end.Release();
-  channel->launcher_end.Reset();  // the launcher died
+  channel->launcher_end.Reset();              // the launcher died
   (*taken)->Send(ReadyNotice::What::kReady);  // ECONNREFUSED, no SIGPIPE: we are still here
   (*taken)->Send(ReadyNotice::What::kReady);
 }
