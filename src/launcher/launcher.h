@@ -188,8 +188,8 @@ class Launcher {
   std::vector<DaemonSnapshot> Snapshots() const;
   LaunchReport Finish(Status status, int failed_index);
   Result<int> ReadSignal(int signal_fd);
-  // Handles one epoll event that is a ready notice: true if it was one (drained, or dropped
-  // from the epoll set once its daemon hung up).
+  // Handles one epoll event that is a ready notice: true if it was one (drained; closed if
+  // its socket failed).
   bool TakeNotice(uint64_t tag);
 
   std::vector<Daemon> daemons_;

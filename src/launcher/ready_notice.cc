@@ -9,19 +9,17 @@
 #include <cstdlib>
 #include <string>
 
+#include "os/unix_socket.h"
+
 namespace weightcache::launcher {
 
 Result<ReadyNoticeChannel> MakeReadyNoticeChannel() {
-  int fds[2];
-  if (::socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, fds) != 0) {
-    return IoError("socketpair for a daemon's ready notice", errno);
+  auto pair = os::DatagramPair();
+  if (!pair.ok()) {
+    Status s = pair.status();
+    return s.Context("a daemon's ready notice");
   }
-  ReadyNoticeChannel channel{UniqueFd(fds[0]), UniqueFd(fds[1])};
-  const int flags = ::fcntl(channel.launcher_end.get(), F_GETFL);
-  if (flags < 0 || ::fcntl(channel.launcher_end.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
-    return IoError("O_NONBLOCK on a ready notice socket", errno);
-  }
-  return channel;
+  return ReadyNoticeChannel{std::move(pair->first), std::move(pair->second)};
 }
 
 bool DrainReadyNotices(int launcher_end) {
@@ -30,8 +28,8 @@ bool DrainReadyNotices(int launcher_end) {
     const ssize_t n = ::recv(launcher_end, byte, sizeof(byte), MSG_DONTWAIT);
     if (n > 0) continue;
     if (n < 0 && errno == EINTR) continue;
-    // EAGAIN: read empty, the peer may still send. 0 is an empty datagram (a datagram socket
-    // has no end-of-file); anything else is a failed socket.
+    // EAGAIN: read empty. 0 is an empty datagram (a datagram socket has no end-of-file, and
+    // a peer that exits raises no event); anything else is a failed socket.
     return n == 0 || errno == EAGAIN || errno == EWOULDBLOCK;
   }
 }

@@ -17,8 +17,9 @@
 //    own children (its keeper, an upgrade's successor) get neither.
 //  * Send() never blocks and never raises SIGPIPE; a launcher that has gone (or stopped
 //    reading) is no error of the daemon's.
-//  * DrainReadyNotices() reads the launcher's end empty without blocking: true while the
-//    peer may still send, false once it hung up or the socket failed (remove it from epoll).
+//  * DrainReadyNotices() reads the launcher's end empty without blocking: false only when
+//    the socket failed (close it). A daemon that exits raises no event on a datagram pair;
+//    its end is closed with the next spawn or the launcher.
 #pragma once
 
 #include <optional>
@@ -32,7 +33,7 @@ namespace weightcache::launcher {
 inline constexpr int kReadyNoticeFd = 5;  // after the upgrade's handover (3) and metrics (4)
 inline constexpr char kReadyNoticeEnv[] = "WEIGHTCACHE_READY_NOTICE_FD";
 
-// Both ends of a new notice channel: the launcher's (non-blocking) and the child's.
+// Both ends of a new notice channel, close-on-exec: the launcher's and the child's.
 struct ReadyNoticeChannel {
   UniqueFd launcher_end;
   UniqueFd daemon_end;

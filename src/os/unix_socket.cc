@@ -162,4 +162,12 @@ Result<SocketPairFds> SocketPair(Blocking blocking) {
   return SocketPairFds{UniqueFd(fds[0]), UniqueFd(fds[1])};
 }
 
+Result<SocketPairFds> DatagramPair() {
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, fds) != 0) {
+    return IoError("socketpair(AF_UNIX, SOCK_DGRAM)", errno);
+  }
+  return SocketPairFds{UniqueFd(fds[0]), UniqueFd(fds[1])};
+}
+
 }  // namespace weightcache::os

@@ -82,5 +82,7 @@ struct SocketPairFds {
 
 // A connected AF_UNIX stream pair (tests; in-process channels).
 Result<SocketPairFds> SocketPair(Blocking blocking = Blocking::kBlocking);
+// A connected AF_UNIX datagram pair, close-on-exec (the launcher's ready notice).
+Result<SocketPairFds> DatagramPair();
 
 }  // namespace weightcache::os
