@@ -34,4 +34,4 @@ else()
     DEPENDS ${WC_EMBED_SCRIPT}
     VERBATIM)
 endif()
-target_sources(wc_cuda PRIVATE checksum_gpu.cc upload_pipeline.cc mapped_upload.cc ${WC_CHECKSUM_FATBIN_CC})
+target_sources(wc_cuda PRIVATE checksum_gpu.cc upload_pipeline.cc staging_ring.cc mapped_upload.cc ${WC_CHECKSUM_FATBIN_CC})
