@@ -91,6 +91,15 @@ class LauncherTest : public ::testing::Test {
     return std::move(l).value();
   }
 
+  // Detached daemons are still our children at the OS level: the test ends and reaps them
+  // itself (a detached child is not reaped, so its pid cannot be recycled before this).
+  static void KillDetached(const LaunchReport& r) {
+    for (const auto& d : r.daemons) {
+      ::kill(d.pid, SIGKILL);
+      ::waitpid(d.pid, nullptr, 0);
+    }
+  }
+
   void ExpectAllGone(const LaunchReport& r) {
     for (const auto& d : r.daemons) {
       EXPECT_GT(d.pid, 0) << d.name;
@@ -123,11 +132,7 @@ TEST_F(LauncherTest, ExitWhenReadyLeavesReadyDaemonsRunning) {
     EXPECT_FALSE(PidGone(d.pid)) << d.name << " should have been left running";
   }
   EXPECT_EQ(r.daemons[1].placement.local_gpu_id, 2);
-  // Detached: still our children at the OS level, so the test reaps them itself.
-  for (const auto& d : r.daemons) {
-    ::kill(d.pid, SIGKILL);  // a detached child is not reaped, so its pid cannot be recycled
-    ::waitpid(d.pid, nullptr, 0);
-  }
+  KillDetached(r);
 }
 
 TEST_F(LauncherTest, DaemonDyingBeforeReadyFailsTheLaunchFastAndStopsTheOthers) {
@@ -175,8 +180,7 @@ TEST_F(LauncherTest, AReadyNoticeMakesTheLauncherProbeAtOnce) {
   ASSERT_TRUE(r.status.ok()) << r.status.ToString();
   EXPECT_EQ(r.daemons[0].state, DaemonState::kReady);
   EXPECT_EQ(r.daemons[0].bytes_done, 10u);
-  ::kill(r.daemons[0].pid, SIGKILL);
-  ::waitpid(r.daemons[0].pid, nullptr, 0);
+  KillDetached(r);
 }
 
 // A notice is a hint, never a state: one sent while the daemon still reads `loading` (and a
@@ -196,8 +200,7 @@ TEST_F(LauncherTest, ANoticeBeforeReadyIsOnlyAHint) {
   EXPECT_GT(r.daemons[0].seconds, 0.25);  // not before its socket said so
   ASSERT_FALSE(seen.empty());
   EXPECT_NE(std::find(seen.begin(), seen.end(), DaemonState::kLoading), seen.end());
-  ::kill(r.daemons[0].pid, SIGKILL);
-  ::waitpid(r.daemons[0].pid, nullptr, 0);
+  KillDetached(r);
 }
 
 TEST_F(LauncherTest, ExitSevenIsReportedAsAlreadyServed) {
