@@ -140,7 +140,9 @@ TEST_F(LauncherTest, DaemonDyingBeforeReadyFailsTheLaunchFastAndStopsTheOthers) 
   // shell would leave its `mv` child running, to put the file back after the clean-up.
   const std::string dies =
       "printf 'loading 0 10' > $SOCK.t && mv $SOCK.t $SOCK; "
-      "while [ ! -e " + dir_.Join("tp0-pp0.sock") + " ]; do sleep 0.01; done; "
+      "while [ ! -e " +
+      dir_.Join("tp0-pp0.sock") +
+      " ]; do sleep 0.01; done; "
       "i=1; while [ $i -le 25 ]; do echo \"load step $i\"; i=$((i+1)); done; "
       "echo 'fatal: shard model-00002 truncated' >&2; exit 5";
   LaunchOptions o = FastOptions();
