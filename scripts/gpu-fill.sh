@@ -74,7 +74,7 @@ trap cleanup EXIT
 
 # The help is read whole first: `serve --help | grep -q` under pipefail fails whenever grep exits
 # before the CLI has written everything (SIGPIPE), which it did on CI. A build without the fleet
-# still lists --fill-from, marked "not in this build" (tools/fleet_not_built.cc).
+# still lists --fill-from, marked "not in this build" (tools/registry_flags.cc).
 serve_help=$("$wc" serve --help 2>/dev/null) || serve_help=""
 if [[ $serve_help != *--fill-from* || $serve_help == *"not in this build"* ]]; then
   fail "$wc has no fleet support (built without UCX or libcurl: see build.log)"

@@ -87,4 +87,6 @@ double SecondsSinceStart() {
 
 const std::vector<std::string>& ProgramArgs() { return ProgramArgsStorage(); }
 
+std::chrono::steady_clock::time_point ProcessStart() { return StartTime(); }
+
 }  // namespace weightcache::cli

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <functional>
 #include <string>
 #include <vector>
@@ -46,6 +47,8 @@ int RunSelected(CLI::App& root);
 void RecordProgramArgs(int argc, char** argv);
 const std::vector<std::string>& ProgramArgs();
 double SecondsSinceStart();
+// When RecordProgramArgs ran (the process start, near enough).
+std::chrono::steady_clock::time_point ProcessStart();
 
 // Registration functions, one per cmd_<name>.cc.
 void RegisterAttachCommand(CLI::App& root);

@@ -17,12 +17,13 @@
 #include "identity/resolve.h"
 #include "identity_flags.h"
 #include "registry_flags.h"
+#include "serve/fleet_registry.h"
 
 namespace weightcache::cli {
 namespace {
 
 struct FleetLsArgs {
-  RegistryFlags registry;
+  serve::FleetOptions registry;
   IdentityOptions identity;
   CLI::Option* model = nullptr;  // set: filter by the identity's fleet key
   std::string fleet_key;
@@ -40,9 +41,9 @@ int RunLs(FleetLsArgs& args) {
     auto id = identity::ResolveIdentity(args.identity);
     if (!id.ok()) return Fail(kCmd, id.status());
     // The same key serve registers: with the checkpoint's content anchor where it has one.
-    auto anchor = LookUpFleetAnchor(args.registry, args.identity.model_dir, id->config);
+    auto anchor = serve::LookUpFleetAnchor(args.registry, args.identity.model_dir, id->config);
     if (!anchor.ok()) return Fail(kCmd, anchor.status());
-    fleet_key = FleetKey(id->config, *anchor);
+    fleet_key = serve::FleetKey(id->config, *anchor);
   }
   if (fleet_key && (fleet_key->size() != 64 ||
                     fleet_key->find_first_not_of("0123456789abcdef") != std::string::npos)) {
@@ -51,7 +52,7 @@ int RunLs(FleetLsArgs& args) {
   if (Status prefix = fleet::ValidatePrefix(args.registry.prefix); !prefix.ok()) {
     return Fail(kCmd, prefix);
   }
-  auto client = RegistryClient(args.registry);
+  auto client = serve::RegistryClient(args.registry);
   if (!client.ok()) return Fail(kCmd, client.status());
   auto entries = fleet::LookupEntries(*client, args.registry.prefix, fleet_key);
   if (!entries.ok()) return Fail(kCmd, entries.status());

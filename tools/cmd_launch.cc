@@ -19,7 +19,6 @@
 #include "cli_common.h"
 #include "common/unique_fd.h"
 #include "daemon/stale_files.h"
-#include "fleet_flags.h"
 #include "identity/device_inventory.h"
 #include "identity/paths.h"
 #include "identity_flags.h"
@@ -28,6 +27,7 @@
 #include "launcher/serve_daemons.h"
 #include "os/lock_file.h"
 #include "os/read_file.h"
+#include "registry_flags.h"
 #include "sharding/rules.h"
 
 namespace weightcache::cli {
@@ -38,7 +38,7 @@ using launcher::LaunchReport;
 
 struct LaunchArgs {
   launcher::ServeFlags serve;
-  RegistryFlags registry;  // serve's fleet flags, forwarded to every daemon (docs/fleet.md)
+  serve::FleetOptions registry;  // serve's fleet flags, forwarded to every daemon (docs/fleet.md)
   int nnodes = 1;
   int node_rank = 0;
   int base_gpu_id = 0;

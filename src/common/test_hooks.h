@@ -26,11 +26,11 @@ enum class TestHook {
   // copies (src/serve/seed_fill.cc).
   kSeedPauseFifo,
   // "1" on a fill source: allocation 0 is served with its first byte flipped, from a copy
-  // (tools/registry_flags.cc).
+  // (src/serve/registration.cc).
   kFillPoison,
-  // N on a filler: stripes of N bytes, one read in flight (tools/registry_flags.cc).
+  // N on a filler: stripes of N bytes, one read in flight (src/serve/registration.cc).
   kFillStripeBytes,
-  // A FIFO a filler opens and reads to EOF after its first stripe (tools/registry_flags.cc).
+  // A FIFO a filler opens and reads to EOF after its first stripe (src/serve/registration.cc).
   kFillPauseFifo,
 };
 

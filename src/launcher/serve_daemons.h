@@ -65,7 +65,7 @@ struct ServeFlags {
   // serve's --metrics-addr, made per daemon by AddrForRank ("" = no metrics). The caller
   // checks it with AddrForRank for the job's largest rank first.
   std::string metrics_addr;
-  // The fleet flags of serve (--registry and its kin, --fill-*: tools/registry_flags.h) of the
+  // The fleet flags of serve (--registry and its kin, --fill-*: serve/fleet_options.h) of the
   // daemon of job rank `rank`, appended as given; null = none. The caller validated them for
   // every rank of the plan before any daemon starts.
   std::function<std::vector<std::string>(int rank)> fleet_args;

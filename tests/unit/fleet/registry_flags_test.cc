@@ -1,6 +1,7 @@
-// The fleet flags `launch` forwards (tools/registry_flags.h RegistryServeArgs): parsed with the
-// real registrations, every flag launch accepts comes out of the forwarding and `serve` parses
-// it back to the same value, per rank where the rule says so.
+// The fleet flags `launch` forwards (tools/registry_flags.h RegistryServeArgs, over
+// serve::FleetOptionsForRank): parsed with the real registrations, every flag launch accepts
+// comes out of the forwarding and `serve` parses it back to the same value, per rank where the
+// rule says so. Then serve::Registration's fill under --fill-trust content.
 #include "registry_flags.h"
 
 #include <gmock/gmock.h>
@@ -14,7 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "fleet/arena_transfer.h"
 #include "identity/resolve.h"
+#include "serve/fleet_registry.h"
+#include "serve/registration.h"
 #include "support/hub_cache.h"
 #include "support/test_env.h"
 
@@ -62,7 +66,7 @@ const std::vector<std::string> kLaunchFleetArgs = {"launch",
 
 TEST(RegistryFlagsTest, LaunchForwardsEveryFleetFlagAndServeParsesItBack) {
   CLI::App launch_app;
-  RegistryFlags launch;
+  serve::FleetOptions launch;
   CLI::App* launch_sub = launch_app.add_subcommand("launch");
   AddRegistryFlags(launch_sub, &launch, RegistryFlagScope::kLaunch);
   Parse(launch_app, kLaunchFleetArgs);
@@ -76,7 +80,7 @@ TEST(RegistryFlagsTest, LaunchForwardsEveryFleetFlagAndServeParsesItBack) {
   std::vector<std::string> serve_args = {"serve"};
   serve_args.insert(serve_args.end(), forwarded->begin(), forwarded->end());
   CLI::App serve_app;
-  RegistryFlags serve;
+  serve::FleetOptions serve;
   CLI::App* serve_sub = serve_app.add_subcommand("serve");
   AddRegistryFlags(serve_sub, &serve, RegistryFlagScope::kServe);
   Parse(serve_app, serve_args);
@@ -104,12 +108,12 @@ TEST(RegistryFlagsTest, LaunchForwardsEveryFleetFlagAndServeParsesItBack) {
 }
 
 TEST(RegistryFlagsTest, NoRegistryForwardsNothingAndFillFlagsWithoutItAreRefused) {
-  RegistryFlags none;
+  serve::FleetOptions none;
   auto empty = RegistryServeArgs(none, 0);
   ASSERT_TRUE(empty.ok());
   EXPECT_TRUE(empty->empty());
 
-  RegistryFlags orphan;
+  serve::FleetOptions orphan;
   orphan.fill_from = "registry";
   auto refused = RegistryServeArgs(orphan, 0);
   ASSERT_FALSE(refused.ok());
@@ -117,7 +121,7 @@ TEST(RegistryFlagsTest, NoRegistryForwardsNothingAndFillFlagsWithoutItAreRefused
   EXPECT_THAT(refused.status().message(), HasSubstr("--fill-from registry needs --registry"));
 
   // Either tier fills: the flags are the same (the daemon pulls into host or device memory).
-  RegistryFlags fill;
+  serve::FleetOptions fill;
   fill.url = "etcd://127.0.0.1:2379";
   fill.fill_from = "registry";
   auto forwarded = RegistryServeArgs(fill, 0);
@@ -129,7 +133,7 @@ TEST(RegistryFlagsTest, NoRegistryForwardsNothingAndFillFlagsWithoutItAreRefused
 // The registry entry names where fillers connect: a wildcard bind address would send each of
 // them to its own host, so it needs --advertise; without a registry nothing is published.
 TEST(RegistryFlagsTest, AWildcardFillServeIsPublishedOnlyThroughAdvertise) {
-  RegistryFlags flags;
+  serve::FleetOptions flags;
   flags.url = "etcd://127.0.0.1:2379";
   flags.fill_allow = "10.0.0.0/8";
   for (const char* wildcard : {"0.0.0.0:7400", "[::]:7400"}) {
@@ -155,7 +159,7 @@ TEST(RegistryFlagsTest, AWildcardFillServeIsPublishedOnlyThroughAdvertise) {
 // Without a registry the fill flags go alone; a listed source is per rank like --fill-serve
 // (rank r of the source node serves at PORT + r).
 TEST(RegistryFlagsTest, ListedSourcesAreForwardedPerRankWithoutARegistry) {
-  RegistryFlags flags;
+  serve::FleetOptions flags;
   flags.fill_from = "10.0.0.1:7400,node-b:7400";
   flags.fill_serve = "0.0.0.0:7400";
   flags.fill_allow = "10.0.0.0/8";
@@ -214,11 +218,12 @@ TEST(RegistryFlagsTest, FillSourcesAreTheOtherNodesReadyEntriesOfTheTier) {
       Entry("e", "10.0.0.5:7400", Tier::kGpu, fleet::EntryState::kDemoted),
       Entry("f", "10.0.0.6:7400"),
   };
-  EXPECT_THAT(Nodes(ChooseFillSources(entries, Tier::kGpu, "self", rng)),
+  EXPECT_THAT(Nodes(serve::ChooseFillSources(entries, Tier::kGpu, "self", rng)),
               ::testing::ElementsAre("a", "f"));
-  EXPECT_THAT(Nodes(ChooseFillSources(entries, Tier::kHost, "self", rng)),
+  EXPECT_THAT(Nodes(serve::ChooseFillSources(entries, Tier::kHost, "self", rng)),
               ::testing::ElementsAre("b"));
-  EXPECT_TRUE(ChooseFillSources({Entry("self", "10.0.0.9:7400")}, Tier::kGpu, "self", rng).empty());
+  EXPECT_TRUE(
+      serve::ChooseFillSources({Entry("self", "10.0.0.9:7400")}, Tier::kGpu, "self", rng).empty());
 }
 
 // More ready sources than a fill uses: kMaxFetchSources distinct ones, a different choice from
@@ -234,7 +239,7 @@ TEST(RegistryFlagsTest, ManySourcesAreCutToTheMostAFillUsesAtRandom) {
   std::set<std::vector<std::string>> choices;
   for (int draw = 0; draw < 50; ++draw) {
     const std::vector<std::string> chosen =
-        Nodes(ChooseFillSources(entries, Tier::kGpu, "self", rng));
+        Nodes(serve::ChooseFillSources(entries, Tier::kGpu, "self", rng));
     ASSERT_EQ(chosen.size(), fleet::kMaxFetchSources);
     const std::set<std::string> distinct(chosen.begin(), chosen.end());
     EXPECT_EQ(distinct.size(), chosen.size()) << "a source chosen twice";
@@ -259,16 +264,16 @@ TEST(FleetKeyTest, TheContentAnchorIsPartOfTheFleetKey) {
   ours->shards.push_back({"model.safetensors", std::string(64, 'c'), {}});
   auto theirs = std::make_shared<checkpoint::ContentAnchor>();
   theirs->shards.push_back({"model.safetensors", std::string(64, 'd'), {}});
-  const FleetAnchor none;
-  EXPECT_EQ(FleetKey(config, none), config.FleetDigest());
-  EXPECT_NE(FleetKey(config, {ours, ""}), config.FleetDigest());
-  EXPECT_NE(FleetKey(config, {ours, ""}), FleetKey(config, {theirs, ""}));
-  EXPECT_EQ(FleetKey(config, {ours, ""}), config.FleetDigest(ours->Digest()));
+  const serve::FleetAnchor none;
+  EXPECT_EQ(serve::FleetKey(config, none), config.FleetDigest());
+  EXPECT_NE(serve::FleetKey(config, {ours, ""}), config.FleetDigest());
+  EXPECT_NE(serve::FleetKey(config, {ours, ""}), serve::FleetKey(config, {theirs, ""}));
+  EXPECT_EQ(serve::FleetKey(config, {ours, ""}), config.FleetDigest(ours->Digest()));
   // The node-local fields stay out of it, anchor or not.
   identity::CacheConfig elsewhere = config;
   elsewhere.checkpoint_files = std::string(64, 'e');
   elsewhere.tier = Tier::kHost;
-  EXPECT_EQ(FleetKey(elsewhere, {ours, ""}), FleetKey(config, {ours, ""}));
+  EXPECT_EQ(serve::FleetKey(elsewhere, {ours, ""}), serve::FleetKey(config, {ours, ""}));
 }
 
 // serve's fill under --fill-trust content (the default) refuses at once, contacting nobody (the
@@ -284,8 +289,8 @@ class FillTrustTest : public ::testing::Test {
     if (made.exit_code == 77) GTEST_SKIP() << made.err;
     ASSERT_EQ(made.exit_code, 0) << made.err;
   }
-  Result<std::unique_ptr<ServeRegistration>> Create(const std::string& model,
-                                                    const std::string& trust) {
+  Result<std::unique_ptr<serve::Registration>> Create(const std::string& model,
+                                                      const std::string& trust) {
     IdentityOptions options;
     options.model_dir = model;
     options.model_id = "tiny";
@@ -293,11 +298,11 @@ class FillTrustTest : public ::testing::Test {
     options.runtime_dir = tmp_.Join("run");
     auto id = identity::ResolveIdentity(options);
     EXPECT_TRUE(id.ok()) << id.status().ToString();
-    RegistryFlags flags;
+    serve::FleetOptions flags;
     flags.fill_from = "127.0.0.1:9";
     flags.fill_trust = trust;
     flags.node_name = "node-b";
-    return ServeRegistration::Create(flags, *id, model);
+    return serve::Registration::Create(flags, *id, model);
   }
   weightcache::testing::TempDir tmp_;
 };
