@@ -229,7 +229,7 @@ def _torch_views(torch: Any, att: Attachment,
                  out: Dict[str, Any]) -> Dict[str, "torch.Tensor"]:
     """Every tensor of `att` as a torch tensor, into the empty dict `out` in name order (and
     returned), built in bulk: one DLPack
-    capsule per tensor made in one native call (bindings.cc, DlpackCapsules), imported by
+    capsule per tensor made in one native call (bulk_bindings.cc, DlpackCapsules), imported by
     torch's C++ DLPack importer with one ``map`` per dtype — no Python-level call per tensor.
     Each tensor is its own zero-copy storage over the attachment's memory and holds the
     Attachment. A dtype this torch cannot import, and what no capsule can express (F4, F6,
