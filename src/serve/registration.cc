@@ -310,9 +310,7 @@ Result<std::unique_ptr<Registration>> Registration::Create(const FleetOptions& o
 
 Registration::Registration(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-Registration::~Registration() {
-  impl_->Stop();
-}
+Registration::~Registration() { impl_->Stop(); }
 
 void Registration::Impl::PublishLocked() {
   if (!registrar_) return;
