@@ -81,10 +81,6 @@ void RecordProgramArgs(int argc, char** argv) {
   ProgramArgsStorage().assign(argv, argv + argc);
 }
 
-double SecondsSinceStart() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - StartTime()).count();
-}
-
 const std::vector<std::string>& ProgramArgs() { return ProgramArgsStorage(); }
 
 std::chrono::steady_clock::time_point ProcessStart() { return StartTime(); }

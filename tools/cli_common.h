@@ -42,11 +42,10 @@ int RunSelected(CLI::App& root);
 
 // The command line this process was started with (main records it before parsing): what an
 // upgrade's successor is started with again (`serve`, docs/upgrade.md).
-// It also notes the time, for SecondsSinceStart: a ready line says how long the whole process
+// It also notes the time, ProcessStart: an adopted ready line says how long the whole process
 // took (an adopted cache's figure is mostly the CUDA driver's start, not the adoption).
 void RecordProgramArgs(int argc, char** argv);
 const std::vector<std::string>& ProgramArgs();
-double SecondsSinceStart();
 // When RecordProgramArgs ran (the process start, near enough).
 std::chrono::steady_clock::time_point ProcessStart();
 

@@ -36,9 +36,7 @@
 
 #include "cli_common.h"
 #include "common/logging.h"
-#include "common/unique_fd.h"
 #include "daemon/byte_size.h"
-#include "daemon/daemon.h"
 #include "identity/resolve.h"
 #include "identity_flags.h"
 #include "launcher/child_process.h"
@@ -75,12 +73,6 @@ CLI::Option* AddSeconds(CLI::App* sub, const std::string& name, std::chrono::mil
       name, [target](double seconds) { *target = Millis(seconds); }, help);
 }
 
-std::string Rate(uint64_t bytes, double seconds) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.2f GB/s", seconds > 0 ? bytes / seconds / 1e9 : 0.0);
-  return buf;
-}
-
 // Progress: a rewritten line on a terminal (bytes, GB/s, ETA); on a pipe or file, a line at
 // each quarter so logs stay short.
 class ProgressPrinter {
@@ -95,7 +87,7 @@ class ProgressPrinter {
       char buf[160];
       std::snprintf(buf, sizeof(buf), "\rloading: %s / %s (%5.1f%%)  %s  ETA %.0fs   ",
                     daemon::FormatBytes(done).c_str(), daemon::FormatBytes(total).c_str(),
-                    100.0 * done / total, Rate(done, seconds).c_str(), eta);
+                    100.0 * done / total, daemon::FormatRate(done, seconds).c_str(), eta);
       std::cerr << buf << std::flush;
       line_open_ = true;
       return;
@@ -104,7 +96,7 @@ class ProgressPrinter {
     if (quarter > last_quarter_ && done < total) {
       last_quarter_ = quarter;
       LOG_INFO << "loading: " << daemon::FormatBytes(done) << " / " << daemon::FormatBytes(total)
-               << " (" << 25 * quarter << "%), " << Rate(done, seconds);
+               << " (" << 25 * quarter << "%), " << daemon::FormatRate(done, seconds);
     }
   }
   void EndLine() {

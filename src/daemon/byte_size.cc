@@ -95,4 +95,10 @@ std::string FormatBytes(uint64_t bytes) {
   return buf;
 }
 
+std::string FormatRate(uint64_t bytes, double seconds) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f GB/s", seconds > 0 ? bytes / seconds / 1e9 : 0.0);
+  return buf;
+}
+
 }  // namespace weightcache::daemon

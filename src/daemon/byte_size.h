@@ -24,4 +24,8 @@ Result<uint64_t> ParseByteSizeOrPercent(std::string_view text, uint64_t total);
 // "1.50 GiB", "512.00 MiB", "17 B": for humans, not for parsing back.
 std::string FormatBytes(uint64_t bytes);
 
+// "1.52 GB/s" (decimal GB, as the benchmarks report rates) for `bytes` in `seconds`; "0.00 GB/s"
+// when no time has passed.
+std::string FormatRate(uint64_t bytes, double seconds);
+
 }  // namespace weightcache::daemon

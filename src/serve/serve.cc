@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdio>
 #include <memory>
 #include <span>
 #include <string>
@@ -41,12 +40,6 @@ Plan& Plan::operator=(Plan&&) noexcept = default;
 const identity::ResolvedIdentity& Plan::identity() const { return parts_->id; }
 
 namespace {
-
-std::string Rate(uint64_t bytes, double seconds) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.2f GB/s", seconds > 0 ? bytes / seconds / 1e9 : 0.0);
-  return buf;
-}
 
 // The daemon's keeper link (docs/keeper.md): on unless --no-keeper; a published cache has none.
 daemon::KeeperLinkOptions KeeperOptionsFor(const ServeOptions& options) {
@@ -293,7 +286,7 @@ Status Run(Plan plan, int signal_fd, std::optional<launcher::ReadyNotice> notice
     }
     LOG_INFO << "ready: " << s.tensor_count << " tensors, " << daemon::FormatBytes(s.tensor_bytes)
              << " (" << daemon::FormatBytes(s.resident_bytes) << " resident) in " << seconds
-             << " s, " << Rate(s.tensor_bytes, seconds) << ", "
+             << " s, " << daemon::FormatRate(s.tensor_bytes, seconds) << ", "
              << (s.filled_from.empty() ? std::string("loaded from disk") : s.filled_from);
   };
   events.on_failed = [&](const Status& why) {

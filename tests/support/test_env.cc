@@ -32,6 +32,13 @@ std::string SourceDir() { return WEIGHTCACHE_SOURCE_DIR; }
 std::string PythonExe() { return WEIGHTCACHE_PYTHON; }
 std::string CliPath() { return WEIGHTCACHE_CLI_PATH; }
 
+CommandResult WriteCheckpoint(const std::string& out, const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {PythonExe(), SourceDir() + "/tests/tools/make_checkpoint.py",
+                                   "--out", out};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunCommand(argv);
+}
+
 CommandResult RunCommand(const std::vector<std::string>& argv,
                          const std::vector<std::string>& extra_env) {
   CommandResult result;

@@ -45,6 +45,10 @@ struct CommandResult {
 CommandResult RunCommand(const std::vector<std::string>& argv,
                          const std::vector<std::string>& extra_env = {});
 
+// tests/tools/make_checkpoint.py --out `out` `args...`: a checkpoint written by the real
+// safetensors library. Exit 77 when Python or safetensors is missing (the caller skips).
+CommandResult WriteCheckpoint(const std::string& out, const std::vector<std::string>& args = {});
+
 // /proc/PID/io's rchar: the bytes every read-like call of process `pid` returned, whatever
 // the file (a test failure and 0 when it cannot be read). How the keeper and upgrade tests
 // prove that a daemon served without reading its checkpoint.

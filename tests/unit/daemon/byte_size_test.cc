@@ -39,6 +39,13 @@ TEST(ParseByteSize, RefusesOverflow) {
   EXPECT_EQ(*ParseByteSize("18446744073709551615"), UINT64_MAX);
 }
 
+TEST(FormatRate, DecimalGigabytesPerSecondAndZeroWithoutTime) {
+  EXPECT_EQ(FormatRate(3'000'000'000, 2.0), "1.50 GB/s");
+  EXPECT_EQ(FormatRate(16'060'000'000, 0.562), "28.58 GB/s");
+  EXPECT_EQ(FormatRate(1'000, 0.0), "0.00 GB/s");
+  EXPECT_EQ(FormatRate(0, 1.0), "0.00 GB/s");
+}
+
 TEST(FormatBytes, UsesBinaryUnitsWithTwoDecimals) {
   EXPECT_EQ(FormatBytes(17), "17 B");
   EXPECT_EQ(FormatBytes(1536), "1.50 KiB");

@@ -282,10 +282,7 @@ TEST(FleetKeyTest, TheContentAnchorIsPartOfTheFleetKey) {
 class FillTrustTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const auto made = weightcache::testing::RunCommand(
-        {weightcache::testing::PythonExe(),
-         weightcache::testing::SourceDir() + "/tests/tools/make_checkpoint.py", "--out",
-         tmp_.Join("plain"), "--tensors", "3"});
+    const auto made = weightcache::testing::WriteCheckpoint(tmp_.Join("plain"), {"--tensors", "3"});
     if (made.exit_code == 77) GTEST_SKIP() << made.err;
     ASSERT_EQ(made.exit_code, 0) << made.err;
   }

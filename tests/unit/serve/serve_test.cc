@@ -22,10 +22,7 @@ using ::testing::HasSubstr;
 class PrepareTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const auto made = weightcache::testing::RunCommand(
-        {weightcache::testing::PythonExe(),
-         weightcache::testing::SourceDir() + "/tests/tools/make_checkpoint.py", "--out",
-         tmp_.Join("model"), "--tensors", "3"});
+    const auto made = weightcache::testing::WriteCheckpoint(tmp_.Join("model"), {"--tensors", "3"});
     if (made.exit_code == 77) GTEST_SKIP() << made.err;
     ASSERT_EQ(made.exit_code, 0) << made.err;
     options_.identity.model_dir = tmp_.Join("model");
