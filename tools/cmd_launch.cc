@@ -21,6 +21,7 @@
 #include "daemon/stale_files.h"
 #include "identity/device_inventory.h"
 #include "identity/paths.h"
+#include "identity/resolve.h"
 #include "identity_flags.h"
 #include "launcher/launcher.h"
 #include "launcher/placement.h"
@@ -43,6 +44,7 @@ struct LaunchArgs {
   int node_rank = 0;
   int base_gpu_id = 0;
   int gpu_id_step = 1;
+  bool no_gpu = false;  // --no-gpu
   double ready_timeout_s = 600;
   double stop_grace_s = 10;
   bool supervise = false;
@@ -77,8 +79,8 @@ Result<UniqueFd> StopSignalFd() {
 
 void PrintHuman(const LaunchReport& report) {
   for (const auto& d : report.daemons) {
-    std::printf("%-10s gpu%-2d %s  %-8s %6.2f GB  %6.2f s  pid %d  %s\n", d.name.c_str(),
-                d.placement.local_gpu_id, d.placement.device_uuid.c_str(),
+    std::printf("%-10s %-6s %s  %-8s %6.2f GB  %6.2f s  pid %d  %s\n", d.name.c_str(),
+                d.placement.GpuLabel().c_str(), d.placement.device_uuid.c_str(),
                 std::string(launcher::DaemonStateName(d.state)).c_str(),
                 static_cast<double>(d.bytes_total) / 1e9, d.seconds, static_cast<int>(d.pid),
                 d.socket_path.c_str());
@@ -96,10 +98,24 @@ int RunLaunch(const LaunchArgs& args) {
     return Fail(kCmd, fleet.status());
   }
 
-  identity::InventoryOptions inventory;
-  inventory.inventory_file = args.serve.identity.device_inventory;
-  auto devices = identity::VisibleDevices(inventory);
-  if (!devices.ok()) return Fail(kCmd, devices.status());
+  if (args.no_gpu) {
+    if (args.serve.identity.tier != Tier::kHost) {
+      return Fail(kCmd, InvalidArgument("--no-gpu needs --tier host: the gpu tier's daemons "
+                                        "each hold a GPU"));
+    }
+    if (!args.serve.seed_from.empty()) {
+      return Fail(kCmd, InvalidArgument("--no-gpu and --seed-from: a seed copies from another "
+                                        "GPU's cache of this node"));
+    }
+  }
+  std::vector<identity::DeviceInfo> devices;
+  if (!args.no_gpu) {
+    identity::InventoryOptions inventory;
+    inventory.inventory_file = args.serve.identity.device_inventory;
+    auto visible = identity::VisibleDevices(inventory);
+    if (!visible.ok()) return Fail(kCmd, visible.status());
+    devices = std::move(visible).value();
+  }
 
   launcher::LaunchTopology topology;
   topology.tp_size = args.serve.identity.tp_size;
@@ -109,7 +125,8 @@ int RunLaunch(const LaunchArgs& args) {
   topology.node_rank = args.node_rank;
   topology.base_gpu_id = args.base_gpu_id;
   topology.gpu_id_step = args.gpu_id_step;
-  for (const auto& d : *devices) topology.visible_device_uuids.push_back(d.uuid);
+  for (const auto& d : devices) topology.visible_device_uuids.push_back(d.uuid);
+  topology.without_gpus = args.no_gpu;
   auto plan = launcher::PlanLaunch(topology);
   if (!plan.ok()) return Fail(kCmd, plan.status());
   // Every daemon's metrics address is valid (the largest rank's port fits), before any starts.
@@ -149,7 +166,8 @@ int RunLaunch(const LaunchArgs& args) {
   if (!exe.ok()) return Fail(kCmd, exe.status());
   files.exe = *exe;
   // The daemons resolve file flags against their own working directory; make them absolute.
-  id.model_dir = fs::absolute(id.model_dir).lexically_normal().string();
+  // A published source has no checkpoint (no --model): its job is named by the model id.
+  if (!id.model_dir.empty()) id.model_dir = fs::absolute(id.model_dir).lexically_normal().string();
   if (!id.quantization_config.empty()) {
     id.quantization_config = fs::absolute(id.quantization_config).lexically_normal().string();
   }
@@ -160,7 +178,9 @@ int RunLaunch(const LaunchArgs& args) {
   if (!id.shard_rules.empty() && !sharding::BuiltinRuleSetText(id.shard_rules).ok()) {
     id.shard_rules = fs::absolute(id.shard_rules).lexically_normal().string();
   }
-  files.job = SafeName(args.job.empty() ? fs::path(id.model_dir).filename().string() : args.job);
+  const std::string model_name =
+      id.model_dir.empty() ? id.model_id : fs::path(id.model_dir).filename().string();
+  files.job = SafeName(args.job.empty() ? model_name : args.job);
 
   // The stale files of the namespace's dead caches (daemon/stale_files.h), one line each.
   auto swept = daemon::SweepStaleFiles(runtime->path, id.namespace_name);
@@ -199,10 +219,15 @@ int RunLaunch(const LaunchArgs& args) {
 
   const std::string runtime_dir = runtime->path;
   const std::string ns = id.namespace_name;
+  // Publish-await (docs/launcher.md): the daemons of a published source are up once each
+  // awaits its publisher, the engine whose first start fills them (docs/engines.md).
+  const launcher::AwaitingIs awaiting = identity::IsPublishedSource(id.source)
+                                            ? launcher::AwaitingIs::kReady
+                                            : launcher::AwaitingIs::kLoading;
   auto l = launcher::Launcher::Create(
       launcher::BuildDaemonSpecs(*plan, serve, files), options,
-      [](const std::string& socket) {
-        return launcher::ProbeDaemonState(socket, std::chrono::milliseconds(500));
+      [awaiting](const std::string& socket) {
+        return launcher::ProbeDaemonState(socket, std::chrono::milliseconds(500), awaiting);
       },
       [](const std::string& lock) -> Result<bool> { return os::IsLockHeld(lock); },
       [runtime_dir, ns](pid_t pid) {
@@ -248,6 +273,9 @@ void RegisterLaunchCommand(CLI::App& root) {
   sub->add_option("--base-gpu-id", args->base_gpu_id, "First local GPU id")->check(AtLeast(0));
   sub->add_option("--gpu-id-step", args->gpu_id_step, "Local GPU id step between ranks")
       ->check(AtLeast(1));
+  sub->add_flag("--no-gpu", args->no_gpu,
+                "With --tier host: the daemons hold no GPU, for an engine that runs on CPUs "
+                "(its plugin looks for its caches without a device; docs/engines.md)");
   sub->add_option("--ready-timeout", args->ready_timeout_s,
                   "Seconds until every daemon must be ready (exit 6)")
       ->check(Positive());

@@ -96,6 +96,12 @@ struct AttachOptions {
   // fallback with the reason in source_reason, or kTimeout with OnMissing::kError. Answers
   // are awaited at least 1 s, so 0 means "do not wait for a loading daemon".
   std::chrono::milliseconds wait_timeout{std::chrono::seconds(60)};
+  // A published cache `awaiting` its publisher (docs/publish.md) with no publication in
+  // progress: true waits for one within wait_timeout, as for a loading cache; false treats it
+  // as absent at once ("awaits its publisher, and none is publishing"), for a caller that
+  // publishes itself after its own load (the engine plugins, docs/engines.md). A daemon
+  // whose publisher is filling its arena is waited for either way.
+  bool wait_for_publisher = true;
   // Reader threads of the fallback loader.
   int fallback_threads = 8;
   HostMapping host_mapping = HostMapping::kReadOnly;

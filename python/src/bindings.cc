@@ -264,6 +264,10 @@ NB_MODULE(_weightcache, m) {
           "The attach's deadline in seconds (default 60): waiting for a daemon that "
           "reports `loading`, and every exchange with a daemon; one that does not answer "
           "by then is treated as absent.")
+      .def_rw("wait_for_publisher", &AttachOptions::wait_for_publisher,
+              "A published cache awaiting its publisher with no publication in progress: "
+              "True (default) waits for one within wait_timeout; False treats it as absent at "
+              "once, for a caller that publishes after its own load (docs/engines.md).")
       .def_rw("fallback_threads", &AttachOptions::fallback_threads)
       .def_prop_rw(
           "host_mapping",

@@ -94,7 +94,8 @@ _IDENTITY_KEYS = (
     "model_id", "revision", "dtype", "quantization", "quantization_config", "tp_size", "tp_rank",
     "pp_size", "pp_rank", "ep_size", "ep_rank", "dp_size", "shard_rules", "layout_tag", "source",
     "checkpoint_fingerprint", "namespace", "runtime_dir", "socket", "device_inventory",
-    "on_missing", "on_mismatch", "wait_timeout", "fallback_threads", "host_mapping",
+    "on_missing", "on_mismatch", "wait_timeout", "wait_for_publisher", "fallback_threads",
+    "host_mapping",
 )
 
 

@@ -172,6 +172,15 @@ class AttachOptions:
     def wait_timeout(self, arg: float, /) -> None: ...
 
     @property
+    def wait_for_publisher(self) -> bool:
+        """
+        A published cache awaiting its publisher with no publication in progress: True (default) waits for one within wait_timeout; False treats it as absent at once, for a caller that publishes after its own load (docs/engines.md).
+        """
+
+    @wait_for_publisher.setter
+    def wait_for_publisher(self, arg: bool, /) -> None: ...
+
+    @property
     def fallback_threads(self) -> int: ...
 
     @fallback_threads.setter

@@ -290,6 +290,7 @@ Result<Attachment> AttachAndDiagnose(const AttachOptions& options, const identit
   DiscoveryPolicy policy;
   policy.start = start;
   policy.wait_timeout = options.wait_timeout;
+  policy.wait_for_publisher = options.wait_for_publisher;
   const auto discover_start = Clock::now();
   // Discover fills it on every kMismatch it builds; one relayed from a daemon's Error frame
   // names no field, and then this says at least which daemon refused.

@@ -478,7 +478,16 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
   };
   std::optional<protocol::Frame> attach_frame;
   // A published cache awaiting its publisher is waited for like a loading one (docs/design.md
-  // "Discovery outcomes").
+  // "Discovery outcomes"), unless nobody publishes to it and the caller would rather publish
+  // itself (wait_for_publisher false). An awaiting daemon's bytes_total is the arena of the
+  // publication in progress, 0 while there is none (docs/publish.md "States").
+  const auto unpublished = [&](protocol::CacheState state, uint64_t total) {
+    return !policy.wait_for_publisher && state == protocol::CacheState::kAwaiting && total == 0;
+  };
+  const auto none_publishing = [&] {
+    return Missing(who + " awaits its publisher, and none is publishing");
+  };
+  if (unpublished(probe.hello.state, probe.hello.bytes_total)) return none_publishing();
   const bool not_yet = probe.hello.state == protocol::CacheState::kLoading ||
                        probe.hello.state == protocol::CacheState::kAwaiting;
   if (not_yet) {
@@ -534,6 +543,7 @@ Result<Discovery> Discover(const ResolvedIdentity& id, const DiscoveryPolicy& po
       total = status.bytes_total;
       state = status.state;
       if (status.state == protocol::CacheState::kReady) break;
+      if (unpublished(status.state, status.bytes_total)) return none_publishing();  // it died
       if (status.state == protocol::CacheState::kFailed) {
         return Failed(who, status.failure_reason, status.failure_code);
       }

@@ -81,6 +81,7 @@ struct DiscoveryPolicy {
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   std::chrono::milliseconds wait_timeout{std::chrono::seconds(60)};
   std::chrono::milliseconds min_answer_wait{std::chrono::seconds(1)};
+  bool wait_for_publisher = true;  // AttachOptions::wait_for_publisher
   std::string client_name = "weightcache-client";
 };
 

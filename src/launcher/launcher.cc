@@ -57,8 +57,11 @@ void AppendLogBanner(const std::string& path, const std::string& line) {
 }
 
 std::string Describe(const DaemonSpec& spec, pid_t pid) {
-  return spec.name + " (GPU " + std::to_string(spec.placement.local_gpu_id) + " " +
-         spec.placement.device_uuid + ", pid " + std::to_string(pid) + ")";
+  const DaemonPlacement& p = spec.placement;
+  return spec.name + " (" +
+         (p.local_gpu_id < 0 ? "no GPU"
+                             : "GPU " + std::to_string(p.local_gpu_id) + " " + p.device_uuid) +
+         ", pid " + std::to_string(pid) + ")";
 }
 
 }  // namespace
@@ -596,12 +599,12 @@ std::string FormatProgressLine(const std::vector<DaemonSnapshot>& daemons, doubl
     total += d.bytes_total;
     char buf[96];
     if (d.state == DaemonState::kLoading && d.bytes_total > 0) {
-      std::snprintf(buf, sizeof(buf), "gpu%d %.1f GB/s %d%%", d.placement.local_gpu_id,
+      std::snprintf(buf, sizeof(buf), "%s %.1f GB/s %d%%", d.placement.GpuLabel().c_str(),
                     d.bytes_per_second / 1e9,
                     static_cast<int>(100.0 * static_cast<double>(d.bytes_done) /
                                      static_cast<double>(d.bytes_total)));
     } else {
-      std::snprintf(buf, sizeof(buf), "gpu%d %s", d.placement.local_gpu_id,
+      std::snprintf(buf, sizeof(buf), "%s %s", d.placement.GpuLabel().c_str(),
                     std::string(DaemonStateName(d.state)).c_str());
     }
     parts += (parts.empty() ? "" : " | ") + std::string(buf);

@@ -73,6 +73,14 @@ Result<std::vector<DaemonPlacement>> PlanLaunch(const LaunchTopology& t) {
   std::set<std::string> used_uuids;
   for (int pp = ranges.pp_begin; pp < ranges.pp_end; ++pp) {
     for (int tp = ranges.tp_begin; tp < ranges.tp_end; ++tp) {
+      if (t.without_gpus) {
+        plan.push_back({.tp_rank = tp,
+                        .pp_rank = pp,
+                        .ep_rank = tp / tp_per_ep,
+                        .local_gpu_id = -1,
+                        .device_uuid = ""});
+        continue;
+      }
       // 64-bit so that absurd flag values report as "beyond the visible devices", not wrap.
       const long long slot = static_cast<long long>(pp % ranges.pp_per_node) * ranges.tp_per_node +
                              tp % ranges.tp_per_node;
@@ -99,6 +107,10 @@ Result<std::vector<DaemonPlacement>> PlanLaunch(const LaunchTopology& t) {
     }
   }
   return plan;
+}
+
+std::string DaemonPlacement::GpuLabel() const {
+  return local_gpu_id < 0 ? "no gpu" : "gpu" + std::to_string(local_gpu_id);
 }
 
 }  // namespace weightcache::launcher

@@ -35,16 +35,22 @@ struct LaunchTopology {
   int gpu_id_step = 1;
   // The devices this process can see, by local index (CUDA_VISIBLE_DEVICES applied).
   std::vector<std::string> visible_device_uuids;
+  // The host tier's daemons of an engine that runs on CPUs (`launch --no-gpu`): no daemon
+  // holds a GPU, so each cache sits where a client without a device looks for it (the engine
+  // plugins on CPU, docs/engines.md). base_gpu_id, gpu_id_step and the devices are unused.
+  bool without_gpus = false;
 };
 
 struct DaemonPlacement {
   int tp_rank = 0;
   int pp_rank = 0;
   int ep_rank = 0;
-  int local_gpu_id = 0;     // index into LaunchTopology::visible_device_uuids
-  std::string device_uuid;  // visible_device_uuids[local_gpu_id]
+  int local_gpu_id = 0;     // index into LaunchTopology::visible_device_uuids; -1: no GPU
+  std::string device_uuid;  // visible_device_uuids[local_gpu_id]; "" with no GPU
 
   bool operator==(const DaemonPlacement&) const = default;
+  // "gpu3" or "no gpu", for a log line or a progress line.
+  std::string GpuLabel() const;
 };
 
 // The rank ranges this node runs (SGLang's _calculate_rank_ranges).

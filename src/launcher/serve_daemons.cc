@@ -84,7 +84,7 @@ std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& pla
       argv.insert(argv.end(), fleet.begin(), fleet.end());
     }
     // "GPU-1a2b3c4d-…" → "1a2b3c4d": short, and unique among the GPUs of one host in practice.
-    std::string tag = p.device_uuid;
+    std::string tag = p.device_uuid.empty() ? "host" : p.device_uuid;
     if (auto dash = tag.find('-'); dash != std::string::npos) tag = tag.substr(dash + 1);
     tag = tag.substr(0, 8);
     s.spawn.log_path = files.log_dir + "/" + files.job + "-" + s.name + "-" + tag + ".log";

@@ -93,9 +93,9 @@ struct JobFiles {
 std::vector<DaemonSpec> BuildDaemonSpecs(const std::vector<DaemonPlacement>& plan,
                                          const ServeFlags& flags, const JobFiles& files);
 
-// What a published cache's `awaiting` (its daemon waits for a publisher) counts as: `launch`
-// waits for the publish (kLoading); `serve --detach` is done once the daemon can take its
-// publisher (kReady).
+// What a published cache's `awaiting` (its daemon waits for a publisher) counts as: ready
+// (kReady) for `serve --detach` and for `launch` of a published source, which are done once
+// the daemon can take its publisher; kLoading where the caller waits for the publish itself.
 enum class AwaitingIs { kLoading, kReady };
 
 // The daemon's state through a protocol Status request; connect and reply bounded by

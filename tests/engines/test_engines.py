@@ -126,11 +126,12 @@ exit $rc
     (cache,) = host.caches()
     assert cache["state"] == "awaiting", cache
 
-    # The next start waits for the publish, loads from disk and is the next publisher.
-    again, log = host.start("vllm", models["llama"], "weightcache", extra={"wait_timeout": 2})
+    # The next start sees that nobody publishes to it: no wait (the default 30 s would say
+    # "still awaiting its publisher after 30000 ms"), a disk load, and it is the next publisher.
+    again, log = host.start("vllm", models["llama"], "weightcache")
     (line,) = outcome(log, "vllm")
-    assert line.startswith("awaiting: ") and "still awaiting its publisher after 2000 ms" in line, \
-        line
+    assert line.startswith("awaiting: ") and "awaits its publisher, and none is publishing" in \
+        line, line
     assert "; loaded from disk; published " in line, line
     (cache,) = host.caches()
     assert cache["state"] == "ready", cache
@@ -139,6 +140,53 @@ exit $rc
     (line,) = outcome(log, "vllm")
     assert line.startswith("hit: "), line
     same_generation(hit, again)
+
+
+def test_launch_pre_starts_the_daemons_the_first_start_publishes_into(host, models):
+    """`python -m weightcache.integrations.vllm launch-args` prints the `weightcache launch`
+    of the job's daemons from vLLM's own config; launch returns once they await their
+    publisher; the engine's first start publishes into them at once, the next one attaches."""
+    flags = [models["llama"], "--dtype", "bfloat16", "--max-model-len", "128",
+             "--enforce-eager"]
+    env = dict(host.env, VLLM_CPU_KVCACHE_SPACE="1")
+    done = subprocess.run([sys.executable, "-m", "weightcache.integrations.vllm", "launch-args",
+                           "--json", *flags], env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    printed = json.loads(done.stdout.strip().splitlines()[-1])
+    argv = printed["argv"]
+    assert argv[:2] == ["weightcache", "launch"], argv
+    assert printed["identity"]["dtype"] == "bfloat16", printed
+    launched = subprocess.run([cli(), *argv[1:], "--json"], env=host.env,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=120, check=False)
+    assert launched.returncode == 0, launched.stderr
+    (cache,) = host.caches()
+    assert cache["state"] == "awaiting", cache
+
+    first, log = host.start("vllm", models["llama"], "weightcache")
+    (line,) = outcome(log, "vllm")
+    assert line.startswith("awaiting: ") and "awaits its publisher, and none is publishing" in \
+        line, line
+    assert "; loaded from disk; published " in line, line
+    (after,) = host.caches()
+    assert after["state"] == "ready" and after["pid"] == cache["pid"], (cache, after)
+
+    hit, log = host.start("vllm", models["llama"], "weightcache")
+    (line,) = outcome(log, "vllm")
+    assert line.startswith("hit: "), line
+    same_generation(hit, first)
+    disk, _ = host.start("vllm", models["llama"], "safetensors")
+    same_generation(hit, disk)
+
+
+def test_launch_args_refuses_what_vllm_refuses(host, models, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "weightcache.integrations.vllm", "launch-args",
+                           str(tmp_path / "no-such-model")], env=host.env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode != 0
+    assert "no-such-model" in done.stderr, done.stderr[-3000:]
 
 
 def test_strict_mismatch_stops_the_engine_with_the_fields(host, models):

@@ -10,6 +10,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -117,11 +118,13 @@ class PublishTest : public ::testing::Test {
     Fill(*publisher, w);
     return publisher->Commit();
   }
-  Result<Attachment> Attach(std::chrono::milliseconds wait = 10s) const {
+  Result<Attachment> Attach(std::chrono::milliseconds wait = 10s,
+                            bool wait_for_publisher = true) const {
     AttachOptions o;
     o.identity = Identity();
     o.on_missing = OnMissing::kError;
     o.wait_timeout = wait;
+    o.wait_for_publisher = wait_for_publisher;
     return Attachment::Attach(o);
   }
   static void ExpectBytes(const Attachment& a, const Weights& w) {
@@ -385,6 +388,59 @@ TEST_F(PublishTest, AStoppedPublisherLosesItsArenaAfterThePublishTimeout) {
   ASSERT_EQ(::waitpid(child, &wstatus, 0), child);
   ASSERT_TRUE(WIFEXITED(wstatus)) << wstatus;
   EXPECT_EQ(WEXITSTATUS(wstatus), 0) << "the timed-out publisher's commit was accepted";
+}
+
+// A client that publishes after its own load (the engine plugins) is not kept waiting by a
+// cache nobody publishes to: at the Hello, and when the publisher it waited for dies. One whose
+// publisher is filling the arena is waited for, and attaches the published bytes.
+TEST_F(PublishTest, AClientThatWouldPublishItselfWaitsOnlyForAPublicationInProgress) {
+  auto serve = Start();
+  ASSERT_NE(serve, nullptr);
+  // Nobody publishes: absent at once, not "still awaiting … after 600000 ms".
+  auto unpublished = Attach(600s, /*wait_for_publisher=*/false);
+  ASSERT_FALSE(unpublished.ok());
+  ExpectError(unpublished.status(), StatusCode::kNoDaemon,
+              "awaits its publisher, and none is publishing");
+
+  // A publisher in the middle of its copy: waited for, then the published bytes.
+  const Weights w = MakeWeights(6);
+  auto publisher = Publisher::Begin(Options(), w.plan);
+  ASSERT_TRUE(publisher.ok()) << publisher.status().ToString();
+  std::optional<Result<Attachment>> waited;
+  std::thread attacher([&] { waited.emplace(Attach(60s, /*wait_for_publisher=*/false)); });
+  std::this_thread::sleep_for(200ms);  // the attacher polls; the publisher is mid-copy
+  Fill(*publisher, w);
+  ASSERT_TRUE(publisher->Commit().ok());
+  attacher.join();
+  ASSERT_TRUE(waited->ok()) << waited->status().ToString();
+  ExpectBytes(**waited, w);
+}
+
+TEST_F(PublishTest, AClientThatWouldPublishItselfStopsWaitingWhenThePublisherDies) {
+  auto serve = Start();
+  ASSERT_NE(serve, nullptr);
+  const Weights w = MakeWeights(7);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto publisher = Publisher::Begin(Options(), w.plan);
+    if (!publisher.ok()) ::_exit(3);
+    ::raise(SIGSTOP);  // holds its arena, mid-publish, until killed
+    ::_exit(0);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(child, &wstatus, WUNTRACED), child);
+  ASSERT_TRUE(WIFSTOPPED(wstatus)) << "the publisher child exited early: " << wstatus;
+  std::optional<Result<Attachment>> waited;
+  std::thread attacher([&] { waited.emplace(Attach(600s, /*wait_for_publisher=*/false)); });
+  std::this_thread::sleep_for(200ms);  // the attacher waits on the publication
+  ASSERT_EQ(::kill(child, SIGKILL), 0);
+  ASSERT_EQ(::waitpid(child, &wstatus, 0), child);
+  attacher.join();
+  ASSERT_FALSE(waited->ok());
+  ExpectError(waited->status(), StatusCode::kNoDaemon,
+              "awaits its publisher, and none is publishing");
+  EXPECT_EQ(State(), CacheState::kAwaiting);
 }
 
 TEST_F(PublishTest, ASecondConcurrentPublisherIsRefusedNamingTheFirst) {

@@ -163,6 +163,17 @@ class LaunchTest : public ::testing::Test {
 
   std::string runtime() const { return dir_.Join("rt"); }
 
+  // The state a daemon's Status reply names ("awaiting", "ready", …), via `ls --json`.
+  std::string QueryState(const std::string& socket) const {
+    CommandResult r = RunCommand({CliPath(), "ls", "--json", "--runtime-dir", runtime()});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    const nlohmann::json listing = nlohmann::json::parse(r.out);
+    for (const auto& c : listing["caches"]) {
+      if (c["socket"] == socket) return c["state"];
+    }
+    return "absent";
+  }
+
   TempDir dir_;
   std::string model_;
   std::string rules_;
@@ -197,6 +208,57 @@ TEST_F(LaunchTest, Pp2Tp2Step2StartsOneReadyDaemonPerRankOnGpus0246) {
     EXPECT_NE(log.find(" --tier host --device " + Uuid(want_gpu[i]) + " "), std::string::npos)
         << log;
   }
+}
+
+// Publish-await for an engine on CPUs (docs/engines.md): launch of a published source with
+// --no-gpu is done once every daemon awaits its publisher, none holds a GPU, and a publisher and
+// a client without a device meet at those daemons.
+TEST_F(LaunchTest, APublishedSourceWithoutGpusIsUpOnceEveryDaemonAwaitsItsPublisher) {
+  const std::vector<std::string> identity = {
+      "--source", "published:engine-1", "--model-id", "tiny",          "--tier",
+      "host",     "--tp-size",          "2",          "--runtime-dir", runtime()};
+  std::vector<std::string> argv = {CliPath(),      "launch", "--no-gpu",        "--json",
+                                   "--stop-grace", "3",      "--ready-timeout", "30"};
+  argv.insert(argv.end(), identity.begin(), identity.end());
+  CommandResult r = RunCommand(argv);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["daemons"].size(), 2u) << r.out;
+  for (const auto& d : j["daemons"]) {
+    started_.push_back(d["pid"].get<pid_t>());
+    EXPECT_EQ(d["local_gpu_id"], -1);
+    EXPECT_EQ(d["device_uuid"], "");
+    EXPECT_NE(d["socket"].get<std::string>().find("/default/host/"), std::string::npos) << d;
+    EXPECT_EQ(QueryState(d["socket"].get<std::string>()), "awaiting") << d["socket"];
+  }
+
+  // Rank 1's publisher and then its client, neither with a device, find rank 1's daemon.
+  std::string shard;
+  for (const auto& e : std::filesystem::directory_iterator(model_)) {
+    if (e.path().extension() == ".safetensors") shard = e.path().string();
+  }
+  ASSERT_FALSE(shard.empty());
+  std::vector<std::string> publish = {CliPath(), "publish", "--tp-rank", "1"};
+  publish.insert(publish.end(), identity.begin(), identity.end());
+  publish.push_back(shard);
+  CommandResult published = RunCommand(publish);
+  ASSERT_EQ(published.exit_code, 0) << published.out << published.err;
+  std::vector<std::string> attach = {CliPath(),      "attach", "--tp-rank", "1",
+                                     "--on-missing", "error",  "--json"};
+  attach.insert(attach.end(), identity.begin(), identity.end());
+  CommandResult attached = RunCommand(attach);
+  ASSERT_EQ(attached.exit_code, 0) << attached.out << attached.err;
+  EXPECT_EQ(nlohmann::json::parse(attached.out)["daemon_pid"], j["daemons"][1]["pid"]);
+  EXPECT_EQ(QueryState(j["daemons"][0]["socket"].get<std::string>()), "awaiting");
+}
+
+TEST_F(LaunchTest, NoGpuIsForTheHostTierOnly) {
+  CommandResult r =
+      RunCommand({CliPath(), "launch", "--no-gpu", "--tier", "gpu", "--source",
+                  "published:engine-1", "--model-id", "tiny", "--runtime-dir", runtime()});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--no-gpu needs --tier host"), std::string::npos) << r.err;
+  EXPECT_TRUE(Sockets().empty());
 }
 
 TEST_F(LaunchTest, TwoJobsOnDisjointGpuSetsCoexistAndClientsNeverCross) {

@@ -172,9 +172,15 @@ class EngineIdentity:
         return f"published:{_tag(self.engine)}-{_tag(self.engine_version)}-{_tag(self.platform)}"
 
     def _layout_fields(self) -> Dict[str, Any]:
-        return {"capture": self.capture, "checkpoint": dict(self.checkpoint),
-                "load_config": json.loads(json.dumps(self.load_config, sort_keys=True,
-                                                     default=str))}
+        # The quantization method's config is the engine's (JSON text), not a file: it is
+        # told apart through the layout tag, while the CacheConfig's own quantization config
+        # (a file's digest, for `weightcache serve --quantization-config FILE`) stays empty.
+        fields = {"capture": self.capture, "checkpoint": dict(self.checkpoint),
+                  "load_config": json.loads(json.dumps(self.load_config, sort_keys=True,
+                                                       default=str))}
+        if self.quantization_config:
+            fields["quantization_config"] = self.quantization_config
+        return fields
 
     @property
     def layout_tag(self) -> str:
@@ -186,13 +192,36 @@ class EngineIdentity:
         out: Dict[str, Any] = {
             "model_id": self.model_id, "revision": self.revision or None,
             "dtype": self.dtype or None, "quantization": self.quantization or None,
-            "quantization_config": self.quantization_config or None,
             "tp_size": self.tp_size, "tp_rank": self.tp_rank, "pp_size": self.pp_size,
             "pp_rank": self.pp_rank, "ep_size": self.ep_size, "ep_rank": self.ep_rank,
             "dp_size": self.dp_size, "layout_tag": self.layout_tag,
             "runtime_dir": self.runtime_dir, "namespace": self.namespace,
         }
         return {k: v for k, v in out.items() if v is not None}
+
+    def launch_command(self, cli: str = "weightcache") -> List[str]:
+        """`weightcache launch` of this identity's daemons, every rank of the job, before the
+        engine starts (publish-await: each daemon awaits its publisher, and the engine's first
+        start publishes into it; docs/engines.md "TP > 1 and the launcher")."""
+        if self.ep_size > self.tp_size:
+            raise ValueError(f"expert parallelism over {self.ep_size} ranks spans data-parallel "
+                             f"replicas, whose ranks `weightcache launch` does not place "
+                             f"(its EP ranks divide the {self.tp_size} TP ranks)")
+        argv = [cli, "launch", "--source", self.source, "--model-id", self.model_id,
+                "--tier", self.tier, "--layout-tag", self.layout_tag,
+                "--tp-size", str(self.tp_size), "--pp-size", str(self.pp_size)]
+        if self.tier == "host":
+            argv.append("--no-gpu")  # a CPU engine looks for its caches without a device
+        optional = (("--revision", self.revision), ("--dtype", self.dtype),
+                    ("--quantization", self.quantization),
+                    ("--ep-size", str(self.ep_size) if self.ep_size > 1 else ""),
+                    ("--dp-size", str(self.dp_size) if self.dp_size > 1 else ""),
+                    ("--runtime-dir", self.runtime_dir or ""),
+                    ("--namespace", self.namespace or ""))
+        for flag, value in optional:
+            if value:
+                argv += [flag, value]
+        return argv
 
     def describe(self) -> Dict[str, Any]:
         """Every field, as the metadata records it (and a mismatch is reported from)."""
@@ -271,7 +300,10 @@ def publish_module(module: Any, identity: EngineIdentity, *, extra: Mapping[str,
         **identity.identity_keywords())
 
 
-# The client's reason for a wait that ended on a daemon awaiting its publisher (docs/client.md).
+# The client's reasons for a daemon awaiting its publisher (docs/client.md): one that nobody
+# publishes to (a `weightcache launch` of the published source, or the daemon of a start that
+# died before its commit), and a wait that ended while another start was publishing.
+UNPUBLISHED = "awaits its publisher, and none is publishing"
 AWAITING = "still awaiting its publisher"
 
 
@@ -279,9 +311,9 @@ AWAITING = "still awaiting its publisher"
 class Miss:
     """Why attach_tensors found nothing to attach."""
 
-    kind: str  # "miss" (no daemon, a stale one), "awaiting" (awaiting its publisher past the
-    #            wait), "timeout" (loading or hung past the wait), "mismatch"
-    #            (on_mismatch="fallback")
+    kind: str  # "miss" (no daemon, a stale one), "awaiting" (awaiting its publisher, none
+    #            publishing, or one past the wait), "timeout" (loading or hung past the wait),
+    #            "mismatch" (on_mismatch="fallback")
     reason: str
 
     @property
@@ -327,7 +359,8 @@ def publish_noted(module: Any, identity: EngineIdentity, log: Any, *, capture: s
 def attach_tensors(identity: EngineIdentity, *, wait_timeout: float,
                    on_mismatch: str = "error") -> Tuple[Optional[Any], Optional[Miss]]:
     """(state dict, None): the attached tensors of this identity's daemon; or (None, Miss) when
-    no daemon serves it (none, stale, still awaiting its publisher after `wait_timeout`, hung).
+    no daemon serves it (none, stale, awaiting a publisher with none publishing to it (at once:
+    this start publishes), still awaiting one after `wait_timeout`, hung).
     A daemon of the same model holding other tensors raises MismatchError naming every
     differing field (on_mismatch="fallback": (None, Miss("mismatch", ...))); a cache whose
     metadata was not written by this module for this identity raises MismatchError too."""
@@ -339,13 +372,14 @@ def attach_tensors(identity: EngineIdentity, *, wait_timeout: float,
         sd = weightcache.load_state_dict(
             identity.model_dir, device, tier=identity.tier, source=identity.source,
             on_missing="error", on_mismatch="error", wait_timeout=float(wait_timeout),
+            wait_for_publisher=False,
             # An engine's post-processing may write a few tensors in place (vLLM fills its
             # attention layers' KV-cache scales): a write copies that page into this process,
             # never into the cache (docs/engines.md "Shared, copy-on-write").
             host_mapping="copy_on_write" if identity.tier == "host" else None,
             **identity.identity_keywords())
     except NoDaemonError as e:
-        return None, Miss("miss", str(e))
+        return None, Miss("awaiting" if UNPUBLISHED in str(e) else "miss", str(e))
     except DaemonTimeoutError as e:
         # Awaiting its publisher all the wait long: the start that spawned it died before
         # its publish was committed (the daemon takes the next publisher), or is still

@@ -37,7 +37,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["register", "LOAD_FORMAT"]
 
@@ -60,16 +60,64 @@ def register() -> None:
     model_loader.register_model_loader(LOAD_FORMAT)(_make_loader_class())
 
 
+def _platform() -> str:
+    from vllm.platforms import current_platform
+
+    return "cuda" if current_platform.is_cuda_alike() else \
+        str(current_platform.device_type or "cpu")
+
+
+def engine_identity(vllm_config: Any, settings: Dict[str, Any], model_dir: str, *,
+                    tp_rank: int, pp_rank: int, dp_rank: int,
+                    device_index: Optional[int] = None) -> Any:
+    """The identity of one rank's tensors (weightcache.integrations._engine.EngineIdentity):
+    the one rule, for the worker's load (its ranks from vLLM's process groups) and for
+    ``launch-args`` (rank 0 of a config made from ``vllm serve``'s flags; the layout tag does
+    not depend on the rank)."""
+    import vllm
+
+    from . import _engine
+
+    model_config = vllm_config.model_config
+    quant_cfg = getattr(model_config.hf_config, "quantization_config", None)
+    parallel = vllm_config.parallel_config
+    tp_size = parallel.tensor_parallel_size
+    ep_size = (tp_size * parallel.data_parallel_size
+               if getattr(parallel, "enable_expert_parallel", False) else 1)
+    lora = getattr(vllm_config, "lora_config", None)
+    return _engine.EngineIdentity(
+        engine="vllm", engine_version=vllm.__version__, platform=_platform(),
+        model_dir=model_dir,
+        model_id=os.path.basename(os.path.normpath(model_config.model)) or "model",
+        checkpoint=_engine.checkpoint_identity(model_dir),
+        dtype=str(model_config.dtype).replace("torch.", ""),
+        revision=model_config.revision or "",
+        quantization=model_config.quantization or "",
+        quantization_config=json.dumps(quant_cfg, sort_keys=True, default=str)
+        if quant_cfg else "",
+        tp_size=tp_size, tp_rank=tp_rank,
+        pp_size=parallel.pipeline_parallel_size, pp_rank=pp_rank,
+        ep_size=ep_size, ep_rank=(dp_rank * tp_size + tp_rank) if ep_size > 1 else 0,
+        dp_size=parallel.data_parallel_size, capture=settings["capture"],
+        load_config={
+            "architectures": list(getattr(model_config, "architectures", None) or []),
+            "hf_overrides": getattr(model_config, "hf_overrides", None),
+            "lora": None if lora is None else {
+                "max_lora_rank": getattr(lora, "max_lora_rank", None),
+                "max_loras": getattr(lora, "max_loras", None)},
+            "disk_load_format": settings["load_format"],
+        },
+        runtime_dir=settings["runtime_dir"], namespace=settings["namespace"],
+        device_index=device_index)
+
+
 def _make_loader_class() -> type:
     global _loader_class
     if _loader_class is not None:
         return _loader_class
 
     import torch
-    import vllm
-    from vllm.distributed import (get_dp_group, get_pp_group,
-                                  get_tensor_model_parallel_rank,
-                                  get_tensor_model_parallel_world_size)
+    from vllm.distributed import get_dp_group, get_pp_group, get_tensor_model_parallel_rank
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import (initialize_model,
                                                         process_weights_after_loading)
@@ -101,8 +149,7 @@ def _make_loader_class() -> type:
 
         # -- identity ------------------------------------------------------------------
         def _platform(self) -> str:
-            return "cuda" if current_platform.is_cuda_alike() else \
-                str(current_platform.device_type or "cpu")
+            return _platform()
 
         def _capture(self, model: Any) -> str:
             """Where this start's tensors are taken (docs/engines.md "Capture"): after vLLM's
@@ -124,45 +171,13 @@ def _make_loader_class() -> type:
             return capture
 
         def _identity(self, vllm_config: Any, model_config: Any) -> "_engine.EngineIdentity":
-            platform = self._platform()
-            model_dir = self._model_dir(model_config)
-            quant_cfg = getattr(model_config.hf_config, "quantization_config", None)
             pp = get_pp_group()
-            dp = get_dp_group()
-            parallel = vllm_config.parallel_config
-            ep_size = (parallel.tensor_parallel_size * parallel.data_parallel_size
-                       if getattr(parallel, "enable_expert_parallel", False) else 1)
-            lora = getattr(vllm_config, "lora_config", None)
-            device_index = None
-            if platform == "cuda":
-                device_index = torch.cuda.current_device()
-            return _engine.EngineIdentity(
-                engine="vllm", engine_version=vllm.__version__, platform=platform,
-                model_dir=model_dir,
-                model_id=os.path.basename(os.path.normpath(model_config.model)) or "model",
-                checkpoint=_engine.checkpoint_identity(model_dir),
-                dtype=str(model_config.dtype).replace("torch.", ""),
-                revision=model_config.revision or "",
-                quantization=model_config.quantization or "",
-                quantization_config=json.dumps(quant_cfg, sort_keys=True, default=str)
-                if quant_cfg else "",
-                tp_size=get_tensor_model_parallel_world_size(),
-                tp_rank=get_tensor_model_parallel_rank(),
-                pp_size=pp.world_size, pp_rank=pp.rank_in_group,
-                ep_size=ep_size,
-                ep_rank=(dp.rank_in_group * parallel.tensor_parallel_size +
-                         get_tensor_model_parallel_rank()) if ep_size > 1 else 0,
-                dp_size=dp.world_size, capture=self.settings["capture"],
-                load_config={
-                    "architectures": list(getattr(model_config, "architectures", None) or []),
-                    "hf_overrides": getattr(model_config, "hf_overrides", None),
-                    "lora": None if lora is None else {
-                        "max_lora_rank": getattr(lora, "max_lora_rank", None),
-                        "max_loras": getattr(lora, "max_loras", None)},
-                    "disk_load_format": self.settings["load_format"],
-                },
-                runtime_dir=self.settings["runtime_dir"], namespace=self.settings["namespace"],
-                device_index=device_index)
+            return engine_identity(
+                vllm_config, self.settings, self._model_dir(model_config),
+                tp_rank=get_tensor_model_parallel_rank(), pp_rank=pp.rank_in_group,
+                dp_rank=get_dp_group().rank_in_group,
+                device_index=torch.cuda.current_device() if self._platform() == "cuda"
+                else None)
 
         def _model_dir(self, model_config: Any) -> str:
             if os.path.isdir(model_config.model):
@@ -290,3 +305,81 @@ def _make_loader_class() -> type:
 
     _loader_class = WeightcacheModelLoader
     return _loader_class
+
+
+def launch_args(engine_argv: List[str]) -> Any:
+    """The identity (rank 0's; every rank shares its layout tag) of the job that ``vllm serve
+    <engine_argv>`` would start, made from vLLM's own parsing of those flags and its own config
+    (no model is loaded, no worker started). ``--model-loader-extra-config`` is read as the
+    plugin reads it (runtime_dir, namespace, capture, load_format)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # older vLLM
+        from vllm.utils import FlexibleArgumentParser
+
+    from . import _engine
+
+    parser = FlexibleArgumentParser(prog="vllm serve")
+    parser.add_argument("model_tag", nargs="?", help="the model, as vllm serve's first argument")
+    parser = EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(engine_argv)
+    if args.model_tag:
+        args.model = args.model_tag
+    engine_args = EngineArgs.from_cli_args(args)
+    extra = engine_args.model_loader_extra_config or {}
+    if isinstance(extra, str):
+        extra = json.loads(extra)
+    settings, _ = _engine.parse_settings(dict(extra), LOAD_FORMAT)
+    vllm_config = engine_args.create_engine_config()
+    model_dir = vllm_config.model_config.model
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"{model_dir} is not a local checkpoint directory (launch-args needs "
+                         f"the files the engine will read)")
+    return engine_identity(vllm_config, settings, os.path.abspath(model_dir), tp_rank=0,
+                           pp_rank=0, dp_rank=0)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m weightcache.integrations.vllm launch-args [--json] MODEL [vllm serve flags]``:
+    the ``weightcache launch`` command that starts this job's daemons before vLLM does
+    (docs/engines.md "TP > 1 and the launcher")."""
+    import argparse
+    import shlex
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m weightcache.integrations.vllm",
+        description="Tools of weightcache's vLLM plugin (docs/engines.md).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cmd = sub.add_parser(
+        "launch-args",
+        help="print the `weightcache launch` command of the daemons this vLLM job's "
+             "`--load-format weightcache` start looks for",
+        description="Print the `weightcache launch` command that starts, before vLLM does, one "
+                    "daemon per rank of the job `vllm serve MODEL [FLAGS]` would run, each "
+                    "awaiting its publisher: the engine's first start publishes into them, and "
+                    "every later start attaches. Give MODEL and the same flags as to vllm serve "
+                    "(--load-format weightcache is implied). Add launch's own flags "
+                    "(--supervise, --gpu-budget, ...) to what it prints.")
+    cmd.add_argument("--json", action="store_true",
+                     help="print {\"argv\": [...], \"identity\": {...}} instead")
+    cmd.add_argument("engine_args", nargs=argparse.REMAINDER,
+                     help="MODEL and vllm serve's flags")
+    args = parser.parse_args(argv)
+    try:
+        identity = launch_args(list(args.engine_args))
+        argv_out = identity.launch_command()
+    except (ValueError, OSError) as e:
+        print(f"launch-args: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"argv": argv_out, "identity": identity.describe()}, sort_keys=True))
+    else:
+        print(shlex.join(argv_out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

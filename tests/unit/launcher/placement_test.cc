@@ -132,6 +132,30 @@ TEST(PlanLaunchTest, Pp2Tp2Step2UsesEveryOtherGpu) {
   EXPECT_EQ((*plan)[3].device_uuid, Uuids(8)[6]);
 }
 
+// launch --no-gpu: every rank, none on a GPU, and no device needs to be visible.
+TEST(PlanLaunchTest, WithoutGpusEveryRankHoldsNoDevice) {
+  LaunchTopology t;
+  t.tp_size = 2;
+  t.pp_size = 2;
+  t.ep_size = 2;
+  t.without_gpus = true;
+  auto plan = PlanLaunch(t);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  ASSERT_EQ(plan->size(), 4u);
+  for (size_t i = 0; i < plan->size(); ++i) {
+    const DaemonPlacement& p = (*plan)[i];
+    EXPECT_EQ(p.tp_rank, static_cast<int>(i % 2));
+    EXPECT_EQ(p.pp_rank, static_cast<int>(i / 2));
+    EXPECT_EQ(p.ep_rank, p.tp_rank);
+    EXPECT_EQ(p.local_gpu_id, -1);
+    EXPECT_EQ(p.device_uuid, "");
+    EXPECT_EQ(p.GpuLabel(), "no gpu");
+  }
+  t.without_gpus = false;
+  t.visible_device_uuids = Uuids(4);
+  EXPECT_EQ(PlanLaunch(t)->at(3).GpuLabel(), "gpu3");
+}
+
 TEST(PlanLaunchTest, TpAcrossTwoNodesGivesTheSecondNodeTheUpperRanksFromBase) {
   LaunchTopology t;
   t.tp_size = 4;
