@@ -7,13 +7,10 @@
 
 #include <cerrno>
 #include <chrono>
-#include <filesystem>
 #include <iostream>
 #include <map>
 #include <string>
 #include <vector>
-
-#include "identity/paths.h"
 
 namespace weightcache::cli {
 namespace {
@@ -22,15 +19,6 @@ std::map<CLI::App*, CommandAction>& Actions() {
   return actions;
 }
 }  // namespace
-
-Status MakePrivateDirWithParents(const std::string& path) {
-  std::error_code ec;
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
-  if (ec) {
-    return IoError("creating " + std::filesystem::path(path).parent_path().string(), ec.value());
-  }
-  return identity::EnsurePrivateDir(path);
-}
 
 int ExitCodeFor(const Status& status) { return weightcache::ExitCodeFor(status.code()); }
 

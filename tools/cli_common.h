@@ -29,11 +29,6 @@ int Fail(std::string_view command, const Status& status);
 enum class UpgradeSignal { kNo, kYes };
 Result<UniqueFd> TakeShutdownSignals(UpgradeSignal upgrade = UpgradeSignal::kNo);
 
-// Creates `path`'s parents as needed, then `path` itself as a private dir (0700, ours:
-// identity::EnsurePrivateDir, the runtime dir's rule): the logs of `launch` and `serve
-// --detach`, and the runtime and namespace dirs they go under.
-Status MakePrivateDirWithParents(const std::string& path);
-
 // Each subcommand registers itself on the root app and sets the action run when it is chosen.
 // The action returns the process exit code.
 using CommandAction = std::function<int()>;

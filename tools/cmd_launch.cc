@@ -156,12 +156,12 @@ int RunLaunch(const LaunchArgs& args) {
   id.runtime_dir = runtime->path;
   const std::string namespace_dir = runtime->path + "/" + id.namespace_name;
   for (const std::string& dir : {runtime->path, namespace_dir}) {
-    if (Status s = MakePrivateDirWithParents(dir); !s.ok()) return Fail(kCmd, s);
+    if (Status s = identity::EnsurePrivateDirWithParents(dir); !s.ok()) return Fail(kCmd, s);
   }
   launcher::JobFiles files;
   files.log_dir =
       args.log_dir.empty() ? namespace_dir + "/logs" : fs::absolute(args.log_dir).string();
-  if (Status s = MakePrivateDirWithParents(files.log_dir); !s.ok()) return Fail(kCmd, s);
+  if (Status s = identity::EnsurePrivateDirWithParents(files.log_dir); !s.ok()) return Fail(kCmd, s);
   auto exe = os::SelfExecutable();
   if (!exe.ok()) return Fail(kCmd, exe.status());
   files.exe = *exe;

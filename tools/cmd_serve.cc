@@ -13,23 +13,18 @@
 // SIGPIPE, the launcher's ready notice (taken from the environment before any thread starts),
 // and the terminal's progress line.
 //
-// --detach runs this same command line as a background daemon through the launcher (Detach),
-// once serve::Prepare has refused what it would refuse.
+// --detach runs this same command line as a background daemon (serve/detach.h), once
+// serve::Prepare has refused what it would refuse.
 //
 // Exit codes: 0 clean stop (--detach: the daemon serves); 2 usage; 5 invalid checkpoint; 7 already
 // served (the message names the owner's pid); 8 no room under the device's budget (docs/budget.md);
 // otherwise the failed load's code (1 for I/O, budget, CUDA).
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cinttypes>
 #include <cstdio>
-#include <filesystem>
 #include <iostream>
-#include <memory>
 #include <optional>
-#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -39,13 +34,11 @@
 #include "daemon/byte_size.h"
 #include "identity/resolve.h"
 #include "identity_flags.h"
-#include "launcher/child_process.h"
-#include "launcher/launcher.h"
 #include "launcher/ready_notice.h"
 #include "launcher/serve_daemons.h"
-#include "os/lock_file.h"
 #include "os/read_file.h"
 #include "registry_flags.h"
+#include "serve/detach.h"
 #include "serve/serve.h"
 
 namespace weightcache::cli {
@@ -110,81 +103,21 @@ class ProgressPrinter {
   int last_quarter_ = 0;
 };
 
-// --detach's daemon log: --log-file, else <runtime>/<namespace>/logs/serve-<digest16>.log
-// (launch's log dir), or <socket>.log beside an explicit socket.
-Result<std::string> DetachedLogPath(const ServeArgs& args, const identity::ResolvedIdentity& id) {
-  std::error_code ec;
-  if (!args.log_file.empty()) {
-    std::filesystem::path path = std::filesystem::absolute(args.log_file, ec);
-    if (ec) return IoError("--log-file " + args.log_file, ec.value());
-    return path.string();
-  }
-  if (id.paths.namespace_dir.empty()) return id.paths.socket + ".log";
-  const std::string dir = id.paths.namespace_dir + "/logs";
-  for (const std::string& d : {id.paths.runtime_dir, id.paths.namespace_dir, dir}) {
-    WEIGHTCACHE_RETURN_IF_ERROR(MakePrivateDirWithParents(d));
-  }
-  return dir + "/serve-" + id.config.ShortDigest() + ".log";
-}
-
-// `serve --detach`: this same command line, less --detach, runs as a daemon in a new session
-// (stdin /dev/null, stdout and stderr to its log), spawned and polled by the launcher, the one
-// home of both: done when the daemon answers `ready`, or `awaiting` for a published source (it
-// can take its publisher then); the daemon is then left running and this process exits 0,
-// printing the socket and pid (--json: launch's summary). A daemon that exits first makes this
-// exit with its exit code (7 already served, 5 invalid checkpoint, ...), its last error line
-// quoted; one that does not answer within --ready-timeout is stopped (exit 6).
+// `serve --detach` (serve/detach.h): prints the socket and pid (--json: launch's summary).
 int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id, int signal_fd) {
   constexpr std::string_view kCmd = "serve";
   auto exe = os::SelfExecutable();
   if (!exe.ok()) return Fail(kCmd, exe.status());
-  auto log = DetachedLogPath(args, id);
-  if (!log.ok()) return Fail(kCmd, log.status());
-
-  launcher::DaemonSpec spec;
-  spec.name = "serve " + id.config.ShortDigest();
-  if (id.device) spec.placement.device_uuid = id.device->uuid;
-  spec.socket_path = id.paths.socket;
-  spec.lock_path = id.paths.lock;
-  spec.spawn.argv.push_back(*exe);
-  const std::vector<std::string>& line = ProgramArgs();
-  for (size_t i = 1; i < line.size(); ++i) {
-    if (line[i] != "--detach") spec.spawn.argv.push_back(line[i]);
-  }
-  spec.spawn.log_path = *log;
-
-  launcher::LaunchOptions options;
-  options.mode = launcher::SupervisionMode::kExitWhenReady;
+  serve::DetachOptions options;
+  options.argv = ProgramArgs();
+  options.argv.front() = *exe;
+  options.log_file = args.log_file;
   options.ready_timeout = Millis(args.ready_timeout_s);
-  std::vector<launcher::DaemonSpec> specs;
-  specs.push_back(std::move(spec));
-  auto l = launcher::Launcher::Create(
-      std::move(specs), options,
-      [](const std::string& socket) {
-        return launcher::ProbeDaemonState(socket, std::chrono::milliseconds(500),
-                                          launcher::AwaitingIs::kReady);
-      },
-      [](const std::string& lock) -> Result<bool> { return os::IsLockHeld(lock); });
-  if (!l.ok()) return Fail(kCmd, l.status());
-  launcher::LaunchReport report = l->Run(signal_fd);
-
-  int code = report.status.ok() ? kExitOk : ExitCodeFor(report.status);
-  if (!report.status.ok() && !report.daemons.empty()) {
-    const auto& exit = report.daemons.front().exit;
-    // The daemon's own exit code (it applied the one table where the error was found), and
-    // the status code of that exit code's row for --json, where the row is the only one.
-    if (exit && exit->exited() && exit->exit_code != kExitOk && exit->exit_code != code) {
-      code = exit->exit_code;
-      for (const StatusCodeInfo& row : kStatusCodeTable) {
-        if (row.exit_code == code && code != kExitError) {
-          report.status = Status(row.code, report.status.message());
-          break;
-        }
-      }
-    }
-  }
+  auto detached = serve::Detach(options, id, signal_fd);
+  if (!detached.ok()) return Fail(kCmd, detached.status());
+  const launcher::LaunchReport& report = detached->report;
   if (args.json) {
-    std::cout << launcher::LaunchSummaryJson(report, code) << std::endl;
+    std::cout << launcher::LaunchSummaryJson(report, detached->exit_code) << std::endl;
   } else if (report.status.ok()) {
     const auto& d = report.daemons.front();
     std::cout << "socket " << d.socket_path << "\npid " << d.pid << "\nlog " << d.log_path
@@ -193,7 +126,7 @@ int Detach(const ServeArgs& args, const identity::ResolvedIdentity& id, int sign
   if (!report.status.ok()) {
     std::cerr << "weightcache " << kCmd << ": " << report.status.ToString() << std::endl;
   }
-  return code;
+  return detached->exit_code;
 }
 
 int Run(ServeArgs& args) {

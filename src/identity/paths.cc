@@ -214,6 +214,14 @@ Result<CachePaths> ResolveCachePaths(const CacheConfig& config, std::string_view
   return p;
 }
 
+Status EnsurePrivateDirWithParents(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  std::filesystem::create_directories(parent, ec);
+  if (ec) return IoError("creating " + parent.string(), ec.value());
+  return EnsurePrivateDir(path);
+}
+
 Status EnsurePrivateDir(const std::string& path, uid_t uid, DirAccess access) {
   const mode_t mode = access == DirAccess::kShared ? 0755 : 0700;
   struct stat st;

@@ -122,6 +122,9 @@ enum class DirAccess { kPrivate, kShared };
 // Create (0700; 0755 when shared) or check one directory as described above.
 Status EnsurePrivateDir(const std::string& path, uid_t uid = ::geteuid(),
                         DirAccess access = DirAccess::kPrivate);
+// The same, after creating the missing ancestors of `path` (mode as mkdir -p gives them): a
+// runtime dir or a log dir named by a flag.
+Status EnsurePrivateDirWithParents(const std::string& path);
 // The runtime dir (with missing ancestors), namespace dir and device dir of `paths`; for an
 // explicit socket, the socket's directory.
 Status EnsureCacheDirs(const CachePaths& paths, uid_t uid = ::geteuid(),

@@ -142,15 +142,27 @@ exit $rc
     same_generation(hit, again)
 
 
-def test_launch_pre_starts_the_daemons_the_first_start_publishes_into(host, models):
-    """`python -m weightcache.integrations.vllm launch-args` prints the `weightcache launch`
-    of the job's daemons from vLLM's own config; launch returns once they await their
-    publisher; the engine's first start publishes into them at once, the next one attaches."""
-    flags = [models["llama"], "--dtype", "bfloat16", "--max-model-len", "128",
-             "--enforce-eager"]
+# The flags of run_engine.py's engines, as each engine's own command line takes them.
+SERVE_FLAGS = {
+    "vllm": lambda model: [model, "--dtype", "bfloat16", "--max-model-len", "128",
+                           "--enforce-eager"],
+    "sglang": lambda model: ["--model-path", model, "--dtype", "bfloat16", "--device", "cpu",
+                             "--attention-backend", "torch_native", "--sampling-backend",
+                             "pytorch", "--disable-cuda-graph", "--mem-fraction-static", "0.3",
+                             "--context-length", "128"],
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_launch_pre_starts_the_daemons_the_first_start_publishes_into(host, models, engine):
+    """`python -m weightcache.integrations.<engine> launch-args` prints the `weightcache
+    launch` of the job's daemons from the engine's own config; launch returns once they await
+    their publisher; the engine's first start publishes into them at once, the next one
+    attaches."""
+    flags = SERVE_FLAGS[engine](models["llama"])
     env = dict(host.env, VLLM_CPU_KVCACHE_SPACE="1")
-    done = subprocess.run([sys.executable, "-m", "weightcache.integrations.vllm", "launch-args",
-                           "--json", *flags], env=env, stdin=subprocess.DEVNULL,
+    done = subprocess.run([sys.executable, "-m", f"weightcache.integrations.{engine}",
+                           "launch-args", "--json", *flags], env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     printed = json.loads(done.stdout.strip().splitlines()[-1])
@@ -164,29 +176,31 @@ def test_launch_pre_starts_the_daemons_the_first_start_publishes_into(host, mode
     (cache,) = host.caches()
     assert cache["state"] == "awaiting", cache
 
-    first, log = host.start("vllm", models["llama"], "weightcache")
-    (line,) = outcome(log, "vllm")
+    first, log = host.start(engine, models["llama"], "weightcache")
+    (line,) = outcome(log, engine)
     assert line.startswith("awaiting: ") and "awaits its publisher, and none is publishing" in \
         line, line
     assert "; loaded from disk; published " in line, line
     (after,) = host.caches()
     assert after["state"] == "ready" and after["pid"] == cache["pid"], (cache, after)
 
-    hit, log = host.start("vllm", models["llama"], "weightcache")
-    (line,) = outcome(log, "vllm")
+    hit, log = host.start(engine, models["llama"], "weightcache")
+    (line,) = outcome(log, engine)
     assert line.startswith("hit: "), line
     same_generation(hit, first)
-    disk, _ = host.start("vllm", models["llama"], "safetensors")
+    disk, _ = host.start(engine, models["llama"], "safetensors")
     same_generation(hit, disk)
 
 
-def test_launch_args_refuses_what_vllm_refuses(host, models, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "weightcache.integrations.vllm", "launch-args",
-                           str(tmp_path / "no-such-model")], env=host.env,
+@pytest.mark.parametrize("engine", ENGINES)
+def test_launch_args_refuses_a_model_that_is_no_local_checkpoint(host, tmp_path, engine):
+    flags = SERVE_FLAGS[engine](str(tmp_path / "no-such-model"))
+    done = subprocess.run([sys.executable, "-m", f"weightcache.integrations.{engine}",
+                           "launch-args", *flags], env=host.env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
                           check=False)
-    assert done.returncode != 0
-    assert "no-such-model" in done.stderr, done.stderr[-3000:]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "launch-args: " in done.stderr and "no-such-model" in done.stderr, done.stderr[-3000:]
 
 
 def test_strict_mismatch_stops_the_engine_with_the_fields(host, models):

@@ -31,7 +31,7 @@ import os
 import re
 import subprocess
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import weightcache
 from weightcache.errors import DaemonTimeoutError, MismatchError, NoDaemonError
@@ -491,6 +491,49 @@ def apply_tensors(module: Any, sd: Any, *, allow_new: bool = False) -> int:
         t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         put(name, torch.nn.Parameter(t, requires_grad=False) if kind == "param" else t, kind)
     return len(sd) + len(empties)
+
+
+def launch_args_main(engine: str, engine_command: str,
+                     identity_of: Callable[[List[str]], EngineIdentity],
+                     argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m weightcache.integrations.<engine> launch-args [--json] FLAGS``: prints the
+    `weightcache launch` of the job that `engine_command FLAGS` would start (identity_of: the
+    plugin's identity of rank 0, from the engine's own parsing of FLAGS). Exit 2 when the
+    engine refuses the flags or the model is no local checkpoint."""
+    import argparse
+    import shlex
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog=f"python -m weightcache.integrations.{engine}",
+        description=f"Tools of weightcache's {engine} plugin (docs/engines.md).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cmd = sub.add_parser(
+        "launch-args",
+        help=f"print the `weightcache launch` command of the daemons a `--load-format "
+             f"weightcache` start of this {engine} job looks for",
+        description=f"Print the `weightcache launch` command that starts, before {engine} "
+                    f"does, one daemon per rank of the job `{engine_command} FLAGS` would run, "
+                    f"each awaiting its publisher: the engine's first start publishes into "
+                    f"them, and every later start attaches. Give the same FLAGS as to "
+                    f"{engine_command} (--load-format weightcache is implied). Add launch's "
+                    f"own flags (--supervise, --gpu-budget, ...) to what it prints.")
+    cmd.add_argument("--json", action="store_true",
+                     help='print {"argv": [...], "identity": {...}} instead')
+    cmd.add_argument("engine_args", nargs=argparse.REMAINDER,
+                     help=f"{engine_command}'s flags")
+    args = parser.parse_args(None if argv is None else list(argv))
+    try:
+        identity = identity_of(list(args.engine_args))
+        launch = identity.launch_command()
+    except (ValueError, OSError) as e:
+        print(f"launch-args: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"argv": launch, "identity": identity.describe()}, sort_keys=True))
+    else:
+        print(shlex.join(launch))
+    return 0
 
 
 class Timer:

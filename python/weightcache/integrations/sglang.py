@@ -24,7 +24,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 __all__ = ["register", "LOAD_FORMAT", "loader_class"]
 
@@ -53,13 +53,44 @@ def _verify_load_format(original: Any, self: Any, *args: Any, **kwargs: Any) -> 
     return original(self, *args, **kwargs)
 
 
+def engine_identity(model_config: Any, settings: Dict[str, Any], *, platform: str, tp_size: int,
+                    tp_rank: int, pp_size: int, pp_rank: int,
+                    device_index: Optional[int] = None) -> Any:
+    """The identity of one rank's tensors: the one rule, for the scheduler's load (its ranks
+    from SGLang's process groups) and for ``launch-args`` (rank 0 of a config made from
+    ``sglang.launch_server``'s flags; the layout tag does not depend on the rank)."""
+    import sglang
+
+    from . import _engine
+
+    model_dir = os.path.abspath(model_config.model_path)
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"load format {LOAD_FORMAT}: {model_config.model_path} is not a local "
+                         f"checkpoint directory")
+    hf = model_config.hf_config
+    quant_cfg = getattr(hf, "quantization_config", None)
+    return _engine.EngineIdentity(
+        engine="sglang", engine_version=sglang.__version__, platform=platform,
+        model_dir=model_dir, model_id=os.path.basename(os.path.normpath(model_dir)) or "model",
+        checkpoint=_engine.checkpoint_identity(model_dir),
+        dtype=str(model_config.dtype).replace("torch.", ""),
+        revision=getattr(model_config, "revision", None) or "",
+        quantization=getattr(model_config, "quantization", None) or "",
+        quantization_config=json.dumps(quant_cfg, sort_keys=True, default=str)
+        if quant_cfg else "",
+        tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank, capture="loaded",
+        load_config={"architectures": list(getattr(hf, "architectures", None) or []),
+                     "disk_load_format": settings["load_format"]},
+        runtime_dir=settings["runtime_dir"], namespace=settings["namespace"],
+        device_index=device_index)
+
+
 def loader_class() -> type:
     """WeightcacheModelLoader (SGLang is imported on the first call)."""
     global _loader_class
     if _loader_class is not None:
         return _loader_class
 
-    import sglang
     import torch
     from sglang.srt.configs.load_config import LoadFormat
     from sglang.srt.distributed.parallel_state import (
@@ -90,29 +121,12 @@ def loader_class() -> type:
 
         def _identity(self, model_config: Any, device: torch.device) -> "_engine.EngineIdentity":
             platform = "cuda" if device.type == "cuda" else device.type
-            model_dir = os.path.abspath(model_config.model_path)
-            if not os.path.isdir(model_dir):
-                raise ValueError(f"load format {LOAD_FORMAT}: {model_config.model_path} is not "
-                                 f"a local checkpoint directory")
-            hf = model_config.hf_config
-            quant_cfg = getattr(hf, "quantization_config", None)
             pp = get_pp_group()
-            return _engine.EngineIdentity(
-                engine="sglang", engine_version=sglang.__version__, platform=platform,
-                model_dir=model_dir,
-                model_id=os.path.basename(os.path.normpath(model_dir)) or "model",
-                checkpoint=_engine.checkpoint_identity(model_dir),
-                dtype=str(model_config.dtype).replace("torch.", ""),
-                revision=getattr(model_config, "revision", None) or "",
-                quantization=getattr(model_config, "quantization", None) or "",
-                quantization_config=json.dumps(quant_cfg, sort_keys=True, default=str)
-                if quant_cfg else "",
+            return engine_identity(
+                model_config, self.settings, platform=platform,
                 tp_size=get_tensor_model_parallel_world_size(),
-                tp_rank=get_tensor_model_parallel_rank(),
-                pp_size=pp.world_size, pp_rank=pp.rank_in_group, capture="loaded",
-                load_config={"architectures": list(getattr(hf, "architectures", None) or []),
-                             "disk_load_format": self.settings["load_format"]},
-                runtime_dir=self.settings["runtime_dir"], namespace=self.settings["namespace"],
+                tp_rank=get_tensor_model_parallel_rank(), pp_size=pp.world_size,
+                pp_rank=pp.rank_in_group,
                 device_index=(device.index if device.index is not None
                               else torch.cuda.current_device()) if platform == "cuda" else None)
 
@@ -173,3 +187,38 @@ def loader_class() -> type:
 
     _loader_class = WeightcacheModelLoader
     return _loader_class
+
+
+def launch_args(server_argv: List[str]) -> Any:
+    """The identity (rank 0's; every rank shares its layout tag) of the job that
+    ``python -m sglang.launch_server <server_argv>`` would start, from SGLang's own parsing of
+    those flags and its own model config (no model is loaded, no scheduler started)."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.server_args import prepare_server_args
+
+    from . import _engine
+
+    server_args = prepare_server_args(list(server_argv))
+    extra = server_args.model_loader_extra_config or {}
+    if isinstance(extra, str):
+        extra = json.loads(extra) if extra.strip() else {}
+    settings, _ = _engine.parse_settings(dict(extra), LOAD_FORMAT)
+    model_config = ModelConfig.from_server_args(server_args)
+    device = str(server_args.device or "cuda")
+    return engine_identity(model_config, settings,
+                           platform="cuda" if device.startswith("cuda") else device,
+                           tp_size=server_args.tp_size, tp_rank=0,
+                           pp_size=server_args.pp_size, pp_rank=0)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m weightcache.integrations.sglang launch-args [--json] --model-path MODEL
+    [launch_server flags]``: the ``weightcache launch`` command that starts this job's daemons
+    before SGLang does (docs/engines.md "TP > 1 and the launcher")."""
+    from ._engine import launch_args_main
+
+    return launch_args_main("sglang", "python -m sglang.launch_server", launch_args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

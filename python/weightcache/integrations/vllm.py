@@ -345,40 +345,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     """``python -m weightcache.integrations.vllm launch-args [--json] MODEL [vllm serve flags]``:
     the ``weightcache launch`` command that starts this job's daemons before vLLM does
     (docs/engines.md "TP > 1 and the launcher")."""
-    import argparse
-    import shlex
-    import sys
+    from ._engine import launch_args_main
 
-    parser = argparse.ArgumentParser(
-        prog="python -m weightcache.integrations.vllm",
-        description="Tools of weightcache's vLLM plugin (docs/engines.md).")
-    sub = parser.add_subparsers(dest="command", required=True)
-    cmd = sub.add_parser(
-        "launch-args",
-        help="print the `weightcache launch` command of the daemons this vLLM job's "
-             "`--load-format weightcache` start looks for",
-        description="Print the `weightcache launch` command that starts, before vLLM does, one "
-                    "daemon per rank of the job `vllm serve MODEL [FLAGS]` would run, each "
-                    "awaiting its publisher: the engine's first start publishes into them, and "
-                    "every later start attaches. Give MODEL and the same flags as to vllm serve "
-                    "(--load-format weightcache is implied). Add launch's own flags "
-                    "(--supervise, --gpu-budget, ...) to what it prints.")
-    cmd.add_argument("--json", action="store_true",
-                     help="print {\"argv\": [...], \"identity\": {...}} instead")
-    cmd.add_argument("engine_args", nargs=argparse.REMAINDER,
-                     help="MODEL and vllm serve's flags")
-    args = parser.parse_args(argv)
-    try:
-        identity = launch_args(list(args.engine_args))
-        argv_out = identity.launch_command()
-    except (ValueError, OSError) as e:
-        print(f"launch-args: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({"argv": argv_out, "identity": identity.describe()}, sort_keys=True))
-    else:
-        print(shlex.join(argv_out))
-    return 0
+    return launch_args_main("vllm", "vllm serve MODEL", launch_args, argv)
 
 
 if __name__ == "__main__":

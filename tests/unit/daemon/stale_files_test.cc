@@ -32,7 +32,7 @@ bool Exists(const std::string& path) {
 class StaleFilesTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    for (const std::string& ns : {"ns", "other"}) {
+    for (const char* ns : {"ns", "other"}) {
       ASSERT_EQ(::mkdir(dir_.Join(ns).c_str(), 0700), 0);
       ASSERT_EQ(::mkdir(DeviceDir(ns).c_str(), 0700), 0);
     }
