@@ -8,9 +8,11 @@
 // otherwise). All functions are pure and thread-safe.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string_view>
 
+#include "weightcache/enum_names.h"
 #include "weightcache/status.h"
 
 namespace weightcache::checkpoint {
@@ -40,16 +42,38 @@ enum class DType : uint8_t {
   kU64,
 };
 
-// Every DType, in declaration order (tests and tools iterate over it).
-inline constexpr DType kAllDTypes[] = {
-    DType::kBool,       DType::kF4,     DType::kF6E2M3, DType::kF6E3M2, DType::kU8,
-    DType::kI8,         DType::kF8E5M2, DType::kF8E4M3, DType::kF8E8M0, DType::kF8E4M3Fnuz,
-    DType::kF8E5M2Fnuz, DType::kI16,    DType::kU16,    DType::kF16,    DType::kBF16,
-    DType::kI32,        DType::kU32,    DType::kF32,    DType::kC64,    DType::kF64,
-    DType::kI64,        DType::kU64,
-};
+// The header spelling of each DType (the safetensors format's names).
+inline constexpr std::array<EnumName<DType>, 22> kDTypeNames{{
+    {DType::kBool, "BOOL"},
+    {DType::kF4, "F4"},
+    {DType::kF6E2M3, "F6_E2M3"},
+    {DType::kF6E3M2, "F6_E3M2"},
+    {DType::kU8, "U8"},
+    {DType::kI8, "I8"},
+    {DType::kF8E5M2, "F8_E5M2"},
+    {DType::kF8E4M3, "F8_E4M3"},
+    {DType::kF8E8M0, "F8_E8M0"},
+    {DType::kF8E4M3Fnuz, "F8_E4M3FNUZ"},
+    {DType::kF8E5M2Fnuz, "F8_E5M2FNUZ"},
+    {DType::kI16, "I16"},
+    {DType::kU16, "U16"},
+    {DType::kF16, "F16"},
+    {DType::kBF16, "BF16"},
+    {DType::kI32, "I32"},
+    {DType::kU32, "U32"},
+    {DType::kF32, "F32"},
+    {DType::kC64, "C64"},
+    {DType::kF64, "F64"},
+    {DType::kI64, "I64"},
+    {DType::kU64, "U64"},
+}};
+static_assert(IsDenseEnumTable(kDTypeNames));
+static_assert(kDTypeNames.back().value == DType::kU64, "every DType has its name");
 
-// The header spelling: "BF16", "F8_E4M3", "F6_E2M3", ...
+// Every DType, in declaration order (tests and tools iterate over it).
+inline constexpr auto kAllDTypes = ValuesIn(kDTypeNames);
+
+// The header spelling: "BF16", "F8_E4M3", "F6_E2M3", ...; "?" outside the enum.
 std::string_view DTypeName(DType dtype);
 
 // Inverse of DTypeName (exact, case-sensitive, as the reference parser is). kInvalidCheckpoint

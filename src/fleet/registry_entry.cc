@@ -85,25 +85,11 @@ bool IsWildcardEndpoint(const std::string& endpoint) {
 }
 
 std::string_view EntryStateName(EntryState state) {
-  switch (state) {
-    case EntryState::kLoading:
-      return "loading";
-    case EntryState::kReady:
-      return "ready";
-    case EntryState::kDemoted:
-      return "demoted";
-    case EntryState::kDraining:
-      return "draining";
-  }
-  return "unknown";
+  return NameIn(kEntryStateNames, state, "unknown");
 }
 
 std::optional<EntryState> ParseEntryState(std::string_view name) {
-  for (EntryState s :
-       {EntryState::kLoading, EntryState::kReady, EntryState::kDemoted, EntryState::kDraining}) {
-    if (EntryStateName(s) == name) return s;
-  }
-  return std::nullopt;
+  return ParseIn(kEntryStateNames, name);
 }
 
 Status ValidatePrefix(std::string_view prefix) {

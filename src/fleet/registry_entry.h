@@ -16,6 +16,7 @@
 // Values, not resources: copyable, no internal synchronisation.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "fleet/etcd_client.h"
+#include "weightcache/enum_names.h"
 #include "weightcache/status.h"
 #include "weightcache/tier.h"
 
@@ -35,7 +37,14 @@ inline constexpr std::string_view kDefaultRegistryPrefix = "/weightcache";
 inline constexpr size_t kMaxEntryBytes = size_t{16} << 10;
 
 enum class EntryState { kLoading, kReady, kDemoted, kDraining };
-std::string_view EntryStateName(EntryState state);  // "loading", "ready", "demoted", "draining"
+inline constexpr std::array<EnumName<EntryState>, 4> kEntryStateNames{{
+    {EntryState::kLoading, "loading"},
+    {EntryState::kReady, "ready"},
+    {EntryState::kDemoted, "demoted"},
+    {EntryState::kDraining, "draining"},
+}};
+static_assert(IsDenseEnumTable(kEntryStateNames));
+std::string_view EntryStateName(EntryState state);  // "unknown" outside the table
 std::optional<EntryState> ParseEntryState(std::string_view name);
 
 struct RegistryEntry {

@@ -370,30 +370,11 @@ Result<M> Decode(std::string_view message, std::span<const uint8_t> payload) {
 }  // namespace
 
 std::string_view CacheStateName(CacheState state) {
-  switch (state) {
-    case CacheState::kLoading:
-      return "loading";
-    case CacheState::kReady:
-      return "ready";
-    case CacheState::kFailed:
-      return "failed";
-    case CacheState::kDraining:
-      return "draining";
-    case CacheState::kAwaiting:
-      return "awaiting";
-    case CacheState::kDemoted:
-      return "demoted";
-  }
-  return "unknown";
+  return NameIn(kCacheStateNames, state, "unknown");
 }
 
 Result<CacheState> ParseCacheState(std::string_view name) {
-  if (name == "loading") return CacheState::kLoading;
-  if (name == "ready") return CacheState::kReady;
-  if (name == "failed") return CacheState::kFailed;
-  if (name == "draining") return CacheState::kDraining;
-  if (name == "awaiting") return CacheState::kAwaiting;
-  if (name == "demoted") return CacheState::kDemoted;
+  if (auto state = ParseIn(kCacheStateNames, name)) return *state;
   return ProtocolError("unknown cache state \"" + std::string(name.substr(0, 32)) + "\"");
 }
 

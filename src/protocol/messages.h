@@ -14,6 +14,7 @@
 //  * Types are plain values (AttachReply is move-only: it owns fds). Thread-safe: pure.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <span>
@@ -24,6 +25,7 @@
 #include "common/unique_fd.h"
 #include "protocol/frame.h"
 #include "protocol/manifest.h"
+#include "weightcache/enum_names.h"
 #include "weightcache/status.h"
 
 namespace weightcache::protocol {
@@ -34,8 +36,16 @@ inline constexpr int kMaxJsonDepth = 16;
 // kDemoted: a gpu-tier cache whose memory was moved to host RAM (serve --demote host); an
 // Attach promotes it back before it is answered (docs/budget.md).
 enum class CacheState : uint8_t { kLoading, kReady, kFailed, kDraining, kAwaiting, kDemoted };
-// "loading", "ready", "failed", "draining", "awaiting"
-std::string_view CacheStateName(CacheState state);
+inline constexpr std::array<EnumName<CacheState>, 6> kCacheStateNames{{
+    {CacheState::kLoading, "loading"},
+    {CacheState::kReady, "ready"},
+    {CacheState::kFailed, "failed"},
+    {CacheState::kDraining, "draining"},
+    {CacheState::kAwaiting, "awaiting"},
+    {CacheState::kDemoted, "demoted"},
+}};
+static_assert(IsDenseEnumTable(kCacheStateNames));
+std::string_view CacheStateName(CacheState state);  // "unknown" outside the table
 Result<CacheState> ParseCacheState(std::string_view name);
 
 // Client → daemon, first message of a connection.

@@ -20,24 +20,13 @@ using nlohmann::json;
 constexpr uint64_t kMaxDim = 7;
 
 Result<Mode> ParseMode(std::string_view s) {
-  if (s == "split") return Mode::kSplit;
-  if (s == "replicate") return Mode::kReplicate;
-  if (s == "vocab") return Mode::kVocab;
-  if (s == "kv_heads") return Mode::kKvHeads;
-  if (s == "expert") return Mode::kExpert;
-  if (s == "skip") return Mode::kSkip;
-  return InvalidArgument("unknown mode \"" + std::string(s) +
-                         "\" (split, replicate, vocab, kv_heads, expert, skip)");
+  if (auto mode = ParseIn(kModeNames, s)) return *mode;
+  return InvalidArgument("unknown mode \"" + std::string(s) + "\" (" + NamesIn(kModeNames) + ")");
 }
 
 Result<Stage> ParseStage(std::string_view s) {
-  if (s == "all") return Stage::kAll;
-  if (s == "layer") return Stage::kLayer;
-  if (s == "first") return Stage::kFirst;
-  if (s == "last") return Stage::kLast;
-  if (s == "embed") return Stage::kEmbed;
-  return InvalidArgument("unknown stage \"" + std::string(s) +
-                         "\" (layer, first, last, embed, all)");
+  if (auto stage = ParseIn(kStageNames, s)) return *stage;
+  return InvalidArgument("unknown stage \"" + std::string(s) + "\" (" + NamesIn(kStageNames) + ")");
 }
 
 // What every full match of `p` must hold (Rule::required_literals and the fields after it):
@@ -254,39 +243,9 @@ std::string Basename(const std::string& path) {
 
 }  // namespace
 
-std::string_view ModeName(Mode mode) {
-  switch (mode) {
-    case Mode::kSplit:
-      return "split";
-    case Mode::kReplicate:
-      return "replicate";
-    case Mode::kVocab:
-      return "vocab";
-    case Mode::kKvHeads:
-      return "kv_heads";
-    case Mode::kExpert:
-      return "expert";
-    case Mode::kSkip:
-      return "skip";
-  }
-  return "?";
-}
+std::string_view ModeName(Mode mode) { return NameIn(kModeNames, mode, "?"); }
 
-std::string_view StageName(Stage stage) {
-  switch (stage) {
-    case Stage::kAll:
-      return "all";
-    case Stage::kLayer:
-      return "layer";
-    case Stage::kFirst:
-      return "first";
-    case Stage::kLast:
-      return "last";
-    case Stage::kEmbed:
-      return "embed";
-  }
-  return "?";
-}
+std::string_view StageName(Stage stage) { return NameIn(kStageNames, stage, "?"); }
 
 std::string Rule::Describe() const { return "rule " + std::to_string(index) + " (" + match + ")"; }
 

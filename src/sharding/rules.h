@@ -16,6 +16,7 @@
 //  * A RuleSet is immutable after parsing; its const methods are thread-safe.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <regex>
@@ -23,12 +24,30 @@
 #include <string_view>
 #include <vector>
 
+#include "weightcache/enum_names.h"
 #include "weightcache/status.h"
 
 namespace weightcache::sharding {
 
 enum class Mode : uint8_t { kSplit, kReplicate, kVocab, kKvHeads, kExpert, kSkip };
+inline constexpr std::array<EnumName<Mode>, 6> kModeNames{{
+    {Mode::kSplit, "split"},
+    {Mode::kReplicate, "replicate"},
+    {Mode::kVocab, "vocab"},
+    {Mode::kKvHeads, "kv_heads"},
+    {Mode::kExpert, "expert"},
+    {Mode::kSkip, "skip"},
+}};
+static_assert(IsDenseEnumTable(kModeNames));
 enum class Stage : uint8_t { kAll, kLayer, kFirst, kLast, kEmbed };
+inline constexpr std::array<EnumName<Stage>, 5> kStageNames{{
+    {Stage::kAll, "all"},
+    {Stage::kLayer, "layer"},
+    {Stage::kFirst, "first"},
+    {Stage::kLast, "last"},
+    {Stage::kEmbed, "embed"},
+}};
+static_assert(IsDenseEnumTable(kStageNames));
 // How layers are assigned to pipeline stages: vLLM's or SGLang's get_pp_indices.
 enum class PpPartition : uint8_t { kVllm, kSglang };
 // Where a rule set came from (the plan's "rules.source").
