@@ -519,17 +519,24 @@ def launch_args_main(engine: str, engine_command: str,
                     f"{engine_command} (--load-format weightcache is implied). Add launch's "
                     f"own flags (--supervise, --gpu-budget, ...) to what it prints.")
     cmd.add_argument("--json", action="store_true",
-                     help='print {"argv": [...], "identity": {...}} instead')
-    cmd.add_argument("engine_args", nargs=argparse.REMAINDER,
-                     help=f"{engine_command}'s flags")
-    args = parser.parse_args(None if argv is None else list(argv))
+                     help='print {"argv": [...], "identity": {...}} instead (first, before FLAGS)')
+    cmd.add_argument("FLAGS", nargs="*", help=f"{engine_command}'s flags, passed on as they are")
+    words = list(sys.argv[1:] if argv is None else argv)
+    # FLAGS are the engine's, which argparse must not read as ours: only the command, --json
+    # and --help go through the parser.
+    if not words or words[0] != "launch-args" or words[1:2] in (["-h"], ["--help"]):
+        parser.parse_args(words[:2])
+    flags = words[1:]
+    as_json = flags[:1] == ["--json"]
+    if as_json:
+        flags = flags[1:]
     try:
-        identity = identity_of(list(args.engine_args))
+        identity = identity_of(flags)
         launch = identity.launch_command()
     except (ValueError, OSError) as e:
         print(f"launch-args: {e}", file=sys.stderr)
         return 2
-    if args.json:
+    if as_json:
         print(json.dumps({"argv": launch, "identity": identity.describe()}, sort_keys=True))
     else:
         print(shlex.join(launch))
