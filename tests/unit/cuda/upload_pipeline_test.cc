@@ -635,10 +635,16 @@ TEST_F(UploadPipelineTest, SlotsPinnedInGroupsLoadIntactAndFailClean) {
                    CUDA_ERROR_OUT_OF_MEMORY);
     auto r = p->Run(sources_, items_);
     ASSERT_FALSE(r.ok());
-    EXPECT_NE(
-        r.status().message().find("cuMemHostRegister of a 1048576-byte pinned staging buffer"),
-        std::string::npos)
-        << r.status().message();
+    // The second pin made: of two slots or of the last one, whichever the pinning thread
+    // reached second (the groups are pinned behind the first reads, in no fixed order).
+    const std::string message = r.status().message();
+    const bool two_slots =
+        message.find("cuMemHostRegister of a 1048576-byte pinned staging buffer") !=
+        std::string::npos;
+    const bool one_slot = message.find("cuMemHostRegister of a 524288-byte pinned staging "
+                                       "buffer") != std::string::npos;
+    EXPECT_TRUE(two_slots || one_slot) << message;
+    EXPECT_NE(message.find("CUDA_ERROR_OUT_OF_MEMORY"), std::string::npos) << message;
     EXPECT_EQ(fake_.live_host_registrations(), 0);
   }
   ExpectAllReleased();
