@@ -12,7 +12,8 @@
 #      in pagecache.log;
 #   3. load_bench over the same files, page cache warm, 3 runs each (the first also makes the
 #      staging ring, as every daemon's load does): the daemon's pipeline shape against smaller
-#      staging buffers, io_uring reads and the mapped path (PAGECACHE_SWEEP=0 skips it).
+#      staging buffers, io_uring reads and the mapped path (PAGECACHE_SWEEP=0 skips it);
+#   4. (PAGECACHE_64=1) the same loaders at 64 GB in 1 and in 4 files, from /dev/shm.
 #
 #   scripts/gpu-pagecache.sh   # after scripts/gpu-suite.sh built build-gpu; BENCHES="pagecache"
 #
@@ -23,7 +24,7 @@
 # Knobs: OUT (./gpu-out), BUILD_DIR (build-gpu), IT_WHEEL (default
 # .deps/it/instanttensor-*-cp312-*.whl), PAGECACHE_THREADS (serve --threads values, default
 # "16,8,32": the first is serve's default and the one the ratio uses), PAGECACHE_SWEEP,
-# WORK (the checkpoint's dir; default a temp dir on the disk, removed).
+# WORK (the checkpoint's dir; default a temp dir on the disk, removed), PAGECACHE_64=1 (step 4).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 # shellcheck source=scripts/gpu-script-common.sh
@@ -135,5 +136,28 @@ PY
       fail "load_bench $v"
     fi
   done
+fi
+# 4. 64 GB in 1 and 4 files (issue 39 §1), from /dev/shm: the device's disk cannot hold the
+#    files beside the build, and tmpfs pages are page-cache pages. bench/write_big_checkpoint.py
+#    writes each layout; one repetition of each loader, serve's default --threads, no restarts.
+#    Only with PAGECACHE_64=1 (~4 minutes; /dev/shm needs 64 GB free).
+if [[ ${PAGECACHE_64:-0} == 1 ]]; then
+  big=$(mktemp -d /dev/shm/wc-pc64-XXXXXX)
+  for files in 1 4; do
+    rm -rf "${big:?}"/*
+    if step "write 64 GB in $files file(s)" python3 bench/write_big_checkpoint.py --out "$big" \
+      --gb 64 --files "$files"; then
+      echo "==== pagecache_bench 64 GB, $files file(s)" >>"$log"
+      if PYTHONPATH=$work/it${PYTHONPATH:+:$PYTHONPATH} timeout --kill-after=10 300 \
+        python3 bench/pagecache_bench.py --model "$big" --cli "$wc" --device "$uuid" \
+        --cuda-index 0 --threads 16 --reps 1 --no-restarts >"$work/pc64.jsonl" 2>>"$log"; then
+        cat "$work/pc64.jsonl" >>"$jsonl"
+        say "pagecache 64 GB, $files file(s): $(grep '^result:' "$work/pc64.jsonl")"
+      else
+        fail "pagecache_bench 64 GB, $files file(s) ($(tail -n 3 "$log" | paste -sd' ' | cut -c1-300))"
+      fi
+    fi
+  done
+  rm -rf "$big"
 fi
 ((failures == 0))

@@ -65,4 +65,9 @@ else
   python3 -m pip download --quiet --no-deps --only-binary=:all: --dest .deps/wheels \
     "libucx-cu13==${UCX_WHEEL_VERSION:-1.22.0}"
 fi
+# InstantTensor's wheel (6.5 MB, for the device's Python 3.12): the anchor that
+# scripts/gpu-pagecache.sh measures serve beside (issue 39), installed there from .deps/it.
+python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --dest .deps/it "instanttensor==${INSTANTTENSOR_VERSION:-0.2.2}"
 du -sh .deps
