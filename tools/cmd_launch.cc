@@ -161,7 +161,8 @@ int RunLaunch(const LaunchArgs& args) {
   launcher::JobFiles files;
   files.log_dir =
       args.log_dir.empty() ? namespace_dir + "/logs" : fs::absolute(args.log_dir).string();
-  if (Status s = identity::EnsurePrivateDirWithParents(files.log_dir); !s.ok()) return Fail(kCmd, s);
+  if (Status s = identity::EnsurePrivateDirWithParents(files.log_dir); !s.ok())
+    return Fail(kCmd, s);
   auto exe = os::SelfExecutable();
   if (!exe.ok()) return Fail(kCmd, exe.status());
   files.exe = *exe;

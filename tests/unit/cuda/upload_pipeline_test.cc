@@ -641,8 +641,9 @@ TEST_F(UploadPipelineTest, SlotsPinnedInGroupsLoadIntactAndFailClean) {
     const bool two_slots =
         message.find("cuMemHostRegister of a 1048576-byte pinned staging buffer") !=
         std::string::npos;
-    const bool one_slot = message.find("cuMemHostRegister of a 524288-byte pinned staging "
-                                       "buffer") != std::string::npos;
+    const bool one_slot = message.find(
+                              "cuMemHostRegister of a 524288-byte pinned staging "
+                              "buffer") != std::string::npos;
     EXPECT_TRUE(two_slots || one_slot) << message;
     EXPECT_NE(message.find("CUDA_ERROR_OUT_OF_MEMORY"), std::string::npos) << message;
     EXPECT_EQ(fake_.live_host_registrations(), 0);
