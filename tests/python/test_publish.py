@@ -127,3 +127,19 @@ def test_publish_without_a_daemon_raises_no_daemon(runtime_dir):
     with pytest.raises(weightcache.NoDaemonError):
         weightcache.publish({"a": np.ones(4, dtype=np.float32)}, timeout=1.0,
                             **identity(runtime_dir))
+
+
+def test_wait_for_publisher_false_is_absent_at_once_while_nobody_publishes(published):
+    # The engine plugins' attach: no wait on a daemon nobody publishes to; the reason says so
+    # (a wait of 600 s would have said "still awaiting its publisher after 600000 ms").
+    with pytest.raises(weightcache.NoDaemonError, match="awaits its publisher, and none is "
+                                                        "publishing"):
+        weightcache.attach("unused", tier="host", source=SOURCE, model_id=MODEL_ID,
+                           runtime_dir=published, on_missing="error", wait_timeout=600.0,
+                           wait_for_publisher=False)
+    a = np.arange(6, dtype=np.float32)
+    weightcache.publish({"a": a}, **identity(published))
+    got = weightcache.attach("unused", tier="host", source=SOURCE, model_id=MODEL_ID,
+                             runtime_dir=published, on_missing="error",
+                             wait_for_publisher=False)
+    np.testing.assert_array_equal(got["a"].numpy(), a)
